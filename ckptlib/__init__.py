@@ -1,0 +1,28 @@
+"""ckptlib: elastic sharded checkpointing for PyTorch on torch.distributed.checkpoint."""
+
+from .checkpoint import LoadResult, SaveResult, __version__, load, save
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointIncompleteError,
+    CheckpointNotFoundError,
+    LockedError,
+    MissingKeysError,
+    NotACheckpointError,
+    ShapeMismatchError,
+    StateError,
+    StorageError,
+    UnsafeCheckpointError,
+    UnsupportedError,
+)
+from .manager import CheckpointManager, KeepLast, StalePointerWarning
+from .state import KeepExistingRanks, RankLocal, ResizePolicy, ResizeWarning, RNGState
+
+__all__ = [
+    "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
+    "CheckpointManager", "CheckpointNotFoundError", "KeepExistingRanks", "KeepLast", "LoadResult",
+    "LockedError", "MissingKeysError", "NotACheckpointError", "RNGState", "RankLocal", "ResizePolicy",
+    "ResizeWarning", "SaveResult", "ShapeMismatchError", "StalePointerWarning", "StateError",
+    "StorageError", "UnsafeCheckpointError", "UnsupportedError", "__version__", "load", "save",
+]

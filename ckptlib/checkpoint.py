@@ -1,0 +1,222 @@
+"""`save` and `load`: collective, elastic, committed-or-nothing checkpoints.
+
+Every rank calls them (or a single process without a process group). Errors are raised
+on every rank alike, and a failed save never touches a committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import warnings
+from typing import Any, Mapping
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from . import _dist, compat
+from .errors import CheckpointError, MissingKeysError, ShapeMismatchError, StateError
+from .format import (
+    CheckpointInfo,
+    CkptReader,
+    CkptWriter,
+    Manifest,
+    SafeLoadPlanner,
+    commit,
+    open_checkpoint,
+    prepare_save_target,
+)
+from .format.manifest import check_metadata_json
+from .state import to_load_plan, to_save_state_dict
+from .storage import Storage, open_storage
+
+__version__ = "0.1.0"
+
+
+@dataclasses.dataclass
+class SaveResult:
+    uri: str
+    step: int | None
+    world_size: int
+    total_bytes: int
+
+
+@dataclasses.dataclass
+class LoadResult:
+    """What a load restored: the checkpoint's step, saved world size, user metadata, and the
+    keys a non-strict load skipped because the checkpoint lacks them."""
+
+    uri: str
+    step: int | None
+    world_size: int | None
+    metadata: dict[str, Any]
+    format: str
+    missing_keys: list[str]
+    notes: list[str]
+
+
+def _storage(uri: str | os.PathLike | Storage) -> Storage:
+    return uri if not isinstance(uri, (str, os.PathLike)) else open_storage(uri)
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """Without a process group DCP warns that it assumes one process; that is our documented mode."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
+def _unwrap_dcp_error(exc: BaseException) -> CheckpointError:
+    """Turn DCP's CheckpointException (failures gathered from all ranks) into a ckptlib error."""
+    failures = getattr(exc, "failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, CheckpointError):
+            if inner.rank is None:
+                inner.rank = rank
+            if not inner.message.startswith("rank "):
+                inner.message = f"rank {rank}: {inner.message}"
+                inner.args = (inner.message,)
+            return inner
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
+    return CheckpointError("; ".join(parts) or str(exc), rank=min(failures) if failures else None)
+
+
+def save(
+    uri: str | os.PathLike | Storage,
+    state: Mapping[str, Any],
+    *,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    process_group=None,
+) -> SaveResult:
+    """Save `state` as a sharded DCP checkpoint at `uri` and commit it with a manifest.
+
+    Collective: every rank of `process_group` calls it with its own shard of the state.
+    """
+    storage = _storage(uri)
+    group = process_group
+    rank, world = _dist.get_rank(group), _dist.get_world_size(group)
+    user_metadata = _dist.agree(lambda: check_metadata_json(metadata), group)
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise StateError(f"step must be a non-negative int, got {step!r}")
+
+    state_dict = _dist.agree(lambda: to_save_state_dict(state, rank=rank), group)
+    _dist.decide_on_rank0(lambda: prepare_save_target(storage, overwrite=overwrite, world_size=world), group)
+
+    writer = CkptWriter(storage)
+    try:
+        with _quiet_single_process():
+            dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
+    except compat.checkpoint_exception_cls() as exc:
+        raise _unwrap_dcp_error(exc) from exc
+
+    records = _dist.gather_to_rank0(writer.file_records, group)
+
+    def _commit() -> Manifest:
+        files = {}
+        for per_rank in records or []:
+            files.update(per_rank)
+        manifest = Manifest(
+            world_size=world,
+            files=files,
+            step=step,
+            metadata=user_metadata,
+            torch_version=torch.__version__,
+            ckptlib_version=__version__,
+        )
+        commit(storage, manifest)
+        return manifest
+
+    manifest = _dist.decide_on_rank0(_commit, group)
+    return SaveResult(uri=storage.uri, step=step, world_size=world, total_bytes=manifest.total_bytes)
+
+
+def _check_request(flat: dict[str, Any], info: CheckpointInfo, strict: bool) -> list[str]:
+    """Compare the requested (flattened) keys with the checkpoint; return the missing ones."""
+    saved = info.metadata.state_dict_metadata
+    missing = sorted(k for k in flat if k not in saved)
+    if missing and strict:
+        shown = ", ".join(missing[:20]) + (f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
+        raise MissingKeysError(f"{info.uri} lacks keys the state asks for: {shown}", keys=missing, path=info.uri)
+    problems = []
+    bad_keys = []
+    for key, value in flat.items():
+        meta = saved.get(key)
+        if meta is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            if not isinstance(meta, TensorStorageMetadata):
+                problems.append(f"{key}: a tensor in the state, a non-tensor object in the checkpoint")
+            elif tuple(value.shape) != tuple(meta.size):
+                problems.append(f"{key}: shape {tuple(value.shape)} in the state, {tuple(meta.size)} in the checkpoint")
+            elif strict and value.dtype != meta.properties.dtype:
+                problems.append(f"{key}: dtype {value.dtype} in the state, {meta.properties.dtype} in the checkpoint")
+            else:
+                continue
+            bad_keys.append(key)
+        elif isinstance(meta, TensorStorageMetadata) and not isinstance(meta, BytesStorageMetadata):
+            problems.append(f"{key}: a {type(value).__name__} in the state, a tensor in the checkpoint")
+            bad_keys.append(key)
+    if problems:
+        raise ShapeMismatchError(
+            f"{info.uri}: state does not match the checkpoint: " + "; ".join(problems[:20]),
+            keys=bad_keys,
+            path=info.uri,
+        )
+    return missing
+
+
+def load(
+    uri: str | os.PathLike | Storage,
+    state: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    trusted: bool = False,
+    process_group=None,
+) -> LoadResult:
+    """Load a checkpoint into `state` in place, at any world size; return what was loaded.
+
+    `strict`: keys the state asks for but the checkpoint lacks, and dtype differences, are
+    errors; with strict=False they are skipped and listed in `LoadResult.missing_keys`.
+    Keys in the checkpoint that the state does not ask for are never an error.
+    """
+    storage = _storage(uri)
+    group = process_group
+    rank, world = _dist.get_rank(group), _dist.get_world_size(group)
+    info = _dist.decide_on_rank0(lambda: open_checkpoint(storage, verify=verify), group)
+
+    plan = _dist.agree(
+        lambda: to_load_plan(
+            state, rank=rank, world_size=world, saved_world_size=info.world_size, step=info.step, strict=strict
+        ),
+        group,
+    )
+    missing = _dist.agree(lambda: _check_request(compat.flatten_state_dict(plan.template)[0], info, strict), group)
+
+    reader = CkptReader(storage, info.metadata, info.manifest, verify=verify)
+    planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict)
+    try:
+        with _quiet_single_process():
+            dcp.load(plan.template, storage_reader=reader, planner=planner, process_group=group)
+    except compat.checkpoint_exception_cls() as exc:
+        raise _unwrap_dcp_error(exc) from exc
+    _dist.agree(lambda: [apply() for apply in plan.appliers], group)
+    return LoadResult(
+        uri=storage.uri,
+        step=info.step,
+        world_size=info.world_size,
+        metadata=dict(info.manifest.metadata) if info.manifest else {},
+        format=info.kind,
+        missing_keys=missing,
+        notes=plan.notes,
+    )

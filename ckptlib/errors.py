@@ -1,0 +1,86 @@
+"""ckptlib's exceptions: one base class, one subclass per failure a caller can act on.
+
+Every error is picklable (it crosses process boundaries when one rank's failure is
+re-raised on all ranks) and names the path, key or rank it is about.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error ckptlib raises on purpose."""
+
+    def __init__(self, message: str, *, path: str | None = None, rank: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.rank = rank
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.message, self.__dict__.copy()))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _rebuild(cls, message, state):
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
+    return err
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """The path does not exist."""
+
+
+class NotACheckpointError(CheckpointError):
+    """The path exists but holds no checkpoint (no manifest, no DCP metadata)."""
+
+
+class CheckpointIncompleteError(CheckpointError):
+    """A ckptlib save started here but never committed (crashed or still running)."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """Committed files do not match the manifest (size, checksum, missing file)."""
+
+
+class CheckpointExistsError(CheckpointError):
+    """Refusing to overwrite a committed checkpoint."""
+
+
+class MissingKeysError(CheckpointError):
+    """Keys the caller asked for are not in the checkpoint (strict load)."""
+
+    def __init__(self, message: str, *, keys=(), path: str | None = None, rank: int | None = None):
+        super().__init__(message, path=path, rank=rank)
+        self.keys = list(keys)
+
+
+class ShapeMismatchError(CheckpointError):
+    """A tensor's shape or dtype differs between the caller's state and the checkpoint."""
+
+    def __init__(self, message: str, *, keys=(), path: str | None = None, rank: int | None = None):
+        super().__init__(message, path=path, rank=rank)
+        self.keys = list(keys)
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """Metadata or an object would need code execution (a pickle global outside the allowlist)."""
+
+
+class StateError(CheckpointError):
+    """The state passed to save/load cannot be turned into a state dict (bad key or value)."""
+
+
+class StorageError(CheckpointError):
+    """The storage backend failed permanently (permission denied, bucket missing, retries exhausted)."""
+
+
+class UnsupportedError(CheckpointError):
+    """The installed torch lacks a feature this call needs (see ckptlib.compat)."""
+
+
+class LockedError(CheckpointError):
+    """Another writer holds the checkpoint root."""

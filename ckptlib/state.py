@@ -1,0 +1,267 @@
+"""Turning a user's `state` mapping into DCP state dicts and back.
+
+`state` maps names to modules (plain, DDP, FSDP2), optimizers (paired with the module
+that owns their parameters), objects with `state_dict()`/`load_state_dict()`, tensors or
+DTensors, nested dicts of tensors and plain values, and `RankLocal` per-rank state.
+Modules and optimizers go through `torch.distributed.checkpoint.state_dict`, which keys
+everything by parameter FQN, so a checkpoint is independent of wrapping and world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import random
+import warnings
+from typing import Any, Callable, Mapping, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from . import compat
+from .errors import StateError
+
+
+class ResizeWarning(UserWarning):
+    """Per-rank state could not be restored one-to-one because the world size changed."""
+
+
+class ResizePolicy(Protocol):
+    """Which saved rank's per-rank state a rank restores when the world size changed."""
+
+    def source_rank(self, rank: int, saved_world_size: int, world_size: int) -> int | None:
+        """A saved rank to restore from, or None to start this rank's state fresh."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepExistingRanks:
+    """Ranks that existed at save time restore their own state; new ranks start fresh.
+
+    For `RNGState`, "fresh" means seeded deterministically from (step, rank), so a resumed
+    run is reproducible. Ranks that no longer exist are dropped (with a warning).
+    """
+
+    def source_rank(self, rank: int, saved_world_size: int, world_size: int) -> int | None:
+        return rank if rank < saved_world_size else None
+
+
+def derived_seed(step: int | None, rank: int) -> int:
+    """A deterministic 63-bit seed for a rank that has no saved RNG state."""
+    digest = hashlib.sha256(f"ckptlib-rng:{step if step is not None else -1}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class RankLocal:
+    """Per-rank state (a dataloader position, an RNG): saved under one key per rank.
+
+    Same world size on load: every rank gets back exactly its own state. Different
+    world size: `policy` decides (default `KeepExistingRanks`), and a ResizeWarning says so.
+    """
+
+    def __init__(self, obj: Any, *, policy: ResizePolicy | None = None):
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise StateError(f"RankLocal needs an object with state_dict()/load_state_dict(), got {type(obj).__name__}")
+        self.obj = obj
+        self.policy = policy or KeepExistingRanks()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.obj.load_state_dict(sd)
+
+    def start_fresh(self, step: int | None, rank: int) -> None:
+        """Called on a rank that has no saved state to restore; the wrapped object keeps its own."""
+
+
+class _RNGs:
+    """python, numpy and torch (and this rank's CUDA device) generator states."""
+
+    def state_dict(self) -> dict[str, Any]:
+        _, key, pos, has_gauss, gauss = np.random.get_state()
+        sd: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy_key": torch.from_numpy(key.astype(np.int64)),
+            "numpy_pos": int(pos),
+            "numpy_has_gauss": int(has_gauss),
+            "numpy_gauss": float(gauss),
+            "torch": torch.get_rng_state(),
+        }
+        if compat.cuda_available() and torch.cuda.is_initialized():
+            sd["cuda"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        random.setstate(_as_python_state(sd["python"]))
+        key = sd["numpy_key"].numpy().astype(np.uint32)
+        np.random.set_state(("MT19937", key, int(sd["numpy_pos"]), int(sd["numpy_has_gauss"]), float(sd["numpy_gauss"])))
+        torch.set_rng_state(sd["torch"])
+        if "cuda" in sd and compat.cuda_available():
+            torch.cuda.set_rng_state(sd["cuda"])
+
+
+def _as_python_state(value: Any) -> tuple:
+    version, internal, gauss = value
+    return (version, tuple(internal), gauss)
+
+
+class RNGState(RankLocal):
+    """Per-rank RNG state of python `random`, numpy and torch; reseeded on new ranks."""
+
+    def __init__(self, *, policy: ResizePolicy | None = None):
+        super().__init__(_RNGs(), policy=policy)
+
+    def start_fresh(self, step: int | None, rank: int) -> None:
+        seed = derived_seed(step, rank)
+        random.seed(seed)
+        np.random.seed(seed % (2**32))
+        torch.manual_seed(seed)
+
+
+def _rank_key(rank: int) -> str:
+    return f"rank{rank}"
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _check_tree(value: Any, path: str) -> None:
+    """Nested dicts may hold tensors, plain values and more dicts, not modules or optimizers."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise StateError(f"state key {path}.{k!r} must be a string, got {type(k).__name__}")
+            if "." in k:
+                raise StateError(f"state key {path}.{k} must not contain '.' (DCP joins nested keys with '.')")
+            _check_tree(v, f"{path}.{k}")
+    elif isinstance(value, (nn.Module, torch.optim.Optimizer, RankLocal)):
+        raise StateError(
+            f"state[{path!r}] is a {type(value).__name__} inside a nested dict; put modules, optimizers "
+            "and RankLocal objects at the top level of the state mapping"
+        )
+
+
+def _modules(state: Mapping[str, Any]) -> dict[str, nn.Module]:
+    return {name: value for name, value in state.items() if isinstance(value, nn.Module)}
+
+
+def _owner_module(name: str, optim: torch.optim.Optimizer, modules: dict[str, nn.Module]) -> nn.Module:
+    """The module in `state` whose parameters include all of this optimizer's parameters."""
+    wanted = {id(p) for group in optim.param_groups for p in group["params"]}
+    for module in modules.values():
+        if wanted <= {id(p) for p in module.parameters()}:
+            return module
+    raise StateError(
+        f"optimizer state[{name!r}] has parameters that belong to no nn.Module in the state; "
+        f"put the model it optimizes in the same state mapping (modules found: {sorted(modules) or 'none'})"
+    )
+
+
+def _validate(state: Any) -> None:
+    if not isinstance(state, Mapping):
+        raise StateError(f"state must be a mapping of names to objects, got {type(state).__name__}")
+    for name, value in state.items():
+        if not isinstance(name, str) or not name or "." in name:
+            raise StateError(f"state key {name!r} must be a non-empty string without '.'")
+        if isinstance(value, Mapping):
+            _check_tree(value, name)
+
+
+def to_save_state_dict(state: Mapping[str, Any], *, rank: int) -> dict[str, Any]:
+    """The DCP state dict to save for `state` on this rank."""
+    _validate(state)
+    modules = _modules(state)
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        if isinstance(value, nn.Module):
+            out[name] = get_model_state_dict(value)
+        elif isinstance(value, torch.optim.Optimizer):
+            out[name] = get_optimizer_state_dict(_owner_module(name, value, modules), value)
+        elif isinstance(value, RankLocal):
+            out[name] = {_rank_key(rank): value.state_dict()}
+        elif _is_stateful(value):
+            out[name] = value.state_dict()
+        else:
+            out[name] = value
+    return out
+
+
+@dataclasses.dataclass
+class LoadPlan:
+    """What DCP loads into (`template`) and how to hand the loaded values back."""
+
+    template: dict[str, Any]
+    appliers: list[Callable[[], None]]
+    notes: list[str]
+
+
+def to_load_plan(
+    state: Mapping[str, Any],
+    *,
+    rank: int,
+    world_size: int,
+    saved_world_size: int | None,
+    step: int | None,
+    strict: bool,
+) -> LoadPlan:
+    """Build the template DCP loads into, and the callbacks that apply it to `state`."""
+    _validate(state)
+    modules = _modules(state)
+    template: dict[str, Any] = {}
+    appliers: list[Callable[[], None]] = []
+    notes: list[str] = []
+    options = StateDictOptions(strict=strict)
+
+    for name, value in state.items():
+        if isinstance(value, nn.Module):
+            template[name] = get_model_state_dict(value)
+            appliers.append(lambda m=value, n=name: set_model_state_dict(m, template[n], options=options))
+        elif isinstance(value, torch.optim.Optimizer):
+            owner = _owner_module(name, value, modules)
+            template[name] = get_optimizer_state_dict(owner, value)
+            appliers.append(
+                lambda o=value, m=owner, n=name: set_optimizer_state_dict(m, o, template[n], options=options)
+            )
+        elif isinstance(value, RankLocal):
+            saved = saved_world_size if saved_world_size is not None else world_size
+            source = rank if saved == world_size else value.policy.source_rank(rank, saved, world_size)
+            if saved != world_size:
+                what = f"restores saved rank {source}'s" if source is not None else "starts fresh"
+                notes.append(
+                    f"state[{name!r}]: saved by {saved} ranks, loading on {world_size}; rank {rank} {what} "
+                    f"per-rank state ({type(value.policy).__name__})"
+                )
+            if source is None:
+                appliers.append(lambda v=value: v.start_fresh(step, rank))
+                continue
+            key = _rank_key(source)
+            template[name] = {key: value.state_dict()}
+            appliers.append(lambda v=value, n=name, k=key: v.load_state_dict(template[n][k]))
+        elif _is_stateful(value):
+            template[name] = value.state_dict()
+            appliers.append(lambda v=value, n=name: v.load_state_dict(template[n]))
+        elif isinstance(value, Mapping):
+            template[name] = value  # loaded in place: tensors copied into, plain values replaced
+        elif isinstance(value, torch.Tensor):
+            template[name] = value
+        else:
+            template[name] = value
+            appliers.append(lambda n=name: _set_plain(state, n, template[n]))
+    for note in notes:
+        warnings.warn(note, ResizeWarning, stacklevel=3)
+    return LoadPlan(template=template, appliers=appliers, notes=notes)
+
+
+def _set_plain(state: Mapping[str, Any], name: str, value: Any) -> None:
+    if not isinstance(state, dict) and not hasattr(state, "__setitem__"):
+        raise StateError(f"cannot store loaded value for {name!r}: the state mapping is read-only")
+    state[name] = value  # type: ignore[index]

@@ -1,0 +1,36 @@
+"""Where checkpoint bytes live: `open_storage(uri)` for plain paths, file:// and s3:// URIs."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlparse
+
+from ..errors import StorageError
+from .base import Storage, check_relative
+from .local import LocalStorage
+
+__all__ = ["Storage", "LocalStorage", "open_storage", "check_relative", "is_remote"]
+
+
+def is_remote(uri: str | os.PathLike) -> bool:
+    return str(uri).startswith("s3://")
+
+
+def open_storage(uri: str | os.PathLike) -> Storage:
+    """The backend for a URI: `s3://bucket/prefix`, `file:///abs/path` or a plain path."""
+    if isinstance(uri, os.PathLike):
+        uri = os.fspath(uri)
+    if not isinstance(uri, str) or not uri:
+        raise StorageError(f"checkpoint location must be a non-empty path or URI, got {uri!r}")
+    if uri.startswith("s3://"):
+        from .s3 import S3Storage  # boto3 is an optional dependency
+
+        return S3Storage.from_uri(uri)
+    if uri.startswith("file://"):
+        parsed = urlparse(uri)
+        if parsed.netloc not in ("", "localhost"):
+            raise StorageError(f"file:// URI with a remote host is not supported: {uri}", path=uri)
+        return LocalStorage(parsed.path)
+    if "://" in uri:
+        raise StorageError(f"unsupported URI scheme in {uri!r} (use a path, file:// or s3://)", path=uri)
+    return LocalStorage(uri)

@@ -1,0 +1,66 @@
+"""The storage seam: where checkpoint bytes live, independent of what they mean.
+
+A `Storage` is rooted at a directory (local) or a key prefix (S3). Paths passed to it
+are relative, '/'-separated, and never escape the root.
+"""
+
+from __future__ import annotations
+
+from typing import BinaryIO, ContextManager, Iterable, Protocol, runtime_checkable
+
+from ..errors import StorageError
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """What every backend provides. Small on purpose: DCP layout lives in ckptlib.format."""
+
+    uri: str
+
+    def child(self, name: str) -> "Storage":
+        """The storage rooted at `name` below this one."""
+
+    def exists(self) -> bool:
+        """Whether the root itself exists (a directory, or any object under the prefix)."""
+
+    def write(self, path: str, data: bytes) -> None:
+        """Write a whole object atomically: readers see the old bytes or the new, never a part."""
+
+    def open_writer(self, path: str) -> ContextManager[BinaryIO]:
+        """A stream for a large object; durable (fsynced/uploaded) when the context exits cleanly."""
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes [offset, offset+length) of an object; FileNotFoundError if it is absent."""
+
+    def list(self, prefix: str = "") -> dict[str, int]:
+        """Every object below the root whose path starts with `prefix`, mapped to its size."""
+
+    def list_children(self) -> list[str]:
+        """Names directly below the root that hold objects (sub-directories / sub-prefixes)."""
+
+    def delete(self, paths: Iterable[str]) -> None:
+        """Remove objects; absent ones are ignored."""
+
+    def delete_tree(self, name: str = "") -> None:
+        """Remove everything below `name` (the whole root when empty)."""
+
+    def set_pointer(self, name: str, target: str) -> None:
+        """Atomically make pointer `name` refer to the child `target`."""
+
+    def read_pointer(self, name: str) -> str | None:
+        """The child a pointer refers to, or None when there is no pointer."""
+
+    def local_path(self, path: str = "") -> str | None:
+        """A filesystem path for `path` when the backend is a local filesystem, else None."""
+
+
+def check_relative(path: str, root_uri: str) -> str:
+    """Reject paths that would escape the storage root (absolute, '..', empty parts)."""
+    if not isinstance(path, str) or path == "":
+        raise StorageError(f"invalid empty path below {root_uri}", path=root_uri)
+    if path.startswith("/") or "\\" in path:
+        raise StorageError(f"path {path!r} escapes the checkpoint root {root_uri}", path=root_uri)
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise StorageError(f"path {path!r} escapes the checkpoint root {root_uri}", path=root_uri)
+    return path

@@ -1,0 +1,187 @@
+"""Local filesystem storage: fsynced files, atomic renames, a relative `latest` symlink."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import uuid
+from typing import BinaryIO, Iterable, Iterator
+
+from ..errors import StorageError
+from .base import check_relative
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some filesystems refuse fsync on directories
+        if exc.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _os_error(exc: OSError, what: str, path: str) -> StorageError:
+    return StorageError(f"{what} {path}: {exc.strerror or exc}", path=path)
+
+
+class LocalStorage:
+    """A directory on a local (or network-mounted POSIX) filesystem."""
+
+    def __init__(self, root: str, *, fsync: bool = True):
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.uri = self.root
+        self.fsync = fsync
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self.root!r})"
+
+    def _path(self, path: str) -> str:
+        return os.path.join(self.root, *check_relative(path, self.uri).split("/"))
+
+    def child(self, name: str) -> "LocalStorage":
+        return LocalStorage(self._path(name), fsync=self.fsync)
+
+    def local_path(self, path: str = "") -> str:
+        return self._path(path) if path else self.root
+
+    def exists(self) -> bool:
+        return os.path.isdir(self.root)
+
+    def is_file(self) -> bool:
+        return os.path.isfile(self.root)
+
+    def _ensure_parent(self, full: str) -> None:
+        parent = os.path.dirname(full)
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            raise _os_error(exc, "cannot create directory", parent) from exc
+
+    def write(self, path: str, data: bytes) -> None:
+        full = self._path(path)
+        self._ensure_parent(full)
+        tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, full)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise _os_error(exc, "cannot write", full) from exc
+        if self.fsync:
+            _fsync_dir(os.path.dirname(full))
+
+    @contextlib.contextmanager
+    def open_writer(self, path: str) -> Iterator[BinaryIO]:
+        full = self._path(path)
+        self._ensure_parent(full)
+        try:
+            f = open(full, "wb")
+        except OSError as exc:
+            raise _os_error(exc, "cannot write", full) from exc
+        with f:
+            yield f
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        if self.fsync:
+            _fsync_dir(os.path.dirname(full))
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        full = self._path(path)
+        with open(full, "rb") as f:  # FileNotFoundError propagates: callers map it
+            if length is None:
+                f.seek(offset)
+                return f.read()
+            data = os.pread(f.fileno(), length, offset)
+        if len(data) != length:
+            raise EOFError(f"{full}: wanted {length} bytes at offset {offset}, file holds {offset + len(data)}")
+        return data
+
+    def list(self, prefix: str = "") -> dict[str, int]:
+        out: dict[str, int] = {}
+        if not os.path.isdir(self.root):
+            return out
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            rel_dir = os.path.relpath(dirpath, self.root)
+            for name in filenames:
+                rel = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
+                if rel.startswith(prefix):
+                    full = os.path.join(dirpath, name)
+                    with contextlib.suppress(FileNotFoundError):
+                        out[rel] = os.lstat(full).st_size
+        return out
+
+    def list_children(self) -> list[str]:
+        if not os.path.isdir(self.root):
+            return []
+        return sorted(
+            e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)
+        )
+
+    def delete(self, paths: Iterable[str]) -> None:
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path(path))
+
+    def delete_tree(self, name: str = "") -> None:
+        target = self._path(name) if name else self.root
+        if os.path.islink(target) or os.path.isfile(target):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(target)
+            return
+        # Rename first so a crash mid-delete never leaves a half-deleted directory under
+        # its original (possibly committed-looking) name.
+        doomed = f"{target}.deleting-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(target, doomed)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise _os_error(exc, "cannot delete", target) from exc
+        shutil.rmtree(doomed, ignore_errors=True)
+        if self.fsync:
+            _fsync_dir(os.path.dirname(target))
+
+    def set_pointer(self, name: str, target: str) -> None:
+        link = self._path(name)
+        check_relative(target, self.uri)
+        self._ensure_parent(link)
+        tmp = f"{link}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            os.symlink(target, tmp)  # relative: the root can be moved or mounted elsewhere
+            os.replace(tmp, link)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise _os_error(exc, "cannot update pointer", link) from exc
+        if self.fsync:
+            _fsync_dir(os.path.dirname(link))
+
+    def read_pointer(self, name: str) -> str | None:
+        link = self._path(name)
+        try:
+            target = os.readlink(link)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: a regular file, read it as text below
+                raise _os_error(exc, "cannot read pointer", link) from exc
+            with open(link, encoding="utf-8") as f:
+                target = f.read().strip()
+        target = target.rstrip("/")
+        if os.path.isabs(target):
+            rel = os.path.relpath(target, os.path.dirname(link))
+            target = rel
+        return target
