@@ -12,7 +12,7 @@ import datetime
 import json
 from typing import Any
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, StateError
 
 MANIFEST_NAME = "ckptlib.json"
 PENDING_NAME = "ckptlib.pending"
@@ -110,11 +110,11 @@ def check_metadata_json(metadata: Any) -> dict[str, Any]:
     if metadata is None:
         return {}
     if not isinstance(metadata, dict):
-        raise TypeError(f"metadata must be a dict of JSON values, got {type(metadata).__name__}")
+        raise StateError(f"metadata must be a dict of JSON values, got {type(metadata).__name__}")
     try:
         encoded = json.dumps(metadata)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"metadata must be JSON-serializable: {exc}") from exc
+        raise StateError(f"metadata must be JSON-serializable: {exc}") from exc
     if json.loads(encoded) != metadata:
-        raise TypeError("metadata does not survive a JSON round trip (tuples or non-string keys?)")
+        raise StateError("metadata does not survive a JSON round trip (tuples or non-string keys?)")
     return metadata

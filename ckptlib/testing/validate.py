@@ -1,0 +1,168 @@
+"""`ckpt validate`: the save-at-N / load-at-M round trip on the user's storage and cluster.
+
+One process group of max(world sizes) ranks runs every pair: for each N the first N ranks
+form a subgroup that trains and saves; for each M the first M ranks load, compare
+bit-exactly and train one more step against a never-checkpointed reference. Under torchrun
+the same function runs on the real ranks; locally the launcher starts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import traceback
+import uuid
+from typing import Any
+
+import torch.distributed as dist
+
+from . import matrix
+
+
+@dataclasses.dataclass
+class Cell:
+    save_ws: int
+    load_ws: int
+    ok: bool
+    seconds: float
+    error: str = ""
+
+
+@dataclasses.dataclass
+class Report:
+    root: str
+    wrap: str
+    optim: str
+    world_sizes: list[int]
+    cells: list[Cell]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.cells) and all(c.ok for c in self.cells)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "root": self.root,
+            "wrap": self.wrap,
+            "optim": self.optim,
+            "world_sizes": self.world_sizes,
+            "cells": [dataclasses.asdict(c) for c in self.cells],
+        }
+
+    def table(self) -> str:
+        """Rows: saved at N; columns: loaded at M; each cell pass/FAIL and seconds."""
+        by = {(c.save_ws, c.load_ws): c for c in self.cells}
+        width = 14
+        head = "save\\load".ljust(10) + "".join(f"M={m}".ljust(width) for m in self.world_sizes)
+        lines = [head]
+        for n in self.world_sizes:
+            row = f"N={n}".ljust(10)
+            for m in self.world_sizes:
+                cell = by.get((n, m))
+                text = "-" if cell is None else f"{'pass' if cell.ok else 'FAIL'} {cell.seconds:.2f}s"
+                row += text.ljust(width)
+            lines.append(row)
+        failures = [c for c in self.cells if not c.ok]
+        for c in failures:
+            lines.append(f"save{c.save_ws}-load{c.load_ws}: {c.error}")
+        return "\n".join(lines)
+
+
+def _subgroups(world_sizes: list[int]) -> dict[int, Any]:
+    """One subgroup per world size, made by every rank in the same order (a collective)."""
+    world = dist.get_world_size()
+    return {n: (None if n == world else dist.new_group(ranks=list(range(n)))) for n in world_sizes}
+
+
+def _fail_text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1][:500]
+
+
+def run_pairs(root: str, world_sizes: list[int], wrap: str, optim: str, progress: bool = True) -> Report | None:
+    """Run every (N, M) pair inside an initialized process group; the report on rank 0."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    too_big = [n for n in world_sizes if n > world]
+    if too_big:
+        raise ValueError(f"world sizes {too_big} exceed the {world} ranks available")
+    groups = _subgroups(world_sizes)
+    run_id = uuid.uuid4().hex[:8] if rank == 0 else None
+    box = [run_id]
+    dist.broadcast_object_list(box, src=0)
+    base = f"{root.rstrip('/')}/ckpt-validate-{box[0]}"
+    bar = None
+    if progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(world_sizes) * (1 + len(world_sizes)), desc="ckpt validate", unit="step")
+
+    cells: list[Cell] = []
+    for n in world_sizes:
+        uri = f"{base}/save{n}"
+        expected: list[Any] = [None]
+        save_error: list[Any] = [None]
+        if rank < n:
+            try:
+                expected[0] = matrix.save_side(uri, wrap, optim, group=groups[n])
+            except Exception as exc:  # recorded in every cell of this row
+                save_error[0] = f"save at {n} ranks failed: {_fail_text(exc)}"
+        dist.broadcast_object_list(expected, src=0)
+        dist.broadcast_object_list(save_error, src=0)
+        if bar:
+            bar.update(1)
+        for m in world_sizes:
+            start = time.perf_counter()
+            problems: list[str] = []
+            if save_error[0]:
+                problems = [save_error[0]]
+            elif rank < m:
+                try:
+                    problems = matrix.load_side(uri, wrap, optim, expected[0], group=groups[m])
+                except Exception as exc:
+                    problems = [f"load at {m} ranks failed: {_fail_text(exc)}"]
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, problems)
+            merged = [p for per_rank in gathered[:m] for p in (per_rank or [])]
+            cells.append(Cell(n, m, not merged, time.perf_counter() - start, "; ".join(merged[:3])))
+            if bar:
+                bar.update(1)
+        dist.barrier()
+    if bar:
+        bar.close()
+    if rank == 0:
+        _cleanup(base)
+    dist.barrier()
+    return Report(root, wrap, optim, list(world_sizes), cells) if rank == 0 else None
+
+
+def _cleanup(base: str) -> None:
+    from ..storage import open_storage
+
+    open_storage(base).delete_tree()
+
+
+def default_wrap() -> str:
+    from .. import compat
+
+    return "fsdp2" if compat.fsdp2_cpu_reason() is None else "ddp"
+
+
+def rank_entry(root: str, world_sizes: list[int], wrap: str, optim: str, progress: bool) -> dict | None:
+    """Entry point for launcher ranks (module-level so it pickles by reference)."""
+    report = run_pairs(root, world_sizes, wrap, optim, progress)
+    return None if report is None else report.to_json()
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def report_from_json(doc: dict) -> Report:
+    cells = [Cell(**c) for c in doc["cells"]]
+    return Report(doc["root"], doc["wrap"], doc["optim"], doc["world_sizes"], cells)
+
+
+def dumps(report: Report) -> str:
+    return json.dumps(report.to_json(), indent=1)
