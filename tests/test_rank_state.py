@@ -1,0 +1,119 @@
+"""Per-rank state (RNG, dataloader position): exact on the same world size, a policy on resize."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckptlib
+from ckptlib.state import derived_seed
+
+
+class Loader:
+    """A stand-in for a per-rank dataloader: its position differs on every rank."""
+
+    def __init__(self, position: int = 0):
+        self.position = position
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, sd):
+        self.position = sd["position"]
+
+
+def _draws() -> tuple:
+    return (random.random(), float(np.random.rand()), torch.rand(2).tolist())
+
+
+def _save(uri: str):
+    rank = dist.get_rank()
+    random.seed(100 + rank)
+    np.random.seed(200 + rank)
+    torch.manual_seed(300 + rank)
+    ckptlib.save(uri, {"rng": ckptlib.RNGState(), "loader": ckptlib.RankLocal(Loader(10 * rank + 7))}, step=5)
+    return _draws()  # what each rank draws next after the save
+
+
+def _load(uri: str):
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    loader = Loader()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = ckptlib.load(uri, {"rng": ckptlib.RNGState(), "loader": ckptlib.RankLocal(loader)})
+    messages = [str(w.message) for w in caught if issubclass(w.category, ckptlib.ResizeWarning)]
+    return _draws(), loader.position, messages, result.notes
+
+
+def test_same_world_size_restores_every_rank_exactly(tmp_path, dist_run):
+    uri = str(tmp_path / "c")
+    after_save = dist_run(3, _save, uri)
+    loaded = dist_run(3, _load, uri)
+    for rank in range(3):
+        draws, position, warned, notes = loaded[rank]
+        assert draws == after_save[rank]
+        assert position == 10 * rank + 7
+        assert warned == [] and notes == []
+
+
+def test_grow_keeps_existing_ranks_and_seeds_new_ones(tmp_path, dist_run):
+    uri = str(tmp_path / "c")
+    after_save = dist_run(2, _save, uri)
+    loaded = dist_run(4, _load, uri)
+    for rank in (0, 1):
+        assert loaded[rank][0] == after_save[rank]
+        assert loaded[rank][1] == 10 * rank + 7
+    for rank in (2, 3):
+        seed = derived_seed(5, rank)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        assert loaded[rank][0] == _draws()  # deterministic derived seed
+        assert loaded[rank][1] == 0  # a new rank's loader starts fresh
+    assert loaded[2][0] != loaded[3][0]
+    for rank in range(4):
+        assert loaded[rank][2], f"rank {rank} got no ResizeWarning"
+        assert "saved by 2 ranks, loading on 4" in loaded[rank][2][0]
+    assert "rank 3 starts fresh per-rank state (KeepExistingRanks)" in loaded[3][2][0]
+
+
+def test_shrink_drops_vanished_ranks(tmp_path, dist_run):
+    uri = str(tmp_path / "c")
+    after_save = dist_run(4, _save, uri)
+    loaded = dist_run(2, _load, uri)
+    assert [l[0] for l in loaded] == after_save[:2]
+    assert [l[1] for l in loaded] == [7, 17]
+    assert all("saved by 4 ranks, loading on 2" in l[2][0] for l in loaded)
+
+
+class FromRankZero:
+    """A custom policy: every rank restores rank 0's state."""
+
+    def source_rank(self, rank, saved_world_size, world_size):
+        return 0
+
+
+def _load_with_policy(uri: str):
+    loader = Loader()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckptlib.ResizeWarning)
+        ckptlib.load(uri, {"loader": ckptlib.RankLocal(loader, policy=FromRankZero())}, strict=False)
+    return loader.position
+
+
+def test_custom_resize_policy(tmp_path, dist_run):
+    uri = str(tmp_path / "c")
+    dist_run(2, _save, uri)
+    assert dist_run(3, _load_with_policy, uri) == [7, 7, 7]
+
+
+def test_rank_local_needs_stateful():
+    with pytest.raises(ckptlib.StateError, match="RankLocal needs an object with state_dict\\(\\)/load_state_dict\\(\\), got int"):
+        ckptlib.RankLocal(3)
