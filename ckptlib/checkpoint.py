@@ -15,20 +15,12 @@ from typing import Any, Mapping
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import _dist, compat
 from .errors import CheckpointError, MissingKeysError, ShapeMismatchError, StateError
-from .format import (
-    CheckpointInfo,
-    CkptReader,
-    CkptWriter,
-    Manifest,
-    SafeLoadPlanner,
-    commit,
-    open_checkpoint,
-    prepare_save_target,
-)
+from .format import CheckpointInfo, CkptWriter, Manifest, SafeLoadPlanner, commit, prepare_save_target
+from .format.legacy import inspect_checkpoint, open_reader
 from .format.manifest import check_metadata_json
 from .state import to_load_plan, to_save_state_dict
 from .storage import Storage, open_storage
@@ -140,10 +132,16 @@ def save(
     return SaveResult(uri=storage.uri, step=step, world_size=world, total_bytes=manifest.total_bytes)
 
 
-def _check_request(flat: dict[str, Any], info: CheckpointInfo, strict: bool) -> list[str]:
-    """Compare the requested (flattened) keys with the checkpoint; return the missing ones."""
+def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool) -> list[str]:
+    """Compare the requested keys with the checkpoint; return the missing ones."""
     saved = info.metadata.state_dict_metadata
+    flat = compat.flatten_state_dict(template)[0]
     missing = sorted(k for k in flat if k not in saved)
+    if missing:  # a checkpoint from torch <= 2.3 keys nested plain values differently
+        old_flat = compat.flatten_state_dict_pre_2_4(template)[0]
+        old_missing = sorted(k for k in old_flat if k not in saved)
+        if len(old_missing) < len(missing):
+            flat, missing = old_flat, old_missing
     if missing and strict:
         shown = ", ".join(missing[:20]) + (f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
         raise MissingKeysError(f"{info.uri} lacks keys the state asks for: {shown}", keys=missing, path=info.uri)
@@ -163,7 +161,7 @@ def _check_request(flat: dict[str, Any], info: CheckpointInfo, strict: bool) -> 
             else:
                 continue
             bad_keys.append(key)
-        elif isinstance(meta, TensorStorageMetadata) and not isinstance(meta, BytesStorageMetadata):
+        elif isinstance(meta, TensorStorageMetadata):
             problems.append(f"{key}: a {type(value).__name__} in the state, a tensor in the checkpoint")
             bad_keys.append(key)
     if problems:
@@ -193,7 +191,7 @@ def load(
     storage = _storage(uri)
     group = process_group
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
-    info = _dist.decide_on_rank0(lambda: open_checkpoint(storage, verify=verify), group)
+    info = _dist.decide_on_rank0(lambda: inspect_checkpoint(storage, verify=verify, trusted=trusted), group)
 
     plan = _dist.agree(
         lambda: to_load_plan(
@@ -201,9 +199,9 @@ def load(
         ),
         group,
     )
-    missing = _dist.agree(lambda: _check_request(compat.flatten_state_dict(plan.template)[0], info, strict), group)
+    missing = _dist.agree(lambda: _check_request(plan.template, info, strict), group)
 
-    reader = CkptReader(storage, info.metadata, info.manifest, verify=verify)
+    reader, _ = open_reader(storage, info=info, verify=verify, trusted=trusted)
     planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict)
     try:
         with _quiet_single_process():
@@ -218,5 +216,5 @@ def load(
         metadata=dict(info.manifest.metadata) if info.manifest else {},
         format=info.kind,
         missing_keys=missing,
-        notes=plan.notes,
+        notes=plan.notes + list(getattr(info, "notes", []) or []),
     )

@@ -1,13 +1,36 @@
 """Torch feature probes and version gates. The only module that branches on torch.
 
-Probes test for the feature itself (an attribute, an import) rather than a version
-string, so backports and nightlies are judged by what they can do.
+Probes test for the feature itself (an attribute, an import, a signature, a behaviour)
+rather than a version string, so backports and nightlies are judged by what they can do.
+The supported window is torch 2.6 to the newest release; `describe()` reports every probe
+(tox prints it, and ci/compat_table.py records it next to each torch version's results).
+
+What moved or changed inside the window (2.6 .. 2.13), and how ckptlib copes:
+
+- FSDP2 `fully_shard`: public at `torch.distributed.fsdp` (2.6+), formerly
+  `torch.distributed._composable.fsdp`. On CPU it needs the `torch.cpu.Stream` stand-in to
+  have `record_event`; 2.6's lacks it (`fsdp2_cpu_reason`).
+- DTensor: public at `torch.distributed.tensor` (2.5+), formerly `torch.distributed._tensor`
+  (`dtensor_cls`, `dtensor_api`).
+- DCP: `StorageWriter.set_up_storage_writer` / `StorageReader.set_up_storage_reader` /
+  `read_metadata` gained keyword arguments (rank, use_collectives) after 2.6; ckptlib's
+  implementations accept and ignore extras. `_StorageInfo` gained `transform_descriptors`
+  (DCP extensions) after 2.6; ckptlib reads it with getattr. `async_save` gained
+  `async_checkpointer_type` / `async_stager` / `use_collectives` (`dcp_accepts`).
+- `torch.load`: `weights_only` defaults to True from 2.6 on (and the TORCH_FORCE_*
+  variables can flip it), so ckptlib always passes it explicitly; `load_weights_only_default`
+  measures the effective default.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+import importlib
+import inspect
+import io
+import pickle
+import warnings
+from typing import Any, Callable
 
 import torch
 
@@ -25,6 +48,11 @@ def _version_tuple(version: str) -> tuple[int, int]:
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
+def torch_version_tuple() -> tuple[int, int]:
+    """(major, minor) of the installed torch; for messages and the window gate only."""
+    return _version_tuple(torch.__version__)
+
+
 def check_torch_supported() -> None:
     if _version_tuple(torch.__version__) < MIN_TORCH:
         raise UnsupportedError(
@@ -32,34 +60,68 @@ def check_torch_supported() -> None:
         )
 
 
+def _import_first(*candidates: tuple[str, str]) -> Any | None:
+    """The first `module.attr` of `candidates` that imports, or None."""
+    for module, attr in candidates:
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+# --------------------------------------------------------------------------- FSDP2
+
+
 @functools.lru_cache(maxsize=None)
 def fully_shard_fn() -> Any | None:
     """FSDP2's `fully_shard`, wherever this torch keeps it, or None."""
-    try:
-        from torch.distributed.fsdp import fully_shard
-
-        return fully_shard
-    except ImportError:
-        pass
-    try:
-        from torch.distributed._composable.fsdp import fully_shard
-
-        return fully_shard
-    except ImportError:
-        return None
+    return _import_first(
+        ("torch.distributed.fsdp", "fully_shard"),
+        ("torch.distributed._composable.fsdp", "fully_shard"),
+    )
 
 
+def _cpu_stream_problems() -> list[str]:
+    """What FSDP2's stream handling needs from the CPU device module's `Stream` but lacks.
+
+    FSDP2 drives streams through the device module of the mesh's device type (`torch.cpu`
+    for a CPU mesh), not through `torch.Stream`: torch 2.6's `torch.Stream` has
+    `record_event`, but its `torch.cpu.Stream` stand-in does not, and that stand-in is what
+    `fully_shard` trips over on CPU. So the probe checks `torch.cpu.Stream` and calls the
+    method on an instance (the stand-in is a plain Python class: calling it is free).
+    """
+    cpu = getattr(torch, "cpu", None)
+    stream_cls = getattr(cpu, "Stream", None)
+    if stream_cls is None:
+        return ["torch.cpu.Stream is missing"]
+    problems = [
+        f"torch.cpu.Stream.{name} is missing"
+        for name in ("record_event", "wait_event", "wait_stream")
+        if not hasattr(stream_cls, name)
+    ]
+    if not problems:
+        try:
+            stream_cls().record_event()
+        except Exception as exc:  # noqa: BLE001 - any failure here is FSDP2's failure too
+            problems.append(f"torch.cpu.Stream().record_event() raised {type(exc).__name__}: {exc}")
+    return problems
+
+
+@functools.lru_cache(maxsize=None)
 def fsdp2_cpu_reason() -> str | None:
     """Why FSDP2 cannot train on CPU with gloo here, or None when it can.
 
-    torch 2.6's FSDP2 calls `Stream.record_event` in its CPU path, which that torch's
-    `torch.Stream` lacks ("'Stream' object has no attribute 'record_event'").
+    torch 2.6's FSDP2 calls `record_event` on `torch.cpu.Stream`, which that torch lacks
+    (`fully_shard` on CPU fails with "'Stream' object has no attribute 'record_event'");
+    2.9.1 and 2.13 have it. Checked through the class itself, not the version string.
     """
     if fully_shard_fn() is None:
         return f"torch {torch.__version__} has no FSDP2 fully_shard"
-    if not hasattr(torch.Stream, "record_event"):
+    problems = _cpu_stream_problems()
+    if problems:
         return (
-            f"FSDP2 on CPU needs torch.Stream.record_event, missing in torch {torch.__version__} "
+            f"FSDP2 on CPU is unsupported with torch {torch.__version__}: {'; '.join(problems)} "
             "(fully_shard on CPU fails with \"'Stream' object has no attribute 'record_event'\")"
         )
     return None
@@ -72,6 +134,55 @@ def require_fsdp2_cpu() -> Any:
     return fully_shard_fn()
 
 
+def fsdp2_reason(device_type: str = "cpu") -> str | None:
+    """Why FSDP2 cannot train on `device_type` here ("cpu" or "cuda"), or None."""
+    if fully_shard_fn() is None:
+        return f"torch {torch.__version__} has no FSDP2 fully_shard"
+    if device_type == "cpu":
+        return fsdp2_cpu_reason()
+    if device_type == "cuda":
+        return None if torch.cuda.is_available() else f"CUDA is not available (torch {torch.__version__})"
+    return f"FSDP2 on device type {device_type!r} is not covered by ckptlib's probes"
+
+
+# --------------------------------------------------------------------------- DTensor
+
+
+def dtensor_cls() -> type | None:
+    return _import_first(("torch.distributed.tensor", "DTensor"), ("torch.distributed._tensor", "DTensor"))
+
+
+@functools.lru_cache(maxsize=None)
+def dtensor_module_name() -> str | None:
+    """Where this torch keeps DTensor: the public module (2.5+) or the private one."""
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "DTensor"):
+            return name
+    return None
+
+
+def dtensor_api() -> Any:
+    """The DTensor module (DTensor, distribute_tensor, Shard, Replicate); UnsupportedError if absent."""
+    name = dtensor_module_name()
+    if name is None:
+        raise UnsupportedError(f"torch {torch.__version__} has no DTensor")
+    return importlib.import_module(name)
+
+
+def init_device_mesh_fn() -> Callable[..., Any]:
+    fn = _import_first(("torch.distributed.device_mesh", "init_device_mesh"))
+    if fn is None:
+        raise UnsupportedError(f"torch {torch.__version__} has no torch.distributed.device_mesh.init_device_mesh")
+    return fn
+
+
+# --------------------------------------------------------------------------- DCP
+
+
 def storage_info_cls() -> type:
     """DCP's per-item storage record; plain `dcp.load` needs exactly this class in `.metadata`."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -79,11 +190,37 @@ def storage_info_cls() -> type:
     return _StorageInfo
 
 
+def storage_info_fields() -> tuple[str, ...]:
+    """`_StorageInfo`'s fields (gained `transform_descriptors` after 2.6)."""
+    import dataclasses
+
+    cls = storage_info_cls()
+    if dataclasses.is_dataclass(cls):
+        return tuple(f.name for f in dataclasses.fields(cls))
+    return tuple(inspect.signature(cls).parameters)
+
+
 def flatten_state_dict(state_dict: dict) -> tuple[dict, dict]:
     """Flatten nested state dicts with DCP's own key rules (so keys match `.metadata`)."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
 
     return flatten(state_dict)
+
+
+def flatten_state_dict_pre_2_4(state_dict: dict) -> tuple[dict, dict]:
+    """Flatten with the key rules of torch <= 2.3 (nested dicts of plain values stayed one key).
+
+    torch 2.4 changed flattening (pytorch/pytorch#133923); DCP's planner falls back to the
+    old rules when a checkpoint's keys match them, and so must our key checks.
+    """
+    from torch.distributed.checkpoint import _version
+
+    previous = _version._derived_version
+    _version._derived_version = "2_3"
+    try:
+        return flatten_state_dict(state_dict)
+    finally:
+        _version._derived_version = previous
 
 
 def set_element(root: dict, path: tuple, value: Any) -> None:
@@ -99,16 +236,127 @@ def checkpoint_exception_cls() -> type:
     return CheckpointException
 
 
+_DCP_FUNCTIONS = {
+    "save": ("torch.distributed.checkpoint", "save"),
+    "load": ("torch.distributed.checkpoint", "load"),
+    "async_save": ("torch.distributed.checkpoint", "async_save"),
+    "DefaultLoadPlanner": ("torch.distributed.checkpoint.default_planner", "DefaultLoadPlanner"),
+    "DefaultSavePlanner": ("torch.distributed.checkpoint.default_planner", "DefaultSavePlanner"),
+    "FileSystemWriter": ("torch.distributed.checkpoint", "FileSystemWriter"),
+    "StateDictOptions": ("torch.distributed.checkpoint.state_dict", "StateDictOptions"),
+    "set_up_storage_writer": ("torch.distributed.checkpoint.storage", "StorageWriter"),
+    "set_up_storage_reader": ("torch.distributed.checkpoint.storage", "StorageReader"),
+    "dcp_to_torch_save": ("torch.distributed.checkpoint.format_utils", "dcp_to_torch_save"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def dcp_parameters(name: str) -> tuple[str, ...] | None:
+    """Parameter names of a DCP entry point (see `_DCP_FUNCTIONS`), or None if it is absent."""
+    module, attr = _DCP_FUNCTIONS[name]
+    obj = _import_first((module, attr))
+    if obj is None:
+        return None
+    if name in ("set_up_storage_writer", "set_up_storage_reader"):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    elif inspect.isclass(obj):
+        obj = obj.__init__
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return None
+    return tuple(p for p in params if p != "self")
+
+
+def dcp_accepts(name: str, argument: str) -> bool:
+    """Whether DCP entry point `name` exists here and takes `argument`."""
+    params = dcp_parameters(name)
+    return params is not None and argument in params
+
+
+def require_dcp_argument(name: str, argument: str) -> None:
+    if not dcp_accepts(name, argument):
+        have = dcp_parameters(name)
+        what = "does not exist" if have is None else f"takes only {', '.join(have)}"
+        raise UnsupportedError(f"torch {torch.__version__}: DCP {name}(..., {argument}=) is needed, but {name} {what}")
+
+
+# --------------------------------------------------------------------------- torch.load
+
+
+class _NotAllowlisted:
+    """A class no weights_only unpickler allows: loading it tells which default is in force."""
+
+
+@functools.lru_cache(maxsize=None)
+def load_weights_only_default() -> bool:
+    """Whether a bare `torch.load(f)` unpickles with weights_only=True here.
+
+    True from torch 2.6 on unless TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set. Measured, not
+    looked up: ckptlib passes weights_only explicitly everywhere, this is for reports.
+    """
+    buf = io.BytesIO()
+    torch.save({"probe": _NotAllowlisted()}, buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    buf.seek(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.load(buf)
+    except pickle.UnpicklingError:
+        return True
+    except Exception:  # noqa: BLE001 - another failure still means "restricted"
+        return True
+    return False
+
+
+def has_safe_globals() -> bool:
+    """`torch.serialization.safe_globals` (a context manager to allowlist classes)."""
+    ser = getattr(torch, "serialization", None)
+    return callable(getattr(ser, "safe_globals", None)) and callable(getattr(ser, "add_safe_globals", None))
+
+
+# --------------------------------------------------------------------------- devices
+
+
 def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def dtensor_cls() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        try:
-            from torch.distributed._tensor import DTensor
-        except ImportError:
-            return None
-    return DTensor
+def nccl_available() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_nccl_available())
+
+
+def gloo_available() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_gloo_available())
+
+
+# --------------------------------------------------------------------------- report
+
+
+def describe() -> dict[str, Any]:
+    """Every probe's answer, JSON-serializable: for `tox`, bug reports and the compat table."""
+    return {
+        "torch": torch.__version__,
+        "supported": _version_tuple(torch.__version__) >= MIN_TORCH,
+        "cuda_build": torch.version.cuda,
+        "cuda_available": cuda_available(),
+        "gloo": gloo_available(),
+        "nccl": nccl_available(),
+        "fully_shard": None if fully_shard_fn() is None else fully_shard_fn().__module__,
+        "fsdp2_cpu": fsdp2_cpu_reason() or "ok",
+        "dtensor_module": dtensor_module_name(),
+        "storage_info_fields": list(storage_info_fields()),
+        "load_planner_allow_partial_load": dcp_accepts("DefaultLoadPlanner", "allow_partial_load"),
+        "async_save": dcp_parameters("async_save") is not None,
+        "async_save_stager": dcp_accepts("async_save", "async_stager"),
+        "storage_writer_setup": list(dcp_parameters("set_up_storage_writer") or ()),
+        "dcp_to_torch_save": dcp_parameters("dcp_to_torch_save") is not None,
+        "torch_load_weights_only_default": load_weights_only_default(),
+        "safe_globals": has_safe_globals(),
+    }

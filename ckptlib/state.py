@@ -251,6 +251,9 @@ def to_load_plan(
             appliers.append(lambda v=value, n=name: v.load_state_dict(template[n]))
         elif isinstance(value, Mapping):
             template[name] = value  # loaded in place: tensors copied into, plain values replaced
+            # DCP may replace a whole sub-dict (pre-2.4 checkpoints keyed a dict of plain
+            # values as one item); copy such replacements back into the caller's dicts.
+            appliers.append(lambda v=value, n=name: _merge_back(v, template[n]))
         elif isinstance(value, torch.Tensor):
             template[name] = value
         else:
@@ -259,6 +262,21 @@ def to_load_plan(
     for note in notes:
         warnings.warn(note, ResizeWarning, stacklevel=3)
     return LoadPlan(template=template, appliers=appliers, notes=notes)
+
+
+def _merge_back(dst: Any, src: Any) -> None:
+    if dst is src or not isinstance(src, Mapping):
+        return
+    for key, loaded in src.items():
+        current = dst.get(key) if isinstance(dst, Mapping) else None
+        if current is loaded:
+            continue
+        if isinstance(current, Mapping) and isinstance(loaded, Mapping):
+            _merge_back(current, loaded)
+        elif isinstance(current, torch.Tensor) and isinstance(loaded, torch.Tensor) and current.shape == loaded.shape:
+            current.copy_(loaded)
+        else:
+            dst[key] = loaded
 
 
 def _set_plain(state: Mapping[str, Any], name: str, value: Any) -> None:

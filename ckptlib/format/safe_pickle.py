@@ -30,6 +30,10 @@ _OTHER = {
     ("collections", "OrderedDict"),
     ("copyreg", "_reconstructor"),
     ("torch.serialization", "_get_layout"),
+    # dcp.save records the checkpoint path (StorageMeta.checkpoint_id) as a pathlib object.
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
 }
 
 

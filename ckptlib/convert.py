@@ -1,0 +1,211 @@
+"""Offline conversion between checkpoint formats, one tensor in memory at a time.
+
+    ckptlib.convert.convert("old/pytorch_model.bin", "ckpt/step0")           # -> ckptlib (DCP + manifest)
+    ckptlib.convert.convert("ckpt/step100", "export/model.pt", to="torch")  # -> one torch.save file
+    ckptlib.convert.convert("ckpt/step100", "export/hf", to="safetensors")  # -> model.safetensors
+
+Sources: anything ``ckptlib.format.legacy.detect_format`` knows (ckptlib, plain DCP of any
+torch since 2.0, torch.save files, v0 per-rank sets, safetensors). Conversion runs in one
+process and never needs the checkpoint in memory (see ``ckptlib.format.convert``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+
+from .checkpoint import __version__
+from .errors import CheckpointExistsError, StateError, UnsupportedError
+from .format import Manifest, commit, prepare_save_target
+from .format import convert as fconv
+from .format.legacy import DEFAULT_PREFIX, SourceInfo, inspect_checkpoint, open_reader
+from .storage import Storage, is_remote, open_storage
+
+TARGETS = ("dcp", "torch", "safetensors")
+
+
+@dataclasses.dataclass
+class ConvertResult:
+    src: str
+    dst: str
+    src_format: str
+    to: str
+    tensors: int
+    objects: int
+    tensor_bytes: int
+    files: list[str]
+    skipped: list[str]
+    notes: list[str]
+    seconds: float
+
+
+def _storage(uri: str | os.PathLike | Storage) -> Storage:
+    return uri if not isinstance(uri, (str, os.PathLike)) else open_storage(uri)
+
+
+def _local_path(dst: str | os.PathLike | Storage, to: str) -> str:
+    if isinstance(dst, (str, os.PathLike)) and not is_remote(dst):
+        path = os.fspath(dst)
+        return path[len("file://") :] if path.startswith("file://") else path
+    local = dst.local_path() if not isinstance(dst, (str, os.PathLike)) else None
+    if local is None:
+        raise UnsupportedError(
+            f"converting to {to} writes a local file; {dst} is not local (convert to dcp for remote targets)"
+        )
+    return local
+
+
+def _same_place(src: Storage, dst_path: str | None, dst: Storage | None) -> bool:
+    a = src.local_path()
+    b = dst_path if dst_path is not None else (dst.local_path() if dst is not None else None)
+    if a is None or b is None:
+        return src.uri == (dst.uri if dst is not None else b)
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return a == b or b.startswith(a + os.sep) or a.startswith(b + os.sep)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not enabled, leave=False)
+
+
+def convert(
+    src: str | os.PathLike | Storage,
+    dst: str | os.PathLike | Storage,
+    *,
+    to: str = "dcp",
+    force: bool = False,
+    progress: bool = True,
+    prefix: str | None = DEFAULT_PREFIX,
+    trusted: bool = False,
+    verify: bool = True,
+    max_shard_bytes: int | None = None,
+) -> ConvertResult:
+    """Convert the checkpoint at `src` into `dst`, in format `to`:
+
+    - ``"dcp"``: a committed ckptlib checkpoint directory (DCP layout + manifest, world size
+      1; loadable at any world size). Keys are re-flattened with this torch's rules.
+    - ``"torch"``: one ``torch.save`` file of full tensors nested as the state was saved
+      (``{"model": {...}, "optim": {"state": ..., "param_groups": ...}, ...}``).
+    - ``"safetensors"``: the tensors under `prefix` (default ``"model"``), prefix stripped:
+      ``dst`` is a directory (``model.safetensors``, or shards of at most `max_shard_bytes`
+      plus ``model.safetensors.index.json``) or a path ending in ``.safetensors``.
+
+    Refuses to write into an existing `dst` (CheckpointExistsError) unless ``force=True``;
+    never converts a checkpoint onto itself. `prefix` also names the entry a flat model
+    state (torch.save of a state_dict, safetensors) is read as. `trusted` allows arbitrary
+    unpickling of the source's objects; `verify` checks a ckptlib source's checksums.
+    """
+    if to == "ckptlib":
+        to = "dcp"
+    if to not in TARGETS:
+        raise ValueError(f"to must be one of {TARGETS}, got {to!r}")
+    start = time.monotonic()
+    src_storage = _storage(src)
+    info = inspect_checkpoint(src_storage, verify=verify, prefix=prefix, trusted=trusted)
+    reader, info = open_reader(src_storage, info=info, verify=verify, prefix=prefix, trusted=trusted)
+    source = fconv.SourceValues(reader, info.metadata, trusted=trusted)
+    notes = list(info.notes) if isinstance(info, SourceInfo) else []
+
+    dst_storage = _storage(dst) if to == "dcp" else None
+    dst_path = None if to == "dcp" else _local_path(dst, to)
+    if _same_place(src_storage, dst_path, dst_storage):
+        raise StateError(f"refusing to convert {src_storage.uri} onto itself ({dst})")
+
+    skipped: list[str] = []
+    if to == "safetensors":
+        names, skipped = fconv.safetensors_plan(source, prefix)
+        if not names:
+            raise StateError(
+                f"{info.uri}: no tensors under {prefix!r} to write as safetensors "
+                f"(keys: {', '.join(source.tensor_keys[:8])}{' ...' if len(source.tensor_keys) > 8 else ''})"
+            )
+        total = sum(source.nbytes(f) for f in names.values())
+    else:
+        total = source.total_bytes
+
+    bar = _progress(total, f"{info.kind} -> {to}", progress)
+
+    def tick(_fqn: str, nbytes: int) -> None:
+        bar.update(nbytes)
+
+    try:
+        if to == "dcp":
+            assert dst_storage is not None
+            prepare_save_target(dst_storage, overwrite=force, world_size=1)
+            writer = fconv.save_dcp_streaming(dst_storage, source, on_tensor=tick)
+            manifest = Manifest(
+                world_size=1,
+                files=dict(writer.file_records),
+                step=info.step,
+                metadata=dict(info.manifest.metadata) if info.manifest is not None else {},
+                torch_version=torch.__version__,
+                ckptlib_version=__version__,
+            )
+            commit(dst_storage, manifest)
+            files = sorted(writer.file_records)
+            where = dst_storage.uri
+        elif to == "torch":
+            assert dst_path is not None
+            if os.path.isdir(dst_path):
+                raise CheckpointExistsError(f"{dst_path} is a directory; converting to torch writes one file", path=dst_path)
+            if os.path.exists(dst_path) and not force:
+                raise CheckpointExistsError(f"{dst_path} already exists (pass force=True to overwrite)", path=dst_path)
+            fconv.write_torch_save(dst_path, source, on_tensor=tick)
+            files = [os.path.basename(dst_path)]
+            where = dst_path
+        else:
+            assert dst_path is not None
+            single = dst_path.endswith(".safetensors")
+            directory = os.path.dirname(os.path.abspath(dst_path)) if single else dst_path
+            if single:
+                if os.path.exists(dst_path) and not force:
+                    raise CheckpointExistsError(f"{dst_path} already exists (pass force=True to overwrite)", path=dst_path)
+            elif os.path.isfile(dst_path) or (os.path.isdir(dst_path) and os.listdir(dst_path)):
+                if not force:
+                    raise CheckpointExistsError(
+                        f"{dst_path} already exists and is not empty (pass force=True to overwrite)", path=dst_path
+                    )
+                _clear_safetensors(dst_path)
+            files = fconv.write_safetensors(
+                directory,
+                source,
+                names,
+                single_file=os.path.basename(dst_path) if single else None,
+                max_shard_bytes=None if single else max_shard_bytes,
+                on_tensor=tick,
+            )
+            where = dst_path
+    finally:
+        bar.close()
+    return ConvertResult(
+        src=info.uri,
+        dst=where,
+        src_format=info.kind,
+        to=to,
+        tensors=len(source.tensor_keys) if to != "safetensors" else len(names),
+        objects=len(source.object_keys) if to != "safetensors" else 0,
+        tensor_bytes=total,
+        files=files,
+        skipped=skipped,
+        notes=notes,
+        seconds=time.monotonic() - start,
+    )
+
+
+def _clear_safetensors(path: str) -> None:
+    """force=True on a safetensors target: remove what a previous export left (only its files)."""
+    if os.path.isfile(path):
+        os.unlink(path)
+        return
+    for name in os.listdir(path):
+        if name.endswith(".safetensors") or name == "model.safetensors.index.json":
+            os.unlink(os.path.join(path, name))
+
+
+__all__ = ["ConvertResult", "TARGETS", "convert"]
+
