@@ -16,12 +16,13 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedError,
 )
+from .convert import ConvertResult, convert
 from .manager import CheckpointManager, KeepLast, StalePointerWarning
 from .state import KeepExistingRanks, RankLocal, ResizePolicy, ResizeWarning, RNGState
 
 __all__ = [
     "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
-    "CheckpointManager", "CheckpointNotFoundError", "KeepExistingRanks", "KeepLast", "LoadResult",
+    "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "KeepExistingRanks", "KeepLast", "LoadResult",
     "LockedError", "MissingKeysError", "NotACheckpointError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StalePointerWarning", "StateError",
     "StorageError", "UnsafeCheckpointError", "UnsupportedError", "__version__", "load", "save",

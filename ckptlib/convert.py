@@ -1,8 +1,8 @@
 """Offline conversion between checkpoint formats, one tensor in memory at a time.
 
-    ckptlib.convert.convert("old/pytorch_model.bin", "ckpt/step0")           # -> ckptlib (DCP + manifest)
-    ckptlib.convert.convert("ckpt/step100", "export/model.pt", to="torch")  # -> one torch.save file
-    ckptlib.convert.convert("ckpt/step100", "export/hf", to="safetensors")  # -> model.safetensors
+    ckptlib.convert("old/pytorch_model.bin", "ckpt/step0")           # -> ckptlib (DCP + manifest)
+    ckptlib.convert("ckpt/step100", "export/model.pt", to="torch")  # -> one torch.save file
+    ckptlib.convert("ckpt/step100", "export/hf", to="safetensors")  # -> model.safetensors
 
 Sources: anything ``ckptlib.format.legacy.detect_format`` knows (ckptlib, plain DCP of any
 torch since 2.0, torch.save files, v0 per-rank sets, safetensors). Conversion runs in one
