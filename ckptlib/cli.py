@@ -1,8 +1,9 @@
-"""The `ckpt` command: validate a cluster/storage pair, and operate on checkpoint roots.
+"""The `ckpt` command: validate a cluster/storage pair, check and describe checkpoints, and
+operate on checkpoint roots.
 
-Exit codes: 0 success, 1 a check failed (validation failure, damaged checkpoint),
-2 usage errors or a path that is not what the command needs. User errors print one
-line, never a traceback.
+Exit codes: 0 success, 1 a check failed (validation failure, damaged checkpoint, a locked
+root, a storage error), 2 usage errors or a path that is not what the command needs (no
+checkpoint there). User errors print one line, never a traceback.
 """
 
 from __future__ import annotations
@@ -81,7 +82,60 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
         dist.destroy_process_group()
 
 
+def _open(uri: str):
+    """The storage for a URI the user typed; a bad URI is a usage error."""
+    from .errors import StorageError
+    from .storage import open_storage
+
+    try:
+        return open_storage(uri)
+    except StorageError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .format.verify import verify
+
+    storage = _open(args.uri)
+    problems = verify(storage)
+    errors = [p for p in problems if p.is_error]
+    for p in problems:
+        print(p.line(storage.uri))
+    if errors:
+        print(f"{storage.uri}: DAMAGED, {len(errors)} problem{'s' if len(errors) != 1 else ''}")
+        return EXIT_FAIL
+    print(f"{storage.uri}: OK")
+    return EXIT_OK
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .format.verify import summarize
+
+    summary = summarize(_open(args.uri))
+    if args.json:
+        print(json.dumps(summary.to_json(), indent=1))
+        return EXIT_OK
+    def show(value):
+        return "-" if value is None else value
+
+    print(f"checkpoint:    {summary.uri}")
+    print(f"format:        {summary.format}")
+    print(f"step:          {show(summary.step)}")
+    print(f"world size:    {show(summary.world_size)}")
+    print(f"torch version: {show(summary.torch_version)}")
+    print(f"total bytes:   {summary.total_bytes}")
+    print(f"tensors:       {len(summary.tensors)}")
+    if summary.tensors:
+        width = max(len(t["key"]) for t in summary.tensors)
+        for t in summary.tensors:
+            shape = "(" + ", ".join(map(str, t["shape"])) + ("," if len(t["shape"]) == 1 else "") + ")"
+            print(f"  {t['key']:<{width}}  {shape:<16} {t['dtype']:<10} {t['chunks']} chunk{'s' if t['chunks'] != 1 else ''}")
+    print(f"objects:       {len(summary.objects)}" + (f" ({', '.join(summary.objects)})" if summary.objects else ""))
+    return EXIT_OK
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
+    from .errors import CheckpointError
     from .format import MANIFEST_NAME, Manifest
     from .manager import LATEST, CheckpointManager, step_dir
 
@@ -89,28 +143,48 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     if not mgr.storage.exists():
         raise UsageError(f"{args.root}: no such checkpoint root")
     pointer = mgr.storage.read_pointer(LATEST)
+    holder = mgr.lock_holder()
     rows = []
     for info in mgr._scan():
         child = mgr.storage.child(info.name)
-        files = child.list()
         row = {
             "step": info.step,
             "name": info.name,
             "state": info.state,
-            "bytes": sum(files.values()),
+            "bytes": sum(info.files.values()),
             "world_size": None,
             "latest": pointer == step_dir(info.step),
         }
         if info.state == "committed":
-            row["world_size"] = Manifest.from_bytes(child.read(MANIFEST_NAME), f"{child.uri}/{MANIFEST_NAME}").world_size
+            try:
+                row["world_size"] = Manifest.from_bytes(child.read(MANIFEST_NAME), f"{child.uri}/{MANIFEST_NAME}").world_size
+            except CheckpointError:
+                row["state"] = "corrupt"
         rows.append(row)
     if args.json:
-        print(json.dumps({"root": args.root, "latest": pointer, "steps": rows}, indent=1))
+        lock = holder.to_json() if holder is not None else None
+        print(json.dumps({"root": args.root, "latest": pointer, "lock": lock, "steps": rows}, indent=1))
         return EXIT_OK
     print(f"{'step':>10}  {'state':<10} {'world':>5} {'bytes':>12}  latest")
     for r in rows:
         ws = "-" if r["world_size"] is None else str(r["world_size"])
         print(f"{r['step']:>10}  {r['state']:<10} {ws:>5} {r['bytes']:>12}  {'*' if r['latest'] else ''}")
+    if holder is not None:
+        print(f"locked by {holder.describe()}")
+    return EXIT_OK
+
+
+def _cmd_unlock(args: argparse.Namespace) -> int:
+    from .manager import CheckpointManager
+
+    mgr = CheckpointManager(args.root)
+    if not mgr.storage.exists():
+        raise UsageError(f"{args.root}: no such checkpoint root")
+    holder = mgr.break_lock()
+    if holder is None:
+        print(f"{mgr.storage.uri}: not locked")
+    else:
+        print(f"{mgr.storage.uri}: removed the lock held by {holder.describe()}")
     return EXIT_OK
 
 
@@ -122,6 +196,10 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     mgr = CheckpointManager(args.root, keep_last=args.keep)
     if not mgr.storage.exists():
         raise UsageError(f"{args.root}: no such checkpoint root")
+    if args.force and not args.dry_run:
+        holder = mgr.break_lock()
+        if holder is not None:
+            print(f"removed the lock held by {holder.describe()}")
     removed = mgr.gc(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
@@ -133,7 +211,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckpt",
-        description="Elastic sharded checkpoints for PyTorch: validate, inspect and manage them.",
+        description="Elastic sharded checkpoints for PyTorch: validate a setup; verify, inspect and manage checkpoints.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -157,30 +235,91 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_validate)
 
-    p = sub.add_parser("ls", help="list the steps under a checkpoint root", description="List steps: committed or incomplete, size, saved world size, which is latest.")
+    p = sub.add_parser(
+        "verify",
+        help="check a checkpoint's files against its manifest and its metadata",
+        description=(
+            "Read every file of one checkpoint and check it: the manifest, each file's size and CRC-32 "
+            "(whole file and every item), that every tensor's saved chunks cover it exactly, and that every "
+            "storage record lies inside the directory and its file. .metadata is unpickled with an allowlist "
+            "only. A plain DCP checkpoint has no checksums: its structure is checked. Prints one line per "
+            "problem, naming the file. Exit status: 0 intact, 1 damaged, 2 no checkpoint at URI."
+        ),
+    )
+    p.add_argument("uri", help="a checkpoint directory: path, file:// or s3:// URI")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser(
+        "inspect",
+        help="describe a checkpoint: format, step, world size, tensors",
+        description=(
+            "Show a checkpoint's format (ckptlib or dcp), step, saved world size, torch version, total bytes "
+            "and every tensor's key, shape, dtype and number of saved chunks, from its manifest and .metadata "
+            "(no shard is read; use `ckpt verify` to check the data)."
+        ),
+    )
+    p.add_argument("uri", help="a checkpoint directory: path, file:// or s3:// URI")
+    p.add_argument(
+        "--json", action="store_true",
+        help="print JSON with the keys format, step, world_size, torch_version, total_bytes, tensors "
+        "(a list of {key, shape, dtype, chunks})",
+    )
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser(
+        "ls",
+        help="list the steps under a checkpoint root",
+        description="List steps: committed, incomplete or corrupt, size, saved world size, which is latest, and who holds the root's lock.",
+    )
     p.add_argument("root")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_ls)
 
-    p = sub.add_parser("gc", help="apply retention to a checkpoint root", description="Keep the newest N committed steps (never the one `latest` names) and remove incomplete debris.")
+    p = sub.add_parser(
+        "gc",
+        help="apply retention to a checkpoint root",
+        description=(
+            "Keep the newest N committed steps (never the one `latest` names) and remove incomplete debris. "
+            "Takes the root's lock: fails (exit 1) while a writer holds it."
+        ),
+    )
     p.add_argument("root")
     p.add_argument("--keep", type=int, required=True, help="number of newest committed steps to keep")
     p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
+    p.add_argument(
+        "--force", action="store_true",
+        help="first remove the root's lock, whoever holds it (only when that writer is known to be gone)",
+    )
     p.set_defaults(func=_cmd_gc)
+
+    p = sub.add_parser(
+        "unlock",
+        help="remove a checkpoint root's writer lock",
+        description=(
+            "Remove the lock (ckptlib.lock) a writer left in a checkpoint root. A lock whose holder died on "
+            "the same host is removed automatically; use this for a holder on another host that is known to "
+            "be gone. Removing the lock of a live writer lets two writers interleave."
+        ),
+    )
+    p.add_argument("root")
+    p.set_defaults(func=_cmd_unlock)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .errors import CheckpointError
+    from .errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except UsageError as exc:
+    except (UsageError, CheckpointNotFoundError, NotACheckpointError) as exc:
         print(f"ckpt {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except CheckpointError as exc:
+        print(f"ckpt {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    except OSError as exc:  # e.g. permission denied reading a file
         print(f"ckpt {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_FAIL
     except KeyboardInterrupt:

@@ -3,24 +3,46 @@
 The pointer is written once, by rank 0, only after the step committed, and read by all
 ranks; never one pointer per rank (per-rank pointers went stale after a resize in
 mosaicml/composer#2409).
+
+Writers lock the root: rank 0 creates `ckptlib.lock` (atomically, through the storage's
+optional `create_exclusive`) before a save or gc and removes it afterwards, or keeps it
+until `close()` with `hold_lock=True`; every rank learns the outcome, so a second writer
+gets LockedError on all its ranks instead of interleaving checkpoints (and retention never
+deletes a step another writer is still saving; the verl project fixed that bug, #4638). A
+lock whose holder is gone (a dead pid on this host) is removed with a StaleLockWarning, so
+a crashed save never leaves the root locked for good; a holder on another host must be
+removed explicitly (`break_lock()`, `ckpt unlock`).
+
+Crash consistency: a step directory counts only once its manifest is committed; anything
+else under `step_*` (a crashed save, a half-finished deletion) is debris that `latest`
+never names and that the next save or gc removes.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
+import datetime
+import json
 import os
 import re
+import socket
+import uuid
 import warnings
 from typing import Any, Mapping
 
 from . import _dist
 from .checkpoint import LoadResult, SaveResult, load, save
-from .errors import CheckpointError, CheckpointNotFoundError, StateError
-from .format import classify
+from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError
+from .format import PENDING_NAME, classify
 from .storage import Storage, open_storage
 
 LATEST = "latest"
+LOCK_NAME = "ckptlib.lock"
 _STEP_RE = re.compile(r"^step_(\d{10})$")
+# What LocalStorage.delete_tree leaves when it crashes between its rename and the removal.
+_DELETING_RE = re.compile(r"^step_\d{10}\.deleting-[0-9a-f]{8}$")
 
 
 def step_dir(step: int) -> str:
@@ -54,24 +76,279 @@ class StalePointerWarning(UserWarning):
     """The `latest` pointer named a step that is missing or uncommitted."""
 
 
+class StaleLockWarning(UserWarning):
+    """A lock left by a writer that no longer runs was removed."""
+
+
 @dataclasses.dataclass
 class StepInfo:
     step: int
     name: str
     state: str  # committed | incomplete
+    files: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
+
+
+# --------------------------------------------------------------------------- the root lock
+
+# Tokens of the locks this process holds now: a lock file naming this process with another
+# token is a leftover (a release that failed), not a live holder.
+_LIVE_TOKENS: set[str] = set()
+
+
+def _process_start(pid: int) -> str | None:
+    """The kernel's start time of `pid` (Linux), to tell a live holder from a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(")") + 2 :].split()
+    return fields[19] if len(fields) > 19 else None  # field 22, counted after "pid (comm)"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, owned by someone else
+        return True
+    return True
+
+
+@dataclasses.dataclass
+class LockHolder:
+    """Who holds a root's lock, as its lock file says (fields are None when unreadable)."""
+
+    host: str | None = None
+    pid: int | None = None
+    start: str | None = None
+    token: str | None = None
+    created: str | None = None
+
+    @classmethod
+    def parse(cls, data: bytes) -> "LockHolder":
+        try:
+            doc = json.loads(data.decode("utf-8"))
+            pid = doc.get("pid")
+            return cls(
+                host=str(doc["host"]),
+                pid=pid if isinstance(pid, int) else None,
+                start=doc.get("start"),
+                token=str(doc["token"]),
+                created=doc.get("created"),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            return cls()
+
+    def describe(self) -> str:
+        if self.token is None:
+            return "an unknown holder (the lock file is unreadable)"
+        me = " (this process)" if self.pid == os.getpid() and self.host == socket.gethostname() else ""
+        return f"pid {self.pid} on host {self.host}{me}, since {self.created}"
+
+    def is_stale(self) -> bool:
+        """True only when the holder certainly no longer runs: its pid on this host is gone, or
+        was reused by a process that started later. A holder on another host is never stale."""
+        if self.host != socket.gethostname() or self.pid is None:
+            return False
+        if self.pid == os.getpid():
+            return self.token not in _LIVE_TOKENS
+        if not _pid_alive(self.pid):
+            return True
+        now = _process_start(self.pid)
+        return self.start is not None and now is not None and now != self.start
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class RootLock:
+    """`ckptlib.lock` in a checkpoint root, through the Storage protocol."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self.token: str | None = None
+        self._owner_pid: int | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.storage.uri.rstrip('/')}/{LOCK_NAME}"
+
+    def holder(self) -> LockHolder | None:
+        try:
+            return LockHolder.parse(self.storage.read(LOCK_NAME))
+        except FileNotFoundError:
+            return None
+
+    def _create(self, data: bytes) -> bool:
+        create = getattr(self.storage, "create_exclusive", None)
+        if create is not None:
+            return bool(create(LOCK_NAME, data))
+        # Best effort for a backend without an atomic create: check, write, read back. Two
+        # writers racing within one round trip can both win; see SupportsCreateExclusive.
+        if self.holder() is not None:
+            return False
+        self.storage.write(LOCK_NAME, data)
+        try:
+            return self.storage.read(LOCK_NAME) == data
+        except FileNotFoundError:
+            return False
+
+    def acquire(self) -> None:
+        """Take the lock or raise LockedError naming the root and the holder."""
+        root = self.storage.uri
+        token = uuid.uuid4().hex
+        pid = os.getpid()
+        data = json.dumps(
+            {
+                "format": "ckptlib-lock",
+                "host": socket.gethostname(),
+                "pid": pid,
+                "start": _process_start(pid),
+                "token": token,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            }
+        ).encode()
+        holder = None
+        for _ in range(3):
+            if self._create(data):
+                self.token, self._owner_pid = token, pid
+                _LIVE_TOKENS.add(token)
+                atexit.register(self._release_at_exit)
+                return
+            holder = self.holder()
+            if holder is None:
+                continue  # released between our attempt and the read: try again
+            if holder.is_stale():
+                warnings.warn(
+                    f"{root}: removing a stale lock left by {holder.describe()} (that process no longer runs)",
+                    StaleLockWarning,
+                    stacklevel=4,
+                )
+                self.storage.delete([LOCK_NAME])
+                continue
+            break
+        described = holder.describe() if holder is not None else "writers that keep taking it"
+        err = LockedError(
+            f"{root} is locked by another writer: {described} (lock file {self.where}). Two managers must not "
+            f"write one root at once. If that writer is gone, remove the lock with "
+            f"CheckpointManager({root!r}).break_lock() or `ckpt unlock {root}`.",
+            path=root,
+        )
+        err.holder = holder.to_json() if holder is not None else None
+        raise err
+
+    def held(self) -> bool:
+        """Whether this object holds the lock and the lock file still says so."""
+        if self.token is None:
+            return False
+        holder = self.holder()
+        return holder is not None and holder.token == self.token
+
+    def release(self) -> None:
+        if self.token is None:
+            return
+        try:
+            if self.held():
+                self.storage.delete([LOCK_NAME])
+        finally:
+            self.forget()
+
+    def forget(self) -> None:
+        """Stop counting as the holder (without touching the lock file)."""
+        if self.token is not None:
+            _LIVE_TOKENS.discard(self.token)
+            self.token = None
+            atexit.unregister(self._release_at_exit)
+
+    def _release_at_exit(self) -> None:
+        if self._owner_pid == os.getpid():  # never from a forked child
+            with contextlib.suppress(Exception):
+                self.release()
+
+    def break_(self) -> LockHolder | None:
+        holder = self.holder()
+        self.storage.delete([LOCK_NAME])
+        return holder
 
 
 class CheckpointManager:
     """Saves numbered checkpoints under `root` and resumes from the newest committed one."""
 
-    def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, retention=None, process_group=None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        keep_last: int | None = None,
+        retention=None,
+        process_group=None,
+        hold_lock: bool = False,
+    ):
+        """`hold_lock=False`: the root is locked during each save and gc. `hold_lock=True`: the
+        first save or gc takes the lock and keeps it until `close()` (or the end of a `with`
+        block, or interpreter exit), so no other writer can use the root between saves."""
         self.root_uri = os.fspath(root)
         self.storage: Storage = open_storage(self.root_uri)
         self.retention = retention if retention is not None else KeepLast(keep_last)
         self.process_group = process_group
+        self.hold_lock = hold_lock
+        self._lock = RootLock(self.storage)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_uri!r})"
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the root's lock if this manager holds it (rank 0; no collective)."""
+        self._lock.release()
+
+    # -- the lock -----------------------------------------------------------------------
+    def _take_lock(self) -> None:
+        """Rank 0: take the lock, or confirm that a held lock is still ours."""
+        if self._lock.token is not None:
+            if self._lock.held():
+                return
+            self._lock.forget()
+            holder = self._lock.holder()
+            raise LockedError(
+                f"{self.root_uri}: this manager's lock ({self._lock.where}) was removed while it held it"
+                + (f"; {holder.describe()} holds it now" if holder is not None else "")
+                + ". Another writer may have written this root; refusing to continue.",
+                path=self.root_uri,
+            )
+        self._lock.acquire()
+
+    def _drop_lock(self) -> None:
+        """Release after a successful save or gc; a failure to remove the lock file only warns (the
+        checkpoint is committed, and this process's leftover lock counts as stale)."""
+        if not self.hold_lock:
+            try:
+                self._lock.release()
+            except Exception as exc:  # noqa: BLE001 - reported, never fatal
+                warnings.warn(f"{self._lock.where}: could not remove the lock ({exc})", StaleLockWarning, stacklevel=3)
+
+    def _drop_lock_after_failure(self) -> None:
+        if _dist.get_rank(self.process_group) == 0 and not self.hold_lock:
+            with contextlib.suppress(Exception):
+                self._lock.release()
+
+    def lock_holder(self) -> LockHolder | None:
+        """Who holds the root's lock now, or None."""
+        return self._lock.holder()
+
+    def break_lock(self) -> LockHolder | None:
+        """Remove the root's lock whoever holds it; returns the holder it named (or None).
+
+        Only for a writer known to be gone (a crashed job on another host): breaking the lock
+        of a live writer lets two writers interleave.
+        """
+        return _dist.decide_on_rank0(self._lock.break_, self.process_group)
 
     # -- reading the root -------------------------------------------------------------
     def _scan(self) -> list[StepInfo]:
@@ -80,8 +357,10 @@ class CheckpointManager:
             step = parse_step(name)
             if step is None:
                 continue
-            kind = classify(self.storage.child(name))
-            out.append(StepInfo(step, name, "committed" if kind == "committed" else "incomplete"))
+            child = self.storage.child(name)
+            files = child.list()
+            kind = classify(child, files)
+            out.append(StepInfo(step, name, "committed" if kind == "committed" else "incomplete", files))
         return sorted(out, key=lambda s: s.step)
 
     def steps(self) -> list[int]:
@@ -121,13 +400,25 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise StateError(f"step must be a non-negative int, got {step!r}")
         target = self.storage.child(step_dir(step))
-        result = save(target, state, step=step, metadata=metadata, process_group=self.process_group)
-        _dist.decide_on_rank0(lambda: self._publish(step), self.process_group)
+        _dist.decide_on_rank0(self._take_lock, self.process_group)
+        try:
+            result = save(target, state, step=step, metadata=metadata, process_group=self.process_group)
+            _dist.decide_on_rank0(lambda: self._publish(step), self.process_group)
+        except BaseException:
+            self._drop_lock_after_failure()
+            raise
         return result
 
     def _publish(self, step: int) -> None:
-        self.storage.set_pointer(LATEST, step_dir(step))
-        self._collect(protect={step})
+        try:
+            self.storage.set_pointer(LATEST, step_dir(step))
+            self._collect(protect={step})
+        except BaseException:
+            if not self.hold_lock:
+                with contextlib.suppress(Exception):
+                    self._lock.release()
+            raise
+        self._drop_lock()
 
     def _collect(self, protect: set[int], dry_run: bool = False) -> list[str]:
         """Retention and debris removal; never removes what `latest` names or `protect`."""
@@ -139,14 +430,33 @@ class CheckpointManager:
         for info in scan:
             if info.state == "incomplete" and info.step not in protected:
                 doomed[info.step] = info.name
+        leftovers = [n for n in self.storage.list_children() if _DELETING_RE.match(n)]
         if not dry_run:
             for name in doomed.values():
                 self.storage.delete_tree(name)
-        return sorted(doomed.values())
+            for name in leftovers:  # a deletion that crashed half-way
+                self.storage.delete_tree(name)
+            for info in scan:  # a commit that crashed between writing the manifest and this
+                if info.state == "committed" and info.step not in doomed and PENDING_NAME in info.files:
+                    self.storage.child(info.name).delete([PENDING_NAME])
+        return sorted(doomed.values()) + sorted(leftovers)
 
     def gc(self, *, dry_run: bool = False) -> list[str]:
-        """Apply retention and remove debris now; returns the step directories (to be) removed."""
-        return _dist.decide_on_rank0(lambda: self._collect(protect=set(), dry_run=dry_run), self.process_group)
+        """Apply retention and remove debris now; returns the step directories (to be) removed.
+
+        Takes the root's lock (LockedError while another writer holds it), except for a dry run.
+        """
+        if dry_run:
+            return _dist.decide_on_rank0(lambda: self._collect(protect=set(), dry_run=True), self.process_group)
+
+        def locked_collect() -> list[str]:
+            self._take_lock()
+            try:
+                return self._collect(protect=set())
+            finally:
+                self._drop_lock()
+
+        return _dist.decide_on_rank0(locked_collect, self.process_group)
 
     # -- loading ------------------------------------------------------------------------
     def load(self, state: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> int | None:
@@ -167,4 +477,7 @@ class CheckpointManager:
             raise CheckpointNotFoundError(f"{self.root_uri} has no step {step}", path=self.path(step)) from exc
 
 
-__all__ = ["CheckpointManager", "KeepLast", "StalePointerWarning", "step_dir", "parse_step", "CheckpointError"]
+__all__ = [
+    "CheckpointManager", "KeepLast", "LockHolder", "StaleLockWarning", "StalePointerWarning", "step_dir", "parse_step",
+    "CheckpointError", "LOCK_NAME",
+]

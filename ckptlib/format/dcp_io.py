@@ -4,6 +4,11 @@ Files are `__{rank}_0.distcp` (each item a `torch.save` blob, back to back) and 
 `.metadata` whose storage records are DCP's `_StorageInfo`, so plain `dcp.load` with a
 `FileSystemReader` reads what we write. On top of DCP we checksum every item as it is
 written and verify every item a rank reads against the manifest.
+
+`.metadata` is marked as ckptlib's (`storage_meta.modules` holds "ckptlib"), so a ckptlib
+checkpoint whose manifest is gone is refused instead of loading unverified as plain DCP.
+Errors name the file and, for shard files, the rank that wrote it; DCP adds the rank that
+failed to read it (`checkpoint._unwrap_dcp_error`).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import re
 import zlib
 from collections import defaultdict
 from typing import Any
@@ -32,9 +38,28 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from .. import compat
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
-from ..storage import Storage, check_relative
-from .manifest import METADATA_NAME, FileRecord, Manifest
+from ..storage import Storage
+from .manifest import METADATA_MARKER, METADATA_NAME, FileRecord, Manifest, check_name
 from .safe_pickle import safe_loads
+
+_SHARD_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+def whose(name: str | None) -> str:
+    """" (rank 1's shard)" for a DCP shard file name, "" for any other name."""
+    match = _SHARD_FILE_RE.match(name or "")
+    return f" (rank {int(match.group(1))}'s shard)" if match else ""
+
+
+def describe_file(name: str) -> str:
+    """`name`, plus whose shard it is when it is a DCP shard file: '__1_0.distcp (rank 1's shard)'."""
+    return f"{name}{whose(name)}"
+
+
+def is_ckptlib_metadata(metadata: Any) -> bool:
+    """Whether `.metadata` was written by ckptlib's CkptWriter (which also writes a manifest)."""
+    modules = getattr(getattr(metadata, "storage_meta", None), "modules", None)
+    return isinstance(modules, (list, tuple)) and METADATA_MARKER in modules
 
 # Ranges closer than this are fetched with one read (helps S3; harmless locally).
 _COALESCE_GAP = 1 << 20
@@ -111,7 +136,11 @@ class CkptWriter(StorageWriter):
         self.file_records[METADATA_NAME] = FileRecord(size=len(blob), crc32=zlib.crc32(blob), items=[(0, len(blob), zlib.crc32(blob))])
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.storage.uri)
+        meta = StorageMeta(checkpoint_id=self.storage.uri)
+        # An attribute, not a constructor argument: torch versions whose StorageMeta lacks the
+        # `modules` field still pickle and unpickle it (in __dict__), and plain dcp.load ignores it.
+        meta.modules = [*(getattr(meta, "modules", None) or []), METADATA_MARKER]
+        return meta
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -184,7 +213,9 @@ class CkptReader(StorageReader):
         record = self.manifest.files.get(name)
         if record is None:
             where = f"{self.storage.uri}/{name}"
-            raise CheckpointCorruptError(f"{where}: referenced by .metadata but not listed in the manifest", path=where)
+            raise CheckpointCorruptError(
+                f"{where}: referenced by .metadata but not listed in the manifest{whose(name)}", path=where
+            )
         return {off: (length, crc) for off, length, crc in record.items}
 
     def _check_item(self, name: str, crcs: dict[int, tuple[int, int]] | None, off: int, data: memoryview) -> None:
@@ -193,10 +224,12 @@ class CkptReader(StorageReader):
         expected = crcs.get(off)
         where = f"{self.storage.uri}/{name}"
         if expected is None or expected[0] != len(data):
-            raise CheckpointCorruptError(f"{where}: item at offset {off} is not recorded in the manifest", path=where)
+            raise CheckpointCorruptError(
+                f"{where}: item at offset {off} is not recorded in the manifest{whose(name)}", path=where
+            )
         if zlib.crc32(data) != expected[1]:
             raise CheckpointCorruptError(
-                f"{where}: checksum mismatch in item at offset {off} (length {len(data)})", path=where
+                f"{where}: checksum mismatch in item at offset {off} (length {len(data)}){whose(name)}", path=where
             )
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
@@ -209,7 +242,9 @@ class CkptReader(StorageReader):
                     f"{list(info.transform_descriptors)}, which ckptlib does not read",
                     path=self.storage.uri,
                 )
-            by_file[check_relative(info.relative_path, self.storage.uri)].append((req, info))
+            by_file[check_name(info.relative_path, f"{self.storage.uri}/{METADATA_NAME}", "storage record")].append(
+                (req, info)
+            )
 
         for name, reqs in by_file.items():
             where = f"{self.storage.uri}/{name}"
@@ -220,9 +255,11 @@ class CkptReader(StorageReader):
                 try:
                     blobs[(off, length)] = memoryview(self.storage.read(name, off, length))
                 except FileNotFoundError as exc:
-                    raise CheckpointCorruptError(f"{where}: shard file is missing", path=where) from exc
+                    raise CheckpointCorruptError(f"{where}: shard file is missing{whose(name)}", path=where) from exc
                 except EOFError as exc:
-                    raise CheckpointCorruptError(f"{where}: shard file is truncated ({exc})", path=where) from exc
+                    raise CheckpointCorruptError(
+                        f"{where}: shard file is truncated{whose(name)}: {exc}", path=where
+                    ) from exc
                 self.bytes_read += length
             for req, info in reqs:
                 span = next(s for s in spans if s[0] <= info.offset and info.offset + info.length <= s[0] + s[1])
@@ -230,13 +267,21 @@ class CkptReader(StorageReader):
                 data = blobs[span][start : start + info.length]
                 self._check_item(name, crcs, info.offset, data)
                 if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(data.tobytes()))
+                    try:
+                        planner.load_bytes(req, io.BytesIO(data.tobytes()))
+                    except UnsafeCheckpointError as exc:
+                        if exc.path is None:
+                            exc.path = where
+                            exc.message = f"{where}{whose(name)}: {exc.message}"
+                            exc.args = (exc.message,)
+                        raise
                     continue
                 try:
                     tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
                 except Exception as exc:
                     raise CheckpointCorruptError(
-                        f"{where}: cannot decode tensor {req.storage_index.fqn} at offset {info.offset}: {exc}",
+                        f"{where}: cannot decode tensor {req.storage_index.fqn} at offset {info.offset}"
+                        f"{whose(name)}: {exc}",
                         path=where,
                     ) from exc
                 for dim, (start_d, len_d) in enumerate(zip(req.storage_offsets, req.lengths)):
@@ -272,9 +317,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
+            # torch's message is many lines of advice; keep the global it refused.
+            text = str(exc)
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+            if found:
+                detail = f"it names the global {found.group(1)}"
+            else:
+                found = re.search(r"WeightsUnpickler error: ([^\n]+)", text)
+                detail = (found.group(1) if found else (text.strip().splitlines() or [""])[0])[:200]
             raise UnsafeCheckpointError(
-                f"object {read_item.dest_index.fqn!r} needs arbitrary unpickling ({exc}); "
-                "pass trusted=True only if you trust this checkpoint's author"
+                f"object {read_item.dest_index.fqn!r} needs arbitrary unpickling ({detail}), which weights_only "
+                "loading refuses; pass trusted=True only if you trust this checkpoint's author"
             ) from exc
         if self.flatten_state_dict:
             compat.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)

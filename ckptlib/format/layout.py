@@ -4,6 +4,11 @@ The commit protocol: rank 0 writes `ckptlib.pending` before any shard; every ran
 its shard file; the coordinator writes `.metadata`; rank 0 confirms every file exists with
 its recorded size and writes `ckptlib.json` last; then removes the pending marker. A
 directory is committed iff its manifest exists and matches the files.
+
+A directory whose `.metadata` is marked as ckptlib's but that has no manifest is not plain
+DCP: its manifest was deleted, or a save or a deletion (S3 deletes object by object) was
+interrupted. `classify` calls it incomplete (debris for the manager) and `open_checkpoint`
+refuses it, so it never loads unverified.
 """
 
 from __future__ import annotations
@@ -16,14 +21,17 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointExistsError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
     NotACheckpointError,
+    UnsafeCheckpointError,
 )
 from ..storage import Storage
-from .dcp_io import read_metadata
+from .dcp_io import describe_file, is_ckptlib_metadata, read_metadata
 from .manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, Manifest
+from .safe_pickle import safe_loads
 
 _SHARD_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
@@ -53,15 +61,14 @@ class CheckpointInfo:
         return self.manifest.step if self.manifest is not None else None
 
 
-def _missing_or_resized(manifest: Manifest, listing: dict[str, int]) -> list[str]:
+def _missing_or_resized(manifest: Manifest, listing: dict[str, int]) -> list[tuple[str, str]]:
+    """(file name, problem) for every manifest file that is absent or has another size."""
     problems = []
     for name, record in sorted(manifest.files.items()):
-        rank = shard_rank(name)
-        who = f" (rank {rank}'s shard)" if rank is not None else ""
         if name not in listing:
-            problems.append(f"{name}{who} is missing")
+            problems.append((name, f"{describe_file(name)} is missing"))
         elif listing[name] != record.size:
-            problems.append(f"{name}{who} has {listing[name]} bytes, the manifest says {record.size}")
+            problems.append((name, f"{describe_file(name)} has {listing[name]} bytes, the manifest says {record.size}"))
     return problems
 
 
@@ -70,49 +77,101 @@ def read_manifest(storage: Storage) -> Manifest:
     return Manifest.from_bytes(storage.read(MANIFEST_NAME), where)
 
 
+def _marked_by_ckptlib(storage: Storage) -> bool:
+    """Whether `.metadata` says ckptlib wrote it (unreadable or unsafe metadata: no; loading it
+    raises the real error later)."""
+    try:
+        return is_ckptlib_metadata(safe_loads(storage.read(METADATA_NAME), f"{storage.uri}/{METADATA_NAME}"))
+    except (CheckpointError, OSError, EOFError):
+        return False
+
+
 def classify(storage: Storage, listing: dict[str, int] | None = None) -> str:
-    """One of: missing, empty, committed, incomplete, dcp, other."""
-    if not storage.exists():
+    """One of: missing, empty, committed, incomplete, dcp, other.
+
+    incomplete: a save that never committed (pending marker, or shards without `.metadata`),
+    or a ckptlib checkpoint without its manifest (see the module docstring).
+    """
+    if listing is None:
+        if not storage.exists():
+            return "missing"
+        listing = storage.list()
+    elif not listing and not storage.exists():
         return "missing"
-    listing = storage.list() if listing is None else listing
     if not listing:
         return "empty"
     if MANIFEST_NAME in listing:
         return "committed"
     if PENDING_NAME in listing or any(shard_rank(n) is not None for n in listing):
-        return "incomplete" if METADATA_NAME not in listing or PENDING_NAME in listing else "dcp"
-    if METADATA_NAME in listing:
-        return "dcp"
-    return "other"
+        if METADATA_NAME not in listing or PENDING_NAME in listing:
+            return "incomplete"
+    elif METADATA_NAME not in listing:
+        return "other"
+    return "incomplete" if _marked_by_ckptlib(storage) else "dcp"
 
 
-def open_checkpoint(storage: Storage, *, verify: bool = True) -> CheckpointInfo:
-    """Find out what is at `storage` and read its manifest and metadata, or raise why not."""
+def not_a_checkpoint_error(storage: Storage, kind: str) -> CheckpointError | None:
+    """The error for a `classify` kind that is no checkpoint at all (missing, a file, empty,
+    unrelated files), or None."""
     uri = storage.uri
     is_file = getattr(storage, "is_file", None)
     if is_file is not None and is_file():
-        raise NotACheckpointError(f"{uri} is a file, not a checkpoint directory", path=uri)
-    listing = storage.list() if storage.exists() else {}
-    kind = classify(storage, listing)
+        return NotACheckpointError(f"{uri} is a file, not a checkpoint directory", path=uri)
     if kind == "missing":
-        raise CheckpointNotFoundError(f"no checkpoint at {uri}: the path does not exist", path=uri)
+        return CheckpointNotFoundError(f"no checkpoint at {uri}: the path does not exist", path=uri)
     if kind in ("empty", "other"):
-        raise NotACheckpointError(
+        return NotACheckpointError(
             f"{uri} is not a checkpoint: no {MANIFEST_NAME} and no DCP {METADATA_NAME} in it", path=uri
         )
+    return None
+
+
+def open_checkpoint(storage: Storage, *, verify: bool = True, check_files: bool = True) -> CheckpointInfo:
+    """Find out what is at `storage` and read its manifest and metadata, or raise why not.
+
+    Checks (cheaply, without reading shards) that every file the manifest lists exists with
+    its size (`check_files`), and that `.metadata` is consistent with the manifest and the
+    files: its storage records stay inside the directory and their files, and every tensor's
+    chunks lie inside it and add up to it (`verify.structure_problems`).
+    """
+    uri = storage.uri
+    listing = storage.list() if storage.exists() else {}
+    kind = classify(storage, listing)
+    error = not_a_checkpoint_error(storage, kind)
+    if error is not None:
+        raise error
     if kind == "incomplete":
-        raise CheckpointIncompleteError(
-            f"{uri} is an uncommitted checkpoint: a save started but never wrote {MANIFEST_NAME} "
-            "(crashed or still running)",
-            path=uri,
+        if PENDING_NAME in listing or METADATA_NAME not in listing:
+            raise CheckpointIncompleteError(
+                f"{uri} is an uncommitted checkpoint: a save started but never wrote {MANIFEST_NAME} "
+                "(crashed or still running)",
+                path=uri,
+            )
+        where = f"{uri}/{MANIFEST_NAME}"
+        raise CheckpointCorruptError(
+            f"{where} is missing: {METADATA_NAME} says ckptlib wrote this checkpoint, but without its manifest "
+            "its files cannot be verified (the manifest was deleted, or a save or deletion was interrupted); "
+            "refusing to load it as plain DCP",
+            path=where,
         )
     manifest = None
     if kind == "committed":
         manifest = read_manifest(storage)
-        problems = _missing_or_resized(manifest, listing)
+        problems = _missing_or_resized(manifest, listing) if check_files else []
         if problems:
-            raise CheckpointCorruptError(f"{uri}: files do not match the manifest: " + "; ".join(problems), path=uri)
+            raise CheckpointCorruptError(
+                f"{uri}: files do not match the manifest: " + "; ".join(text for _, text in problems),
+                path=f"{uri}/{problems[0][0]}",
+            )
     metadata = read_metadata(storage, manifest, verify=verify)
+    from .verify import structure_problems  # verify imports this module
+
+    errors = [p for p in structure_problems(metadata, manifest, listing, exhaustive=False) if p.is_error]
+    if errors:
+        cls = UnsafeCheckpointError if any(p.kind == "unsafe" for p in errors) else CheckpointCorruptError
+        errors.sort(key=lambda p: p.kind != "unsafe")
+        shown = "; ".join(p.text() for p in errors[:5]) + (f" ... ({len(errors)} problems in all)" if len(errors) > 5 else "")
+        raise cls(f"{uri}: {METADATA_NAME} does not match the checkpoint's files: {shown}", path=f"{uri}/{errors[0].file or METADATA_NAME}")
     return CheckpointInfo(uri=uri, kind="ckptlib" if manifest else "dcp", manifest=manifest, metadata=metadata)
 
 
@@ -137,7 +196,7 @@ def commit(storage: Storage, manifest: Manifest) -> None:
     problems = _missing_or_resized(manifest, listing)
     if problems:
         raise CheckpointCorruptError(
-            f"{storage.uri}: refusing to commit, " + "; ".join(problems), path=storage.uri
+            f"{storage.uri}: refusing to commit, " + "; ".join(text for _, text in problems), path=storage.uri
         )
     storage.write(MANIFEST_NAME, manifest.to_bytes())
     storage.delete([PENDING_NAME])

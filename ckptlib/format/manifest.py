@@ -3,6 +3,10 @@
 It records who wrote the checkpoint (format, ckptlib and torch versions, world size, step,
 user metadata) and every file with its size and CRC-32, plus the CRC-32 of each item
 (offset, length) so a rank that reads only part of a file can still verify what it read.
+The manifest carries a CRC-32 of its own canonical JSON (`checksum`), so a damaged manifest
+is detected too; manifests without one (written before it existed) are still accepted.
+File names must stay inside the checkpoint directory: a name that is absolute or holds
+`..` is refused (UnsafeCheckpointError) before anything is read.
 """
 
 from __future__ import annotations
@@ -10,15 +14,41 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import zlib
 from typing import Any
 
-from ..errors import CheckpointCorruptError, StateError
+from ..errors import CheckpointCorruptError, StateError, UnsafeCheckpointError
 
 MANIFEST_NAME = "ckptlib.json"
 PENDING_NAME = "ckptlib.pending"
 METADATA_NAME = ".metadata"
 FORMAT_NAME = "ckptlib"
 FORMAT_VERSION = 1
+# Written into `.metadata` (StorageMeta.modules) so a ckptlib checkpoint that lost its
+# manifest is never mistaken for plain DCP; plain `dcp.load` ignores the field.
+METADATA_MARKER = "ckptlib"
+
+
+def check_name(name: Any, where: str, what: str = "file name") -> str:
+    """`name` if it is a relative path that stays inside the checkpoint, else UnsafeCheckpointError.
+
+    Checkpoint files (manifest entries, `.metadata` storage records) are read relative to the
+    checkpoint directory; a crafted absolute name or one with `..` would read elsewhere.
+    """
+    if not isinstance(name, str) or not name:
+        raise UnsafeCheckpointError(f"{where}: invalid {what} {name!r}", path=where)
+    parts = name.split("/")
+    if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
+        raise UnsafeCheckpointError(
+            f"{where}: {what} {name!r} escapes the checkpoint directory (absolute or '..'); "
+            "refusing to read it",
+            path=where,
+        )
+    return name
+
+
+def _canonical(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
 @dataclasses.dataclass
@@ -37,9 +67,29 @@ class FileRecord:
             items = [tuple(int(v) for v in item) for item in data.get("items", [])]
             if any(len(i) != 3 for i in items):
                 raise ValueError("item records need (offset, length, crc32)")
-            return cls(size=int(data["size"]), crc32=int(data["crc32"]), items=items)  # type: ignore[arg-type]
+            record = cls(size=int(data["size"]), crc32=int(data["crc32"]), items=items)  # type: ignore[arg-type]
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointCorruptError(f"{where}: malformed file record ({exc})", path=where) from exc
+        problem = record.problem()
+        if problem:
+            raise CheckpointCorruptError(f"{where}: malformed file record ({problem})", path=where)
+        return record
+
+    def problem(self) -> str | None:
+        """Why this record cannot describe a real file (negative sizes, items outside the file or
+        overlapping each other), or None."""
+        if self.size < 0 or not 0 <= self.crc32 < 1 << 32:
+            return f"size {self.size}, crc32 {self.crc32}"
+        end = 0
+        for off, length, crc in self.items:
+            if off < 0 or length < 0 or not 0 <= crc < 1 << 32:
+                return f"item ({off}, {length}, {crc}) has a negative offset or length, or a bad crc32"
+            if off + length > self.size:
+                return f"item at offset {off} (length {length}) ends past the file size {self.size}"
+            if off < end:
+                return f"item at offset {off} overlaps the previous item or is out of order"
+            end = off + length
+        return None
 
 
 @dataclasses.dataclass
@@ -71,6 +121,7 @@ class Manifest:
             "metadata": self.metadata,
             "files": {name: rec.to_json() for name, rec in sorted(self.files.items())},
         }
+        doc["checksum"] = zlib.crc32(_canonical(doc))
         return json.dumps(doc, indent=1, sort_keys=False).encode("utf-8")
 
     @classmethod
@@ -81,6 +132,11 @@ class Manifest:
             raise CheckpointCorruptError(f"{where}: manifest is not valid JSON ({exc})", path=where) from exc
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise CheckpointCorruptError(f"{where}: not a ckptlib manifest", path=where)
+        checksum = doc.pop("checksum", None)
+        if checksum is not None and checksum != zlib.crc32(_canonical(doc)):
+            raise CheckpointCorruptError(
+                f"{where}: manifest checksum mismatch (the manifest itself is damaged or was edited)", path=where
+            )
         version = doc.get("format_version")
         if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
             raise CheckpointCorruptError(
@@ -88,11 +144,17 @@ class Manifest:
                 f"(this ckptlib reads 1..{FORMAT_VERSION}; upgrade ckptlib)",
                 path=where,
             )
+        if isinstance(doc.get("files"), dict):
+            for name in doc["files"]:
+                check_name(name, where, "manifest file name")
         try:
             files = {str(k): FileRecord.from_json(v, f"{where}:{k}") for k, v in doc["files"].items()}
             step = doc.get("step")
+            world_size = int(doc["world_size"])
+            if world_size < 1 or (step is not None and int(step) < 0):
+                raise ValueError(f"world_size {world_size}, step {step}")
             return cls(
-                world_size=int(doc["world_size"]),
+                world_size=world_size,
                 files=files,
                 step=None if step is None else int(step),
                 metadata=dict(doc.get("metadata") or {}),

@@ -54,6 +54,23 @@ class Storage(Protocol):
         """A filesystem path for `path` when the backend is a local filesystem, else None."""
 
 
+@runtime_checkable
+class SupportsCreateExclusive(Protocol):
+    """Optional for backends: create an object only if nothing is there yet (used for the
+    checkpoint root's writer lock, `ckptlib.manager`). Kept out of `Storage` so backends
+    without it still satisfy the protocol; without it the lock is best effort.
+
+    Local: link(2) of a fully written temporary file (O_CREAT|O_EXCL where links are not
+    supported). S3: PutObject with `If-None-Match: *` (HTTP 412 PreconditionFailed means the
+    object exists: return False; 409 ConditionalRequestConflict: retry).
+    """
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Write `data` at `path` iff no object is there; True if this call created it, False if
+        one already existed. Atomic: of concurrent callers at most one gets True, and readers
+        never see a partial object."""
+
+
 def check_relative(path: str, root_uri: str) -> str:
     """Reject paths that would escape the storage root (absolute, '..', empty parts)."""
     if not isinstance(path, str) or path == "":

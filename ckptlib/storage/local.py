@@ -82,6 +82,50 @@ class LocalStorage:
         if self.fsync:
             _fsync_dir(os.path.dirname(full))
 
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Write `data` at `path` only if nothing is there (see base.SupportsCreateExclusive).
+
+        The bytes go to a temporary file first and are published with link(2), which fails if
+        the name exists, so a reader never sees a half-written object.
+        """
+        full = self._path(path)
+        self._ensure_parent(full)
+        tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            try:
+                os.link(tmp, full)
+            except FileExistsError:
+                return False
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                    raise
+                return self._create_exclusive_plain(full, data)  # a filesystem without hard links
+        except OSError as exc:
+            raise _os_error(exc, "cannot create", full) from exc
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if self.fsync:
+            _fsync_dir(os.path.dirname(full))
+        return True
+
+    def _create_exclusive_plain(self, full: str, data: bytes) -> bool:
+        try:
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        return True
+
     @contextlib.contextmanager
     def open_writer(self, path: str) -> Iterator[BinaryIO]:
         full = self._path(path)
