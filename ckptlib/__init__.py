@@ -17,13 +17,13 @@ from .errors import (
     UnsupportedError,
 )
 from .convert import ConvertResult, convert
-from .manager import CheckpointManager, KeepLast, StalePointerWarning
+from .manager import CheckpointManager, KeepLast, StaleLockWarning, StalePointerWarning
 from .state import KeepExistingRanks, RankLocal, ResizePolicy, ResizeWarning, RNGState
 
 __all__ = [
     "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
     "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "KeepExistingRanks", "KeepLast", "LoadResult",
     "LockedError", "MissingKeysError", "NotACheckpointError", "RNGState", "RankLocal", "ResizePolicy",
-    "ResizeWarning", "SaveResult", "ShapeMismatchError", "StalePointerWarning", "StateError",
+    "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",
     "StorageError", "UnsafeCheckpointError", "UnsupportedError", "__version__", "load", "save",
 ]

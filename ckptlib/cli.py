@@ -134,6 +134,31 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+    from .format.legacy import detect_format
+
+    detect_format(args.src)  # not-a-checkpoint / missing: exit 2 with the reason
+    result = convert(
+        args.src,
+        args.dst,
+        to=args.to,
+        force=args.force,
+        progress=not args.no_progress,
+        prefix=args.prefix,
+        trusted=args.trusted,
+    )
+    print(
+        f"converted {result.src} ({result.src_format}) -> {result.dst} ({result.to}): "
+        f"{result.tensors} tensors, {result.objects} objects, {result.tensor_bytes} bytes in {result.seconds:.2f}s"
+    )
+    for note in result.notes:
+        print(f"note: {note}")
+    if result.skipped:
+        print(f"skipped (not representable in {result.to}): {', '.join(result.skipped[:20])}")
+    return EXIT_OK
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     from .errors import CheckpointError
     from .format import MANIFEST_NAME, Manifest
@@ -291,6 +316,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="first remove the root's lock, whoever holds it (only when that writer is known to be gone)",
     )
     p.set_defaults(func=_cmd_gc)
+
+    p = sub.add_parser(
+        "convert",
+        help="convert any readable checkpoint to ckptlib/DCP, one torch.save file, or safetensors",
+        description=(
+            "Convert SRC (ckptlib, plain DCP from torch >= 2.0, a torch.save file, v0 per-rank files, "
+            "safetensors) to DST, streaming one tensor at a time. --to dcp writes a committed ckptlib "
+            "checkpoint loadable at any world size; --to torch one torch.save file of full tensors with the "
+            "saved nesting; --to safetensors the model tensors. Refuses to overwrite DST without --force."
+        ),
+    )
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--to", choices=["dcp", "torch", "safetensors"], default="dcp", help="target format (default dcp)")
+    p.add_argument("--force", action="store_true", help="overwrite DST if it exists")
+    p.add_argument("--prefix", default="model", help="state key that holds flat model files / is exported to safetensors (default model)")
+    p.add_argument("--trusted", action="store_true", help="allow arbitrary unpickling of objects in torch.save sources")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser(
         "unlock",

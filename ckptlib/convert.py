@@ -136,7 +136,12 @@ def convert(
     try:
         if to == "dcp":
             assert dst_storage is not None
-            prepare_save_target(dst_storage, overwrite=force, world_size=1)
+            try:
+                prepare_save_target(dst_storage, overwrite=force, world_size=1)
+            except CheckpointExistsError as exc:
+                raise CheckpointExistsError(
+                    f"{dst_storage.uri} already exists (pass force=True, or --force, to overwrite)", path=exc.path
+                ) from exc
             writer = fconv.save_dcp_streaming(dst_storage, source, on_tensor=tick)
             manifest = Manifest(
                 world_size=1,

@@ -67,7 +67,8 @@ class ShapeMismatchError(CheckpointError):
 
 
 class UnsafeCheckpointError(CheckpointError):
-    """Metadata or an object would need code execution (a pickle global outside the allowlist)."""
+    """Metadata or an object would need code execution (a pickle global outside the allowlist),
+    or a file name in the manifest/metadata escapes the checkpoint directory."""
 
 
 class StateError(CheckpointError):

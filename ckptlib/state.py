@@ -135,13 +135,15 @@ def _is_stateful(obj: Any) -> bool:
 
 
 def _check_tree(value: Any, path: str) -> None:
-    """Nested dicts may hold tensors, plain values and more dicts, not modules or optimizers."""
+    """Nested dicts may hold tensors, plain values and more dicts, not modules or optimizers.
+
+    Nested keys may contain '.' (raw model state dicts do); DCP joins the path with '.' and
+    rejects a resulting duplicate key.
+    """
     if isinstance(value, Mapping):
         for k, v in value.items():
             if not isinstance(k, str):
                 raise StateError(f"state key {path}.{k!r} must be a string, got {type(k).__name__}")
-            if "." in k:
-                raise StateError(f"state key {path}.{k} must not contain '.' (DCP joins nested keys with '.')")
             _check_tree(v, f"{path}.{k}")
     elif isinstance(value, (nn.Module, torch.optim.Optimizer, RankLocal)):
         raise StateError(

@@ -244,6 +244,7 @@ def test_unlock(tmp_path, capsys):
         ("gc", ["--keep", "--dry-run", "--force", "Takes the root's lock"]),
         ("unlock", ["ckptlib.lock"]),
         ("validate", ["--world-sizes"]),
+        ("convert", ["--to", "--force", "one tensor at a time"]),
     ],
 )
 def test_help_texts(capsys, command, phrases):
@@ -259,7 +260,7 @@ def test_top_level_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     out = capsys.readouterr().out
-    for command in ("validate", "verify", "inspect", "ls", "gc", "unlock"):
+    for command in ("validate", "verify", "inspect", "ls", "gc", "unlock", "convert"):
         assert f"    {command}" in out
 
 
@@ -275,3 +276,25 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
     assert done.returncode == 1 and done.stderr == ""
     assert f"{path}/__0_0.distcp (rank 0's shard): checksum mismatch in item at offset" in done.stdout
     assert done.stdout.splitlines()[-1] == f"{path}: DAMAGED, 1 problem"
+
+
+# ---------------------------------------------------------------- convert
+
+
+def test_convert_torch_save_to_dcp_then_refuse_overwrite(tmp_path, capsys):
+    src = os.path.join(FIXTURES, "torch_save", "checkpoint.pt")
+    dst = tmp_path / "converted"
+    rc, out, _ = _ckpt(capsys, "convert", src, dst, "--no-progress")
+    assert rc == 0 and out.startswith(f"converted {src} (torch_save) -> {dst} (dcp): ")
+    reference = torch.load(os.path.join(FIXTURES, "torch_save", "reference.pt"), weights_only=True)
+    loaded = {k: torch.zeros_like(v) for k, v in reference["model"].items()}
+    ckptlib.load(dst, {"model": loaded})
+    assert all(torch.equal(loaded[k], v) for k, v in reference["model"].items())
+    rc, _, err = _ckpt(capsys, "convert", src, dst, "--no-progress")
+    assert rc == 1 and "exists" in err and str(dst) in err
+    assert _ckpt(capsys, "convert", src, dst, "--no-progress", "--force")[0] == 0
+
+
+def test_convert_missing_source_is_exit_2(tmp_path, capsys):
+    rc, _, err = _ckpt(capsys, "convert", tmp_path / "nope", tmp_path / "out")
+    assert rc == 2 and err == f"ckpt convert: error: no checkpoint at {tmp_path / 'nope'}: the path does not exist\n"
