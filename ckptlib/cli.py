@@ -40,21 +40,26 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         if report is None:  # not rank 0
             return EXIT_OK
     else:
-        from .testing.launcher import launch
+        from .testing.launcher import RankError, launch
 
         root = args.root
         with tempfile.TemporaryDirectory(prefix="ckpt-validate-") as tmp:
             root = root or tmp
-            results = launch(
-                max(args.world_sizes),
-                validate.rank_entry,
-                root,
-                args.world_sizes,
-                wrap,
-                args.optim,
-                not args.json and not args.no_progress,
-                timeout=args.timeout,
-            )
+            try:
+                results = launch(
+                    max(args.world_sizes),
+                    validate.rank_entry,
+                    root,
+                    args.world_sizes,
+                    wrap,
+                    args.optim,
+                    not args.json and not args.no_progress,
+                    timeout=args.timeout,
+                )
+            except RankError as exc:
+                # A rank crashed or hung inside a pair: the group cannot go on to the next pair.
+                print(f"ckpt validate: FAILED, a rank stopped the run:\n{exc}", file=sys.stderr)
+                return EXIT_FAIL
         report = validate.report_from_json(results[0])
         if not args.root:
             report.root = "(temporary directory on local disk)"

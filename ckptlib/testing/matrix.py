@@ -195,8 +195,9 @@ def load_side(
 
     ref_model, ref_opt = setup(wrap, optim, seed=2, group=group)
     options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(ref_model, expected["model"], options=options)
-    set_optimizer_state_dict(ref_model, ref_opt, expected["optim"], options=options)
+    # set_*_state_dict replace entries of the dict they get (with DTensors): hand them copies.
+    set_model_state_dict(ref_model, _to_cpu(expected["model"]), options=options)
+    set_optimizer_state_dict(ref_model, ref_opt, _to_cpu(expected["optim"]), options=options)
     train_step(ref_model, ref_opt, steps)
     problems += differences(full_state(ref_model, ref_opt), resumed, "train-after-load")
     return problems

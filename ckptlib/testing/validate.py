@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 import traceback
 import uuid
@@ -138,9 +139,14 @@ def run_pairs(root: str, world_sizes: list[int], wrap: str, optim: str, progress
 
 
 def _cleanup(base: str) -> None:
+    """Remove the run's checkpoints; a failure here must not hide the report."""
+    from ..errors import CheckpointError
     from ..storage import open_storage
 
-    open_storage(base).delete_tree()
+    try:
+        open_storage(base).delete_tree()
+    except (CheckpointError, OSError) as exc:
+        print(f"ckpt validate: could not remove {base}: {exc}", file=sys.stderr)
 
 
 def default_wrap() -> str:
