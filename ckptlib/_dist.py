@@ -113,3 +113,27 @@ def gather_to_rank0(obj: Any, group=None) -> list[Any] | None:
     dst = dist.get_global_rank(group, 0) if group is not None else 0
     dist.gather_object(obj, out, dst=dst, group=group)
     return out
+
+
+def exit_barrier(timeout_s: float = 300.0) -> None:
+    """Wait, through the rendezvous store, until every rank is done with collectives.
+
+    Tearing a gloo group down while a peer still reads the last collective's bytes makes
+    that peer abort ("Connection closed by peer"); a store-based barrier before
+    destroy_process_group avoids the race.
+    """
+    if not is_distributed():
+        return
+    import time
+
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    world = dist.get_world_size()
+    key = "ckptlib/exit_barrier"
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while int(store.add(key, 0)) < world:
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"exit barrier: only {int(store.add(key, 0))} of {world} ranks arrived in {timeout_s:.0f}s")
+        time.sleep(0.01)

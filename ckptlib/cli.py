@@ -79,10 +79,13 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
 
     if not args.root:
         raise UsageError("under torchrun, --root is required (a path or s3:// URI every rank can reach)")
-    backend = args.backend
-    dist.init_process_group(backend)
+    from . import _dist
+
+    dist.init_process_group(args.backend)
     try:
-        return validate.run_pairs(args.root, args.world_sizes, wrap, args.optim, progress=not args.json)
+        report = validate.run_pairs(args.root, args.world_sizes, wrap, args.optim, progress=not args.json)
+        _dist.exit_barrier()
+        return report
     finally:
         dist.destroy_process_group()
 
