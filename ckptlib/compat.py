@@ -17,6 +17,7 @@ What moved or changed inside the window (2.6 .. 2.13), and how ckptlib copes:
   implementations accept and ignore extras. `_StorageInfo` gained `transform_descriptors`
   (DCP extensions) after 2.6; ckptlib reads it with getattr. `async_save` gained
   `async_checkpointer_type` / `async_stager` / `use_collectives` (`dcp_accepts`).
+  `dcp.save` / `dcp.load` gained `no_dist` after 2.6 (`dcp_save_no_dist`, `dcp_load_no_dist`).
 - `torch.load`: `weights_only` defaults to True from 2.6 on (and the TORCH_FORCE_*
   variables can flip it), so ckptlib always passes it explicitly; `load_weights_only_default`
   measures the effective default.
@@ -276,6 +277,34 @@ def dcp_accepts(name: str, argument: str) -> bool:
     return params is not None and argument in params
 
 
+def dcp_save_no_dist(state_dict: dict, *, storage_writer: Any, planner: Any = None) -> Any:
+    """`dcp.save(..., no_dist=True)`: one process, no collectives, even inside a process group.
+
+    torch 2.6's `dcp.save` has no `no_dist` (it decides from `dist.is_initialized()`, so in
+    a distributed job it would run collectives); its private `_save_state_dict` takes it
+    in every torch of the window.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if dcp_accepts("save", "no_dist"):
+        return dcp.save(state_dict, storage_writer=storage_writer, planner=planner, no_dist=True)
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    return _save_state_dict(state_dict, storage_writer=storage_writer, planner=planner, no_dist=True)
+
+
+def dcp_load_no_dist(state_dict: dict, *, storage_reader: Any, planner: Any = None) -> None:
+    """`dcp.load(..., no_dist=True)`; see `dcp_save_no_dist` (torch 2.6's `dcp.load` lacks it)."""
+    import torch.distributed.checkpoint as dcp
+
+    if dcp_accepts("load", "no_dist"):
+        dcp.load(state_dict, storage_reader=storage_reader, planner=planner, no_dist=True)
+        return
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    _load_state_dict(state_dict, storage_reader=storage_reader, planner=planner, no_dist=True)
+
+
 def require_dcp_argument(name: str, argument: str) -> None:
     if not dcp_accepts(name, argument):
         have = dcp_parameters(name)
@@ -309,6 +338,24 @@ def load_weights_only_default() -> bool:
     except Exception:  # noqa: BLE001 - another failure still means "restricted"
         return True
     return False
+
+
+@functools.lru_cache(maxsize=None)
+def meta_load_records_offsets() -> bool:
+    """Whether `torch.load(..., map_location="meta")` tells where each storage's bytes lie in
+    the file (`untyped_storage()._checkpoint_offset`), which CkptReader's zero-copy read of
+    local tensor items needs. Measured: torch 2.13 does, 2.9.1 and 2.6 do not (the reader
+    then takes its generic path: same results, one more copy)."""
+    buf = io.BytesIO()
+    torch.save(torch.arange(4, dtype=torch.float32), buf)
+    buf.seek(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            meta = torch.load(buf, map_location="meta", weights_only=True)
+        return isinstance(getattr(meta.untyped_storage(), "_checkpoint_offset", None), int)
+    except Exception:  # noqa: BLE001 - any failure means "not available"
+        return False
 
 
 def has_safe_globals() -> bool:
@@ -353,10 +400,12 @@ def describe() -> dict[str, Any]:
         "dtensor_module": dtensor_module_name(),
         "storage_info_fields": list(storage_info_fields()),
         "load_planner_allow_partial_load": dcp_accepts("DefaultLoadPlanner", "allow_partial_load"),
+        "dcp_no_dist": dcp_accepts("save", "no_dist") and dcp_accepts("load", "no_dist"),
         "async_save": dcp_parameters("async_save") is not None,
         "async_save_stager": dcp_accepts("async_save", "async_stager"),
         "storage_writer_setup": list(dcp_parameters("set_up_storage_writer") or ()),
         "dcp_to_torch_save": dcp_parameters("dcp_to_torch_save") is not None,
         "torch_load_weights_only_default": load_weights_only_default(),
+        "meta_load_records_offsets": meta_load_records_offsets(),
         "safe_globals": has_safe_globals(),
     }
