@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from typing import Sequence
@@ -81,13 +82,23 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
         raise UsageError("under torchrun, --root is required (a path or s3:// URI every rank can reach)")
     from . import _dist
 
-    dist.init_process_group(args.backend)
+    # gloo's C++ side prints "[Gloo] Rank ... connected" lines to stdout on some torch
+    # versions; keep stdout for the report (JSON must parse) by pointing fd 1 at stderr.
+    sys.stdout.flush()
+    saved_stdout = os.dup(1)
+    os.dup2(2, 1)
     try:
-        report = validate.run_pairs(args.root, args.world_sizes, wrap, args.optim, progress=not args.json)
-        _dist.exit_barrier()
-        return report
+        dist.init_process_group(args.backend)
+        try:
+            report = validate.run_pairs(args.root, args.world_sizes, wrap, args.optim, progress=not args.json)
+            _dist.exit_barrier()
+            return report
+        finally:
+            dist.destroy_process_group()
     finally:
-        dist.destroy_process_group()
+        sys.stdout.flush()
+        os.dup2(saved_stdout, 1)
+        os.close(saved_stdout)
 
 
 def _open(uri: str):

@@ -402,12 +402,36 @@ class CheckpointManager:
         target = self.storage.child(step_dir(step))
         _dist.decide_on_rank0(self._take_lock, self.process_group)
         try:
-            result = save(target, state, step=step, metadata=metadata, process_group=self.process_group)
+            replace = _dist.decide_on_rank0(lambda: self._replaceable(step), self.process_group)
+            if replace:
+                warnings.warn(replace, StalePointerWarning, stacklevel=2)
+            result = save(
+                target, state, step=step, metadata=metadata, overwrite=bool(replace), process_group=self.process_group
+            )
             _dist.decide_on_rank0(lambda: self._publish(step), self.process_group)
         except BaseException:
             self._drop_lock_after_failure()
             raise
         return result
+
+    def _replaceable(self, step: int) -> str | None:
+        """Why a committed `step` that `latest` does not name may be overwritten, or None.
+
+        It is a step the run never resumed from: committed just before a crash that came
+        before the pointer moved, or left by a run that was rolled back to an older step.
+        Refusing would leave the resumed run unable to save this step again. The step that
+        `latest` names is never overwritten.
+        """
+        name = step_dir(step)
+        if classify(self.storage.child(name)) != "committed":
+            return None
+        pointer = self.storage.read_pointer(LATEST)
+        if pointer == name:
+            return None
+        return (
+            f"{self.root_uri}/{name} is committed but {LATEST} names {pointer!r}: it was never resumed from "
+            "(a crash before the pointer moved, or a rollback); replacing it"
+        )
 
     def _publish(self, step: int) -> None:
         try:

@@ -106,6 +106,22 @@ def test_saving_an_existing_step_is_refused(tmp_path):
     assert torch.equal(state["w"], torch.full((3,), 7.0))
 
 
+def test_committed_but_unpublished_step_can_be_saved_again(tmp_path):
+    """A crash after step 6 committed but before `latest` moved: the run resumes from step 3,
+    trains to 6 again and must be able to save it (it would otherwise be stuck)."""
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root)
+    mgr.save(3, _state(3))
+    ckptlib.save(root / "step_0000000006", _state(6), step=6)  # committed, pointer not moved
+    got, _ = _load_w(mgr)
+    assert got == 3
+    with pytest.warns(StalePointerWarning, match="step_0000000006 is committed but latest names 'step_0000000003'"):
+        mgr.save(6, _state(66))
+    got, state = _load_w(mgr)
+    assert got == 6 and torch.equal(state["w"], torch.full((3,), 66.0))
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000003", "step_0000000006"]
+
+
 def test_loading_an_absent_step(tmp_path):
     mgr = CheckpointManager(tmp_path / "run")
     mgr.save(1, _state(1))

@@ -32,7 +32,6 @@ import warnings
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
@@ -58,7 +57,7 @@ def _quiet():
 def _dcp_load(template: dict, reader: StorageReader, planner) -> None:
     with _quiet():
         try:
-            dcp.load(template, storage_reader=reader, planner=planner, no_dist=True)
+            compat.dcp_load_no_dist(template, storage_reader=reader, planner=planner)
         except compat.checkpoint_exception_cls() as exc:
             failures = getattr(exc, "failures", None) or {}
             for failure in failures.values():
@@ -93,7 +92,11 @@ class SourceValues:
         return sum(self.nbytes(k) for k in self.tensor_keys)
 
     def _planner(self) -> SafeLoadPlanner:
-        return SafeLoadPlanner(trusted=self.trusted, allow_partial_load=True)
+        # No key flattening here: each request is one flat key already, and torch 2.9's
+        # flattening builds reference cycles that keep fetched tensors alive until gc.
+        return SafeLoadPlanner(
+            trusted=self.trusted, allow_partial_load=True, flatten_state_dict=False, flatten_sharded_tensors=False
+        )
 
     def tensor(self, fqn: str) -> torch.Tensor:
         """One full tensor, assembled from however many chunks the source stores it in."""
@@ -166,7 +169,7 @@ def save_dcp_streaming(
 
     writer = CkptWriter(storage)
     with _quiet():
-        dcp.save(state, storage_writer=writer, planner=_StreamingSavePlanner(fetch), no_dist=True)
+        compat.dcp_save_no_dist(state, storage_writer=writer, planner=_StreamingSavePlanner(fetch))
     return writer
 
 

@@ -85,6 +85,7 @@ _PG_TIMEOUT_MARGIN = 30.0
 _DUMP_WAIT = 1.0
 _DEATH_WINDOW = 1.0
 _READY = b"R"
+_DESTROY_TIMEOUT = 10.0
 _UP_KEY = "ckptlib.testing/up"
 
 
@@ -479,13 +480,32 @@ def _rank_main(spec: _RankSpec) -> None:
         except BaseException:
             pass
     if code == 0:
-        try:
-            import torch.distributed as dist
+        # The result is already with the launcher. destroy_process_group can hang on some
+        # torch versions (seen on 2.6: ~1 in 12 four-rank launches), so bound it and leave.
+        outcome: list = []
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except BaseException:
-            traceback.print_exc()
+        def _destroy() -> None:
+            try:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                outcome.append(exc)
+
+        worker = threading.Thread(target=_destroy, daemon=True)
+        worker.start()
+        worker.join(_DESTROY_TIMEOUT)
+        if not outcome:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            os._exit(code)
+        if outcome[0] is not None:
+            traceback.print_exception(outcome[0])
             code = 3
     del store
     for stream in (sys.stdout, sys.stderr):
