@@ -498,22 +498,22 @@ def _rank_main(spec: _RankSpec) -> None:
         worker.start()
         worker.join(_DESTROY_TIMEOUT)
         if not outcome:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:
-                    pass
+            _flush_std_streams()
             os._exit(code)
         if outcome[0] is not None:
             traceback.print_exception(outcome[0])
             code = 3
     del store
+    _flush_std_streams()
+    sys.exit(code)
+
+
+def _flush_std_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
-    sys.exit(code)
 
 
 # --------------------------------------------------------------------------- parent side
