@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 import warnings
 from typing import Any, Mapping
 
@@ -89,21 +90,65 @@ def save(
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
     process_group=None,
+    async_: bool = False,
+    _background=None,
 ) -> SaveResult:
     """Save `state` as a sharded DCP checkpoint at `uri` and commit it with a manifest.
 
     Collective: every rank of `process_group` calls it with its own shard of the state.
+
+    `async_=True`: return an `AsyncSave` handle as soon as the state is staged to CPU memory;
+    the write and the commit run in a background thread on a dedicated gloo group (see
+    `ckptlib.async_save`). `handle.wait()` returns this SaveResult or raises the failure.
+    (`_background(run, group)`, private: wraps the background work, e.g. the manager's
+    publish after the commit; `group` is the dedicated group its collectives must use.)
     """
+    started = time.perf_counter()
     storage = _storage(uri)
     group = process_group
+    if async_:
+        from . import async_save
+
+        async_save.wait_inflight(group)  # one background save per group at a time
+        bg_group = async_save.async_group(group)
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
-    user_metadata = _dist.agree(lambda: check_metadata_json(metadata), group)
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise StateError(f"step must be a non-negative int, got {step!r}")
 
-    state_dict = _dist.agree(lambda: to_save_state_dict(state, rank=rank), group)
-    _dist.decide_on_rank0(lambda: prepare_save_target(storage, overwrite=overwrite, world_size=world), group)
+    def check_and_collect() -> tuple[dict[str, Any], dict[str, Any]]:
+        # One collective round for every check (each used to cost its own round trip).
+        user_metadata = check_metadata_json(metadata)
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise StateError(f"step must be a non-negative int, got {step!r}")
+        state_dict = to_save_state_dict(state, rank=rank)
+        if async_:
+            state_dict = async_save.stage(state_dict, group)  # the copy the background writes
+        return user_metadata, state_dict
 
+    user_metadata, state_dict = _dist.agree(check_and_collect, group)
+    if not async_:
+        _dist.decide_on_rank0(lambda: prepare_save_target(storage, overwrite=overwrite, world_size=world), group)
+        return _write_and_commit(storage, state_dict, group, world=world, step=step, user_metadata=user_metadata)
+    staged = state_dict
+    del state_dict
+
+    def run() -> SaveResult:
+        # Preparing the target (removing debris, the fsynced pending marker) waits for the disk,
+        # so it runs here, still before any shard is written; its errors (CheckpointExistsError)
+        # come from wait().
+        _dist.decide_on_rank0(lambda: prepare_save_target(storage, overwrite=overwrite, world_size=world), bg_group)
+        return _write_and_commit(storage, staged, bg_group, world=world, step=step, user_metadata=user_metadata)
+
+    def work() -> SaveResult:
+        return run() if _background is None else _background(run, bg_group)
+
+    handle = async_save.AsyncSave(storage.uri, work, blocking_seconds=time.perf_counter() - started, started=started)
+    async_save.register(group, handle)
+    return handle  # type: ignore[return-value]
+
+
+def _write_and_commit(
+    storage: Storage, state_dict: dict[str, Any], group, *, world: int, step: int | None, user_metadata: dict[str, Any]
+) -> SaveResult:
+    """Write every rank's shard through DCP, then let rank 0 commit the manifest (collective on `group`)."""
     writer = CkptWriter(storage)
     try:
         with _quiet_single_process():

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pickle
 import re
+import sys
 import zlib
 from collections import defaultdict
 from typing import Any
@@ -39,9 +41,11 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from .. import compat
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
 from ..storage import Storage
+from ..storage.local import LocalStorage
 from .manifest import METADATA_MARKER, METADATA_NAME, FileRecord, Manifest, check_name
 from .safe_pickle import safe_loads
 
+_LOCAL_READ = LocalStorage.read  # as imported, before anything could patch it
 _SHARD_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 
@@ -69,15 +73,153 @@ def _shard_file_name(prefix: str) -> str:
     return f"{prefix}0.distcp"
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+def _tensor_for_save(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         tensor = tensor.contiguous().clone()  # a view would otherwise save its whole storage
-    buf = io.BytesIO()
-    torch.save(tensor, buf)
-    return buf.getbuffer()
+    return tensor
+
+
+# --------------------------------------------------------------------------- fast paths
+# Performance notes (measured on the 2-core dev box, see docs/benchmarks.md):
+# - zlib.crc32 runs at ~1.1 GiB/s there, slower than a page-cache read; zlib-ng's (same
+#   CRC-32 polynomial, so identical values and an identical manifest) runs at ~14 GiB/s and,
+#   like zlib's, releases the GIL. It is used when the optional `zlib-ng` package is present.
+# - The writer serializes with torch.save straight into the shard stream through `_CrcSink`
+#   (the bytes are identical to torch.save into a BytesIO, which is what plain DCP writes),
+#   instead of into a BytesIO that is then copied: no second copy of each item in memory.
+# - The reader (`CkptReader._read_local_tensor`) reads a tensor item's data record straight
+#   into the destination tensor with preadv and checksums it there, and reads only the rows
+#   a resharded load needs when it does not verify.
+try:  # pragma: no cover - depends on the install
+    from zlib_ng.zlib_ng import crc32 as crc32
+    from zlib_ng.zlib_ng import crc32_combine as _crc32_combine
+except ImportError:  # pragma: no cover
+    crc32 = zlib.crc32
+    _crc32_combine = None  # then the file CRC is a second pass over the bytes
+
+# Items at least this large are read through the zero-copy path (their layout comes from a
+# zip-directory parse, or a metadata-only torch.load of the item; ~0.1-1 ms); smaller ones
+# are read whole and decoded with torch.load.
+_DIRECT_MIN = 1 << 20
+# Chunk of the streaming reads (checksummed while the chunk is still in cache).
+_CHUNK = 4 << 20
+# Upper bound of one coalesced ranged read on backends without a local file (S3).
+_MAX_SPAN = 64 << 20
+
+
+def _crc_step(running: list[int], chunk: memoryview) -> None:
+    running[0] = crc32(chunk, running[0])
+
+
+class _CrcSink:
+    """What torch.save writes into: forwards to the shard stream and keeps the running CRC-32
+    of the file and of the current item, and the offset."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.pos = 0
+        self.file_crc = 0
+        self.item_crc = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        self.item_crc = crc32(view, self.item_crc)
+        if _crc32_combine is None:
+            self.file_crc = crc32(view, self.file_crc)
+        self.stream.write(view)
+        self.pos += view.nbytes
+        return view.nbytes
+
+    def end_item(self, length: int) -> None:
+        """Fold the finished item's CRC into the file's (one pass over the bytes, not two)."""
+        if _crc32_combine is not None:
+            self.file_crc = _crc32_combine(self.file_crc, self.item_crc, length)
+
+    def flush(self) -> None:
+        pass
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable flat byte view of a contiguous CPU tensor's memory."""
+    if tensor.numel() == 0:
+        return memoryview(bytearray(0))
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill `view` from `fd` at `offset`; returns the bytes read (short only at end of file)."""
+    done = 0
+    total = view.nbytes
+    while done < total:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable file-like view of bytes [base, base+size) of a file descriptor,
+    so torch.load can decode one item of a shard file in place."""
+
+    def __init__(self, fd: int, base: int, size: int):
+        super().__init__()
+        self._fd, self._base, self._size, self._pos = fd, base, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        start = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, start + offset)
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(view.nbytes, self._size - self._pos))
+        got = _pread_into(self._fd, view[:n], self._base + self._pos) if n else 0
+        self._pos += got
+        return got
+
+
+class _MemReader(io.RawIOBase):
+    """A seekable file-like over a memoryview that torch.load can read without a copy of it."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        start = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
+        self._pos = max(0, start + offset)
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(view.nbytes, self._view.nbytes - self._pos))
+        view[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
 
 
 class CkptWriter(StorageWriter):
@@ -111,18 +253,24 @@ class CkptWriter(StorageWriter):
         ordered: list[WriteItem] = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
         ordered += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
         with self.storage.open_writer(name) as stream:
+            sink = _CrcSink(stream)
             for item in ordered:
                 data = planner.resolve_data(item)
-                blob = data.getbuffer() if isinstance(data, io.BytesIO) else _tensor_bytes(data)
-                length = len(blob)
-                crc = zlib.crc32(blob)
-                file_crc = zlib.crc32(blob, file_crc)
-                stream.write(blob)
-                items.append((offset, length, crc))
+                sink.item_crc = 0
+                if isinstance(data, io.BytesIO):
+                    sink.write(data.getbuffer())
+                else:
+                    # Straight into the stream: identical bytes to torch.save into a BytesIO.
+                    torch.save(_tensor_for_save(data), sink)
+                del data  # never hold this item while the planner resolves the next one
+                length = sink.pos - offset
+                sink.end_item(length)
+                items.append((offset, length, sink.item_crc))
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, offset, length))
                 )
-                offset += length
+                offset = sink.pos
+            file_crc = sink.file_crc
         self.file_records[name] = FileRecord(size=offset, crc32=file_crc, items=items)
         fut: Future = Future()
         fut.set_result(results)
@@ -168,11 +316,16 @@ def read_metadata(storage: Storage, manifest: Manifest | None, *, verify: bool =
     return metadata
 
 
-def _coalesce(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Merge (offset, length) spans, sorted, that lie within _COALESCE_GAP of each other."""
+def _coalesce(spans: list[tuple[int, int]], max_span: int | None = None) -> list[tuple[int, int]]:
+    """Merge (offset, length) spans, sorted, that lie within _COALESCE_GAP of each other (into
+    spans of at most `max_span` bytes, unless a single item is larger)."""
     merged: list[list[int]] = []
     for off, length in sorted(spans):
-        if merged and off <= merged[-1][0] + merged[-1][1] + _COALESCE_GAP:
+        if (
+            merged
+            and off <= merged[-1][0] + merged[-1][1] + _COALESCE_GAP
+            and (max_span is None or max(merged[-1][0] + merged[-1][1], off + length) - merged[-1][0] <= max_span)
+        ):
             end = max(merged[-1][0] + merged[-1][1], off + length)
             merged[-1][1] = end - merged[-1][0]
         else:
@@ -232,6 +385,288 @@ class CkptReader(StorageReader):
                 f"{where}: checksum mismatch in item at offset {off} (length {len(data)}){whose(name)}", path=where
             )
 
+    # -- reading ------------------------------------------------------------------------
+    def _local_file(self, name: str) -> str | None:
+        """The shard file's path when the storage is a plain local directory (the zero-copy
+        path reads it with preadv); None for other backends, which go through `storage.read`."""
+        storage = self.storage
+        # A storage whose read() was replaced (fault injection, instrumentation) is read through it.
+        if isinstance(storage, LocalStorage) and type(storage).read is _LOCAL_READ and hasattr(os, "preadv"):
+            return storage.local_path(name)
+        return None
+
+    def _read_spans(self, name: str, reqs: list[Any], crcs, planner: LoadPlanner) -> None:
+        """Any backend: coalesced ranged reads (few round trips on S3), one span in memory at a time."""
+        where = f"{self.storage.uri}/{name}"
+        spans = _coalesce([(info.offset, info.length) for _, info in reqs], max_span=_MAX_SPAN)
+        by_span: dict[tuple[int, int], list[Any]] = defaultdict(list)
+        for req, info in reqs:
+            span = next(s for s in spans if s[0] <= info.offset and info.offset + info.length <= s[0] + s[1])
+            by_span[span].append((req, info))
+        for off, length in spans:
+            try:
+                blob = memoryview(self.storage.read(name, off, length))
+            except FileNotFoundError as exc:
+                raise CheckpointCorruptError(f"{where}: shard file is missing{whose(name)}", path=where) from exc
+            except EOFError as exc:
+                raise CheckpointCorruptError(f"{where}: shard file is truncated{whose(name)}: {exc}", path=where) from exc
+            self.bytes_read += length
+            for req, info in by_span[(off, length)]:
+                start = info.offset - off
+                data = blob[start : start + info.length]
+                self._check_item(name, crcs, info.offset, data)
+                self._apply(name, req, info, data, planner)
+            del blob
+
+    def _read_local(self, name: str, path: str, reqs: list[Any], crcs, planner: LoadPlanner) -> None:
+        where = f"{self.storage.uri}/{name}"
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(f"{where}: shard file is missing{whose(name)}", path=where) from exc
+        try:
+            size = os.fstat(fd).st_size
+            for req, info in sorted(reqs, key=lambda r: r[1].offset):
+                if info.offset + info.length > size:
+                    raise CheckpointCorruptError(
+                        f"{where}: shard file is truncated{whose(name)}: {path}: wanted {info.length} bytes at "
+                        f"offset {info.offset}, file holds {size}",
+                        path=where,
+                    )
+                expected = None
+                if crcs is not None:
+                    expected = crcs.get(info.offset)
+                    if expected is None or expected[0] != info.length:
+                        raise CheckpointCorruptError(
+                            f"{where}: item at offset {info.offset} is not recorded in the manifest{whose(name)}",
+                            path=where,
+                        )
+                if (
+                    req.type != LoadItemType.BYTE_IO
+                    and info.length >= _DIRECT_MIN
+                    and self._read_local_tensor(fd, name, req, info, expected, planner)
+                ):
+                    continue
+                data = memoryview(bytearray(info.length))
+                got = _pread_into(fd, data, info.offset)
+                self.bytes_read += got
+                if got != info.length:
+                    raise CheckpointCorruptError(
+                        f"{where}: shard file is truncated{whose(name)}: {path}: wanted {info.length} bytes at "
+                        f"offset {info.offset}, file holds {info.offset + got}",
+                        path=where,
+                    )
+                self._check_item(name, crcs, info.offset, data)
+                self._apply(name, req, info, data, planner)
+        finally:
+            os.close(fd)
+
+    def _crc_helper(self):
+        helper = self.__dict__.get("_helper")
+        if helper is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            helper = self._helper = ThreadPoolExecutor(1, thread_name_prefix="ckptlib-crc")
+        return helper
+
+    def _close_helper(self) -> None:
+        helper = self.__dict__.pop("_helper", None)
+        if helper is not None:
+            helper.shutdown(wait=True)
+
+    def _scratch(self) -> memoryview:
+        buf = getattr(self, "_scratch_buf", None)
+        if buf is None:
+            buf = self._scratch_buf = memoryview(bytearray(_CHUNK))
+        return buf
+
+    def _crc_range(self, fd: int, start: int, end: int, crc: int) -> int:
+        """Extend `crc` over file bytes [start, end), read in cache-sized chunks."""
+        scratch = self._scratch()
+        pos = start
+        while pos < end:
+            n = _pread_into(fd, scratch[: min(_CHUNK, end - pos)], pos)
+            if n <= 0:
+                raise EOFError(f"short read at offset {pos}")
+            crc = crc32(scratch[:n], crc)
+            self.bytes_read += n
+            pos += n
+        return crc
+
+    def _chunk_sizes(self, fqn: str, offsets) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        """dtype and size of the stored chunk of `fqn` at `offsets`, from `.metadata`."""
+        cache = self.__dict__.setdefault("_chunks", {})
+        if fqn not in cache:
+            md = self.metadata.state_dict_metadata.get(fqn)
+            chunks = getattr(md, "chunks", None)
+            if chunks is None:
+                cache[fqn] = None
+            else:
+                cache[fqn] = (md.properties.dtype, {tuple(c.offsets): tuple(c.sizes) for c in chunks})
+        found = cache[fqn]
+        if found is None:
+            return None
+        sizes = found[1].get(tuple(offsets))
+        return None if sizes is None else (found[0], sizes)
+
+    def _ckptlib_layout(self, fd: int, info, req) -> tuple[torch.Tensor, int] | None:
+        """(meta tensor, offset of its data record in the item) without unpickling anything.
+
+        CkptWriter saves every tensor item contiguous and with its own storage, so shape and
+        dtype are those of the chunk in `.metadata`, and the data is the item's only
+        `*/data/<key>` zip record, which must be stored uncompressed and exactly that large.
+        Anything else: None, and the caller decodes the item's header with torch.load (a
+        metadata-only load costs ~1 ms an item, this ~0.1 ms)."""
+        import zipfile
+
+        found = self._chunk_sizes(req.storage_index.fqn, req.storage_index.offset)
+        if found is None:
+            return None
+        dtype, sizes = found
+        window = _Window(fd, info.offset, info.length)
+        with zipfile.ZipFile(window) as archive:
+            records = [z for z in archive.infolist() if "/data/" in z.filename and "/." not in z.filename]
+        if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
+            return None
+        entry = records[0]
+        meta = torch.empty(sizes, dtype=dtype, device="meta")
+        if entry.file_size != meta.numel() * meta.element_size():
+            return None
+        header = bytearray(30)
+        if _pread_into(fd, memoryview(header), info.offset + entry.header_offset) != 30 or header[:4] != b"PK\x03\x04":
+            return None
+        name_len = int.from_bytes(header[26:28], "little")
+        extra_len = int.from_bytes(header[28:30], "little")
+        return meta, entry.header_offset + 30 + name_len + extra_len
+
+    def _read_local_tensor(self, fd: int, name: str, req, info, expected, planner: LoadPlanner) -> bool:
+        """Read one tensor item of a local shard file without intermediate copies: decode only
+        its header (a metadata-only torch.load), then preadv the data record straight into the
+        destination tensor, checksumming each chunk right after it lands. Unverified, only the
+        bytes of the requested chunk are read (resharded loads). Returns False to leave an item
+        of an unexpected shape to the generic path (which reports what is wrong with it)."""
+        where = f"{self.storage.uri}/{name}"
+        try:
+            layout = self._ckptlib_layout(fd, info, req) if self.manifest is not None else None
+            if layout is None:
+                meta = torch.load(_Window(fd, info.offset, info.length), map_location="meta", weights_only=True)
+                layout = meta, getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+            meta, record = layout
+            if (
+                type(meta) not in (torch.Tensor, torch.nn.Parameter)
+                or meta.layout != torch.strided
+                or not meta.is_contiguous()
+                or not isinstance(record, int)
+                or record < 0
+                or record + meta.untyped_storage().nbytes() > info.length
+                or sys.byteorder != "little"  # torch.save writes native order; ours is little-endian
+            ):
+                return False
+            sub = meta
+            for dim, (start_d, len_d) in enumerate(zip(req.storage_offsets, req.lengths)):
+                sub = sub.narrow(dim, start_d, len_d)
+        except Exception:  # noqa: BLE001 - the generic path decodes it again and reports
+            return False
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != sub.size():
+            raise CheckpointCorruptError(
+                f"{where}: {req.storage_index.fqn}: stored chunk has shape {tuple(sub.size())}, "
+                f"expected {tuple(target.size())}",
+                path=where,
+            )
+        size = meta.element_size()
+        if sub.is_contiguous():  # the whole item, or whole rows of it
+            first, count, region = sub.storage_offset(), sub.numel(), sub
+        else:  # e.g. a column block: read the stored tensor whole, narrow after
+            first, count, region = meta.storage_offset(), meta.numel(), meta
+        if (
+            target.device.type == "cpu"
+            and target.is_contiguous()
+            and target.dtype == meta.dtype
+            and region is sub
+        ):
+            dest = target
+        else:
+            dest = torch.empty(region.size(), dtype=meta.dtype)
+        begin = record + first * size
+        end = begin + count * size
+        view = _byte_view(dest)
+        crc = 0
+        try:
+            if expected is not None:
+                crc = self._crc_range(fd, info.offset, info.offset + begin, 0)
+            # The checksum of chunk k runs on a helper thread while chunk k+1 is read (both
+            # release the GIL), so with a core to spare verification adds almost no latency.
+            running = [crc]
+            pending = None
+            helper = self._crc_helper() if expected is not None and view.nbytes > _CHUNK else None
+            try:
+                pos = 0
+                while pos < view.nbytes:
+                    chunk = view[pos : pos + _CHUNK]
+                    n = _pread_into(fd, chunk, info.offset + begin + pos)
+                    self.bytes_read += n
+                    if n != chunk.nbytes:
+                        raise EOFError(f"short read at offset {info.offset + begin + pos}")
+                    if helper is not None:
+                        pending = helper.submit(_crc_step, running, chunk)
+                    elif expected is not None:
+                        running[0] = crc32(chunk, running[0])
+                    pos += n
+            finally:
+                if pending is not None:
+                    pending.result()  # the helper is one thread: every earlier step is done too
+            crc = running[0]
+            if expected is not None:
+                crc = self._crc_range(fd, info.offset + end, info.offset + info.length, crc)
+        except EOFError as exc:
+            raise CheckpointCorruptError(f"{where}: shard file is truncated{whose(name)}: {exc}", path=where) from exc
+        if expected is not None and crc != expected[1]:
+            raise CheckpointCorruptError(
+                f"{where}: checksum mismatch in item at offset {info.offset} (length {info.length}){whose(name)}",
+                path=where,
+            )
+        if dest is not target:
+            if region is not sub:
+                for dim, (start_d, len_d) in enumerate(zip(req.storage_offsets, req.lengths)):
+                    dest = dest.narrow(dim, start_d, len_d)
+            target.copy_(dest)
+        planner.commit_tensor(req, target)
+        return True
+
+    def _apply(self, name: str, req, info, data: memoryview, planner: LoadPlanner) -> None:
+        """Hand one verified item (its bytes in memory) to the planner."""
+        where = f"{self.storage.uri}/{name}"
+        if req.type == LoadItemType.BYTE_IO:
+            try:
+                planner.load_bytes(req, io.BytesIO(data.tobytes()))
+            except UnsafeCheckpointError as exc:
+                if exc.path is None:
+                    exc.path = where
+                    exc.message = f"{where}{whose(name)}: {exc.message}"
+                    exc.args = (exc.message,)
+                raise
+            return
+        try:
+            tensor = torch.load(_MemReader(data), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise CheckpointCorruptError(
+                f"{where}: cannot decode tensor {req.storage_index.fqn} at offset {info.offset}"
+                f"{whose(name)}: {exc}",
+                path=where,
+            ) from exc
+        for dim, (start_d, len_d) in enumerate(zip(req.storage_offsets, req.lengths)):
+            tensor = tensor.narrow(dim, start_d, len_d)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CheckpointCorruptError(
+                f"{where}: {req.storage_index.fqn}: stored chunk has shape {tuple(tensor.size())}, "
+                f"expected {tuple(target.size())}",
+                path=where,
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         by_file: dict[str, list[Any]] = defaultdict(list)
         for req in plan.items:
@@ -246,55 +681,17 @@ class CkptReader(StorageReader):
                 (req, info)
             )
 
-        for name, reqs in by_file.items():
-            where = f"{self.storage.uri}/{name}"
-            crcs = self._item_crcs(name) if self.verify else None
-            spans = _coalesce([(info.offset, info.length) for _, info in reqs])
-            blobs: dict[tuple[int, int], memoryview] = {}
-            for off, length in spans:
-                try:
-                    blobs[(off, length)] = memoryview(self.storage.read(name, off, length))
-                except FileNotFoundError as exc:
-                    raise CheckpointCorruptError(f"{where}: shard file is missing{whose(name)}", path=where) from exc
-                except EOFError as exc:
-                    raise CheckpointCorruptError(
-                        f"{where}: shard file is truncated{whose(name)}: {exc}", path=where
-                    ) from exc
-                self.bytes_read += length
-            for req, info in reqs:
-                span = next(s for s in spans if s[0] <= info.offset and info.offset + info.length <= s[0] + s[1])
-                start = info.offset - span[0]
-                data = blobs[span][start : start + info.length]
-                self._check_item(name, crcs, info.offset, data)
-                if req.type == LoadItemType.BYTE_IO:
-                    try:
-                        planner.load_bytes(req, io.BytesIO(data.tobytes()))
-                    except UnsafeCheckpointError as exc:
-                        if exc.path is None:
-                            exc.path = where
-                            exc.message = f"{where}{whose(name)}: {exc.message}"
-                            exc.args = (exc.message,)
-                        raise
-                    continue
-                try:
-                    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-                except Exception as exc:
-                    raise CheckpointCorruptError(
-                        f"{where}: cannot decode tensor {req.storage_index.fqn} at offset {info.offset}"
-                        f"{whose(name)}: {exc}",
-                        path=where,
-                    ) from exc
-                for dim, (start_d, len_d) in enumerate(zip(req.storage_offsets, req.lengths)):
-                    tensor = tensor.narrow(dim, start_d, len_d)
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != tensor.size():
-                    raise CheckpointCorruptError(
-                        f"{where}: {req.storage_index.fqn}: stored chunk has shape {tuple(tensor.size())}, "
-                        f"expected {tuple(target.size())}",
-                        path=where,
-                    )
-                target.copy_(tensor)
-                planner.commit_tensor(req, target)
+        try:
+            for name, reqs in by_file.items():
+                crcs = self._item_crcs(name) if self.verify else None
+                path = self._local_file(name)
+                if path is not None:
+                    self._read_local(name, path, reqs, crcs, planner)
+                else:
+                    self._read_spans(name, reqs, crcs, planner)
+        finally:
+            self._close_helper()
+            self.__dict__.pop("_scratch_buf", None)
         fut: Future = Future()
         fut.set_result(None)
         return fut

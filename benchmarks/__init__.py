@@ -1,0 +1,1 @@
+"""Benchmarks (not installed with ckptlib): `python benchmarks/bench.py --help`."""

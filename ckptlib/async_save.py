@@ -1,0 +1,246 @@
+"""Asynchronous saves: stage the state to CPU memory, write and commit in a background thread.
+
+`ckptlib.save(uri, state, async_=True)` returns an `AsyncSave` once the state is staged; the
+caller may then change the state (a training step) without affecting what is saved.
+
+Collectives: the background thread never touches the caller's process group. Its
+collectives (DCP's plan exchange, the gather of file records, rank 0's commit decision)
+run on a dedicated gloo group, created collectively and lazily by the first async save of a
+group, so they never interleave with the training's collectives on the default group.
+Because that group orders its collectives, at most one async save per group is in flight:
+a new save first waits for the previous one (and re-raises its failure, if it failed and
+nobody waited for it).
+
+Failures: a failed background save never writes the manifest, so it never becomes a
+committed checkpoint; its error is raised by `wait()` / `result()` on every rank. Errors in
+the arguments or the state are raised by `save()` itself; the target is prepared (debris
+removed, pending marker written and fsynced) in the background, before any shard is
+written, so a CheckpointExistsError comes from `wait()`.
+
+Exit: an atexit handler waits for every save still in flight, so a process that ends
+without `wait()` still commits its last checkpoint. Call `wait()` before
+`destroy_process_group()`: the background needs the group until the commit.
+
+Memory: the staging copy (about one state per rank) is kept and reused by the next async
+save of a state with the same tensor shapes, so steady-state saves copy into memory that is
+already mapped (no page faults); `release_staging()` frees it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import _dist
+from .errors import CheckpointError
+
+__all__ = ["AsyncSave", "release_staging"]
+
+_lock = threading.Lock()
+_groups: dict[Any, Any] = {}  # caller's group (None: default) -> dedicated gloo group
+_inflight: dict[Any, "AsyncSave"] = {}  # caller's group -> the save in flight on it
+_staging: dict[Any, dict[str, torch.Tensor]] = {}  # caller's group -> staged buffers by key path
+_all: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()
+
+
+class AsyncSave:
+    """Handle of a save running in the background.
+
+    `wait(timeout=None)` and `result()` return the SaveResult once the checkpoint is
+    committed, or raise the background failure (on every rank alike). `done()` tells whether
+    the background work has finished. `blocking_seconds` is how long `save()` blocked the
+    caller (staging included); `seconds` the whole save, once done.
+    """
+
+    def __init__(self, uri: str, work: Callable[[], Any], *, blocking_seconds: float = 0.0, started: float):
+        self.uri = uri
+        self.blocking_seconds = blocking_seconds
+        self.seconds: float | None = None
+        self._started = started
+        self._work = work
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._observed = False
+        self._thread = threading.Thread(target=self._run, name="ckptlib-async-save", daemon=True)
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else ("committed" if self._done.is_set() else "in flight")
+        return f"AsyncSave({self.uri!r}, {state})"
+
+    def _start(self) -> None:
+        _all.add(self)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._work()
+        except BaseException as exc:  # noqa: BLE001 - handed to wait()/result()
+            self._error = exc
+        finally:
+            self._work = None  # drop the staged state dict as soon as it is written
+            self.seconds = time.perf_counter() - self._started
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None):
+        """The SaveResult, once committed; raises the background failure, or TimeoutError."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"async save to {self.uri} still running after {timeout} s")
+        self._observed = True
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def result(self):
+        return self.wait()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The background failure (None on success), without raising it."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"async save to {self.uri} still running after {timeout} s")
+        self._observed = True
+        return self._error
+
+
+def _group_key(group) -> Any:
+    return None if group is None else group
+
+
+def async_group(group=None):
+    """The dedicated gloo group for background saves of `group` (collective on first use).
+
+    Every rank of `group` is in the async save that calls this, so creating the group here is
+    safe; with the default group, `new_group` needs every rank of the world, which it has.
+    """
+    if not _dist.is_distributed():
+        return None
+    key = _group_key(group)
+    with _lock:
+        found = _groups.get(key)
+    if found is not None:
+        return found
+    if group is None:
+        created = dist.new_group(backend="gloo")
+    else:
+        ranks = dist.get_process_group_ranks(group)
+        created = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    with _lock:
+        _groups[key] = created
+    return created
+
+
+def wait_inflight(group=None) -> None:
+    """Wait for the async save in flight on `group`; re-raise its failure if nobody saw it."""
+    with _lock:
+        previous = _inflight.get(_group_key(group))
+    if previous is None:
+        return
+    previous._done.wait()
+    with _lock:
+        if _inflight.get(_group_key(group)) is previous:
+            del _inflight[_group_key(group)]
+    if previous._error is not None and not previous._observed:
+        previous._observed = True
+        raise CheckpointError(
+            f"the previous async save to {previous.uri} failed and nobody waited for it: {previous._error}"
+        ) from previous._error
+
+
+def register(group, handle: AsyncSave) -> None:
+    with _lock:
+        _inflight[_group_key(group)] = handle
+    handle._start()
+
+
+# --------------------------------------------------------------------------- staging
+
+
+def _staged_tensor(key: str, value: torch.Tensor, pool: dict[str, torch.Tensor], used: dict[str, torch.Tensor]):
+    """A CPU copy of `value` in a reused buffer when the pool has one of the same shape and dtype."""
+    value = value.detach()
+    buf = pool.get(key)
+    if buf is None or buf.shape != value.shape or buf.dtype != value.dtype or buf.layout != value.layout:
+        buf = torch.empty(value.shape, dtype=value.dtype)
+    buf.copy_(value)
+    used[key] = buf
+    return buf
+
+
+def _stage(obj: Any, path: str, pool: dict[str, torch.Tensor], used: dict[str, torch.Tensor]) -> Any:
+    dtensor_cls = _dtensor_cls()
+    if dtensor_cls is not None and isinstance(obj, dtensor_cls):
+        local = obj.to_local()
+        if obj.device_mesh.device_type == "cpu":
+            staged = _staged_tensor(path, local, pool, used)
+            return dtensor_cls.from_local(
+                staged, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
+            )
+        return obj.detach().to("cpu")  # the device-to-host copy is the staging copy
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:
+            return obj.detach().to("cpu", copy=True)
+        return _staged_tensor(path, obj, pool, used)
+    if isinstance(obj, dict):
+        return {k: _stage(v, f"{path}.{k}", pool, used) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_stage(v, f"{path}[{i}]", pool, used) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return tuple(_stage(v, f"{path}[{i}]", pool, used) for i, v in enumerate(obj))
+    return copy.deepcopy(obj)  # plain values: a snapshot, so later changes do not leak in
+
+
+def _dtensor_cls():
+    from . import compat
+
+    return compat.dtensor_cls()
+
+
+def stage(state_dict: dict[str, Any], group=None) -> dict[str, Any]:
+    """A CPU snapshot of `state_dict` (DTensors stay DTensors over the same mesh)."""
+    key = _group_key(group)
+    with _lock:
+        pool = _staging.pop(key, {})
+    used: dict[str, torch.Tensor] = {}
+    staged = _stage(state_dict, "", pool, used)
+    with _lock:
+        _staging[key] = used
+    return staged
+
+
+def release_staging() -> None:
+    """Free the staging buffers kept for the next async save (after waiting for saves in flight)."""
+    _wait_all()
+    with _lock:
+        _staging.clear()
+
+
+# --------------------------------------------------------------------------- exit
+
+
+def _wait_all() -> None:
+    for handle in list(_all):
+        handle._done.wait()
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    pending = [h for h in list(_all) if not h.done()]
+    if not pending:
+        return
+    import sys
+
+    print(f"ckptlib: waiting for {len(pending)} async checkpoint save(s) to commit before exit", file=sys.stderr)
+    _wait_all()
+    for handle in pending:
+        if handle._error is not None and not handle._observed:
+            print(f"ckptlib: async save to {handle.uri} failed: {handle._error}", file=sys.stderr)
