@@ -1,5 +1,6 @@
 """ckptlib: elastic sharded checkpointing for PyTorch on torch.distributed.checkpoint."""
 
+from .async_save import AsyncSave
 from .checkpoint import LoadResult, SaveResult, __version__, load, save
 from .errors import (
     CheckpointCorruptError,
@@ -21,7 +22,7 @@ from .manager import CheckpointManager, KeepLast, StaleLockWarning, StalePointer
 from .state import KeepExistingRanks, RankLocal, ResizePolicy, ResizeWarning, RNGState
 
 __all__ = [
-    "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
+    "AsyncSave", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
     "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "KeepExistingRanks", "KeepLast", "LoadResult",
     "LockedError", "MissingKeysError", "NotACheckpointError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",

@@ -218,6 +218,21 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run_bench(bench_args: list[str]) -> int:
+    """benchmarks/bench.py lives next to the package in a source checkout, not in the wheel."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(root, "benchmarks", "bench.py")):
+        print(f"ckpt bench: error: needs a source checkout (no benchmarks/bench.py under {root})", file=sys.stderr)
+        return EXIT_USAGE
+    if root not in sys.path:
+        sys.path.insert(0, root)  # before the rank forkserver starts, so the ranks can import it too
+    from benchmarks import bench
+
+    return bench.main(bench_args)
+
+
 def _cmd_unlock(args: argparse.Namespace) -> int:
     from .manager import CheckpointManager
 
@@ -366,12 +381,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("root")
     p.set_defaults(func=_cmd_unlock)
+
+    # Listed for `ckpt --help`; main() hands everything after `bench` to benchmarks/bench.py
+    # (argparse's REMAINDER would refuse a first argument that starts with "--").
+    sub.add_parser(
+        "bench",
+        help="benchmark ckptlib against raw DCP, torch.save, the disk and boto3 (source checkouts)",
+        description="Runs benchmarks/bench.py; `ckpt bench --help` lists its options.",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from .errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return _run_bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -284,16 +284,26 @@ class CheckpointManager:
         retention=None,
         process_group=None,
         hold_lock: bool = False,
+        async_save: bool = False,
     ):
         """`hold_lock=False`: the root is locked during each save and gc. `hold_lock=True`: the
         first save or gc takes the lock and keeps it until `close()` (or the end of a `with`
-        block, or interpreter exit), so no other writer can use the root between saves."""
+        block, or interpreter exit), so no other writer can use the root between saves.
+
+        `async_save=True`: `save()` returns an `AsyncSave` handle once the state is staged; the
+        write, the commit, moving `latest` and retention run in the background (on a dedicated
+        gloo group, never the caller's). The next `save()`, `gc()`, `wait()` and `close()` wait
+        for it first, and raise its failure if it failed (on every rank); a failed save never
+        moves `latest`. At interpreter exit the save in flight is waited for before the lock
+        is released."""
         self.root_uri = os.fspath(root)
         self.storage: Storage = open_storage(self.root_uri)
         self.retention = retention if retention is not None else KeepLast(keep_last)
         self.process_group = process_group
         self.hold_lock = hold_lock
+        self.async_save = async_save
         self._lock = RootLock(self.storage)
+        self._pending = None  # the AsyncSave in flight (async_save=True)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_uri!r})"
@@ -305,8 +315,33 @@ class CheckpointManager:
         self.close()
 
     def close(self) -> None:
-        """Release the root's lock if this manager holds it (rank 0; no collective)."""
-        self._lock.release()
+        """Wait for an async save in flight (raising its failure), then release the root's lock
+        if this manager holds it (rank 0; no collective)."""
+        try:
+            self.wait()
+        finally:
+            self._lock.release()
+
+    # -- async saves --------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> SaveResult | None:
+        """Wait for the async save in flight, if any: its SaveResult, or its failure raised
+        (once; the next call starts clean). None when nothing was in flight; TimeoutError
+        when it is still running after `timeout` seconds."""
+        pending = self._pending
+        if pending is None:
+            return None
+        try:
+            return pending.wait(timeout)
+        finally:
+            if pending.done():
+                self._pending = None
+                atexit.unregister(self._wait_at_exit)
+
+    def _wait_at_exit(self) -> None:
+        # Registered after the lock's own exit handler, so it runs first (atexit is LIFO):
+        # the lock is never released while the background still writes under it.
+        with contextlib.suppress(Exception):
+            self.wait()
 
     # -- the lock -----------------------------------------------------------------------
     def _take_lock(self) -> None:
@@ -399,12 +434,15 @@ class CheckpointManager:
         """Save and commit `step`, move `latest` to it, then apply retention."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise StateError(f"step must be a non-negative int, got {step!r}")
+        self.wait()  # the previous async save: its failure surfaces here, before anything else
         target = self.storage.child(step_dir(step))
         _dist.decide_on_rank0(self._take_lock, self.process_group)
         try:
             replace = _dist.decide_on_rank0(lambda: self._replaceable(step), self.process_group)
             if replace:
                 warnings.warn(replace, StalePointerWarning, stacklevel=2)
+            if self.async_save:
+                return self._save_async(step, target, state, metadata, overwrite=bool(replace))
             result = save(
                 target, state, step=step, metadata=metadata, overwrite=bool(replace), process_group=self.process_group
             )
@@ -413,6 +451,25 @@ class CheckpointManager:
             self._drop_lock_after_failure()
             raise
         return result
+
+    def _save_async(self, step: int, target: Storage, state: Mapping[str, Any], metadata, *, overwrite: bool):
+        def background(run, group):
+            # In the background thread: collectives only on `group` (the dedicated one).
+            try:
+                result = run()
+                _dist.decide_on_rank0(lambda: self._publish(step), group)
+            except BaseException:
+                self._drop_lock_after_failure()
+                raise
+            return result
+
+        handle = save(
+            target, state, step=step, metadata=metadata, overwrite=overwrite, process_group=self.process_group,
+            async_=True, _background=background,
+        )
+        self._pending = handle
+        atexit.register(self._wait_at_exit)
+        return handle
 
     def _replaceable(self, step: int) -> str | None:
         """Why a committed `step` that `latest` does not name may be overwritten, or None.
@@ -470,6 +527,7 @@ class CheckpointManager:
 
         Takes the root's lock (LockedError while another writer holds it), except for a dry run.
         """
+        self.wait()  # never delete while a save is still writing (verl #4638)
         if dry_run:
             return _dist.decide_on_rank0(lambda: self._collect(protect=set(), dry_run=True), self.process_group)
 

@@ -374,3 +374,99 @@ def test_corruption_in_a_large_item_is_detected(tmp_path, where, reshard):
     with pytest.raises(ckptlib.CheckpointCorruptError):
         ckptlib.load(uri, target)
     ckptlib.load(uri, target, verify=False) if where == "data" else None  # unverified: no check, no crash
+
+
+# --------------------------------------------------------------------------- CheckpointManager(async_save=True)
+
+
+def _manager_async_run(root: str, fail_step: int | None) -> dict:
+    from ckptlib.storage.local import LocalStorage
+
+    if fail_step is not None and dist.get_rank() == 1:
+        original = LocalStorage.open_writer
+
+        def broken(self, path):  # only the failing step's writes (a background thread runs them)
+            if step_dir_name(fail_step) in self.root:
+                raise OSError(5, "EIO (injected)")
+            return original(self, path)
+
+        LocalStorage.open_writer = broken
+    mgr = ckptlib.CheckpointManager(root, keep_last=2, async_save=True)
+    state = _state(1)
+    seen = {"errors": [], "latest_after_save": []}
+    for step in (1, 2, 3, 4):
+        try:
+            handle = mgr.save(step, state)
+        except ckptlib.CheckpointError as exc:  # the previous step's background failure
+            seen["errors"].append((step, str(exc)))
+            handle = mgr.save(step, state)  # reported once; this save goes ahead
+        assert isinstance(handle, ckptlib.async_save.AsyncSave)
+        with torch.no_grad():
+            state["w"].to_local().add_(1)  # train on while the save runs
+        seen["latest_after_save"].append(mgr.latest())
+    mgr.wait()
+    seen["latest"] = mgr.latest()
+    seen["steps"] = mgr.steps()
+    mgr.close()
+    return seen
+
+
+def step_dir_name(step: int) -> str:
+    from ckptlib.manager import step_dir
+
+    return step_dir(step)
+
+
+def test_manager_async_saves_publish_and_apply_retention(tmp_path, dist_run):
+    root = str(tmp_path / "run")
+    out = dist_run(2, _manager_async_run, root, None)
+    for seen in out:
+        assert seen["errors"] == [] and seen["latest"] == 4 and seen["steps"] == [3, 4]
+        assert seen["latest_after_save"][1:] == [1, 2, 3]
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000003", "step_0000000004"]
+    # step 4 holds the state as it was when save(4) returned: w advanced by 3 after step 1's
+    problems = dist_run(3, _load_step_w, root, 4, 3)
+    assert problems == [[], [], []]
+
+
+def _load_step_w(root: str, step: int, added: int) -> list[str]:
+    state = _empty_state()
+    mgr = ckptlib.CheckpointManager(root)
+    assert mgr.load(state) == step
+    want = _full(1)
+    for _ in range(added):  # exactly the additions the saving run made (float: not `+ added`)
+        want.add_(1)
+    return [] if torch.equal(state["w"].full_tensor(), want) else ["w differs"]
+
+
+def test_manager_async_failure_surfaces_on_next_call_and_never_moves_latest(tmp_path, dist_run):
+    root = str(tmp_path / "run")
+    out = dist_run(2, _manager_async_run, root, 2)
+    for rank, seen in enumerate(out):
+        assert [s for s, _ in seen["errors"]] == [3], (rank, seen)  # step 2's failure, at the next call
+        assert "EIO (injected)" in seen["errors"][0][1], (rank, seen)
+        # save(n) returns with step n in flight and step n-1 published; step 2 never is
+        assert seen["latest_after_save"][1:] == [1, 1, 3], (rank, seen)
+        assert seen["latest"] == 4 and seen["steps"] == [3, 4]
+    assert "step_0000000002" not in os.listdir(root)  # debris removed by the next retention pass
+
+
+_EXIT_MANAGER_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, ckptlib
+    mgr = ckptlib.CheckpointManager(sys.argv[1], async_save=True)
+    mgr.save(5, {"w": torch.arange(3_000_000, dtype=torch.float32)})
+    # no wait(), no close(): exit must let the save commit, publish, and only then unlock
+    """
+)
+
+
+def test_manager_exit_without_wait_commits_publishes_and_unlocks(tmp_path):
+    root = tmp_path / "run"
+    script = tmp_path / "exit_mgr.py"
+    script.write_text(_EXIT_MANAGER_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script), str(root)], env=env, capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000005"]  # committed, pointed to, lock gone
+    assert ckptlib.CheckpointManager(str(root)).latest() == 5
