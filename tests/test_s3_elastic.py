@@ -82,3 +82,61 @@ def test_manager_fsdp2_sgd_save3_load2(moto_server, s3_root, dist_run):
     results = dist_run(2, _load_counting_gets, s3_root, "fsdp2", "sgd", expected, manager=True, env=env)
     for rank, result in enumerate(results):
         assert result["problems"] == [], f"rank {rank}: {result['problems']}"
+
+
+def _manager_save(root: str, step: int, kill_rank: int | None = None):
+    """A rank: save `step` through a CheckpointManager; `kill_rank` SIGKILLs itself while its
+    shard upload is in flight (after the first bytes went to S3)."""
+    import os
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    import ckptlib
+    from ckptlib.storage import s3 as s3mod
+
+    rank = dist.get_rank()
+    if rank == kill_rank:
+        original = s3mod.S3Storage.open_writer
+
+        def dying_writer(self, path):
+            ctx = original(self, path)
+            stream = ctx.__enter__()
+            stream.write(b"x" * 1024)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return ctx  # not reached
+
+        s3mod.S3Storage.open_writer = dying_writer
+    ckptlib.CheckpointManager(root).save(step, {"w": torch.full((8, 4), float(step)), "r": torch.full((2,), float(rank))})
+    return step
+
+
+def _manager_load(root: str):
+    import torch
+
+    import ckptlib
+
+    state = {"w": torch.zeros(8, 4)}
+    step = ckptlib.CheckpointManager(root).load(state)
+    return step, state["w"].tolist()
+
+
+def test_rank_killed_mid_upload_keeps_latest_and_next_save_cleans(moto_server, s3_root, dist_run):
+    """A rank dies while uploading its shard: `latest` still names the previous step, which
+    loads; the next save removes the debris (exact key set)."""
+    from ckptlib.testing.launcher import RankError
+
+    env = s3_env(moto_server)
+    bucket, prefix = s3_root.split("/")[2], "/".join(s3_root.split("/")[3:])
+    dist_run(2, _manager_save, s3_root, 1, env=env)
+    with pytest.raises(RankError, match="rank 1"):
+        dist_run(2, _manager_save, s3_root, 2, 1, env=env, grace=2.0)
+    pointer = s3_client(moto_server).get_object(Bucket=bucket, Key=f"{prefix}/latest")["Body"].read().decode()
+    assert pointer.strip() == "step_0000000001"
+    assert dist_run(2, _manager_load, s3_root, env=env) == [(1, [[1.0] * 4] * 8)] * 2
+    dist_run(2, _manager_save, s3_root, 3, env=env)
+    step_keys = {k for k in _keys(moto_server, bucket) if "step_0000000002" in k}
+    assert step_keys == set()
+    assert {k.split("/")[-2] for k in _keys(moto_server, bucket) if "/step_" in k} == {"step_0000000001", "step_0000000003"}
+    assert dist_run(2, _manager_load, s3_root, env=env)[0][0] == 3
