@@ -333,18 +333,15 @@ def _coalesce(spans: list[tuple[int, int]], max_span: int | None = None) -> list
     return [(a, b) for a, b in merged]
 
 
-class CkptReader(StorageReader):
-    """Reads exactly the byte ranges this rank's load plan needs and verifies their CRCs."""
+class PlannedReader(StorageReader):
+    """A StorageReader whose DCP metadata is known before the load starts (read once on rank 0
+    and broadcast): the planning hooks pass plans through; subclasses implement read_data."""
 
-    def __init__(self, storage: Storage, metadata: Metadata, manifest: Manifest | None, *, verify: bool = True):
+    def __init__(self, metadata: Metadata):
         super().__init__()
-        self.storage = storage
         self.metadata = metadata
-        self.manifest = manifest
-        self.verify = verify and manifest is not None
         self.storage_data: dict[MetadataIndex, Any] = metadata.storage_data
         self.bytes_read = 0
-        self.rank = 0
 
     def reset(self, checkpoint_id=None) -> None:
         pass
@@ -360,6 +357,21 @@ class CkptReader(StorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+
+class CkptReader(PlannedReader):
+    """Reads exactly the byte ranges this rank's load plan needs and verifies their CRCs."""
+
+    def __init__(self, storage: Storage, metadata: Metadata, manifest: Manifest | None, *, verify: bool = True):
+        super().__init__(metadata)
+        self.storage = storage
+        self.manifest = manifest
+        self.verify = verify and manifest is not None
+        self.rank = 0
 
     def _item_crcs(self, name: str) -> dict[int, tuple[int, int]]:
         assert self.manifest is not None
@@ -695,10 +707,6 @@ class CkptReader(StorageReader):
         fut: Future = Future()
         fut.set_result(None)
         return fut
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return True
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

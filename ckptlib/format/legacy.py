@@ -72,7 +72,7 @@ from ..errors import (
     UnsupportedError,
 )
 from ..storage import LocalStorage, Storage, check_relative, open_storage
-from .dcp_io import CkptReader
+from .dcp_io import CkptReader, PlannedReader
 from .layout import CheckpointInfo, classify, open_checkpoint
 
 FORMATS = ("ckptlib", "dcp", "torch_save", "v0", "safetensors")
@@ -679,17 +679,14 @@ def _inspect_safetensors(where_: _Where, uri: str, *, prefix: str | None) -> Sou
 # --------------------------------------------------------------------------- the reader
 
 
-class LegacyReader(StorageReader):
+class LegacyReader(PlannedReader):
     """Serves DCP read items from a torch_save, v0 or safetensors source (see SourceInfo)."""
 
     def __init__(self, root: Storage, info: SourceInfo, *, trusted: bool = False):
-        super().__init__()
+        super().__init__(info.metadata)
         self.root = root
         self.info = info
-        self.metadata = info.metadata
-        self.storage_data = info.metadata.storage_data
         self.trusted = trusted
-        self.bytes_read = 0
         self._opened: dict[str, Any] = {}
 
     def __getstate__(self):
@@ -699,18 +696,6 @@ class LegacyReader(StorageReader):
 
     def reset(self, checkpoint_id=None) -> None:
         self._opened = {}
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        return self.metadata
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
-        self.storage_data = metadata.storage_data
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
 
     def _open(self, name: str) -> Any:
         if name not in self._opened:
@@ -792,10 +777,6 @@ class LegacyReader(StorageReader):
         fut: Future = Future()
         fut.set_result(None)
         return fut
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return True
 
 
 # --------------------------------------------------------------------------- entry points
