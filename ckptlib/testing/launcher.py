@@ -32,6 +32,7 @@ This module imports only the standard library at import time; torch is imported 
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import faulthandler
@@ -85,7 +86,6 @@ _PG_TIMEOUT_MARGIN = 30.0
 _DUMP_WAIT = 1.0
 _DEATH_WINDOW = 1.0
 _READY = b"R"
-_DESTROY_TIMEOUT = 10.0
 _UP_KEY = "ckptlib.testing/up"
 
 
@@ -479,33 +479,21 @@ def _rank_main(spec: _RankSpec) -> None:
             store.wait([f"{_UP_KEY}/{r}" for r in range(spec.world_size)], timeout)
         except BaseException:
             pass
-    if code == 0:
-        # The result is already with the launcher. destroy_process_group can hang on some
-        # torch versions (seen on 2.6: ~1 in 12 four-rank launches), so bound it and leave.
-        outcome: list = []
-
-        def _destroy() -> None:
-            try:
-                import torch.distributed as dist
-
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-                outcome.append(None)
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                outcome.append(exc)
-
-        worker = threading.Thread(target=_destroy, daemon=True)
-        worker.start()
-        worker.join(_DESTROY_TIMEOUT)
-        if not outcome:
-            _flush_std_streams()
-            os._exit(code)
-        if outcome[0] is not None:
-            traceback.print_exception(outcome[0])
-            code = 3
     del store
+    if code != 0:
+        _flush_std_streams()
+        sys.exit(code)
+    # Success: run the exit handlers (an async save's wait, a lock's release) while the
+    # process groups still exist, then leave without destroy_process_group: the result is
+    # already with the launcher, and destroy can hang in C holding the GIL (seen on torch
+    # 2.6 in ~1 of 12 four-rank launches), where no Python-level timeout can interrupt it.
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - reported, and the rank exits non-zero
+        traceback.print_exc()
+        code = 3
     _flush_std_streams()
-    sys.exit(code)
+    os._exit(code)
 
 
 def _flush_std_streams() -> None:
