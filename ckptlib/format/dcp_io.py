@@ -163,13 +163,13 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
-class _Window(io.RawIOBase):
-    """A read-only, seekable file-like view of bytes [base, base+size) of a file descriptor,
-    so torch.load can decode one item of a shard file in place."""
+class _RangeReader(io.RawIOBase):
+    """A read-only, seekable file-like over `size` bytes, so torch.load can decode one item
+    in place; subclasses say where the bytes come from (`_fill`)."""
 
-    def __init__(self, fd: int, base: int, size: int):
+    def __init__(self, size: int):
         super().__init__()
-        self._fd, self._base, self._size, self._pos = fd, base, size, 0
+        self._size, self._pos = size, 0
 
     def readable(self) -> bool:
         return True
@@ -188,38 +188,35 @@ class _Window(io.RawIOBase):
     def readinto(self, buffer) -> int:
         view = memoryview(buffer).cast("B")
         n = max(0, min(view.nbytes, self._size - self._pos))
-        got = _pread_into(self._fd, view[:n], self._base + self._pos) if n else 0
+        got = self._fill(view[:n], self._pos) if n else 0
         self._pos += got
         return got
 
+    def _fill(self, view: memoryview, pos: int) -> int:
+        raise NotImplementedError
 
-class _MemReader(io.RawIOBase):
-    """A seekable file-like over a memoryview that torch.load can read without a copy of it."""
+
+class _Window(_RangeReader):
+    """Bytes [base, base+size) of a file descriptor, read with pread."""
+
+    def __init__(self, fd: int, base: int, size: int):
+        super().__init__(size)
+        self._fd, self._base = fd, base
+
+    def _fill(self, view: memoryview, pos: int) -> int:
+        return _pread_into(self._fd, view, self._base + pos)
+
+
+class _MemReader(_RangeReader):
+    """A memoryview, read without copying it first."""
 
     def __init__(self, view: memoryview):
-        super().__init__()
-        self._view, self._pos = view, 0
+        super().__init__(view.nbytes)
+        self._view = view
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        start = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
-        self._pos = max(0, start + offset)
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        view = memoryview(buffer).cast("B")
-        n = max(0, min(view.nbytes, self._view.nbytes - self._pos))
-        view[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
+    def _fill(self, view: memoryview, pos: int) -> int:
+        view[:] = self._view[pos : pos + view.nbytes]
+        return view.nbytes
 
 
 class CkptWriter(StorageWriter):

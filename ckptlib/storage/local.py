@@ -69,11 +69,7 @@ class LocalStorage:
         self._ensure_parent(full)
         tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
+            self._write_file(open(tmp, "wb"), data)
             os.replace(tmp, full)
         except OSError as exc:
             with contextlib.suppress(OSError):
@@ -92,11 +88,7 @@ class LocalStorage:
         self._ensure_parent(full)
         tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
+            self._write_file(open(tmp, "wb"), data)
             try:
                 os.link(tmp, full)
             except FileExistsError:
@@ -119,12 +111,16 @@ class LocalStorage:
             fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "wb") as f:
+        self._write_file(os.fdopen(fd, "wb"), data)
+        return True
+
+    def _write_file(self, f: BinaryIO, data: bytes) -> None:
+        """Write `data` to the open file `f`, fsync it (unless fsync is off), close it."""
+        with f:
             f.write(data)
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
-        return True
 
     @contextlib.contextmanager
     def open_writer(self, path: str) -> Iterator[BinaryIO]:
