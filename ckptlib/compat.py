@@ -358,6 +358,28 @@ def meta_load_records_offsets() -> bool:
         return False
 
 
+def torch_save_without_zip_crc(obj: Any, buffer: Any) -> bool:
+    """torch.save `obj` into `buffer` with the zip writer's CRC-32 pass off (its fields are
+    left zero for the caller to fill in, see `format.item_encoder`); False where this torch
+    cannot (then nothing was written). Uses torch's own writer rather than the global
+    `set_crc32_options`, which would also change other threads' torch.save calls."""
+    writer_cls = getattr(torch._C, "PyTorchFileWriter", None)
+    save_impl = getattr(torch.serialization, "_save", None)
+    if writer_cls is None or save_impl is None:
+        return False
+    alignment = getattr(torch.serialization, "_get_storage_alignment", None)
+    try:
+        if alignment is not None:  # 2.7+: (buffer, compute_crc32, storage_alignment)
+            writer = writer_cls(buffer, False, alignment())
+        else:  # 2.6: (buffer, compute_crc32)
+            writer = writer_cls(buffer, False)
+    except TypeError:
+        return False
+    save_impl(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+    return True
+
+
 def has_safe_globals() -> bool:
     """`torch.serialization.safe_globals` (a context manager to allowlist classes)."""
     ser = getattr(torch, "serialization", None)
@@ -407,5 +429,6 @@ def describe() -> dict[str, Any]:
         "dcp_to_torch_save": dcp_parameters("dcp_to_torch_save") is not None,
         "torch_load_weights_only_default": load_weights_only_default(),
         "meta_load_records_offsets": meta_load_records_offsets(),
+        "zip_writer_without_crc": torch_save_without_zip_crc(torch.zeros(1), io.BytesIO()),
         "safe_globals": has_safe_globals(),
     }

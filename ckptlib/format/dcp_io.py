@@ -42,6 +42,8 @@ from .. import compat
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
 from ..storage import Storage
 from ..storage.local import LocalStorage
+from . import item_encoder
+from .checksum import crc32, crc32_combine
 from .manifest import METADATA_MARKER, METADATA_NAME, FileRecord, Manifest, check_name
 from .safe_pickle import safe_loads
 
@@ -84,22 +86,15 @@ def _tensor_for_save(tensor: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- fast paths
 # Performance notes (measured on the 2-core dev box, see docs/benchmarks.md):
-# - zlib.crc32 runs at ~1.1 GiB/s there, slower than a page-cache read; zlib-ng's (same
-#   CRC-32 polynomial, so identical values and an identical manifest) runs at ~14 GiB/s and,
-#   like zlib's, releases the GIL. It is used when the optional `zlib-ng` package is present.
-# - The writer serializes with torch.save straight into the shard stream through `_CrcSink`
-#   (the bytes are identical to torch.save into a BytesIO, which is what plain DCP writes),
-#   instead of into a BytesIO that is then copied: no second copy of each item in memory.
+# - CRC-32 comes from `checksum` (zlib-ng when installed, ~14 GiB/s; zlib ~1.1 GiB/s).
+# - The writer encodes each tensor item with `item_encoder`: torch.save's exact bytes, with
+#   torch's own zip CRC pass (~4 GiB/s) replaced by the zlib-ng pass that the manifest needs
+#   anyway. Where that is unavailable it runs torch.save straight into the shard stream
+#   through `_CrcSink` (identical bytes to torch.save into a BytesIO, which is what plain DCP
+#   writes), instead of into a BytesIO that is then copied.
 # - The reader (`CkptReader._read_local_tensor`) reads a tensor item's data record straight
 #   into the destination tensor with preadv and checksums it there, and reads only the rows
 #   a resharded load needs when it does not verify.
-try:  # pragma: no cover - depends on the install
-    from zlib_ng.zlib_ng import crc32 as crc32
-    from zlib_ng.zlib_ng import crc32_combine as _crc32_combine
-except ImportError:  # pragma: no cover
-    crc32 = zlib.crc32
-    _crc32_combine = None  # then the file CRC is a second pass over the bytes
-
 # Items at least this large are read through the zero-copy path (their layout comes from a
 # zip-directory parse, or a metadata-only torch.load of the item; ~0.1-1 ms); smaller ones
 # are read whole and decoded with torch.load.
@@ -129,16 +124,26 @@ class _CrcSink:
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         self.item_crc = crc32(view, self.item_crc)
-        if _crc32_combine is None:
+        if crc32_combine is None:
             self.file_crc = crc32(view, self.file_crc)
         self.stream.write(view)
         self.pos += view.nbytes
         return view.nbytes
 
+    def write_encoded(self, item: item_encoder.EncodedItem) -> None:
+        """Write an item whose CRC is already known (its file CRC then follows by combining)."""
+        for chunk in item.chunks:
+            self.stream.write(chunk)
+        self.pos += item.size
+        self.item_crc = item.crc
+        if crc32_combine is None:  # pragma: no cover - the encoder needs zlib-ng, which has it
+            for chunk in item.chunks:
+                self.file_crc = crc32(chunk, self.file_crc)
+
     def end_item(self, length: int) -> None:
         """Fold the finished item's CRC into the file's (one pass over the bytes, not two)."""
-        if _crc32_combine is not None:
-            self.file_crc = _crc32_combine(self.file_crc, self.item_crc, length)
+        if crc32_combine is not None:
+            self.file_crc = crc32_combine(self.file_crc, self.item_crc, length)
 
     def flush(self) -> None:
         pass
@@ -257,8 +262,13 @@ class CkptWriter(StorageWriter):
                 if isinstance(data, io.BytesIO):
                     sink.write(data.getbuffer())
                 else:
-                    # Straight into the stream: identical bytes to torch.save into a BytesIO.
-                    torch.save(_tensor_for_save(data), sink)
+                    tensor = _tensor_for_save(data)
+                    encoded = item_encoder.encode(tensor)
+                    if encoded is not None:
+                        sink.write_encoded(encoded)
+                    else:  # straight into the stream: identical bytes to torch.save into a BytesIO
+                        torch.save(tensor, sink)
+                    del tensor, encoded
                 del data  # never hold this item while the planner resolves the next one
                 length = sink.pos - offset
                 sink.end_item(length)
@@ -389,7 +399,7 @@ class CkptReader(PlannedReader):
             raise CheckpointCorruptError(
                 f"{where}: item at offset {off} is not recorded in the manifest{whose(name)}", path=where
             )
-        if zlib.crc32(data) != expected[1]:
+        if crc32(data) != expected[1]:
             raise CheckpointCorruptError(
                 f"{where}: checksum mismatch in item at offset {off} (length {len(data)}){whose(name)}", path=where
             )

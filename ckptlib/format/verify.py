@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
 from ..storage import Storage, open_storage
+from .checksum import crc32
 from .dcp_io import describe_file, is_ckptlib_metadata
 from .manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, FileRecord, Manifest, check_name
 from .safe_pickle import safe_loads
@@ -285,7 +286,7 @@ def _checksum_problems(storage: Storage, name: str, record: FileRecord, read_chu
         while pos < record.size:
             n = min(read_chunk, record.size - pos)
             data = memoryview(storage.read(name, pos, n))
-            whole = zlib.crc32(data, whole)
+            whole = crc32(data, whole)
             end = pos + n
             k = first
             while k < len(items):
@@ -294,7 +295,7 @@ def _checksum_problems(storage: Storage, name: str, record: FileRecord, read_chu
                     break
                 lo, hi = max(off, pos), min(off + length, end)
                 if hi > lo:
-                    got[k] = zlib.crc32(data[lo - pos : hi - pos], got[k])
+                    got[k] = crc32(data[lo - pos : hi - pos], got[k])
                 if off + length > end:
                     break
                 k += 1

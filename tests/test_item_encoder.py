@@ -1,0 +1,143 @@
+"""The writer's item encoder: torch.save's exact bytes with one CRC pass (format/item_encoder.py).
+
+Every case compares against torch.save itself, byte for byte, and against zlib's CRC-32;
+the fallback (plain torch.save) must write identical shard files.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import ckptlib
+from ckptlib import compat
+from ckptlib.format import checksum, item_encoder
+from ckptlib.format.layout import read_manifest
+from ckptlib.storage import open_storage
+
+pytestmark = pytest.mark.skipif(
+    item_encoder.fast_path_reason() is not None, reason=f"fast path off: {item_encoder.fast_path_reason()}"
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int64, torch.bool, torch.complex64]
+SHAPES = {"scalar": (), "empty": (0,), "empty2d": (0, 5), "small": (7, 3), "view-sized": (300, 257), "1d": (100_003,)}
+
+
+def _tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash((str(dtype), shape)) % 2**31)
+    values = torch.randn(shape, generator=g, dtype=torch.float64) * 50
+    if dtype == torch.bool:
+        return values > 0
+    if dtype == torch.complex64:
+        return torch.complex(values.float(), -values.float())
+    return values.to(dtype)
+
+
+def _torch_save_bytes(tensor: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_bytes_and_crc_equal_torch_save(dtype, shape):
+    tensor = _tensor(dtype, shape)
+    item = item_encoder.encode(tensor)
+    assert item is not None
+    got = b"".join(bytes(c) for c in item.chunks)
+    assert got == _torch_save_bytes(tensor)
+    assert item.size == len(got)
+    assert item.crc == zlib.crc32(got)
+    # Every zip CRC is right (zipfile checks them on read), and torch.load round-trips it.
+    with zipfile.ZipFile(io.BytesIO(got)) as archive:
+        assert archive.testzip() is None
+    assert torch.equal(torch.load(io.BytesIO(got), weights_only=True), tensor)
+
+
+def test_data_record_is_not_copied():
+    tensor = torch.arange(1 << 18, dtype=torch.float32)
+    item = item_encoder.encode(tensor)
+    big = [c for c in item.chunks if c.nbytes == tensor.numel() * 4]
+    assert len(big) == 1
+    assert np.frombuffer(big[0], dtype=np.uint8).ctypes.data == tensor.data_ptr()
+
+
+def test_leaves_torch_global_crc_option_alone():
+    before = torch.serialization.get_crc32_options() if hasattr(torch.serialization, "get_crc32_options") else None
+    item_encoder.encode(torch.ones(10))
+    after = torch.serialization.get_crc32_options() if hasattr(torch.serialization, "get_crc32_options") else None
+    assert before == after
+
+
+def test_unrecognised_archive_falls_back(monkeypatch):
+    def compressed_archive(obj, buffer):
+        data = io.BytesIO()
+        with zipfile.ZipFile(data, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+            archive.writestr("archive/data.pkl", b"x" * 100)
+        buffer.write(data.getvalue())
+        return True
+
+    monkeypatch.setattr(compat, "torch_save_without_zip_crc", compressed_archive)
+    assert item_encoder._encode(torch.ones(3)) is None
+
+
+def test_probe_turns_the_fast_path_off_when_bytes_differ(monkeypatch):
+    monkeypatch.setattr(item_encoder, "_hash_combine", lambda seed, value: seed ^ value)
+    item_encoder.fast_path_reason.cache_clear()
+    try:
+        reason = item_encoder.fast_path_reason()
+        assert reason == f"the encoding differs from torch.save's on this torch ({torch.__version__})"
+        assert item_encoder.encode(torch.ones(3)) is None
+    finally:
+        monkeypatch.undo()
+        item_encoder.fast_path_reason.cache_clear()
+    assert item_encoder.fast_path_reason() is None
+
+
+def test_probe_needs_zlib_ng(monkeypatch):
+    monkeypatch.setattr(item_encoder, "FAST", False)
+    item_encoder.fast_path_reason.cache_clear()
+    try:
+        assert item_encoder.fast_path_reason().startswith("zlib-ng is not installed")
+    finally:
+        monkeypatch.undo()
+        item_encoder.fast_path_reason.cache_clear()
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "w": torch.randn(513, 129, generator=g),
+        "b": torch.randn(7, generator=g).to(torch.bfloat16),
+        "e": torch.zeros(0, 4),
+        "view": torch.randn(40, 40, generator=g)[::2, 1:],  # non-contiguous: saved as a copy
+        "step": 11,
+    }
+
+
+def _shard_files(path) -> dict[str, bytes]:
+    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path)) if n.endswith(".distcp")}
+
+
+def test_fast_and_fallback_writers_write_identical_shards(tmp_path, monkeypatch):
+    ckptlib.save(tmp_path / "fast", _state())
+    monkeypatch.setattr(item_encoder, "encode", lambda tensor: None)
+    ckptlib.save(tmp_path / "fallback", _state())
+    fast, fallback = _shard_files(tmp_path / "fast"), _shard_files(tmp_path / "fallback")
+    assert list(fast) == ["__0_0.distcp"]
+    assert fast == fallback
+    manifests = [read_manifest(open_storage(str(tmp_path / d))) for d in ("fast", "fallback")]
+    assert manifests[0].files["__0_0.distcp"] == manifests[1].files["__0_0.distcp"]
+
+
+def test_zlib_ng_and_zlib_agree():
+    data = os.urandom(1 << 20)
+    assert checksum.crc32(data) == zlib.crc32(data)
+    assert checksum.crc32_combine(zlib.crc32(data[:1000]), zlib.crc32(data[1000:]), len(data) - 1000) == zlib.crc32(data)
