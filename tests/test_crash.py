@@ -68,10 +68,10 @@ def _arm(point: str) -> None:
         name = ".metadata" if what == "metadata" else "ckptlib.json"
         orig_write = LocalStorage.write
 
-        def write(self, path, data):
+        def write(self, path, data, **kwargs):
             if path == name and when == "before":
                 _die()
-            orig_write(self, path, data)
+            orig_write(self, path, data, **kwargs)
             if path == name and when == "after":
                 _die()
 
@@ -380,3 +380,41 @@ def test_locked_root_fails_every_rank(tmp_path, dist_run):
     assert [type(r) for r in results] == [LockedError] * 2
     assert len({str(r) for r in results}) == 1 and "pid 4242 on host elsewhere.example" in str(results[0])
     assert sorted(os.listdir(root)) == [LOCK_NAME]
+
+
+def test_durability_order_of_a_save(tmp_path, monkeypatch):
+    """What a power loss can leave: the manifest's name is made durable only after every file
+    it lists was fsynced and the directory holding their names was too; the pending marker
+    and `.metadata` are written without a sync of their own (the commit's sync covers the
+    latter). Exact sequence for a one-process save."""
+    import ckptlib.storage.local as local
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), tmp_path)))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", os.path.relpath(dst, tmp_path)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(local.os, "fsync", fsync)
+    monkeypatch.setattr(local.os, "replace", replace)
+    ckptlib.save(str(tmp_path / "ck"), {"w": _full(1), "step": 1})
+    monkeypatch.undo()
+    tmp_manifest = [p for kind, p in events if kind == "fsync" and p.startswith("ck/ckptlib.json.tmp-")]
+    assert len(tmp_manifest) == 1
+    assert events == [
+        ("rename", "ck/ckptlib.pending"),
+        ("fsync", "ck/__0_0.distcp"),  # the rank's own shard, when its writer closes
+        ("rename", "ck/.metadata"),
+        ("fsync", "ck/.metadata"),  # commit: sync every file the manifest lists ...
+        ("fsync", "ck/__0_0.distcp"),
+        ("fsync", "ck"),  # ... and their directory, once
+        ("fsync", tmp_manifest[0]),
+        ("rename", "ck/ckptlib.json"),
+        ("fsync", "ck"),
+    ]
+    assert sorted(os.listdir(tmp_path / "ck")) == [".metadata", "__0_0.distcp", "ckptlib.json"]

@@ -287,7 +287,7 @@ class CkptWriter(StorageWriter):
         metadata.storage_data = {wr.index: wr.storage_data for per_rank in results for wr in per_rank}
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata)
-        self.storage.write(METADATA_NAME, blob)
+        self.storage.write(METADATA_NAME, blob, durable=False)  # `commit` syncs it with the shards
         self.file_records[METADATA_NAME] = FileRecord(size=len(blob), crc32=zlib.crc32(blob), items=[(0, len(blob), zlib.crc32(blob))])
 
     def storage_meta(self) -> StorageMeta | None:

@@ -187,16 +187,19 @@ def prepare_save_target(storage: Storage, *, overwrite: bool, world_size: int) -
         )
     if kind in ("committed", "incomplete", "dcp", "other"):
         storage.delete_tree()  # debris of a crashed save, or an explicit overwrite
-    storage.write(PENDING_NAME, json.dumps({"world_size": world_size}).encode())
+    # Not durable: losing it in a crash is harmless (shards without a manifest are debris anyway).
+    storage.write(PENDING_NAME, json.dumps({"world_size": world_size}).encode(), durable=False)
 
 
 def commit(storage: Storage, manifest: Manifest) -> None:
-    """Publish the manifest after confirming that every rank's files exist with their sizes."""
+    """Publish the manifest after confirming that every rank's files exist with their sizes
+    and making them durable (one directory fsync for all of them, locally)."""
     listing = storage.list()
     problems = _missing_or_resized(manifest, listing)
     if problems:
         raise CheckpointCorruptError(
             f"{storage.uri}: refusing to commit, " + "; ".join(text for _, text in problems), path=storage.uri
         )
+    storage.sync(sorted(manifest.files))  # every file and name durable before the manifest is
     storage.write(MANIFEST_NAME, manifest.to_bytes())
     storage.delete([PENDING_NAME])

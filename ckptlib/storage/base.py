@@ -23,11 +23,20 @@ class Storage(Protocol):
     def exists(self) -> bool:
         """Whether the root itself exists (a directory, or any object under the prefix)."""
 
-    def write(self, path: str, data: bytes) -> None:
-        """Write a whole object atomically: readers see the old bytes or the new, never a part."""
+    def write(self, path: str, data: bytes, *, durable: bool = True) -> None:
+        """Write a whole object atomically: readers see the old bytes or the new, never a part.
+
+        durable=False: a crash (power loss) before a later `sync` covering it may lose the
+        object, never tear it; for markers whose loss is harmless and files a commit syncs."""
 
     def open_writer(self, path: str) -> ContextManager[BinaryIO]:
-        """A stream for a large object; durable (fsynced/uploaded) when the context exits cleanly."""
+        """A stream for a large object. When the context exits cleanly its bytes are durable
+        (fsynced/uploaded); its name is once a `sync` covers it."""
+
+    def sync(self, paths: Iterable[str]) -> None:
+        """Make these objects durable, bytes and names, before something that refers to them
+        is published (local: fsync each file, then each directory once; S3: nothing to do, a
+        completed upload is durable)."""
 
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         """Bytes [offset, offset+length) of an object; FileNotFoundError if it is absent."""

@@ -64,19 +64,39 @@ class LocalStorage:
         except OSError as exc:
             raise _os_error(exc, "cannot create directory", parent) from exc
 
-    def write(self, path: str, data: bytes) -> None:
+    def write(self, path: str, data: bytes, *, durable: bool = True) -> None:
         full = self._path(path)
         self._ensure_parent(full)
         tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            self._write_file(open(tmp, "wb"), data)
+            self._write_file(open(tmp, "wb"), data, fsync=durable)
             os.replace(tmp, full)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise _os_error(exc, "cannot write", full) from exc
-        if self.fsync:
+        if self.fsync and durable:
             _fsync_dir(os.path.dirname(full))
+
+    def sync(self, paths: Iterable[str]) -> None:
+        if not self.fsync:
+            return
+        directories = set()
+        for path in paths:
+            full = self._path(path)
+            try:
+                fd = os.open(full, os.O_RDONLY)
+            except OSError as exc:
+                raise _os_error(exc, "cannot sync", full) from exc
+            try:
+                os.fsync(fd)  # cheap when the writer already did: no dirty pages left
+            except OSError as exc:
+                raise _os_error(exc, "cannot sync", full) from exc
+            finally:
+                os.close(fd)
+            directories.add(os.path.dirname(full))
+        for directory in sorted(directories):
+            _fsync_dir(directory)
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
         """Write `data` at `path` only if nothing is there (see base.SupportsCreateExclusive).
@@ -114,12 +134,12 @@ class LocalStorage:
         self._write_file(os.fdopen(fd, "wb"), data)
         return True
 
-    def _write_file(self, f: BinaryIO, data: bytes) -> None:
+    def _write_file(self, f: BinaryIO, data: bytes, *, fsync: bool = True) -> None:
         """Write `data` to the open file `f`, fsync it (unless fsync is off), close it."""
         with f:
             f.write(data)
             f.flush()
-            if self.fsync:
+            if self.fsync and fsync:
                 os.fsync(f.fileno())
 
     @contextlib.contextmanager
@@ -134,9 +154,7 @@ class LocalStorage:
             yield f
             f.flush()
             if self.fsync:
-                os.fsync(f.fileno())
-        if self.fsync:
-            _fsync_dir(os.path.dirname(full))
+                os.fsync(f.fileno())  # the name: when a commit syncs it (`sync`)
 
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         full = self._path(path)

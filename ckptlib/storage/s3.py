@@ -604,7 +604,7 @@ class S3Storage:
         )
         return bool(response.get("KeyCount") or response.get("Contents"))
 
-    def write(self, path: str, data: bytes) -> None:
+    def write(self, path: str, data: bytes, *, durable: bool = True) -> None:
         key = self._key(path)
         where = self._where(path)
         if len(data) > MAX_PUT_SIZE:  # beyond a single PUT: a multipart upload is atomic too
@@ -612,6 +612,9 @@ class S3Storage:
                 stream.write(data)
             return
         self._call("put", where, self.client.put_object, Bucket=self.bucket, Key=key, Body=bytes(data))
+
+    def sync(self, paths: Iterable[str]) -> None:
+        """Nothing to do: a completed PUT or multipart upload is durable."""
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
         """PUT `data` only if no object is at `path` (`If-None-Match: *`); True if this call
