@@ -45,7 +45,7 @@ def _as_checkpoint_error(exc: BaseException, rank: int) -> CheckpointError:
     return CheckpointError(f"rank {rank}: {detail}", rank=rank)
 
 
-def _portable(exc: BaseException, rank: int) -> CheckpointError:
+def portable_error(exc: BaseException, rank: int) -> CheckpointError:
     """An exception that is safe to pickle to other ranks."""
     err = _as_checkpoint_error(exc, rank)
     try:
@@ -73,7 +73,7 @@ def agree(fn: Callable[[], T], group=None) -> T:
         local_error = exc
     if not is_distributed():
         return result
-    portable = None if local_error is None else _portable(local_error, dist.get_rank())
+    portable = None if local_error is None else portable_error(local_error, dist.get_rank())
     gathered: list[Any] = [None] * get_world_size(group)
     dist.all_gather_object(gathered, portable, group=group)
     if local_error is not None:
@@ -95,7 +95,7 @@ def decide_on_rank0(fn: Callable[[], T], group=None) -> T:
         try:
             payload[0] = ("ok", fn())
         except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
-            payload[0] = ("error", _portable(exc, dist.get_rank()))
+            payload[0] = ("error", portable_error(exc, dist.get_rank()))
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(payload, src=src, group=group)
     status, value = payload[0]

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import time
 import warnings
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,12 +21,15 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from . import _dist, compat
 from .errors import CheckpointError, MissingKeysError, ShapeMismatchError, StateError
 from .format import CheckpointInfo, CkptWriter, Manifest, SafeLoadPlanner, commit, prepare_save_target
+from .format.dcp_io import checkpoint_bytes
 from .format.legacy import inspect_checkpoint, open_reader
 from .format.manifest import check_metadata_json
 from .state import to_load_plan, to_save_state_dict
 from .storage import Storage, open_storage
 
 __version__ = "0.1.0"
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -69,11 +72,11 @@ def _unwrap_dcp_error(exc: BaseException) -> CheckpointError:
     for rank, failure in sorted(failures.items()):
         inner = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(inner, CheckpointError):
-            if inner.rank is None:
+            if inner.rank is None:  # raised on that rank (a decision for every rank has its rank set)
                 inner.rank = rank
-            if not inner.message.startswith("rank "):
-                inner.message = f"rank {rank}: {inner.message}"
-                inner.args = (inner.message,)
+                if not inner.message.startswith("rank "):
+                    inner.message = f"rank {rank}: {inner.message}"
+                    inner.args = (inner.message,)
             return inner
     parts = []
     for rank, failure in sorted(failures.items()):
@@ -124,57 +127,76 @@ def save(
         return user_metadata, state_dict
 
     user_metadata, state_dict = _dist.agree(check_and_collect, group)
-    if not async_:
-        _dist.decide_on_rank0(lambda: prepare_save_target(storage, overwrite=overwrite, world_size=world), group)
-        return _write_and_commit(storage, state_dict, group, world=world, step=step, user_metadata=user_metadata)
-    staged = state_dict
-    del state_dict
 
-    def run() -> SaveResult:
-        # Preparing the target (removing debris, the fsynced pending marker) waits for the disk,
-        # so it runs here, still before any shard is written; its errors (CheckpointExistsError)
-        # come from wait().
-        _dist.decide_on_rank0(lambda: prepare_save_target(storage, overwrite=overwrite, world_size=world), bg_group)
-        return _write_and_commit(storage, staged, bg_group, world=world, step=step, user_metadata=user_metadata)
+    def write() -> SaveResult:
+        return _write_and_commit(
+            storage, state_dict, bg_group if async_ else group,
+            world=world, step=step, user_metadata=user_metadata, overwrite=overwrite,
+        )
+
+    if not async_:
+        return write()
 
     def work() -> SaveResult:
-        return run() if _background is None else _background(run, bg_group)
+        # Preparing the target (removing debris) waits for the disk, so it runs in the
+        # background too, still before any shard is written; its errors
+        # (CheckpointExistsError) come from wait().
+        return write() if _background is None else _background(write, bg_group)
 
     handle = async_save.AsyncSave(storage.uri, work, blocking_seconds=time.perf_counter() - started, started=started)
     async_save.register(group, handle)
     return handle  # type: ignore[return-value]
 
 
+def _on_coordinator(fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn` runs on the coordinator inside a DCP collective, deciding for every rank: its
+    error reaches every rank as it is (rank 0's, without a per-rank prefix)."""
+
+    def run(*args: Any) -> T:
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - re-raised, portable, on every rank by DCP
+            error = _dist.portable_error(exc, _dist.get_rank())
+            if error is exc:
+                raise
+            raise error from exc
+
+    return run
+
+
 def _write_and_commit(
-    storage: Storage, state_dict: dict[str, Any], group, *, world: int, step: int | None, user_metadata: dict[str, Any]
+    storage: Storage,
+    state_dict: dict[str, Any],
+    group,
+    *,
+    world: int,
+    step: int | None,
+    user_metadata: dict[str, Any],
+    overwrite: bool,
 ) -> SaveResult:
-    """Write every rank's shard through DCP, then let rank 0 commit the manifest (collective on `group`)."""
-    writer = CkptWriter(storage)
-    try:
-        with _quiet_single_process():
-            dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
-    except compat.checkpoint_exception_cls() as exc:
-        raise _unwrap_dcp_error(exc) from exc
+    """Every rank writes its shard through DCP; the coordinator prepares the target before
+    any write and commits the manifest after `.metadata`, inside DCP's own collectives."""
+    def prepare() -> None:
+        prepare_save_target(storage, overwrite=overwrite, world_size=world)
 
-    records = _dist.gather_to_rank0(writer.file_records, group)
-
-    def _commit() -> Manifest:
-        files = {}
-        for per_rank in records or []:
-            files.update(per_rank)
+    def commit_manifest(files: dict[str, Any]) -> None:
         manifest = Manifest(
             world_size=world,
-            files=files,
+            files=dict(files),
             step=step,
             metadata=user_metadata,
             torch_version=torch.__version__,
             ckptlib_version=__version__,
         )
         commit(storage, manifest)
-        return manifest
 
-    manifest = _dist.decide_on_rank0(_commit, group)
-    return SaveResult(uri=storage.uri, step=step, world_size=world, total_bytes=manifest.total_bytes)
+    writer = CkptWriter(storage, prepare=_on_coordinator(prepare), commit=_on_coordinator(commit_manifest))
+    try:
+        with _quiet_single_process():
+            metadata = dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
+    except compat.checkpoint_exception_cls() as exc:
+        raise _unwrap_dcp_error(exc) from exc
+    return SaveResult(uri=storage.uri, step=step, world_size=world, total_bytes=checkpoint_bytes(metadata))
 
 
 def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool) -> list[str]:

@@ -330,3 +330,42 @@ def test_multi_rank_checkpoint_files_and_plain_dcp(tmp_path, dist_run):
         assert torch.equal(target["dt"], full) and torch.equal(target["rep"], full * 2)
     single = _plain_dcp_load(uri)
     assert torch.equal(single["dt"], full)
+
+
+def _save_only_replicated(uri: str):
+    """Two replicated values on three ranks: DCP writes each once, so one rank's plan is empty."""
+    result = ckptlib.save(uri, {"rep": torch.arange(12, dtype=torch.float32), "n": 5}, step=3)
+    return result.total_bytes, result.step, result.world_size
+
+
+def test_ranks_with_nothing_to_save_still_commit(tmp_path, dist_run):
+    uri = str(tmp_path / "c")
+    results = dist_run(3, _save_only_replicated, uri)
+    manifest = json.loads((tmp_path / "c" / "ckptlib.json").read_text())
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    shards = [manifest["files"][f"__{r}_0.distcp"] for r in range(3)]
+    assert [len(s["items"]) for s in shards].count(0) == 1
+    assert {"size": 0, "crc32": 0, "items": []} in shards
+    total = sum(f["size"] for f in manifest["files"].values())
+    assert total == sum(os.path.getsize(tmp_path / "c" / n) for n in manifest["files"])
+    assert results == [(total, 3, 3)] * 3  # every rank reports the committed size
+    target = {"rep": torch.zeros(12), "n": 0}
+    ckptlib.load(uri, target)
+    assert torch.equal(target["rep"], torch.arange(12, dtype=torch.float32)) and target["n"] == 5
+
+
+def _save_twice(uri: str):
+    ckptlib.save(uri, {"w": torch.full((4,), 1.0)})
+    ckptlib.save(uri, {"w": torch.full((4,), 2.0)})
+
+
+def test_existing_checkpoint_refused_on_every_rank_before_any_write(tmp_path, dist_run):
+    uri = str(tmp_path / "c")
+    results = dist_run(3, _save_twice, uri, return_exceptions=True)
+    assert [type(r) for r in results] == [CheckpointExistsError] * 3
+    # Decided once on rank 0 for everyone: the same message, no per-rank prefix.
+    assert {str(r) for r in results} == {f"{uri} already holds a committed checkpoint (pass overwrite=True)"}
+    assert {r.rank for r in results} == {0}
+    loaded = {"w": torch.zeros(4)}
+    ckptlib.load(uri, loaded)
+    assert torch.equal(loaded["w"], torch.ones(4))

@@ -21,7 +21,7 @@ import re
 import sys
 import zlib
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.futures import Future
@@ -224,14 +224,46 @@ class _MemReader(_RangeReader):
         return view.nbytes
 
 
-class CkptWriter(StorageWriter):
-    """Writes one shard file per rank through `storage` and records item checksums."""
+_TOTAL_BYTES_ATTR = "_ckptlib_total_bytes"
 
-    def __init__(self, storage: Storage):
+
+def checkpoint_bytes(metadata: Metadata) -> int | None:
+    """The committed checkpoint's size (every file), from the Metadata dcp.save returned."""
+    return getattr(metadata, _TOTAL_BYTES_ATTR, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WithFileRecord:
+    """A rank's first WriteResult.storage_data, carrying its shard's FileRecord to the
+    coordinator's `finish` inside DCP's own gather (unwrapped there, never in `.metadata`)."""
+
+    info: Any
+    name: str
+    record: FileRecord
+
+
+class CkptWriter(StorageWriter):
+    """Writes one shard file per rank through `storage` and records item checksums.
+
+    `prepare()` runs on the coordinator before any rank writes (inside DCP's planning round),
+    `commit(file_records)` on the coordinator after `.metadata` is written (inside DCP's final
+    round), so neither costs a collective of its own; DCP raises their errors on every rank.
+    After `finish`, the coordinator's `file_records` holds every file of the checkpoint.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        prepare: Callable[[], None] | None = None,
+        commit: Callable[[dict[str, FileRecord]], Any] | None = None,
+    ):
         super().__init__()
         self.storage = storage
         self.is_coordinator = False
         self.file_records: dict[str, FileRecord] = {}
+        self._prepare = prepare
+        self._commit = commit
 
     def reset(self, checkpoint_id=None) -> None:
         self.file_records = {}
@@ -243,6 +275,8 @@ class CkptWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self._prepare is not None:
+            self._prepare()
         return [dataclasses.replace(plan, storage_data=f"__{i}_") for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
@@ -278,17 +312,39 @@ class CkptWriter(StorageWriter):
                 )
                 offset = sink.pos
             file_crc = sink.file_crc
-        self.file_records[name] = FileRecord(size=offset, crc32=file_crc, items=items)
+        record = FileRecord(size=offset, crc32=file_crc, items=items)
+        self.file_records[name] = record
+        if results:
+            first = results[0]
+            results[0] = dataclasses.replace(first, storage_data=_WithFileRecord(first.storage_data, name, record))
         fut: Future = Future()
         fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.storage_data = {wr.index: wr.storage_data for per_rank in results for wr in per_rank}
+        records: dict[str, FileRecord] = {}
+        storage_data = {}
+        for rank, per_rank in enumerate(results):
+            for wr in per_rank:
+                info = wr.storage_data
+                if isinstance(info, _WithFileRecord):
+                    records[info.name] = info.record
+                    info = info.info
+                storage_data[wr.index] = info
+            if not per_rank:  # a rank with nothing to save still wrote its (empty) shard file
+                records[_shard_file_name(f"__{rank}_")] = FileRecord(size=0, crc32=0, items=[])
+        metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata)
         self.storage.write(METADATA_NAME, blob, durable=False)  # `commit` syncs it with the shards
-        self.file_records[METADATA_NAME] = FileRecord(size=len(blob), crc32=zlib.crc32(blob), items=[(0, len(blob), zlib.crc32(blob))])
+        records[METADATA_NAME] = FileRecord(size=len(blob), crc32=zlib.crc32(blob), items=[(0, len(blob), zlib.crc32(blob))])
+        self.file_records = records
+        # DCP hands this object (pickled) back to every rank from dcp.save: the checkpoint's
+        # size then needs no collective of its own (`checkpoint_bytes`). Set after the blob
+        # was written, so it is not in `.metadata`.
+        setattr(metadata, _TOTAL_BYTES_ATTR, sum(r.size for r in records.values()))
+        if self._commit is not None:
+            self._commit(records)
 
     def storage_meta(self) -> StorageMeta | None:
         meta = StorageMeta(checkpoint_id=self.storage.uri)
