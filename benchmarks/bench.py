@@ -23,7 +23,8 @@ alternate inside each repetition, in a rotating order, so machine noise hits all
 - S3 (moto server on 127.0.0.1): ckptlib save/load against boto3's managed multipart
   upload/download of the same bytes per rank.
 
-Throughput is state bytes / wall time of the slowest rank (barriers around every timed op).
+Throughput is state bytes / wall time of the slowest rank (barriers around every timed op;
+every timed save starts after an untimed `os.sync()`, so it waits for its own writeback only).
 `main(argv)` is the entry point (`ckpt bench` may call it).
 """
 
@@ -148,6 +149,17 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _settle() -> None:
+    """Untimed: write back every dirty page first, so a timed save's fsync waits for its own
+    bytes and not for the previous method's (without this, identical saves here took 0.7 s or
+    2.8 s depending on what ran before them)."""
+    rank, _ = _rank()
+    _barrier()
+    if rank == 0:
+        os.sync()
+    _barrier()
+
+
 def _rm(path: str) -> None:
     rank, _ = _rank()
     _barrier()
@@ -185,6 +197,7 @@ def rank_io(root: str, size_mib: int, reps: int, cold: bool, keep: str, do_async
         order = saves[rep % len(saves) :] + saves[: rep % len(saves)]
         for method in order:
             path = f"{base}/{method}"
+            _settle()
             if method == "ckptlib":
                 rec("save_ckptlib", _timed(lambda: ckptlib.save(path, state)))
             elif method == "dcp":
