@@ -11,6 +11,7 @@ from __future__ import annotations
 import traceback
 from typing import Any, Callable, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from .errors import CheckpointError
@@ -57,6 +58,14 @@ def portable_error(exc: BaseException, rank: int) -> CheckpointError:
         return CheckpointError(f"rank {rank}: {err}", rank=rank)
 
 
+def _flag_device(group) -> torch.device:
+    """Where a collective's tensor must live for this group's backend (NCCL: the current GPU)."""
+    backend = dist.get_backend(group)
+    if "nccl" in str(backend).lower() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def agree(fn: Callable[[], T], group=None) -> T:
     """Run `fn` on every rank; if it raised on any rank, raise on every rank.
 
@@ -72,6 +81,12 @@ def agree(fn: Callable[[], T], group=None) -> T:
             raise
         local_error = exc
     if not is_distributed():
+        return result
+    # The common case, nobody failed, costs one tiny all_reduce; the errors themselves are
+    # gathered (two more rounds: sizes, then payloads) only when some rank failed.
+    failed = torch.tensor([0 if local_error is None else 1], dtype=torch.int32, device=_flag_device(group))
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if not failed.item():
         return result
     portable = None if local_error is None else portable_error(local_error, dist.get_rank())
     gathered: list[Any] = [None] * get_world_size(group)
