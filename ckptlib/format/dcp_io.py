@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import pickle
 import re
@@ -101,49 +102,129 @@ def _tensor_for_save(tensor: torch.Tensor) -> torch.Tensor:
 _DIRECT_MIN = 1 << 20
 # Chunk of the streaming reads (checksummed while the chunk is still in cache).
 _CHUNK = 4 << 20
+# Checksum blocks of shard files (`block_size_for`).
+_MIN_BLOCK = 1 << 20
+_MAX_BLOCKS = 1024
 # Upper bound of one coalesced ranged read on backends without a local file (S3).
 _MAX_SPAN = 64 << 20
 
 
-def _crc_step(running: list[int], chunk: memoryview) -> None:
-    running[0] = crc32(chunk, running[0])
+class _ItemCheck:
+    """Verifies one whole item: feed it every byte of [start, start + length) in order."""
+
+    def __init__(self, start: int, length: int, expected: int):
+        self.start, self.end, self.expected = start, start + length, expected
+        self.crc = 0
+
+    def feed(self, chunk: memoryview) -> None:
+        self.crc = crc32(chunk, self.crc)
+
+    def failure(self) -> str | None:
+        return None if self.crc == self.expected else ""
+
+
+class _BlockCheck:
+    """Verifies the file blocks that cover [lo, hi) (a block-aligned range): feed it those
+    bytes in order; each block's CRC is compared as soon as its last byte arrives."""
+
+    def __init__(self, lo: int, hi: int, block_size: int, blocks: list[int]):
+        self.start, self.end = lo, hi
+        self.block_size, self.blocks = block_size, blocks
+        self.pos, self.crc = lo, 0
+        self.bad: int | None = None
+
+    def feed(self, chunk: memoryview) -> None:
+        done, n = 0, chunk.nbytes
+        while done < n:
+            take = min(self.block_size - self.pos % self.block_size, n - done)
+            self.crc = crc32(chunk[done : done + take], self.crc)
+            self.pos += take
+            done += take
+            if self.pos % self.block_size == 0 or self.pos == self.end:
+                index = (self.pos - 1) // self.block_size
+                if self.crc != self.blocks[index] and self.bad is None:
+                    self.bad = index
+                self.crc = 0
+
+    def failure(self) -> str | None:
+        if self.bad is None:
+            return None
+        lo = self.bad * self.block_size
+        return f": file block {self.bad} (bytes {lo}..{lo + self.block_size}) does not match its checksum"
+
+
+def block_size_for(planned_bytes: int) -> int:
+    """The checksum block size of a shard file expected to hold `planned_bytes`: 1 MiB, or
+    more for files over 1 GiB so no file records more than ~1024 block CRCs (the manifest
+    stays small); 0 (no blocks) without a fast crc32_combine."""
+    if crc32_combine is None:
+        return 0
+    size = _MIN_BLOCK
+    while planned_bytes > size * _MAX_BLOCKS:
+        size *= 2
+    return size
 
 
 class _CrcSink:
-    """What torch.save writes into: forwards to the shard stream and keeps the running CRC-32
-    of the file and of the current item, and the offset."""
+    """What the items are written through: forwards to the shard stream and keeps, in one
+    pass over the bytes, the CRC-32 of the current item, of the file, and of each block of
+    the file (`block_size`; 0: no blocks)."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, block_size: int = 0):
         self.stream = stream
         self.pos = 0
         self.file_crc = 0
         self.item_crc = 0
+        self.block_size = block_size if crc32_combine is not None else 0
+        self.blocks: list[int] = []
+        self._block_crc = 0
 
-    def write(self, data) -> int:
+    def write(self, data, crc: int | None = None) -> int:
+        """Write `data`; `crc`, when known, is its CRC-32 (saves computing it again)."""
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
-        self.item_crc = crc32(view, self.item_crc)
-        if crc32_combine is None:
-            self.file_crc = crc32(view, self.file_crc)
+        self._account(view, crc)
         self.stream.write(view)
-        self.pos += view.nbytes
         return view.nbytes
 
+    def _account(self, view: memoryview, crc: int | None) -> None:
+        n = view.nbytes
+        if crc32_combine is None:  # pragma: no cover - without zlib-ng: running CRCs, two passes
+            self.item_crc = crc32(view, self.item_crc)
+            self.file_crc = crc32(view, self.file_crc)
+            self.pos += n
+            return
+        if not self.block_size:
+            self.item_crc = crc32_combine(self.item_crc, crc32(view) if crc is None else crc, n)
+            self.pos += n
+            return
+        done = 0
+        while done < n:
+            take = min(self.block_size - self.pos % self.block_size, n - done)
+            piece = crc if crc is not None and take == n else crc32(view[done : done + take])
+            self.item_crc = crc32_combine(self.item_crc, piece, take)
+            self._block_crc = crc32_combine(self._block_crc, piece, take)
+            self.pos += take
+            done += take
+            if self.pos % self.block_size == 0:
+                self.blocks.append(self._block_crc)
+                self._block_crc = 0
+
     def write_encoded(self, item: item_encoder.EncodedItem) -> None:
-        """Write an item whose CRC is already known (its file CRC then follows by combining)."""
-        for chunk in item.chunks:
-            self.stream.write(chunk)
-        self.pos += item.size
-        self.item_crc = item.crc
-        if crc32_combine is None:  # pragma: no cover - the encoder needs zlib-ng, which has it
-            for chunk in item.chunks:
-                self.file_crc = crc32(chunk, self.file_crc)
+        """Write an item whose pieces' CRCs are already known."""
+        for chunk, crc in zip(item.chunks, item.crcs):
+            self.write(chunk, crc)
 
     def end_item(self, length: int) -> None:
         """Fold the finished item's CRC into the file's (one pass over the bytes, not two)."""
         if crc32_combine is not None:
             self.file_crc = crc32_combine(self.file_crc, self.item_crc, length)
+
+    def end_file(self) -> None:
+        if self.block_size and self.pos % self.block_size:
+            self.blocks.append(self._block_crc)  # the last, short block
+            self._block_crc = 0
 
     def flush(self) -> None:
         pass
@@ -288,8 +369,13 @@ class CkptWriter(StorageWriter):
         offset = 0
         ordered: list[WriteItem] = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
         ordered += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
+        planned = sum(
+            math.prod(wi.tensor_data.size) * wi.tensor_data.properties.dtype.itemsize
+            for wi in ordered
+            if wi.tensor_data is not None
+        )
         with self.storage.open_writer(name) as stream:
-            sink = _CrcSink(stream)
+            sink = _CrcSink(stream, block_size_for(planned))
             for item in ordered:
                 data = planner.resolve_data(item)
                 sink.item_crc = 0
@@ -297,7 +383,7 @@ class CkptWriter(StorageWriter):
                     sink.write(data.getbuffer())
                 else:
                     tensor = _tensor_for_save(data)
-                    encoded = item_encoder.encode(tensor)
+                    encoded = item_encoder.encode(tensor, sink.pos, sink.block_size)
                     if encoded is not None:
                         sink.write_encoded(encoded)
                     else:  # straight into the stream: identical bytes to torch.save into a BytesIO
@@ -311,8 +397,9 @@ class CkptWriter(StorageWriter):
                     WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, offset, length))
                 )
                 offset = sink.pos
+            sink.end_file()
             file_crc = sink.file_crc
-        record = FileRecord(size=offset, crc32=file_crc, items=items)
+        record = FileRecord(size=offset, crc32=file_crc, items=items, block_size=sink.block_size, blocks=sink.blocks)
         self.file_records[name] = record
         if results:
             first = results[0]
@@ -555,18 +642,30 @@ class CkptReader(PlannedReader):
             buf = self._scratch_buf = memoryview(bytearray(_CHUNK))
         return buf
 
-    def _crc_range(self, fd: int, start: int, end: int, crc: int) -> int:
-        """Extend `crc` over file bytes [start, end), read in cache-sized chunks."""
+    def _feed_range(self, fd: int, start: int, end: int, check) -> None:
+        """Feed file bytes [start, end) to `check`, read in cache-sized chunks into scratch."""
         scratch = self._scratch()
         pos = start
         while pos < end:
             n = _pread_into(fd, scratch[: min(_CHUNK, end - pos)], pos)
             if n <= 0:
                 raise EOFError(f"short read at offset {pos}")
-            crc = crc32(scratch[:n], crc)
+            check.feed(scratch[:n])
             self.bytes_read += n
             pos += n
-        return crc
+
+    def _check_for(self, name: str, info, begin: int, end: int, item_crc: int):
+        """How to verify a read of item bytes [begin, end): by the file blocks that cover them
+        when the manifest has block CRCs and that reads fewer bytes (a resharded load needing
+        part of a stored chunk), else by the whole item's CRC."""
+        record = self.manifest.files.get(name) if self.manifest is not None else None
+        bs = record.block_size if record is not None else 0
+        if bs:
+            lo = (info.offset + begin) // bs * bs
+            hi = min(-(-(info.offset + end) // bs) * bs, record.size)
+            if hi - lo < info.length:
+                return _BlockCheck(lo, hi, bs, record.blocks)
+        return _ItemCheck(info.offset, info.length, item_crc)
 
     def _chunk_sizes(self, fqn: str, offsets) -> tuple[torch.dtype, tuple[int, ...]] | None:
         """dtype and size of the stored chunk of `fqn` at `offsets`, from `.metadata`."""
@@ -666,15 +765,14 @@ class CkptReader(PlannedReader):
         begin = record + first * size
         end = begin + count * size
         view = _byte_view(dest)
-        crc = 0
+        check = None if expected is None else self._check_for(name, info, begin, end, expected[1])
         try:
-            if expected is not None:
-                crc = self._crc_range(fd, info.offset, info.offset + begin, 0)
+            if check is not None:
+                self._feed_range(fd, check.start, info.offset + begin, check)
             # The checksum of chunk k runs on a helper thread while chunk k+1 is read (both
             # release the GIL), so with a core to spare verification adds almost no latency.
-            running = [crc]
             pending = None
-            helper = self._crc_helper() if expected is not None and view.nbytes > _CHUNK else None
+            helper = self._crc_helper() if check is not None and view.nbytes > _CHUNK else None
             try:
                 pos = 0
                 while pos < view.nbytes:
@@ -684,21 +782,22 @@ class CkptReader(PlannedReader):
                     if n != chunk.nbytes:
                         raise EOFError(f"short read at offset {info.offset + begin + pos}")
                     if helper is not None:
-                        pending = helper.submit(_crc_step, running, chunk)
-                    elif expected is not None:
-                        running[0] = crc32(chunk, running[0])
+                        pending = helper.submit(check.feed, chunk)
+                    elif check is not None:
+                        check.feed(chunk)
                     pos += n
             finally:
                 if pending is not None:
                     pending.result()  # the helper is one thread: every earlier step is done too
-            crc = running[0]
-            if expected is not None:
-                crc = self._crc_range(fd, info.offset + end, info.offset + info.length, crc)
+            if check is not None:
+                self._feed_range(fd, info.offset + end, check.end, check)
         except EOFError as exc:
             raise CheckpointCorruptError(f"{where}: shard file is truncated{whose(name)}: {exc}", path=where) from exc
-        if expected is not None and crc != expected[1]:
+        failure = None if check is None else check.failure()
+        if failure is not None:
             raise CheckpointCorruptError(
-                f"{where}: checksum mismatch in item at offset {info.offset} (length {info.length}){whose(name)}",
+                f"{where}: checksum mismatch in item at offset {info.offset} (length {info.length}){whose(name)}"
+                f"{failure}",
                 path=where,
             )
         if dest is not target:

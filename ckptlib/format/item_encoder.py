@@ -49,6 +49,7 @@ class _Unsupported(Exception):
 @dataclasses.dataclass
 class EncodedItem:
     chunks: list[memoryview]  # write these in order
+    crcs: list[int]  # the CRC-32 of each chunk
     size: int
     crc: int  # CRC-32 of all the bytes
 
@@ -58,14 +59,18 @@ def _address(view: memoryview) -> int:
 
 
 class _Capture:
-    """The file-like torch's zip writer writes into: keeps the pieces in order."""
+    """The file-like torch's zip writer writes into: keeps the pieces in order, large ones
+    cut where the file's checksum blocks begin (the item starts at file offset `base`), so
+    each piece's CRC serves its zip record, the item and its block alike."""
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, base: int = 0, block_size: int = 0):
         self.chunks: list[memoryview] = []
         self.size = 0
         nbytes = tensor.numel() * tensor.element_size()
         self._lo = tensor.data_ptr() if nbytes else 0
         self._hi = self._lo + nbytes
+        self._base = base
+        self._block = block_size
 
     def write(self, data) -> int:
         view = memoryview(data)
@@ -73,8 +78,15 @@ class _Capture:
             view = view.cast("B")
         n = view.nbytes
         if n < _COPY_BELOW or not (self._lo <= _address(view) and _address(view) + n <= self._hi):
-            view = memoryview(bytearray(view))
-        self.chunks.append(view)
+            self.chunks.append(memoryview(bytearray(view)))
+        elif not self._block:
+            self.chunks.append(view)
+        else:
+            done = 0
+            while done < n:
+                room = self._block - (self._base + self.size + done) % self._block
+                self.chunks.append(view[done : done + room])
+                done += min(room, n - done)
         self.size += n
         return n
 
@@ -229,8 +241,8 @@ def _fill_crcs(archive: _Archive) -> None:
         archive.patch(record.central_crc_at, field)
 
 
-def _encode(tensor: torch.Tensor) -> EncodedItem | None:
-    capture = _Capture(tensor)
+def _encode(tensor: torch.Tensor, base: int = 0, block_size: int = 0) -> EncodedItem | None:
+    capture = _Capture(tensor, base, block_size)
     if not compat.torch_save_without_zip_crc(tensor, capture):
         return None
     archive = _Archive(capture.chunks, capture.size)
@@ -238,7 +250,8 @@ def _encode(tensor: torch.Tensor) -> EncodedItem | None:
         _fill_crcs(archive)
     except (_Unsupported, struct.error, UnicodeDecodeError):
         return None
-    return EncodedItem(chunks=archive.chunks, size=archive.size, crc=archive.crc(0, archive.size))
+    crcs = [archive.chunk_crc(i) for i in range(len(archive.chunks))]
+    return EncodedItem(chunks=archive.chunks, crcs=crcs, size=archive.size, crc=archive.crc(0, archive.size))
 
 
 def _probe_tensors() -> list[torch.Tensor]:
@@ -266,10 +279,11 @@ def fast_path_reason() -> str | None:
     return None
 
 
-def encode(tensor: torch.Tensor) -> EncodedItem | None:
+def encode(tensor: torch.Tensor, base: int = 0, block_size: int = 0) -> EncodedItem | None:
     """torch.save(tensor)'s exact bytes as pieces to write, with their CRC-32; None where the
     fast path is off (see `fast_path_reason`), then use torch.save. `tensor`: contiguous, CPU,
-    owning exactly its bytes (the views in the pieces point into it: keep it alive)."""
+    owning exactly its bytes (the views in the pieces point into it: keep it alive). With a
+    `block_size`, no large piece crosses a multiple of it counted from `base` back."""
     if fast_path_reason() is not None:
         return None
-    return _encode(tensor)
+    return _encode(tensor, base, block_size)

@@ -2,7 +2,10 @@
 
 It records who wrote the checkpoint (format, ckptlib and torch versions, world size, step,
 user metadata) and every file with its size and CRC-32, plus the CRC-32 of each item
-(offset, length) so a rank that reads only part of a file can still verify what it read.
+(offset, length) so a rank that reads only some items can still verify what it read, and
+(optionally, `blocks`) the CRC-32 of each fixed-size block of the file, so a rank that
+reads only part of an item (a resharded load) verifies the blocks it touches instead of
+reading the whole item. Readers that predate `blocks` ignore it.
 The manifest carries a CRC-32 of its own canonical JSON (`checksum`), so a damaged manifest
 is detected too; manifests without one (written before it existed) are still accepted.
 File names must stay inside the checkpoint directory: a name that is absolute or holds
@@ -51,15 +54,26 @@ def _canonical(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
+def block_count(size: int, block_size: int) -> int:
+    return -(-size // block_size) if block_size > 0 else 0
+
+
 @dataclasses.dataclass
 class FileRecord:
     size: int
     crc32: int
     # (offset, length, crc32) of every item in the file, in file order.
     items: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    # CRC-32 of bytes [i * block_size, (i + 1) * block_size) of the file for every i (the last
+    # block may be short); block_size 0: none recorded.
+    block_size: int = 0
+    blocks: list[int] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "crc32": self.crc32, "items": [list(i) for i in self.items]}
+        doc: dict[str, Any] = {"size": self.size, "crc32": self.crc32, "items": [list(i) for i in self.items]}
+        if self.block_size:
+            doc["blocks"] = {"size": self.block_size, "crc32": list(self.blocks)}
+        return doc
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> "FileRecord":
@@ -67,7 +81,13 @@ class FileRecord:
             items = [tuple(int(v) for v in item) for item in data.get("items", [])]
             if any(len(i) != 3 for i in items):
                 raise ValueError("item records need (offset, length, crc32)")
-            record = cls(size=int(data["size"]), crc32=int(data["crc32"]), items=items)  # type: ignore[arg-type]
+            blocks = data.get("blocks")
+            block_size = 0 if blocks is None else int(blocks["size"])
+            block_crcs = [] if blocks is None else [int(v) for v in blocks["crc32"]]
+            record = cls(
+                size=int(data["size"]), crc32=int(data["crc32"]), items=items,  # type: ignore[arg-type]
+                block_size=block_size, blocks=block_crcs,
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointCorruptError(f"{where}: malformed file record ({exc})", path=where) from exc
         problem = record.problem()
@@ -77,7 +97,7 @@ class FileRecord:
 
     def problem(self) -> str | None:
         """Why this record cannot describe a real file (negative sizes, items outside the file or
-        overlapping each other), or None."""
+        overlapping each other, a block list that does not cover the file), or None."""
         if self.size < 0 or not 0 <= self.crc32 < 1 << 32:
             return f"size {self.size}, crc32 {self.crc32}"
         end = 0
@@ -89,6 +109,15 @@ class FileRecord:
             if off < end:
                 return f"item at offset {off} overlaps the previous item or is out of order"
             end = off + length
+        if self.block_size < 0 or (self.blocks and not self.block_size):
+            return f"block size {self.block_size} with {len(self.blocks)} block checksums"
+        if self.block_size and len(self.blocks) != block_count(self.size, self.block_size):
+            return (
+                f"{len(self.blocks)} block checksums for {self.size} bytes in blocks of {self.block_size} "
+                f"(needs {block_count(self.size, self.block_size)})"
+            )
+        if any(not 0 <= crc < 1 << 32 for crc in self.blocks):
+            return "a block crc32 out of range"
         return None
 
 

@@ -1,0 +1,206 @@
+"""Block checksums: the writer records a CRC-32 per fixed-size block of every shard file, and
+a resharded verified load reads (and verifies) only the blocks covering the rows it needs.
+
+The block size is shrunk to 4 KiB here so a small state spans many blocks; every number
+below is computed from the file or the manifest, never assumed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+import ckptlib
+from ckptlib import cli
+from ckptlib.errors import CheckpointCorruptError
+from ckptlib.format import checksum, dcp_io, item_encoder
+from ckptlib.format.legacy import open_reader
+from ckptlib.format.manifest import FileRecord
+
+pytestmark = pytest.mark.skipif(not checksum.FAST, reason="block checksums need zlib-ng's crc32_combine")
+
+BLOCK = 4096
+ROWS, COLS = 1024, 512  # 2 MiB of float32: read through the direct path (>= 1 MiB)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(dcp_io, "_MIN_BLOCK", BLOCK)
+
+
+def _weight() -> torch.Tensor:
+    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(1))
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(2)
+    return {"w": _weight(), "b": torch.randn(777, generator=g).to(torch.bfloat16), "n": 4}
+
+
+def _manifest(path) -> dict:
+    return json.loads((path / "ckptlib.json").read_text())
+
+
+@pytest.mark.parametrize("writer", ["encoder", "torch.save"])
+def test_block_crcs_match_the_file(tmp_path, small_blocks, monkeypatch, writer):
+    if writer == "torch.save":
+        monkeypatch.setattr(item_encoder, "encode", lambda *args: None)
+    ckptlib.save(tmp_path / "c", _state())
+    record = _manifest(tmp_path / "c")["files"]["__0_0.distcp"]
+    data = (tmp_path / "c" / "__0_0.distcp").read_bytes()
+    assert record["size"] == len(data) and record["blocks"]["size"] == BLOCK
+    expected = [zlib.crc32(data[i : i + BLOCK]) for i in range(0, len(data), BLOCK)]
+    assert record["blocks"]["crc32"] == expected
+    assert record["crc32"] == zlib.crc32(data)
+    assert [zlib.crc32(data[o : o + n]) for o, n, _ in record["items"]] == [c for _, _, c in record["items"]]
+
+
+@pytest.mark.parametrize(
+    "planned, size", [(0, 1 << 20), (1 << 30, 1 << 20), ((1 << 30) + 1, 2 << 20), (1 << 40, 1 << 30)],
+    ids=["empty", "1GiB", "1GiB+1", "1TiB"],
+)
+def test_block_size_keeps_the_manifest_small(planned, size):
+    assert dcp_io.block_size_for(planned) == size
+    assert -(-planned // size) <= 1024
+
+
+class _Target:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def resolve_tensor(self, item):
+        return self.tensor
+
+    def commit_tensor(self, item, tensor):
+        pass
+
+
+def _read_rows(path, first: int, count: int, verify: bool = True):
+    """What a rank of a resharded load does: read rows [first, first + count) of `w`."""
+    reader, info = open_reader(str(path), verify=verify)
+    md = info.metadata.state_dict_metadata["w"]
+    want = ChunkStorageMetadata(offsets=torch.Size([first, 0]), sizes=torch.Size([count, COLS]))
+    out = torch.zeros(count, COLS)
+    reader.read_data(LoadPlan(create_read_items_for_chunk_list("w", md, [want])), _Target(out)).wait()
+    return out, reader.bytes_read, info
+
+
+def _data_start(path, info) -> int:
+    """File offset of `w`'s raw bytes (its zip data record) in the shard."""
+    storage = info.metadata.storage_data
+    (entry,) = [v for k, v in storage.items() if k.fqn == "w"]
+    data = (path / entry.relative_path).read_bytes()[entry.offset : entry.offset + entry.length]
+    raw = _weight().numpy().tobytes()
+    return entry.offset + data.index(raw[:4096])
+
+
+def test_resharded_verified_read_touches_only_covering_blocks(tmp_path, small_blocks):
+    ckptlib.save(tmp_path / "c", _state())
+    out, bytes_read, info = _read_rows(tmp_path / "c", 100, 37)
+    assert torch.equal(out, _weight()[100:137])
+    lo = _data_start(tmp_path / "c", info) + 100 * COLS * 4
+    hi = lo + 37 * COLS * 4
+    assert bytes_read == -(-hi // BLOCK) * BLOCK - lo // BLOCK * BLOCK  # the needed rows, rounded out to blocks
+    item_length = next(v.length for k, v in info.metadata.storage_data.items() if k.fqn == "w")
+    assert bytes_read < item_length / 10
+
+
+def test_whole_item_reads_still_use_the_item_crc(tmp_path, small_blocks):
+    ckptlib.save(tmp_path / "c", _state())
+    out, bytes_read, info = _read_rows(tmp_path / "c", 0, ROWS)
+    assert torch.equal(out, _weight())
+    item_length = next(v.length for k, v in info.metadata.storage_data.items() if k.fqn == "w")
+    assert bytes_read == item_length
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_damage_in_a_covering_block_is_refused_naming_it(tmp_path, small_blocks):
+    ckptlib.save(tmp_path / "c", _state())
+    _, _, info = _read_rows(tmp_path / "c", 0, 1)
+    at = _data_start(tmp_path / "c", info) + 110 * COLS * 4 + 3  # inside row 110
+    _flip(tmp_path / "c" / "__0_0.distcp", at)
+    block = at // BLOCK
+    with pytest.raises(CheckpointCorruptError) as err:
+        _read_rows(tmp_path / "c", 100, 37)
+    assert str(err.value).endswith(
+        f": file block {block} (bytes {block * BLOCK}..{(block + 1) * BLOCK}) does not match its checksum"
+    )
+    assert "__0_0.distcp: checksum mismatch in item at offset" in str(err.value)
+
+
+def test_damage_outside_the_read_blocks_is_left_to_ckpt_verify(tmp_path, small_blocks, capsys):
+    ckptlib.save(tmp_path / "c", _state())
+    _, _, info = _read_rows(tmp_path / "c", 0, 1)
+    start = _data_start(tmp_path / "c", info)
+    at = start + 900 * COLS * 4
+    _flip(tmp_path / "c" / "__0_0.distcp", at)
+    out, _, _ = _read_rows(tmp_path / "c", 100, 37)  # rows 100..136 never share a block with row 900
+    assert torch.equal(out, _weight()[100:137])
+    assert cli.main(["verify", str(tmp_path / "c")]) == 1
+    assert "__0_0.distcp (rank 0's shard): checksum mismatch in item at offset" in capsys.readouterr().out
+
+
+def test_ckpt_verify_checks_block_crcs(tmp_path, small_blocks, capsys):
+    """A manifest whose block CRC is wrong while the file is intact: only the block check sees it."""
+    ckptlib.save(tmp_path / "c", _state())
+    path = tmp_path / "c" / "ckptlib.json"
+    doc = json.loads(path.read_text())
+    doc["files"]["__0_0.distcp"]["blocks"]["crc32"][3] ^= 1
+    doc.pop("checksum")
+    path.write_text(json.dumps(doc))
+    assert cli.main(["verify", str(tmp_path / "c")]) == 1
+    out = capsys.readouterr().out
+    assert f"__0_0.distcp (rank 0's shard): checksum mismatch in file block 3 (bytes {3 * BLOCK}..{4 * BLOCK})\n" in out
+    assert out.count("checksum mismatch") == 1
+
+
+def test_manifest_without_blocks_still_loads(tmp_path, small_blocks):
+    """Checkpoints written before block checksums: the item CRC covers resharded reads."""
+    ckptlib.save(tmp_path / "c", _state())
+    path = tmp_path / "c" / "ckptlib.json"
+    doc = json.loads(path.read_text())
+    for record in doc["files"].values():
+        record.pop("blocks", None)
+    doc.pop("checksum")
+    path.write_text(json.dumps(doc))
+    out, bytes_read, info = _read_rows(tmp_path / "c", 100, 37)
+    assert torch.equal(out, _weight()[100:137])
+    item_length = next(v.length for k, v in info.metadata.storage_data.items() if k.fqn == "w")
+    assert bytes_read == item_length
+
+
+@pytest.mark.parametrize(
+    "blocks, problem",
+    [
+        ({"size": 4096, "crc32": [1]}, "1 block checksums for 10000 bytes in blocks of 4096 (needs 3)"),
+        ({"size": 0, "crc32": [1]}, "block size 0 with 1 block checksums"),
+        ({"size": 4096, "crc32": [1, 2, 1 << 32]}, "a block crc32 out of range"),
+    ],
+    ids=["too-few", "no-size", "out-of-range"],
+)
+def test_malformed_block_lists_are_refused(blocks, problem):
+    with pytest.raises(CheckpointCorruptError, match=rf"^m: malformed file record \({re.escape(problem)}\)$"):
+        FileRecord.from_json({"size": 10000, "crc32": 0, "items": [], "blocks": blocks}, "m")
+
+
+def test_encoder_cuts_at_block_boundaries_without_changing_bytes(tmp_path, small_blocks, monkeypatch):
+    ckptlib.save(tmp_path / "fast", _state())
+    monkeypatch.setattr(item_encoder, "encode", lambda *args: None)
+    ckptlib.save(tmp_path / "plain", _state())
+    name = "__0_0.distcp"  # (.metadata names its own directory, so it differs)
+    assert (tmp_path / "fast" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
+    assert _manifest(tmp_path / "fast")["files"][name] == _manifest(tmp_path / "plain")["files"][name]
