@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import io
 import struct
+from typing import Callable
 
 import numpy as np
 import torch
@@ -166,29 +167,40 @@ class _Record:
     central_crc_at: int
 
 
-def _records(archive: _Archive) -> list[_Record]:
-    """Every record of the archive, from its central directory."""
-    eocd = archive.size - 22
-    sig, _, _, _, count, _, cd_offset, _ = struct.unpack("<IHHHHIIH", archive.read(eocd, 22))
+@dataclasses.dataclass
+class _Entry:
+    """A central-directory entry: enough to find the record's local header and data."""
+
+    name: str
+    flags: int
+    size: int
+    local_at: int
+    central_at: int
+
+
+def _central_entries(read: Callable[[int, int], bytes], size: int) -> list[_Entry]:
+    """Every entry of the zip archive of `size` bytes that `read(pos, n)` reads."""
+    eocd = size - 22
+    sig, _, _, _, count, _, cd_offset, _ = struct.unpack("<IHHHHIIH", read(eocd, 22))
     if sig != _EOCD_SIG:
         raise _Unsupported("no end-of-central-directory record at the end")
-    if archive.size >= 42 and struct.unpack("<I", archive.read(eocd - 20, 4))[0] == _ZIP64_LOCATOR_SIG:
-        _, _, zip64_at, _ = struct.unpack("<IIQI", archive.read(eocd - 20, 20))
-        fields = struct.unpack("<IQHHIIQQQQ", archive.read(zip64_at, 56))
+    if size >= 42 and struct.unpack("<I", read(eocd - 20, 4))[0] == _ZIP64_LOCATOR_SIG:
+        _, _, zip64_at, _ = struct.unpack("<IIQI", read(eocd - 20, 20))
+        fields = struct.unpack("<IQHHIIQQQQ", read(zip64_at, 56))
         if fields[0] != _ZIP64_EOCD_SIG:
             raise _Unsupported("bad zip64 end-of-central-directory record")
         count, cd_offset = fields[7], fields[9]
-    records = []
+    entries = []
     pos = cd_offset
     for _ in range(count):
-        head = archive.read(pos, 46)
+        head = read(pos, 46)
         (sig, _, _, flags, method, _, _, _, csize, usize, name_len, extra_len, comment_len, _, _, _, local_at) = (
             struct.unpack("<IHHHHHHIIIHHHHHII", head)
         )
         if sig != _CENTRAL_SIG or method != 0:
             raise _Unsupported("a record that is not stored uncompressed")
-        name = archive.read(pos + 46, name_len).decode("utf-8")
-        extra = archive.read(pos + 46 + name_len, extra_len)
+        name = read(pos + 46, name_len).decode("utf-8")
+        extra = read(pos + 46 + name_len, extra_len)
         big = [v for v in (usize, csize, local_at) if v == _U32_MAX]
         if big:
             values = _zip64_values(extra, len(big))
@@ -200,21 +212,48 @@ def _records(archive: _Archive) -> list[_Record]:
             local_at = next(it) if local_at == _U32_MAX else local_at
         if csize != usize:
             raise _Unsupported(f"{name}: compressed")
-        local = archive.read(local_at, 30)
-        if struct.unpack_from("<I", local)[0] != _LOCAL_SIG:
-            raise _Unsupported(f"{name}: no local header at {local_at}")
-        local_name_len, local_extra_len = struct.unpack_from("<HH", local, 26)
-        data_start = local_at + 30 + local_name_len + local_extra_len
-        descriptor: int | None = data_start + usize
-        if not flags & 0x8:  # no data descriptor: only empty records (their CRC, 0, is already right)
-            if usize:
-                raise _Unsupported(f"{name}: data without a data descriptor")
+        entries.append(_Entry(name, flags, usize, local_at, pos))
+        pos += 46 + name_len + extra_len + comment_len
+    return entries
+
+
+def _data_start(read: Callable[[int, int], bytes], entry: _Entry) -> int:
+    local = read(entry.local_at, 30)
+    if struct.unpack_from("<I", local)[0] != _LOCAL_SIG:
+        raise _Unsupported(f"{entry.name}: no local header at {entry.local_at}")
+    local_name_len, local_extra_len = struct.unpack_from("<HH", local, 26)
+    return entry.local_at + 30 + local_name_len + local_extra_len
+
+
+def _records(archive: _Archive) -> list[_Record]:
+    """Every record of the archive, from its central directory."""
+    records = []
+    for entry in _central_entries(archive.read, archive.size):
+        data_start = _data_start(archive.read, entry)
+        descriptor: int | None = data_start + entry.size
+        if not entry.flags & 0x8:  # no data descriptor: only empty records (their CRC, 0, is already right)
+            if entry.size:
+                raise _Unsupported(f"{entry.name}: data without a data descriptor")
             descriptor = None
         elif struct.unpack("<I", archive.read(descriptor, 4))[0] != _DESCRIPTOR_SIG:
-            raise _Unsupported(f"{name}: no data descriptor after the data")
-        records.append(_Record(name, data_start, usize, None if descriptor is None else descriptor + 4, pos + 16))
-        pos += 46 + name_len + extra_len + comment_len
+            raise _Unsupported(f"{entry.name}: no data descriptor after the data")
+        records.append(
+            _Record(entry.name, data_start, entry.size, None if descriptor is None else descriptor + 4, entry.central_at + 16)
+        )
     return records
+
+
+def tensor_data_record(read: Callable[[int, int], bytes], size: int) -> tuple[int, int] | None:
+    """(offset, size) of the one tensor data record (`*/data/<key>`) of a torch.save archive
+    of `size` bytes read by `read(pos, n)`; None if it has not exactly one, stored uncompressed
+    (the reader then decodes the item with torch.load)."""
+    try:
+        entries = [e for e in _central_entries(read, size) if "/data/" in e.name and "/." not in e.name]
+        if len(entries) != 1:
+            return None
+        return _data_start(read, entries[0]), entries[0].size
+    except (_Unsupported, struct.error, UnicodeDecodeError, EOFError):
+        return None
 
 
 def _hash_combine(seed: int, value: int) -> int:
