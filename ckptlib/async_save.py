@@ -21,6 +21,12 @@ Exit: an atexit handler waits for every save still in flight, so a process that 
 without `wait()` still commits its last checkpoint. Call `wait()` before
 `destroy_process_group()`: the background needs the group until the commit.
 
+Background staging (`background_staging=True`): `save()` returns right after its checks;
+the background first copies the state (then agrees on the dedicated group that every rank
+did), and `wait_staged()` returns once it has. The caller must not change the state
+before that, e.g. it calls `wait_staged()` right before `optimizer.step()`: on GPU the
+device-to-host copy then overlaps the next forward and backward.
+
 Memory: the staging copy (about one state per rank) is kept and reused by the next async
 save of a state with the same tensor shapes, so steady-state saves copy into memory that is
 already mapped (no page faults); `release_staging()` frees it.
@@ -55,14 +61,22 @@ class AsyncSave:
 
     `wait(timeout=None)` and `result()` return the SaveResult once the checkpoint is
     committed, or raise the background failure (on every rank alike). `done()` tells whether
-    the background work has finished. `blocking_seconds` is how long `save()` blocked the
-    caller (staging included); `seconds` the whole save, once done.
+    the background work has finished. `wait_staged(timeout=None)` returns once the state
+    has been copied (at once unless the save used `background_staging=True`): from then on
+    the caller may change it. `blocking_seconds` is how long `save()` blocked the caller;
+    `staged_seconds` how long after the call the copy was done; `seconds` the whole save.
     """
 
-    def __init__(self, uri: str, work: Callable[[], Any], *, blocking_seconds: float = 0.0, started: float):
+    def __init__(
+        self, uri: str, work: Callable[[], Any], *, blocking_seconds: float = 0.0, started: float, staged: bool = True
+    ):
         self.uri = uri
         self.blocking_seconds = blocking_seconds
+        self.staged_seconds: float | None = blocking_seconds if staged else None
         self.seconds: float | None = None
+        self._staged = threading.Event()
+        if staged:
+            self._staged.set()
         self._started = started
         self._work = work
         self._result: Any = None
@@ -88,6 +102,21 @@ class AsyncSave:
             self._work = None  # drop the staged state dict as soon as it is written
             self.seconds = time.perf_counter() - self._started
             self._done.set()
+            self._staged.set()  # wakes wait_staged() after a failure before the copy was done
+
+    def mark_staged(self) -> None:
+        """Called by the background work once its copy of the state is complete."""
+        self.staged_seconds = time.perf_counter() - self._started
+        self._staged.set()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Return once the state is copied (the caller may change it from then on); raises
+        the failure of a save that failed before its copy was complete."""
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"async save to {self.uri} still copying the state after {timeout} s")
+        if self.staged_seconds is None:  # the work ended without completing the copy
+            self._observed = True
+            raise self._error if self._error is not None else CheckpointError(f"async save to {self.uri} never staged")
 
     def done(self) -> bool:
         return self._done.is_set()

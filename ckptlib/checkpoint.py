@@ -94,6 +94,7 @@ def save(
     overwrite: bool = False,
     process_group=None,
     async_: bool = False,
+    background_staging: bool = False,
     _background=None,
 ) -> SaveResult:
     """Save `state` as a sharded DCP checkpoint at `uri` and commit it with a manifest.
@@ -103,12 +104,19 @@ def save(
     `async_=True`: return an `AsyncSave` handle as soon as the state is staged to CPU memory;
     the write and the commit run in a background thread on a dedicated gloo group (see
     `ckptlib.async_save`). `handle.wait()` returns this SaveResult or raises the failure.
+
+    `background_staging=True` (with `async_=True`): return before the staging copy, which
+    then runs first in the background (on GPU, the device-to-host copy overlaps the next
+    forward and backward). The state must not change until `handle.wait_staged()` returned,
+    e.g. call it right before `optimizer.step()`.
     (`_background(run, group)`, private: wraps the background work, e.g. the manager's
     publish after the commit; `group` is the dedicated group its collectives must use.)
     """
     started = time.perf_counter()
     storage = _storage(uri)
     group = process_group
+    if background_staging and not async_:
+        raise StateError("background_staging=True needs async_=True")
     if async_:
         from . import async_save
 
@@ -122,7 +130,7 @@ def save(
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise StateError(f"step must be a non-negative int, got {step!r}")
         state_dict = to_save_state_dict(state, rank=rank)
-        if async_:
+        if async_ and not background_staging:
             state_dict = async_save.stage(state_dict, group)  # the copy the background writes
         return user_metadata, state_dict
 
@@ -138,12 +146,19 @@ def save(
         return write()
 
     def work() -> SaveResult:
+        nonlocal state_dict
+        if background_staging:
+            # Every rank learns of a copy that failed on one (on the background's group).
+            state_dict = _dist.agree(lambda: async_save.stage(state_dict, group), bg_group)
+            handle.mark_staged()
         # Preparing the target (removing debris) waits for the disk, so it runs in the
         # background too, still before any shard is written; its errors
         # (CheckpointExistsError) come from wait().
         return write() if _background is None else _background(write, bg_group)
 
-    handle = async_save.AsyncSave(storage.uri, work, blocking_seconds=time.perf_counter() - started, started=started)
+    handle = async_save.AsyncSave(
+        storage.uri, work, blocking_seconds=time.perf_counter() - started, started=started, staged=not background_staging
+    )
     async_save.register(group, handle)
     return handle  # type: ignore[return-value]
 

@@ -285,6 +285,7 @@ class CheckpointManager:
         process_group=None,
         hold_lock: bool = False,
         async_save: bool = False,
+        background_staging: bool = False,
     ):
         """`hold_lock=False`: the root is locked during each save and gc. `hold_lock=True`: the
         first save or gc takes the lock and keeps it until `close()` (or the end of a `with`
@@ -295,13 +296,18 @@ class CheckpointManager:
         gloo group, never the caller's). The next `save()`, `gc()`, `wait()` and `close()` wait
         for it first, and raise its failure if it failed (on every rank); a failed save never
         moves `latest`. At interpreter exit the save in flight is waited for before the lock
-        is released."""
+        is released. `background_staging=True` (with `async_save=True`): `save()` returns
+        before the state is copied; call the handle's `wait_staged()` before changing the
+        state (see `ckptlib.save`)."""
+        if background_staging and not async_save:
+            raise StateError("background_staging=True needs async_save=True")
         self.root_uri = os.fspath(root)
         self.storage: Storage = open_storage(self.root_uri)
         self.retention = retention if retention is not None else KeepLast(keep_last)
         self.process_group = process_group
         self.hold_lock = hold_lock
         self.async_save = async_save
+        self.background_staging = background_staging
         self._lock = RootLock(self.storage)
         self._pending = None  # the AsyncSave in flight (async_save=True)
 
@@ -465,7 +471,7 @@ class CheckpointManager:
 
         handle = save(
             target, state, step=step, metadata=metadata, overwrite=overwrite, process_group=self.process_group,
-            async_=True, _background=background,
+            async_=True, background_staging=self.background_staging, _background=background,
         )
         self._pending = handle
         atexit.register(self._wait_at_exit)

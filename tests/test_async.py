@@ -1,6 +1,7 @@
 """Async save (`ckptlib.save(..., async_=True)`) and the reader/writer fast paths.
 
-Async: the state is staged before `save` returns, written and committed in a background
+Async: the state is staged before `save` returns (with `background_staging=True`, before
+`wait_staged()` returns), written and committed in a background
 thread whose collectives run on a dedicated gloo group; a background failure surfaces from
 `wait()` on every rank and never leaves a manifest; a process that exits without `wait()`
 still commits (atexit).
@@ -152,6 +153,61 @@ def _async_with_failing_rank(uri: str, bad_rank: int):
         dist.all_reduce(flag)
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def _background_staging_then_train(uri: str) -> dict:
+    """background_staging=True: save returns before the copy; the "training step" waits for
+    wait_staged() and then changes everything; the checkpoint holds the values before it."""
+    state = _state(9)
+    handle = ckptlib.save(uri, state, step=9, async_=True, background_staging=True)
+    handle.wait_staged(timeout=60)
+    staged_after = handle.staged_seconds
+    with torch.no_grad():
+        for key in ("w", "cols", "half", "small"):
+            state[key].to_local().mul_(-3)
+        state["extra"]["name"] = "changed"
+    result = handle.wait(timeout=60)
+    return {"step": result.step, "ordered": handle.blocking_seconds <= staged_after <= handle.seconds}
+
+
+def test_background_staging_saves_the_state_before_the_next_step(tmp_path, dist_run):
+    uri = str(tmp_path / "ckpt")
+    assert dist_run(2, _background_staging_then_train, uri) == [{"step": 9, "ordered": True}] * 2
+    assert dist_run(3, _load_and_check, uri, 9) == [[], [], []]
+
+
+def _background_staging_fails_on(uri: str, bad_rank: int) -> list[str]:
+    from ckptlib import async_save
+
+    if dist.get_rank() == bad_rank:
+        def no_memory(key, value, pool, used):
+            raise MemoryError(f"cannot stage {key} (injected)")
+
+        async_save._staged_tensor = no_memory
+    handle = ckptlib.save(uri, _state(5), step=5, async_=True, background_staging=True)
+    seen = []
+    for wait in (handle.wait_staged, handle.wait):
+        try:
+            wait(timeout=60)
+            seen.append("no error")
+        except ckptlib.CheckpointError as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+    return seen
+
+
+def test_background_staging_failure_reaches_every_rank(tmp_path, dist_run):
+    uri = str(tmp_path / "ckpt")
+    seen = dist_run(2, _background_staging_fails_on, uri, 1)
+    expected = "CheckpointError: rank 1: MemoryError: cannot stage .w (injected)"
+    assert seen == [[expected, expected]] * 2
+    assert not os.path.exists(uri) or MANIFEST_NAME not in os.listdir(uri)
+
+
+def test_background_staging_needs_async(tmp_path):
+    with pytest.raises(ckptlib.StateError, match=r"^background_staging=True needs async_=True$"):
+        ckptlib.save(tmp_path / "c", {"w": torch.ones(2)}, background_staging=True)
+    with pytest.raises(ckptlib.StateError, match=r"^background_staging=True needs async_save=True$"):
+        ckptlib.CheckpointManager(tmp_path / "r", background_staging=True)
 
 
 @pytest.mark.parametrize("bad_rank", [0, 1])
@@ -478,3 +534,17 @@ def test_manager_exit_without_wait_commits_publishes_and_unlocks(tmp_path):
     assert proc.returncode == 0, proc.stderr.decode()
     assert sorted(os.listdir(root)) == ["latest", "step_0000000005"]  # committed, pointed to, lock gone
     assert ckptlib.CheckpointManager(str(root)).latest() == 5
+
+
+def test_manager_background_staging_publishes_the_staged_state(tmp_path):
+    state = {"w": _full(4), "n": 4}
+    with ckptlib.CheckpointManager(tmp_path / "run", async_save=True, background_staging=True) as mgr:
+        handle = mgr.save(4, state)
+        handle.wait_staged(timeout=60)
+        state["w"].zero_()
+        state["n"] = 5
+        mgr.wait()
+        target = {"w": torch.zeros(ROWS, COLS), "n": -1}
+        assert mgr.load(target) == 4
+    assert torch.equal(target["w"], _full(4)) and target["n"] == 4
+    assert os.readlink(tmp_path / "run" / "latest") == "step_0000000004"
