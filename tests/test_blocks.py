@@ -7,6 +7,7 @@ below is computed from the file or the manifest, never assumed.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import zlib
@@ -204,3 +205,37 @@ def test_encoder_cuts_at_block_boundaries_without_changing_bytes(tmp_path, small
     name = "__0_0.distcp"  # (.metadata names its own directory, so it differs)
     assert (tmp_path / "fast" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
     assert _manifest(tmp_path / "fast")["files"][name] == _manifest(tmp_path / "plain")["files"][name]
+
+
+@pytest.fixture
+def without_zlib_ng(monkeypatch):
+    """What an install without the `fast` extra runs: the standard zlib, no crc32_combine."""
+    verify_module = importlib.import_module("ckptlib.format.verify")  # (the package exports a function `verify`)
+
+    for module in (dcp_io, verify_module):
+        monkeypatch.setattr(module, "crc32", zlib.crc32)
+        monkeypatch.setattr(module, "crc32_combine", None)
+    monkeypatch.setattr(item_encoder, "FAST", False)
+    item_encoder.fast_path_reason.cache_clear()
+    yield
+    monkeypatch.undo()
+    item_encoder.fast_path_reason.cache_clear()
+
+
+def test_without_zlib_ng_checksums_are_the_same_minus_blocks(tmp_path, without_zlib_ng, capsys):
+    assert item_encoder.encode(torch.ones(3)) is None  # torch.save writes the items
+    ckptlib.save(tmp_path / "c", _state())
+    record = _manifest(tmp_path / "c")["files"]["__0_0.distcp"]
+    assert "blocks" not in record
+    data = (tmp_path / "c" / "__0_0.distcp").read_bytes()
+    assert record["crc32"] == zlib.crc32(data)
+    assert [zlib.crc32(data[o : o + n]) for o, n, _ in record["items"]] == [c for _, _, c in record["items"]]
+    out, bytes_read, info = _read_rows(tmp_path / "c", 100, 37)
+    assert torch.equal(out, _weight()[100:137])
+    assert bytes_read == next(v.length for k, v in info.metadata.storage_data.items() if k.fqn == "w")
+    assert cli.main(["verify", str(tmp_path / "c")]) == 0
+    _flip(tmp_path / "c" / "__0_0.distcp", len(data) // 2)
+    assert cli.main(["verify", str(tmp_path / "c")]) == 1
+    assert "checksum mismatch in item at offset" in capsys.readouterr().out
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch in item at offset"):
+        ckptlib.load(tmp_path / "c", {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(777, dtype=torch.bfloat16), "n": 0})
