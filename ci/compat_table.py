@@ -220,6 +220,7 @@ _PROBES = [
     ("torch_load_weights_only_default", "torch.load weights_only default"),
     ("meta_load_records_offsets", "torch.load(map_location=meta) records storage offsets (reader fast path)"),
     ("safe_globals", "torch.serialization.safe_globals"),
+    ("zip_writer_without_crc", "torch's zip writer without its CRC pass (the writer fills the CRCs from its own)"),
     ("cuda_build", "CUDA build"),
     ("cuda_available", "CUDA available here"),
 ]
