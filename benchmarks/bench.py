@@ -787,6 +787,13 @@ def plot(results: dict[str, Any], summary: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _report(text: str, markdown_path: str | None) -> None:
+    print(text)
+    if markdown_path:
+        with open(markdown_path, "w") as f:
+            f.write(text + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="bench", description=__doc__.split("\n\n")[0])
@@ -817,11 +824,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.from_json) as f:
             results = json.load(f)["results"]
         summary = summarize(results, args.estimator)
-        text = markdown(results, summary, args.estimator) + f"\n\n(Summarized from {args.from_json}.)"
-        print(text)
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write(text + "\n")
+        _report(markdown(results, summary, args.estimator) + f"\n\n(Summarized from {args.from_json}.)", args.markdown)
         return 0
     args.argv = argv
     if args.sizes is None:
@@ -834,11 +837,10 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args)
     results["seconds"] = time.perf_counter() - started
     summary = summarize(results, args.estimator)
-    text = markdown(results, summary, args.estimator) + f"\n\nWall time of the benchmark: {results['seconds']:.0f} s."
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    _report(
+        markdown(results, summary, args.estimator) + f"\n\nWall time of the benchmark: {results['seconds']:.0f} s.",
+        args.markdown,
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": results, "summary": summary, "targets": TARGETS}, f, indent=1, default=str)

@@ -414,24 +414,18 @@ def test_corruption_in_a_large_item_is_detected(tmp_path, where, reshard):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+        from reader_helpers import IntoTensor
 
         md = info.metadata.state_dict_metadata["a"]
         items = create_read_items_for_chunk_list("a", md, [ChunkStorageMetadata(torch.Size([100, 0]), torch.Size([50, COLS]))])
         out = torch.zeros(50, COLS)
 
-        class _Planner:
-            def resolve_tensor(self, item):
-                return out
-
-            def commit_tensor(self, item, tensor):
-                pass
-
         assert manifest["files"]["__0_0.distcp"]["blocks"]["size"] == 1 << 20
         if where == "header":
             with pytest.raises(ckptlib.CheckpointCorruptError, match="file block 0 "):
-                reader.read_data(LoadPlan(items), _Planner()).wait()
+                reader.read_data(LoadPlan(items), IntoTensor(out)).wait()
         else:
-            reader.read_data(LoadPlan(items), _Planner()).wait()
+            reader.read_data(LoadPlan(items), IntoTensor(out)).wait()
             assert torch.equal(out, state["a"][100:150])
             assert reader.bytes_read == 1 << 20  # block 0 only, of a 4.9 MB item
         return

@@ -24,6 +24,7 @@ from ckptlib.errors import CheckpointCorruptError
 from ckptlib.format import checksum, dcp_io, item_encoder
 from ckptlib.format.legacy import open_reader
 from ckptlib.format.manifest import FileRecord
+from reader_helpers import IntoTensor
 
 pytestmark = pytest.mark.skipif(not checksum.FAST, reason="block checksums need zlib-ng's crc32_combine")
 
@@ -72,24 +73,13 @@ def test_block_size_keeps_the_manifest_small(planned, size):
     assert -(-planned // size) <= 1024
 
 
-class _Target:
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-    def resolve_tensor(self, item):
-        return self.tensor
-
-    def commit_tensor(self, item, tensor):
-        pass
-
-
 def _read_rows(path, first: int, count: int, verify: bool = True):
     """What a rank of a resharded load does: read rows [first, first + count) of `w`."""
     reader, info = open_reader(str(path), verify=verify)
     md = info.metadata.state_dict_metadata["w"]
     want = ChunkStorageMetadata(offsets=torch.Size([first, 0]), sizes=torch.Size([count, COLS]))
     out = torch.zeros(count, COLS)
-    reader.read_data(LoadPlan(create_read_items_for_chunk_list("w", md, [want])), _Target(out)).wait()
+    reader.read_data(LoadPlan(create_read_items_for_chunk_list("w", md, [want])), IntoTensor(out)).wait()
     return out, reader.bytes_read, info
 
 

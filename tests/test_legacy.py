@@ -42,6 +42,7 @@ from ckptlib.format.legacy import (
     open_reader,
 )
 from ckptlib.testing.legacy_writers import uneven_bounds, write_safetensors, write_v0
+from reader_helpers import IntoTensor
 
 pytestmark = pytest.mark.legacy
 
@@ -369,19 +370,6 @@ def test_source_info_is_small_and_rebuilds_the_reader(name):
     pickle.loads(pickle.dumps(reader))  # readers cross process boundaries too
 
 
-class _Target:
-    """A minimal LoadPlanner stand-in: read items land in one preallocated tensor."""
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-    def resolve_tensor(self, item):
-        return self.tensor
-
-    def commit_tensor(self, item, tensor):
-        pass
-
-
 @pytest.mark.parametrize("name", ["torch_save", "v0_ws3", "safetensors_single"])
 def test_reader_reads_only_the_rows_a_rank_needs(name):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -396,7 +384,7 @@ def test_reader_reads_only_the_rows_a_rank_needs(name):
     out = torch.zeros(3, 4)
     for item in items:  # one target per item, placed by its dest offsets
         view = out.narrow(0, item.dest_offsets[0], item.lengths[0]).narrow(1, item.dest_offsets[1], item.lengths[1])
-        reader.read_data(LoadPlan([item]), _Target(view)).wait()
+        reader.read_data(LoadPlan([item]), IntoTensor(view)).wait()
     assert torch.equal(out, reference(name)["model"]["embed.weight"][2:5])
     assert reader.bytes_read == 3 * 4 * 4  # three rows of four float32, nothing else
 
