@@ -200,6 +200,9 @@ def commit(storage: Storage, manifest: Manifest) -> None:
         raise CheckpointCorruptError(
             f"{storage.uri}: refusing to commit, " + "; ".join(text for _, text in problems), path=storage.uri
         )
-    storage.sync(sorted(manifest.files))  # every file and name durable before the manifest is
+    # Every file and name durable before the manifest is: the shards' bytes were fsynced by
+    # their writers (open_writer); `.metadata` was written without (CkptWriter.finish).
+    unsynced = [METADATA_NAME] if METADATA_NAME in manifest.files else []
+    storage.sync(unsynced, names_only=sorted(set(manifest.files) - set(unsynced)))
     storage.write(MANIFEST_NAME, manifest.to_bytes())
     storage.delete([PENDING_NAME])

@@ -33,10 +33,11 @@ class Storage(Protocol):
         """A stream for a large object. When the context exits cleanly its bytes are durable
         (fsynced/uploaded); its name is once a `sync` covers it."""
 
-    def sync(self, paths: Iterable[str]) -> None:
-        """Make these objects durable, bytes and names, before something that refers to them
-        is published (local: fsync each file, then each directory once; S3: nothing to do, a
-        completed upload is durable)."""
+    def sync(self, paths: Iterable[str], names_only: Iterable[str] = ()) -> None:
+        """Before something that refers to them is published: make `paths` durable, bytes
+        and names, and of `names_only` (objects whose bytes their writer already made
+        durable, `open_writer`) the names (local: fsync each of `paths`, then each directory
+        involved once; S3: nothing to do, a completed upload is durable)."""
 
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         """Bytes [offset, offset+length) of an object; FileNotFoundError if it is absent."""

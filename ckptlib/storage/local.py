@@ -78,10 +78,10 @@ class LocalStorage:
         if self.fsync and durable:
             _fsync_dir(os.path.dirname(full))
 
-    def sync(self, paths: Iterable[str]) -> None:
+    def sync(self, paths: Iterable[str], names_only: Iterable[str] = ()) -> None:
         if not self.fsync:
             return
-        directories = set()
+        directories = {os.path.dirname(self._path(path)) for path in names_only}
         for path in paths:
             full = self._path(path)
             try:
@@ -89,12 +89,14 @@ class LocalStorage:
             except OSError as exc:
                 raise _os_error(exc, "cannot sync", full) from exc
             try:
-                os.fsync(fd)  # cheap when the writer already did: no dirty pages left
+                os.fsync(fd)
             except OSError as exc:
                 raise _os_error(exc, "cannot sync", full) from exc
             finally:
                 os.close(fd)
             directories.add(os.path.dirname(full))
+        # Not re-fsyncing files that are already durable matters: on ext4 even the fsync of
+        # a clean file can wait for a device cache flush.
         for directory in sorted(directories):
             _fsync_dir(directory)
 

@@ -613,7 +613,7 @@ class S3Storage:
             return
         self._call("put", where, self.client.put_object, Bucket=self.bucket, Key=key, Body=bytes(data))
 
-    def sync(self, paths: Iterable[str]) -> None:
+    def sync(self, paths: Iterable[str], names_only: Iterable[str] = ()) -> None:
         """Nothing to do: a completed PUT or multipart upload is durable."""
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
