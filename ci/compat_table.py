@@ -50,6 +50,8 @@ _GROUP_TITLES = {
     "tests.test_cli": "ckpt CLI",
     "tests.test_s3_elastic": "S3 elastic round trips (moto)",
     "tests.test_async": "async save",
+    "tests.test_blocks": "block checksums (resharded verified reads)",
+    "tests.test_item_encoder": "single-pass item encoder (byte-identical to torch.save)",
     "tests.test_validate": "ckpt validate",
 }
 
