@@ -24,6 +24,8 @@ from ckptlib.errors import CheckpointCorruptError
 from ckptlib.format import checksum, dcp_io, item_encoder
 from ckptlib.format.legacy import open_reader
 from ckptlib.format.manifest import FileRecord
+from ckptlib.storage import open_storage
+from ckptlib.testing.s3 import moto_server, s3_root  # noqa: F401  (fixtures)
 from reader_helpers import IntoTensor
 
 pytestmark = pytest.mark.skipif(not checksum.FAST, reason="block checksums need zlib-ng's crc32_combine")
@@ -75,7 +77,7 @@ def test_block_size_keeps_the_manifest_small(planned, size):
 
 def _read_rows(path, first: int, count: int, verify: bool = True):
     """What a rank of a resharded load does: read rows [first, first + count) of `w`."""
-    reader, info = open_reader(str(path), verify=verify)
+    reader, info = open_reader(open_storage(str(path)), verify=verify)
     md = info.metadata.state_dict_metadata["w"]
     want = ChunkStorageMetadata(offsets=torch.Size([first, 0]), sizes=torch.Size([count, COLS]))
     out = torch.zeros(count, COLS)
@@ -229,3 +231,45 @@ def test_without_zlib_ng_checksums_are_the_same_minus_blocks(tmp_path, without_z
     assert "checksum mismatch in item at offset" in capsys.readouterr().out
     with pytest.raises(CheckpointCorruptError, match="checksum mismatch in item at offset"):
         ckptlib.load(tmp_path / "c", {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(777, dtype=torch.bfloat16), "n": 0})
+
+
+# --------------------------------------------------------------------------- S3 (moto)
+
+
+def _s3_flip(uri: str, name: str, offset: int) -> None:
+    storage = open_storage(uri)
+    data = bytearray(storage.read(name))
+    data[offset] ^= 0x40
+    storage.write(name, bytes(data))
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+def test_s3_resharded_read_fetches_only_the_rows_and_their_blocks(s3_root, small_blocks, tmp_path, verify):
+    uri = s3_root + "/c"
+    ckptlib.save(uri, _state())
+    out, bytes_read, info = _read_rows(uri, 100, 37, verify=verify)
+    assert torch.equal(out, _weight()[100:137])
+    ckptlib.save(tmp_path / "local", _state())  # the same bytes locally, to locate the rows
+    _, _, local_info = _read_rows(tmp_path / "local", 0, 1)
+    lo = _data_start(tmp_path / "local", local_info) + 100 * COLS * 4
+    hi = lo + 37 * COLS * 4
+    assert bytes_read == (-(-hi // BLOCK) * BLOCK - lo // BLOCK * BLOCK if verify else hi - lo)
+
+
+@pytest.mark.s3
+def test_s3_damage_in_a_covering_block_is_refused(s3_root, small_blocks, tmp_path):
+    uri = s3_root + "/c"
+    ckptlib.save(uri, _state())
+    ckptlib.save(tmp_path / "local", _state())
+    _, _, local_info = _read_rows(tmp_path / "local", 0, 1)
+    at = _data_start(tmp_path / "local", local_info) + 110 * COLS * 4 + 3
+    _s3_flip(uri, "__0_0.distcp", at)
+    block = at // BLOCK
+    with pytest.raises(CheckpointCorruptError) as err:
+        _read_rows(uri, 100, 37)
+    assert str(err.value).endswith(
+        f": file block {block} (bytes {block * BLOCK}..{(block + 1) * BLOCK}) does not match its checksum"
+    )
+    out, _, _ = _read_rows(uri, 300, 10)  # rows far from the damage: their blocks are intact
+    assert torch.equal(out, _weight()[300:310])

@@ -255,12 +255,15 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
 _TAIL = 4096
 
 
-def _cached_tail_reader(fd: int, base: int, length: int) -> Callable[[int, int], bytes]:
-    """`read(pos, n)` of the item [base, base + length) of `fd`: its last _TAIL bytes come
-    from one read made up front, anything else from its own pread."""
+ReadInto = Callable[[memoryview, int], int]  # fill the view from a file offset; bytes read
+
+
+def _cached_tail_reader(read_into: ReadInto, base: int, length: int) -> Callable[[int, int], bytes]:
+    """`read(pos, n)` of the item [base, base + length) of a file: its last _TAIL bytes come
+    from one read made up front, anything else from its own read."""
     tail_start = max(0, length - _TAIL)
     tail = bytearray(length - tail_start)
-    got = _pread_into(fd, memoryview(tail), base + tail_start)
+    got = read_into(memoryview(tail), base + tail_start)
 
     def read(pos: int, n: int) -> bytes:
         if pos < 0 or n < 0 or pos + n > length:
@@ -268,7 +271,7 @@ def _cached_tail_reader(fd: int, base: int, length: int) -> Callable[[int, int],
         if pos >= tail_start and pos + n <= tail_start + got:
             return bytes(tail[pos - tail_start : pos - tail_start + n])
         buf = bytearray(n)
-        if _pread_into(fd, memoryview(buf), base + pos) != n:
+        if read_into(memoryview(buf), base + pos) != n:
             raise EOFError(f"short read at offset {base + pos}")
         return bytes(buf)
 
@@ -606,6 +609,42 @@ class CkptReader(PlannedReader):
                 self._apply(name, req, info, data, planner)
             del blob
 
+    def _partial(self, req, info) -> bool:
+        """Whether a large tensor request needs only part of its stored chunk (a resharded load)."""
+        if req.type == LoadItemType.BYTE_IO or info.length < _DIRECT_MIN:
+            return False
+        found = self._chunk_sizes(req.storage_index.fqn, req.storage_index.offset)
+        return found is not None and tuple(req.lengths) != tuple(found[1])
+
+    def _read_remote(self, name: str, reqs: list[Any], crcs, planner: LoadPlanner) -> None:
+        """Object stores: a request for part of a large stored chunk reads just its rows (and,
+        verified, the blocks around them) with ranged reads; everything else goes through
+        coalesced whole-item reads (`_read_spans`)."""
+        record = self.manifest.files.get(name) if self.manifest is not None else None
+        direct_ok = record is not None and (crcs is None or record.block_size > 0)
+        rest = []
+        read_into = self._remote_read_into(name)
+        where = f"{self.storage.uri}/{name}"
+        for req, info in reqs:
+            if not (direct_ok and self._partial(req, info)):
+                rest.append((req, info))
+                continue
+            expected = None
+            if crcs is not None:
+                expected = crcs.get(info.offset)
+                if expected is None or expected[0] != info.length:
+                    raise CheckpointCorruptError(
+                        f"{where}: item at offset {info.offset} is not recorded in the manifest{whose(name)}", path=where
+                    )
+            try:
+                done = self._read_tensor_direct(read_into, name, req, info, expected, planner)
+            except FileNotFoundError as exc:
+                raise CheckpointCorruptError(f"{where}: shard file is missing{whose(name)}", path=where) from exc
+            if not done:
+                rest.append((req, info))
+        if rest:
+            self._read_spans(name, rest, crcs, planner)
+
     def _read_local(self, name: str, path: str, reqs: list[Any], crcs, planner: LoadPlanner) -> None:
         where = f"{self.storage.uri}/{name}"
         try:
@@ -649,18 +688,20 @@ class CkptReader(PlannedReader):
         finally:
             os.close(fd)
 
-    def _scratch(self) -> memoryview:
+    def _scratch(self, size: int = _CRC_CHUNK) -> memoryview:
         buf = getattr(self, "_scratch_buf", None)
-        if buf is None:
-            buf = self._scratch_buf = memoryview(bytearray(_CRC_CHUNK))
+        if buf is None or buf.nbytes < size:
+            buf = self._scratch_buf = memoryview(bytearray(size))
         return buf
 
-    def _feed_range(self, fd: int, start: int, end: int, check) -> None:
-        """Feed file bytes [start, end) to `check`, read in cache-sized chunks into scratch."""
-        scratch = self._scratch()
+    def _feed_range(self, read_into: ReadInto, start: int, end: int, check, chunk: int = _CRC_CHUNK) -> None:
+        """Feed file bytes [start, end) to `check`, read in `chunk`-sized pieces into scratch."""
+        if end <= start:
+            return
+        scratch = self._scratch(min(chunk, end - start))
         pos = start
         while pos < end:
-            n = _pread_into(fd, scratch[: min(scratch.nbytes, end - pos)], pos)
+            n = read_into(scratch[: min(scratch.nbytes, end - pos)], pos)
             if n <= 0:
                 raise EOFError(f"short read at offset {pos}")
             check.feed(scratch[:n])
@@ -696,7 +737,7 @@ class CkptReader(PlannedReader):
         sizes = found[1].get(tuple(offsets))
         return None if sizes is None else (found[0], sizes)
 
-    def _ckptlib_layout(self, fd: int, info, req) -> tuple[torch.Tensor, int] | None:
+    def _ckptlib_layout(self, read_into: ReadInto, info, req) -> tuple[torch.Tensor, int] | None:
         """(meta tensor, offset of its data record in the item) without unpickling anything.
 
         CkptWriter saves every tensor item contiguous and with its own storage, so shape and
@@ -708,22 +749,46 @@ class CkptReader(PlannedReader):
         if found is None:
             return None
         dtype, sizes = found
-        record = item_encoder.tensor_data_record(_cached_tail_reader(fd, info.offset, info.length), info.length)
+        record = item_encoder.tensor_data_record(_cached_tail_reader(read_into, info.offset, info.length), info.length)
         meta = torch.empty(sizes, dtype=dtype, device="meta")
         if record is None or record[1] != meta.numel() * meta.element_size():
             return None
         return meta, record[0]
 
     def _read_local_tensor(self, fd: int, name: str, req, info, expected, planner: LoadPlanner) -> bool:
-        """Read one tensor item of a local shard file without intermediate copies: decode only
-        its header (a metadata-only torch.load), then preadv the data record straight into the
-        destination tensor, checksumming each chunk right after it lands. Unverified, only the
-        bytes of the requested chunk are read (resharded loads). Returns False to leave an item
-        of an unexpected shape to the generic path (which reports what is wrong with it)."""
+        """Read one tensor item of a local shard file without intermediate copies (see
+        `_read_tensor_direct`), decoding a non-ckptlib item's header with a metadata-only
+        torch.load."""
+
+        def read_into(view: memoryview, offset: int) -> int:
+            return _pread_into(fd, view, offset)
+
+        return self._read_tensor_direct(read_into, name, req, info, expected, planner, fd=fd)
+
+    def _remote_read_into(self, name: str) -> ReadInto:
+        def read_into(view: memoryview, offset: int) -> int:
+            data = self.storage.read(name, offset, view.nbytes)  # EOFError when the file is short
+            view[: len(data)] = data
+            return len(data)
+
+        return read_into
+
+    def _read_tensor_direct(
+        self, read_into: ReadInto, name: str, req, info, expected, planner: LoadPlanner, *, fd: int | None = None
+    ) -> bool:
+        """Read one tensor item straight into its destination: find its data record (the
+        zip directory, or for other items a metadata-only torch.load of a local file `fd`),
+        read the rows the request needs, and verify them by the item's CRC or, when that
+        reads less, the file blocks that cover them (the rest of the item is not read).
+        Local files are read in L2-sized chunks checksummed as they land; remote ones in
+        large ranged reads. Returns False to leave an item of an unexpected shape to the
+        generic path (which reports what is wrong with it)."""
         where = f"{self.storage.uri}/{name}"
         try:
-            layout = self._ckptlib_layout(fd, info, req) if self.manifest is not None else None
+            layout = self._ckptlib_layout(read_into, info, req) if self.manifest is not None else None
             if layout is None:
+                if fd is None:
+                    return False
                 meta = torch.load(_Window(fd, info.offset, info.length), map_location="meta", weights_only=True)
                 layout = meta, getattr(meta.untyped_storage(), "_checkpoint_offset", None)
             meta, record = layout
@@ -768,16 +833,20 @@ class CkptReader(PlannedReader):
         view = _byte_view(dest)
         check = None if expected is None else self._check_for(name, info, begin, end, expected[1])
         try:
+            # Locally, each chunk is checksummed right after it lands, while it is still in
+            # this core's L2 cache: measured here, that costs a third of checksumming from
+            # memory, and less than a helper thread overlapping it (whose core does not have
+            # the chunk). Remotely, few large reads (each may fan out to parallel GETs).
+            if fd is None:
+                chunk_size = edge_chunk = _MAX_SPAN
+            else:
+                chunk_size, edge_chunk = (_CHUNK if check is None else _CRC_CHUNK), _CRC_CHUNK
             if check is not None:
-                self._feed_range(fd, check.start, info.offset + begin, check)
-            # Each chunk is checksummed right after it lands, while it is still in this core's
-            # L2 cache: measured here, that costs a third of checksumming from memory, and
-            # less than a helper thread overlapping it (whose core does not have the chunk).
-            chunk_size = _CHUNK if check is None else _CRC_CHUNK
+                self._feed_range(read_into, check.start, info.offset + begin, check, edge_chunk)
             pos = 0
             while pos < view.nbytes:
                 chunk = view[pos : pos + chunk_size]
-                n = _pread_into(fd, chunk, info.offset + begin + pos)
+                n = read_into(chunk, info.offset + begin + pos)
                 self.bytes_read += n
                 if n != chunk.nbytes:
                     raise EOFError(f"short read at offset {info.offset + begin + pos}")
@@ -785,7 +854,7 @@ class CkptReader(PlannedReader):
                     check.feed(chunk)
                 pos += n
             if check is not None:
-                self._feed_range(fd, info.offset + end, check.end, check)
+                self._feed_range(read_into, info.offset + end, check.end, check, edge_chunk)
         except EOFError as exc:
             raise CheckpointCorruptError(f"{where}: shard file is truncated{whose(name)}: {exc}", path=where) from exc
         failure = None if check is None else check.failure()
@@ -857,7 +926,7 @@ class CkptReader(PlannedReader):
                 if path is not None:
                     self._read_local(name, path, reqs, crcs, planner)
                 else:
-                    self._read_spans(name, reqs, crcs, planner)
+                    self._read_remote(name, reqs, crcs, planner)
         finally:
             self.__dict__.pop("_scratch_buf", None)
         fut: Future = Future()
