@@ -130,12 +130,14 @@ def gather_to_rank0(obj: Any, group=None) -> list[Any] | None:
     return out
 
 
-def exit_barrier(timeout_s: float = 300.0) -> None:
+def exit_barrier(timeout_s: float = 300.0, key: str = "ckptlib/exit_barrier") -> None:
     """Wait, through the rendezvous store, until every rank is done with collectives.
 
-    Tearing a gloo group down while a peer still reads the last collective's bytes makes
-    that peer abort ("Connection closed by peer"); a store-based barrier before
-    destroy_process_group avoids the race.
+    Tearing a gloo group down (or exiting) while a peer still reads the last collective's
+    bytes makes that peer abort ("Connection closed by peer", or "terminate called without
+    an active exception"); a store-based barrier before that avoids the race. Rank 0, which
+    usually hosts the store, leaves last, so no rank polls a store that is gone. `key`: one
+    per barrier of a process.
     """
     if not is_distributed():
         return
@@ -145,10 +147,18 @@ def exit_barrier(timeout_s: float = 300.0) -> None:
 
     store = distributed_c10d._get_default_store()
     world = dist.get_world_size()
-    key = "ckptlib/exit_barrier"
+
+    def wait_for(name: str, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while int(store.add(name, 0)) < world:
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"exit barrier: only {int(store.add(name, 0))} of {world} ranks {what} in {timeout_s:.0f}s"
+                )
+            time.sleep(0.01)
+
     store.add(key, 1)
-    deadline = time.monotonic() + timeout_s
-    while int(store.add(key, 0)) < world:
-        if time.monotonic() > deadline:
-            raise CheckpointError(f"exit barrier: only {int(store.add(key, 0))} of {world} ranks arrived in {timeout_s:.0f}s")
-        time.sleep(0.01)
+    wait_for(key, "arrived")
+    store.add(f"{key}/left", 1)
+    if dist.get_rank() == 0:
+        wait_for(f"{key}/left", "left")

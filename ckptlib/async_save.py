@@ -18,7 +18,9 @@ removed, pending marker written and fsynced) in the background, before any shard
 written, so a CheckpointExistsError comes from `wait()`.
 
 Exit: an atexit handler waits for every save still in flight, so a process that ends
-without `wait()` still commits its last checkpoint. Call `wait()` before
+without `wait()` still commits its last checkpoint; then every rank that saved
+asynchronously passes a store-based exit barrier (up to 60 s), so no rank exits while a
+peer still reads the background's last collective (gloo would abort that peer). Call `wait()` before
 `destroy_process_group()`: the background needs the group until the commit.
 
 Background staging (`background_staging=True`): `save()` returns right after its checks;
@@ -264,12 +266,21 @@ def _wait_all() -> None:
 @atexit.register
 def _wait_at_exit() -> None:
     pending = [h for h in list(_all) if not h.done()]
-    if not pending:
-        return
-    import sys
+    if pending:
+        import sys
 
-    print(f"ckptlib: waiting for {len(pending)} async checkpoint save(s) to commit before exit", file=sys.stderr)
-    _wait_all()
-    for handle in pending:
-        if handle._error is not None and not handle._observed:
-            print(f"ckptlib: async save to {handle.uri} failed: {handle._error}", file=sys.stderr)
+        print(f"ckptlib: waiting for {len(pending)} async checkpoint save(s) to commit before exit", file=sys.stderr)
+        _wait_all()
+        for handle in pending:
+            if handle._error is not None and not handle._observed:
+                print(f"ckptlib: async save to {handle.uri} failed: {handle._error}", file=sys.stderr)
+    if _groups and _dist.is_distributed():
+        # A background save's last collective may still be in flight on a peer: every rank
+        # that saved asynchronously (all of the group did: the group was made collectively)
+        # leaves together, whether or not its own save was still running.
+        try:
+            _dist.exit_barrier(timeout_s=60.0, key="ckptlib/async_save_exit")
+        except Exception as exc:  # noqa: BLE001 - exiting anyway; say why a peer may complain
+            import sys
+
+            print(f"ckptlib: exit barrier after async saves failed: {exc}", file=sys.stderr)
