@@ -1,5 +1,6 @@
 """ckptlib: elastic sharded checkpointing for PyTorch on torch.distributed.checkpoint."""
 
+from ._dist import exit_barrier
 from .async_save import AsyncSave
 from .checkpoint import LoadResult, SaveResult, __version__, load, save
 from .errors import (
@@ -26,5 +27,5 @@ __all__ = [
     "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "KeepExistingRanks", "KeepLast", "LoadResult",
     "LockedError", "MissingKeysError", "NotACheckpointError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",
-    "StorageError", "UnsafeCheckpointError", "UnsupportedError", "__version__", "load", "save",
+    "StorageError", "UnsafeCheckpointError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",
 ]

@@ -130,21 +130,29 @@ def gather_to_rank0(obj: Any, group=None) -> list[Any] | None:
     return out
 
 
-def exit_barrier(timeout_s: float = 300.0, key: str = "ckptlib/exit_barrier") -> None:
+_exit_barriers = 0
+
+
+def exit_barrier(timeout_s: float = 300.0, key: str | None = None) -> None:
     """Wait, through the rendezvous store, until every rank is done with collectives.
 
     Tearing a gloo group down (or exiting) while a peer still reads the last collective's
     bytes makes that peer abort ("Connection closed by peer", or "terminate called without
-    an active exception"); a store-based barrier before that avoids the race. Rank 0, which
-    usually hosts the store, leaves last, so no rank polls a store that is gone. `key`: one
-    per barrier of a process.
+    an active exception"); a store-based barrier before that avoids the race. Call it on
+    every rank before `destroy_process_group()` or exit. Rank 0, which usually hosts the
+    store, leaves last, so no rank polls a store that is gone. Every call of a process uses
+    its own store key (`key`, or the n-th call's), so ranks must call it equally often.
     """
+    global _exit_barriers
     if not is_distributed():
         return
     import time
 
     from torch.distributed import distributed_c10d
 
+    if key is None:
+        _exit_barriers += 1
+        key = f"ckptlib/exit_barrier/{_exit_barriers}"
     store = distributed_c10d._get_default_store()
     world = dist.get_world_size()
 

@@ -206,7 +206,10 @@ def main(argv=None) -> int:
     elif own_group:  # plain `python examples/train.py`: a group of one
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        return run(args)
+        code = run(args)
+        if own_group:  # no rank tears gloo down while a peer still reads the last save's bytes
+            ckptlib.exit_barrier()
+        return code
     finally:
         if own_group:
             dist.destroy_process_group()

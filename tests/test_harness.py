@@ -608,3 +608,30 @@ def test_plugin_registers_markers_and_timeout(pytester):
     """)
     result = pytester.runpytest("-p", "no:cacheprovider", "--strict-markers")
     result.assert_outcomes(passed=4)
+
+
+def _exit_barriers(skip_rank: int | None) -> str:
+    import torch.distributed as dist
+
+    import ckptlib
+
+    if dist.get_rank() == skip_rank:
+        return "skipped"
+    try:
+        ckptlib.exit_barrier(timeout_s=1.0)
+        ckptlib.exit_barrier(timeout_s=1.0)  # a second one uses its own store key
+        return "passed"
+    except ckptlib.CheckpointError as exc:
+        return str(exc)
+
+
+def test_public_exit_barrier(dist_run):
+    assert dist_run(3, _exit_barriers, None) == ["passed"] * 3
+    assert dist_run(3, _exit_barriers, 1) == ["exit barrier: only 2 of 3 ranks arrived in 1s", "skipped",
+                                              "exit barrier: only 2 of 3 ranks arrived in 1s"]
+
+
+def test_exit_barrier_without_a_group_is_a_no_op():
+    import ckptlib
+
+    ckptlib.exit_barrier(timeout_s=0.1)
