@@ -392,8 +392,9 @@ def test_streamed_items_match_torch_save_bytes(tmp_path):
 def test_corruption_in_a_large_item_is_detected(tmp_path, where, reshard):
     """A flipped byte anywhere in a fast-path item (zip header, tensor data, central directory)
     fails the verified whole load. A partial load (rows 100..149, in the file's first 1 MiB
-    checksum block) verifies the blocks it reads: it fails for the header, which shares
-    that block, and reads its rows intact past damage elsewhere (`ckpt verify` reports it)."""
+    checksum block) verifies the blocks it reads and those of the zip records that located
+    its rows (the last block): it fails for damage in the header or the tail, and reads its
+    rows intact past damage elsewhere (`ckpt verify` reports that)."""
     import json
 
     state = {"a": _full(1)}
@@ -421,13 +422,15 @@ def test_corruption_in_a_large_item_is_detected(tmp_path, where, reshard):
         out = torch.zeros(50, COLS)
 
         assert manifest["files"]["__0_0.distcp"]["blocks"]["size"] == 1 << 20
-        if where == "header":
-            with pytest.raises(ckptlib.CheckpointCorruptError, match="file block 0 "):
+        last_block = length // (1 << 20)  # the item is the whole file: blocks 0..4, the last short
+        if where in ("header", "tail"):  # the blocks of the rows and of the zip records that located them
+            block = 0 if where == "header" else last_block
+            with pytest.raises(ckptlib.CheckpointCorruptError, match=f"file block {block} "):
                 reader.read_data(LoadPlan(items), IntoTensor(out)).wait()
         else:
             reader.read_data(LoadPlan(items), IntoTensor(out)).wait()
             assert torch.equal(out, state["a"][100:150])
-            assert reader.bytes_read == 1 << 20  # block 0 only, of a 4.9 MB item
+            assert reader.bytes_read == length - (last_block - 1) * (1 << 20)  # blocks 0 and 4 of 0..4
         return
     with pytest.raises(ckptlib.CheckpointCorruptError):
         ckptlib.load(uri, target)

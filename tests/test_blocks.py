@@ -94,15 +94,43 @@ def _data_start(path, info) -> int:
     return entry.offset + data.index(raw[:4096])
 
 
+def _verified_bytes(path, info, first: int, count: int) -> int:
+    """What a verified read of rows [first, first + count) of `w` must read: the blocks that
+    cover those rows, the data record's local header, and the zip directory at the item's
+    end (the bytes that located the rows), each rounded out to blocks, overlaps once."""
+    (entry,) = [v for k, v in info.metadata.storage_data.items() if k.fqn == "w"]
+    item = (path / entry.relative_path).read_bytes()[entry.offset : entry.offset + entry.length]
+    record = item_encoder.tensor_data_record(lambda pos, n: item[pos : pos + n], len(item))
+    rows = (record.start + first * COLS * 4, record.start + (first + count) * COLS * 4)
+    covered: set[int] = set()
+    for lo, hi in [rows, *record.parsed]:
+        covered |= set(range((entry.offset + lo) // BLOCK, -(-(entry.offset + hi) // BLOCK)))
+    return len(covered) * BLOCK  # (no short last block involved: the item ends before the file does)
+
+
 def test_resharded_verified_read_touches_only_covering_blocks(tmp_path, small_blocks):
     ckptlib.save(tmp_path / "c", _state())
     out, bytes_read, info = _read_rows(tmp_path / "c", 100, 37)
     assert torch.equal(out, _weight()[100:137])
-    lo = _data_start(tmp_path / "c", info) + 100 * COLS * 4
-    hi = lo + 37 * COLS * 4
-    assert bytes_read == -(-hi // BLOCK) * BLOCK - lo // BLOCK * BLOCK  # the needed rows, rounded out to blocks
+    assert bytes_read == _verified_bytes(tmp_path / "c", info, 100, 37)
     item_length = next(v.length for k, v in info.metadata.storage_data.items() if k.fqn == "w")
-    assert bytes_read < item_length / 10
+    assert bytes_read < item_length / 5
+
+
+def test_damage_to_the_header_that_locates_the_rows_is_refused(tmp_path, small_blocks):
+    """A flipped bit in the data record's local header (its extra-field length) would shift
+    the rows read by 64 bytes into intact blocks; the header's own block is verified too."""
+    ckptlib.save(tmp_path / "c", _state())
+    _, _, info = _read_rows(tmp_path / "c", 0, 1)
+    (entry,) = [v for k, v in info.metadata.storage_data.items() if k.fqn == "w"]
+    path = tmp_path / "c" / "__0_0.distcp"
+    item = path.read_bytes()[entry.offset : entry.offset + entry.length]
+    record = item_encoder.tensor_data_record(lambda pos, n: item[pos : pos + n], len(item))
+    local_at = record.parsed[0][0]
+    extra_len_at = entry.offset + local_at + 28
+    _flip(path, extra_len_at)  # 62 -> 126: still 64-byte aligned, still inside the item
+    with pytest.raises(CheckpointCorruptError, match=rf"file block {extra_len_at // BLOCK} "):
+        _read_rows(tmp_path / "c", 700, 37)
 
 
 def test_whole_item_reads_still_use_the_item_crc(tmp_path, small_blocks):
@@ -252,9 +280,7 @@ def test_s3_resharded_read_fetches_only_the_rows_and_their_blocks(s3_root, small
     assert torch.equal(out, _weight()[100:137])
     ckptlib.save(tmp_path / "local", _state())  # the same bytes locally, to locate the rows
     _, _, local_info = _read_rows(tmp_path / "local", 0, 1)
-    lo = _data_start(tmp_path / "local", local_info) + 100 * COLS * 4
-    hi = lo + 37 * COLS * 4
-    assert bytes_read == (-(-hi // BLOCK) * BLOCK - lo // BLOCK * BLOCK if verify else hi - lo)
+    assert bytes_read == (_verified_bytes(tmp_path / "local", local_info, 100, 37) if verify else 37 * COLS * 4)
 
 
 @pytest.mark.s3
@@ -273,3 +299,21 @@ def test_s3_damage_in_a_covering_block_is_refused(s3_root, small_blocks, tmp_pat
     )
     out, _, _ = _read_rows(uri, 300, 10)  # rows far from the damage: their blocks are intact
     assert torch.equal(out, _weight()[300:310])
+
+
+def _planned_bytes_per_rank(uri: str) -> int:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    seen = []
+    real = dcp_io.block_size_for
+    dcp_io.block_size_for = lambda planned: seen.append(planned) or real(planned)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    ckptlib.save(uri, {"w": distribute_tensor(torch.ones(1000, 500), mesh, [Shard(0)])})
+    return seen[0]
+
+
+def test_block_size_follows_each_ranks_own_bytes(tmp_path, dist_run):
+    """Sized from the rank's chunk (250 rows of 500 float32), not the global tensor."""
+    assert dist_run(4, _planned_bytes_per_rank, str(tmp_path / "c")) == [250 * 500 * 4] * 4

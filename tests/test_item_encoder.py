@@ -160,9 +160,13 @@ def _reader(blob: bytes):
 def test_tensor_data_record_finds_the_raw_bytes(shape):
     tensor = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
     blob = _torch_save_bytes(tensor)
-    start, size = item_encoder.tensor_data_record(_reader(blob), len(blob))
-    assert size == tensor.numel() * 4
-    assert blob[start : start + size] == tensor.numpy().tobytes()
+    record = item_encoder.tensor_data_record(_reader(blob), len(blob))
+    assert record.size == tensor.numel() * 4
+    assert blob[record.start : record.start + record.size] == tensor.numpy().tobytes()
+    # what located the data: the record's local header, and everything from the central directory on
+    (header_lo, header_hi), (tail_lo, tail_hi) = record.parsed
+    assert header_hi == record.start and blob[header_lo : header_lo + 4] == b"PK\x03\x04"
+    assert tail_hi == len(blob) and blob[tail_lo : tail_lo + 4] == b"PK\x01\x02"
 
 
 def test_tensor_data_record_refuses_what_it_cannot_read_directly():

@@ -93,9 +93,10 @@ def _tensor_for_save(tensor: torch.Tensor) -> torch.Tensor:
 #   anyway. Where that is unavailable it runs torch.save straight into the shard stream
 #   through `_CrcSink` (identical bytes to torch.save into a BytesIO, which is what plain DCP
 #   writes), instead of into a BytesIO that is then copied.
-# - The reader (`CkptReader._read_local_tensor`) reads a tensor item's data record straight
-#   into the destination tensor with preadv and checksums it there, and reads only the rows
-#   a resharded load needs when it does not verify.
+# - The reader (`CkptReader._read_tensor_direct`) reads a tensor item's data record straight
+#   into the destination tensor and checksums it there; a resharded load reads only the rows
+#   it needs (verified: rounded out to the file's checksum blocks, plus the blocks of the zip
+#   records that located them).
 # Items at least this large are read through the zero-copy path (their layout comes from a
 # zip-directory parse, or a metadata-only torch.load of the item; ~0.1-1 ms); smaller ones
 # are read whole and decoded with torch.load.
@@ -115,8 +116,12 @@ class _ItemCheck:
     """Verifies one whole item: feed it every byte of [start, start + length) in order."""
 
     def __init__(self, start: int, length: int, expected: int):
-        self.start, self.end, self.expected = start, start + length, expected
+        self.ranges = [(start, start + length)]
+        self.expected = expected
         self.crc = 0
+
+    def seek(self, pos: int) -> None:
+        pass
 
     def feed(self, chunk: memoryview) -> None:
         self.crc = crc32(chunk, self.crc)
@@ -126,14 +131,18 @@ class _ItemCheck:
 
 
 class _BlockCheck:
-    """Verifies the file blocks that cover [lo, hi) (a block-aligned range): feed it those
-    bytes in order; each block's CRC is compared as soon as its last byte arrives."""
+    """Verifies the file blocks in `ranges` (block-aligned, sorted, disjoint (lo, hi) byte
+    ranges): `seek` to each range's start and feed it that range's bytes in order; a block's
+    CRC is compared as soon as its last byte arrives."""
 
-    def __init__(self, lo: int, hi: int, block_size: int, blocks: list[int]):
-        self.start, self.end = lo, hi
-        self.block_size, self.blocks = block_size, blocks
-        self.pos, self.crc = lo, 0
+    def __init__(self, ranges: list[tuple[int, int]], block_size: int, blocks: list[int], file_size: int):
+        self.ranges = ranges
+        self.block_size, self.blocks, self.file_size = block_size, blocks, file_size
+        self.pos, self.crc = ranges[0][0], 0
         self.bad: int | None = None
+
+    def seek(self, pos: int) -> None:
+        self.pos, self.crc = pos, 0
 
     def feed(self, chunk: memoryview) -> None:
         done, n = 0, chunk.nbytes
@@ -142,7 +151,7 @@ class _BlockCheck:
             self.crc = crc32(chunk[done : done + take], self.crc)
             self.pos += take
             done += take
-            if self.pos % self.block_size == 0 or self.pos == self.end:
+            if self.pos % self.block_size == 0 or self.pos == self.file_size:
                 index = (self.pos - 1) // self.block_size
                 if self.crc != self.blocks[index] and self.bad is None:
                     self.bad = index
@@ -152,7 +161,8 @@ class _BlockCheck:
         if self.bad is None:
             return None
         lo = self.bad * self.block_size
-        return f": file block {self.bad} (bytes {lo}..{lo + self.block_size}) does not match its checksum"
+        hi = min(lo + self.block_size, self.file_size)
+        return f": file block {self.bad} (bytes {lo}..{hi}) does not match its checksum"
 
 
 def block_size_for(planned_bytes: int) -> int:
@@ -399,7 +409,7 @@ class CkptWriter(StorageWriter):
         ordered: list[WriteItem] = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
         ordered += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
         planned = sum(
-            math.prod(wi.tensor_data.size) * wi.tensor_data.properties.dtype.itemsize
+            math.prod(wi.tensor_data.chunk.sizes) * wi.tensor_data.properties.dtype.itemsize  # this rank's chunk
             for wi in ordered
             if wi.tensor_data is not None
         )
@@ -493,6 +503,17 @@ def read_metadata(storage: Storage, manifest: Manifest | None, *, verify: bool =
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{where}: holds {type(metadata).__name__}, not DCP Metadata", path=where)
     return metadata
+
+
+def _coalesce_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted (lo, hi) ranges with overlapping or touching ones merged."""
+    merged: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi) for lo, hi in merged]
 
 
 def _coalesce(spans: list[tuple[int, int]], max_span: int | None = None) -> list[tuple[int, int]]:
@@ -708,17 +729,22 @@ class CkptReader(PlannedReader):
             self.bytes_read += n
             pos += n
 
-    def _check_for(self, name: str, info, begin: int, end: int, item_crc: int):
-        """How to verify a read of item bytes [begin, end): by the file blocks that cover them
-        when the manifest has block CRCs and that reads fewer bytes (a resharded load needing
-        part of a stored chunk), else by the whole item's CRC."""
+    def _check_for(self, name: str, info, begin: int, end: int, item_crc: int, parsed: list[tuple[int, int]]):
+        """How to verify a read of item bytes [begin, end) located by the item bytes in
+        `parsed`: by the file blocks that cover both, when the manifest has block CRCs and
+        that reads fewer bytes than the item (a resharded load needing part of a stored
+        chunk), else by the whole item's CRC."""
         record = self.manifest.files.get(name) if self.manifest is not None else None
         bs = record.block_size if record is not None else 0
         if bs:
-            lo = (info.offset + begin) // bs * bs
-            hi = min(-(-(info.offset + end) // bs) * bs, record.size)
-            if hi - lo < info.length:
-                return _BlockCheck(lo, hi, bs, record.blocks)
+            covers = []
+            for a, b in [(begin, end), *parsed]:
+                if b > a:
+                    lo = (info.offset + a) // bs * bs
+                    covers.append((lo, min(-(-(info.offset + b) // bs) * bs, record.size)))
+            ranges = _coalesce_ranges(covers)
+            if sum(b - a for a, b in ranges) < info.length:
+                return _BlockCheck(ranges, bs, record.blocks, record.size)
         return _ItemCheck(info.offset, info.length, item_crc)
 
     def _chunk_sizes(self, fqn: str, offsets) -> tuple[torch.dtype, tuple[int, ...]] | None:
@@ -737,8 +763,9 @@ class CkptReader(PlannedReader):
         sizes = found[1].get(tuple(offsets))
         return None if sizes is None else (found[0], sizes)
 
-    def _ckptlib_layout(self, read_into: ReadInto, info, req) -> tuple[torch.Tensor, int] | None:
-        """(meta tensor, offset of its data record in the item) without unpickling anything.
+    def _ckptlib_layout(self, read_into: ReadInto, info, req) -> tuple[torch.Tensor, int, list] | None:
+        """(meta tensor, offset of its data record in the item, the item ranges whose bytes
+        said so) without unpickling anything.
 
         CkptWriter saves every tensor item contiguous and with its own storage, so shape and
         dtype are those of the chunk in `.metadata`, and the data is the item's only
@@ -751,9 +778,9 @@ class CkptReader(PlannedReader):
         dtype, sizes = found
         record = item_encoder.tensor_data_record(_cached_tail_reader(read_into, info.offset, info.length), info.length)
         meta = torch.empty(sizes, dtype=dtype, device="meta")
-        if record is None or record[1] != meta.numel() * meta.element_size():
+        if record is None or record.size != meta.numel() * meta.element_size():
             return None
-        return meta, record[0]
+        return meta, record.start, record.parsed
 
     def _read_local_tensor(self, fd: int, name: str, req, info, expected, planner: LoadPlanner) -> bool:
         """Read one tensor item of a local shard file without intermediate copies (see
@@ -790,8 +817,9 @@ class CkptReader(PlannedReader):
                 if fd is None:
                     return False
                 meta = torch.load(_Window(fd, info.offset, info.length), map_location="meta", weights_only=True)
-                layout = meta, getattr(meta.untyped_storage(), "_checkpoint_offset", None)
-            meta, record = layout
+                # torch.load parsed the whole archive: only the item's CRC verifies that
+                layout = meta, getattr(meta.untyped_storage(), "_checkpoint_offset", None), [(0, info.length)]
+            meta, record, parsed = layout
             if (
                 type(meta) not in (torch.Tensor, torch.nn.Parameter)
                 or meta.layout != torch.strided
@@ -831,7 +859,9 @@ class CkptReader(PlannedReader):
         begin = record + first * size
         end = begin + count * size
         view = _byte_view(dest)
-        check = None if expected is None else self._check_for(name, info, begin, end, expected[1])
+        check = None if expected is None else self._check_for(name, info, begin, end, expected[1], parsed)
+        if check is not None and not any(lo <= info.offset + begin and info.offset + end <= hi for lo, hi in check.ranges):
+            check = _ItemCheck(info.offset, info.length, expected[1])  # (cannot happen: the rows' cover is a range)
         try:
             # Locally, each chunk is checksummed right after it lands, while it is still in
             # this core's L2 cache: measured here, that costs a third of checksumming from
@@ -841,20 +871,31 @@ class CkptReader(PlannedReader):
                 chunk_size = edge_chunk = _MAX_SPAN
             else:
                 chunk_size, edge_chunk = (_CHUNK if check is None else _CRC_CHUNK), _CRC_CHUNK
-            if check is not None:
-                self._feed_range(read_into, check.start, info.offset + begin, check, edge_chunk)
-            pos = 0
-            while pos < view.nbytes:
-                chunk = view[pos : pos + chunk_size]
-                n = read_into(chunk, info.offset + begin + pos)
-                self.bytes_read += n
-                if n != chunk.nbytes:
-                    raise EOFError(f"short read at offset {info.offset + begin + pos}")
-                if check is not None:
-                    check.feed(chunk)
-                pos += n
-            if check is not None:
-                self._feed_range(read_into, info.offset + end, check.end, check, edge_chunk)
+            rows_lo, rows_hi = info.offset + begin, info.offset + end
+
+            def read_rows() -> None:
+                pos = 0
+                while pos < view.nbytes:
+                    chunk = view[pos : pos + chunk_size]
+                    n = read_into(chunk, rows_lo + pos)
+                    self.bytes_read += n
+                    if n != chunk.nbytes:
+                        raise EOFError(f"short read at offset {rows_lo + pos}")
+                    if check is not None:
+                        check.feed(chunk)
+                    pos += n
+
+            if check is None:
+                read_rows()
+            else:
+                for lo, hi in check.ranges:  # the rows lie inside one of them
+                    check.seek(lo)
+                    if lo <= rows_lo and rows_hi <= hi:
+                        self._feed_range(read_into, lo, rows_lo, check, edge_chunk)
+                        read_rows()
+                        self._feed_range(read_into, rows_hi, hi, check, edge_chunk)
+                    else:
+                        self._feed_range(read_into, lo, hi, check, edge_chunk)
         except EOFError as exc:
             raise CheckpointCorruptError(f"{where}: shard file is truncated{whose(name)}: {exc}", path=where) from exc
         failure = None if check is None else check.failure()

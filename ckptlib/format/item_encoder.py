@@ -243,15 +243,34 @@ def _records(archive: _Archive) -> list[_Record]:
     return records
 
 
-def tensor_data_record(read: Callable[[int, int], bytes], size: int) -> tuple[int, int] | None:
-    """(offset, size) of the one tensor data record (`*/data/<key>`) of a torch.save archive
-    of `size` bytes read by `read(pos, n)`; None if it has not exactly one, stored uncompressed
-    (the reader then decodes the item with torch.load)."""
+@dataclasses.dataclass
+class DataRecord:
+    """Where a tensor item's raw bytes lie, and which bytes said so."""
+
+    start: int  # offset of the data in the archive
+    size: int
+    # (start, end) ranges of the archive whose bytes located the data (the record's local
+    # header; the central directory and end records): a reader that verifies only part of
+    # the archive must verify these too, or a damaged header could shift what it reads.
+    parsed: list[tuple[int, int]]
+
+
+def tensor_data_record(read: Callable[[int, int], bytes], size: int) -> DataRecord | None:
+    """The one tensor data record (`*/data/<key>`) of a torch.save archive of `size` bytes
+    read by `read(pos, n)`; None if it has not exactly one, stored uncompressed (the reader
+    then decodes the item with torch.load)."""
     try:
-        entries = [e for e in _central_entries(read, size) if "/data/" in e.name and "/." not in e.name]
+        parsed_from = [size]
+
+        def tracked(pos: int, n: int) -> bytes:
+            parsed_from[0] = min(parsed_from[0], pos)
+            return read(pos, n)
+
+        entries = [e for e in _central_entries(tracked, size) if "/data/" in e.name and "/." not in e.name]
         if len(entries) != 1:
             return None
-        return _data_start(read, entries[0]), entries[0].size
+        start = _data_start(read, entries[0])
+        return DataRecord(start, entries[0].size, [(entries[0].local_at, start), (parsed_from[0], size)])
     except (_Unsupported, struct.error, UnicodeDecodeError, EOFError):
         return None
 
