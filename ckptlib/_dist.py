@@ -119,21 +119,10 @@ def decide_on_rank0(fn: Callable[[], T], group=None) -> T:
     return value
 
 
-def gather_to_rank0(obj: Any, group=None) -> list[Any] | None:
-    """Every rank's `obj` as a list on group rank 0, None elsewhere."""
-    if not is_distributed():
-        return [obj]
-    world = get_world_size(group)
-    out: list[Any] | None = [None] * world if get_rank(group) == 0 else None
-    dst = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.gather_object(obj, out, dst=dst, group=group)
-    return out
-
-
 _exit_barriers = 0
 
 
-def exit_barrier(timeout_s: float = 300.0, key: str | None = None) -> None:
+def exit_barrier(timeout_s: float = 300.0, key: str | None = None, group=None) -> None:
     """Wait, through the rendezvous store, until every rank is done with collectives.
 
     Tearing a gloo group down (or exiting) while a peer still reads the last collective's
@@ -142,6 +131,7 @@ def exit_barrier(timeout_s: float = 300.0, key: str | None = None) -> None:
     every rank before `destroy_process_group()` or exit. Rank 0, which usually hosts the
     store, leaves last, so no rank polls a store that is gone. Every call of a process uses
     its own store key (`key`, or the n-th call's), so ranks must call it equally often.
+    `group`: only its ranks take part (its rank 0 leaves last).
     """
     global _exit_barriers
     if not is_distributed():
@@ -154,7 +144,7 @@ def exit_barrier(timeout_s: float = 300.0, key: str | None = None) -> None:
         _exit_barriers += 1
         key = f"ckptlib/exit_barrier/{_exit_barriers}"
     store = distributed_c10d._get_default_store()
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
 
     def wait_for(name: str, what: str) -> None:
         deadline = time.monotonic() + timeout_s
@@ -168,5 +158,5 @@ def exit_barrier(timeout_s: float = 300.0, key: str | None = None) -> None:
     store.add(key, 1)
     wait_for(key, "arrived")
     store.add(f"{key}/left", 1)
-    if dist.get_rank() == 0:
+    if dist.get_rank(group) == 0:
         wait_for(f"{key}/left", "left")

@@ -18,16 +18,17 @@ removed, pending marker written and fsynced) in the background, before any shard
 written, so a CheckpointExistsError comes from `wait()`.
 
 Exit: an atexit handler waits for every save still in flight, so a process that ends
-without `wait()` still commits its last checkpoint; then every rank that saved
-asynchronously passes a store-based exit barrier (up to 60 s), so no rank exits while a
-peer still reads the background's last collective (gloo would abort that peer). Call `wait()` before
+without `wait()` still commits its last checkpoint; then the ranks of every group that
+saved asynchronously pass a store-based exit barrier (up to 60 s), so no rank exits while
+a peer still reads the background's last collective (gloo would abort that peer). Call `wait()` before
 `destroy_process_group()`: the background needs the group until the commit.
 
 Background staging (`background_staging=True`): `save()` returns right after its checks;
 the background first copies the state (then agrees on the dedicated group that every rank
-did), and `wait_staged()` returns once it has. The caller must not change the state
-before that, e.g. it calls `wait_staged()` right before `optimizer.step()`: on GPU the
-device-to-host copy then overlaps the next forward and backward.
+did), and `wait_staged()` returns once it has. Nothing may change the state before that:
+no optimizer step, and no training-mode forward pass that updates buffers (BatchNorm's
+running statistics). Without such buffers, calling `wait_staged()` right before
+`optimizer.step()` lets the device-to-host copy overlap forward and backward on a GPU.
 
 Memory: the staging copy (about one state per rank) is kept and reused by the next async
 save of a state with the same tensor shapes, so steady-state saves copy into memory that is
@@ -274,12 +275,17 @@ def _wait_at_exit() -> None:
         for handle in pending:
             if handle._error is not None and not handle._observed:
                 print(f"ckptlib: async save to {handle.uri} failed: {handle._error}", file=sys.stderr)
-    if _groups and _dist.is_distributed():
-        # A background save's last collective may still be in flight on a peer: every rank
-        # that saved asynchronously (all of the group did: the group was made collectively)
-        # leaves together, whether or not its own save was still running.
+    if not _dist.is_distributed():
+        return
+    # A background save's last collective may still be in flight on a peer: the ranks of
+    # every group that saved asynchronously (all of them did: its dedicated group was made
+    # collectively) leave together, whether or not their own save was still running.
+    for group in list(_groups):
         try:
-            _dist.exit_barrier(timeout_s=60.0, key="ckptlib/async_save_exit")
+            ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+            _dist.exit_barrier(
+                timeout_s=60.0, key=f"ckptlib/async_save_exit/{','.join(map(str, ranks))}", group=group
+            )
         except Exception as exc:  # noqa: BLE001 - exiting anyway; say why a peer may complain
             import sys
 

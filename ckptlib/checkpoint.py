@@ -106,9 +106,11 @@ def save(
     `ckptlib.async_save`). `handle.wait()` returns this SaveResult or raises the failure.
 
     `background_staging=True` (with `async_=True`): return before the staging copy, which
-    then runs first in the background (on GPU, the device-to-host copy overlaps the next
-    forward and backward). The state must not change until `handle.wait_staged()` returned,
-    e.g. call it right before `optimizer.step()`.
+    then runs first in the background. Nothing may change the state until
+    `handle.wait_staged()` returned: not an optimizer step, and not a forward pass in
+    training mode that updates buffers (BatchNorm's running statistics). Without such
+    buffers, calling it right before `optimizer.step()` lets the device-to-host copy
+    overlap forward and backward on a GPU.
     (`_background(run, group)`, private: wraps the background work, e.g. the manager's
     publish after the commit; `group` is the dedicated group its collectives must use.)
     """
@@ -164,8 +166,9 @@ def save(
 
 
 def _on_coordinator(fn: Callable[..., T]) -> Callable[..., T]:
-    """`fn` runs on the coordinator inside a DCP collective, deciding for every rank: its
-    error reaches every rank as it is (rank 0's, without a per-rank prefix)."""
+    """`fn` runs on the coordinator inside a DCP collective, deciding for every rank: a
+    CheckpointError reaches every rank as it is (no per-rank prefix); any other exception
+    as a CheckpointError "rank N: Type: message"."""
 
     def run(*args: Any) -> T:
         try:
