@@ -317,3 +317,42 @@ def _planned_bytes_per_rank(uri: str) -> int:
 def test_block_size_follows_each_ranks_own_bytes(tmp_path, dist_run):
     """Sized from the rank's chunk (250 rows of 500 float32), not the global tensor."""
     assert dist_run(4, _planned_bytes_per_rank, str(tmp_path / "c")) == [250 * 500 * 4] * 4
+
+
+class _IntoTensors:
+    def __init__(self, targets: dict):
+        self.targets = targets
+
+    def resolve_tensor(self, item):
+        return self.targets[item.dest_index.fqn]
+
+    def commit_tensor(self, item, tensor):
+        pass
+
+
+def test_blocks_verified_once_per_load(tmp_path, small_blocks):
+    """Two adjacent items read in one load: the block holding the first's zip directory and
+    the second's header is read and verified once, not twice."""
+    w2 = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(9))
+    ckptlib.save(tmp_path / "c", {"w": _weight(), "w2": w2})
+    reader, info = open_reader(open_storage(str(tmp_path / "c")), verify=True)
+    want = ChunkStorageMetadata(offsets=torch.Size([100, 0]), sizes=torch.Size([37, COLS]))
+    items = []
+    for fqn in ("w", "w2"):
+        items += create_read_items_for_chunk_list(fqn, info.metadata.state_dict_metadata[fqn], [want])
+    out = {"w": torch.zeros(37, COLS), "w2": torch.zeros(37, COLS)}
+    reader.read_data(LoadPlan(items), _IntoTensors(out)).wait()
+    assert torch.equal(out["w"], _weight()[100:137]) and torch.equal(out["w2"], w2[100:137])
+    covered: set[int] = set()
+    shared = None
+    for fqn in ("w", "w2"):
+        (entry,) = [v for k, v in info.metadata.storage_data.items() if k.fqn == fqn]
+        item = (tmp_path / "c" / entry.relative_path).read_bytes()[entry.offset : entry.offset + entry.length]
+        record = item_encoder.tensor_data_record(lambda pos, n: item[pos : pos + n], len(item))
+        rows = (record.start + 100 * COLS * 4, record.start + 137 * COLS * 4)
+        blocks = [set(range((entry.offset + lo) // BLOCK, -(-(entry.offset + hi) // BLOCK))) for lo, hi in [rows, *record.parsed]]
+        shared = blocks[2] if fqn == "w" else shared & blocks[1]  # w's directory, w2's header
+        covered |= set().union(*blocks)
+    assert shared  # the case this test is about: the two items share a block
+    size = (tmp_path / "c" / "__0_0.distcp").stat().st_size  # w2's directory sits in the short last block
+    assert reader.bytes_read == sum(min((i + 1) * BLOCK, size) - i * BLOCK for i in covered)

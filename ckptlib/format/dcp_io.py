@@ -572,6 +572,7 @@ class CkptReader(PlannedReader):
         self.manifest = manifest
         self.verify = verify and manifest is not None
         self.rank = 0
+        self._verified: dict[str, set[int]] = {}  # file -> blocks the current load verified
 
     def _item_crcs(self, name: str) -> dict[int, tuple[int, int]]:
         assert self.manifest is not None
@@ -737,12 +738,16 @@ class CkptReader(PlannedReader):
         record = self.manifest.files.get(name) if self.manifest is not None else None
         bs = record.block_size if record is not None else 0
         if bs:
-            covers = []
-            for a, b in [(begin, end), *parsed]:
-                if b > a:
-                    lo = (info.offset + a) // bs * bs
-                    covers.append((lo, min(-(-(info.offset + b) // bs) * bs, record.size)))
-            ranges = _coalesce_ranges(covers)
+
+            def blocks_of(a: int, b: int) -> range:
+                return range((info.offset + a) // bs, -(-(info.offset + b) // bs)) if b > a else range(0)
+
+            # The rows' blocks always; the locating bytes' blocks unless this load verified
+            # them already (an item's zip directory and the next item's header often share one).
+            wanted = set(blocks_of(begin, end))
+            for a, b in parsed:
+                wanted.update(i for i in blocks_of(a, b) if i not in self._verified.get(name, ()))
+            ranges = _coalesce_ranges([(i * bs, min((i + 1) * bs, record.size)) for i in wanted])
             if sum(b - a for a, b in ranges) < info.length:
                 return _BlockCheck(ranges, bs, record.blocks, record.size)
         return _ItemCheck(info.offset, info.length, item_crc)
@@ -899,6 +904,10 @@ class CkptReader(PlannedReader):
         except EOFError as exc:
             raise CheckpointCorruptError(f"{where}: shard file is truncated{whose(name)}: {exc}", path=where) from exc
         failure = None if check is None else check.failure()
+        if failure is None and isinstance(check, _BlockCheck):
+            done = self._verified.setdefault(name, set())
+            for lo, hi in check.ranges:
+                done.update(range(lo // check.block_size, -(-hi // check.block_size)))
         if failure is not None:
             raise CheckpointCorruptError(
                 f"{where}: checksum mismatch in item at offset {info.offset} (length {info.length}){whose(name)}"
@@ -960,6 +969,7 @@ class CkptReader(PlannedReader):
                 (req, info)
             )
 
+        self._verified = {}
         try:
             for name, reqs in by_file.items():
                 crcs = self._item_crcs(name) if self.verify else None
