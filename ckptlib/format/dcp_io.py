@@ -533,6 +533,25 @@ def _coalesce(spans: list[tuple[int, int]], max_span: int | None = None) -> list
     return [(a, b) for a, b in merged]
 
 
+def _narrowed(tensor: torch.Tensor, req) -> torch.Tensor:
+    """The part of a stored chunk that a read request asks for."""
+    for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+def _resolve_target(planner: LoadPlanner, req, stored: torch.Tensor, where: str) -> torch.Tensor:
+    """The planner's destination for `req`, which must have the shape of the `stored` part."""
+    target = planner.resolve_tensor(req).detach()
+    if target.size() != stored.size():
+        raise CheckpointCorruptError(
+            f"{where}: {req.storage_index.fqn}: stored chunk has shape {tuple(stored.size())}, "
+            f"expected {tuple(target.size())}",
+            path=where,
+        )
+    return target
+
+
 class PlannedReader(StorageReader):
     """A StorageReader whose DCP metadata is known before the load starts (read once on rank 0
     and broadcast): the planning hooks pass plans through; subclasses implement read_data."""
@@ -835,18 +854,10 @@ class CkptReader(PlannedReader):
                 or sys.byteorder != "little"  # torch.save writes native order; ours is little-endian
             ):
                 return False
-            sub = meta
-            for dim, (start_d, len_d) in enumerate(zip(req.storage_offsets, req.lengths)):
-                sub = sub.narrow(dim, start_d, len_d)
+            sub = _narrowed(meta, req)
         except Exception:  # noqa: BLE001 - the generic path decodes it again and reports
             return False
-        target = planner.resolve_tensor(req).detach()
-        if target.size() != sub.size():
-            raise CheckpointCorruptError(
-                f"{where}: {req.storage_index.fqn}: stored chunk has shape {tuple(sub.size())}, "
-                f"expected {tuple(target.size())}",
-                path=where,
-            )
+        target = _resolve_target(planner, req, sub, where)
         size = meta.element_size()
         if sub.is_contiguous():  # the whole item, or whole rows of it
             first, count, region = sub.storage_offset(), sub.numel(), sub
@@ -916,8 +927,7 @@ class CkptReader(PlannedReader):
             )
         if dest is not target:
             if region is not sub:
-                for dim, (start_d, len_d) in enumerate(zip(req.storage_offsets, req.lengths)):
-                    dest = dest.narrow(dim, start_d, len_d)
+                dest = _narrowed(dest, req)
             target.copy_(dest)
         planner.commit_tensor(req, target)
         return True
@@ -943,15 +953,8 @@ class CkptReader(PlannedReader):
                 f"{whose(name)}: {exc}",
                 path=where,
             ) from exc
-        for dim, (start_d, len_d) in enumerate(zip(req.storage_offsets, req.lengths)):
-            tensor = tensor.narrow(dim, start_d, len_d)
-        target = planner.resolve_tensor(req).detach()
-        if target.size() != tensor.size():
-            raise CheckpointCorruptError(
-                f"{where}: {req.storage_index.fqn}: stored chunk has shape {tuple(tensor.size())}, "
-                f"expected {tuple(target.size())}",
-                path=where,
-            )
+        tensor = _narrowed(tensor, req)
+        target = _resolve_target(planner, req, tensor, where)
         target.copy_(tensor)
         planner.commit_tensor(req, target)
 
