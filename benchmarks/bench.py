@@ -440,9 +440,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         import torch
 
         results["machine"]["torch"] = torch.__version__
-        from ckptlib.format import dcp_io
+        from ckptlib.format import checksum
 
-        results["machine"]["crc32"] = getattr(dcp_io.crc32, "__module__", "zlib") or "zlib"
+        results["machine"]["crc32"] = getattr(checksum.crc32, "__module__", "zlib") or "zlib"
         for size in args.sizes:
             kept: dict[int, str] = {}
             for ws in args.world_sizes:

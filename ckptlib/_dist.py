@@ -138,12 +138,12 @@ def exit_barrier(timeout_s: float = 300.0, key: str | None = None, group=None) -
         return
     import time
 
-    from torch.distributed import distributed_c10d
+    from . import compat
 
     if key is None:
         _exit_barriers += 1
         key = f"ckptlib/exit_barrier/{_exit_barriers}"
-    store = distributed_c10d._get_default_store()
+    store = compat.default_store()
     world = dist.get_world_size(group)
 
     def wait_for(name: str, what: str) -> None:

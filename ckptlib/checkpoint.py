@@ -21,11 +21,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from . import _dist, compat
 from .errors import CheckpointError, MissingKeysError, ShapeMismatchError, StateError
 from .format import CheckpointInfo, CkptWriter, Manifest, SafeLoadPlanner, commit, prepare_save_target
-from .format.dcp_io import checkpoint_bytes
-from .format.legacy import inspect_checkpoint, open_reader
+from .format.dcp_writer import checkpoint_bytes
+from .format.source import inspect_checkpoint, open_reader
 from .format.manifest import check_metadata_json
 from .state import to_load_plan, to_save_state_dict
-from .storage import Storage, open_storage
+from .storage import Storage, as_storage
 
 __version__ = "0.1.0"
 
@@ -52,10 +52,6 @@ class LoadResult:
     format: str
     missing_keys: list[str]
     notes: list[str]
-
-
-def _storage(uri: str | os.PathLike | Storage) -> Storage:
-    return uri if not isinstance(uri, (str, os.PathLike)) else open_storage(uri)
 
 
 @contextlib.contextmanager
@@ -115,7 +111,7 @@ def save(
     publish after the commit; `group` is the dedicated group its collectives must use.)
     """
     started = time.perf_counter()
-    storage = _storage(uri)
+    storage = as_storage(uri)
     group = process_group
     if background_staging and not async_:
         raise StateError("background_staging=True needs async_=True")
@@ -273,7 +269,7 @@ def load(
     errors; with strict=False they are skipped and listed in `LoadResult.missing_keys`.
     Keys in the checkpoint that the state does not ask for are never an error.
     """
-    storage = _storage(uri)
+    storage = as_storage(uri)
     group = process_group
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     info = _dist.decide_on_rank0(lambda: inspect_checkpoint(storage, verify=verify, trusted=trusted), group)

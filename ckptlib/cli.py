@@ -155,7 +155,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert
-    from .format.legacy import detect_format
+    from .format.source import detect_format
 
     detect_format(args.src)  # not-a-checkpoint / missing: exit 2 with the reason
     result = convert(

@@ -353,9 +353,22 @@ def meta_load_records_offsets() -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             meta = torch.load(buf, map_location="meta", weights_only=True)
-        return isinstance(getattr(meta.untyped_storage(), "_checkpoint_offset", None), int)
+        return isinstance(meta_storage_offset(meta), int)
     except Exception:  # noqa: BLE001 - any failure means "not available"
         return False
+
+
+def meta_storage_offset(meta: torch.Tensor) -> int | None:
+    """Where the bytes of a tensor loaded with `map_location="meta"` lie in its archive, or
+    None where this torch does not record it (see `meta_load_records_offsets`)."""
+    return getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+
+
+def default_store():
+    """The default process group's c10d Store (the rendezvous store every rank shares)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
 
 
 def torch_save_without_zip_crc(obj: Any, buffer: Any) -> bool:

@@ -6,7 +6,7 @@ thread whose collectives run on a dedicated gloo group; a background failure sur
 `wait()` on every rank and never leaves a manifest; a process that exits without `wait()`
 still commits (atexit).
 
-Fast paths (ckptlib.format.dcp_io): items of at least 1 MiB are read by preadv straight into
+Fast paths (ckptlib.format.dcp_reader): items of at least 1 MiB are read by preadv straight into
 the destination and checksummed there, or (unverified, resharded) only their needed rows are
 read; these tests use tensors large enough to take them, at several world sizes.
 """
@@ -329,17 +329,17 @@ def _save_sync(uri: str, seed: int) -> None:
 
 
 def _load_verify(uri: str, seed: int, verify: bool) -> list[str]:
-    from ckptlib.format import dcp_io
+    from ckptlib.format import dcp_reader
 
     fast = []
-    original = dcp_io.CkptReader._read_local_tensor
+    original = dcp_reader.CkptReader._read_local_tensor
 
     def counting(self, *args, **kwargs):
         took = original(self, *args, **kwargs)
         fast.append(took)
         return took
 
-    dcp_io.CkptReader._read_local_tensor = counting  # this rank is a fresh process
+    dcp_reader.CkptReader._read_local_tensor = counting  # this rank is a fresh process
     state = _empty_state()
     assert ckptlib.load(uri, state, verify=verify).step == seed
     problems = _check_state(state, seed)
@@ -409,7 +409,7 @@ def test_corruption_in_a_large_item_is_detected(tmp_path, where, reshard):
     path.write_bytes(bytes(raw))
     target = {"a": torch.zeros(ROWS, COLS)}
     if reshard:  # a load that needs only some rows: verifies the blocks that hold them
-        from ckptlib.format.legacy import open_reader
+        from ckptlib.format.source import open_reader
 
         reader, info = open_reader(ckptlib.storage.open_storage(uri), verify=True)
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata

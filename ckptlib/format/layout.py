@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
+import zlib
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -29,16 +30,36 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..storage import Storage
-from .dcp_io import describe_file, is_ckptlib_metadata, read_metadata
-from .manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, Manifest
+from .file_names import describe_file, shard_rank
+from .manifest import MANIFEST_NAME, METADATA_MARKER, METADATA_NAME, PENDING_NAME, Manifest
 from .safe_pickle import safe_loads
+from .structure import structure_problems
 
-_SHARD_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+def is_ckptlib_metadata(metadata: Any) -> bool:
+    """Whether `.metadata` was written by ckptlib's CkptWriter (which also writes a manifest)."""
+    modules = getattr(getattr(metadata, "storage_meta", None), "modules", None)
+    return isinstance(modules, (list, tuple)) and METADATA_MARKER in modules
 
 
-def shard_rank(name: str) -> int | None:
-    match = _SHARD_RE.match(name)
-    return int(match.group(1)) if match else None
+def read_metadata(storage: Storage, manifest: Manifest | None, *, verify: bool = True) -> Metadata:
+    """Read and safely unpickle `.metadata`, checking it against the manifest first."""
+    where = f"{storage.uri}/{METADATA_NAME}"
+    try:
+        blob = storage.read(METADATA_NAME)
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"{where}: DCP metadata file is missing", path=where) from exc
+    if manifest is not None and verify:
+        record = manifest.files.get(METADATA_NAME)
+        if record is None:
+            raise CheckpointCorruptError(f"{where}: not listed in the manifest", path=where)
+        if len(blob) != record.size or zlib.crc32(blob) != record.crc32:
+            raise CheckpointCorruptError(
+                f"{where}: checksum mismatch (size {len(blob)} vs {record.size} in the manifest)", path=where
+            )
+    metadata = safe_loads(blob, where)
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptError(f"{where}: holds {type(metadata).__name__}, not DCP Metadata", path=where)
+    return metadata
 
 
 @dataclasses.dataclass
@@ -164,7 +185,6 @@ def open_checkpoint(storage: Storage, *, verify: bool = True, check_files: bool 
                 path=f"{uri}/{problems[0][0]}",
             )
     metadata = read_metadata(storage, manifest, verify=verify)
-    from .verify import structure_problems  # verify imports this module
 
     errors = [p for p in structure_problems(metadata, manifest, listing, exhaustive=False) if p.is_error]
     if errors:

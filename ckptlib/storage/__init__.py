@@ -9,7 +9,7 @@ from ..errors import StorageError
 from .base import Storage, check_relative
 from .local import LocalStorage
 
-__all__ = ["Storage", "LocalStorage", "open_storage", "check_relative", "is_remote"]
+__all__ = ["Storage", "LocalStorage", "as_storage", "open_storage", "check_relative", "is_remote"]
 
 
 def is_remote(uri: str | os.PathLike) -> bool:
@@ -34,3 +34,8 @@ def open_storage(uri: str | os.PathLike) -> Storage:
     if "://" in uri:
         raise StorageError(f"unsupported URI scheme in {uri!r} (use a path, file:// or s3://)", path=uri)
     return LocalStorage(uri)
+
+
+def as_storage(uri_or_storage: str | os.PathLike | Storage) -> Storage:
+    """`open_storage(uri)` for a path or URI; a Storage is returned as it is."""
+    return open_storage(uri_or_storage) if isinstance(uri_or_storage, (str, os.PathLike)) else uri_or_storage

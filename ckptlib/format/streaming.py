@@ -1,5 +1,6 @@
-"""Format-level conversion pieces: full values out of any DCP reader, tensor by tensor, and
-streaming writers for DCP (through CkptWriter), a monolithic torch.save file and safetensors.
+"""Streaming conversion: full values out of any DCP reader, tensor by tensor (`SourceValues`),
+and a streaming DCP save of them (through CkptWriter); the torch.save and safetensors writers
+live with their readers (`torch_save.write_torch_save`, `safetensors.write_safetensors`).
 
 Memory: a source is read one tensor at a time (``SourceValues.tensor``), so peak memory is
 a few times the largest tensor, never the checkpoint. Measured (1 GiB of 16 x 64 MiB
@@ -22,12 +23,7 @@ serialized blob alive while it asks for the next one, hence about 3x for DCP tar
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
-import shutil
-import struct
-import tempfile
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -38,13 +34,10 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .. import compat
-from ..errors import CheckpointError, UnsupportedError
+from ..errors import CheckpointError
 from ..storage import Storage
-from .dcp_io import CkptWriter, SafeLoadPlanner
-from .legacy import safetensors_name
-
-SAFETENSORS_ALIGN = 8
-
+from .dcp_writer import CkptWriter
+from .load_planner import SafeLoadPlanner
 
 @contextlib.contextmanager
 def _quiet():
@@ -173,156 +166,10 @@ def save_dcp_streaming(
     return writer
 
 
-# --------------------------------------------------------------------------- torch.save
-
-
-def _spill(tensor: torch.Tensor, path: str) -> torch.Tensor:
-    """Write a tensor's bytes to `path` and return a tensor mapped from that file."""
-    flat = tensor.contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return torch.empty(tensor.shape, dtype=tensor.dtype)
-    flat.view(torch.uint8).numpy().tofile(path)
-    mapped = torch.from_file(path, shared=True, size=flat.numel(), dtype=tensor.dtype)
-    return mapped.reshape(tensor.shape)
-
-
-def write_torch_save(
-    path: str, source: SourceValues, *, on_tensor: Callable[[str, int], None] | None = None
-) -> int:
-    """One torch.save file at `path` (written to a temporary name, then renamed) of the full
-    state nested as saved; returns its size."""
-    directory = os.path.dirname(os.path.abspath(path)) or "."
-    spill = tempfile.mkdtemp(prefix=".ckptlib-spill-", dir=directory)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        leaves: dict[str, Any] = source.objects()
-        for i, fqn in enumerate(source.tensor_keys):
-            tensor = source.tensor(fqn)
-            leaves[fqn] = _spill(tensor, os.path.join(spill, str(i)))
-            del tensor
-            if on_tensor is not None:
-                on_tensor(fqn, source.nbytes(fqn))
-        state = source.nested(leaves)
-        del leaves
-        torch.save(state, tmp)
-        del state
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        return os.path.getsize(path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        shutil.rmtree(spill, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------- safetensors
-
-
-def safetensors_plan(source: SourceValues, prefix: str | None) -> tuple[dict[str, str], list[str]]:
-    """({safetensors name: source fqn}, skipped fqns): the tensors under `prefix`, prefix stripped."""
-    names: dict[str, str] = {}
-    skipped: list[str] = []
-    for fqn in source.tensor_keys:
-        if prefix and not fqn.startswith(prefix + "."):
-            skipped.append(fqn)
-            continue
-        name = fqn[len(prefix) + 1 :] if prefix else fqn
-        names[name] = fqn
-    skipped += source.object_keys
-    return names, skipped
-
-
-def _header(entries: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes, list[tuple[str, int, int]]]:
-    """(header bytes incl. length prefix, [(name, begin, end)]) for entries (name, dtype, shape, nbytes)."""
-    doc: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    spans = []
-    for name, dtype, shape, nbytes in entries:
-        doc[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        spans.append((name, offset, offset + nbytes))
-        offset += nbytes
-    text = json.dumps(doc, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % SAFETENSORS_ALIGN)
-    return struct.pack("<Q", len(text)) + text, spans
-
-
-def write_safetensors(
-    directory: str,
-    source: SourceValues,
-    names: dict[str, str],
-    *,
-    single_file: str | None = None,
-    max_shard_bytes: int | None = None,
-    on_tensor: Callable[[str, int], None] | None = None,
-) -> list[str]:
-    """Write `names` (safetensors name -> source fqn) as model.safetensors (or `single_file`),
-    or as shards of at most `max_shard_bytes` plus model.safetensors.index.json. Each file is
-    written to a temporary name and renamed; returns the file names written."""
-    entries = []
-    for name, fqn in names.items():
-        md = source.tensor_meta(fqn)
-        dtype = safetensors_name(md.properties.dtype)
-        if dtype is None:
-            raise UnsupportedError(f"{fqn}: dtype {md.properties.dtype} has no safetensors encoding")
-        entries.append((name, dtype, tuple(md.size), source.nbytes(fqn)))
-    # Largest element size first keeps every tensor aligned to its element size.
-    def itemsize(entry) -> int:
-        return torch.empty((), dtype=source.tensor_meta(names[entry[0]]).properties.dtype).element_size()
-
-    entries.sort(key=lambda e: (-itemsize(e), e[0]))
-    groups: list[list] = [[]]
-    size = 0
-    for entry in entries:
-        if max_shard_bytes and groups[-1] and size + entry[3] > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(entry)
-        size += entry[3]
-    if len(groups) == 1:
-        files = [single_file or "model.safetensors"]
-    else:
-        files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    os.makedirs(directory, exist_ok=True)
-    written = []
-    for file, group in zip(files, groups):
-        final = os.path.join(directory, file)
-        tmp = f"{final}.tmp-{os.getpid()}"
-        header, _ = _header(group)
-        try:
-            with open(tmp, "wb") as f:
-                f.write(header)
-                for name, _, _, nbytes in group:
-                    tensor = source.tensor(names[name]).contiguous()
-                    if nbytes:
-                        f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-                    del tensor
-                    if on_tensor is not None:
-                        on_tensor(names[name], nbytes)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        written.append(file)
-    if len(groups) > 1:
-        index = {
-            "metadata": {"total_size": sum(e[3] for e in entries)},
-            "weight_map": {name: file for file, group in zip(files, groups) for name, *_ in group},
-        }
-        final = os.path.join(directory, "model.safetensors.index.json")
-        with open(final + ".tmp", "w") as f:
-            json.dump(index, f, indent=1, sort_keys=True)
-        os.replace(final + ".tmp", final)
-        written.append("model.safetensors.index.json")
-    return written
-
-
 def iter_tensors(source: SourceValues) -> Iterator[tuple[str, torch.Tensor]]:
     """Every full tensor of `source`, one at a time."""
     for fqn in source.tensor_keys:
         yield fqn, source.tensor(fqn)
 
 
-__all__ = ["SourceValues", "iter_tensors", "safetensors_plan", "save_dcp_streaming", "write_safetensors", "write_torch_save"]
+__all__ = ["SourceValues", "iter_tensors", "save_dcp_streaming"]
