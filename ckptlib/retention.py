@@ -157,19 +157,14 @@ def to_delete(policy: RetentionPolicy, records: Iterable[StepRecord], protected:
 
 def parse_keep_best(spec: str) -> KeepBest:
     """`K:METRIC[:min|max]` (the `ckpt gc --keep-best` syntax) -> KeepBest; ValueError otherwise."""
-    parts = spec.rsplit(":", 1) if spec.count(":") >= 2 else [spec]
-    if len(parts) == 2 and parts[1] in ("min", "max"):
-        head, mode = parts
-    else:
-        head, mode = spec, "min"
-    k, sep, metric = head.partition(":")
-    if not sep or not metric:
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or not parts[1]:
         raise ValueError(f"--keep-best wants K:METRIC[:min|max], got {spec!r}")
     try:
-        count = int(k)
+        count = int(parts[0])
     except ValueError:
         raise ValueError(f"--keep-best wants K:METRIC[:min|max] with an integer K, got {spec!r}") from None
-    return KeepBest(count, metric, mode)
+    return KeepBest(count, parts[1], parts[2] if len(parts) == 3 else "min")
 
 
 __all__ = ["AnyOf", "KeepBest", "KeepEvery", "KeepLast", "RetentionPolicy", "StepRecord", "metric_value", "to_delete"]
