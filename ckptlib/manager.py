@@ -28,7 +28,6 @@ import json
 import os
 import re
 import socket
-import time
 import uuid
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
@@ -39,6 +38,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, LockedError, State
 from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
 from .preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from .retention import KeepLast, RetentionPolicy, StepRecord, to_delete
+from . import save_policy as _save_policy
 from .save_policy import SaveContext, SavePolicy, decide
 from .storage import Storage, open_storage
 
@@ -318,7 +318,7 @@ class CheckpointManager:
         self.preemption_signal: str | None = None
         self._watcher = PreemptionWatcher(preemption_signals) if save_on_preemption else None
         self._last_save_step: int | None = None
-        self._last_save_time = time.monotonic()
+        self._last_save_time = _save_policy.clock()
         self.process_group = process_group
         self.hold_lock = hold_lock
         self.async_save = async_save
@@ -472,7 +472,7 @@ class CheckpointManager:
         def ask_policy() -> bool:
             if policy is None:
                 return False
-            return policy.should_save(SaveContext(step, time.monotonic(), self._last_save_time, self._last_save_step))
+            return policy.should_save(SaveContext(step, _save_policy.clock(), self._last_save_time, self._last_save_step))
 
         decision = decide(
             ask_policy, force=force, preempted=watcher is not None and watcher.received is not None,
@@ -518,7 +518,7 @@ class CheckpointManager:
         except BaseException:
             self._drop_lock_after_failure()
             raise
-        self._last_save_step, self._last_save_time = step, time.monotonic()
+        self._last_save_step, self._last_save_time = step, _save_policy.clock()
         return result
 
     def _save_async(self, step: int, target: Storage, state: Mapping[str, Any], metadata, metrics, *, overwrite: bool):

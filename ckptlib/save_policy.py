@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
@@ -19,6 +20,11 @@ import torch.distributed as dist
 
 from . import _dist
 from .errors import CheckpointError
+
+
+def clock() -> float:
+    """The clock time-based policies use (monotonic seconds; tests replace it)."""
+    return time.monotonic()
 
 
 @dataclasses.dataclass(frozen=True)
