@@ -36,7 +36,7 @@ from . import _dist
 from .checkpoint import LoadResult, SaveResult, load, save
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError
 from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
-from .preemption import DEFAULT_SIGNALS, PreemptionWatcher
+from .preemption import DEFAULT_SIGNALS, PreemptionWatcher, signal_name
 from .retention import KeepLast, RetentionPolicy, StepRecord, to_delete
 from . import save_policy as _save_policy
 from .save_policy import SaveContext, SavePolicy, decide
@@ -315,7 +315,7 @@ class CheckpointManager:
         self.initial_load_only = None if initial_load_only is None else tuple(initial_load_only)
         self.initial_loaded = False  # True after load() read initial_load (the root had no step)
         self.preempted = False  # set by maybe_save once a preemption signal reached any rank
-        self.preemption_signal: str | None = None
+        self.preemption_signal: str | None = None  # its name ("SIGTERM"), the same on every rank
         self._watcher = PreemptionWatcher(preemption_signals) if save_on_preemption else None
         self._last_save_step: int | None = None
         self._last_save_time = _save_policy.clock()
@@ -474,14 +474,11 @@ class CheckpointManager:
                 return False
             return policy.should_save(SaveContext(step, _save_policy.clock(), self._last_save_time, self._last_save_step))
 
-        decision = decide(
-            ask_policy, force=force, preempted=watcher is not None and watcher.received is not None,
-            group=self.process_group,
-        )
+        decision = decide(ask_policy, force=force, signal=watcher and watcher.received, group=self.process_group)
         if decision.preempted:
             self.preempted = True
-            if watcher is not None and watcher.received is not None:
-                self.preemption_signal = watcher.signal_name
+            self.preemption_signal = signal_name(decision.signal)
+            if watcher is not None:
                 watcher.received = None  # handled: a later signal asks for another save
         if not (decision.save or decision.preempted) or step == self._last_save_step:
             if decision.preempted:

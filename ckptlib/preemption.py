@@ -18,6 +18,13 @@ from .errors import StateError
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 class PreemptionWatcher:
     """Installs a flag-setting handler for `signals` until `close()`."""
 
@@ -49,10 +56,6 @@ class PreemptionWatcher:
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
 
-    @property
-    def signal_name(self) -> str | None:
-        return None if self.received is None else signal.Signals(self.received).name
-
     def close(self) -> None:
         """Put back the handlers that were there before. One installed outside Python
         (faulthandler's) cannot be reinstalled from Python: the default action returns."""
@@ -62,4 +65,4 @@ class PreemptionWatcher:
         self._previous.clear()
 
 
-__all__ = ["DEFAULT_SIGNALS", "PreemptionWatcher"]
+__all__ = ["DEFAULT_SIGNALS", "PreemptionWatcher", "signal_name"]

@@ -148,12 +148,16 @@ class Decision:
     """What every rank learned from one `decide` round."""
 
     save: bool  # the policy (rank 0's answer) or some rank's force=True
-    preempted: bool  # some rank received a preemption signal
+    signal: int  # a preemption signal some rank received (the highest number), 0 for none
+
+    @property
+    def preempted(self) -> bool:
+        return self.signal > 0
 
 
-def decide(policy_on_rank0: Callable[[], bool], *, force: bool, preempted: bool, group=None) -> Decision:
+def decide(policy_on_rank0: Callable[[], bool], *, force: bool, signal: int | None, group=None) -> Decision:
     """One small all_reduce (MAX) that gives every rank the same decision: rank 0's policy
-    answer, whether any rank passed `force`, whether any rank saw a preemption signal.
+    answer, whether any rank passed `force`, and the preemption signal any rank received.
     A policy that raised on rank 0 raises there and a CheckpointError on the other ranks."""
     rank0 = _dist.get_rank(group) == 0
     wanted, failure = False, None
@@ -162,7 +166,7 @@ def decide(policy_on_rank0: Callable[[], bool], *, force: bool, preempted: bool,
             wanted = bool(policy_on_rank0())
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the collective
             failure = exc
-    flags = [int(wanted or force), int(preempted), int(failure is not None)]
+    flags = [int(wanted or force), int(signal or 0), int(failure is not None)]
     if _dist.is_distributed():
         tensor = torch.tensor(flags, dtype=torch.int32, device=_dist._flag_device(group))
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
@@ -171,7 +175,7 @@ def decide(policy_on_rank0: Callable[[], bool], *, force: bool, preempted: bool,
         raise failure
     if flags[2]:
         raise CheckpointError("rank 0: the save policy raised (its traceback is on rank 0)", rank=0)
-    return Decision(save=bool(flags[0]), preempted=bool(flags[1]))
+    return Decision(save=bool(flags[0]), signal=flags[1])
 
 
 __all__ = [

@@ -152,6 +152,19 @@ def test_keep_best_by_saved_metrics(tmp_path):
     assert result.metrics == {"val_loss": 0.3, "lr": 0.1}
 
 
+def test_keep_best_alone_never_evicts_the_step_to_resume_from(tmp_path):
+    """A best-only policy whose newest steps are the worst: `latest` (what a resume needs) stays
+    (a `best_fn` that evicted the newest steps left a run unresumable elsewhere)."""
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root, retention=KeepBest(1, "loss"))
+    for step, loss in enumerate([0.5, 0.9, 1.3, 0.2, 2.0], start=1):
+        mgr.save(step, _state(step), metrics={"loss": loss})
+        best = 4 if step >= 4 else 1
+        assert _dirs(root) == sorted({best, step}), f"after step {step}"
+    got = _state(0)
+    assert CheckpointManager(root).load(got) == 5 and torch.equal(got["w"], torch.full((4,), 5.0))
+
+
 def test_maybe_save_metrics_reach_the_manifest(tmp_path):
     root = tmp_path / "run"
     mgr = CheckpointManager(root, retention=KeepBest(1, "acc", mode="max"), save_policy=ckptlib.EveryNSteps(2))
