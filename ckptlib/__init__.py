@@ -19,6 +19,7 @@ from .errors import (
     UnsupportedError,
 )
 from .convert import ConvertResult, convert
+from .export import ExportResult, export
 from .manager import CheckpointManager, StaleLockWarning, StalePointerWarning
 from .retention import KeepBest, KeepEvery, KeepLast
 from .save_policy import EveryNSeconds, EveryNSteps, FinalStep
@@ -26,8 +27,8 @@ from .state import KeepExistingRanks, RankLocal, ResizePolicy, ResizeWarning, RN
 
 __all__ = [
     "AsyncSave", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
-    "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "EveryNSeconds", "EveryNSteps", "FinalStep", "KeepBest", "KeepEvery",
-    "KeepExistingRanks", "KeepLast", "LoadResult",
+    "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "EveryNSeconds", "EveryNSteps",
+    "ExportResult", "export", "FinalStep", "KeepBest", "KeepEvery", "KeepExistingRanks", "KeepLast", "LoadResult",
     "LockedError", "MissingKeysError", "NotACheckpointError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",
     "StorageError", "UnsafeCheckpointError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",
