@@ -4,7 +4,6 @@ source (header first, computed from the metadata, then tensors appended)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -15,9 +14,19 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ..errors import CheckpointCorruptError, UnsupportedError
+from ..errors import CheckpointCorruptError, StorageError, UnsafeCheckpointError, UnsupportedError
 from ..storage import Storage, check_relative
 from .foreign import SafetensorsLoc, SourceFiles, SourceInfo, file_size, new_metadata, tensor_metadata
+from .safetensors_header import (
+    MAX_HEADER_BYTES,
+    header_length,
+    parse_json_object,
+    safetensors_dtype,
+    safetensors_name,
+    validate_header,
+    validate_index,
+)
+from .shard_files import EXPORT_MARK, atomic_file, element_size, planned_entries, shard_groups, shard_names, write_index, write_tensor_bytes
 
 if TYPE_CHECKING:
     from .streaming import SourceValues
@@ -25,77 +34,31 @@ if TYPE_CHECKING:
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_ALIGN = 8
-_MAX_SAFETENSORS_HEADER = 100 << 20
 
 
 def looks_like_safetensors(head: bytes, size: int) -> bool:
     if len(head) < 9:
         return False
     (n,) = struct.unpack("<Q", head[:8])
-    return 2 <= n <= min(size - 8, _MAX_SAFETENSORS_HEADER) and head[8:9] == b"{"
-
-
-_ST_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
-    "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "F64": "float64",
-    "I64": "int64", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "C64": "complex64",
-}
-
-
-def safetensors_dtype(name: str) -> torch.dtype | None:
-    attr = _ST_DTYPES.get(name)
-    value = getattr(torch, attr, None) if attr else None
-    return value if isinstance(value, torch.dtype) else None
-
-
-def safetensors_name(dtype: torch.dtype) -> str | None:
-    for name, attr in _ST_DTYPES.items():
-        if getattr(torch, attr, None) == dtype:
-            return name
-    return None
+    return 2 <= n <= min(size - 8, MAX_HEADER_BYTES) and head[8:9] == b"{"
 
 
 def read_safetensors_header(root: Storage, name: str, size: int | None = None) -> tuple[dict, int]:
-    """The header of a safetensors file (tensor entries only) and the offset its data starts at."""
+    """The validated tensor entries of a safetensors file and the offset its data starts at
+    (see safetensors_header for the rules; CheckpointCorruptError naming the file and key)."""
     where = f"{root.uri}/{name}"
     try:
         if size is None:
             size = file_size(root, name)
             if size is None:
                 raise FileNotFoundError(where)
-        if size < 8:
-            raise CheckpointCorruptError(f"{where}: {size} bytes, too short for a safetensors file", path=where)
-        (n,) = struct.unpack("<Q", root.read(name, 0, 8))
-        if n > min(size - 8, _MAX_SAFETENSORS_HEADER):
-            raise CheckpointCorruptError(
-                f"{where}: safetensors header length {n} exceeds the file ({size} bytes)", path=where
-            )
-        header = json.loads(root.read(name, 8, n).decode("utf-8"))
+        n = header_length(root.read(name, 0, 8) if size >= 8 else b"", where, size)
+        header = parse_json_object(root.read(name, 8, n), where, "safetensors header")
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"{where} is missing", path=where) from exc
-    except (UnicodeDecodeError, json.JSONDecodeError, EOFError) as exc:
-        raise CheckpointCorruptError(f"{where}: unreadable safetensors header ({exc})", path=where) from exc
-    if not isinstance(header, dict):
-        raise CheckpointCorruptError(f"{where}: safetensors header is not a JSON object", path=where)
-    header.pop("__metadata__", None)
-    data_start = 8 + n
-    for key, entry in header.items():
-        try:
-            dtype_name, shape, (begin, end) = entry["dtype"], [int(d) for d in entry["shape"]], entry["data_offsets"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointCorruptError(f"{where}: malformed header entry for {key}", path=where) from exc
-        dtype = safetensors_dtype(dtype_name)
-        if dtype is None:
-            raise UnsupportedError(f"{where}: {key} has dtype {dtype_name}, which this torch cannot hold", path=where)
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if not (0 <= begin <= end and end - begin == nbytes and data_start + end <= size):
-            raise CheckpointCorruptError(
-                f"{where}: {key}: data_offsets [{begin}, {end}] do not fit {dtype_name} {shape} "
-                f"in a {size}-byte file",
-                path=where,
-            )
-    return header, data_start
+    except EOFError as exc:
+        raise CheckpointCorruptError(f"{where} is truncated ({exc})", path=where) from exc
+    return validate_header(header, where, size - 8 - n), 8 + n
 
 
 def inspect(where_: SourceFiles, uri: str, *, prefix: str | None) -> SourceInfo:
@@ -104,17 +67,18 @@ def inspect(where_: SourceFiles, uri: str, *, prefix: str | None) -> SourceInfo:
     if first.endswith(".index.json"):
         where = f"{root.uri}/{first}"
         try:
-            index = json.loads(root.read(first).decode("utf-8"))
-            weight_map = index["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not a mapping")
+            raw = root.read(first)
         except FileNotFoundError as exc:
             raise CheckpointCorruptError(f"{where} is missing", path=where) from exc
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointCorruptError(f"{where}: malformed safetensors index ({exc})", path=where) from exc
+        weight_map = validate_index(parse_json_object(raw, where, "safetensors index"), where)
         base = first.rsplit("/", 1)[0] + "/" if "/" in first else ""
         for key, file in weight_map.items():
-            rel = base + check_relative(str(file), root.uri)
+            try:
+                rel = base + check_relative(file, root.uri)
+            except StorageError as exc:
+                raise UnsafeCheckpointError(
+                    f"{where}: weight_map[{key!r}] names {file!r}, which escapes {root.uri}", path=where
+                ) from exc
             if rel not in files and file_size(root, rel) is None:
                 missing = f"{root.uri}/{rel}"
                 raise CheckpointCorruptError(
@@ -198,9 +162,11 @@ def safetensors_plan(source: SourceValues, prefix: str | None) -> tuple[dict[str
     return names, skipped
 
 
-def _header(entries: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes, list[tuple[str, int, int]]]:
+def _header(
+    entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[tuple[str, int, int]]]:
     """(header bytes incl. length prefix, [(name, begin, end)]) for entries (name, dtype, shape, nbytes)."""
-    doc: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    doc: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     spans = []
     for name, dtype, shape, nbytes in entries:
@@ -219,66 +185,47 @@ def write_safetensors(
     *,
     single_file: str | None = None,
     max_shard_bytes: int | None = None,
+    dtype: torch.dtype | None = None,
     on_tensor: Callable[[str, int], None] | None = None,
+    on_file: Callable[[str], None] | None = None,
+    mark: bool = False,
 ) -> list[str]:
     """Write `names` (safetensors name -> source fqn) as model.safetensors (or `single_file`),
-    or as shards of at most `max_shard_bytes` plus model.safetensors.index.json. Each file is
-    written to a temporary name and renamed; returns the file names written."""
-    entries = []
-    for name, fqn in names.items():
-        md = source.tensor_meta(fqn)
-        dtype = safetensors_name(md.properties.dtype)
-        if dtype is None:
-            raise UnsupportedError(f"{fqn}: dtype {md.properties.dtype} has no safetensors encoding")
-        entries.append((name, dtype, tuple(md.size), source.nbytes(fqn)))
+    or as shards of at most `max_shard_bytes` plus model.safetensors.index.json (Hugging
+    Face's layout). `dtype` casts floating-point tensors. Each file is written to a temporary
+    name and renamed; `on_file(name)` is called before each file is started; `mark` adds
+    EXPORT_MARK to each file's metadata. Returns the file names written."""
+    entries = planned_entries(source, names, dtype)
+    for e in entries:
+        if safetensors_name(e.dtype) is None:
+            raise UnsupportedError(f"{e.fqn}: dtype {e.dtype} has no safetensors encoding")
     # Largest element size first keeps every tensor aligned to its element size.
-    def itemsize(entry) -> int:
-        return torch.empty((), dtype=source.tensor_meta(names[entry[0]]).properties.dtype).element_size()
-
-    entries.sort(key=lambda e: (-itemsize(e), e[0]))
-    groups: list[list] = [[]]
-    size = 0
-    for entry in entries:
-        if max_shard_bytes and groups[-1] and size + entry[3] > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(entry)
-        size += entry[3]
-    if len(groups) == 1:
-        files = [single_file or "model.safetensors"]
-    else:
-        files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    entries.sort(key=lambda e: (-element_size(e.dtype), e.name))
+    groups = shard_groups(entries, max_shard_bytes)
+    files = shard_names("model", "safetensors", len(groups), single_file)
     os.makedirs(directory, exist_ok=True)
     written = []
     for file, group in zip(files, groups):
-        final = os.path.join(directory, file)
-        tmp = f"{final}.tmp-{os.getpid()}"
-        header, _ = _header(group)
-        try:
-            with open(tmp, "wb") as f:
-                f.write(header)
-                for name, _, _, nbytes in group:
-                    tensor = source.tensor(names[name]).contiguous()
-                    if nbytes:
-                        f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-                    del tensor
-                    if on_tensor is not None:
-                        on_tensor(names[name], nbytes)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        if on_file is not None:
+            on_file(file)
+        header, _ = _header(
+            [(e.name, safetensors_name(e.dtype), e.shape, e.nbytes) for e in group], {EXPORT_MARK: "1"} if mark else None
+        )
+        with atomic_file(os.path.join(directory, file)) as tmp, open(tmp, "wb") as f:
+            f.write(header)
+            for e in group:
+                tensor = source.tensor(e.fqn)
+                if e.nbytes:
+                    write_tensor_bytes(f, tensor, e.dtype)
+                del tensor
+                if on_tensor is not None:
+                    on_tensor(e.fqn, e.nbytes)
+            f.flush()
+            os.fsync(f.fileno())
         written.append(file)
     if len(groups) > 1:
-        index = {
-            "metadata": {"total_size": sum(e[3] for e in entries)},
-            "weight_map": {name: file for file, group in zip(files, groups) for name, *_ in group},
-        }
-        final = os.path.join(directory, "model.safetensors.index.json")
-        with open(final + ".tmp", "w") as f:
-            json.dump(index, f, indent=1, sort_keys=True)
-        os.replace(final + ".tmp", final)
+        if on_file is not None:
+            on_file("model.safetensors.index.json")
+        write_index(directory, "model.safetensors.index.json", files, groups)
         written.append("model.safetensors.index.json")
     return written

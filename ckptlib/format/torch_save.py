@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from .. import compat
 from ..errors import CheckpointCorruptError, NotACheckpointError, UnsafeCheckpointError
 from ..storage import Storage
+from .shard_files import EXPORT_MARK, ShardEntry, atomic_file, planned_entries, shard_groups, shard_names, write_index
 from .foreign import (
     ObjectLoc,
     SourceFiles,
@@ -173,3 +174,67 @@ def write_torch_save(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         shutil.rmtree(spill, ignore_errors=True)
+
+
+def _write_torch_archive(path: str, source: SourceValues, group: list[ShardEntry], on_tensor, mark: bool) -> None:
+    """One torch.save file of the flat dict {name: tensor} for `group`, one tensor in memory."""
+    if compat.streaming_torch_save_reason() is None:
+        writer = compat.TorchArchiveWriter(path, [(e.name, e.dtype, e.shape) for e in group])
+        if mark:
+            writer.add_record(EXPORT_MARK, "1")
+        for e in group:
+            tensor = source.tensor(e.fqn).to(e.dtype).contiguous()
+            writer.add(tensor)
+            del tensor
+            if on_tensor is not None:
+                on_tensor(e.fqn, e.nbytes)
+        writer.close()
+        return
+    # This torch's archive differs from the streamed one: spill each tensor to a mapped file
+    # and let torch.save copy from the mappings (page cache, not anonymous memory).
+    spill = tempfile.mkdtemp(prefix=".ckptlib-spill-", dir=os.path.dirname(path))
+    try:
+        flat = {}
+        for i, e in enumerate(group):
+            flat[e.name] = _spill(source.tensor(e.fqn).to(e.dtype), os.path.join(spill, str(i)))
+            if on_tensor is not None:
+                on_tensor(e.fqn, e.nbytes)
+        torch.save(flat, path)
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+
+
+def write_torch_files(
+    directory: str,
+    source: SourceValues,
+    names: dict[str, str],
+    *,
+    single_file: str | None = None,
+    max_shard_bytes: int | None = None,
+    dtype: torch.dtype | None = None,
+    on_tensor: Callable[[str, int], None] | None = None,
+    on_file: Callable[[str], None] | None = None,
+    mark: bool = False,
+) -> list[str]:
+    """Hugging Face's torch layout: pytorch_model.bin (or `single_file`), a torch.save of the
+    flat dict {name: tensor}, or shards pytorch_model-0000k-of-0000n.bin plus
+    pytorch_model.bin.index.json. Written one tensor at a time; returns the file names."""
+    entries = planned_entries(source, names, dtype)
+    groups = shard_groups(entries, max_shard_bytes)
+    files = shard_names("pytorch_model", "bin", len(groups), single_file)
+    os.makedirs(directory, exist_ok=True)
+    written = []
+    for file, group in zip(files, groups):
+        if on_file is not None:
+            on_file(file)
+        with atomic_file(os.path.join(directory, file)) as tmp:
+            _write_torch_archive(tmp, source, group, on_tensor, mark)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        written.append(file)
+    if len(groups) > 1:
+        if on_file is not None:
+            on_file("pytorch_model.bin.index.json")
+        write_index(directory, "pytorch_model.bin.index.json", files, groups)
+        written.append("pytorch_model.bin.index.json")
+    return written
