@@ -2,7 +2,8 @@
 
 from ._dist import exit_barrier
 from .async_save import AsyncSave
-from .checkpoint import LoadResult, SaveResult, __version__, load, save
+from ._version import __version__
+from .checkpoint import LoadResult, SaveResult, load, save
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,

@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import _dist, compat
 from .errors import CheckpointError, MissingKeysError, ShapeMismatchError, StateError
-from .format import CheckpointInfo, CkptWriter, Manifest, SafeLoadPlanner, commit, prepare_save_target
+from .format import CheckpointInfo, CkptWriter, SafeLoadPlanner, prepare_save_target
+from .format.layout import commit_manifest
 from .format.dcp_writer import checkpoint_bytes
 from .format.manifest import check_metadata_json, check_metrics
 from .format.source import inspect_checkpoint, open_reader
@@ -28,7 +29,6 @@ from .load_keys import Rename, build_request, select_entries
 from .state import to_load_plan, to_save_state_dict
 from .storage import Storage, as_storage
 
-__version__ = "0.1.0"
 
 T = TypeVar("T")
 
@@ -200,19 +200,10 @@ def _write_and_commit(
     def prepare() -> None:
         prepare_save_target(storage, overwrite=overwrite, world_size=world)
 
-    def commit_manifest(files: dict[str, Any]) -> None:
-        manifest = Manifest(
-            world_size=world,
-            files=dict(files),
-            step=step,
-            metadata=user_metadata,
-            metrics=user_metrics,
-            torch_version=torch.__version__,
-            ckptlib_version=__version__,
-        )
-        commit(storage, manifest)
+    def commit_files(files: dict[str, Any]) -> None:
+        commit_manifest(storage, files, world_size=world, step=step, metadata=user_metadata, metrics=user_metrics)
 
-    writer = CkptWriter(storage, prepare=_on_coordinator(prepare), commit=_on_coordinator(commit_manifest))
+    writer = CkptWriter(storage, prepare=_on_coordinator(prepare), commit=_on_coordinator(commit_files))
     try:
         with _quiet_single_process():
             metadata = dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)

@@ -15,11 +15,9 @@ import dataclasses
 import os
 import time
 
-import torch
-
-from .checkpoint import __version__
 from .errors import CheckpointExistsError, StateError, UnsupportedError
-from .format import Manifest, commit, prepare_save_target
+from .format import prepare_save_target
+from .format.layout import commit_manifest
 from .format.foreign import DEFAULT_PREFIX, SourceInfo
 from .format.safetensors import safetensors_plan, write_safetensors
 from .format.source import inspect_checkpoint, open_reader
@@ -142,15 +140,13 @@ def convert(
                     f"{dst_storage.uri} already exists (pass force=True, or --force, to overwrite)", path=exc.path
                 ) from exc
             writer = save_dcp_streaming(dst_storage, source, on_tensor=tick)
-            manifest = Manifest(
+            commit_manifest(
+                dst_storage,
+                writer.file_records,
                 world_size=1,
-                files=dict(writer.file_records),
                 step=info.step,
                 metadata=dict(info.manifest.metadata) if info.manifest is not None else {},
-                torch_version=torch.__version__,
-                ckptlib_version=__version__,
             )
-            commit(dst_storage, manifest)
             files = sorted(writer.file_records)
             where = dst_storage.uri
         elif to == "torch":

@@ -18,7 +18,10 @@ import json
 import zlib
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
+
+from .._version import __version__
 
 from ..errors import (
     CheckpointCorruptError,
@@ -31,7 +34,7 @@ from ..errors import (
 )
 from ..storage import Storage
 from .file_names import describe_file, shard_rank
-from .manifest import MANIFEST_NAME, METADATA_MARKER, METADATA_NAME, PENDING_NAME, Manifest
+from .manifest import MANIFEST_NAME, METADATA_MARKER, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
 from .safe_pickle import safe_loads
 from .structure import structure_problems
 
@@ -209,6 +212,30 @@ def prepare_save_target(storage: Storage, *, overwrite: bool, world_size: int) -
         storage.delete_tree()  # debris of a crashed save, or an explicit overwrite
     # Not durable: losing it in a crash is harmless (shards without a manifest are debris anyway).
     storage.write(PENDING_NAME, json.dumps({"world_size": world_size}).encode(), durable=False)
+
+
+def commit_manifest(
+    storage: Storage,
+    files: dict[str, FileRecord],
+    *,
+    world_size: int,
+    step: int | None,
+    metadata: dict[str, Any],
+    metrics: dict[str, Any] | None = None,
+) -> Manifest:
+    """Build the manifest of the files just written (stamped with this torch's and ckptlib's
+    versions) and `commit` it; every save and conversion commits through here."""
+    manifest = Manifest(
+        world_size=world_size,
+        files=dict(files),
+        step=step,
+        metadata=metadata,
+        metrics=dict(metrics or {}),
+        torch_version=torch.__version__,
+        ckptlib_version=__version__,
+    )
+    commit(storage, manifest)
+    return manifest
 
 
 def commit(storage: Storage, manifest: Manifest) -> None:
