@@ -6,11 +6,9 @@ on every rank alike, and a failed save never touches a committed checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
-import warnings
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
@@ -56,19 +54,10 @@ class LoadResult:
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-@contextlib.contextmanager
-def _quiet_single_process():
-    """Without a process group DCP warns that it assumes one process; that is our documented mode."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
-        yield
-
-
 def _unwrap_dcp_error(exc: BaseException) -> CheckpointError:
     """Turn DCP's CheckpointException (failures gathered from all ranks) into a ckptlib error."""
-    failures = getattr(exc, "failures", None) or {}
-    for rank, failure in sorted(failures.items()):
-        inner = failure[0] if isinstance(failure, tuple) else failure
+    failures = compat.dcp_failures(exc)
+    for rank, inner in failures:
         if isinstance(inner, CheckpointError):
             if inner.rank is None:  # raised on that rank (a decision for every rank has its rank set)
                 inner.rank = rank
@@ -76,11 +65,8 @@ def _unwrap_dcp_error(exc: BaseException) -> CheckpointError:
                     inner.message = f"rank {rank}: {inner.message}"
                     inner.args = (inner.message,)
             return inner
-    parts = []
-    for rank, failure in sorted(failures.items()):
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
-    return CheckpointError("; ".join(parts) or str(exc), rank=min(failures) if failures else None)
+    parts = [f"rank {rank}: {type(inner).__name__}: {inner}" for rank, inner in failures]
+    return CheckpointError("; ".join(parts) or str(exc), rank=failures[0][0] if failures else None)
 
 
 def save(
@@ -205,7 +191,7 @@ def _write_and_commit(
 
     writer = CkptWriter(storage, prepare=_on_coordinator(prepare), commit=_on_coordinator(commit_files))
     try:
-        with _quiet_single_process():
+        with compat.quiet_single_process():
             metadata = dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
     except compat.checkpoint_exception_cls() as exc:
         raise _unwrap_dcp_error(exc) from exc
@@ -309,7 +295,7 @@ def load(
     reader, _ = open_reader(storage, info=info, verify=verify, trusted=trusted)
     planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict)
     try:
-        with _quiet_single_process():
+        with compat.quiet_single_process():
             dcp.load(
                 plan.template if keyed is None else keyed.request, storage_reader=reader, planner=planner,
                 process_group=group,

@@ -30,6 +30,7 @@ What moved or changed inside the window (2.6 .. 2.13), and how ckptlib copes:
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import importlib
 import inspect
@@ -243,6 +244,23 @@ def checkpoint_exception_cls() -> type:
     from torch.distributed.checkpoint.api import CheckpointException
 
     return CheckpointException
+
+
+def dcp_failures(exc: BaseException) -> list[tuple[int, BaseException]]:
+    """(rank, exception) for every rank that failed, from DCP's CheckpointException (which
+    gathers failures from all ranks; each is an exception or an (exception, traceback) pair)."""
+    failures = getattr(exc, "failures", None) or {}
+    return [(rank, failure[0] if isinstance(failure, tuple) else failure) for rank, failure in sorted(failures.items())]
+
+
+@contextlib.contextmanager
+def quiet_single_process():
+    """Without a process group DCP warns that it assumes one process (and, where torch.distributed
+    is unavailable, that it is disabled); that is ckptlib's documented single-process mode."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
 
 
 _DCP_FUNCTIONS = {

@@ -2,7 +2,7 @@
 and verifies every item a rank reads against the manifest.
 
 Errors name the file and, for shard files, the rank that wrote it; DCP adds the rank that
-failed to read it (`checkpoint._unwrap_dcp_error`).
+failed to read it (`compat.dcp_failures`).
 
 Performance (see docs/benchmarks.md): `CkptReader._read_tensor_direct` reads a tensor
 item's data record straight into the destination tensor and checksums it there; a

@@ -22,9 +22,7 @@ serialized blob alive while it asks for the next one, hence about 3x for DCP tar
 
 from __future__ import annotations
 
-import contextlib
 import math
-import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -39,22 +37,12 @@ from ..storage import Storage
 from .dcp_writer import CkptWriter
 from .load_planner import SafeLoadPlanner
 
-@contextlib.contextmanager
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        yield
-
-
 def _dcp_load(template: dict, reader: StorageReader, planner) -> None:
-    with _quiet():
+    with compat.quiet_single_process():
         try:
             compat.dcp_load_no_dist(template, storage_reader=reader, planner=planner)
         except compat.checkpoint_exception_cls() as exc:
-            failures = getattr(exc, "failures", None) or {}
-            for failure in failures.values():
-                inner = failure[0] if isinstance(failure, tuple) else failure
+            for _, inner in compat.dcp_failures(exc):
                 if isinstance(inner, CheckpointError):
                     raise inner from exc
             raise
@@ -161,7 +149,7 @@ def save_dcp_streaming(
         return tensor
 
     writer = CkptWriter(storage)
-    with _quiet():
+    with compat.quiet_single_process():
         compat.dcp_save_no_dist(state, storage_writer=writer, planner=_StreamingSavePlanner(fetch))
     return writer
 
