@@ -26,8 +26,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from .. import compat
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
-from ..storage import Storage
-from ..storage.local import LocalStorage
+from ..storage import Storage, SupportsDirectReads
 from . import item_encoder
 from .block_checks import _CRC_CHUNK, _BlockCheck, _ItemCheck
 from .checksum import crc32
@@ -45,7 +44,6 @@ from .ranged_io import (
     _Window,
 )
 
-_LOCAL_READ = LocalStorage.read  # as imported, before anything could patch it
 # Items at least this large are read through the zero-copy path (their layout comes from a
 # zip-directory parse, or a metadata-only torch.load of the item; ~0.1-1 ms); smaller ones
 # are read whole and decoded with torch.load.
@@ -143,9 +141,8 @@ class CkptReader(PlannedReader):
         """The shard file's path when the storage is a plain local directory (the zero-copy
         path reads it with preadv); None for other backends, which go through `storage.read`."""
         storage = self.storage
-        # A storage whose read() was replaced (fault injection, instrumentation) is read through it.
-        if isinstance(storage, LocalStorage) and type(storage).read is _LOCAL_READ and hasattr(os, "preadv"):
-            return storage.local_path(name)
+        if isinstance(storage, SupportsDirectReads) and hasattr(os, "preadv"):
+            return storage.direct_read_path(name)
         return None
 
     def _read_spans(self, name: str, reqs: list[Any], crcs, planner: LoadPlanner) -> None:

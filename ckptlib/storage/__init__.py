@@ -6,10 +6,13 @@ import os
 from urllib.parse import urlparse
 
 from ..errors import StorageError
-from .base import Storage, check_relative
+from .base import Storage, SupportsCreateExclusive, SupportsDirectReads, check_relative
 from .local import LocalStorage
 
-__all__ = ["Storage", "LocalStorage", "as_storage", "open_storage", "check_relative", "is_remote"]
+__all__ = [
+    "Storage", "SupportsCreateExclusive", "SupportsDirectReads", "LocalStorage",
+    "as_storage", "open_storage", "check_relative", "is_remote",
+]
 
 
 def is_remote(uri: str | os.PathLike) -> bool:

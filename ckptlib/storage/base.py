@@ -81,6 +81,18 @@ class SupportsCreateExclusive(Protocol):
         never see a partial object."""
 
 
+@runtime_checkable
+class SupportsDirectReads(Protocol):
+    """Optional for backends whose objects are plain local files: a reader may read such a file
+    itself (`os.preadv` straight into tensor memory) instead of through `read`.
+
+    `direct_read_path` returns None whenever reads must go through `read` after all (a
+    subclass or a test that wraps `read` for fault injection or instrumentation)."""
+
+    def direct_read_path(self, path: str) -> str | None:
+        """The local file whose bytes `read(path, ...)` returns, or None."""
+
+
 def check_relative(path: str, root_uri: str) -> str:
     """Reject paths that would escape the storage root (absolute, '..', empty parts)."""
     if not isinstance(path, str) or path == "":

@@ -158,6 +158,13 @@ class LocalStorage:
             if self.fsync:
                 os.fsync(f.fileno())  # the name: when a commit syncs it (`sync`)
 
+    def direct_read_path(self, path: str) -> str | None:
+        """`SupportsDirectReads`: the file's path, unless `read` was replaced (by a subclass or a
+        patch), whose readers must then see every read."""
+        if type(self).read is not _PLAIN_READ:
+            return None
+        return self.local_path(path)
+
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         full = self._path(path)
         with open(full, "rb") as f:  # FileNotFoundError propagates: callers map it
@@ -245,3 +252,6 @@ class LocalStorage:
             rel = os.path.relpath(target, os.path.dirname(link))
             target = rel
         return target
+
+
+_PLAIN_READ = LocalStorage.read  # as defined, before anything could patch it
