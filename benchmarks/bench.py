@@ -505,7 +505,7 @@ def _run_s3(args, launch) -> list[dict[str, Any]]:
     except ImportError as exc:
         _log(f"s3: skipped ({exc})")
         return [{"skipped": str(exc)}]
-    from ckptlib.testing.s3 import create_bucket, remove_bucket, s3_env, start_moto_server
+    from ckptlib.testing.s3_server import create_bucket, remove_bucket, s3_env, start_moto_server
 
     rows = []
     with start_moto_server() as endpoint:

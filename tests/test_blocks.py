@@ -25,7 +25,7 @@ from ckptlib.format import block_checks, checksum, dcp_reader, dcp_writer, item_
 from ckptlib.format.source import open_reader
 from ckptlib.format.manifest import FileRecord
 from ckptlib.storage import open_storage
-from ckptlib.testing.s3 import moto_server, s3_root  # noqa: F401  (fixtures)
+from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401  (fixtures)
 from reader_helpers import IntoTensor
 
 pytestmark = pytest.mark.skipif(not checksum.FAST, reason="block checksums need zlib-ng's crc32_combine")
