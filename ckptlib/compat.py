@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import io
 import pickle
@@ -229,6 +230,32 @@ def set_element(root: dict, path: tuple, value: Any) -> None:
     from torch.distributed.checkpoint._traverse import set_element as _set_element
 
     _set_element(root, path, value)
+
+
+# torch 1.13 shipped DCP as torch.distributed._shard.checkpoint; its checkpoints' `.metadata`
+# pickles the metadata classes under those module names. Today that package is a shim that
+# aliases only the package, so unpickling imports a *second copy* of metadata.py whose classes
+# are not DCP's ("expected BytesStorageMetadata but found ...TensorStorageMetadata").
+_RENAMED_DCP_MODULES = {
+    "torch.distributed._shard.checkpoint": "torch.distributed.checkpoint",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def current_pickle_module(module: str) -> str:
+    """Where a class pickled under `module` by an older torch lives in this torch.
+
+    `torch.distributed._shard.checkpoint.metadata` (1.13) -> `torch.distributed.checkpoint.metadata`,
+    when this torch has the latter; any other module name is returned unchanged."""
+    for old, new in _RENAMED_DCP_MODULES.items():
+        if module == old or module.startswith(old + "."):
+            candidate = new + module[len(old):]
+            try:
+                found = importlib.util.find_spec(candidate) is not None
+            except (ImportError, ValueError):
+                found = False
+            return candidate if found else module
+    return module
 
 
 def checkpoint_exception_cls() -> type:
