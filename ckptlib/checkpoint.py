@@ -217,8 +217,11 @@ def _write_and_commit(
     return SaveResult(uri=storage.uri, step=step, world_size=world, total_bytes=checkpoint_bytes(metadata))
 
 
-def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool) -> list[str]:
-    """Compare the requested keys with the checkpoint; return the missing ones."""
+def _check_request(
+    template: dict[str, Any], info: CheckpointInfo, strict: bool, keep_if_absent: frozenset[str] = frozenset()
+) -> tuple[list[str], list[str]]:
+    """Compare the requested keys with the checkpoint; return the missing ones, and the absent
+    ones the state keeps its own value for (`LoadPlan.keep_if_absent`)."""
     saved = info.metadata.state_dict_metadata
     flat = compat.flatten_state_dict(template)[0]
     missing = sorted(k for k in flat if k not in saved)
@@ -227,6 +230,10 @@ def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool)
         old_missing = sorted(k for k in old_flat if k not in saved)
         if len(old_missing) < len(missing):
             flat, missing = old_flat, old_missing
+    # Kept only where the checkpoint holds the same param group (an optimizer it lacks stays missing).
+    groups = {k.rsplit(".", 1)[0] for k in saved}
+    kept = [k for k in missing if k in keep_if_absent and k.rsplit(".", 1)[0] in groups]
+    missing = [k for k in missing if k not in keep_if_absent]
     if missing and strict:
         shown = ", ".join(missing[:20]) + (f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
         raise MissingKeysError(f"{info.uri} lacks keys the state asks for: {shown}", keys=missing, path=info.uri)
@@ -255,7 +262,7 @@ def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool)
             keys=bad_keys,
             path=info.uri,
         )
-    return missing
+    return missing, kept
 
 
 def load(
@@ -284,10 +291,17 @@ def load(
         ),
         group,
     )
-    missing = _dist.agree(lambda: _check_request(plan.template, info, strict), group)
+    missing, kept = _dist.agree(lambda: _check_request(plan.template, info, strict, plan.keep_if_absent), group)
+    notes = list(plan.notes)
+    if kept:
+        notes.append(
+            f"the checkpoint lacks optimizer hyperparameters {', '.join(kept)} (the torch that saved it did not "
+            "have them); the optimizers keep their own values"
+        )
 
     reader, _ = open_reader(storage, info=info, verify=verify, trusted=trusted)
-    planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict)
+    # Every other key was checked above, so a partial load skips only the kept ones.
+    planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict or bool(kept))
     try:
         with _quiet_single_process():
             dcp.load(plan.template, storage_reader=reader, planner=planner, process_group=group)
@@ -301,5 +315,5 @@ def load(
         metadata=dict(info.manifest.metadata) if info.manifest else {},
         format=info.kind,
         missing_keys=missing,
-        notes=plan.notes + list(getattr(info, "notes", []) or []),
+        notes=notes + list(getattr(info, "notes", []) or []),
     )
