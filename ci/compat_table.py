@@ -41,6 +41,8 @@ _GROUP_TITLES = {
     "tests.test_rank_state": "per-rank state (RankLocal, RNG)",
     "tests.test_harness": "test harness (launcher, plugin)",
     "tests.test_legacy": "legacy formats & golden fixtures",
+    "tests.test_torch_fixtures": "golden DCP checkpoints from torch 1.13 .. 2.13 (inspect, convert)",
+    "tests.test_cross_version": "ckptlib checkpoints across torch minors",
     "tests.test_s3_storage": "S3 storage (moto)",
     "tests.test_gpu": "GPU / NCCL",
     "tests.test_multinode": "multi-node simulation & torchrun",
