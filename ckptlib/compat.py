@@ -565,4 +565,5 @@ def describe() -> dict[str, Any]:
         "meta_load_records_offsets": meta_load_records_offsets(),
         "zip_writer_without_crc": torch_save_without_zip_crc(torch.zeros(1), io.BytesIO()),
         "safe_globals": has_safe_globals(),
+        "dcp_1_13_metadata_module": current_pickle_module("torch.distributed._shard.checkpoint.metadata"),
     }
