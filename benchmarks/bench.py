@@ -18,7 +18,7 @@ alternate inside each repetition, in a rotating order, so machine noise hits all
 - peak RSS per rank: ru_maxrss of fresh rank processes that only load (or only save), next
   to the rank's shard size; the ranks are forked from a forkserver that imported torch, so
   the baseline (~the forkserver's RSS) is reported too.
-- async save: how long `ckptlib.save(..., async_=True)` blocks (first save of a process:
+- async save: how long `ckptlib.async_save(...)` blocks (first save of a process:
   staging buffers are allocated; later saves reuse them) against a synchronous save; and
   with `background_staging=True`, how long it blocks and when `wait_staged()` returns.
 - S3 (moto server on 127.0.0.1): ckptlib save/load against boto3's managed multipart
@@ -220,7 +220,7 @@ def rank_io(root: str, size_mib: int, reps: int, cold: bool, keep: str, do_async
                 handle = []
                 _barrier()
                 t0 = time.perf_counter()
-                handle.append(ckptlib.save(path, state, async_=True))
+                handle.append(ckptlib.async_save(path, state))
                 blocked = time.perf_counter() - t0
                 handle[0].wait()
                 _barrier()
@@ -229,7 +229,7 @@ def rank_io(root: str, size_mib: int, reps: int, cold: bool, keep: str, do_async
             elif method == "async_bg":
                 _barrier()
                 t0 = time.perf_counter()
-                handle = ckptlib.save(path, state, async_=True, background_staging=True)
+                handle = ckptlib.async_save(path, state, background_staging=True)
                 blocked = time.perf_counter() - t0
                 handle.wait_staged()
                 staged = time.perf_counter() - t0
@@ -698,7 +698,7 @@ def markdown(results: dict[str, Any], summary: dict[str, Any], estimator: str = 
                 f"{_f(r['save_dcp_mib'])} (+{_f(r['save_dcp_extra'])}) |")
     if summary["async"]:
         out.append("")
-        out.append("### Async save: time `save(..., async_=True)` blocks the caller")
+        out.append("### Async save: time `async_save(...)` blocks the caller")
         out.append("| state MiB | ranks | sync save s | first async: blocked s | later async: blocked s | async total s "
                    "| first/sync | later/sync | background staging: blocked s | staged after s | blocked/sync |")
         out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -16,7 +16,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from . import _dist, compat
+from . import _dist, background_save, compat
+from .background_save import AsyncSave
 from .errors import CheckpointError, MissingKeysError, ShapeMismatchError, StateError
 from .format import CheckpointInfo, CkptWriter, SafeLoadPlanner, prepare_save_target
 from .format.layout import commit_manifest
@@ -78,79 +79,115 @@ def save(
     metrics: dict[str, float] | None = None,
     overwrite: bool = False,
     process_group=None,
-    async_: bool = False,
-    background_staging: bool = False,
-    _background=None,
 ) -> SaveResult:
     """Save `state` as a sharded DCP checkpoint at `uri` and commit it with a manifest.
 
     Collective: every rank of `process_group` calls it with its own shard of the state.
     `metrics` (name -> number, rank 0's values) go into the manifest for retention
     (`KeepBest`) and listings; NaN and infinities are stored as null.
-
-    `async_=True`: return an `AsyncSave` handle as soon as the state is staged to CPU memory;
-    the write and the commit run in a background thread on a dedicated gloo group (see
-    `ckptlib.async_save`). `handle.wait()` returns this SaveResult or raises the failure.
-
-    `background_staging=True` (with `async_=True`): return before the staging copy, which
-    then runs first in the background. Nothing may change the state until
-    `handle.wait_staged()` returned: not an optimizer step, and not a forward pass in
-    training mode that updates buffers (BatchNorm's running statistics). Without such
-    buffers, calling it right before `optimizer.step()` lets the device-to-host copy
-    overlap forward and backward on a GPU.
-    (`_background(run, group)`, private: wraps the background work, e.g. the manager's
-    publish after the commit; `group` is the dedicated group its collectives must use.)
+    For a save that returns once the state is staged, see `async_save`.
     """
+    storage = as_storage(uri)
+    group = process_group
+    world = _dist.get_world_size(group)
+    (user_metadata, user_metrics), state_dict = _dist.agree(
+        lambda: _check_and_collect(state, step, metadata, metrics, group), group
+    )
+    return _write_and_commit(
+        storage, state_dict, group,
+        world=world, step=step, user_metadata=user_metadata, user_metrics=user_metrics, overwrite=overwrite,
+    )
+
+
+def async_save(
+    uri: str | os.PathLike | Storage,
+    state: Mapping[str, Any],
+    *,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    metrics: dict[str, float] | None = None,
+    overwrite: bool = False,
+    process_group=None,
+    background_staging: bool = False,
+) -> AsyncSave:
+    """`save`, returning an `AsyncSave` handle as soon as the state is staged to CPU memory;
+    the write and the commit run in a background thread on a dedicated gloo group (see
+    `ckptlib.background_save`). `handle.wait()` returns the SaveResult or raises the failure.
+
+    `background_staging=True`: return before the staging copy, which then runs first in the
+    background. Nothing may change the state until `handle.wait_staged()` returned: not an
+    optimizer step, and not a forward pass in training mode that updates buffers (BatchNorm's
+    running statistics). Without such buffers, calling it right before `optimizer.step()`
+    lets the device-to-host copy overlap forward and backward on a GPU.
+    """
+    return start_async_save(
+        uri, state, step=step, metadata=metadata, metrics=metrics, overwrite=overwrite,
+        process_group=process_group, background_staging=background_staging,
+    )
+
+
+def start_async_save(
+    uri: str | os.PathLike | Storage,
+    state: Mapping[str, Any],
+    *,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    metrics: dict[str, float] | None = None,
+    overwrite: bool = False,
+    process_group=None,
+    background_staging: bool = False,
+    wrap: Callable[[Callable[[], SaveResult], Any], SaveResult] | None = None,
+) -> AsyncSave:
+    """`async_save` for ckptlib's own callers: `wrap(run, group)` runs the background work
+    (`run()` writes and commits) and may add to it, e.g. the manager's publish after the
+    commit; `group` is the dedicated group its collectives must use."""
     started = time.perf_counter()
     storage = as_storage(uri)
     group = process_group
-    if background_staging and not async_:
-        raise StateError("background_staging=True needs async_=True")
-    if async_:
-        from . import async_save
-
-        async_save.wait_inflight(group)  # one background save per group at a time
-        bg_group = async_save.async_group(group)
-    rank, world = _dist.get_rank(group), _dist.get_world_size(group)
-
-    def check_and_collect() -> tuple[dict[str, Any], dict[str, Any]]:
-        # One collective round for every check (each used to cost its own round trip).
-        user_metadata = check_metadata_json(metadata)
-        checked_metrics = check_metrics(metrics)
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise StateError(f"step must be a non-negative int, got {step!r}")
-        state_dict = to_save_state_dict(state, rank=rank)
-        if async_ and not background_staging:
-            state_dict = async_save.stage(state_dict, group)  # the copy the background writes
-        return (user_metadata, checked_metrics), state_dict
-
-    (user_metadata, user_metrics), state_dict = _dist.agree(check_and_collect, group)
+    background_save.wait_inflight(group)  # one background save per group at a time
+    bg_group = background_save.async_group(group)
+    world = _dist.get_world_size(group)
+    (user_metadata, user_metrics), state_dict = _dist.agree(
+        lambda: _check_and_collect(state, step, metadata, metrics, group, stage=not background_staging), group
+    )
 
     def write() -> SaveResult:
         return _write_and_commit(
-            storage, state_dict, bg_group if async_ else group,
+            storage, state_dict, bg_group,
             world=world, step=step, user_metadata=user_metadata, user_metrics=user_metrics, overwrite=overwrite,
         )
-
-    if not async_:
-        return write()
 
     def work() -> SaveResult:
         nonlocal state_dict
         if background_staging:
             # Every rank learns of a copy that failed on one (on the background's group).
-            state_dict = _dist.agree(lambda: async_save.stage(state_dict, group), bg_group)
+            state_dict = _dist.agree(lambda: background_save.stage(state_dict, group), bg_group)
             handle.mark_staged()
         # Preparing the target (removing debris) waits for the disk, so it runs in the
         # background too, still before any shard is written; its errors
         # (CheckpointExistsError) come from wait().
-        return write() if _background is None else _background(write, bg_group)
+        return write() if wrap is None else wrap(write, bg_group)
 
-    handle = async_save.AsyncSave(
+    handle = background_save.AsyncSave(
         storage.uri, work, blocking_seconds=time.perf_counter() - started, started=started, staged=not background_staging
     )
-    async_save.register(group, handle)
-    return handle  # type: ignore[return-value]
+    background_save.register(group, handle)
+    return handle
+
+
+def _check_and_collect(
+    state: Mapping[str, Any], step, metadata, metrics, group, *, stage: bool = False
+) -> tuple[tuple[dict[str, Any], dict[str, Any]], dict[str, Any]]:
+    """Every check of a save's arguments and the state dict to write (staged to CPU memory
+    when `stage`), run inside one collective round (`_dist.agree`)."""
+    user_metadata = check_metadata_json(metadata)
+    checked_metrics = check_metrics(metrics)
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise StateError(f"step must be a non-negative int, got {step!r}")
+    state_dict = to_save_state_dict(state, rank=_dist.get_rank(group))
+    if stage:
+        state_dict = background_save.stage(state_dict, group)  # the copy the background writes
+    return (user_metadata, checked_metrics), state_dict
 
 
 def _on_coordinator(fn: Callable[..., T]) -> Callable[..., T]:

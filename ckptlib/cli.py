@@ -80,7 +80,7 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
 
     if not args.root:
         raise UsageError("under torchrun, --root is required (a path or s3:// URI every rank can reach)")
-    from . import _dist
+    from .teardown import exit_barrier
 
     # gloo's C++ side prints "[Gloo] Rank ... connected" lines to stdout on some torch
     # versions; keep stdout for the report (JSON must parse) by pointing fd 1 at stderr.
@@ -91,7 +91,7 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
         dist.init_process_group(args.backend)
         try:
             report = validate.run_pairs(args.root, args.world_sizes, wrap, args.optim, progress=not args.json)
-            _dist.exit_barrier()
+            exit_barrier()
             return report
         finally:
             dist.destroy_process_group()

@@ -29,7 +29,7 @@ import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 from . import _dist
-from .checkpoint import LoadResult, SaveResult, load, save
+from .checkpoint import LoadResult, SaveResult, load, save, start_async_save
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError
 from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
 from .preemption import DEFAULT_SIGNALS, PreemptionWatcher, signal_name
@@ -337,9 +337,9 @@ class CheckpointManager:
                 raise
             return result
 
-        handle = save(
+        handle = start_async_save(
             target, state, step=step, metadata=metadata, metrics=metrics, overwrite=overwrite,
-            process_group=self.process_group, async_=True, background_staging=self.background_staging, _background=background,
+            process_group=self.process_group, background_staging=self.background_staging, wrap=background,
         )
         self._pending = handle
         atexit.register(self._wait_at_exit)
