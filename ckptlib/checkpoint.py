@@ -25,7 +25,7 @@ from .format.dcp_writer import checkpoint_bytes
 from .format.manifest import check_metadata_json, check_metrics
 from .format.source import inspect_checkpoint, open_reader
 from .load_keys import Rename, build_request, select_entries
-from .state import to_load_plan, to_save_state_dict
+from .state import to_load_target, to_save_state_dict
 from .storage import Storage, as_storage
 
 
@@ -239,7 +239,7 @@ def _check_request(
     template: dict[str, Any], info: CheckpointInfo, strict: bool, keep_if_absent: frozenset[str] = frozenset()
 ) -> tuple[list[str], list[str]]:
     """Compare the requested keys with the checkpoint; return the missing ones, and the absent
-    ones the state keeps its own value for (`LoadPlan.keep_if_absent`)."""
+    ones the state keeps its own value for (`LoadTarget.keep_if_absent`)."""
     saved = info.metadata.state_dict_metadata
     flat = compat.flatten_state_dict(template)[0]
     missing = sorted(k for k in flat if k not in saved)
@@ -313,7 +313,7 @@ def load(
     selected = _dist.agree(lambda: select_entries(state, only), group)
 
     plan = _dist.agree(
-        lambda: to_load_plan(
+        lambda: to_load_target(
             selected, rank=rank, world_size=world, saved_world_size=info.world_size, step=info.step, strict=strict
         ),
         group,
