@@ -7,7 +7,8 @@
 Any source ckptlib reads (ckptlib or plain DCP at any saved world size, torch.save files,
 v0 per-rank files, safetensors; a CheckpointManager root exports its `latest` step), in one
 process, one tensor in memory at a time: peak memory is about the largest tensor plus a
-few tens of MiB, never the checkpoint (the writers are `ckptlib.format.safetensors`'s and `ckptlib.format.torch_save`'s).
+few tens of MiB, never the checkpoint (the writers live with their readers in
+`ckptlib.format.safetensors` and `ckptlib.format.torch_save`).
 
 A directory export records what it wrote in `ckptlib_export.json`, written before the first
 weight file and completed after the last: `force=True` replaces only an export ckptlib
