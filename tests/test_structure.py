@@ -241,3 +241,19 @@ def test_private_torch_names_only_in_compat(module):
 def test_private_torch_finder_is_not_vacuous():
     uses = _private_torch_uses(MODULES["ckptlib.compat"])
     assert uses, "compat.py is where torch's private names live; the finder should see some"
+
+
+def test_storage_deletes_the_commit_markers_first():
+    """storage/ names the files that make a directory committed without importing format/
+    (data flows cli/manager -> format -> storage); the names must stay format's."""
+    from ckptlib.format.manifest import MANIFEST_NAME, METADATA_NAME
+    from ckptlib.storage.base import DELETE_FIRST
+
+    assert DELETE_FIRST == (MANIFEST_NAME, METADATA_NAME)
+
+
+def test_storage_imports_nothing_above_it():
+    above = {m for m in MODULES if not m.startswith(("ckptlib.storage", "ckptlib.errors"))}
+    for module, path in MODULES.items():
+        if module.startswith("ckptlib.storage"):
+            assert not (_imports(module, path) & above), f"{_rel(path)} imports {sorted(_imports(module, path) & above)}"

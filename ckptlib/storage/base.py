@@ -11,6 +11,13 @@ from typing import BinaryIO, ContextManager, Iterable, Protocol, runtime_checkab
 from ..errors import StorageError
 
 
+# What makes a directory look committed (ckptlib's manifest, then DCP's metadata; the names
+# `ckptlib.format.manifest` gives them). A backend that deletes a tree object by object
+# removes these first, so an interrupted deletion never leaves a committed-looking directory
+# with files missing.
+DELETE_FIRST = ("ckptlib.json", ".metadata")
+
+
 @runtime_checkable
 class Storage(Protocol):
     """What every backend provides. Small on purpose: DCP layout lives in ckptlib.format."""

@@ -32,7 +32,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import StorageError
-from .base import check_relative
+from .base import DELETE_FIRST, check_relative
 from .s3_client import (  # noqa: F401  (constants and client factories: part of this module's API)
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_MULTIPART_THRESHOLD,
@@ -384,13 +384,11 @@ class S3Storage:
         # Delete what makes a directory look committed first, so a crash or failure half-way
         # leaves an incomplete-looking directory, never a committed one with files missing
         # (LocalStorage renames the directory away first for the same reason).
-        from ..format.manifest import MANIFEST_NAME, METADATA_NAME
-
         def rank(key: str) -> int:
             leaf = key.rsplit("/", 1)[-1]
-            return 0 if leaf == MANIFEST_NAME else 1 if leaf == METADATA_NAME else 2
+            return DELETE_FIRST.index(leaf) if leaf in DELETE_FIRST else len(DELETE_FIRST)
 
-        for phase in (0, 1, 2):
+        for phase in range(len(DELETE_FIRST) + 1):
             batch = [k for k in keys if rank(k) == phase]
             if batch:
                 target._delete_keys(batch)
