@@ -35,7 +35,7 @@ from .format.source import inspect_checkpoint, open_reader
 from .format.streaming import SourceValues
 from .format.torch_save import write_torch_files
 from .observe import log_operation
-from .storage import Storage, as_storage, is_remote
+from .storage import Storage, as_storage, is_remote, root_is_file
 
 FORMATS = ("safetensors", "torch")
 EXPORT_RECORD = "ckptlib_export.json"
@@ -107,7 +107,7 @@ def _source_storage(src: str | os.PathLike | Storage, step: int | None) -> Stora
         inspect_checkpoint(storage, verify=False)
         return storage
     except NotACheckpointError:
-        latest = manager.latest() if storage.exists() and not getattr(storage, "is_file", lambda: False)() else None
+        latest = manager.latest() if storage.exists() and not root_is_file(storage) else None
         if latest is None:
             raise
         return storage.child(step_dir(latest))

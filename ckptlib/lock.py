@@ -22,7 +22,7 @@ import warnings
 from typing import Any
 
 from .errors import LockedError
-from .storage import Storage
+from .storage import Storage, SupportsCreateExclusive
 
 LOCK_NAME = "ckptlib.lock"
 
@@ -123,9 +123,8 @@ class RootLock:
             return None
 
     def _create(self, data: bytes) -> bool:
-        create = getattr(self.storage, "create_exclusive", None)
-        if create is not None:
-            return bool(create(LOCK_NAME, data))
+        if isinstance(self.storage, SupportsCreateExclusive):
+            return bool(self.storage.create_exclusive(LOCK_NAME, data))
         # Best effort for a backend without an atomic create: check, write, read back. Two
         # writers racing within one round trip can both win; see SupportsCreateExclusive.
         if self.holder() is not None:

@@ -32,7 +32,7 @@ from ..errors import (
     NotACheckpointError,
     UnsafeCheckpointError,
 )
-from ..storage import Storage
+from ..storage import Storage, root_is_file
 from .file_names import describe_file, shard_rank
 from .manifest import MANIFEST_NAME, METADATA_MARKER, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
 from .safe_pickle import safe_loads
@@ -138,8 +138,7 @@ def not_a_checkpoint_error(storage: Storage, kind: str) -> CheckpointError | Non
     """The error for a `classify` kind that is no checkpoint at all (missing, a file, empty,
     unrelated files), or None."""
     uri = storage.uri
-    is_file = getattr(storage, "is_file", None)
-    if is_file is not None and is_file():
+    if root_is_file(storage):
         return NotACheckpointError(f"{uri} is a file, not a checkpoint directory", path=uri)
     if kind == "missing":
         return CheckpointNotFoundError(f"no checkpoint at {uri}: the path does not exist", path=uri)

@@ -55,7 +55,7 @@ from ..errors import (
     NotACheckpointError,
     StorageError,
 )
-from ..storage import LocalStorage, Storage, as_storage
+from ..storage import LocalStorage, Storage, as_storage, root_is_file
 from . import safetensors, torch_save, v0
 from .dcp_reader import CkptReader, PlannedReader
 from .foreign import DEFAULT_PREFIX, SourceFiles, SourceInfo, TensorLoc, file_head, file_size
@@ -65,11 +65,6 @@ from .torch_save import TORCH_SAVE_SUFFIXES, looks_like_torch_save
 from .v0 import V0_FORMAT, V0_RE, v0_rank
 
 FORMATS = ("ckptlib", "dcp", "torch_save", "v0", "safetensors")
-
-
-def _is_file(storage: Storage) -> bool:
-    is_file = getattr(storage, "is_file", None)
-    return bool(is_file is not None and is_file())
 
 
 def _split_file(storage: Storage) -> tuple[Storage, str]:
@@ -92,7 +87,7 @@ def _not_a_checkpoint(uri: str, listing: Iterable[str] = ()) -> NotACheckpointEr
 
 def _detect(storage: Storage) -> tuple[str, SourceFiles]:
     uri = storage.uri
-    if _is_file(storage):
+    if root_is_file(storage):
         root, name = _split_file(storage)
         size = file_size(root, name) or 0
         head = file_head(root, name, size)
@@ -259,12 +254,12 @@ def open_reader(
     if info is None:
         info = inspect_checkpoint(storage, verify=verify, prefix=prefix, trusted=trusted)
     if not isinstance(info, SourceInfo):
-        if _is_file(storage):
+        if root_is_file(storage):
             raise NotACheckpointError(f"{storage.uri} is a file, not a checkpoint directory", path=storage.uri)
         return CkptReader(storage, info.metadata, info.manifest, verify=verify), info
     root = storage
     if info.file_root is not None:
-        if not _is_file(storage):
+        if not root_is_file(storage):
             raise StorageError(f"{storage.uri}: expected the file this checkpoint info was made from", path=storage.uri)
         root, _ = _split_file(storage)
     return ForeignReader(root, info, trusted=trusted), info

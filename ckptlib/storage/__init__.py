@@ -6,12 +6,19 @@ import os
 from urllib.parse import urlparse
 
 from ..errors import StorageError
-from .base import Storage, SupportsCreateExclusive, SupportsDirectReads, check_relative
+from .base import (
+    Storage,
+    SupportsCreateExclusive,
+    SupportsDirectReads,
+    SupportsFileRoot,
+    check_relative,
+    root_is_file,
+)
 from .local import LocalStorage
 
 __all__ = [
-    "Storage", "SupportsCreateExclusive", "SupportsDirectReads", "LocalStorage",
-    "as_storage", "open_storage", "check_relative", "is_remote",
+    "Storage", "SupportsCreateExclusive", "SupportsDirectReads", "SupportsFileRoot", "LocalStorage",
+    "as_storage", "open_storage", "check_relative", "is_remote", "root_is_file",
 ]
 
 

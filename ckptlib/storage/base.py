@@ -100,6 +100,20 @@ class SupportsDirectReads(Protocol):
         """The local file whose bytes `read(path, ...)` returns, or None."""
 
 
+@runtime_checkable
+class SupportsFileRoot(Protocol):
+    """Optional for backends whose root may be a single file rather than a directory (a local
+    path to a torch.save or safetensors file, which `ckptlib.format.source` reads)."""
+
+    def is_file(self) -> bool:
+        """Whether the root is a file."""
+
+
+def root_is_file(storage: Storage) -> bool:
+    """Whether `storage` is rooted at a single file (see SupportsFileRoot)."""
+    return isinstance(storage, SupportsFileRoot) and bool(storage.is_file())
+
+
 def check_relative(path: str, root_uri: str) -> str:
     """Reject paths that would escape the storage root (absolute, '..', empty parts)."""
     if not isinstance(path, str) or path == "":
