@@ -28,6 +28,7 @@ import json
 import os
 import re
 import socket
+import time
 import uuid
 import warnings
 from typing import Any, Mapping
@@ -36,6 +37,7 @@ from . import _dist
 from .checkpoint import LoadResult, SaveResult, load, save
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError
 from .format import PENDING_NAME, classify
+from .observe import log_operation
 from .storage import Storage, open_storage
 
 LATEST = "latest"
@@ -535,17 +537,26 @@ class CheckpointManager:
         Takes the root's lock (LockedError while another writer holds it), except for a dry run.
         """
         self.wait()  # never delete while a save is still writing (verl #4638)
-        if dry_run:
-            return _dist.decide_on_rank0(lambda: self._collect(protect=set(), dry_run=True), self.process_group)
+        world = _dist.get_world_size(self.process_group)
 
-        def locked_collect() -> list[str]:
-            self._take_lock()
-            try:
-                return self._collect(protect=set())
-            finally:
-                self._drop_lock()
+        def collect() -> list[str]:
+            started = time.perf_counter()
+            sizes = {info.name: sum(info.files.values()) for info in self._scan()}
+            if dry_run:
+                removed = self._collect(protect=set(), dry_run=True)
+            else:
+                self._take_lock()
+                try:
+                    removed = self._collect(protect=set())
+                finally:
+                    self._drop_lock()
+            log_operation(
+                "gc", uri=self.root_uri, step=None, nbytes=sum(sizes.get(name, 0) for name in removed),
+                seconds=time.perf_counter() - started, world_size=world, removed=len(removed), dry_run=dry_run,
+            )
+            return removed
 
-        return _dist.decide_on_rank0(locked_collect, self.process_group)
+        return _dist.decide_on_rank0(collect, self.process_group)
 
     # -- loading ------------------------------------------------------------------------
     def load(self, state: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> int | None:
