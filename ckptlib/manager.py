@@ -510,8 +510,9 @@ class CheckpointManager:
             raise
         self._drop_lock()
 
-    def _collect(self, protect: set[int], dry_run: bool = False) -> list[str]:
-        """Retention and debris removal; never removes what `latest` names or `protect`."""
+    def _collect(self, protect: set[int], dry_run: bool = False, on_removed=None) -> list[str]:
+        """Retention and debris removal; never removes what `latest` names or `protect`.
+        `on_removed(done, total)` follows the deletions (a progress bar)."""
         scan = self._scan()
         pointed = parse_step(self.storage.read_pointer(LATEST) or "")
         protected = set(protect) | ({pointed} if pointed is not None else set())
@@ -522,17 +523,21 @@ class CheckpointManager:
                 doomed[info.step] = info.name
         leftovers = [n for n in self.storage.list_children() if _DELETING_RE.match(n)]
         if not dry_run:
-            for name in doomed.values():
+            total = len(doomed) + len(leftovers)
+            if on_removed is not None:
+                on_removed(0, total)
+            for done, name in enumerate([*doomed.values(), *leftovers], 1):  # leftovers: a deletion that crashed
                 self.storage.delete_tree(name)
-            for name in leftovers:  # a deletion that crashed half-way
-                self.storage.delete_tree(name)
+                if on_removed is not None:
+                    on_removed(done, total)
             for info in scan:  # a commit that crashed between writing the manifest and this
                 if info.state == "committed" and info.step not in doomed and PENDING_NAME in info.files:
                     self.storage.child(info.name).delete([PENDING_NAME])
         return sorted(doomed.values()) + sorted(leftovers)
 
-    def gc(self, *, dry_run: bool = False) -> list[str]:
+    def gc(self, *, dry_run: bool = False, on_removed=None) -> list[str]:
         """Apply retention and remove debris now; returns the step directories (to be) removed.
+        `on_removed(done, total)` is called on rank 0 as directories are removed.
 
         Takes the root's lock (LockedError while another writer holds it), except for a dry run.
         """
@@ -547,7 +552,7 @@ class CheckpointManager:
             else:
                 self._take_lock()
                 try:
-                    removed = self._collect(protect=set())
+                    removed = self._collect(protect=set(), on_removed=on_removed)
                 finally:
                     self._drop_lock()
             log_operation(
