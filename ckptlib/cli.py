@@ -364,10 +364,29 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
 
 def _cmd_gc(args: argparse.Namespace) -> int:
     from .manager import CheckpointManager
+    from .retention import KeepEvery, KeepLast, parse_keep_best
 
-    if args.keep < 1:
-        raise UsageError("--keep must be at least 1")
-    mgr = CheckpointManager(args.root, keep_last=args.keep)
+    if args.keep is not None and args.keep_last is not None:
+        raise UsageError("--keep is --keep-last; give one of them")
+    keep_last = args.keep if args.keep is not None else args.keep_last
+    for flag, value in (("--keep", args.keep), ("--keep-last", args.keep_last), ("--keep-every", args.keep_every)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1")
+    policies = []
+    try:
+        if keep_last is not None:
+            policies.append(KeepLast(keep_last))
+        if args.keep_every is not None:
+            policies.append(KeepEvery(args.keep_every))
+        policies.extend(parse_keep_best(spec) for spec in args.keep_best)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not policies:
+        raise UsageError("say what to keep: --keep-last N, --keep-every K and/or --keep-best K:METRIC[:min|max]")
+    retention = policies[0]
+    for policy in policies[1:]:
+        retention = retention | policy
+    mgr = CheckpointManager(args.root, retention=retention)
     if not mgr.storage.exists():
         raise UsageError(f"{args.root}: no such checkpoint root")
     if args.force and not args.dry_run:
@@ -470,12 +489,22 @@ def build_parser() -> argparse.ArgumentParser:
         "gc",
         help="apply retention to a checkpoint root",
         description=(
-            "Keep the newest N committed steps (never the one `latest` names) and remove incomplete debris. "
+            "Apply retention to ROOT and remove incomplete debris (only directories ckptlib wrote). A committed "
+            "step is kept when any rule keeps it: --keep-last N (the N highest steps), --keep-every K (steps that "
+            "are multiples of K), --keep-best K:METRIC[:min|max] (the K best by a metric saved with the step; "
+            "steps without it are not best; a tie keeps the newer step). The step `latest` names is always kept. "
+            "The rules are CheckpointManager's retention policies (KeepLast | KeepEvery | KeepBest). "
             "Takes the root's lock: fails (exit 1) while a writer holds it."
         ),
     )
     p.add_argument("root")
-    p.add_argument("--keep", type=int, required=True, help="number of newest committed steps to keep")
+    p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep the N highest-numbered committed steps")
+    p.add_argument("--keep", type=int, default=None, metavar="N", help="same as --keep-last N")
+    p.add_argument("--keep-every", type=int, default=None, metavar="K", help="keep every step that is a multiple of K")
+    p.add_argument(
+        "--keep-best", action="append", default=[], metavar="K:METRIC[:min|max]",
+        help="keep the K best steps by METRIC (saved with metrics=...; min is best unless :max); repeatable",
+    )
     p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     p.add_argument(
         "--force", action="store_true",

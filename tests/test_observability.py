@@ -233,18 +233,15 @@ def test_ls_shows_size_age_world_and_metrics(tmp_path, capsys):
 
     root = tmp_path / "root"
     mgr = CheckpointManager(str(root))
-    kwargs = {"metrics": {"loss": 0.25, "acc": 0.875}} if "metrics" in CheckpointManager.save.__code__.co_varnames else {}
-    mgr.save(1, {"w": torch.ones(300)}, **kwargs)
+    mgr.save(1, {"w": torch.ones(300)}, metrics={"loss": 0.25, "acc": 0.875})
     assert main(["ls", "--json", str(root)]) == 0
     doc = json.loads(capsys.readouterr().out)
     [step] = doc["steps"]
     files = list((root / "step_0000000001").iterdir())
     assert step["bytes"] == sum(p.stat().st_size for p in files) and step["world_size"] == 1
     assert 0 <= step["age_seconds"] < 600 and step["created"]
-    if kwargs:
-        assert step["metrics"] == {"loss": 0.25, "acc": 0.875}
+    assert step["metrics"] == {"loss": 0.25, "acc": 0.875}
     assert main(["ls", str(root)]) == 0
     line = capsys.readouterr().out.splitlines()[1]
     assert line.split()[:3] == ["1", "committed", "1"] and line.split()[5].endswith("s")
-    if kwargs:
-        assert line.endswith("acc=0.875 loss=0.25")
+    assert line.endswith("acc=0.875 loss=0.25")
