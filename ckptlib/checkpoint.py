@@ -7,6 +7,7 @@ on every rank alike, and a failed save never touches a committed checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Callable, Mapping, Sequence, TypeVar
@@ -25,6 +26,7 @@ from .format.dcp_writer import checkpoint_bytes
 from .format.manifest import check_metadata_json, check_metrics
 from .format.source import inspect_checkpoint, open_reader
 from .load_keys import Rename, build_request, select_entries
+from .observe import log_operation, mib_per_s
 from .state import to_load_target, to_save_state_dict
 from .storage import Storage, as_storage
 
@@ -34,10 +36,24 @@ T = TypeVar("T")
 
 @dataclasses.dataclass
 class SaveResult:
+    """What a save committed: its size (every file), the saving world size, how long it took
+    (`seconds`, for an async save from the call to the commit) and, for an async save, how
+    long the caller was blocked (`blocked_seconds`; None for a synchronous save)."""
+
     uri: str
     step: int | None
     world_size: int
     total_bytes: int
+    seconds: float = 0.0
+    blocked_seconds: float | None = None
+
+    @property
+    def bytes(self) -> int:
+        return self.total_bytes
+
+    @property
+    def mib_per_s(self) -> float | None:
+        return mib_per_s(self.total_bytes, self.seconds)
 
 
 @dataclasses.dataclass
@@ -47,12 +63,19 @@ class LoadResult:
 
     uri: str
     step: int | None
-    world_size: int | None
+    world_size: int | None  # the world size that saved it
     metadata: dict[str, Any]
     format: str
     missing_keys: list[str]
     notes: list[str]
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    bytes: int | None = None  # the checkpoint's size (its files; tensor bytes for foreign formats)
+    seconds: float = 0.0
+    load_world_size: int = 1  # the world size that loaded it
+
+    @property
+    def mib_per_s(self) -> float | None:
+        return mib_per_s(self.bytes, self.seconds)
 
 
 def _unwrap_dcp_error(exc: BaseException) -> CheckpointError:
@@ -87,16 +110,20 @@ def save(
     (`KeepBest`) and listings; NaN and infinities are stored as null.
     For a save that returns once the state is staged, see `async_save`.
     """
+    started = time.perf_counter()
     storage = as_storage(uri)
     group = process_group
-    world = _dist.get_world_size(group)
+    rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     (user_metadata, user_metrics), state_dict = _dist.agree(
         lambda: _check_and_collect(state, step, metadata, metrics, group), group
     )
-    return _write_and_commit(
+    result = _write_and_commit(
         storage, state_dict, group,
         world=world, step=step, user_metadata=user_metadata, user_metrics=user_metrics, overwrite=overwrite,
     )
+    result.seconds = time.perf_counter() - started
+    _log_save(result, rank)
+    return result
 
 
 def async_save(
@@ -146,7 +173,7 @@ def start_async_save(
     group = process_group
     background_save.wait_inflight(group)  # one background save per group at a time
     bg_group = background_save.async_group(group)
-    world = _dist.get_world_size(group)
+    rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     (user_metadata, user_metrics), state_dict = _dist.agree(
         lambda: _check_and_collect(state, step, metadata, metrics, group, stage=not background_staging), group
     )
@@ -166,7 +193,11 @@ def start_async_save(
         # Preparing the target (removing debris) waits for the disk, so it runs in the
         # background too, still before any shard is written; its errors
         # (CheckpointExistsError) come from wait().
-        return write() if wrap is None else wrap(write, bg_group)
+        result = write() if wrap is None else wrap(write, bg_group)
+        result.seconds = time.perf_counter() - started
+        result.blocked_seconds = handle.blocking_seconds
+        _log_save(result, rank)
+        return result
 
     handle = background_save.AsyncSave(
         storage.uri, work, blocking_seconds=time.perf_counter() - started, started=started, staged=not background_staging
@@ -188,6 +219,24 @@ def _check_and_collect(
     if stage:
         state_dict = background_save.stage(state_dict, group)  # the copy the background writes
     return (user_metadata, checked_metrics), state_dict
+
+
+def _log_save(result: SaveResult, rank: int) -> None:
+    log_operation(
+        "save", uri=result.uri, step=result.step, nbytes=result.total_bytes, seconds=result.seconds,
+        world_size=result.world_size, blocked_seconds=result.blocked_seconds, rank=rank,
+    )
+
+
+def _checkpoint_size(info: CheckpointInfo) -> int | None:
+    """A checkpoint's size: its files per the manifest, else the bytes of its tensors."""
+    if info.manifest is not None:
+        return info.manifest.total_bytes
+    total = 0
+    for md in info.metadata.state_dict_metadata.values():
+        if isinstance(md, TensorStorageMetadata):
+            total += math.prod(md.size) * torch.empty((), dtype=md.properties.dtype).element_size()
+    return total
 
 
 def _on_coordinator(fn: Callable[..., T]) -> Callable[..., T]:
@@ -306,6 +355,7 @@ def load(
     state's flattened keys) are neither loaded nor missing; `rename` maps checkpoint keys
     to state keys (`{old_prefix: new_prefix}` or a callable).
     """
+    started = time.perf_counter()
     storage = as_storage(uri)
     group = process_group
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
@@ -367,7 +417,7 @@ def load(
                     state[name] = value  # type: ignore[index]
 
     _dist.agree(apply, group)
-    return LoadResult(
+    result = LoadResult(
         uri=storage.uri,
         step=info.step,
         world_size=info.world_size,
@@ -376,4 +426,12 @@ def load(
         missing_keys=missing,
         notes=notes + list(getattr(info, "notes", []) or []),
         metrics=dict(info.manifest.metrics) if info.manifest else {},
+        bytes=_checkpoint_size(info),
+        seconds=time.perf_counter() - started,
+        load_world_size=world,
     )
+    log_operation(
+        "load", uri=result.uri, step=result.step, nbytes=result.bytes, seconds=result.seconds, world_size=world,
+        saved_world_size=result.world_size, rank=rank,
+    )
+    return result
