@@ -225,8 +225,11 @@ def _write_and_commit(
     return SaveResult(uri=storage.uri, step=step, world_size=world, total_bytes=checkpoint_bytes(metadata))
 
 
-def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool) -> list[str]:
-    """Compare the requested keys with the checkpoint; return the missing ones."""
+def _check_request(
+    template: dict[str, Any], info: CheckpointInfo, strict: bool, keep_if_absent: frozenset[str] = frozenset()
+) -> tuple[list[str], list[str]]:
+    """Compare the requested keys with the checkpoint; return the missing ones, and the absent
+    ones the state keeps its own value for (`LoadPlan.keep_if_absent`)."""
     saved = info.metadata.state_dict_metadata
     flat = compat.flatten_state_dict(template)[0]
     missing = sorted(k for k in flat if k not in saved)
@@ -235,6 +238,10 @@ def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool)
         old_missing = sorted(k for k in old_flat if k not in saved)
         if len(old_missing) < len(missing):
             flat, missing = old_flat, old_missing
+    # Kept only where the checkpoint holds the same param group (an optimizer it lacks stays missing).
+    groups = {k.rsplit(".", 1)[0] for k in saved}
+    kept = [k for k in missing if k in keep_if_absent and k.rsplit(".", 1)[0] in groups]
+    missing = [k for k in missing if k not in keep_if_absent]
     if missing and strict:
         shown = ", ".join(missing[:20]) + (f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
         raise MissingKeysError(f"{info.uri} lacks keys the state asks for: {shown}", keys=missing, path=info.uri)
@@ -263,7 +270,7 @@ def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool)
             keys=bad_keys,
             path=info.uri,
         )
-    return missing
+    return missing, kept
 
 
 def load(
@@ -308,19 +315,28 @@ def load(
             lambda: build_request(plan.template, saved_keys, ignore_keys=ignore_keys, rename=rename), group
         )
 
-    def check() -> list[str]:
+    def check() -> tuple[list[str], list[str]]:
         unsourced = keyed.unsourced if keyed is not None else []
         if unsourced and strict:
             raise MissingKeysError(
                 f"{info.uri}: no checkpoint key is renamed to {', '.join(unsourced[:20])} (rename= renamed their "
                 "own names away)", keys=unsourced, path=info.uri,
             )
-        return sorted(_check_request(plan.template if keyed is None else keyed.request, info, strict) + unsourced)
+        request = plan.template if keyed is None else keyed.request
+        missing, kept = _check_request(request, info, strict, plan.keep_if_absent)
+        return sorted(missing + unsourced), kept
 
-    missing = _dist.agree(check, group)
+    missing, kept = _dist.agree(check, group)
+    notes = list(plan.notes)
+    if kept:
+        notes.append(
+            f"the checkpoint lacks optimizer hyperparameters {', '.join(kept)} (the torch that saved it did not "
+            "have them); the optimizers keep their own values"
+        )
 
     reader, _ = open_reader(storage, info=info, verify=verify, trusted=trusted)
-    planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict)
+    # Every other key was checked above, so a partial load skips only the kept ones.
+    planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict or bool(kept))
     try:
         with _quiet_single_process():
             dcp.load(
@@ -348,6 +364,6 @@ def load(
         metadata=dict(info.manifest.metadata) if info.manifest else {},
         format=info.kind,
         missing_keys=missing,
-        notes=plan.notes + list(getattr(info, "notes", []) or []),
+        notes=notes + list(getattr(info, "notes", []) or []),
         metrics=dict(info.manifest.metrics) if info.manifest else {},
     )
