@@ -240,12 +240,17 @@ def test_rollback_latest_older_than_newest_survives_gc(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_save_of_the_step_latest_names_is_refused(tmp_path):
+def test_save_of_the_step_latest_names_is_refused_unless_overwrite(tmp_path):
     mgr = CheckpointManager(tmp_path / "run", keep_last=1)
     mgr.save(4, _state(4))
     with pytest.raises(ckptlib.CheckpointExistsError, match="step_0000000004 already holds a committed checkpoint"):
         mgr.save(4, _state(5))
-    assert _dirs(tmp_path / "run") == [4]
+    got = _state(0)
+    assert mgr.load(got) == 4 and torch.equal(got["w"], torch.full((4,), 4.0))
+    mgr.save(4, _state(44), overwrite=True)
+    assert _dirs(tmp_path / "run") == [4] and mgr.latest() == 4
+    got = _state(0)
+    assert mgr.load(got) == 4 and torch.equal(got["w"], torch.full((4,), 44.0)) and got["step"] == 44
 
 
 # ---------------------------------------------------------------- ckpt gc
