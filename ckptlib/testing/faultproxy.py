@@ -32,6 +32,7 @@ class FaultProxy:
         self.requests = 0
         self.injected = 0
         self.refused = 0
+        self.outages = 0
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1", 0))
@@ -78,6 +79,7 @@ class FaultProxy:
     # -- machinery ----------------------------------------------------------------------------
     def _go_down(self) -> None:
         with self._lock:
+            self.outages += 0 if self._down else 1
             self._down = True
             conns = list(self._conns)
             self._conns.clear()
