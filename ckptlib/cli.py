@@ -178,6 +178,44 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _show_progress(args: argparse.Namespace) -> bool:
+    """A progress bar only on a terminal: never when stderr is piped or with --no-progress."""
+    return not getattr(args, "no_progress", False) and sys.stderr.isatty()
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .export import export, parse_dtype, parse_size
+
+    try:
+        dtype = parse_dtype(args.dtype)
+        shard = parse_size(args.max_shard_size)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    result = export(
+        args.src,
+        args.dst,
+        format=args.format,
+        dtype=dtype,
+        max_shard_size=shard,
+        model_only=args.model_only,
+        step=args.step,
+        force=args.force,
+        progress=_show_progress(args),
+        trusted=args.trusted,
+    )
+    rate = result.mib_per_s
+    print(
+        f"exported {result.src} ({result.src_format}, step {'-' if result.step is None else result.step}) -> "
+        f"{result.dst} ({result.format}{', ' + result.dtype if result.dtype else ''}): {result.tensors} tensors, "
+        f"{result.bytes} bytes in {len(result.files)} file{'s' if len(result.files) != 1 else ''}, "
+        f"{result.seconds:.2f}s" + (f" ({rate:.1f} MiB/s)" if rate else "")
+    )
+    if result.skipped:
+        shown = ", ".join(result.skipped[:10]) + (f" ... ({len(result.skipped)} in all)" if len(result.skipped) > 10 else "")
+        print(f"not exported: {shown}")
+    return EXIT_OK
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     from .errors import CheckpointError
     from .format import MANIFEST_NAME, Manifest
@@ -370,6 +408,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trusted", action="store_true", help="allow arbitrary unpickling of objects in torch.save sources")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser(
+        "export",
+        help="export a checkpoint as one consolidated model in Hugging Face's layout",
+        description=(
+            "Write SRC (any checkpoint ckptlib reads, at any saved world size, or a CheckpointManager root: its "
+            "latest step, or --step) as one consolidated model in DST, streaming one tensor at a time. "
+            "--format safetensors: model.safetensors, or model-0000k-of-0000n.safetensors plus "
+            "model.safetensors.index.json when the tensors exceed --max-shard-size. --format torch: "
+            "pytorch_model.bin (torch.save of a flat name->tensor dict), or pytorch_model-0000k-of-0000n.bin plus "
+            "pytorch_model.bin.index.json. A DST ending in .safetensors (.bin/.pt/.pth for torch) is one file. "
+            "--model-only writes the 'model' entry's tensors without the 'model.' prefix (the names "
+            "transformers' loaders expect); otherwise every tensor under its full key. Non-tensor values are "
+            "never exported. Refuses to write into an existing DST unless --force, and even then only when DST "
+            "is an export ckptlib wrote (ckptlib_export.json lists its files)."
+        ),
+    )
+    p.add_argument("src", help="a checkpoint (path, file:// or s3:// URI) or a CheckpointManager root")
+    p.add_argument("dst", help="a local directory (or one .safetensors/.bin file)")
+    p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors", help="default safetensors")
+    p.add_argument("--dtype", default=None, help="cast floating-point tensors, e.g. bfloat16 (integer tensors keep theirs)")
+    p.add_argument(
+        "--max-shard-size", default="5GB",
+        help="largest shard: bytes or 5GB / 500MB / 2GiB as Hugging Face spells it (default 5GB); "
+        "a larger tensor gets a shard of its own",
+    )
+    p.add_argument("--model-only", action="store_true", help="only the model's tensors, without the 'model.' prefix")
+    p.add_argument("--step", type=int, default=None, help="with a CheckpointManager root: this step instead of latest")
+    p.add_argument("--force", action="store_true", help="replace an export ckptlib wrote earlier at DST")
+    p.add_argument("--trusted", action="store_true", help="allow arbitrary unpickling of objects in torch.save sources")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser(
         "unlock",
