@@ -140,6 +140,17 @@ def test_cli_commands_take_cloud_uris(root, capsys):
     assert ckptlib.CheckpointManager(root).steps() == [2]
 
 
+def test_ckpt_validate_root_on_the_cloud(root, capsys):
+    """`ckpt validate --root gs://... / az://...`: every pair passes and the run's checkpoints are removed."""
+    from ckptlib.cli import main
+
+    rc = main(["validate", "--world-sizes", "1,2", "--root", root, "--json", "--no-progress"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["ok"] and doc["root"] == root
+    assert len(doc["cells"]) == 4 and all(c["ok"] for c in doc["cells"])
+    assert keys(root) == set()
+
+
 # -- elastic: save at N ranks, load at M --------------------------------------------------------
 
 ELASTIC = [
