@@ -164,16 +164,16 @@ class GCSClient:
                 return "transient"
         except ImportError:  # pragma: no cover
             pass
-        try:
-            from google.resumable_media import common
-
+        for module in ("google.cloud.storage.exceptions", "google.resumable_media.common"):
+            try:
+                common = __import__(module, fromlist=["InvalidResponse", "DataCorruption"])
+            except ImportError:  # pragma: no cover - depends on the SDK version
+                continue
             if isinstance(exc, common.DataCorruption):
                 return "transient"  # a body that arrived damaged: fetch it again
             if isinstance(exc, common.InvalidResponse):
                 status = getattr(getattr(exc, "response", None), "status_code", None)
                 return "transient" if status in _TRANSIENT_STATUS else "permanent"
-        except ImportError:  # pragma: no cover
-            pass
         return "permanent"
 
     def describe(self, exc: BaseException) -> str:
