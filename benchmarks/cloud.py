@@ -33,12 +33,10 @@ def _sdk_transfer(backend: str, container: str, key: str, payload: bytes) -> tup
         config = TransferConfig(multipart_threshold=s3mod.DEFAULT_MULTIPART_THRESHOLD,
                                 multipart_chunksize=s3mod.DEFAULT_PART_SIZE,
                                 max_concurrency=s3mod.DEFAULT_MAX_CONCURRENCY)
-        sink = io.BytesIO()
-
         def s3_down():
-            sink.seek(0)
+            sink = io.BytesIO()
             client.download_fileobj(container, key, sink, Config=config)
-            assert sink.tell() == len(payload)
+            assert sink.getbuffer().nbytes == len(payload)
 
         return (lambda: client.upload_fileobj(io.BytesIO(payload), container, key, Config=config)), s3_down
     if backend == "gcs":
