@@ -3,6 +3,7 @@
     with FaultProxy(upstream_port) as proxy:     # point the client at proxy.endpoint
         proxy.fail_next(3)                       # the next 3 requests are answered 503
         proxy.cut_after(5 << 20)                 # the server "stops" after 5 MiB more uploaded
+        proxy.cut_after(5 << 20, restore_after=0.5)   # ... for half a second
         proxy.restore()                          # ... and comes back
 
 It understands just enough HTTP/1.1 (request heads and Content-Length bodies on the
@@ -27,6 +28,7 @@ class FaultProxy:
         self._fail = 0
         self._fail_status = 503
         self._cut_budget: int | None = None
+        self._restore_after: float | None = None
         self._down = False
         self._conns: set[socket.socket] = set()
         self.requests = 0
@@ -49,10 +51,12 @@ class FaultProxy:
         with self._lock:
             self._fail, self._fail_status = count, status
 
-    def cut_after(self, nbytes: int) -> None:
-        """After `nbytes` more bytes from clients, drop every connection and refuse new ones."""
+    def cut_after(self, nbytes: int, *, restore_after: float | None = None) -> None:
+        """After `nbytes` more bytes from clients, drop every connection and refuse new ones
+        (until `restore()`, or for `restore_after` seconds from the moment it goes down)."""
         with self._lock:
             self._cut_budget = nbytes
+            self._restore_after = restore_after
         if nbytes <= 0:
             self._go_down()
 
@@ -60,6 +64,7 @@ class FaultProxy:
         with self._lock:
             self._down = False
             self._cut_budget = None
+            self._restore_after = None
             self._fail = 0
 
     def close(self) -> None:
@@ -79,7 +84,12 @@ class FaultProxy:
     # -- machinery ----------------------------------------------------------------------------
     def _go_down(self) -> None:
         with self._lock:
-            self.outages += 0 if self._down else 1
+            if not self._down:
+                self.outages += 1
+                if self._restore_after is not None:
+                    timer = threading.Timer(self._restore_after, self.restore)
+                    timer.daemon = True
+                    timer.start()
             self._down = True
             conns = list(self._conns)
             self._conns.clear()
