@@ -6,9 +6,8 @@
   under ``if TYPE_CHECKING:`` (never executed) are left out;
 - no two modules with the same file name (``convert.py`` twice made "which convert?" a question);
 - private torch names (``torch._x`` attributes, also through names imported from torch;
-  ``from torch... import _x``; ``torch._x`` modules; ``getattr(obj, "_x")`` on anything but
-  ckptlib's own ``self``/``cls`` outside the test harness) only in ``ckptlib/compat.py``, the
-  one place that knows torch internals.
+  ``from torch... import _x``; ``torch._x`` modules; ``getattr(obj, "_x")`` on a torch object or
+  a tensor's storage) only in ``ckptlib/compat.py``, the one place that knows torch internals.
 """
 
 from __future__ import annotations
@@ -206,11 +205,18 @@ def _private_torch_uses(path: str) -> list[str]:
             torch_aliases.update(alias.asname or alias.name for alias in node.names)
         elif isinstance(node, ast.Import):
             torch_aliases.update(a.asname for a in node.names if a.asname and a.name.split(".")[0] == "torch")
-    in_library = not _rel(path).startswith("ckptlib/testing/")
+    def torch_object(expr: ast.AST) -> bool:
+        """An expression built from a torch name, or a tensor's storage (`t.untyped_storage()`)."""
+        for sub in ast.walk(expr):
+            if isinstance(sub, ast.Name) and sub.id in torch_aliases:
+                return True
+            if isinstance(sub, ast.Attribute) and sub.attr in ("untyped_storage", "storage", "_typed_storage"):
+                return True
+        return False
+
     for node in ast.walk(tree):
-        if (  # getattr(x, "_private"): outside the test harness only ckptlib's own objects (self, cls)
-            in_library
-            and isinstance(node, ast.Call)
+        if (  # getattr(<a torch object>, "_private")
+            isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)
             and node.func.id in ("getattr", "hasattr", "setattr")
             and len(node.args) >= 2
@@ -218,7 +224,7 @@ def _private_torch_uses(path: str) -> list[str]:
             and isinstance(node.args[1].value, str)
             and node.args[1].value.startswith("_")
             and not node.args[1].value.startswith("__")
-            and not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls"))
+            and torch_object(node.args[0])
         ):
             found.append(f"line {node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
