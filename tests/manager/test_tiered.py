@@ -27,7 +27,7 @@ from ckptlib.storage import open_storage
 from ckptlib.testing.s3_server import moto_server, s3_env, s3_root  # noqa: F401
 from ckptlib.tiered import TieredCheckpointManager, UploadError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
