@@ -4,11 +4,13 @@ from ._dist import exit_barrier
 from .async_save import AsyncSave
 from .checkpoint import LoadResult, SaveResult, __version__, load, save
 from .errors import (
+    CastWarning,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
+    DtypeMismatchError,
     LockedError,
     MissingKeysError,
     NotACheckpointError,
@@ -23,7 +25,7 @@ from .manager import CheckpointManager, KeepLast, StaleLockWarning, StalePointer
 from .state import KeepExistingRanks, RankLocal, ResizePolicy, ResizeWarning, RNGState
 
 __all__ = [
-    "AsyncSave", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
+    "AsyncSave", "CastWarning", "DtypeMismatchError", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
     "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "KeepExistingRanks", "KeepLast", "LoadResult",
     "LockedError", "MissingKeysError", "NotACheckpointError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import _dist, compat
-from .errors import CheckpointError, MissingKeysError, ShapeMismatchError, StateError
+from .errors import CastWarning, CheckpointError, DtypeMismatchError, MissingKeysError, ShapeMismatchError, StateError
 from .format import CheckpointInfo, CkptWriter, Manifest, SafeLoadPlanner, commit, prepare_save_target
 from .format.dcp_io import checkpoint_bytes
 from .format.legacy import inspect_checkpoint, open_reader
@@ -217,8 +217,28 @@ def _write_and_commit(
     return SaveResult(uri=storage.uri, step=step, world_size=world, total_bytes=checkpoint_bytes(metadata))
 
 
-def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool) -> list[str]:
-    """Compare the requested keys with the checkpoint; return the missing ones."""
+def _is_lossless(saved: torch.dtype, requested: torch.dtype) -> bool:
+    """Every value of `saved` is exactly representable in `requested` (a widening: fp16->fp32,
+    int32->int64, bool->int8); float<->int and narrowing conversions are lossy."""
+    if saved.is_complex != requested.is_complex or saved.is_floating_point != requested.is_floating_point:
+        return saved == torch.bool and not requested.is_complex
+    return torch.promote_types(saved, requested) == requested
+
+
+def _describe_casts(casts: dict[str, tuple[torch.dtype, torch.dtype]]) -> str:
+    shown = [
+        f"{key} saved as {str(saved).replace('torch.', '')}, requested {str(requested).replace('torch.', '')}"
+        f"{'' if _is_lossless(saved, requested) else ' (lossy)'}"
+        for key, (saved, requested) in list(casts.items())[:20]
+    ]
+    return "; ".join(shown) + (f" ... ({len(casts)} in all)" if len(casts) > 20 else "")
+
+
+def _check_request(
+    template: dict[str, Any], info: CheckpointInfo, strict: bool, cast: bool = False
+) -> tuple[list[str], dict[str, tuple[torch.dtype, torch.dtype]]]:
+    """Compare the requested keys with the checkpoint; return the missing ones and the dtype
+    conversions the load will make ({key: (saved, requested)}, only with `cast`)."""
     saved = info.metadata.state_dict_metadata
     flat = compat.flatten_state_dict(template)[0]
     missing = sorted(k for k in flat if k not in saved)
@@ -232,6 +252,7 @@ def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool)
         raise MissingKeysError(f"{info.uri} lacks keys the state asks for: {shown}", keys=missing, path=info.uri)
     problems = []
     bad_keys = []
+    casts: dict[str, tuple[torch.dtype, torch.dtype]] = {}
     for key, value in flat.items():
         meta = saved.get(key)
         if meta is None:
@@ -241,21 +262,30 @@ def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool)
                 problems.append(f"{key}: a tensor in the state, a non-tensor object in the checkpoint")
             elif tuple(value.shape) != tuple(meta.size):
                 problems.append(f"{key}: shape {tuple(value.shape)} in the state, {tuple(meta.size)} in the checkpoint")
-            elif strict and value.dtype != meta.properties.dtype:
-                problems.append(f"{key}: dtype {value.dtype} in the state, {meta.properties.dtype} in the checkpoint")
             else:
+                if value.dtype != meta.properties.dtype:
+                    casts[key] = (meta.properties.dtype, value.dtype)
                 continue
             bad_keys.append(key)
         elif isinstance(meta, TensorStorageMetadata):
             problems.append(f"{key}: a {type(value).__name__} in the state, a tensor in the checkpoint")
             bad_keys.append(key)
     if problems:
+        problems += [f"{key}: dtype {requested} in the state, {saved} in the checkpoint" for key, (saved, requested) in casts.items()]
         raise ShapeMismatchError(
             f"{info.uri}: state does not match the checkpoint: " + "; ".join(problems[:20]),
-            keys=bad_keys,
+            keys=bad_keys + list(casts),
             path=info.uri,
         )
-    return missing
+    if casts and not cast:
+        raise DtypeMismatchError(
+            f"{info.uri}: dtypes differ from the checkpoint ({_describe_casts(casts)}); "
+            "pass cast=True to convert them",
+            keys=list(casts),
+            casts=casts,
+            path=info.uri,
+        )
+    return missing, casts
 
 
 def load(
@@ -263,15 +293,19 @@ def load(
     state: Mapping[str, Any],
     *,
     strict: bool = True,
+    cast: bool = False,
     verify: bool = True,
     trusted: bool = False,
     process_group=None,
 ) -> LoadResult:
     """Load a checkpoint into `state` in place, at any world size; return what was loaded.
 
-    `strict`: keys the state asks for but the checkpoint lacks, and dtype differences, are
-    errors; with strict=False they are skipped and listed in `LoadResult.missing_keys`.
-    Keys in the checkpoint that the state does not ask for are never an error.
+    `strict`: keys the state asks for but the checkpoint lacks are errors; with strict=False
+    they are skipped and listed in `LoadResult.missing_keys`. Keys in the checkpoint that the
+    state does not ask for are never an error. Shape differences are always errors.
+    `cast`: a tensor whose dtype differs from the checkpoint's is a DtypeMismatchError
+    (strict or not) unless cast=True, which converts it and warns (CastWarning) with the keys.
+    `verify`: check every byte read against the manifest's checksums (see README, Integrity).
     """
     storage = _storage(uri)
     group = process_group
@@ -284,7 +318,13 @@ def load(
         ),
         group,
     )
-    missing = _dist.agree(lambda: _check_request(plan.template, info, strict), group)
+    missing, casts = _dist.agree(lambda: _check_request(plan.template, info, strict, cast), group)
+    if casts:
+        warnings.warn(
+            f"{storage.uri}: converted to the dtypes the state asked for: {_describe_casts(casts)}",
+            CastWarning,
+            stacklevel=2,
+        )
 
     reader, _ = open_reader(storage, info=info, verify=verify, trusted=trusted)
     planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict)

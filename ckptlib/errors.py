@@ -66,6 +66,19 @@ class ShapeMismatchError(CheckpointError):
         self.keys = list(keys)
 
 
+class DtypeMismatchError(ShapeMismatchError):
+    """A tensor's dtype differs between the caller's state and the checkpoint and the load did
+    not opt in to converting it (`cast=True`). `casts` maps each key to (saved, requested)."""
+
+    def __init__(self, message: str, *, keys=(), casts=None, path: str | None = None, rank: int | None = None):
+        super().__init__(message, keys=keys, path=path, rank=rank)
+        self.casts = dict(casts or {})
+
+
+class CastWarning(UserWarning):
+    """A load with `cast=True` converted tensors to the dtype the state asked for (keys listed)."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """Metadata or an object would need code execution (a pickle global outside the allowlist),
     or a file name in the manifest/metadata escapes the checkpoint directory."""
