@@ -14,6 +14,7 @@ from .errors import (
     LockedError,
     MissingKeysError,
     NotACheckpointError,
+    RankLostError,
     ShapeMismatchError,
     StateError,
     StorageError,
@@ -27,7 +28,7 @@ from .state import KeepExistingRanks, RankLocal, ResizePolicy, ResizeWarning, RN
 __all__ = [
     "AsyncSave", "CastWarning", "DtypeMismatchError", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
     "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "KeepExistingRanks", "KeepLast", "LoadResult",
-    "LockedError", "MissingKeysError", "NotACheckpointError", "RNGState", "RankLocal", "ResizePolicy",
+    "LockedError", "MissingKeysError", "NotACheckpointError", "RankLostError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",
     "StorageError", "UnsafeCheckpointError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",
 ]

@@ -136,13 +136,16 @@ def save(
             state_dict = async_save.stage(state_dict, group)  # the copy the background writes
         return user_metadata, state_dict
 
-    user_metadata, state_dict = _dist.agree(check_and_collect, group)
+    what = f"save of step {step} to {storage.uri}" if step is not None else f"save to {storage.uri}"
+    with _dist.peer_loss_as_error(what, group, step=step, path=storage.uri):
+        user_metadata, state_dict = _dist.agree(check_and_collect, group)
 
     def write() -> SaveResult:
-        return _write_and_commit(
-            storage, state_dict, bg_group if async_ else group,
-            world=world, step=step, user_metadata=user_metadata, overwrite=overwrite,
-        )
+        with _dist.peer_loss_as_error(what, bg_group if async_ else group, step=step, path=storage.uri):
+            return _write_and_commit(
+                storage, state_dict, bg_group if async_ else group,
+                world=world, step=step, user_metadata=user_metadata, overwrite=overwrite,
+            )
 
     if not async_:
         return write()
@@ -308,7 +311,11 @@ def load(
     `verify`: check every byte read against the manifest's checksums (see README, Integrity).
     """
     storage = _storage(uri)
-    group = process_group
+    with _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri):
+        return _load(storage, state, strict=strict, cast=cast, verify=verify, trusted=trusted, group=process_group)
+
+
+def _load(storage: Storage, state: Mapping[str, Any], *, strict: bool, cast: bool, verify: bool, trusted: bool, group):
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     info = _dist.decide_on_rank0(lambda: inspect_checkpoint(storage, verify=verify, trusted=trusted), group)
 
@@ -323,7 +330,7 @@ def load(
         warnings.warn(
             f"{storage.uri}: converted to the dtypes the state asked for: {_describe_casts(casts)}",
             CastWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
 
     reader, _ = open_reader(storage, info=info, verify=verify, trusted=trusted)
