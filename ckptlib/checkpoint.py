@@ -11,7 +11,7 @@ import dataclasses
 import os
 import time
 import warnings
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -23,7 +23,8 @@ from .errors import CastWarning, CheckpointError, DtypeMismatchError, MissingKey
 from .format import CheckpointInfo, CkptWriter, Manifest, SafeLoadPlanner, commit, prepare_save_target
 from .format.dcp_io import checkpoint_bytes
 from .format.legacy import inspect_checkpoint, open_reader
-from .format.manifest import check_metadata_json
+from .format.manifest import check_metadata_json, check_metrics
+from .load_keys import Rename, build_request, select_entries
 from .state import to_load_plan, to_save_state_dict
 from .storage import Storage, open_storage
 
@@ -52,6 +53,7 @@ class LoadResult:
     format: str
     missing_keys: list[str]
     notes: list[str]
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _storage(uri: str | os.PathLike | Storage) -> Storage:
@@ -91,6 +93,7 @@ def save(
     *,
     step: int | None = None,
     metadata: dict[str, Any] | None = None,
+    metrics: dict[str, float] | None = None,
     overwrite: bool = False,
     process_group=None,
     async_: bool = False,
@@ -100,6 +103,8 @@ def save(
     """Save `state` as a sharded DCP checkpoint at `uri` and commit it with a manifest.
 
     Collective: every rank of `process_group` calls it with its own shard of the state.
+    `metrics` (name -> number, rank 0's values) go into the manifest for retention
+    (`KeepBest`) and listings; NaN and infinities are stored as null.
 
     `async_=True`: return an `AsyncSave` handle as soon as the state is staged to CPU memory;
     the write and the commit run in a background thread on a dedicated gloo group (see
@@ -129,22 +134,23 @@ def save(
     def check_and_collect() -> tuple[dict[str, Any], dict[str, Any]]:
         # One collective round for every check (each used to cost its own round trip).
         user_metadata = check_metadata_json(metadata)
+        checked_metrics = check_metrics(metrics)
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise StateError(f"step must be a non-negative int, got {step!r}")
         state_dict = to_save_state_dict(state, rank=rank)
         if async_ and not background_staging:
             state_dict = async_save.stage(state_dict, group)  # the copy the background writes
-        return user_metadata, state_dict
+        return (user_metadata, checked_metrics), state_dict
 
     what = f"save of step {step} to {storage.uri}" if step is not None else f"save to {storage.uri}"
     with _dist.peer_loss_as_error(what, group, step=step, path=storage.uri):
-        user_metadata, state_dict = _dist.agree(check_and_collect, group)
+        (user_metadata, user_metrics), state_dict = _dist.agree(check_and_collect, group)
 
     def write() -> SaveResult:
         with _dist.peer_loss_as_error(what, bg_group if async_ else group, step=step, path=storage.uri):
             return _write_and_commit(
                 storage, state_dict, bg_group if async_ else group,
-                world=world, step=step, user_metadata=user_metadata, overwrite=overwrite,
+                world=world, step=step, user_metadata=user_metadata, user_metrics=user_metrics, overwrite=overwrite,
             )
 
     if not async_:
@@ -193,6 +199,7 @@ def _write_and_commit(
     world: int,
     step: int | None,
     user_metadata: dict[str, Any],
+    user_metrics: dict[str, Any],
     overwrite: bool,
 ) -> SaveResult:
     """Every rank writes its shard through DCP; the coordinator prepares the target before
@@ -206,6 +213,7 @@ def _write_and_commit(
             files=dict(files),
             step=step,
             metadata=user_metadata,
+            metrics=user_metrics,
             torch_version=torch.__version__,
             ckptlib_version=__version__,
         )
@@ -300,6 +308,9 @@ def load(
     verify: bool = True,
     trusted: bool = False,
     process_group=None,
+    only: Sequence[str] | None = None,
+    ignore_keys: Sequence[str] | None = None,
+    rename: Rename | None = None,
 ) -> LoadResult:
     """Load a checkpoint into `state` in place, at any world size; return what was loaded.
 
@@ -309,23 +320,52 @@ def load(
     `cast`: a tensor whose dtype differs from the checkpoint's is a DtypeMismatchError
     (strict or not) unless cast=True, which converts it and warns (CastWarning) with the keys.
     `verify`: check every byte read against the manifest's checksums (see README, Integrity).
+
+    Load control (see `ckptlib.load_keys`): `only=("model",)` loads just those top-level
+    entries of `state` (a model-only load of a full checkpoint); `ignore_keys` (globs on the
+    state's flattened keys) are neither loaded nor missing; `rename` maps checkpoint keys
+    to state keys (`{old_prefix: new_prefix}` or a callable).
     """
     storage = _storage(uri)
     with _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri):
-        return _load(storage, state, strict=strict, cast=cast, verify=verify, trusted=trusted, group=process_group)
+        return _load(
+            storage, state, strict=strict, cast=cast, verify=verify, trusted=trusted, group=process_group,
+            only=only, ignore_keys=ignore_keys, rename=rename,
+        )
 
 
-def _load(storage: Storage, state: Mapping[str, Any], *, strict: bool, cast: bool, verify: bool, trusted: bool, group):
+def _load(
+    storage: Storage, state: Mapping[str, Any], *, strict: bool, cast: bool, verify: bool, trusted: bool, group,
+    only: Sequence[str] | None, ignore_keys: Sequence[str] | None, rename: Rename | None,
+) -> LoadResult:
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     info = _dist.decide_on_rank0(lambda: inspect_checkpoint(storage, verify=verify, trusted=trusted), group)
+    selected = _dist.agree(lambda: select_entries(state, only), group)
 
     plan = _dist.agree(
         lambda: to_load_plan(
-            state, rank=rank, world_size=world, saved_world_size=info.world_size, step=info.step, strict=strict
+            selected, rank=rank, world_size=world, saved_world_size=info.world_size, step=info.step, strict=strict
         ),
         group,
     )
-    missing, casts = _dist.agree(lambda: _check_request(plan.template, info, strict, cast), group)
+    keyed = None
+    if ignore_keys is not None or rename is not None:
+        saved_keys = list(info.metadata.state_dict_metadata)
+        keyed = _dist.agree(
+            lambda: build_request(plan.template, saved_keys, ignore_keys=ignore_keys, rename=rename), group
+        )
+
+    def check() -> tuple[list[str], dict]:
+        unsourced = keyed.unsourced if keyed is not None else []
+        if unsourced and strict:
+            raise MissingKeysError(
+                f"{info.uri}: no checkpoint key is renamed to {', '.join(unsourced[:20])} (rename= renamed their "
+                "own names away)", keys=unsourced, path=info.uri,
+            )
+        missing, casts = _check_request(plan.template if keyed is None else keyed.request, info, strict, cast)
+        return sorted(missing + unsourced), casts
+
+    missing, casts = _dist.agree(check, group)
     if casts:
         warnings.warn(
             f"{storage.uri}: converted to the dtypes the state asked for: {_describe_casts(casts)}",
@@ -337,10 +377,24 @@ def _load(storage: Storage, state: Mapping[str, Any], *, strict: bool, cast: boo
     planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict)
     try:
         with _quiet_single_process():
-            dcp.load(plan.template, storage_reader=reader, planner=planner, process_group=group)
+            dcp.load(
+                plan.template if keyed is None else keyed.request, storage_reader=reader, planner=planner,
+                process_group=group,
+            )
     except compat.checkpoint_exception_cls() as exc:
         raise _unwrap_dcp_error(exc) from exc
-    _dist.agree(lambda: [apply() for apply in plan.appliers], group)
+
+    def apply() -> None:
+        if keyed is not None:
+            keyed.copy_back()
+        for applier in plan.appliers:
+            applier()
+        if selected is not state:  # plain values replaced in the selection go back to the caller's mapping
+            for name, value in selected.items():
+                if state[name] is not value:
+                    state[name] = value  # type: ignore[index]
+
+    _dist.agree(apply, group)
     return LoadResult(
         uri=storage.uri,
         step=info.step,
@@ -349,4 +403,5 @@ def _load(storage: Storage, state: Mapping[str, Any], *, strict: bool, cast: boo
         format=info.kind,
         missing_keys=missing,
         notes=plan.notes + list(getattr(info, "notes", []) or []),
+        metrics=dict(info.manifest.metrics) if info.manifest else {},
     )
