@@ -501,9 +501,11 @@ class CheckpointManager:
         self.wait()  # the previous async save: its failure surfaces here, before anything else
         with _dist.peer_loss_as_error(f"save of step {step} to {self.root_uri}", self.process_group, step=step,
                                       path=self.path(step)):
-            return self._save(step, state, metadata)
+            return self._save(step, state, metadata, metrics)
 
-    def _save(self, step: int, state: Mapping[str, Any], metadata: dict[str, Any] | None) -> SaveResult:
+    def _save(
+        self, step: int, state: Mapping[str, Any], metadata: dict[str, Any] | None, metrics: dict[str, float] | None
+    ) -> SaveResult:
         target = self.storage.child(step_dir(step))
         _dist.decide_on_rank0(self._take_lock, self.process_group)
         try:
