@@ -103,6 +103,10 @@ class RankLostError(CheckpointError):
         self.step = step
 
 
+class UploadError(StorageError):
+    """Uploading a step to a tiered manager's remote root failed; the remote `latest` was not moved."""
+
+
 class UnsupportedError(CheckpointError):
     """The installed torch lacks a feature this call needs (see ckptlib.compat)."""
 
