@@ -385,13 +385,13 @@ def load(
     with _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri):
         return _load(
             storage, state, strict=strict, cast=cast, verify=verify, trusted=trusted, group=process_group,
-            only=only, ignore_keys=ignore_keys, rename=rename,
+            only=only, ignore_keys=ignore_keys, rename=rename, started=started,
         )
 
 
 def _load(
     storage: Storage, state: Mapping[str, Any], *, strict: bool, cast: bool, verify: bool, trusted: bool, group,
-    only: Sequence[str] | None, ignore_keys: Sequence[str] | None, rename: Rename | None,
+    only: Sequence[str] | None, ignore_keys: Sequence[str] | None, rename: Rename | None, started: float,
 ) -> LoadResult:
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     info = _dist.decide_on_rank0(lambda: inspect_checkpoint(storage, verify=verify, trusted=trusted), group)
