@@ -52,7 +52,7 @@ def _save_and_lose(root: str, victim: int, how: str) -> dict:
         if how == "save":
             ckptlib.save(os.path.join(root, "plain"), _state(2), step=2)
         elif how == "save-async":
-            ckptlib.save(os.path.join(root, "plain"), _state(2), step=2, async_=True).wait(timeout=60)
+            ckptlib.async_save(os.path.join(root, "plain"), _state(2), step=2).wait(timeout=60)
         elif how == "manager":
             mgr.save(2, _state(2))
         else:
