@@ -504,7 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-every", type=int, default=None, metavar="K", help="keep every step that is a multiple of K")
     p.add_argument(
         "--keep-best", action="append", default=[], metavar="K:METRIC[:min|max]",
-        help="keep the K best steps by METRIC (saved with metrics=...; min is best unless :max); repeatable",
+        help="keep the K best steps by METRIC (a name without ':', saved with metrics=...; min is best unless :max); "
+        "repeatable",
     )
     p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     p.add_argument(
