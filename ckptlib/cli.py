@@ -481,8 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
             "created, age_seconds, metrics)."
         ),
     )
-    p.add_argument("root")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("root", help="a CheckpointManager root: path, file:// or s3:// URI")
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
     p.set_defaults(func=_cmd_ls)
 
     p = sub.add_parser(

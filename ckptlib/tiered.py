@@ -255,11 +255,6 @@ class TieredCheckpointManager(CheckpointManager):
 
         return _dist.decide_on_rank0(rank0, self.process_group)
 
-    def _wait_at_exit(self) -> None:
-        upload = self._upload_in_flight
-        if upload is not None:
-            upload.thread.join()
-
     def close(self) -> None:
         """Wait for the upload in flight (raising its failure), then release both roots' locks."""
         try:
