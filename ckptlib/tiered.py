@@ -134,6 +134,11 @@ class TieredCheckpointManager(CheckpointManager):
             remote_root, keep_last=keep_last, retention=retention, process_group=process_group, hold_lock=hold_lock
         )
         self.remote_root_uri = self.remote.root_uri
+        local_path, remote_path = self.storage.local_path(), self.remote.storage.local_path()
+        if local_path is not None and remote_path is not None:
+            a, b = os.path.realpath(local_path), os.path.realpath(remote_path)
+            if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):
+                raise StateError(f"remote_root {self.remote_root_uri!r} and the local root {self.root_uri!r} overlap")
         self.keep_local = keep_local
         self.upload_concurrency = upload_concurrency
         self._upload_in_flight: _Upload | None = None  # rank 0 only

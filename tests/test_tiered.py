@@ -63,6 +63,8 @@ def test_constructor_dispatch_and_arguments(tmp_path):
     assert type(CheckpointManager(str(tmp_path / "l"))) is CheckpointManager
     with pytest.raises(StateError, match="keep_local must be a positive int"):
         CheckpointManager(str(tmp_path / "l"), remote_root=str(tmp_path / "r"), keep_local=0)
+    with pytest.raises(StateError, match="overlap"):
+        CheckpointManager(str(tmp_path / "l"), remote_root=str(tmp_path / "l" / "remote"))
     with pytest.raises(StateError, match="async_save=True does not combine with remote_root"):
         CheckpointManager(str(tmp_path / "l"), remote_root=str(tmp_path / "r"), async_save=True)
 
