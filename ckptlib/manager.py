@@ -504,24 +504,30 @@ class CheckpointManager:
 
     def save(
         self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None,
-        metrics: dict[str, float] | None = None,
+        metrics: dict[str, float] | None = None, overwrite: bool = False,
     ) -> SaveResult:
         """Save and commit `step`, move `latest` to it, then apply retention. `metrics` (rank 0's
-        values) are stored in the manifest for `KeepBest` and listings."""
+        values) are stored in the manifest for `KeepBest` and listings.
+
+        A committed `step` that `latest` does not name (a rollback's abandoned step) is replaced
+        with a StalePointerWarning; the step `latest` names is refused (CheckpointExistsError)
+        unless `overwrite=True`. Its old files are removed before the new ones are written, so
+        a crash during that save leaves `latest` falling back to the newest other committed step."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise StateError(f"step must be a non-negative int, got {step!r}")
         self.wait()  # the previous async save: its failure surfaces here, before anything else
         target = self.storage.child(step_dir(step))
         _dist.decide_on_rank0(self._take_lock, self.process_group)
         try:
-            replace = _dist.decide_on_rank0(lambda: self._replaceable(step), self.process_group)
+            replace = None if overwrite else _dist.decide_on_rank0(lambda: self._replaceable(step), self.process_group)
             if replace:
                 warnings.warn(replace, StalePointerWarning, stacklevel=2)
+            overwrite = overwrite or bool(replace)
             if self.async_save:
-                result = self._save_async(step, target, state, metadata, metrics, overwrite=bool(replace))
+                result = self._save_async(step, target, state, metadata, metrics, overwrite=overwrite)
             else:
                 result = save(
-                    target, state, step=step, metadata=metadata, metrics=metrics, overwrite=bool(replace),
+                    target, state, step=step, metadata=metadata, metrics=metrics, overwrite=overwrite,
                     process_group=self.process_group,
                 )
                 _dist.decide_on_rank0(lambda: self._publish(step), self.process_group)
