@@ -1,8 +1,8 @@
 """ckptlib: elastic sharded checkpointing for PyTorch on torch.distributed.checkpoint."""
 
-from ._dist import exit_barrier
-from .async_save import AsyncSave
-from .checkpoint import LoadResult, SaveResult, __version__, load, save
+from .background_save import AsyncSave
+from ._version import __version__
+from .checkpoint import LoadResult, SaveResult, async_save, load, save
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -24,11 +24,12 @@ from .export import ExportResult, export
 from .manager import CheckpointManager, StaleLockWarning, StalePointerWarning
 from .retention import KeepBest, KeepEvery, KeepLast
 from .save_policy import EveryNSeconds, EveryNSteps, FinalStep
+from .teardown import exit_barrier
 from .tiered import TieredCheckpointManager
 from .state import KeepExistingRanks, RankLocal, ResizePolicy, ResizeWarning, RNGState
 
 __all__ = [
-    "AsyncSave", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
+    "AsyncSave", "async_save", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
     "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "EveryNSeconds", "EveryNSteps",
     "ExportResult", "export", "FinalStep", "KeepBest", "KeepEvery", "KeepExistingRanks", "KeepLast", "LoadResult",
     "LockedError", "MissingKeysError", "NotACheckpointError", "RNGState", "RankLocal", "ResizePolicy",

@@ -7,7 +7,8 @@
 Any source ckptlib reads (ckptlib or plain DCP at any saved world size, torch.save files,
 v0 per-rank files, safetensors; a CheckpointManager root exports its `latest` step), in one
 process, one tensor in memory at a time: peak memory is about the largest tensor plus a
-few tens of MiB, never the checkpoint (the writers are `ckptlib.format.convert`'s).
+few tens of MiB, never the checkpoint (the writers live with their readers in
+`ckptlib.format.safetensors` and `ckptlib.format.torch_save`).
 
 A directory export records what it wrote in `ckptlib_export.json`, written before the first
 weight file and completed after the last: `force=True` replaces only an export ckptlib
@@ -27,10 +28,14 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .errors import CheckpointExistsError, CheckpointNotFoundError, NotACheckpointError, StateError, UnsupportedError
-from .format import convert as fconv
-from .format.legacy import DEFAULT_PREFIX, inspect_checkpoint, open_reader
+from .format.foreign import DEFAULT_PREFIX
+from .format.safetensors import write_safetensors
+from .format.shard_files import EXPORT_MARK, planned_entries
+from .format.source import inspect_checkpoint, open_reader
+from .format.streaming import SourceValues
+from .format.torch_save import write_torch_files
 from .observe import log_operation
-from .storage import Storage, is_remote, open_storage
+from .storage import Storage, as_storage, is_remote, root_is_file
 
 FORMATS = ("safetensors", "torch")
 EXPORT_RECORD = "ckptlib_export.json"
@@ -91,7 +96,7 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
 def _source_storage(src: str | os.PathLike | Storage, step: int | None) -> Storage:
     """The checkpoint to export: `src` itself, or a step of the CheckpointManager root `src`
     (`step`, default the one `latest` names)."""
-    storage = src if not isinstance(src, (str, os.PathLike)) else open_storage(src)
+    storage = as_storage(src)
     from .manager import CheckpointManager, step_dir
 
     manager = CheckpointManager(storage.uri)
@@ -103,7 +108,7 @@ def _source_storage(src: str | os.PathLike | Storage, step: int | None) -> Stora
         inspect_checkpoint(storage, verify=False)
         return storage
     except NotACheckpointError:
-        latest = manager.latest() if storage.exists() and not getattr(storage, "is_file", lambda: False)() else None
+        latest = manager.latest() if storage.exists() and not root_is_file(storage) else None
         if latest is None:
             raise
         return storage.child(step_dir(latest))
@@ -207,11 +212,11 @@ def _single_file_is_export(path: str, fmt: str) -> bool:
             with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(min(n, 1 << 24)))
-            return header.get("__metadata__", {}).get(fconv.EXPORT_MARK) is not None
+            return header.get("__metadata__", {}).get(EXPORT_MARK) is not None
         import zipfile
 
         with zipfile.ZipFile(path) as archive:
-            return any(n.endswith("/" + fconv.EXPORT_MARK) for n in archive.namelist())
+            return any(n.endswith("/" + EXPORT_MARK) for n in archive.namelist())
     except Exception:  # noqa: BLE001 - anything unreadable is not ours
         return False
 
@@ -282,7 +287,7 @@ def export(
     source_storage = _source_storage(src, step)
     info = inspect_checkpoint(source_storage, verify=verify, trusted=trusted)
     reader, info = open_reader(source_storage, info=info, verify=verify, trusted=trusted)
-    source = fconv.SourceValues(reader, info.metadata, trusted=trusted)
+    source = SourceValues(reader, info.metadata, trusted=trusted)
     names, skipped = _names(source.tensor_keys, source.object_keys, model_only, _as_callable(key_map))
     if not names:
         shown = ", ".join(source.tensor_keys[:8]) + (" ..." if len(source.tensor_keys) > 8 else "")
@@ -320,11 +325,11 @@ def export(
             record["files"].append(name)
             _write_record(directory, record)
 
-    total = sum(e.nbytes for e in fconv.planned_entries(source, names, cast))
+    total = sum(e.nbytes for e in planned_entries(source, names, cast))
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"export {format}", disable=not progress, leave=False)
-    write = fconv.write_safetensors if format == "safetensors" else fconv.write_torch_files
+    write = write_safetensors if format == "safetensors" else write_torch_files
     try:
         files = write(
             directory,

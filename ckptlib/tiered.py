@@ -40,7 +40,7 @@ from .errors import (
 )
 from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
 from .format.checksum import crc32
-from .manager import LATEST, CheckpointManager, KeepLast, step_dir
+from .manager import LATEST, CheckpointManager, KeepLast, remote_root_manager, step_dir
 from .observe import log_operation
 from .storage import Storage
 
@@ -103,6 +103,7 @@ class _Upload:
             self.error = exc
 
 
+@remote_root_manager
 class TieredCheckpointManager(CheckpointManager):
     """CheckpointManager(local_root, remote_root=URI, keep_local=1, ...): see the module docstring."""
 

@@ -19,7 +19,7 @@ from ckptlib.cli import main as cli_main
 from ckptlib.errors import CheckpointExistsError, StateError
 from ckptlib.export import EXPORT_RECORD, parse_size
 from ckptlib.testing.matrix import save_side
-from ckptlib.testing.s3 import moto_server, s3_root  # noqa: F401
+from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401
 
 st = pytest.importorskip("safetensors.torch")
 from safetensors import safe_open  # noqa: E402
@@ -258,7 +258,7 @@ TENSORS = 12  # 384 MiB: more than one tensor + 300 MiB, so a materialising expo
 _MEASURE = textwrap.dedent(
     """
     import resource, sys
-    import ckptlib, ckptlib.export, ckptlib.format.convert, safetensors  # imports before the baseline
+    import ckptlib, ckptlib.export, ckptlib.format.streaming, safetensors  # imports before the baseline
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     ckptlib.export(sys.argv[1], sys.argv[2], format=sys.argv[3], dtype=sys.argv[4] or None, max_shard_size="100MB", model_only=True)
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -24,7 +24,7 @@ from ckptlib.format import MANIFEST_NAME, classify
 from ckptlib.format.verify import verify
 from ckptlib.manager import CheckpointManager
 from ckptlib.storage import open_storage
-from ckptlib.testing.s3 import moto_server, s3_env, s3_root  # noqa: F401
+from ckptlib.testing.s3_server import moto_server, s3_env, s3_root  # noqa: F401
 from ckptlib.tiered import TieredCheckpointManager, UploadError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
