@@ -4,14 +4,17 @@ from .background_save import AsyncSave
 from ._version import __version__
 from .checkpoint import LoadResult, SaveResult, async_save, load, save
 from .errors import (
+    CastWarning,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
+    DtypeMismatchError,
     LockedError,
     MissingKeysError,
     NotACheckpointError,
+    RankLostError,
     ShapeMismatchError,
     StateError,
     StorageError,
@@ -29,10 +32,10 @@ from .tiered import TieredCheckpointManager
 from .state import KeepExistingRanks, RankLocal, ResizePolicy, ResizeWarning, RNGState
 
 __all__ = [
-    "AsyncSave", "async_save", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
+    "AsyncSave", "async_save", "CastWarning", "DtypeMismatchError", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
     "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "EveryNSeconds", "EveryNSteps",
     "ExportResult", "export", "FinalStep", "KeepBest", "KeepEvery", "KeepExistingRanks", "KeepLast", "LoadResult",
-    "LockedError", "MissingKeysError", "NotACheckpointError", "RNGState", "RankLocal", "ResizePolicy",
+    "LockedError", "MissingKeysError", "NotACheckpointError", "RankLostError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",
     "StorageError", "TieredCheckpointManager", "UnsafeCheckpointError", "UploadError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",
 ]

@@ -8,13 +8,16 @@ process group every helper degrades to a plain local call.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import time
 import traceback
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError
+from .errors import CheckpointError, RankLostError
 
 T = TypeVar("T")
 
@@ -117,3 +120,77 @@ def decide_on_rank0(fn: Callable[[], T], group=None) -> T:
     if status == "error":
         raise value
     return value
+
+
+# Seconds the survivors of a broken collective wait for each other's roll call in the store.
+ROLL_CALL_SECONDS = 5.0
+# What gloo (and the store) say when a peer's process is gone or its socket broke.
+_PEER_LOST_MARKERS = (
+    "connection closed by peer", "connection reset by peer", "broken pipe", "read error", "write error",
+    "connection refused", "socket closed", "no route to host", "timed out", "timeout",
+)
+_guards: dict[str, "itertools.count[int]"] = {}
+
+
+def _is_peer_loss(exc: BaseException) -> bool:
+    """A failure of the transport under a collective, not of ckptlib or the user's state."""
+    if isinstance(exc, CheckpointError):
+        cause = exc.__cause__
+        return cause is not None and not isinstance(cause, CheckpointError) and _is_peer_loss(cause)
+    dist_error = getattr(dist, "DistError", None)
+    if not isinstance(exc, RuntimeError) and not (dist_error and isinstance(exc, dist_error)):
+        return False
+    text = str(exc).lower()
+    return any(marker in text for marker in _PEER_LOST_MARKERS)
+
+
+def _roll_call(group, key: str, wait_s: float) -> list[int] | None:
+    """Global ranks of `group` that did not check in under `key` in the rendezvous store within
+    `wait_s` seconds (survivors of the same broken collective all check in); None when the
+    store itself is unreachable (its host is gone too)."""
+    from . import compat
+
+    try:
+        store = compat.default_store()
+        ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+        store.set(f"{key}/{dist.get_rank()}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            absent = [r for r in ranks if not store.check([f"{key}/{r}"])]
+            if not absent or time.monotonic() > deadline:
+                return absent
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store is gone: say so instead of naming ranks
+        return None
+
+
+@contextlib.contextmanager
+def peer_loss_as_error(what: str, group=None, *, step: int | None = None, path: str | None = None) -> Iterator[None]:
+    """Turn a broken collective under `what` (e.g. "save of step 2 to /ckpt") into a
+    RankLostError naming the ranks that disappeared, found by a roll call in the store.
+
+    Every rank enters it for the same `what` equally often (like the collectives it guards):
+    the roll call's key is `what` and how many times this process entered it before.
+    """
+    serial = next(_guards.setdefault(what, itertools.count()))
+    try:
+        yield
+    except RankLostError:
+        raise
+    except BaseException as exc:
+        if not is_distributed() or not _is_peer_loss(exc):
+            raise
+        absent = _roll_call(group, f"ckptlib/roll_call/{what}/{serial}", ROLL_CALL_SECONDS)
+        if absent is None:
+            who = "a peer rank disappeared (the rendezvous store is unreachable as well)"
+        elif absent:
+            names = ", ".join(map(str, absent))
+            who = (f"rank{'s' if len(absent) > 1 else ''} {names} disappeared (died, or lost its connection: "
+                   f"no answer within {ROLL_CALL_SECONDS:.0f} s)")
+        else:
+            who = "a connection between ranks broke, though every rank is still alive"
+        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[0]
+        raise RankLostError(
+            f"{what} failed on rank {dist.get_rank()}: {who} ({detail})",
+            ranks=absent or (), step=step, path=path, rank=dist.get_rank(),
+        ) from exc

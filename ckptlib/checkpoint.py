@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import time
+import warnings
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import _dist, background_save, compat
 from .background_save import AsyncSave
-from .errors import CheckpointError, MissingKeysError, ShapeMismatchError, StateError
+from .errors import CastWarning, CheckpointError, DtypeMismatchError, MissingKeysError, ShapeMismatchError, StateError
 from .format import CheckpointInfo, CkptWriter, SafeLoadPlanner, prepare_save_target
 from .format.layout import commit_manifest
 from .format.dcp_writer import checkpoint_bytes
@@ -114,9 +115,10 @@ def save(
     storage = as_storage(uri)
     group = process_group
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
-    (user_metadata, user_metrics), state_dict = _dist.agree(
-        lambda: _check_and_collect(state, step, metadata, metrics, group), group
-    )
+    with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
+        (user_metadata, user_metrics), state_dict = _dist.agree(
+            lambda: _check_and_collect(state, step, metadata, metrics, group), group
+        )
     result = _write_and_commit(
         storage, state_dict, group,
         world=world, step=step, user_metadata=user_metadata, user_metrics=user_metrics, overwrite=overwrite,
@@ -174,9 +176,10 @@ def start_async_save(
     background_save.wait_inflight(group)  # one background save per group at a time
     bg_group = background_save.async_group(group)
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
-    (user_metadata, user_metrics), state_dict = _dist.agree(
-        lambda: _check_and_collect(state, step, metadata, metrics, group, stage=not background_staging), group
-    )
+    with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
+        (user_metadata, user_metrics), state_dict = _dist.agree(
+            lambda: _check_and_collect(state, step, metadata, metrics, group, stage=not background_staging), group
+        )
 
     def write() -> SaveResult:
         return _write_and_commit(
@@ -256,6 +259,11 @@ def _on_coordinator(fn: Callable[..., T]) -> Callable[..., T]:
     return run
 
 
+def _saving(storage: Storage, step: int | None) -> str:
+    """How errors name a save (a rank lost during it, see `_dist.peer_loss_as_error`)."""
+    return f"save of step {step} to {storage.uri}" if step is not None else f"save to {storage.uri}"
+
+
 def _write_and_commit(
     storage: Storage,
     state_dict: dict[str, Any],
@@ -276,19 +284,39 @@ def _write_and_commit(
         commit_manifest(storage, files, world_size=world, step=step, metadata=user_metadata, metrics=user_metrics)
 
     writer = CkptWriter(storage, prepare=_on_coordinator(prepare), commit=_on_coordinator(commit_files))
-    try:
-        with compat.quiet_single_process():
-            metadata = dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
-    except compat.checkpoint_exception_cls() as exc:
-        raise _unwrap_dcp_error(exc) from exc
+    with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
+        try:
+            with compat.quiet_single_process():
+                metadata = dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
+        except compat.checkpoint_exception_cls() as exc:
+            raise _unwrap_dcp_error(exc) from exc
     return SaveResult(uri=storage.uri, step=step, world_size=world, total_bytes=checkpoint_bytes(metadata))
 
 
+def _is_lossless(saved: torch.dtype, requested: torch.dtype) -> bool:
+    """Every value of `saved` is exactly representable in `requested` (a widening: fp16->fp32,
+    int32->int64, bool->int8); float<->int and narrowing conversions are lossy."""
+    if saved.is_complex != requested.is_complex or saved.is_floating_point != requested.is_floating_point:
+        return saved == torch.bool and not requested.is_complex
+    return torch.promote_types(saved, requested) == requested
+
+
+def _describe_casts(casts: dict[str, tuple[torch.dtype, torch.dtype]]) -> str:
+    shown = [
+        f"{key} saved as {str(saved).replace('torch.', '')}, requested {str(requested).replace('torch.', '')}"
+        f"{'' if _is_lossless(saved, requested) else ' (lossy)'}"
+        for key, (saved, requested) in list(casts.items())[:20]
+    ]
+    return "; ".join(shown) + (f" ... ({len(casts)} in all)" if len(casts) > 20 else "")
+
+
 def _check_request(
-    template: dict[str, Any], info: CheckpointInfo, strict: bool, keep_if_absent: frozenset[str] = frozenset()
-) -> tuple[list[str], list[str]]:
-    """Compare the requested keys with the checkpoint; return the missing ones, and the absent
-    ones the state keeps its own value for (`LoadTarget.keep_if_absent`)."""
+    template: dict[str, Any], info: CheckpointInfo, strict: bool, keep_if_absent: frozenset[str] = frozenset(),
+    cast: bool = False,
+) -> tuple[list[str], list[str], dict[str, tuple[torch.dtype, torch.dtype]]]:
+    """Compare the requested keys with the checkpoint; return the missing ones, the absent ones
+    the state keeps its own value for (`LoadTarget.keep_if_absent`), and the dtype conversions
+    the load will make ({key: (saved, requested)}, only with `cast`)."""
     saved = info.metadata.state_dict_metadata
     flat = compat.flatten_state_dict(template)[0]
     missing = sorted(k for k in flat if k not in saved)
@@ -306,6 +334,7 @@ def _check_request(
         raise MissingKeysError(f"{info.uri} lacks keys the state asks for: {shown}", keys=missing, path=info.uri)
     problems = []
     bad_keys = []
+    casts: dict[str, tuple[torch.dtype, torch.dtype]] = {}
     for key, value in flat.items():
         meta = saved.get(key)
         if meta is None:
@@ -315,21 +344,30 @@ def _check_request(
                 problems.append(f"{key}: a tensor in the state, a non-tensor object in the checkpoint")
             elif tuple(value.shape) != tuple(meta.size):
                 problems.append(f"{key}: shape {tuple(value.shape)} in the state, {tuple(meta.size)} in the checkpoint")
-            elif strict and value.dtype != meta.properties.dtype:
-                problems.append(f"{key}: dtype {value.dtype} in the state, {meta.properties.dtype} in the checkpoint")
             else:
+                if value.dtype != meta.properties.dtype:
+                    casts[key] = (meta.properties.dtype, value.dtype)
                 continue
             bad_keys.append(key)
         elif isinstance(meta, TensorStorageMetadata):
             problems.append(f"{key}: a {type(value).__name__} in the state, a tensor in the checkpoint")
             bad_keys.append(key)
     if problems:
+        problems += [f"{key}: dtype {requested} in the state, {saved} in the checkpoint" for key, (saved, requested) in casts.items()]
         raise ShapeMismatchError(
             f"{info.uri}: state does not match the checkpoint: " + "; ".join(problems[:20]),
-            keys=bad_keys,
+            keys=bad_keys + list(casts),
             path=info.uri,
         )
-    return missing, kept
+    if casts and not cast:
+        raise DtypeMismatchError(
+            f"{info.uri}: dtypes differ from the checkpoint ({_describe_casts(casts)}); "
+            "pass cast=True to convert them",
+            keys=list(casts),
+            casts=casts,
+            path=info.uri,
+        )
+    return missing, kept, casts
 
 
 def load(
@@ -337,6 +375,7 @@ def load(
     state: Mapping[str, Any],
     *,
     strict: bool = True,
+    cast: bool = False,
     verify: bool = True,
     trusted: bool = False,
     process_group=None,
@@ -346,9 +385,12 @@ def load(
 ) -> LoadResult:
     """Load a checkpoint into `state` in place, at any world size; return what was loaded.
 
-    `strict`: keys the state asks for but the checkpoint lacks, and dtype differences, are
-    errors; with strict=False they are skipped and listed in `LoadResult.missing_keys`.
-    Keys in the checkpoint that the state does not ask for are never an error.
+    `strict`: keys the state asks for but the checkpoint lacks are errors; with strict=False
+    they are skipped and listed in `LoadResult.missing_keys`. Keys in the checkpoint that the
+    state does not ask for are never an error. Shape differences are always errors.
+    `cast`: a tensor whose dtype differs from the checkpoint's is a DtypeMismatchError
+    (strict or not) unless cast=True, which converts it and warns (CastWarning) with the keys.
+    `verify`: check every byte read against the manifest's checksums (see README, Integrity).
 
     Load control (see `ckptlib.load_keys`): `only=("model",)` loads just those top-level
     entries of `state` (a model-only load of a full checkpoint); `ignore_keys` (globs on the
@@ -357,7 +399,17 @@ def load(
     """
     started = time.perf_counter()
     storage = as_storage(uri)
-    group = process_group
+    with _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri):
+        return _load(
+            storage, state, strict=strict, cast=cast, verify=verify, trusted=trusted, group=process_group,
+            only=only, ignore_keys=ignore_keys, rename=rename, started=started,
+        )
+
+
+def _load(
+    storage: Storage, state: Mapping[str, Any], *, strict: bool, cast: bool, verify: bool, trusted: bool, group,
+    only: Sequence[str] | None, ignore_keys: Sequence[str] | None, rename: Rename | None, started: float,
+) -> LoadResult:
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     info = _dist.decide_on_rank0(lambda: inspect_checkpoint(storage, verify=verify, trusted=trusted), group)
     selected = _dist.agree(lambda: select_entries(state, only, ignore_keys), group)
@@ -375,7 +427,7 @@ def load(
             lambda: build_request(plan.template, saved_keys, ignore_keys=ignore_keys, rename=rename), group
         )
 
-    def check() -> tuple[list[str], list[str]]:
+    def check() -> tuple[list[str], list[str], dict]:
         unsourced = keyed.unsourced if keyed is not None else []
         if unsourced and strict:
             raise MissingKeysError(
@@ -383,10 +435,16 @@ def load(
                 "own names away)", keys=unsourced, path=info.uri,
             )
         request = plan.template if keyed is None else keyed.request
-        missing, kept = _check_request(request, info, strict, plan.keep_if_absent)
-        return sorted(missing + unsourced), kept
+        missing, kept, casts = _check_request(request, info, strict, plan.keep_if_absent, cast)
+        return sorted(missing + unsourced), kept, casts
 
-    missing, kept = _dist.agree(check, group)
+    missing, kept, casts = _dist.agree(check, group)
+    if casts:
+        warnings.warn(
+            f"{storage.uri}: converted to the dtypes the state asked for: {_describe_casts(casts)}",
+            CastWarning,
+            stacklevel=3,
+        )
     notes = list(plan.notes)
     if kept:
         notes.append(

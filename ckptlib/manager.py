@@ -327,12 +327,20 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise StateError(f"step must be a non-negative int, got {step!r}")
         self.wait()  # the previous async save: its failure surfaces here, before anything else
+        with _dist.peer_loss_as_error(f"save of step {step} to {self.root_uri}", self.process_group, step=step,
+                                      path=self.path(step)):
+            return self._save(step, state, metadata, metrics, overwrite)
+
+    def _save(
+        self, step: int, state: Mapping[str, Any], metadata: dict[str, Any] | None, metrics: dict[str, float] | None,
+        overwrite: bool,
+    ) -> SaveResult:
         target = self.storage.child(step_dir(step))
         _dist.decide_on_rank0(self._take_lock, self.process_group)
         try:
             replace = None if overwrite else _dist.decide_on_rank0(lambda: self._replaceable(step), self.process_group)
             if replace:
-                warnings.warn(replace, StalePointerWarning, stacklevel=2)
+                warnings.warn(replace, StalePointerWarning, stacklevel=3)
             overwrite = overwrite or bool(replace)
             if self.async_save:
                 result = self._save_async(step, target, state, metadata, metrics, overwrite=overwrite)
