@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("root", help="a checkpoint root: path, file://, s3://, gs:// or az:// URI")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
     p.set_defaults(func=_cmd_ls)
 
     p = sub.add_parser(
