@@ -25,6 +25,7 @@ from .format.dcp_io import checkpoint_bytes
 from .format.legacy import inspect_checkpoint, open_reader
 from .format.manifest import check_metadata_json
 from .state import to_load_plan, to_save_state_dict
+from .steps import check_step
 from .storage import Storage, open_storage
 
 __version__ = "0.1.0"
@@ -126,17 +127,16 @@ def save(
         bg_group = async_save.async_group(group)
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
 
-    def check_and_collect() -> tuple[dict[str, Any], dict[str, Any]]:
+    def check_and_collect() -> tuple[int | None, dict[str, Any], dict[str, Any]]:
         # One collective round for every check (each used to cost its own round trip).
         user_metadata = check_metadata_json(metadata)
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise StateError(f"step must be a non-negative int, got {step!r}")
+        checked_step = None if step is None else check_step(step)
         state_dict = to_save_state_dict(state, rank=rank)
         if async_ and not background_staging:
             state_dict = async_save.stage(state_dict, group)  # the copy the background writes
-        return user_metadata, state_dict
+        return checked_step, user_metadata, state_dict
 
-    user_metadata, state_dict = _dist.agree(check_and_collect, group)
+    step, user_metadata, state_dict = _dist.agree(check_and_collect, group)
 
     def write() -> SaveResult:
         return _write_and_commit(

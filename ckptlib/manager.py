@@ -26,7 +26,6 @@ import dataclasses
 import datetime
 import json
 import os
-import re
 import socket
 import uuid
 import warnings
@@ -36,23 +35,11 @@ from . import _dist
 from .checkpoint import LoadResult, SaveResult, load, save
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError
 from .format import PENDING_NAME, classify
+from .steps import DELETING_RE, check_step, parse_step, step_dir
 from .storage import Storage, open_storage
 
 LATEST = "latest"
 LOCK_NAME = "ckptlib.lock"
-_STEP_RE = re.compile(r"^step_(\d{10})$")
-# What LocalStorage.delete_tree leaves when it crashes between its rename and the removal.
-_DELETING_RE = re.compile(r"^step_\d{10}\.deleting-[0-9a-f]{8}$")
-
-
-def step_dir(step: int) -> str:
-    """Zero-padded so lexical order is step order."""
-    return f"step_{step:010d}"
-
-
-def parse_step(name: str) -> int | None:
-    match = _STEP_RE.match(name)
-    return int(match.group(1)) if match else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,8 +425,7 @@ class CheckpointManager:
     # -- saving -------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None) -> SaveResult:
         """Save and commit `step`, move `latest` to it, then apply retention."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise StateError(f"step must be a non-negative int, got {step!r}")
+        step = check_step(step)
         self.wait()  # the previous async save: its failure surfaces here, before anything else
         target = self.storage.child(step_dir(step))
         _dist.decide_on_rank0(self._take_lock, self.process_group)
@@ -517,7 +503,7 @@ class CheckpointManager:
         for info in scan:
             if info.state == "incomplete" and info.step not in protected:
                 doomed[info.step] = info.name
-        leftovers = [n for n in self.storage.list_children() if _DELETING_RE.match(n)]
+        leftovers = [n for n in self.storage.list_children() if DELETING_RE.match(n)]
         if not dry_run:
             for name in doomed.values():
                 self.storage.delete_tree(name)
@@ -557,8 +543,8 @@ class CheckpointManager:
             step = self.latest()
             if step is None:
                 return None
-        elif not isinstance(step, int) or isinstance(step, bool):
-            raise StateError(f"step must be an int or None, got {step!r}")
+        else:
+            step = check_step(step)
         try:
             return load(self.storage.child(step_dir(step)), state, process_group=self.process_group, **kwargs)
         except CheckpointNotFoundError as exc:
