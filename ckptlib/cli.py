@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "ls",
         help="list the steps under a checkpoint root",
-        description="List steps: committed, incomplete or corrupt, size, saved world size, which is latest, and who holds the root's lock.",
+        description="List steps: committed, incomplete or corrupt (or foreign: only files ckptlib did not write), size, saved world size, which is latest, and who holds the root's lock.",
     )
     p.add_argument("root")
     p.add_argument("--json", action="store_true")
@@ -339,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="apply retention to a checkpoint root",
         description=(
             "Keep the newest N committed steps (never the one `latest` names) and remove incomplete debris. "
+            "Only files ckptlib writes are removed: a step directory that also holds other files keeps them. "
             "Takes the root's lock: fails (exit 1) while a writer holds it."
         ),
     )

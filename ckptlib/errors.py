@@ -50,6 +50,12 @@ class CheckpointExistsError(CheckpointError):
     """Refusing to overwrite a committed checkpoint."""
 
 
+class OverwriteRefusedError(CheckpointExistsError, NotACheckpointError):
+    """An overwrite (or a cleanup) target exists but is not only a checkpoint: a manager root,
+    a directory with files ckptlib did not write, a file it does not recognise. Nothing was
+    touched. Both "something is there" and "it is not a checkpoint ckptlib may replace"."""
+
+
 class MissingKeysError(CheckpointError):
     """Keys the caller asked for are not in the checkpoint (strict load)."""
 

@@ -35,6 +35,7 @@ from . import _dist
 from .checkpoint import LoadResult, SaveResult, load, save
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError
 from .format import PENDING_NAME, classify
+from .format.deletion import describe_foreign, remove_checkpoint
 from .steps import DELETING_RE, check_step, parse_step, step_dir
 from .storage import Storage, open_storage
 
@@ -63,6 +64,11 @@ class StalePointerWarning(UserWarning):
     """The `latest` pointer named a step that is missing or uncommitted."""
 
 
+class ForeignFilesWarning(UserWarning):
+    """Retention or gc removed a step's checkpoint files but left files ckptlib did not write
+    (and their directory) in place."""
+
+
 class StaleLockWarning(UserWarning):
     """A lock left by a writer that no longer runs was removed."""
 
@@ -71,7 +77,7 @@ class StaleLockWarning(UserWarning):
 class StepInfo:
     step: int
     name: str
-    state: str  # committed | incomplete
+    state: str  # committed | incomplete | foreign
     files: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
 
 
@@ -388,7 +394,10 @@ class CheckpointManager:
             child = self.storage.child(name)
             files = child.list()
             kind = classify(child, files)
-            out.append(StepInfo(step, name, "committed" if kind == "committed" else "incomplete", files))
+            # "foreign": files ckptlib did not write (or a plain DCP checkpoint someone put
+            # there); never debris, never deleted.
+            state = {"committed": "committed", "other": "foreign", "dcp": "foreign"}.get(kind, "incomplete")
+            out.append(StepInfo(step, name, state, files))
         return sorted(out, key=lambda s: s.step)
 
     def steps(self) -> list[int]:
@@ -505,13 +514,21 @@ class CheckpointManager:
                 doomed[info.step] = info.name
         leftovers = [n for n in self.storage.list_children() if DELETING_RE.match(n)]
         if not dry_run:
-            for name in doomed.values():
-                self.storage.delete_tree(name)
-            for name in leftovers:  # a deletion that crashed half-way
-                self.storage.delete_tree(name)
+            kept: dict[str, list[str]] = {}
+            for name in [*doomed.values(), *leftovers]:  # leftovers: a deletion that crashed half-way
+                foreign = remove_checkpoint(self.storage.child(name))
+                if foreign:
+                    kept[name] = foreign
             for info in scan:  # a commit that crashed between writing the manifest and this
                 if info.state == "committed" and info.step not in doomed and PENDING_NAME in info.files:
                     self.storage.child(info.name).delete([PENDING_NAME])
+            for name, foreign in kept.items():
+                warnings.warn(
+                    f"{describe_foreign(f'{self.root_uri}/{name}', foreign)}; removed the checkpoint's own files and "
+                    "left the directory with those in place",
+                    ForeignFilesWarning,
+                    stacklevel=3,
+                )
         return sorted(doomed.values()) + sorted(leftovers)
 
     def gc(self, *, dry_run: bool = False) -> list[str]:
@@ -552,6 +569,6 @@ class CheckpointManager:
 
 
 __all__ = [
-    "CheckpointManager", "KeepLast", "LockHolder", "StaleLockWarning", "StalePointerWarning", "step_dir", "parse_step",
+    "CheckpointManager", "ForeignFilesWarning", "KeepLast", "LockHolder", "StaleLockWarning", "StalePointerWarning", "step_dir", "parse_step",
     "CheckpointError", "LOCK_NAME",
 ]

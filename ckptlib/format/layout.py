@@ -176,17 +176,28 @@ def open_checkpoint(storage: Storage, *, verify: bool = True, check_files: bool 
 
 
 def prepare_save_target(storage: Storage, *, overwrite: bool, world_size: int) -> None:
-    """Make `storage` ready for a new save without ever losing a committed checkpoint."""
+    """Make `storage` ready for a new save without ever losing a committed checkpoint or a
+    file ckptlib did not write.
+
+    Debris of a crashed save is removed; `overwrite=True` also replaces a committed ckptlib
+    or plain DCP checkpoint. Only a checkpoint's own files are removed, and only when the
+    directory holds nothing else: anything else there (a manager root, a user's files,
+    sub-directories) is OverwriteRefusedError and nothing is touched.
+    """
+    from .deletion import refuse_foreign, remove_checkpoint
+
     uri = storage.uri
-    kind = classify(storage)
+    listing = storage.list() if storage.exists() else {}
+    kind = classify(storage, listing)
     if kind == "committed" and not overwrite:
         raise CheckpointExistsError(f"{uri} already holds a committed checkpoint (pass overwrite=True)", path=uri)
-    if kind in ("dcp", "other") and not overwrite:
-        raise CheckpointExistsError(
-            f"{uri} is not empty and not a ckptlib checkpoint; refusing to write into it", path=uri
-        )
+    if kind == "dcp" and not overwrite:
+        raise CheckpointExistsError(f"{uri} already holds a DCP checkpoint (pass overwrite=True)", path=uri)
     if kind in ("committed", "incomplete", "dcp", "other"):
-        storage.delete_tree()  # debris of a crashed save, or an explicit overwrite
+        refuse_foreign(
+            storage, listing, "overwrite it" if overwrite else "write a checkpoint into it", checkpoint=kind != "other"
+        )
+        remove_checkpoint(storage, listing)  # debris of a crashed save, or an explicit overwrite
     # Not durable: losing it in a crash is harmless (shards without a manifest are debris anyway).
     storage.write(PENDING_NAME, json.dumps({"world_size": world_size}).encode(), durable=False)
 

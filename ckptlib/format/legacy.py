@@ -177,6 +177,17 @@ def _looks_like_safetensors(head: bytes, size: int) -> bool:
     return 2 <= n <= min(size - 8, _MAX_SAFETENSORS_HEADER) and head[8:9] == b"{"
 
 
+def looks_like_checkpoint_file(path: str) -> bool:
+    """Whether the local regular file at `path` starts like a torch.save or safetensors file."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError:
+        return False
+    return _looks_like_torch_save(head) or _looks_like_safetensors(head, size)
+
+
 def _v0_rank(name: str) -> int:
     match = _V0_RE.match(name)
     assert match is not None
