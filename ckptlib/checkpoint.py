@@ -22,6 +22,7 @@ from . import _dist, compat
 from .errors import CheckpointError, MissingKeysError, ShapeMismatchError, StateError
 from .format import CheckpointInfo, CkptWriter, Manifest, SafeLoadPlanner, commit, prepare_save_target
 from .format.dcp_io import checkpoint_bytes
+from .format.deletion import remove_failed_save
 from .format.legacy import inspect_checkpoint, open_reader
 from .format.manifest import check_metadata_json
 from .state import to_load_plan, to_save_state_dict
@@ -212,8 +213,13 @@ def _write_and_commit(
     try:
         with _quiet_single_process():
             metadata = dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
-    except compat.checkpoint_exception_cls() as exc:
-        raise _unwrap_dcp_error(exc) from exc
+    except BaseException as exc:
+        # Every rank removes what this save wrote (a full disk must not stay full; the next
+        # save then succeeds by itself); a committed checkpoint is never touched.
+        remove_failed_save(storage, shard=writer.shard_name, coordinator=writer.is_coordinator, prepared=writer.prepared)
+        if isinstance(exc, compat.checkpoint_exception_cls()):
+            raise _unwrap_dcp_error(exc) from exc
+        raise
     return SaveResult(uri=storage.uri, step=step, world_size=world, total_bytes=checkpoint_bytes(metadata))
 
 

@@ -22,6 +22,7 @@ from .checkpoint import __version__
 from .errors import CheckpointExistsError, OverwriteRefusedError, StateError, UnsupportedError
 from .format import Manifest, commit, prepare_save_target
 from .format import convert as fconv
+from .format.deletion import remove_failed_save
 from .format.legacy import DEFAULT_PREFIX, SourceInfo, inspect_checkpoint, open_reader
 from .storage import Storage, is_remote, open_storage
 
@@ -145,16 +146,20 @@ def convert(
                 raise CheckpointExistsError(
                     f"{dst_storage.uri} already exists (pass force=True, or --force, to overwrite)", path=exc.path
                 ) from exc
-            writer = fconv.save_dcp_streaming(dst_storage, source, on_tensor=tick)
-            manifest = Manifest(
-                world_size=1,
-                files=dict(writer.file_records),
-                step=info.step,
-                metadata=dict(info.manifest.metadata) if info.manifest is not None else {},
-                torch_version=torch.__version__,
-                ckptlib_version=__version__,
-            )
-            commit(dst_storage, manifest)
+            try:
+                writer = fconv.save_dcp_streaming(dst_storage, source, on_tensor=tick)
+                manifest = Manifest(
+                    world_size=1,
+                    files=dict(writer.file_records),
+                    step=info.step,
+                    metadata=dict(info.manifest.metadata) if info.manifest is not None else {},
+                    torch_version=torch.__version__,
+                    ckptlib_version=__version__,
+                )
+                commit(dst_storage, manifest)
+            except BaseException:
+                remove_failed_save(dst_storage, shard=None, coordinator=True, prepared=True)  # e.g. disk full
+                raise
             files = sorted(writer.file_records)
             where = dst_storage.uri
         elif to == "torch":

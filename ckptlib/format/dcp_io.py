@@ -384,6 +384,10 @@ class CkptWriter(StorageWriter):
         self.file_records: dict[str, FileRecord] = {}
         self._prepare = prepare
         self._commit = commit
+        # For the cleanup of a failed save (`deletion.remove_failed_save`): whether the
+        # coordinator prepared the target, and the shard file this rank started.
+        self.prepared = False
+        self.shard_name: str | None = None
 
     def reset(self, checkpoint_id=None) -> None:
         self.file_records = {}
@@ -397,6 +401,7 @@ class CkptWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if self._prepare is not None:
             self._prepare()
+        self.prepared = True
         return [dataclasses.replace(plan, storage_data=f"__{i}_") for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
@@ -413,6 +418,7 @@ class CkptWriter(StorageWriter):
             for wi in ordered
             if wi.tensor_data is not None
         )
+        self.shard_name = name
         with self.storage.open_writer(name) as stream:
             sink = _CrcSink(stream, block_size_for(planned))
             for item in ordered:

@@ -78,4 +78,23 @@ def remove_checkpoint(storage: Storage, listing: dict[str, int] | None = None) -
     return foreign
 
 
-__all__ = ["describe_foreign", "foreign_files", "is_own_file", "refuse_foreign", "remove_checkpoint"]
+def remove_failed_save(storage: Storage, *, shard: str | None, coordinator: bool, prepared: bool) -> None:
+    """Best effort, on every rank after a save failed (ENOSPC, a rank's error): remove what this
+    save wrote so a full disk does not stay full. Never touches a checkpoint that committed
+    (the manifest is there: the failure came after the commit), nor anything when the target
+    was never prepared (a refused overwrite). Each rank removes its own shard `shard`; the
+    coordinator (`prepared`: its prepare step ran) the rest of the save's files."""
+    try:
+        if MANIFEST_NAME in storage.list(MANIFEST_NAME):
+            return
+        if shard is not None:
+            storage.delete([shard])
+        if coordinator and prepared:
+            listing = storage.list()
+            if MANIFEST_NAME not in listing:
+                remove_checkpoint(storage, listing)
+    except Exception:  # noqa: BLE001 - the save's own error is what the caller raises
+        pass
+
+
+__all__ = ["remove_failed_save", "describe_foreign", "foreign_files", "is_own_file", "refuse_foreign", "remove_checkpoint"]

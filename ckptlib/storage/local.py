@@ -28,6 +28,9 @@ def _fsync_dir(path: str) -> None:
 
 
 def _os_error(exc: OSError, what: str, path: str) -> StorageError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason = "no space left on device" if exc.errno == errno.ENOSPC else "no space left (disk quota exceeded)"
+        return StorageError(f"{what} {path}: {reason} ([Errno {exc.errno}] {exc.strerror})", path=path)
     return StorageError(f"{what} {path}: {exc.strerror or exc}", path=path)
 
 
@@ -152,11 +155,20 @@ class LocalStorage:
             f = open(full, "wb")
         except OSError as exc:
             raise _os_error(exc, "cannot write", full) from exc
-        with f:
-            yield f
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())  # the name: when a commit syncs it (`sync`)
+        try:
+            with f:
+                yield f
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())  # the name: when a commit syncs it (`sync`)
+        except OSError as exc:  # ENOSPC and friends, from a write, the flush, fsync or close
+            with contextlib.suppress(OSError):
+                os.unlink(full)  # a partial file is never left behind to fill the disk
+            raise _os_error(exc, "cannot write", full) from exc
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(full)
+            raise
 
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         full = self._path(path)
