@@ -324,13 +324,14 @@ class CheckpointManager:
     # -- async saves --------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Wait for the async save in flight, if any: its SaveResult, or its failure raised
-        (once; the next call starts clean). None when nothing was in flight; TimeoutError
-        when it is still running after `timeout` seconds."""
+        unless it was already raised elsewhere (by the handle's wait()/result(), or an earlier
+        call here): a failure is delivered once and the next call starts clean. None when
+        nothing was in flight; TimeoutError when it is still running after `timeout` seconds."""
         pending = self._pending
         if pending is None:
             return None
         try:
-            return pending.wait(timeout)
+            return pending.deliver(timeout)
         finally:
             if pending.done():
                 self._pending = None

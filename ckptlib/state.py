@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import pickle
 import random
 import warnings
 from typing import Any, Callable, Mapping, Protocol
@@ -194,7 +195,45 @@ def to_save_state_dict(state: Mapping[str, Any], *, rank: int) -> dict[str, Any]
             out[name] = value.state_dict()
         else:
             out[name] = value
+    _check_picklable(out, "")
     return out
+
+
+class _NullSink:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+class _TensorSkippingPickler(pickle.Pickler):
+    """Pickles into nothing, treating tensors and storages as external (as torch.save does)."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+            return id(obj)
+        return None
+
+
+def _check_picklable(value: Any, path: str) -> None:
+    """Every non-tensor value of the state dict must pickle (DCP torch.saves it): a lambda, an
+    open file, a lock, a socket or a generator is a StateError naming its dotted key, raised
+    before anything is written rather than as a PicklingError from the middle of a save."""
+    if isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_picklable(v, f"{path}.{k}" if path else str(k))
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_picklable(v, f"{path}.{i}" if path else str(i))
+        return
+    try:
+        _TensorSkippingPickler(_NullSink(), protocol=2).dump(value)
+    except Exception as exc:  # noqa: BLE001 - any failure to pickle, whatever the object raises
+        raise StateError(
+            f"state value {path} ({type(value).__name__}) cannot be saved: it does not pickle "
+            f"({type(exc).__name__}: {exc}); save plain values, tensors or objects with state_dict()"
+        ) from exc
 
 
 @dataclasses.dataclass
