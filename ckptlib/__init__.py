@@ -12,6 +12,7 @@ from .errors import (
     LockedError,
     MissingKeysError,
     NotACheckpointError,
+    NotARegularFileError,
     OverwriteRefusedError,
     ShapeMismatchError,
     StateError,
@@ -26,7 +27,7 @@ from .state import KeepExistingRanks, RankLocal, ResizePolicy, ResizeWarning, RN
 __all__ = [
     "AsyncSave", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
     "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "KeepExistingRanks", "KeepLast", "LoadResult",
-    "LockedError", "MissingKeysError", "NotACheckpointError", "OverwriteRefusedError", "RNGState", "RankLocal", "ResizePolicy",
+    "LockedError", "MissingKeysError", "NotACheckpointError", "NotARegularFileError", "OverwriteRefusedError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",
     "StorageError", "UnsafeCheckpointError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",
 ]

@@ -46,6 +46,12 @@ class CheckpointCorruptError(CheckpointError):
     """Committed files do not match the manifest (size, checksum, missing file)."""
 
 
+class NotARegularFileError(CheckpointCorruptError):
+    """A checkpoint file (or the `latest` pointer) is a FIFO, a device, a socket or a directory:
+    ckptlib reads only regular files and symlinks to them, so a crafted name can never make a
+    read block forever (a FIFO) or never end (/dev/zero)."""
+
+
 class CheckpointExistsError(CheckpointError):
     """Refusing to overwrite a committed checkpoint."""
 

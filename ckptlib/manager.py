@@ -173,6 +173,8 @@ class RootLock:
             return LockHolder.parse(self.storage.read(LOCK_NAME))
         except FileNotFoundError:
             return None
+        except CheckpointError:  # not a regular file: a holder nobody can name
+            return LockHolder()
 
     def _create(self, data: bytes) -> bool:
         create = getattr(self.storage, "create_exclusive", None)

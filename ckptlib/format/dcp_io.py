@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from .. import compat
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
 from ..storage import Storage
-from ..storage.local import LocalStorage
+from ..storage.local import LocalStorage, open_regular
 from . import item_encoder
 from .checksum import crc32, crc32_combine
 from .manifest import METADATA_MARKER, METADATA_NAME, FileRecord, Manifest, check_name
@@ -493,8 +493,15 @@ class CkptWriter(StorageWriter):
 def read_metadata(storage: Storage, manifest: Manifest | None, *, verify: bool = True) -> Metadata:
     """Read and safely unpickle `.metadata`, checking it against the manifest first."""
     where = f"{storage.uri}/{METADATA_NAME}"
+    record = manifest.files.get(METADATA_NAME) if manifest is not None and verify else None
     try:
-        blob = storage.read(METADATA_NAME)
+        if record is None:
+            blob = storage.read(METADATA_NAME)  # bounded by the file's size
+        else:  # never more than the manifest records, plus one byte to tell a larger file
+            try:
+                blob = storage.read(METADATA_NAME, 0, record.size + 1)
+            except EOFError:
+                blob = storage.read(METADATA_NAME)
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"{where}: DCP metadata file is missing", path=where) from exc
     if manifest is not None and verify:
@@ -695,11 +702,10 @@ class CkptReader(PlannedReader):
     def _read_local(self, name: str, path: str, reqs: list[Any], crcs, planner: LoadPlanner) -> None:
         where = f"{self.storage.uri}/{name}"
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd, size = open_regular(path)  # a FIFO or device in its place: NotARegularFileError
         except FileNotFoundError as exc:
             raise CheckpointCorruptError(f"{where}: shard file is missing{whose(name)}", path=where) from exc
         try:
-            size = os.fstat(fd).st_size
             for req, info in sorted(reqs, key=lambda r: r[1].offset):
                 if info.offset + info.length > size:
                     raise CheckpointCorruptError(

@@ -63,6 +63,7 @@ from torch.futures import Future
 from .. import compat
 from ..errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
     NotACheckpointError,
@@ -71,6 +72,7 @@ from ..errors import (
     UnsupportedError,
 )
 from ..storage import LocalStorage, Storage, check_relative, open_storage
+from ..storage.local import check_regular
 from .dcp_io import CkptReader, PlannedReader
 from .layout import CheckpointInfo, classify, open_checkpoint
 from .safetensors_header import (
@@ -364,6 +366,7 @@ def _torch_load(root: Storage, name: str, *, trusted: bool, notes: list[str] | N
     path = root.local_path(name)
     try:
         if path is not None:
+            check_regular(path)  # never mmap or read a FIFO or device
             try:
                 return torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
             except RuntimeError as exc:
@@ -377,6 +380,8 @@ def _torch_load(root: Storage, name: str, *, trusted: bool, notes: list[str] | N
         return torch.load(io.BytesIO(root.read(name)), map_location="cpu", weights_only=not trusted)
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"{where} is missing", path=where) from exc
+    except CheckpointError:
+        raise
     except Exception as exc:
         if type(exc).__name__ == "UnpicklingError" or "Weights only load failed" in str(exc):
             raise UnsafeCheckpointError(

@@ -293,6 +293,7 @@ def _checksum_problems(storage: Storage, name: str, record: FileRecord, read_chu
     k = 0  # the item at or after the current position
     pos = 0
     try:
+        storage.read(name, 0, 0)  # a FIFO or device in its place fails here, even when empty
         while pos < record.size:
             n = min(read_chunk, record.size - pos)
             data = memoryview(storage.read(name, pos, n))
@@ -318,6 +319,8 @@ def _checksum_problems(storage: Storage, name: str, record: FileRecord, read_chu
             pos = end
     except FileNotFoundError:
         return [Problem(name, "disappeared while it was being verified", "missing")]
+    except CheckpointError as exc:
+        return [Problem(name, _message_without_where(exc, f"{storage.uri.rstrip('/')}/{name}"))]
     except EOFError as exc:
         return [Problem(name, f"is shorter than its listed size ({exc})")]
     bad = [(off, length) for (off, length, crc), actual in zip(items, got) if crc != actual]
@@ -336,6 +339,14 @@ def _checksum_problems(storage: Storage, name: str, record: FileRecord, read_chu
 
 
 # --------------------------------------------------------------------------- entry points
+
+
+def _read_at_most(storage: Storage, name: str, limit: int) -> bytes:
+    """The file's bytes, or its first `limit` + 1 when it is larger (enough to tell)."""
+    try:
+        return storage.read(name, 0, limit + 1)
+    except EOFError:
+        return storage.read(name)
 
 
 def _open_listing(storage: Storage) -> dict[str, int]:
@@ -375,10 +386,20 @@ def verify(storage: Storage | str | os.PathLike, *, read_chunk: int = READ_CHUNK
         problems.append(Problem(METADATA_NAME, "is missing", "missing"))
     else:
         where = f"{uri}/{METADATA_NAME}"
-        blob = storage.read(METADATA_NAME)
         record = manifest.files.get(METADATA_NAME) if manifest is not None else None
-        crc = zlib.crc32(blob)
-        if manifest is not None and record is None:
+        try:
+            # With a manifest, never more than it records (a larger file fails the CRC anyway).
+            blob = storage.read(METADATA_NAME) if record is None else _read_at_most(storage, METADATA_NAME, record.size)
+        except CheckpointError as exc:
+            blob = None
+            problems.append(Problem(METADATA_NAME, _message_without_where(exc, where)))
+        except FileNotFoundError:
+            blob = None
+            problems.append(Problem(METADATA_NAME, "disappeared while it was being verified", "missing"))
+        crc = zlib.crc32(blob) if blob is not None else 0
+        if blob is None:
+            pass
+        elif manifest is not None and record is None:
             problems.append(Problem(METADATA_NAME, "is not listed in the manifest"))
         elif record is not None and (len(blob) != record.size or crc != record.crc32):
             problems.append(
