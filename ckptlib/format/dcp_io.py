@@ -112,6 +112,49 @@ _MAX_BLOCKS = 1024
 _MAX_SPAN = 64 << 20
 
 
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
+}
+
+
+def _tensor_header(storage, storage_offset, size, stride, *_rest):
+    return storage, storage_offset, size, stride
+
+
+class _HeaderUnpickler(pickle.Unpickler):
+    """Reads a torch.save'd plain tensor's data.pkl for its dtype, shape, strides and storage
+    offset, calling nothing: every global other than the two a plain tensor names is refused."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _tensor_header
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        return pid
+
+
+def _pickled_tensor_header(data: bytes | None) -> tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int] | None:
+    """(dtype, shape, strides, storage offset) of the plain tensor a data.pkl describes, or None."""
+    if data is None:
+        return None
+    try:
+        storage, offset, size, stride = _HeaderUnpickler(io.BytesIO(data)).load()
+        dtype = storage[1]
+        if storage[0] != "storage" or not isinstance(dtype, torch.dtype):
+            return None
+        return dtype, tuple(int(s) for s in size), tuple(int(s) for s in stride), int(offset)
+    except Exception:  # noqa: BLE001 - anything unexpected: the caller takes the torch.load path
+        return None
+
+
 class _ItemCheck:
     """Verifies one whole item: feed it every byte of [start, start + length) in order."""
 
@@ -812,10 +855,15 @@ class CkptReader(PlannedReader):
         if found is None:
             return None
         dtype, sizes = found
-        record = item_encoder.tensor_data_record(_cached_tail_reader(read_into, info.offset, info.length), info.length)
+        read = _cached_tail_reader(read_into, info.offset, info.length)
+        record = item_encoder.tensor_data_record(read, info.length)
         meta = torch.empty(sizes, dtype=dtype, device="meta")
         if record is None or record.size != meta.numel() * meta.element_size():
             return None
+        # The item's own header must say what .metadata says: a transposed shape or another
+        # dtype of the same byte size would otherwise read intact bytes as the wrong tensor.
+        if _pickled_tensor_header(item_encoder.tensor_pickle(read, info.length)) != (dtype, tuple(sizes), meta.stride(), 0):
+            return None  # the caller decodes the header with torch.load and reports the mismatch
         return meta, record.start, record.parsed
 
     def _read_local_tensor(self, fd: int, name: str, req, info, expected, planner: LoadPlanner) -> bool:
@@ -856,8 +904,10 @@ class CkptReader(PlannedReader):
                 # torch.load parsed the whole archive: only the item's CRC verifies that
                 layout = meta, getattr(meta.untyped_storage(), "_checkpoint_offset", None), [(0, info.length)]
             meta, record, parsed = layout
+            declared = self._chunk_sizes(req.storage_index.fqn, req.storage_index.offset)
             if (
-                type(meta) not in (torch.Tensor, torch.nn.Parameter)
+                (declared is not None and (tuple(meta.shape) != declared[1] or meta.dtype != declared[0]))
+                or type(meta) not in (torch.Tensor, torch.nn.Parameter)
                 or meta.layout != torch.strided
                 or not meta.is_contiguous()
                 or not isinstance(record, int)
@@ -965,7 +1015,25 @@ class CkptReader(PlannedReader):
                 f"{whose(name)}: {exc}",
                 path=where,
             ) from exc
-        tensor = _narrowed(tensor, req)
+        fqn = req.storage_index.fqn
+        declared = self._chunk_sizes(fqn, req.storage_index.offset)
+        stored = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else None
+        if stored is None or (declared is not None and stored != (declared[1], declared[0])):
+            what = f"shape {stored[0]} and dtype {stored[1]}" if stored else f"a {type(tensor).__name__}"
+            want = f"shape {declared[1]} and dtype {declared[0]}" if declared else "a tensor"
+            raise CheckpointCorruptError(
+                f"{where}: {fqn}: the stored item at offset {info.offset} holds {what}, but {METADATA_NAME} "
+                f"declares {want}{whose(name)}",
+                path=where,
+            )
+        try:
+            tensor = _narrowed(tensor, req)
+        except (RuntimeError, IndexError) as exc:
+            raise CheckpointCorruptError(
+                f"{where}: {fqn}: the load asks for part {list(req.storage_offsets)}+{list(req.lengths)} of a stored "
+                f"chunk of shape {tuple(tensor.shape)}{whose(name)}: {exc}",
+                path=where,
+            ) from exc
         target = _resolve_target(planner, req, tensor, where)
         target.copy_(tensor)
         planner.commit_tensor(req, target)

@@ -24,7 +24,9 @@ _CLASS_MODULES = (
     "torch.distributed._shard.sharded_tensor.metadata",
     "torch.distributed._shard.sharding_spec.api",
 )
-_BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray", "object", "tuple", "list", "dict"}
+# Never a callable that allocates from a number: `bytearray(2**31)` is 2 GB built from a
+# 40-byte pickle (DCP metadata holds no bytearray). Containers only copy what the pickle holds.
+_BUILTINS = {"set", "frozenset", "slice", "complex", "object", "tuple", "list", "dict"}
 # torch.layout pickles as a call to torch.serialization._get_layout(name): a lookup, no side effects.
 _OTHER = {
     ("collections", "OrderedDict"),

@@ -29,12 +29,13 @@ import os
 import zlib
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ..errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
 from ..storage import Storage, open_storage
 from .checksum import crc32, crc32_combine
-from .dcp_io import describe_file, is_ckptlib_metadata
+from .dcp_io import _RangeReader, describe_file, is_ckptlib_metadata
 from .manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, FileRecord, Manifest, check_name
 from .safe_pickle import safe_loads
 
@@ -125,13 +126,17 @@ def _find_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple
     return None
 
 
-def _chunk_problems(fqn: str, md: TensorStorageMetadata, keys: set, exhaustive: bool) -> list[Problem]:
+def _chunk_problems(fqn: str, md: TensorStorageMetadata, keys: dict, exhaustive: bool) -> list[Problem]:
+    """Problems of one tensor's chunks; `keys` maps (fqn, offsets) of every storage record to
+    its stored length (None when the record is malformed)."""
     problems = []
     try:
         size = tuple(int(d) for d in md.size)
     except (TypeError, ValueError):
         return [Problem(METADATA_NAME, f"tensor {fqn!r} has an invalid size {md.size!r}")]
     total = math.prod(size)
+    itemsize = getattr(getattr(getattr(md, "properties", None), "dtype", None), "itemsize", 0)
+    itemsize = itemsize if isinstance(itemsize, int) and itemsize > 0 else 0
     boxes = []
     outside = False
     for chunk in md.chunks or []:
@@ -159,6 +164,16 @@ def _chunk_problems(fqn: str, md: TensorStorageMetadata, keys: set, exhaustive: 
         if (fqn, off) not in keys:
             problems.append(
                 Problem(METADATA_NAME, f"tensor {fqn!r}: chunk at offsets {list(off)} has no storage record")
+            )
+        elif itemsize and isinstance(keys[(fqn, off)], int) and math.prod(sz) * itemsize > keys[(fqn, off)]:
+            # Checked before anything is allocated for it: a chunk's bytes are stored in its item,
+            # so a shape whose bytes exceed the item is a lie (a (10^7, 10^6) shape: 40 TB).
+            problems.append(
+                Problem(
+                    METADATA_NAME,
+                    f"tensor {fqn!r}: chunk at offsets {list(off)} with sizes {list(sz)} needs "
+                    f"{math.prod(sz) * itemsize} bytes, but its stored item holds {keys[(fqn, off)]}",
+                )
             )
         boxes.append((off, sz))
     if outside:
@@ -209,16 +224,18 @@ def structure_problems(
     problems: list[Problem] = []
     items = {name: {(o, n) for o, n, _ in rec.items} for name, rec in manifest.files.items()} if manifest else None
     reported_files: set[str] = set()
-    keys: set[tuple[str | None, tuple[int, ...] | None]] = set()
+    keys: dict[tuple[str | None, tuple[int, ...] | None], int | None] = {}
     for index, info in storage_data.items():
         fqn = getattr(index, "fqn", None)
         offset = getattr(index, "offset", None)
-        try:
-            keys.add((fqn, None if offset is None else tuple(int(o) for o in offset)))
-        except (TypeError, ValueError):
-            problems.append(Problem(METADATA_NAME, f"storage record key {index!r} is malformed"))
         name = getattr(info, "relative_path", None)
         off, length = getattr(info, "offset", None), getattr(info, "length", None)
+        try:
+            keys[(fqn, None if offset is None else tuple(int(o) for o in offset))] = (
+                length if isinstance(length, int) and not isinstance(length, bool) else None
+            )
+        except (TypeError, ValueError):
+            problems.append(Problem(METADATA_NAME, f"storage record key {index!r} is malformed"))
         what = f"the storage record of {fqn!r}"
         try:
             check_name(name, METADATA_NAME, "file name")
@@ -462,8 +479,63 @@ def verify(storage: Storage | str | os.PathLike, *, read_chunk: int = READ_CHUNK
             )
 
     if metadata is not None:
-        problems.extend(structure_problems(metadata, manifest, listing, exhaustive=True))
+        structure = structure_problems(metadata, manifest, listing, exhaustive=True)
+        problems.extend(structure)
+        if not any(p.is_error for p in structure):
+            problems.extend(_declared_item_problems(storage, metadata, listing))
     return _cap(problems)
+
+
+class _StoredItem(_RangeReader):
+    """Bytes [base, base + size) of a checkpoint file, read through the Storage on demand."""
+
+    def __init__(self, storage: Storage, name: str, base: int, size: int):
+        super().__init__(size)
+        self._storage, self._name, self._base = storage, name, base
+
+    def _fill(self, view: memoryview, pos: int) -> int:
+        data = self._storage.read(self._name, self._base + pos, view.nbytes)
+        view[: len(data)] = data
+        return len(data)
+
+
+def _declared_item_problems(storage: Storage, metadata: Metadata, listing: dict[str, int]) -> list[Problem]:
+    """Every stored tensor item's own shape and dtype against what `.metadata` declares for its
+    chunk (CRCs only prove the bytes are the ones written, not that `.metadata` describes
+    them). Read from each item's header: a metadata-only torch.load, a few KiB an item."""
+    declared: dict[tuple[str, tuple[int, ...]], tuple[Any, tuple[int, ...]]] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            for chunk in md.chunks:
+                declared[(fqn, tuple(int(o) for o in chunk.offsets))] = (md.properties.dtype, tuple(int(s) for s in chunk.sizes))
+    problems: list[Problem] = []
+    for index, info in metadata.storage_data.items():
+        key = (index.fqn, tuple(int(o) for o in index.offset)) if index.offset is not None else None
+        want = declared.get(key) if key is not None else None
+        if want is None:
+            continue
+        name, off, length = info.relative_path, info.offset, info.length
+        where = f"item of {index.fqn!r} at offset {off} (length {length})"
+        try:
+            stored = torch.load(_StoredItem(storage, name, off, length), map_location="meta", weights_only=True)
+        except FileNotFoundError:
+            problems.append(Problem(name, "disappeared while it was being verified", "missing"))
+            continue
+        except Exception as exc:  # noqa: BLE001 - any failure to decode is a finding
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            problems.append(Problem(name, f"{where} cannot be decoded as a tensor ({type(exc).__name__}: {first})"))
+            continue
+        if not isinstance(stored, torch.Tensor):
+            problems.append(Problem(name, f"{where} holds a {type(stored).__name__}, .metadata declares a tensor"))
+        elif (stored.dtype, tuple(stored.shape)) != want:
+            problems.append(
+                Problem(
+                    name,
+                    f"{where} holds a tensor of shape {list(stored.shape)} and dtype {_dtype_name(stored.dtype)}, "
+                    f".metadata declares shape {list(want[1])} and dtype {_dtype_name(want[0])}",
+                )
+            )
+    return problems
 
 
 def _manifest_problems(manifest: Manifest) -> list[Problem]:
@@ -481,11 +553,14 @@ def _manifest_problems(manifest: Manifest) -> list[Problem]:
                 Problem(MANIFEST_NAME, f"lists {name}, a shard of rank {rank}, but says the world size was "
                         f"{manifest.world_size}")
             )
-    missing = sorted(set(range(manifest.world_size)) - ranks)
-    if missing:
+    # Never range(world_size): a crafted world size (10^12) must not build a set that large.
+    present = sum(1 for r in ranks if r < manifest.world_size)
+    if present < manifest.world_size:
+        shown = [r for r in range(min(manifest.world_size, len(ranks) + 20)) if r not in ranks][:20]
+        more = manifest.world_size - present - len(shown)
         problems.append(
-            Problem(MANIFEST_NAME, f"lists no shard file for rank(s) {', '.join(map(str, missing))} of the "
-                    f"{manifest.world_size} that saved")
+            Problem(MANIFEST_NAME, f"lists no shard file for rank(s) {', '.join(map(str, shown))}"
+                    f"{f' and {more} more' if more > 0 else ''} of the {manifest.world_size} that saved")
         )
     return problems
 
