@@ -21,12 +21,16 @@ from .errors import (
     UnsupportedError,
 )
 from .convert import ConvertResult, convert
-from .manager import CheckpointManager, KeepLast, StaleLockWarning, StalePointerWarning
+from .export import ExportResult, export
+from .manager import CheckpointManager, StaleLockWarning, StalePointerWarning
+from .retention import KeepBest, KeepEvery, KeepLast
+from .save_policy import EveryNSeconds, EveryNSteps, FinalStep
 from .state import KeepExistingRanks, RankLocal, ResizePolicy, ResizeWarning, RNGState
 
 __all__ = [
     "AsyncSave", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
-    "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "KeepExistingRanks", "KeepLast", "LoadResult",
+    "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "EveryNSeconds", "EveryNSteps",
+    "ExportResult", "export", "FinalStep", "KeepBest", "KeepEvery", "KeepExistingRanks", "KeepLast", "LoadResult",
     "LockedError", "MissingKeysError", "NotACheckpointError", "NotARegularFileError", "OverwriteRefusedError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",
     "StorageError", "UnsafeCheckpointError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import time
 import warnings
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,7 +24,8 @@ from .format import CheckpointInfo, CkptWriter, Manifest, SafeLoadPlanner, commi
 from .format.dcp_io import checkpoint_bytes
 from .format.deletion import remove_failed_save
 from .format.legacy import inspect_checkpoint, open_reader
-from .format.manifest import check_metadata_json
+from .format.manifest import check_metadata_json, check_metrics
+from .load_keys import Rename, build_request, select_entries
 from .state import to_load_plan, to_save_state_dict
 from .steps import check_step
 from .storage import Storage, open_storage
@@ -54,6 +55,7 @@ class LoadResult:
     format: str
     missing_keys: list[str]
     notes: list[str]
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _storage(uri: str | os.PathLike | Storage) -> Storage:
@@ -93,6 +95,7 @@ def save(
     *,
     step: int | None = None,
     metadata: dict[str, Any] | None = None,
+    metrics: dict[str, float] | None = None,
     overwrite: bool = False,
     process_group=None,
     async_: bool = False,
@@ -102,6 +105,8 @@ def save(
     """Save `state` as a sharded DCP checkpoint at `uri` and commit it with a manifest.
 
     Collective: every rank of `process_group` calls it with its own shard of the state.
+    `metrics` (name -> number, rank 0's values) go into the manifest for retention
+    (`KeepBest`) and listings; NaN and infinities are stored as null.
 
     `async_=True`: return an `AsyncSave` handle as soon as the state is staged to CPU memory;
     the write and the commit run in a background thread on a dedicated gloo group (see
@@ -131,18 +136,19 @@ def save(
     def check_and_collect() -> tuple[int | None, dict[str, Any], dict[str, Any]]:
         # One collective round for every check (each used to cost its own round trip).
         user_metadata = check_metadata_json(metadata)
+        checked_metrics = check_metrics(metrics)
         checked_step = None if step is None else check_step(step)
         state_dict = to_save_state_dict(state, rank=rank)
         if async_ and not background_staging:
             state_dict = async_save.stage(state_dict, group)  # the copy the background writes
-        return checked_step, user_metadata, state_dict
+        return (checked_step, user_metadata, checked_metrics), state_dict
 
-    step, user_metadata, state_dict = _dist.agree(check_and_collect, group)
+    (step, user_metadata, user_metrics), state_dict = _dist.agree(check_and_collect, group)
 
     def write() -> SaveResult:
         return _write_and_commit(
             storage, state_dict, bg_group if async_ else group,
-            world=world, step=step, user_metadata=user_metadata, overwrite=overwrite,
+            world=world, step=step, user_metadata=user_metadata, user_metrics=user_metrics, overwrite=overwrite,
         )
 
     if not async_:
@@ -191,6 +197,7 @@ def _write_and_commit(
     world: int,
     step: int | None,
     user_metadata: dict[str, Any],
+    user_metrics: dict[str, Any],
     overwrite: bool,
 ) -> SaveResult:
     """Every rank writes its shard through DCP; the coordinator prepares the target before
@@ -204,6 +211,7 @@ def _write_and_commit(
             files=dict(files),
             step=step,
             metadata=user_metadata,
+            metrics=user_metrics,
             torch_version=torch.__version__,
             ckptlib_version=__version__,
         )
@@ -272,34 +280,73 @@ def load(
     verify: bool = True,
     trusted: bool = False,
     process_group=None,
+    only: Sequence[str] | None = None,
+    ignore_keys: Sequence[str] | None = None,
+    rename: Rename | None = None,
 ) -> LoadResult:
     """Load a checkpoint into `state` in place, at any world size; return what was loaded.
 
     `strict`: keys the state asks for but the checkpoint lacks, and dtype differences, are
     errors; with strict=False they are skipped and listed in `LoadResult.missing_keys`.
     Keys in the checkpoint that the state does not ask for are never an error.
+
+    Load control (see `ckptlib.load_keys`): `only=("model",)` loads just those top-level
+    entries of `state` (a model-only load of a full checkpoint); `ignore_keys` (globs on the
+    state's flattened keys) are neither loaded nor missing; `rename` maps checkpoint keys
+    to state keys (`{old_prefix: new_prefix}` or a callable).
     """
     storage = _storage(uri)
     group = process_group
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     info = _dist.decide_on_rank0(lambda: inspect_checkpoint(storage, verify=verify, trusted=trusted), group)
+    selected = _dist.agree(lambda: select_entries(state, only), group)
 
     plan = _dist.agree(
         lambda: to_load_plan(
-            state, rank=rank, world_size=world, saved_world_size=info.world_size, step=info.step, strict=strict
+            selected, rank=rank, world_size=world, saved_world_size=info.world_size, step=info.step, strict=strict
         ),
         group,
     )
-    missing = _dist.agree(lambda: _check_request(plan.template, info, strict), group)
+    keyed = None
+    if ignore_keys is not None or rename is not None:
+        saved_keys = list(info.metadata.state_dict_metadata)
+        keyed = _dist.agree(
+            lambda: build_request(plan.template, saved_keys, ignore_keys=ignore_keys, rename=rename), group
+        )
+
+    def check() -> list[str]:
+        unsourced = keyed.unsourced if keyed is not None else []
+        if unsourced and strict:
+            raise MissingKeysError(
+                f"{info.uri}: no checkpoint key is renamed to {', '.join(unsourced[:20])} (rename= renamed their "
+                "own names away)", keys=unsourced, path=info.uri,
+            )
+        return sorted(_check_request(plan.template if keyed is None else keyed.request, info, strict) + unsourced)
+
+    missing = _dist.agree(check, group)
 
     reader, _ = open_reader(storage, info=info, verify=verify, trusted=trusted)
     planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict)
     try:
         with _quiet_single_process():
-            dcp.load(plan.template, storage_reader=reader, planner=planner, process_group=group)
+            dcp.load(
+                plan.template if keyed is None else keyed.request, storage_reader=reader, planner=planner,
+                process_group=group,
+            )
     except compat.checkpoint_exception_cls() as exc:
         raise _unwrap_dcp_error(exc) from exc
-    _dist.agree(lambda: [apply() for apply in plan.appliers], group)
+
+    def apply() -> None:
+        if keyed is not None:
+            keyed.copy_back()
+        for applier in plan.appliers:
+            applier()
+        if selected is not state:  # plain values replaced in the selection go back to the caller's mapping
+            for name, value in selected.items():
+                if state[name] is not value:
+                    state[name] = value  # type: ignore[index]
+
+    _dist.agree(apply, group)
     return LoadResult(
         uri=storage.uri,
         step=info.step,
@@ -308,4 +355,5 @@ def load(
         format=info.kind,
         missing_keys=missing,
         notes=plan.notes + list(getattr(info, "notes", []) or []),
+        metrics=dict(info.manifest.metrics) if info.manifest else {},
     )

@@ -178,6 +178,44 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _show_progress(args: argparse.Namespace) -> bool:
+    """A progress bar only on a terminal: never when stderr is piped or with --no-progress."""
+    return not getattr(args, "no_progress", False) and sys.stderr.isatty()
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .export import export, parse_dtype, parse_size
+
+    try:
+        dtype = parse_dtype(args.dtype)
+        shard = parse_size(args.max_shard_size)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    result = export(
+        args.src,
+        args.dst,
+        format=args.format,
+        dtype=dtype,
+        max_shard_size=shard,
+        model_only=args.model_only,
+        step=args.step,
+        force=args.force,
+        progress=_show_progress(args),
+        trusted=args.trusted,
+    )
+    rate = result.mib_per_s
+    print(
+        f"exported {result.src} ({result.src_format}, step {'-' if result.step is None else result.step}) -> "
+        f"{result.dst} ({result.format}{', ' + result.dtype if result.dtype else ''}): {result.tensors} tensors, "
+        f"{result.bytes} bytes in {len(result.files)} file{'s' if len(result.files) != 1 else ''}, "
+        f"{result.seconds:.2f}s" + (f" ({rate:.1f} MiB/s)" if rate else "")
+    )
+    if result.skipped:
+        shown = ", ".join(result.skipped[:10]) + (f" ... ({len(result.skipped)} in all)" if len(result.skipped) > 10 else "")
+        print(f"not exported: {shown}")
+    return EXIT_OK
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     from .errors import CheckpointError
     from .format import MANIFEST_NAME, Manifest
@@ -249,10 +287,29 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
 
 def _cmd_gc(args: argparse.Namespace) -> int:
     from .manager import CheckpointManager
+    from .retention import KeepEvery, KeepLast, parse_keep_best
 
-    if args.keep < 1:
-        raise UsageError("--keep must be at least 1")
-    mgr = CheckpointManager(args.root, keep_last=args.keep)
+    if args.keep is not None and args.keep_last is not None:
+        raise UsageError("--keep is --keep-last; give one of them")
+    keep_last = args.keep if args.keep is not None else args.keep_last
+    for flag, value in (("--keep", args.keep), ("--keep-last", args.keep_last), ("--keep-every", args.keep_every)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1")
+    policies = []
+    try:
+        if keep_last is not None:
+            policies.append(KeepLast(keep_last))
+        if args.keep_every is not None:
+            policies.append(KeepEvery(args.keep_every))
+        policies.extend(parse_keep_best(spec) for spec in args.keep_best)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not policies:
+        raise UsageError("say what to keep: --keep-last N, --keep-every K and/or --keep-best K:METRIC[:min|max]")
+    retention = policies[0]
+    for policy in policies[1:]:
+        retention = retention | policy
+    mgr = CheckpointManager(args.root, retention=retention)
     if not mgr.storage.exists():
         raise UsageError(f"{args.root}: no such checkpoint root")
     if args.force and not args.dry_run:
@@ -338,13 +395,22 @@ def build_parser() -> argparse.ArgumentParser:
         "gc",
         help="apply retention to a checkpoint root",
         description=(
-            "Keep the newest N committed steps (never the one `latest` names) and remove incomplete debris. "
-            "Only files ckptlib writes are removed: a step directory that also holds other files keeps them. "
+            "Apply retention to ROOT and remove incomplete debris (only files ckptlib wrote: a step directory that also holds other files keeps them). A committed "
+            "step is kept when any rule keeps it: --keep-last N (the N highest steps), --keep-every K (steps that "
+            "are multiples of K), --keep-best K:METRIC[:min|max] (the K best by a metric saved with the step; "
+            "steps without it are not best; a tie keeps the newer step). The step `latest` names is always kept. "
+            "The rules are CheckpointManager's retention policies (KeepLast | KeepEvery | KeepBest). "
             "Takes the root's lock: fails (exit 1) while a writer holds it."
         ),
     )
     p.add_argument("root")
-    p.add_argument("--keep", type=int, required=True, help="number of newest committed steps to keep")
+    p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep the N highest-numbered committed steps")
+    p.add_argument("--keep", type=int, default=None, metavar="N", help="same as --keep-last N")
+    p.add_argument("--keep-every", type=int, default=None, metavar="K", help="keep every step that is a multiple of K")
+    p.add_argument(
+        "--keep-best", action="append", default=[], metavar="K:METRIC[:min|max]",
+        help="keep the K best steps by METRIC (saved with metrics=...; min is best unless :max); repeatable",
+    )
     p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     p.add_argument(
         "--force", action="store_true",
@@ -370,6 +436,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trusted", action="store_true", help="allow arbitrary unpickling of objects in torch.save sources")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser(
+        "export",
+        help="export a checkpoint as one consolidated model in Hugging Face's layout",
+        description=(
+            "Write SRC (any checkpoint ckptlib reads, at any saved world size, or a CheckpointManager root: its "
+            "latest step, or --step) as one consolidated model in DST, streaming one tensor at a time. "
+            "--format safetensors: model.safetensors, or model-0000k-of-0000n.safetensors plus "
+            "model.safetensors.index.json when the tensors exceed --max-shard-size. --format torch: "
+            "pytorch_model.bin (torch.save of a flat name->tensor dict), or pytorch_model-0000k-of-0000n.bin plus "
+            "pytorch_model.bin.index.json. A DST ending in .safetensors (.bin/.pt/.pth for torch) is one file. "
+            "--model-only writes the 'model' entry's tensors without the 'model.' prefix (the names "
+            "transformers' loaders expect); otherwise every tensor under its full key. Non-tensor values are "
+            "never exported. Refuses to write into an existing DST unless --force, and even then only when DST "
+            "is an export ckptlib wrote (ckptlib_export.json lists its files)."
+        ),
+    )
+    p.add_argument("src", help="a checkpoint (path, file:// or s3:// URI) or a CheckpointManager root")
+    p.add_argument("dst", help="a local directory (or one .safetensors/.bin file)")
+    p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors", help="default safetensors")
+    p.add_argument("--dtype", default=None, help="cast floating-point tensors, e.g. bfloat16 (integer tensors keep theirs)")
+    p.add_argument(
+        "--max-shard-size", default="5GB",
+        help="largest shard: bytes or 5GB / 500MB / 2GiB as Hugging Face spells it (default 5GB); "
+        "a larger tensor gets a shard of its own",
+    )
+    p.add_argument("--model-only", action="store_true", help="only the model's tensors, without the 'model.' prefix")
+    p.add_argument("--step", type=int, default=None, help="with a CheckpointManager root: this step instead of latest")
+    p.add_argument("--force", action="store_true", help="replace an export ckptlib wrote earlier at DST")
+    p.add_argument("--trusted", action="store_true", help="allow arbitrary unpickling of objects in torch.save sources")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser(
         "unlock",

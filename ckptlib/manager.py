@@ -29,35 +29,22 @@ import os
 import socket
 import uuid
 import warnings
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from . import _dist
 from .checkpoint import LoadResult, SaveResult, load, save
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError
-from .format import PENDING_NAME, classify
+from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
+from .preemption import DEFAULT_SIGNALS, PreemptionWatcher, signal_name
+from .retention import KeepLast, RetentionPolicy, StepRecord, to_delete
+from . import save_policy as _save_policy
+from .save_policy import SaveContext, SavePolicy, decide
 from .format.deletion import describe_foreign, remove_checkpoint
 from .steps import DELETING_RE, check_step, parse_step, step_dir
 from .storage import Storage, open_storage
 
 LATEST = "latest"
 LOCK_NAME = "ckptlib.lock"
-
-
-@dataclasses.dataclass(frozen=True)
-class KeepLast:
-    """Retention: keep the newest `n` committed steps (None keeps all)."""
-
-    n: int | None = None
-
-    def __post_init__(self):
-        if self.n is not None and (not isinstance(self.n, int) or self.n < 1):
-            raise ValueError(f"keep_last must be a positive int or None, got {self.n!r}")
-
-    def to_delete(self, committed: list[int], protected: set[int]) -> list[int]:
-        if self.n is None:
-            return []
-        doomed = sorted(committed)[: max(0, len(committed) - self.n)]
-        return [s for s in doomed if s not in protected]
 
 
 class StalePointerWarning(UserWarning):
@@ -276,7 +263,12 @@ class CheckpointManager:
         root: str | os.PathLike,
         *,
         keep_last: int | None = None,
-        retention=None,
+        retention: RetentionPolicy | None = None,
+        save_policy: SavePolicy | None = None,
+        save_on_preemption: bool = False,
+        preemption_signals: Iterable[int] = DEFAULT_SIGNALS,
+        initial_load: str | os.PathLike | None = None,
+        initial_load_only: Sequence[str] | None = None,
         process_group=None,
         hold_lock: bool = False,
         async_save: bool = False,
@@ -293,12 +285,35 @@ class CheckpointManager:
         moves `latest`. At interpreter exit the save in flight is waited for before the lock
         is released. `background_staging=True` (with `async_save=True`): `save()` returns
         before the state is copied; call the handle's `wait_staged()` before changing the
-        state (see `ckptlib.save`)."""
+        state (see `ckptlib.save`).
+
+        `retention`: a policy from `ckptlib.retention` (`KeepLast(3) | KeepBest(2, "loss")`);
+        `keep_last=N` is short for `KeepLast(N)`. `save_policy` (`ckptlib.save_policy`) decides
+        when `maybe_save` saves. `save_on_preemption=True`: a handler for `preemption_signals`
+        records the signal and the next `maybe_save` saves on every rank (see `maybe_save`).
+        `initial_load`: a checkpoint (any format ckptlib reads) that `load()` reads when the
+        root has no committed step yet; only the state's modules unless `initial_load_only`
+        names the state entries to take from it."""
         if background_staging and not async_save:
             raise StateError("background_staging=True needs async_save=True")
+        if keep_last is not None and retention is not None:
+            raise StateError("pass keep_last or retention, not both (combine policies with |)")
+        if save_policy is not None and not isinstance(save_policy, SavePolicy):
+            raise StateError(f"save_policy must have should_save(context), got {save_policy!r}")
+        if retention is not None and not callable(getattr(retention, "keep", None)):
+            raise StateError(f"retention must have keep(records), got {retention!r}")
         self.root_uri = os.fspath(root)
         self.storage: Storage = open_storage(self.root_uri)
         self.retention = retention if retention is not None else KeepLast(keep_last)
+        self.save_policy = save_policy
+        self.initial_load = None if initial_load is None else os.fspath(initial_load)
+        self.initial_load_only = None if initial_load_only is None else tuple(initial_load_only)
+        self.initial_loaded = False  # True after load() read initial_load (the root had no step)
+        self.preempted = False  # set by maybe_save once a preemption signal reached any rank
+        self.preemption_signal: str | None = None  # its name ("SIGTERM"), the same on every rank
+        self._watcher = PreemptionWatcher(preemption_signals) if save_on_preemption else None
+        self._last_save_step: int | None = None
+        self._last_save_time = _save_policy.clock()
         self.process_group = process_group
         self.hold_lock = hold_lock
         self.async_save = async_save
@@ -321,6 +336,8 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self._watcher is not None:
+                self._watcher.close()
             self._lock.release()
 
     # -- async saves --------------------------------------------------------------------
@@ -435,8 +452,47 @@ class CheckpointManager:
         return f"{self.storage.uri.rstrip('/')}/{step_dir(step)}"
 
     # -- saving -------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None) -> SaveResult:
-        """Save and commit `step`, move `latest` to it, then apply retention."""
+    def maybe_save(
+        self, step: int, state: Mapping[str, Any], *, metrics: dict[str, float] | None = None, force: bool = False,
+        metadata: dict[str, Any] | None = None,
+    ) -> bool:
+        """Save `step` if the save policy says so (rank 0 decides), `force` is true on any rank, or
+        a preemption signal reached any rank; return whether it saved. Collective: one small
+        all_reduce per call, then the save if any.
+
+        After a preemption signal the save is synchronous (an async save in flight is waited
+        for too), and `preempted` becomes True on every rank: the loop should stop. A step this
+        manager already saved or loaded is not saved again."""
+        step = check_step(step)
+        watcher = self._watcher
+        policy = self.save_policy
+
+        def ask_policy() -> bool:
+            if policy is None:
+                return False
+            return policy.should_save(SaveContext(step, _save_policy.clock(), self._last_save_time, self._last_save_step))
+
+        decision = decide(ask_policy, force=force, signal=watcher and watcher.received, group=self.process_group)
+        if decision.preempted:
+            self.preempted = True
+            self.preemption_signal = signal_name(decision.signal)
+            if watcher is not None:
+                watcher.received = None  # handled: a later signal asks for another save
+        if not (decision.save or decision.preempted) or step == self._last_save_step:
+            if decision.preempted:
+                self.wait()
+            return False
+        self.save(step, state, metadata=metadata, metrics=metrics)
+        if decision.preempted:
+            self.wait()
+        return True
+
+    def save(
+        self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None,
+        metrics: dict[str, float] | None = None,
+    ) -> SaveResult:
+        """Save and commit `step`, move `latest` to it, then apply retention. `metrics` (rank 0's
+        values) are stored in the manifest for `KeepBest` and listings."""
         step = check_step(step)
         self.wait()  # the previous async save: its failure surfaces here, before anything else
         target = self.storage.child(step_dir(step))
@@ -446,17 +502,20 @@ class CheckpointManager:
             if replace:
                 warnings.warn(replace, StalePointerWarning, stacklevel=2)
             if self.async_save:
-                return self._save_async(step, target, state, metadata, overwrite=bool(replace))
-            result = save(
-                target, state, step=step, metadata=metadata, overwrite=bool(replace), process_group=self.process_group
-            )
-            _dist.decide_on_rank0(lambda: self._publish(step), self.process_group)
+                result = self._save_async(step, target, state, metadata, metrics, overwrite=bool(replace))
+            else:
+                result = save(
+                    target, state, step=step, metadata=metadata, metrics=metrics, overwrite=bool(replace),
+                    process_group=self.process_group,
+                )
+                _dist.decide_on_rank0(lambda: self._publish(step), self.process_group)
         except BaseException:
             self._drop_lock_after_failure()
             raise
+        self._last_save_step, self._last_save_time = step, _save_policy.clock()
         return result
 
-    def _save_async(self, step: int, target: Storage, state: Mapping[str, Any], metadata, *, overwrite: bool):
+    def _save_async(self, step: int, target: Storage, state: Mapping[str, Any], metadata, metrics, *, overwrite: bool):
         def background(run, group):
             # In the background thread: collectives only on `group` (the dedicated one).
             try:
@@ -468,8 +527,8 @@ class CheckpointManager:
             return result
 
         handle = save(
-            target, state, step=step, metadata=metadata, overwrite=overwrite, process_group=self.process_group,
-            async_=True, background_staging=self.background_staging, _background=background,
+            target, state, step=step, metadata=metadata, metrics=metrics, overwrite=overwrite,
+            process_group=self.process_group, async_=True, background_staging=self.background_staging, _background=background,
         )
         self._pending = handle
         atexit.register(self._wait_at_exit)
@@ -510,8 +569,12 @@ class CheckpointManager:
         scan = self._scan()
         pointed = parse_step(self.storage.read_pointer(LATEST) or "")
         protected = set(protect) | ({pointed} if pointed is not None else set())
-        committed = [s.step for s in scan if s.state == "committed"]
-        doomed = {s: step_dir(s) for s in self.retention.to_delete(committed, protected)}
+        uses_metrics = getattr(self.retention, "uses_metrics", True)
+        records = [
+            StepRecord(s.step, self._saved_metrics(s.name) if uses_metrics else {})
+            for s in scan if s.state == "committed"
+        ]
+        doomed = {s: step_dir(s) for s in to_delete(self.retention, records, protected)}
         for info in scan:
             if info.state == "incomplete" and info.step not in protected:
                 doomed[info.step] = info.name
@@ -534,6 +597,14 @@ class CheckpointManager:
                 )
         return sorted(doomed.values()) + sorted(leftovers)
 
+    def _saved_metrics(self, name: str) -> dict[str, Any]:
+        """The metrics in a step's manifest; {} when it has none or cannot be read (never fatal)."""
+        where = f"{self.storage.uri.rstrip('/')}/{name}/{MANIFEST_NAME}"
+        try:
+            return dict(Manifest.from_bytes(self.storage.child(name).read(MANIFEST_NAME), where).metrics)
+        except (CheckpointError, OSError):
+            return {}
+
     def gc(self, *, dry_run: bool = False) -> list[str]:
         """Apply retention and remove debris now; returns the step directories (to be) removed.
 
@@ -554,22 +625,53 @@ class CheckpointManager:
 
     # -- loading ------------------------------------------------------------------------
     def load(self, state: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> int | None:
-        """Load `step` (None: the newest committed) into `state`; None when there is nothing to resume."""
+        """Load `step` (None: the newest committed) into `state` and return the step resumed
+        from: None when there is nothing to resume, 0 after an `initial_load` (train from step
+        0). Takes `load`'s options (`strict`, `only`, `ignore_keys`, `rename`...)."""
         result = self.load_result(state, step, **kwargs)
-        return None if result is None else result.step
+        if result is None:
+            return None
+        return 0 if self.initial_loaded else result.step
 
     def load_result(self, state: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> LoadResult | None:
+        """Like `load`, returning the whole LoadResult (its `uri` names the initial_load
+        checkpoint when that was loaded)."""
         if step is None:
             step = self.latest()
             if step is None:
-                return None
+                return self._load_initial(state, kwargs) if self.initial_load is not None else None
         else:
             step = check_step(step)
         try:
-            return load(self.storage.child(step_dir(step)), state, process_group=self.process_group, **kwargs)
+            result = load(self.storage.child(step_dir(step)), state, process_group=self.process_group, **kwargs)
         except CheckpointNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.root_uri} has no step {step}", path=self.path(step)) from exc
+        self._last_save_step = step  # maybe_save does not save this step again
+        self.initial_loaded = False
+        return result
 
+    def _load_initial(self, state: Mapping[str, Any], kwargs: dict[str, Any]) -> LoadResult:
+        """The root has no committed step: load `initial_load` (by default only the state's modules)."""
+        import torch.nn as nn
+
+        if "only" not in kwargs:
+            only = self.initial_load_only
+            if only is None:
+                only = tuple(name for name, value in state.items() if isinstance(value, nn.Module))
+                if not only:
+                    raise StateError(
+                        f"initial_load={self.initial_load!r} loads the state's nn.Module entries, and the state has "
+                        "none; pass initial_load_only=(names...)"
+                    )
+            kwargs = {**kwargs, "only": only}
+        try:
+            result = load(self.initial_load, state, process_group=self.process_group, **kwargs)
+            self.initial_loaded = True
+            return result
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"initial_load {self.initial_load!r} does not exist ({exc})", path=self.initial_load
+            ) from exc
 
 __all__ = [
     "CheckpointManager", "ForeignFilesWarning", "KeepLast", "LockHolder", "StaleLockWarning", "StalePointerWarning", "step_dir", "parse_step",
