@@ -10,7 +10,10 @@ same on local disk and S3) and reports, per file:
 - `.metadata` (restricted unpickling only): every tensor's saved chunks cover it exactly (no
   gap, no overlap; zero-size chunks are fine: pytorch/pytorch#108869), every chunk and object
   has a storage record, every storage record names a file inside the directory, lies within
-  that file and matches an item record of the manifest.
+  that file and matches an item record of the manifest; no chunk needs more bytes than its
+  stored item holds (checked before anything is allocated for it);
+- every tensor item's own header (a metadata-only torch.load, a few KiB an item): the shape
+  and dtype it holds are the ones `.metadata` declares for its chunk.
 
 A plain DCP checkpoint (no manifest) gets the structural checks and a note that it carries no
 checksums. A ckptlib checkpoint that lost its manifest (its `.metadata` is marked) is damaged.
