@@ -198,3 +198,24 @@ def test_verify_passes_intact_checkpoints_with_many_items(tmp_path):
     state["obj"] = {"lr": 0.1}
     ckptlib.save(d, state)
     assert _errors(d) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fn", [bytearray, bytes], ids=["bytearray", "bytes"])
+def test_object_item_cannot_allocate_from_a_number(tmp_path, fn):
+    """torch's weights_only unpickler allows bytearray: an object item holding `bytearray(2**40)`
+    (a few hundred bytes of file) is refused before torch.load runs it."""
+    d = tmp_path / "c"
+    ckptlib.save(d, {"w": torch.ones(2), "extra": {"blob": _Allocates(fn, 2**40), "n": 3}})
+    assert _errors(d) == []  # the bytes are the ones written; only loading them would allocate
+    with pytest.raises(UnsafeCheckpointError, match=r"\(1099511627776\) from a number") as info:
+        ckptlib.load(d, {"w": torch.zeros(2), "extra": {"blob": None, "n": 0}})
+    assert "__0_0.distcp" in str(info.value) and "extra" in str(info.value)
+
+
+def test_object_items_with_real_byte_values_still_load(tmp_path):
+    d = tmp_path / "c"
+    ckptlib.save(d, {"w": torch.ones(2), "raw": bytearray(b"\x00\x01abc"), "b": b"xyz"})
+    state = {"w": torch.zeros(2), "raw": bytearray(), "b": b""}
+    ckptlib.load(d, state)
+    assert state["raw"] == bytearray(b"\x00\x01abc") and state["b"] == b"xyz"

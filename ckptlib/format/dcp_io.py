@@ -46,7 +46,7 @@ from ..storage.local import LocalStorage, open_regular
 from . import item_encoder
 from .checksum import crc32, crc32_combine
 from .manifest import METADATA_MARKER, METADATA_NAME, FileRecord, Manifest, check_name
-from .safe_pickle import safe_loads
+from .safe_pickle import check_no_allocating_calls, safe_loads
 
 _LOCAL_READ = LocalStorage.read  # as imported, before anything could patch it
 _SHARD_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -1078,6 +1078,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         if self.trusted:
             return super().load_bytes(read_item, value)
+        data = value.getvalue()
+        header = item_encoder.tensor_pickle(lambda pos, n: data[pos : pos + n], len(data), limit=len(data))
+        if header is not None:
+            check_no_allocating_calls(header, f"object {read_item.dest_index.fqn!r}")
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
