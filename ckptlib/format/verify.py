@@ -485,7 +485,9 @@ def verify(storage: Storage | str | os.PathLike, *, read_chunk: int = READ_CHUNK
         structure = structure_problems(metadata, manifest, listing, exhaustive=True)
         problems.extend(structure)
         if not any(p.is_error for p in structure):
-            problems.extend(_declared_item_problems(storage, metadata, listing))
+            # Files already reported damaged are not decoded again (one finding per damage).
+            damaged = {p.file for p in problems if p.is_error and p.file is not None}
+            problems.extend(_declared_item_problems(storage, metadata, damaged))
     return _cap(problems)
 
 
@@ -502,10 +504,11 @@ class _StoredItem(_RangeReader):
         return len(data)
 
 
-def _declared_item_problems(storage: Storage, metadata: Metadata, listing: dict[str, int]) -> list[Problem]:
+def _declared_item_problems(storage: Storage, metadata: Metadata, skip: set[str]) -> list[Problem]:
     """Every stored tensor item's own shape and dtype against what `.metadata` declares for its
     chunk (CRCs only prove the bytes are the ones written, not that `.metadata` describes
-    them). Read from each item's header: a metadata-only torch.load, a few KiB an item."""
+    them). Read from each item's header: a metadata-only torch.load, a few KiB an item.
+    Files in `skip` (already reported damaged) are not decoded."""
     declared: dict[tuple[str, tuple[int, ...]], tuple[Any, tuple[int, ...]]] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -518,6 +521,8 @@ def _declared_item_problems(storage: Storage, metadata: Metadata, listing: dict[
         if want is None:
             continue
         name, off, length = info.relative_path, info.offset, info.length
+        if name in skip:
+            continue
         where = f"item of {index.fqn!r} at offset {off} (length {length})"
         try:
             stored = torch.load(_StoredItem(storage, name, off, length), map_location="meta", weights_only=True)
