@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import time
 import warnings
@@ -26,6 +27,7 @@ from .format.deletion import remove_failed_save
 from .format.legacy import inspect_checkpoint, open_reader
 from .format.manifest import check_metadata_json, check_metrics
 from .load_keys import Rename, build_request, select_entries
+from .observe import log_operation, mib_per_s
 from .state import to_load_plan, to_save_state_dict
 from .steps import check_step
 from .storage import Storage, open_storage
@@ -37,10 +39,24 @@ T = TypeVar("T")
 
 @dataclasses.dataclass
 class SaveResult:
+    """What a save committed: its size (every file), the saving world size, how long it took
+    (`seconds`, for an async save from the call to the commit) and, for an async save, how
+    long the caller was blocked (`blocked_seconds`; None for a synchronous save)."""
+
     uri: str
     step: int | None
     world_size: int
     total_bytes: int
+    seconds: float = 0.0
+    blocked_seconds: float | None = None
+
+    @property
+    def bytes(self) -> int:
+        return self.total_bytes
+
+    @property
+    def mib_per_s(self) -> float | None:
+        return mib_per_s(self.total_bytes, self.seconds)
 
 
 @dataclasses.dataclass
@@ -50,12 +66,19 @@ class LoadResult:
 
     uri: str
     step: int | None
-    world_size: int | None
+    world_size: int | None  # the world size that saved it
     metadata: dict[str, Any]
     format: str
     missing_keys: list[str]
     notes: list[str]
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    bytes: int | None = None  # the checkpoint's size (its files; tensor bytes for foreign formats)
+    seconds: float = 0.0
+    load_world_size: int = 1  # the world size that loaded it
+
+    @property
+    def mib_per_s(self) -> float | None:
+        return mib_per_s(self.bytes, self.seconds)
 
 
 def _storage(uri: str | os.PathLike | Storage) -> Storage:
@@ -152,7 +175,10 @@ def save(
         )
 
     if not async_:
-        return write()
+        result = write()
+        result.seconds = time.perf_counter() - started
+        _log_save(result, rank)
+        return result
 
     def work() -> SaveResult:
         nonlocal state_dict
@@ -163,13 +189,35 @@ def save(
         # Preparing the target (removing debris) waits for the disk, so it runs in the
         # background too, still before any shard is written; its errors
         # (CheckpointExistsError) come from wait().
-        return write() if _background is None else _background(write, bg_group)
+        result = write() if _background is None else _background(write, bg_group)
+        result.seconds = time.perf_counter() - started
+        result.blocked_seconds = handle.blocking_seconds
+        _log_save(result, rank)
+        return result
 
     handle = async_save.AsyncSave(
         storage.uri, work, blocking_seconds=time.perf_counter() - started, started=started, staged=not background_staging
     )
     async_save.register(group, handle)
     return handle  # type: ignore[return-value]
+
+
+def _log_save(result: SaveResult, rank: int) -> None:
+    log_operation(
+        "save", uri=result.uri, step=result.step, nbytes=result.total_bytes, seconds=result.seconds,
+        world_size=result.world_size, blocked_seconds=result.blocked_seconds, rank=rank,
+    )
+
+
+def _checkpoint_size(info: CheckpointInfo) -> int | None:
+    """A checkpoint's size: its files per the manifest, else the bytes of its tensors."""
+    if info.manifest is not None:
+        return info.manifest.total_bytes
+    total = 0
+    for md in info.metadata.state_dict_metadata.values():
+        if isinstance(md, TensorStorageMetadata):
+            total += math.prod(md.size) * torch.empty((), dtype=md.properties.dtype).element_size()
+    return total
 
 
 def _on_coordinator(fn: Callable[..., T]) -> Callable[..., T]:
@@ -231,8 +279,11 @@ def _write_and_commit(
     return SaveResult(uri=storage.uri, step=step, world_size=world, total_bytes=checkpoint_bytes(metadata))
 
 
-def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool) -> list[str]:
-    """Compare the requested keys with the checkpoint; return the missing ones."""
+def _check_request(
+    template: dict[str, Any], info: CheckpointInfo, strict: bool, keep_if_absent: frozenset[str] = frozenset()
+) -> tuple[list[str], list[str]]:
+    """Compare the requested keys with the checkpoint; return the missing ones, and the absent
+    ones the state keeps its own value for (`LoadPlan.keep_if_absent`)."""
     saved = info.metadata.state_dict_metadata
     flat = compat.flatten_state_dict(template)[0]
     missing = sorted(k for k in flat if k not in saved)
@@ -241,6 +292,10 @@ def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool)
         old_missing = sorted(k for k in old_flat if k not in saved)
         if len(old_missing) < len(missing):
             flat, missing = old_flat, old_missing
+    # Kept only where the checkpoint holds the same param group (an optimizer it lacks stays missing).
+    groups = {k.rsplit(".", 1)[0] for k in saved}
+    kept = [k for k in missing if k in keep_if_absent and k.rsplit(".", 1)[0] in groups]
+    missing = [k for k in missing if k not in keep_if_absent]
     if missing and strict:
         shown = ", ".join(missing[:20]) + (f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
         raise MissingKeysError(f"{info.uri} lacks keys the state asks for: {shown}", keys=missing, path=info.uri)
@@ -269,7 +324,7 @@ def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool)
             keys=bad_keys,
             path=info.uri,
         )
-    return missing
+    return missing, kept
 
 
 def load(
@@ -295,6 +350,7 @@ def load(
     state's flattened keys) are neither loaded nor missing; `rename` maps checkpoint keys
     to state keys (`{old_prefix: new_prefix}` or a callable).
     """
+    started = time.perf_counter()
     storage = _storage(uri)
     group = process_group
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
@@ -314,19 +370,28 @@ def load(
             lambda: build_request(plan.template, saved_keys, ignore_keys=ignore_keys, rename=rename), group
         )
 
-    def check() -> list[str]:
+    def check() -> tuple[list[str], list[str]]:
         unsourced = keyed.unsourced if keyed is not None else []
         if unsourced and strict:
             raise MissingKeysError(
                 f"{info.uri}: no checkpoint key is renamed to {', '.join(unsourced[:20])} (rename= renamed their "
                 "own names away)", keys=unsourced, path=info.uri,
             )
-        return sorted(_check_request(plan.template if keyed is None else keyed.request, info, strict) + unsourced)
+        request = plan.template if keyed is None else keyed.request
+        missing, kept = _check_request(request, info, strict, plan.keep_if_absent)
+        return sorted(missing + unsourced), kept
 
-    missing = _dist.agree(check, group)
+    missing, kept = _dist.agree(check, group)
+    notes = list(plan.notes)
+    if kept:
+        notes.append(
+            f"the checkpoint lacks optimizer hyperparameters {', '.join(kept)} (the torch that saved it did not "
+            "have them); the optimizers keep their own values"
+        )
 
     reader, _ = open_reader(storage, info=info, verify=verify, trusted=trusted)
-    planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict)
+    # Every other key was checked above, so a partial load skips only the kept ones.
+    planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict or bool(kept))
     try:
         with _quiet_single_process():
             dcp.load(
@@ -347,13 +412,21 @@ def load(
                     state[name] = value  # type: ignore[index]
 
     _dist.agree(apply, group)
-    return LoadResult(
+    result = LoadResult(
         uri=storage.uri,
         step=info.step,
         world_size=info.world_size,
         metadata=dict(info.manifest.metadata) if info.manifest else {},
         format=info.kind,
         missing_keys=missing,
-        notes=plan.notes + list(getattr(info, "notes", []) or []),
+        notes=notes + list(getattr(info, "notes", []) or []),
         metrics=dict(info.manifest.metrics) if info.manifest else {},
+        bytes=_checkpoint_size(info),
+        seconds=time.perf_counter() - started,
+        load_world_size=world,
     )
+    log_operation(
+        "load", uri=result.uri, step=result.step, nbytes=result.bytes, seconds=result.seconds, world_size=world,
+        saved_world_size=result.world_size, rank=rank,
+    )
+    return result

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import functools
 import importlib
+import importlib.util
 import inspect
 import io
 import math
@@ -237,6 +238,32 @@ def set_element(root: dict, path: tuple, value: Any) -> None:
     from torch.distributed.checkpoint._traverse import set_element as _set_element
 
     _set_element(root, path, value)
+
+
+# torch 1.13 shipped DCP as torch.distributed._shard.checkpoint; its checkpoints' `.metadata`
+# pickles the metadata classes under those module names. Today that package is a shim that
+# aliases only the package, so unpickling imports a *second copy* of metadata.py whose classes
+# are not DCP's ("expected BytesStorageMetadata but found ...TensorStorageMetadata").
+_RENAMED_DCP_MODULES = {
+    "torch.distributed._shard.checkpoint": "torch.distributed.checkpoint",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def current_pickle_module(module: str) -> str:
+    """Where a class pickled under `module` by an older torch lives in this torch.
+
+    `torch.distributed._shard.checkpoint.metadata` (1.13) -> `torch.distributed.checkpoint.metadata`,
+    when this torch has the latter; any other module name is returned unchanged."""
+    for old, new in _RENAMED_DCP_MODULES.items():
+        if module == old or module.startswith(old + "."):
+            candidate = new + module[len(old):]
+            try:
+                found = importlib.util.find_spec(candidate) is not None
+            except (ImportError, ValueError):
+                found = False
+            return candidate if found else module
+    return module
 
 
 def checkpoint_exception_cls() -> type:
@@ -538,4 +565,5 @@ def describe() -> dict[str, Any]:
         "meta_load_records_offsets": meta_load_records_offsets(),
         "zip_writer_without_crc": torch_save_without_zip_crc(torch.zeros(1), io.BytesIO()),
         "safe_globals": has_safe_globals(),
+        "dcp_1_13_metadata_module": current_pickle_module("torch.distributed._shard.checkpoint.metadata"),
     }

@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import socket
+import time
 import uuid
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
@@ -35,6 +36,7 @@ from . import _dist
 from .checkpoint import LoadResult, SaveResult, load, save
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError
 from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
+from .observe import log_operation
 from .preemption import DEFAULT_SIGNALS, PreemptionWatcher, signal_name
 from .retention import KeepLast, RetentionPolicy, StepRecord, to_delete
 from . import save_policy as _save_policy
@@ -564,8 +566,9 @@ class CheckpointManager:
             raise
         self._drop_lock()
 
-    def _collect(self, protect: set[int], dry_run: bool = False) -> list[str]:
-        """Retention and debris removal; never removes what `latest` names or `protect`."""
+    def _collect(self, protect: set[int], dry_run: bool = False, on_removed=None) -> list[str]:
+        """Retention and debris removal; never removes what `latest` names or `protect`.
+        `on_removed(done, total)` follows the deletions (a progress bar)."""
         scan = self._scan()
         pointed = parse_step(self.storage.read_pointer(LATEST) or "")
         protected = set(protect) | ({pointed} if pointed is not None else set())
@@ -581,10 +584,15 @@ class CheckpointManager:
         leftovers = [n for n in self.storage.list_children() if DELETING_RE.match(n)]
         if not dry_run:
             kept: dict[str, list[str]] = {}
-            for name in [*doomed.values(), *leftovers]:  # leftovers: a deletion that crashed half-way
+            total = len(doomed) + len(leftovers)
+            if on_removed is not None:
+                on_removed(0, total)
+            for done, name in enumerate([*doomed.values(), *leftovers], 1):  # leftovers: a deletion that crashed
                 foreign = remove_checkpoint(self.storage.child(name))
                 if foreign:
                     kept[name] = foreign
+                if on_removed is not None:
+                    on_removed(done, total)
             for info in scan:  # a commit that crashed between writing the manifest and this
                 if info.state == "committed" and info.step not in doomed and PENDING_NAME in info.files:
                     self.storage.child(info.name).delete([PENDING_NAME])
@@ -605,23 +613,33 @@ class CheckpointManager:
         except (CheckpointError, OSError):
             return {}
 
-    def gc(self, *, dry_run: bool = False) -> list[str]:
+    def gc(self, *, dry_run: bool = False, on_removed=None) -> list[str]:
         """Apply retention and remove debris now; returns the step directories (to be) removed.
+        `on_removed(done, total)` is called on rank 0 as directories are removed.
 
         Takes the root's lock (LockedError while another writer holds it), except for a dry run.
         """
         self.wait()  # never delete while a save is still writing (verl #4638)
-        if dry_run:
-            return _dist.decide_on_rank0(lambda: self._collect(protect=set(), dry_run=True), self.process_group)
+        world = _dist.get_world_size(self.process_group)
 
-        def locked_collect() -> list[str]:
-            self._take_lock()
-            try:
-                return self._collect(protect=set())
-            finally:
-                self._drop_lock()
+        def collect() -> list[str]:
+            started = time.perf_counter()
+            sizes = {info.name: sum(info.files.values()) for info in self._scan()}
+            if dry_run:
+                removed = self._collect(protect=set(), dry_run=True)
+            else:
+                self._take_lock()
+                try:
+                    removed = self._collect(protect=set(), on_removed=on_removed)
+                finally:
+                    self._drop_lock()
+            log_operation(
+                "gc", uri=self.root_uri, step=None, nbytes=sum(sizes.get(name, 0) for name in removed),
+                seconds=time.perf_counter() - started, world_size=world, removed=len(removed), dry_run=dry_run,
+            )
+            return removed
 
-        return _dist.decide_on_rank0(locked_collect, self.process_group)
+        return _dist.decide_on_rank0(collect, self.process_group)
 
     # -- loading ------------------------------------------------------------------------
     def load(self, state: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> int | None:

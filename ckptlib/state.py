@@ -243,6 +243,10 @@ class LoadPlan:
     template: dict[str, Any]
     appliers: list[Callable[[], None]]
     notes: list[str]
+    # Flat keys the checkpoint may lack; the state keeps its own value for them: optimizer
+    # hyperparameters a newer torch added (Adam's `decoupled_weight_decay` is absent from a
+    # checkpoint an older torch wrote, and its default is what the older torch did).
+    keep_if_absent: frozenset[str] = frozenset()
 
 
 def to_load_plan(
@@ -302,7 +306,19 @@ def to_load_plan(
             appliers.append(lambda n=name: _set_plain(state, n, template[n]))
     for note in notes:
         warnings.warn(note, ResizeWarning, stacklevel=3)
-    return LoadPlan(template=template, appliers=appliers, notes=notes)
+    optimizers = {name for name, value in state.items() if isinstance(value, torch.optim.Optimizer)}
+    return LoadPlan(template=template, appliers=appliers, notes=notes, keep_if_absent=_hyperparameter_keys(template, optimizers))
+
+
+def _hyperparameter_keys(template: dict[str, Any], optimizers: set[str]) -> frozenset[str]:
+    """Flat keys of the optimizers' param-group hyperparameters (not their `params` lists)."""
+    if not optimizers:
+        return frozenset()
+    _, paths = compat.flatten_state_dict({name: template[name] for name in optimizers})
+    return frozenset(
+        key for key, path in paths.items()
+        if len(path) == 4 and path[1] == "param_groups" and path[3] != "params"
+    )
 
 
 def _merge_back(dst: Any, src: Any) -> None:
