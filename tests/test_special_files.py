@@ -132,3 +132,18 @@ def test_plain_dcp_metadata_fifo(tmp_path):
     with pytest.raises(CheckpointError, match="__0_0.distcp"):
         ckptlib.load(tmp_path / "d", {"w": torch.zeros(4)})
     shutil.rmtree(tmp_path / "d")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_checkpoint_path_itself_special(tmp_path, capsys, kind):
+    from ckptlib import NotACheckpointError
+
+    path = str(tmp_path / "ckpt")
+    _replace(path, kind)
+    with pytest.raises(NotACheckpointError, match="FIFO|character device"):
+        ckptlib.load(path, {"w": torch.zeros(2)})
+    with pytest.raises(NotACheckpointError):
+        verify(path)
+    rc, text = _cli(capsys, "verify", path)
+    assert rc != 0 and path in text

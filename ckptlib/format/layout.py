@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import stat
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -110,6 +112,15 @@ def classify(storage: Storage, listing: dict[str, int] | None = None) -> str:
     return "incomplete" if _marked_by_ckptlib(storage) else "dcp"
 
 
+def _file_kind(path: str) -> str:
+    mode = os.stat(path).st_mode
+    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file or directory"
+
+
 def not_a_checkpoint_error(storage: Storage, kind: str) -> CheckpointError | None:
     """The error for a `classify` kind that is no checkpoint at all (missing, a file, empty,
     unrelated files), or None."""
@@ -118,6 +129,11 @@ def not_a_checkpoint_error(storage: Storage, kind: str) -> CheckpointError | Non
     if is_file is not None and is_file():
         return NotACheckpointError(f"{uri} is a file, not a checkpoint directory", path=uri)
     if kind == "missing":
+        local = storage.local_path()
+        if local is not None and os.path.exists(local):  # neither a directory nor a regular file
+            return NotACheckpointError(
+                f"{uri} is {_file_kind(local)}, not a checkpoint directory; refusing to read it", path=uri
+            )
         return CheckpointNotFoundError(f"no checkpoint at {uri}: the path does not exist", path=uri)
     if kind in ("empty", "other"):
         return NotACheckpointError(

@@ -65,7 +65,6 @@ from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointIncompleteError,
-    CheckpointNotFoundError,
     NotACheckpointError,
     StorageError,
     UnsafeCheckpointError,
@@ -74,7 +73,7 @@ from ..errors import (
 from ..storage import LocalStorage, Storage, check_relative, open_storage
 from ..storage.local import check_regular
 from .dcp_io import CkptReader, PlannedReader
-from .layout import CheckpointInfo, classify, open_checkpoint
+from .layout import CheckpointInfo, classify, not_a_checkpoint_error, open_checkpoint
 from .safetensors_header import (
     MAX_HEADER_BYTES,
     header_length,
@@ -233,7 +232,7 @@ def _detect(storage: Storage) -> tuple[str, _Where]:
             return "torch_save", _Where(root, (name,))
         raise _not_a_checkpoint(uri)
     if not storage.exists():
-        raise CheckpointNotFoundError(f"no checkpoint at {uri}: the path does not exist", path=uri)
+        raise not_a_checkpoint_error(storage, "missing")  # absent, or a FIFO or device
     listing = storage.list()
     kind = classify(storage, listing)
     if kind == "committed":
