@@ -272,7 +272,9 @@ def _write_and_commit(
     except BaseException as exc:
         # Every rank removes what this save wrote (a full disk must not stay full; the next
         # save then succeeds by itself); a committed checkpoint is never touched.
-        remove_failed_save(storage, shard=writer.shard_name, coordinator=writer.is_coordinator, prepared=writer.prepared)
+        remove_failed_save(
+            storage, shard=writer.unfinished_shard, coordinator=writer.is_coordinator, prepared=writer.prepared
+        )
         if isinstance(exc, compat.checkpoint_exception_cls()):
             raise _unwrap_dcp_error(exc) from exc
         raise

@@ -428,9 +428,10 @@ class CkptWriter(StorageWriter):
         self._prepare = prepare
         self._commit = commit
         # For the cleanup of a failed save (`deletion.remove_failed_save`): whether the
-        # coordinator prepared the target, and the shard file this rank started.
+        # coordinator prepared the target, and the shard file this rank started but did not
+        # finish (None once it is complete).
         self.prepared = False
-        self.shard_name: str | None = None
+        self.unfinished_shard: str | None = None
 
     def reset(self, checkpoint_id=None) -> None:
         self.file_records = {}
@@ -461,7 +462,7 @@ class CkptWriter(StorageWriter):
             for wi in ordered
             if wi.tensor_data is not None
         )
-        self.shard_name = name
+        self.unfinished_shard = name
         with self.storage.open_writer(name) as stream:
             sink = _CrcSink(stream, block_size_for(planned))
             for item in ordered:
@@ -487,6 +488,7 @@ class CkptWriter(StorageWriter):
                 offset = sink.pos
             sink.end_file()
             file_crc = sink.file_crc
+        self.unfinished_shard = None
         record = FileRecord(size=offset, crc32=file_crc, items=items, block_size=sink.block_size, blocks=sink.blocks)
         self.file_records[name] = record
         if results:

@@ -82,8 +82,13 @@ def remove_failed_save(storage: Storage, *, shard: str | None, coordinator: bool
     """Best effort, on every rank after a save failed (ENOSPC, a rank's error): remove what this
     save wrote so a full disk does not stay full. Never touches a checkpoint that committed
     (the manifest is there: the failure came after the commit), nor anything when the target
-    was never prepared (a refused overwrite). Each rank removes its own shard `shard`; the
-    coordinator (`prepared`: its prepare step ran) the rest of the save's files."""
+    was never prepared (a refused overwrite).
+
+    Each rank removes `shard`, the shard file it started and did not finish (its writer
+    usually did already); a finished shard is left to the coordinator, which alone knows
+    whether the commit is still under way (a rank that times out must never delete a file of
+    a checkpoint the coordinator is committing). The coordinator (`prepared`: its prepare
+    step ran) removes every file of the failed save."""
     try:
         if MANIFEST_NAME in storage.list(MANIFEST_NAME):
             return
