@@ -258,7 +258,17 @@ class RootLock:
 
 
 class CheckpointManager:
-    """Saves numbered checkpoints under `root` and resumes from the newest committed one."""
+    """Saves numbered checkpoints under `root` and resumes from the newest committed one.
+
+    `CheckpointManager(local_root, remote_root=URI, keep_local=1, ...)` is a tiered manager
+    (`ckptlib.tiered`): saves go to local disk and are uploaded in the background."""
+
+    def __new__(cls, *args: Any, remote_root: str | os.PathLike | None = None, **kwargs: Any):
+        if remote_root is not None and cls is CheckpointManager:
+            from .tiered import TieredCheckpointManager
+
+            cls = TieredCheckpointManager
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -491,23 +501,29 @@ class CheckpointManager:
 
     def save(
         self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None,
-        metrics: dict[str, float] | None = None,
+        metrics: dict[str, float] | None = None, overwrite: bool = False,
     ) -> SaveResult:
         """Save and commit `step`, move `latest` to it, then apply retention. `metrics` (rank 0's
-        values) are stored in the manifest for `KeepBest` and listings."""
+        values) are stored in the manifest for `KeepBest` and listings.
+
+        A committed `step` that `latest` does not name (a rollback's abandoned step) is replaced
+        with a StalePointerWarning; the step `latest` names is refused (CheckpointExistsError)
+        unless `overwrite=True`. Its old files are removed before the new ones are written, so
+        a crash during that save leaves `latest` falling back to the newest other committed step."""
         step = check_step(step)
         self.wait()  # the previous async save: its failure surfaces here, before anything else
         target = self.storage.child(step_dir(step))
         _dist.decide_on_rank0(self._take_lock, self.process_group)
         try:
-            replace = _dist.decide_on_rank0(lambda: self._replaceable(step), self.process_group)
+            replace = None if overwrite else _dist.decide_on_rank0(lambda: self._replaceable(step), self.process_group)
             if replace:
                 warnings.warn(replace, StalePointerWarning, stacklevel=2)
+            overwrite = overwrite or bool(replace)
             if self.async_save:
-                result = self._save_async(step, target, state, metadata, metrics, overwrite=bool(replace))
+                result = self._save_async(step, target, state, metadata, metrics, overwrite=overwrite)
             else:
                 result = save(
-                    target, state, step=step, metadata=metadata, metrics=metrics, overwrite=bool(replace),
+                    target, state, step=step, metadata=metadata, metrics=metrics, overwrite=overwrite,
                     process_group=self.process_group,
                 )
                 _dist.decide_on_rank0(lambda: self._publish(step), self.process_group)

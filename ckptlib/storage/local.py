@@ -212,7 +212,7 @@ class LocalStorage:
                 os.unlink(full)  # a partial file is never left behind to fill the disk
             raise _os_error(exc, "cannot write", full) from exc
         except BaseException:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # like an aborted upload: no partial object is left
                 os.unlink(full)
             raise
 
