@@ -4,9 +4,9 @@
     ckptlib.convert("ckpt/step100", "export/model.pt", to="torch")  # -> one torch.save file
     ckptlib.convert("ckpt/step100", "export/hf", to="safetensors")  # -> model.safetensors
 
-Sources: anything ``ckptlib.format.legacy.detect_format`` knows (ckptlib, plain DCP of any
+Sources: anything ``ckptlib.format.source.detect_format`` knows (ckptlib, plain DCP of any
 torch since 2.0, torch.save files, v0 per-rank sets, safetensors). Conversion runs in one
-process and never needs the checkpoint in memory (see ``ckptlib.format.convert``).
+process and never needs the checkpoint in memory (see ``ckptlib.format.streaming``).
 """
 
 from __future__ import annotations
@@ -16,15 +16,16 @@ import os
 import re
 import time
 
-import torch
-
-from .checkpoint import __version__
 from .errors import CheckpointExistsError, OverwriteRefusedError, StateError, UnsupportedError
-from .format import Manifest, commit, prepare_save_target
-from .format import convert as fconv
+from .format import prepare_save_target
 from .format.deletion import remove_failed_save
-from .format.legacy import DEFAULT_PREFIX, SourceInfo, inspect_checkpoint, open_reader
-from .storage import Storage, is_remote, open_storage
+from .format.layout import commit_manifest
+from .format.foreign import DEFAULT_PREFIX, SourceInfo
+from .format.safetensors import safetensors_plan, write_safetensors
+from .format.source import inspect_checkpoint, open_reader
+from .format.streaming import SourceValues, save_dcp_streaming
+from .format.torch_save import write_torch_save
+from .storage import Storage, as_storage, is_remote
 
 TARGETS = ("dcp", "torch", "safetensors")
 
@@ -42,10 +43,6 @@ class ConvertResult:
     skipped: list[str]
     notes: list[str]
     seconds: float
-
-
-def _storage(uri: str | os.PathLike | Storage) -> Storage:
-    return uri if not isinstance(uri, (str, os.PathLike)) else open_storage(uri)
 
 
 def _local_path(dst: str | os.PathLike | Storage, to: str) -> str:
@@ -107,20 +104,20 @@ def convert(
     if to not in TARGETS:
         raise ValueError(f"to must be one of {TARGETS}, got {to!r}")
     start = time.monotonic()
-    src_storage = _storage(src)
+    src_storage = as_storage(src)
     info = inspect_checkpoint(src_storage, verify=verify, prefix=prefix, trusted=trusted)
     reader, info = open_reader(src_storage, info=info, verify=verify, prefix=prefix, trusted=trusted)
-    source = fconv.SourceValues(reader, info.metadata, trusted=trusted)
+    source = SourceValues(reader, info.metadata, trusted=trusted)
     notes = list(info.notes) if isinstance(info, SourceInfo) else []
 
-    dst_storage = _storage(dst) if to == "dcp" else None
+    dst_storage = as_storage(dst) if to == "dcp" else None
     dst_path = None if to == "dcp" else _local_path(dst, to)
     if _same_place(src_storage, dst_path, dst_storage):
         raise StateError(f"refusing to convert {src_storage.uri} onto itself ({dst})")
 
     skipped: list[str] = []
     if to == "safetensors":
-        names, skipped = fconv.safetensors_plan(source, prefix)
+        names, skipped = safetensors_plan(source, prefix)
         if not names:
             raise StateError(
                 f"{info.uri}: no tensors under {prefix!r} to write as safetensors "
@@ -147,16 +144,14 @@ def convert(
                     f"{dst_storage.uri} already exists (pass force=True, or --force, to overwrite)", path=exc.path
                 ) from exc
             try:
-                writer = fconv.save_dcp_streaming(dst_storage, source, on_tensor=tick)
-                manifest = Manifest(
+                writer = save_dcp_streaming(dst_storage, source, on_tensor=tick)
+                commit_manifest(
+                    dst_storage,
+                    writer.file_records,
                     world_size=1,
-                    files=dict(writer.file_records),
                     step=info.step,
                     metadata=dict(info.manifest.metadata) if info.manifest is not None else {},
-                    torch_version=torch.__version__,
-                    ckptlib_version=__version__,
                 )
-                commit(dst_storage, manifest)
             except BaseException:
                 remove_failed_save(dst_storage, shard=None, coordinator=True, prepared=True)  # e.g. disk full
                 raise
@@ -170,7 +165,7 @@ def convert(
                 if not force:
                     raise CheckpointExistsError(f"{dst_path} already exists (pass force=True to overwrite)", path=dst_path)
                 _check_replaceable_file(dst_path)
-            fconv.write_torch_save(dst_path, source, on_tensor=tick)
+            write_torch_save(dst_path, source, on_tensor=tick)
             files = [os.path.basename(dst_path)]
             where = dst_path
         else:
@@ -190,7 +185,7 @@ def convert(
                         f"{dst_path} already exists and is not empty (pass force=True to overwrite)", path=dst_path
                     )
                 _clear_safetensors(dst_path)
-            files = fconv.write_safetensors(
+            files = write_safetensors(
                 directory,
                 source,
                 names,
@@ -223,7 +218,7 @@ def _check_replaceable_file(path: str) -> None:
     """force=True may replace a file only if it is a checkpoint file ckptlib recognises (a
     torch.save or safetensors file, by its content); anything else is OverwriteRefusedError,
     untouched."""
-    from .format.legacy import looks_like_checkpoint_file
+    from .format.torch_save import looks_like_checkpoint_file
 
     if not os.path.isfile(path):
         raise OverwriteRefusedError(f"{path} exists and is not a regular file; refusing to overwrite it", path=path)
