@@ -35,7 +35,9 @@ from .base import DELETE_FIRST, check_relative
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-DEFAULT_MULTIPART_THRESHOLD = 16 * MiB
+# Objects up to 64 MiB go as one request, as the SDKs do (Azure's max_single_put_size;
+# google-cloud-storage sends any upload as one request): a part round costs requests.
+DEFAULT_MULTIPART_THRESHOLD = 64 * MiB
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_MAX_CONCURRENCY = 8
 DEFAULT_READ_CHUNK_SIZE = 32 * MiB
@@ -84,8 +86,8 @@ class ObjectClient(Protocol):
     def size(self, key: str) -> int:
         """The object's size; FileNotFoundError if absent."""
 
-    def list(self, key_prefix: str) -> list[tuple[str, int]]:
-        """Every (key, size) whose key starts with `key_prefix`."""
+    def list(self, key_prefix: str, limit: int | None = None) -> list[tuple[str, int]]:
+        """Every (key, size) whose key starts with `key_prefix` (the first `limit` of them)."""
 
     def list_prefixes(self, key_prefix: str) -> list[str]:
         """The '/'-delimited sub-prefixes directly below `key_prefix` (with trailing '/')."""
@@ -253,7 +255,7 @@ class ObjectStorage:
         return None
 
     def exists(self) -> bool:
-        return bool(self.call("list", self.uri, lambda: self.client.list(self._dir())))
+        return bool(self.call("list", self.uri, lambda: self.client.list(self._dir(), limit=1)))
 
     def write(self, path: str, data: bytes, *, durable: bool = True) -> None:
         key = self._key(path)
