@@ -17,12 +17,14 @@ from .errors import (
     StorageError,
     UnsafeCheckpointError,
     UnsupportedError,
+    UploadError,
 )
 from .convert import ConvertResult, convert
 from .export import ExportResult, export
 from .manager import CheckpointManager, StaleLockWarning, StalePointerWarning
 from .retention import KeepBest, KeepEvery, KeepLast
 from .save_policy import EveryNSeconds, EveryNSteps, FinalStep
+from .tiered import TieredCheckpointManager
 from .state import KeepExistingRanks, RankLocal, ResizePolicy, ResizeWarning, RNGState
 
 __all__ = [
@@ -31,5 +33,5 @@ __all__ = [
     "ExportResult", "export", "FinalStep", "KeepBest", "KeepEvery", "KeepExistingRanks", "KeepLast", "LoadResult",
     "LockedError", "MissingKeysError", "NotACheckpointError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",
-    "StorageError", "UnsafeCheckpointError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",
+    "StorageError", "TieredCheckpointManager", "UnsafeCheckpointError", "UploadError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import time
 import warnings
@@ -25,6 +26,7 @@ from .format.dcp_io import checkpoint_bytes
 from .format.legacy import inspect_checkpoint, open_reader
 from .format.manifest import check_metadata_json, check_metrics
 from .load_keys import Rename, build_request, select_entries
+from .observe import log_operation, mib_per_s
 from .state import to_load_plan, to_save_state_dict
 from .storage import Storage, open_storage
 
@@ -35,10 +37,24 @@ T = TypeVar("T")
 
 @dataclasses.dataclass
 class SaveResult:
+    """What a save committed: its size (every file), the saving world size, how long it took
+    (`seconds`, for an async save from the call to the commit) and, for an async save, how
+    long the caller was blocked (`blocked_seconds`; None for a synchronous save)."""
+
     uri: str
     step: int | None
     world_size: int
     total_bytes: int
+    seconds: float = 0.0
+    blocked_seconds: float | None = None
+
+    @property
+    def bytes(self) -> int:
+        return self.total_bytes
+
+    @property
+    def mib_per_s(self) -> float | None:
+        return mib_per_s(self.total_bytes, self.seconds)
 
 
 @dataclasses.dataclass
@@ -48,12 +64,19 @@ class LoadResult:
 
     uri: str
     step: int | None
-    world_size: int | None
+    world_size: int | None  # the world size that saved it
     metadata: dict[str, Any]
     format: str
     missing_keys: list[str]
     notes: list[str]
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    bytes: int | None = None  # the checkpoint's size (its files; tensor bytes for foreign formats)
+    seconds: float = 0.0
+    load_world_size: int = 1  # the world size that loaded it
+
+    @property
+    def mib_per_s(self) -> float | None:
+        return mib_per_s(self.bytes, self.seconds)
 
 
 def _storage(uri: str | os.PathLike | Storage) -> Storage:
@@ -151,7 +174,10 @@ def save(
         )
 
     if not async_:
-        return write()
+        result = write()
+        result.seconds = time.perf_counter() - started
+        _log_save(result, rank)
+        return result
 
     def work() -> SaveResult:
         nonlocal state_dict
@@ -162,13 +188,35 @@ def save(
         # Preparing the target (removing debris) waits for the disk, so it runs in the
         # background too, still before any shard is written; its errors
         # (CheckpointExistsError) come from wait().
-        return write() if _background is None else _background(write, bg_group)
+        result = write() if _background is None else _background(write, bg_group)
+        result.seconds = time.perf_counter() - started
+        result.blocked_seconds = handle.blocking_seconds
+        _log_save(result, rank)
+        return result
 
     handle = async_save.AsyncSave(
         storage.uri, work, blocking_seconds=time.perf_counter() - started, started=started, staged=not background_staging
     )
     async_save.register(group, handle)
     return handle  # type: ignore[return-value]
+
+
+def _log_save(result: SaveResult, rank: int) -> None:
+    log_operation(
+        "save", uri=result.uri, step=result.step, nbytes=result.total_bytes, seconds=result.seconds,
+        world_size=result.world_size, blocked_seconds=result.blocked_seconds, rank=rank,
+    )
+
+
+def _checkpoint_size(info: CheckpointInfo) -> int | None:
+    """A checkpoint's size: its files per the manifest, else the bytes of its tensors."""
+    if info.manifest is not None:
+        return info.manifest.total_bytes
+    total = 0
+    for md in info.metadata.state_dict_metadata.values():
+        if isinstance(md, TensorStorageMetadata):
+            total += math.prod(md.size) * torch.empty((), dtype=md.properties.dtype).element_size()
+    return total
 
 
 def _on_coordinator(fn: Callable[..., T]) -> Callable[..., T]:
@@ -296,11 +344,12 @@ def load(
     state's flattened keys) are neither loaded nor missing; `rename` maps checkpoint keys
     to state keys (`{old_prefix: new_prefix}` or a callable).
     """
+    started = time.perf_counter()
     storage = _storage(uri)
     group = process_group
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     info = _dist.decide_on_rank0(lambda: inspect_checkpoint(storage, verify=verify, trusted=trusted), group)
-    selected = _dist.agree(lambda: select_entries(state, only), group)
+    selected = _dist.agree(lambda: select_entries(state, only, ignore_keys), group)
 
     plan = _dist.agree(
         lambda: to_load_plan(
@@ -357,7 +406,7 @@ def load(
                     state[name] = value  # type: ignore[index]
 
     _dist.agree(apply, group)
-    return LoadResult(
+    result = LoadResult(
         uri=storage.uri,
         step=info.step,
         world_size=info.world_size,
@@ -366,4 +415,12 @@ def load(
         missing_keys=missing,
         notes=notes + list(getattr(info, "notes", []) or []),
         metrics=dict(info.manifest.metrics) if info.manifest else {},
+        bytes=_checkpoint_size(info),
+        seconds=time.perf_counter() - started,
+        load_world_size=world,
     )
+    log_operation(
+        "load", uri=result.uri, step=result.step, nbytes=result.bytes, seconds=result.seconds, world_size=world,
+        saved_world_size=result.world_size, rank=rank,
+    )
+    return result

@@ -16,6 +16,7 @@ import tempfile
 from typing import Sequence
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+_NO_PROGRESS_HELP = "no progress bar (there is none when stderr is not a terminal either)"
 
 
 class UsageError(Exception):
@@ -54,7 +55,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                     args.world_sizes,
                     wrap,
                     args.optim,
-                    not args.json and not args.no_progress,
+                    not args.json and _show_progress(args),
                     timeout=args.timeout,
                 )
             except RankError as exc:
@@ -79,7 +80,7 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
     from .testing import validate
 
     if not args.root:
-        raise UsageError("under torchrun, --root is required (a path or s3:// URI every rank can reach)")
+        raise UsageError("under torchrun, --root is required (a path, s3://, gs:// or az:// URI every rank can reach)")
     from . import _dist
 
     # gloo's C++ side prints "[Gloo] Rank ... connected" lines to stdout on some torch
@@ -90,7 +91,9 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
     try:
         dist.init_process_group(args.backend)
         try:
-            report = validate.run_pairs(args.root, args.world_sizes, wrap, args.optim, progress=not args.json)
+            report = validate.run_pairs(
+                args.root, args.world_sizes, wrap, args.optim, progress=not args.json and _show_progress(args)
+            )
             _dist.exit_barrier()
             return report
         finally:
@@ -112,11 +115,30 @@ def _open(uri: str):
         raise UsageError(str(exc)) from None
 
 
+def _progress_bar(args: argparse.Namespace, desc: str, total: int | None = None, unit: str = "B"):
+    """A tqdm bar on stderr, disabled unless `_show_progress(args)`."""
+    from tqdm.auto import tqdm
+
+    scale = unit == "B"
+    return tqdm(
+        total=total, desc=desc, unit=unit, unit_scale=scale, unit_divisor=1024 if scale else 1000,
+        disable=not _show_progress(args), leave=False, file=sys.stderr,
+    )
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .format.verify import verify
 
     storage = _open(args.uri)
-    problems = verify(storage)
+    bar = _progress_bar(args, "ckpt verify")
+
+    def start(total: int) -> None:
+        bar.reset(total=total)
+
+    try:
+        problems = verify(storage, on_start=start, on_bytes=bar.update)
+    finally:
+        bar.close()
     errors = [p for p in problems if p.is_error]
     for p in problems:
         print(p.line(storage.uri))
@@ -163,7 +185,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         args.dst,
         to=args.to,
         force=args.force,
-        progress=not args.no_progress,
+        progress=_show_progress(args),
         prefix=args.prefix,
         trusted=args.trusted,
     )
@@ -216,6 +238,47 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _human_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
+    for limit, div, unit in ((120, 1, "s"), (7200, 60, "m"), (172800, 3600, "h")):
+        if seconds < limit:
+            return f"{int(seconds // div)}{unit}"
+    return f"{int(seconds // 86400)}d"
+
+
+def _age_seconds(created: str | None) -> float | None:
+    import datetime
+
+    if not created:
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(created)
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return (datetime.datetime.now(datetime.timezone.utc) - when).total_seconds()
+
+
+def _metric_text(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:.6g}"
+    return str(value)
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     from .errors import CheckpointError
     from .format import MANIFEST_NAME, Manifest
@@ -236,21 +299,35 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             "bytes": sum(info.files.values()),
             "world_size": None,
             "latest": pointer == step_dir(info.step),
+            "created": None,
+            "age_seconds": None,
+            "metrics": {},
         }
         if info.state == "committed":
             try:
-                row["world_size"] = Manifest.from_bytes(child.read(MANIFEST_NAME), f"{child.uri}/{MANIFEST_NAME}").world_size
+                manifest = Manifest.from_bytes(child.read(MANIFEST_NAME), f"{child.uri}/{MANIFEST_NAME}")
             except CheckpointError:
                 row["state"] = "corrupt"
+            else:
+                row["world_size"] = manifest.world_size
+                row["created"] = manifest.created or None
+                age = _age_seconds(manifest.created)
+                row["age_seconds"] = None if age is None else round(age, 3)
+                row["metrics"] = dict(getattr(manifest, "metrics", None) or {})
         rows.append(row)
     if args.json:
         lock = holder.to_json() if holder is not None else None
         print(json.dumps({"root": args.root, "latest": pointer, "lock": lock, "steps": rows}, indent=1))
         return EXIT_OK
-    print(f"{'step':>10}  {'state':<10} {'world':>5} {'bytes':>12}  latest")
+    print(f"{'step':>10}  {'state':<10} {'world':>5} {'size':>10} {'age':>6}  latest  metrics")
     for r in rows:
         ws = "-" if r["world_size"] is None else str(r["world_size"])
-        print(f"{r['step']:>10}  {r['state']:<10} {ws:>5} {r['bytes']:>12}  {'*' if r['latest'] else ''}")
+        metrics = " ".join(f"{k}={_metric_text(v)}" for k, v in sorted(r["metrics"].items()))
+        line = (
+            f"{r['step']:>10}  {r['state']:<10} {ws:>5} {_human_bytes(r['bytes']):>10} {_human_age(r['age_seconds']):>6}"
+            f"  {'*' if r['latest'] else '':<6}  {metrics}"
+        )
+        print(line.rstrip())
     if holder is not None:
         print(f"locked by {holder.describe()}")
     return EXIT_OK
@@ -316,7 +393,18 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         holder = mgr.break_lock()
         if holder is not None:
             print(f"removed the lock held by {holder.describe()}")
-    removed = mgr.gc(dry_run=args.dry_run)
+    bar = _progress_bar(args, "ckpt gc", unit="dir")
+
+    def on_removed(done: int, total: int) -> None:
+        if bar.total != total:
+            bar.reset(total=total)
+        bar.n = done
+        bar.refresh()
+
+    try:
+        removed = mgr.gc(dry_run=args.dry_run, on_removed=on_removed)
+    finally:
+        bar.close()
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
         print(f"{verb} {mgr.storage.uri.rstrip('/')}/{name}")
@@ -338,17 +426,18 @@ def build_parser() -> argparse.ArgumentParser:
             "Run the save-at-N/load-at-M round trip (train, save, load, compare bit-exactly, train one "
             "more step against a never-checkpointed run) for every pair of world sizes. Without torchrun "
             "it starts max(world sizes) local gloo ranks on a temporary directory (or --root). Under "
-            "torchrun it uses the launched ranks and --root (a shared path or s3:// URI)."
+            "torchrun it uses the launched ranks and --root (a shared path, s3://, gs:// or az:// URI)."
         ),
     )
     p.add_argument("--world-sizes", type=_world_sizes, default=[1, 2, 3, 4], help="comma-separated (default 1,2,3,4)")
-    p.add_argument("--root", default=None, help="where to write the test checkpoints (default: a temp dir)")
+    p.add_argument("--root", default=None,
+                   help="where to write the test checkpoints: a path, s3://, gs:// or az:// URI (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--wrap", choices=["fsdp2", "ddp", "plain"], default=None, help="model wrapping (default fsdp2 when supported, else ddp)")
     p.add_argument("--optim", choices=["adam", "adamw", "sgd"], default="adamw")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="process group backend under torchrun")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank fails the run")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help=_NO_PROGRESS_HELP)
     p.set_defaults(func=_cmd_validate)
 
     p = sub.add_parser(
@@ -362,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
             "problem, naming the file. Exit status: 0 intact, 1 damaged, 2 no checkpoint at URI."
         ),
     )
-    p.add_argument("uri", help="a checkpoint directory: path, file:// or s3:// URI")
+    p.add_argument("uri", help="a checkpoint directory: path, file://, s3://, gs:// or az:// URI")
+    p.add_argument("--no-progress", action="store_true", help=_NO_PROGRESS_HELP)
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser(
@@ -374,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
             "(no shard is read; use `ckpt verify` to check the data)."
         ),
     )
-    p.add_argument("uri", help="a checkpoint directory: path, file:// or s3:// URI")
+    p.add_argument("uri", help="a checkpoint directory: path, file://, s3://, gs:// or az:// URI")
     p.add_argument(
         "--json", action="store_true",
         help="print JSON with the keys format, step, world_size, torch_version, total_bytes, tensors "
@@ -385,9 +475,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "ls",
         help="list the steps under a checkpoint root",
-        description="List steps: committed, incomplete or corrupt, size, saved world size, which is latest, and who holds the root's lock.",
+        description=(
+            "List steps: committed, incomplete or corrupt, size, age (since the manifest was written), saved "
+            "world size, which is latest, the metrics given to the save, and who holds the root's lock. "
+            "--json: root, latest, lock and steps (each with step, name, state, bytes, world_size, latest, "
+            "created, age_seconds, metrics)."
+        ),
     )
-    p.add_argument("root")
+    p.add_argument("root", help="a checkpoint root: path, file://, s3://, gs:// or az:// URI")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_ls)
 
@@ -403,19 +498,21 @@ def build_parser() -> argparse.ArgumentParser:
             "Takes the root's lock: fails (exit 1) while a writer holds it."
         ),
     )
-    p.add_argument("root")
+    p.add_argument("root", help="a checkpoint root: path, file://, s3://, gs:// or az:// URI")
     p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep the N highest-numbered committed steps")
     p.add_argument("--keep", type=int, default=None, metavar="N", help="same as --keep-last N")
     p.add_argument("--keep-every", type=int, default=None, metavar="K", help="keep every step that is a multiple of K")
     p.add_argument(
         "--keep-best", action="append", default=[], metavar="K:METRIC[:min|max]",
-        help="keep the K best steps by METRIC (saved with metrics=...; min is best unless :max); repeatable",
+        help="keep the K best steps by METRIC (a name without ':', saved with metrics=...; min is best unless :max); "
+        "repeatable",
     )
     p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     p.add_argument(
         "--force", action="store_true",
         help="first remove the root's lock, whoever holds it (only when that writer is known to be gone)",
     )
+    p.add_argument("--no-progress", action="store_true", help=_NO_PROGRESS_HELP)
     p.set_defaults(func=_cmd_gc)
 
     p = sub.add_parser(
@@ -434,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite DST if it exists")
     p.add_argument("--prefix", default="model", help="state key that holds flat model files / is exported to safetensors (default model)")
     p.add_argument("--trusted", action="store_true", help="allow arbitrary unpickling of objects in torch.save sources")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help=_NO_PROGRESS_HELP)
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser(
@@ -453,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
             "is an export ckptlib wrote (ckptlib_export.json lists its files)."
         ),
     )
-    p.add_argument("src", help="a checkpoint (path, file:// or s3:// URI) or a CheckpointManager root")
+    p.add_argument("src", help="a checkpoint (path, file://, s3://, gs:// or az:// URI) or a CheckpointManager root")
     p.add_argument("dst", help="a local directory (or one .safetensors/.bin file)")
     p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors", help="default safetensors")
     p.add_argument("--dtype", default=None, help="cast floating-point tensors, e.g. bfloat16 (integer tensors keep theirs)")
@@ -466,7 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="with a CheckpointManager root: this step instead of latest")
     p.add_argument("--force", action="store_true", help="replace an export ckptlib wrote earlier at DST")
     p.add_argument("--trusted", action="store_true", help="allow arbitrary unpickling of objects in torch.save sources")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
+    p.add_argument("--no-progress", action="store_true", help=_NO_PROGRESS_HELP)
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser(
@@ -478,14 +575,14 @@ def build_parser() -> argparse.ArgumentParser:
             "be gone. Removing the lock of a live writer lets two writers interleave."
         ),
     )
-    p.add_argument("root")
+    p.add_argument("root", help="a checkpoint root: path, file://, s3://, gs:// or az:// URI")
     p.set_defaults(func=_cmd_unlock)
 
     # Listed for `ckpt --help`; main() hands everything after `bench` to benchmarks/bench.py
     # (argparse's REMAINDER would refuse a first argument that starts with "--").
     sub.add_parser(
         "bench",
-        help="benchmark ckptlib against raw DCP, torch.save, the disk and boto3 (source checkouts)",
+        help="benchmark ckptlib against raw DCP, torch.save, the disk and each cloud SDK (source checkouts)",
         description="Runs benchmarks/bench.py; `ckpt bench --help` lists its options.",
     )
     return parser

@@ -28,6 +28,7 @@ import json
 import os
 import re
 import socket
+import time
 import uuid
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
@@ -36,6 +37,7 @@ from . import _dist
 from .checkpoint import LoadResult, SaveResult, load, save
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError
 from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
+from .observe import log_operation
 from .preemption import DEFAULT_SIGNALS, PreemptionWatcher, signal_name
 from .retention import KeepLast, RetentionPolicy, StepRecord, to_delete
 from . import save_policy as _save_policy
@@ -261,7 +263,17 @@ class RootLock:
 
 
 class CheckpointManager:
-    """Saves numbered checkpoints under `root` and resumes from the newest committed one."""
+    """Saves numbered checkpoints under `root` and resumes from the newest committed one.
+
+    `CheckpointManager(local_root, remote_root=URI, keep_local=1, ...)` is a tiered manager
+    (`ckptlib.tiered`): saves go to local disk and are uploaded in the background."""
+
+    def __new__(cls, *args: Any, remote_root: str | os.PathLike | None = None, **kwargs: Any):
+        if remote_root is not None and cls is CheckpointManager:
+            from .tiered import TieredCheckpointManager
+
+            cls = TieredCheckpointManager
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -492,24 +504,30 @@ class CheckpointManager:
 
     def save(
         self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None,
-        metrics: dict[str, float] | None = None,
+        metrics: dict[str, float] | None = None, overwrite: bool = False,
     ) -> SaveResult:
         """Save and commit `step`, move `latest` to it, then apply retention. `metrics` (rank 0's
-        values) are stored in the manifest for `KeepBest` and listings."""
+        values) are stored in the manifest for `KeepBest` and listings.
+
+        A committed `step` that `latest` does not name (a rollback's abandoned step) is replaced
+        with a StalePointerWarning; the step `latest` names is refused (CheckpointExistsError)
+        unless `overwrite=True`. Its old files are removed before the new ones are written, so
+        a crash during that save leaves `latest` falling back to the newest other committed step."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise StateError(f"step must be a non-negative int, got {step!r}")
         self.wait()  # the previous async save: its failure surfaces here, before anything else
         target = self.storage.child(step_dir(step))
         _dist.decide_on_rank0(self._take_lock, self.process_group)
         try:
-            replace = _dist.decide_on_rank0(lambda: self._replaceable(step), self.process_group)
+            replace = None if overwrite else _dist.decide_on_rank0(lambda: self._replaceable(step), self.process_group)
             if replace:
                 warnings.warn(replace, StalePointerWarning, stacklevel=2)
+            overwrite = overwrite or bool(replace)
             if self.async_save:
-                result = self._save_async(step, target, state, metadata, metrics, overwrite=bool(replace))
+                result = self._save_async(step, target, state, metadata, metrics, overwrite=overwrite)
             else:
                 result = save(
-                    target, state, step=step, metadata=metadata, metrics=metrics, overwrite=bool(replace),
+                    target, state, step=step, metadata=metadata, metrics=metrics, overwrite=overwrite,
                     process_group=self.process_group,
                 )
                 _dist.decide_on_rank0(lambda: self._publish(step), self.process_group)
@@ -568,8 +586,9 @@ class CheckpointManager:
             raise
         self._drop_lock()
 
-    def _collect(self, protect: set[int], dry_run: bool = False) -> list[str]:
-        """Retention and debris removal; never removes what `latest` names or `protect`."""
+    def _collect(self, protect: set[int], dry_run: bool = False, on_removed=None) -> list[str]:
+        """Retention and debris removal; never removes what `latest` names or `protect`.
+        `on_removed(done, total)` follows the deletions (a progress bar)."""
         scan = self._scan()
         pointed = parse_step(self.storage.read_pointer(LATEST) or "")
         protected = set(protect) | ({pointed} if pointed is not None else set())
@@ -584,10 +603,13 @@ class CheckpointManager:
                 doomed[info.step] = info.name
         leftovers = [n for n in self.storage.list_children() if _DELETING_RE.match(n)]
         if not dry_run:
-            for name in doomed.values():
+            total = len(doomed) + len(leftovers)
+            if on_removed is not None:
+                on_removed(0, total)
+            for done, name in enumerate([*doomed.values(), *leftovers], 1):  # leftovers: a deletion that crashed
                 self.storage.delete_tree(name)
-            for name in leftovers:  # a deletion that crashed half-way
-                self.storage.delete_tree(name)
+                if on_removed is not None:
+                    on_removed(done, total)
             for info in scan:  # a commit that crashed between writing the manifest and this
                 if info.state == "committed" and info.step not in doomed and PENDING_NAME in info.files:
                     self.storage.child(info.name).delete([PENDING_NAME])
@@ -601,23 +623,33 @@ class CheckpointManager:
         except (CheckpointError, OSError):
             return {}
 
-    def gc(self, *, dry_run: bool = False) -> list[str]:
+    def gc(self, *, dry_run: bool = False, on_removed=None) -> list[str]:
         """Apply retention and remove debris now; returns the step directories (to be) removed.
+        `on_removed(done, total)` is called on rank 0 as directories are removed.
 
         Takes the root's lock (LockedError while another writer holds it), except for a dry run.
         """
         self.wait()  # never delete while a save is still writing (verl #4638)
-        if dry_run:
-            return _dist.decide_on_rank0(lambda: self._collect(protect=set(), dry_run=True), self.process_group)
+        world = _dist.get_world_size(self.process_group)
 
-        def locked_collect() -> list[str]:
-            self._take_lock()
-            try:
-                return self._collect(protect=set())
-            finally:
-                self._drop_lock()
+        def collect() -> list[str]:
+            started = time.perf_counter()
+            sizes = {info.name: sum(info.files.values()) for info in self._scan()}
+            if dry_run:
+                removed = self._collect(protect=set(), dry_run=True)
+            else:
+                self._take_lock()
+                try:
+                    removed = self._collect(protect=set(), on_removed=on_removed)
+                finally:
+                    self._drop_lock()
+            log_operation(
+                "gc", uri=self.root_uri, step=None, nbytes=sum(sizes.get(name, 0) for name in removed),
+                seconds=time.perf_counter() - started, world_size=world, removed=len(removed), dry_run=dry_run,
+            )
+            return removed
 
-        return _dist.decide_on_rank0(locked_collect, self.process_group)
+        return _dist.decide_on_rank0(collect, self.process_group)
 
     # -- loading ------------------------------------------------------------------------
     def load(self, state: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> int | None:

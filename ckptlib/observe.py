@@ -2,8 +2,8 @@
 
 Every save, load, export and gc logs, on rank 0 only, what it moved and how fast:
 
-    ckptlib save: step=200 bytes=1073741824 seconds=2.104 MiB/s=486.7 world_size=4 uri=/ckpt/step_0000000200
-    ckptlib save: step=300 ... world_size=4 async blocked_seconds=0.081 uri=...   (seconds = total)
+    save step=200 bytes=1073741824 seconds=2.104 MiB/s=486.7 world_size=4 uri=/ckpt/step_0000000200
+    save step=300 ... world_size=4 async blocked_seconds=0.081 uri=...   (seconds = total)
 
 The same figures ride on the record as `record.ckptlib` (a dict), so log processors and
 tests read them without parsing the text.
@@ -29,7 +29,7 @@ def _fmt(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:.3f}" if value < 1000 else f"{value:.1f}"
+        return f"{value:.4g}" if value < 1000 else f"{value:.1f}"
     return str(value)
 
 
@@ -67,7 +67,7 @@ def log_operation(
     )
     if blocked_seconds is not None:
         text = text.replace(" blocked_seconds=", " async blocked_seconds=", 1)
-    logger.info("ckptlib %s: %s", op, text, extra={"ckptlib": fields})
+    logger.info("%s %s", op, text, extra={"ckptlib": fields})
 
 
 __all__ = ["log_operation", "logger", "mib_per_s"]

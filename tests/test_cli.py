@@ -151,12 +151,14 @@ def test_ls_text_and_json(tmp_path, capsys):
     ]
     assert doc["steps"][2]["bytes"] == len(b"partial") + 2
     assert doc["steps"][0]["bytes"] == sum(p.stat().st_size for p in (root / "step_0000000001").iterdir())
+    assert all(0 <= s["age_seconds"] < 600 for s in doc["steps"][:2]) and doc["steps"][2]["age_seconds"] is None
     rc, out, _ = _ckpt(capsys, "ls", root)
     lines = out.splitlines()
-    assert lines[0].split() == ["step", "state", "world", "bytes", "latest"]
-    assert lines[1].split()[:3] == ["1", "committed", "1"] and not lines[1].endswith("*")
+    assert lines[0].split() == ["step", "state", "world", "size", "age", "latest", "metrics"]
+    size = f"{doc['steps'][0]['bytes'] / 1024:.1f}"
+    assert lines[1].split()[:5] == ["1", "committed", "1", size, "KiB"] and not lines[1].endswith("*")
     assert lines[2].split()[:3] == ["2", "committed", "1"] and lines[2].endswith("*")
-    assert lines[3].split() == ["3", "incomplete", "-", str(len(b"partial") + 2)]
+    assert lines[3].split() == ["3", "incomplete", "-", str(len(b"partial") + 2), "B", "-"]
     assert len(lines) == 4
 
 
