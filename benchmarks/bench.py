@@ -18,7 +18,7 @@ alternate inside each repetition, in a rotating order, so machine noise hits all
 - peak RSS per rank: ru_maxrss of fresh rank processes that only load (or only save), next
   to the rank's shard size; the ranks are forked from a forkserver that imported torch, so
   the baseline (~the forkserver's RSS) is reported too.
-- async save: how long `ckptlib.save(..., async_=True)` blocks (first save of a process:
+- async save: how long `ckptlib.async_save(...)` blocks (first save of a process:
   staging buffers are allocated; later saves reuse them) against a synchronous save; and
   with `background_staging=True`, how long it blocks and when `wait_staged()` returns.
 - cloud storage (benchmarks/cloud.py; S3 on moto, GCS on fake-gcs-server, Azure on Azurite,
@@ -222,7 +222,7 @@ def rank_io(root: str, size_mib: int, reps: int, cold: bool, keep: str, do_async
                 handle = []
                 _barrier()
                 t0 = time.perf_counter()
-                handle.append(ckptlib.save(path, state, async_=True))
+                handle.append(ckptlib.async_save(path, state))
                 blocked = time.perf_counter() - t0
                 handle[0].wait()
                 _barrier()
@@ -231,7 +231,7 @@ def rank_io(root: str, size_mib: int, reps: int, cold: bool, keep: str, do_async
             elif method == "async_bg":
                 _barrier()
                 t0 = time.perf_counter()
-                handle = ckptlib.save(path, state, async_=True, background_staging=True)
+                handle = ckptlib.async_save(path, state, background_staging=True)
                 blocked = time.perf_counter() - t0
                 handle.wait_staged()
                 staged = time.perf_counter() - t0
@@ -397,9 +397,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         import torch
 
         results["machine"]["torch"] = torch.__version__
-        from ckptlib.format import dcp_io
+        from ckptlib.format import checksum
 
-        results["machine"]["crc32"] = getattr(dcp_io.crc32, "__module__", "zlib") or "zlib"
+        results["machine"]["crc32"] = getattr(checksum.crc32, "__module__", "zlib") or "zlib"
         for size in args.sizes:
             kept: dict[int, str] = {}
             for ws in args.world_sizes:
@@ -631,7 +631,7 @@ def markdown(results: dict[str, Any], summary: dict[str, Any], estimator: str = 
                 f"{_f(r['save_dcp_mib'])} (+{_f(r['save_dcp_extra'])}) |")
     if summary["async"]:
         out.append("")
-        out.append("### Async save: time `save(..., async_=True)` blocks the caller")
+        out.append("### Async save: time `async_save(...)` blocks the caller")
         out.append("| state MiB | ranks | sync save s | first async: blocked s | later async: blocked s | async total s "
                    "| first/sync | later/sync | background staging: blocked s | staged after s | blocked/sync |")
         out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

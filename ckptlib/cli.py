@@ -81,7 +81,7 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
 
     if not args.root:
         raise UsageError("under torchrun, --root is required (a path, s3://, gs:// or az:// URI every rank can reach)")
-    from . import _dist
+    from .teardown import exit_barrier
 
     # gloo's C++ side prints "[Gloo] Rank ... connected" lines to stdout on some torch
     # versions; keep stdout for the report (JSON must parse) by pointing fd 1 at stderr.
@@ -94,7 +94,7 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
             report = validate.run_pairs(
                 args.root, args.world_sizes, wrap, args.optim, progress=not args.json and _show_progress(args)
             )
-            _dist.exit_barrier()
+            exit_barrier()
             return report
         finally:
             dist.destroy_process_group()
@@ -177,7 +177,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert
-    from .format.legacy import detect_format
+    from .format.source import detect_format
 
     detect_format(args.src)  # not-a-checkpoint / missing: exit 2 with the reason
     result = convert(
@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("root", help="a checkpoint root: path, file://, s3://, gs:// or az:// URI")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
     p.set_defaults(func=_cmd_ls)
 
     p = sub.add_parser(

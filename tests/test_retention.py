@@ -18,7 +18,7 @@ import ckptlib
 from ckptlib import CheckpointManager, KeepBest, KeepEvery, KeepLast, StalePointerWarning, StateError
 from ckptlib import cli
 from ckptlib.retention import AnyOf, StepRecord, to_delete
-from ckptlib.testing.s3 import moto_server, s3_root  # noqa: F401
+from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401
 
 
 def _dirs(root) -> list[int]:

@@ -30,7 +30,7 @@ import uuid
 from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
 
 from ..errors import StorageError
-from .base import check_relative
+from .base import DELETE_FIRST, check_relative
 
 log = logging.getLogger(__name__)
 
@@ -405,13 +405,11 @@ class ObjectStorage:
         keys = list(self._list_keys(target._dir()))
         # What makes a directory look committed goes first, so a failure half-way leaves an
         # incomplete-looking directory, never a committed one with files missing.
-        from ..format.manifest import MANIFEST_NAME, METADATA_NAME
-
         def rank(key: str) -> int:
             leaf = key.rsplit("/", 1)[-1]
-            return 0 if leaf == MANIFEST_NAME else 1 if leaf == METADATA_NAME else 2
+            return DELETE_FIRST.index(leaf) if leaf in DELETE_FIRST else len(DELETE_FIRST)
 
-        for phase in (0, 1, 2):
+        for phase in range(len(DELETE_FIRST) + 1):
             self._delete_keys([k for k in keys if rank(k) == phase])
 
     def set_pointer(self, name: str, target: str) -> None:
