@@ -145,6 +145,7 @@ class TieredCheckpointManager(CheckpointManager):
         self.upload_concurrency = upload_concurrency
         self._upload_in_flight: _Upload | None = None  # rank 0 only
         self._resume_checked = False
+        self._closing = False
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_uri!r}, remote_root={self.remote_root_uri!r})"
@@ -244,32 +245,39 @@ class TieredCheckpointManager(CheckpointManager):
         self._resume_checked = True
         return result
 
+    def _finish_upload(self, timeout: float | None = None) -> SaveResult | None:
+        """This rank: wait for its upload in flight (rank 0 has one), raise its failure once."""
+        upload = self._upload_in_flight
+        if upload is None:
+            return None
+        upload.thread.join(timeout)
+        if upload.thread.is_alive():
+            raise StorageError(f"upload of step {upload.step} to {self.remote_root_uri} still running after {timeout} s")
+        self._upload_in_flight = None
+        if upload.error is not None:
+            raise upload.error
+        return upload.result
+
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Wait for the upload in flight: its SaveResult (the remote copy), None when none was
-        in flight; its failure is raised on every rank (once). Collective."""
-
-        def rank0() -> SaveResult | None:
-            upload = self._upload_in_flight
-            if upload is None:
-                return None
-            upload.thread.join(timeout)
-            if upload.thread.is_alive():
-                raise StorageError(f"upload of step {upload.step} to {self.remote_root_uri} still running after {timeout} s")
-            self._upload_in_flight = None
-            if upload.error is not None:
-                raise upload.error
-            return upload.result
-
-        return _dist.decide_on_rank0(rank0, self.process_group)
+        in flight; its failure is raised on every rank (once). Collective (except in close())."""
+        if self._closing:
+            return self._finish_upload(timeout)
+        return _dist.decide_on_rank0(lambda: self._finish_upload(timeout), self.process_group)
 
     def close(self) -> None:
-        """Wait for the upload in flight (raising its failure), then release both roots' locks."""
+        """Rank 0 waits for the upload in flight (raising its failure there), then both roots'
+        locks are released. No collective, like CheckpointManager.close()."""
+        self._closing = True
         try:
-            self.wait()
+            self._finish_upload()
         finally:
-            with contextlib.suppress(Exception):
-                super().close()
-            self.remote.close()
+            try:
+                with contextlib.suppress(Exception):
+                    super().close()
+                self.remote.close()
+            finally:
+                self._closing = False
 
     # -- saving -------------------------------------------------------------------------
     def save(
