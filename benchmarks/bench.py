@@ -710,8 +710,8 @@ def plot(results: dict[str, Any], summary: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def _report(text: str, markdown_path: str | None) -> None:
-    print(text)
+def _report(text: str, markdown_path: str | None, stream=None) -> None:
+    print(text, file=stream or sys.stdout)
     if markdown_path:
         with open(markdown_path, "w") as f:
             f.write(text + "\n")
@@ -728,7 +728,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="MiB per state for the cloud backends (default 32 128; --quick: 32)")
     parser.add_argument("--clouds", nargs="*", choices=("s3", "gcs", "azure"), default=["s3", "gcs", "azure"],
                         help="cloud backends to compare with their SDKs (default: all three; none: skip)")
-    parser.add_argument("--json", metavar="OUT", help="write raw timings and the summary as JSON")
+    parser.add_argument(
+        "--json", metavar="OUT", nargs="?", const="-",
+        help="write raw timings and the summary as JSON to OUT, or to stdout without OUT or with '-' "
+        "(the tables then go to stderr)",
+    )
     parser.add_argument("--plot", metavar="OUT.png", help="write a PNG plot (needs matplotlib)")
     parser.add_argument("--markdown", metavar="OUT.md", help="also write the tables to this file")
     parser.add_argument("--dir", help="scratch directory (default: the system temp dir)")
@@ -765,13 +769,20 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args)
     results["seconds"] = time.perf_counter() - started
     summary = summarize(results, args.estimator)
+    json_to_stdout = args.json == "-"
     _report(
         markdown(results, summary, args.estimator) + f"\n\nWall time of the benchmark: {results['seconds']:.0f} s.",
         args.markdown,
+        sys.stderr if json_to_stdout else None,
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"results": results, "summary": summary, "targets": TARGETS}, f, indent=1, default=str)
+        report = {"results": results, "summary": summary, "targets": TARGETS}
+        if json_to_stdout:
+            json.dump(report, sys.stdout, indent=1, default=str)
+            sys.stdout.write("\n")
+        else:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
     if args.plot:
         try:
             plot(results, summary, args.plot)

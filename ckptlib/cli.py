@@ -297,6 +297,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             "name": info.name,
             "state": info.state,
             "bytes": sum(info.files.values()),
+            "size": sum(info.files.values()),
             "world_size": None,
             "latest": pointer == step_dir(info.step),
             "created": None,
@@ -478,12 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "List steps: committed, incomplete or corrupt, size, age (since the manifest was written), saved "
             "world size, which is latest, the metrics given to the save, and who holds the root's lock. "
-            "--json: root, latest, lock and steps (each with step, name, state, bytes, world_size, latest, "
-            "created, age_seconds, metrics)."
+            "--json: root, latest, lock and steps (each with step, name, state, bytes (= size), world_size, "
+            "latest, created, age_seconds, metrics)."
         ),
     )
     p.add_argument("root", help="a checkpoint root: path, file://, s3://, gs:// or az:// URI")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
     p.set_defaults(func=_cmd_ls)
 
     p = sub.add_parser(

@@ -23,7 +23,7 @@ import os
 import re
 import struct
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -41,7 +41,7 @@ FORMATS = ("safetensors", "torch")
 EXPORT_RECORD = "ckptlib_export.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _SINGLE_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth")}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
@@ -77,7 +77,8 @@ def parse_size(value: int | str | None) -> int | None:
     match = _SIZE_RE.match(str(value))
     if not match:
         raise ValueError(f"max shard size must be bytes or like '5GB', '500MB', '2GiB'; got {value!r}")
-    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
+    unit = (match.group(2) or "B").upper()
+    size = int(float(match.group(1)) * _UNITS[unit if unit.endswith("B") else unit + "B"])
     if size < 1:
         raise ValueError(f"max shard size must be positive, got {value!r}")
     return size
@@ -111,6 +112,23 @@ def _source_storage(src: str | os.PathLike | Storage, step: int | None) -> Stora
         if latest is None:
             raise
         return storage.child(step_dir(latest))
+
+
+def _as_callable(key_map: Callable[[str], str | None] | Mapping[str, str] | None) -> Callable[[str], str | None] | None:
+    """A key map given as {old_prefix: new_prefix} (the longest matching prefix wins) as a callable."""
+    if key_map is None or callable(key_map):
+        return key_map
+    if not isinstance(key_map, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in key_map.items()):
+        raise StateError(f"key_map must be a callable or a dict of str prefixes, got {key_map!r}")
+    prefixes = sorted(key_map, key=len, reverse=True)
+
+    def rename(name: str) -> str:
+        for old in prefixes:
+            if name.startswith(old):
+                return key_map[old] + name[len(old) :]
+        return name
+
+    return rename
 
 
 def _names(
@@ -225,7 +243,7 @@ def export(
     dtype: torch.dtype | str | None = None,
     max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE,
     model_only: bool = False,
-    key_map: Callable[[str], str | None] | None = None,
+    key_map: Callable[[str], str | None] | Mapping[str, str] | None = None,
     step: int | None = None,
     force: bool = False,
     progress: bool = False,
@@ -249,7 +267,7 @@ def export(
     - `dtype` (e.g. torch.bfloat16 or "bfloat16"): floating-point tensors are cast to it;
       integer and bool tensors keep theirs.
     - `key_map(name) -> str | None`: renames each tensor (after the prefix is stripped);
-      None leaves it out.
+      None leaves it out. A dict {old_prefix: new_prefix} renames by prefix (longest first).
     - `src`: a checkpoint in any format ckptlib reads, or a CheckpointManager root (its
       `latest` step, or `step`).
 
@@ -270,7 +288,7 @@ def export(
     info = inspect_checkpoint(source_storage, verify=verify, trusted=trusted)
     reader, info = open_reader(source_storage, info=info, verify=verify, trusted=trusted)
     source = SourceValues(reader, info.metadata, trusted=trusted)
-    names, skipped = _names(source.tensor_keys, source.object_keys, model_only, key_map)
+    names, skipped = _names(source.tensor_keys, source.object_keys, model_only, _as_callable(key_map))
     if not names:
         shown = ", ".join(source.tensor_keys[:8]) + (" ..." if len(source.tensor_keys) > 8 else "")
         raise StateError(

@@ -358,8 +358,12 @@ class S3Storage:
         return sorted(names)
 
     def delete(self, paths: Iterable[str]) -> None:
-        keys = list(dict.fromkeys(self._key(p) for p in paths))
-        self._delete_keys(keys)
+        paths = list(dict.fromkeys(paths))
+        if len(paths) == 1:  # one object (a commit's pending marker): a plain DELETE, cheaper than a batch
+            self._call("delete", self._where(paths[0]), self.client.delete_object, Bucket=self.bucket,
+                       Key=self._key(paths[0]))
+            return
+        self._delete_keys([self._key(p) for p in paths])
 
     def _delete_keys(self, keys: list[str]) -> None:
         failures: list[str] = []
