@@ -14,6 +14,8 @@ from .errors import (
     LockedError,
     MissingKeysError,
     NotACheckpointError,
+    NotARegularFileError,
+    OverwriteRefusedError,
     RankLostError,
     ShapeMismatchError,
     StateError,
@@ -35,7 +37,7 @@ __all__ = [
     "AsyncSave", "async_save", "CastWarning", "DtypeMismatchError", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
     "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "EveryNSeconds", "EveryNSteps",
     "ExportResult", "export", "FinalStep", "KeepBest", "KeepEvery", "KeepExistingRanks", "KeepLast", "LoadResult",
-    "LockedError", "MissingKeysError", "NotACheckpointError", "RankLostError", "RNGState", "RankLocal", "ResizePolicy",
+    "LockedError", "MissingKeysError", "NotACheckpointError", "NotARegularFileError", "OverwriteRefusedError", "RankLostError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",
     "StorageError", "TieredCheckpointManager", "UnsafeCheckpointError", "UploadError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",
 ]

@@ -41,6 +41,7 @@ from .errors import (
 from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
 from .format.checksum import crc32
 from .manager import LATEST, CheckpointManager, KeepLast, remote_root_manager, step_dir
+from .steps import check_step
 from .observe import log_operation
 from .storage import Storage
 
@@ -145,6 +146,7 @@ class TieredCheckpointManager(CheckpointManager):
         self.upload_concurrency = upload_concurrency
         self._upload_in_flight: _Upload | None = None  # rank 0 only
         self._resume_checked = False
+        self._closing = False
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_uri!r}, remote_root={self.remote_root_uri!r})"
@@ -244,32 +246,39 @@ class TieredCheckpointManager(CheckpointManager):
         self._resume_checked = True
         return result
 
+    def _finish_upload(self, timeout: float | None = None) -> SaveResult | None:
+        """This rank: wait for its upload in flight (rank 0 has one), raise its failure once."""
+        upload = self._upload_in_flight
+        if upload is None:
+            return None
+        upload.thread.join(timeout)
+        if upload.thread.is_alive():
+            raise StorageError(f"upload of step {upload.step} to {self.remote_root_uri} still running after {timeout} s")
+        self._upload_in_flight = None
+        if upload.error is not None:
+            raise upload.error
+        return upload.result
+
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Wait for the upload in flight: its SaveResult (the remote copy), None when none was
-        in flight; its failure is raised on every rank (once). Collective."""
-
-        def rank0() -> SaveResult | None:
-            upload = self._upload_in_flight
-            if upload is None:
-                return None
-            upload.thread.join(timeout)
-            if upload.thread.is_alive():
-                raise StorageError(f"upload of step {upload.step} to {self.remote_root_uri} still running after {timeout} s")
-            self._upload_in_flight = None
-            if upload.error is not None:
-                raise upload.error
-            return upload.result
-
-        return _dist.decide_on_rank0(rank0, self.process_group)
+        in flight; its failure is raised on every rank (once). Collective (except in close())."""
+        if self._closing:
+            return self._finish_upload(timeout)
+        return _dist.decide_on_rank0(lambda: self._finish_upload(timeout), self.process_group)
 
     def close(self) -> None:
-        """Wait for the upload in flight (raising its failure), then release both roots' locks."""
+        """Rank 0 waits for the upload in flight (raising its failure there), then both roots'
+        locks are released. No collective, like CheckpointManager.close()."""
+        self._closing = True
         try:
-            self.wait()
+            self._finish_upload()
         finally:
-            with contextlib.suppress(Exception):
-                super().close()
-            self.remote.close()
+            try:
+                with contextlib.suppress(Exception):
+                    super().close()
+                self.remote.close()
+            finally:
+                self._closing = False
 
     # -- saving -------------------------------------------------------------------------
     def save(
@@ -280,8 +289,7 @@ class TieredCheckpointManager(CheckpointManager):
         background; the returned SaveResult describes the local copy. Waits for the previous
         upload first (and raises its failure). `overwrite=True` also replaces the step the
         remote `latest` names (CheckpointManager.save's rules, on both roots)."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise StateError(f"step must be a non-negative int, got {step!r}")
+        step = check_step(step)
         self.wait()
         if not self._resume_checked:
             self.resume_upload()
@@ -331,8 +339,8 @@ class TieredCheckpointManager(CheckpointManager):
     def load_result(self, state: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> LoadResult | None:
         """Load `step` (None: the remote latest) from the local copy when it is the same
         checkpoint, else from the remote root. First finishes an upload a crash interrupted."""
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-            raise StateError(f"step must be an int or None, got {step!r}")
+        if step is not None:
+            step = check_step(step)
         self.resume_upload()
         step, where = _dist.decide_on_rank0(lambda: self._choose(step), self.process_group)
         if step is None:
