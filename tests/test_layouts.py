@@ -1,0 +1,87 @@
+"""The layout matrix: save at layout A on N ranks, load at layout B on M ranks.
+
+Layouts: plain, ddp, fsdp2, hsdp (2x2), tp, fsdp2+tp (2x2), fsdp1 (use_orig_params=True)
+and fsdp1-flat (use_orig_params=False), of a small transformer with a tied head, uneven
+shards and a zero-size shard (`ckptlib.testing.models`). Each case asserts the full model
+and optimizer state after the load equals the saved state bit-exactly, the tie survives,
+and one more step equals a never-checkpointed run.
+
+A plain `pytest` runs the covering subset (every (save layout, load layout) pair once, each
+layout saved and loaded at each of its world sizes); `pytest -m elastic` (or
+`--full-matrix`) runs the full cross product. A save is made once per (layout, N) per test
+process and reused by every load.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptlib.testing import layout_matrix as lm
+from ckptlib.testing import layouts as lay
+
+pytestmark = [
+    pytest.mark.elastic,
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+LAYOUTS = ("plain", "ddp", "fsdp2", "hsdp", "tp", "fsdp2+tp", "fsdp1", "fsdp1-flat")
+COVERING = lm.covering_subset(LAYOUTS)
+_COVERING_IDS = {case.id for case in COVERING}
+CASES = [
+    pytest.param(case, id=case.id, marks=() if case.id in _COVERING_IDS else pytest.mark.full_matrix)
+    for case in lm.full_product(LAYOUTS)
+]
+
+
+def _skip_unavailable(*names: str) -> None:
+    for name in names:
+        reason = lay.get_layout(name).unavailable_reason("cpu")
+        if reason:
+            pytest.skip(f"{name}: {reason}")
+
+
+@pytest.fixture(scope="session")
+def saved_layouts(tmp_path_factory):
+    """(layout, N) -> (checkpoint path, full state at save); saved on first use."""
+    cache: dict[tuple, tuple[str, dict]] = {}
+    root = tmp_path_factory.mktemp("layouts")
+
+    def get(dist_run, layout: str, n: int):
+        if (layout, n) not in cache:
+            uri = str(root / f"save{n}-{layout}")
+            cache[(layout, n)] = (uri, dist_run(n, lm.save_layout, uri, layout)[0])
+        return cache[(layout, n)]
+
+    return get
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_save_layout_load_layout(case: lm.LayoutCase, saved_layouts, dist_run):
+    _skip_unavailable(case.save_layout, case.load_layout)
+    uri, expected = saved_layouts(dist_run, case.save_layout, case.save_ws)
+    problems = dist_run(case.load_ws, lm.load_layout, uri, case.load_layout, expected)
+    for rank, per_rank in enumerate(problems):
+        assert per_rank == [], f"rank {rank}: {per_rank}"
+
+
+def test_covering_subset_covers_every_pair_and_size():
+    pairs = {(c.save_layout, c.load_layout) for c in COVERING}
+    assert pairs == {(a, b) for a in LAYOUTS for b in LAYOUTS}
+    assert len(COVERING) == len(LAYOUTS) ** 2
+    for name in LAYOUTS:
+        sizes = set(lay.get_layout(name).matrix_sizes)
+        assert {c.save_ws for c in COVERING if c.save_layout == name} == sizes, name
+        assert {c.load_ws for c in COVERING if c.load_layout == name} == sizes, name
+    assert len(lm.full_product(LAYOUTS)) == 26 * 26
+
+
+def test_layout_ids_name_both_layouts():
+    assert lm.LayoutCase(4, "fsdp2+tp", 3, "fsdp2").id == "save4-fsdp2+tp-load3-fsdp2-adamw"
+
+
+def test_2d_layouts_only_at_even_sizes_from_4():
+    assert [n for n in range(1, 9) if lay.get_layout("hsdp").supports(n)] == [4, 6, 8]
+    assert lay.get_layout("fsdp2+tp").mesh_shape(4) == (2, 2)
+    with pytest.raises(ValueError, match="unknown layout 'fsdp3'"):
+        lay.parse_layouts("fsdp2,fsdp3")
