@@ -20,12 +20,13 @@ from .errors import (
 )
 from .convert import ConvertResult, convert
 from .manager import CheckpointManager, KeepLast, StaleLockWarning, StalePointerWarning
-from .state import KeepExistingRanks, RankLocal, ResizePolicy, ResizeWarning, RNGState
+from .data import ElasticDistributedSampler, MergeSamplerProgress
+from .state import KeepExistingRanks, MergingResizePolicy, RankLocal, ResizePolicy, ResizeWarning, RNGState
 
 __all__ = [
     "AsyncSave", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
-    "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "KeepExistingRanks", "KeepLast", "LoadResult",
-    "LockedError", "MissingKeysError", "NotACheckpointError", "RNGState", "RankLocal", "ResizePolicy",
+    "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "ElasticDistributedSampler", "KeepExistingRanks", "KeepLast", "LoadResult",
+    "LockedError", "MergeSamplerProgress", "MergingResizePolicy", "MissingKeysError", "NotACheckpointError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",
     "StorageError", "UnsafeCheckpointError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",
 ]

@@ -14,10 +14,13 @@ process and reused by every load.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ckptlib.testing import layout_matrix as lm
 from ckptlib.testing import layouts as lay
+from ckptlib.testing import validate
 
 pytestmark = [
     pytest.mark.elastic,
@@ -85,3 +88,38 @@ def test_2d_layouts_only_at_even_sizes_from_4():
     assert lay.get_layout("fsdp2+tp").mesh_shape(4) == (2, 2)
     with pytest.raises(ValueError, match="unknown layout 'fsdp3'"):
         lay.parse_layouts("fsdp2,fsdp3")
+
+
+def test_ckpt_validate_layouts_names_both_layouts(capsys):
+    from ckptlib import cli
+
+    argv = ["validate", "--layouts", "fsdp2+tp,tp", "--world-sizes", "2,4", "--pairs", "covering", "--json"]
+    rc = cli.main(argv)
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["ok"] is True and doc["layouts"] == ["fsdp2+tp", "tp"]
+    got = sorted((c["save_layout"], c["save_ws"], c["load_layout"], c["load_ws"]) for c in doc["cells"])
+    want = sorted((c.save_layout, c.save_ws, c.load_layout, c.load_ws)
+                  for c in lm.covering_subset(["fsdp2+tp", "tp"], [2, 4]))
+    assert got == want and len(got) == 4
+    report = validate.report_from_json(doc)
+    table = report.table()
+    assert set(table.splitlines()[0].split()[1:]) == {f"{b}@{m}" for _, _, b, m in got}
+    assert table.count("pass") == 4 and "FAIL" not in table
+
+
+def test_validate_layouts_table_names_failing_pairs():
+    cells = [validate.Cell(4, 2, True, 0.5, "", "hsdp", "tp"), validate.Cell(4, 4, False, 1.0, "boom", "hsdp", "fsdp2+tp")]
+    table = validate.Report("r", "layouts", "adamw", [2, 4], cells, ["hsdp", "tp", "fsdp2+tp"]).table()
+    assert table.splitlines()[0].split() == ["save\\load", "tp@2", "fsdp2+tp@4"]
+    assert table.splitlines()[1].split() == ["hsdp@4", "pass", "0.5s", "FAIL", "1.0s"]
+    assert "save4-hsdp-load4-fsdp2+tp: boom" in table
+
+
+def test_validate_rejects_unknown_layouts_and_sizes_no_layout_runs_at(capsys):
+    from ckptlib import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["validate", "--layouts", "fsdp2,zero3"])
+    assert info.value.code == 2 and "unknown layout 'zero3'" in capsys.readouterr().err
+    assert cli.main(["validate", "--layouts", "hsdp", "--world-sizes", "1,2,3"]) == 2
+    assert "2-D layouts run at even world sizes from 4" in capsys.readouterr().err
