@@ -6,14 +6,15 @@ ci/compat/junit-<env>.xml). Two subcommands:
 
   python ci/compat_table.py stamp ci/compat/junit-torch29.xml
       run with the *tested* env's python (tox's commands_post does it): records
-      torch.__version__ and ckptlib.compat.describe() as <properties> of the XML, so the
-      file says which torch produced it.
+      torch.__version__, ckptlib.compat.describe() and the git commit of the tree under
+      test as <properties> of the XML, so the file says which torch and code produced it.
 
   python ci/compat_table.py render [--write docs/compat.md] ci/compat [more.xml ...]
       prints the markdown tables (or replaces the block between the markers in the file
       given to --write). Only the standard library is needed.
 
-Refresh the doc:  tox -e torch213,torch29,torch26 ; tox -e compat-table
+Refresh the doc:  ci/torch_matrix.sh   (every minor, one env at a time, then the table)
+             or:  tox -e torch213 ; tox -e torch27 ; ... ; tox -e compat-table
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ _GROUP_TITLES = {
     "tests.test_rank_state": "per-rank state (RankLocal, RNG)",
     "tests.test_harness": "test harness (launcher, plugin)",
     "tests.test_legacy": "legacy formats & golden fixtures",
+    "tests.test_torch_fixtures": "golden DCP checkpoints from torch 1.13 .. 2.13 (inspect, convert)",
+    "tests.test_cross_version": "ckptlib checkpoints across torch minors",
     "tests.test_s3_storage": "S3 storage (moto)",
     "tests.test_gpu": "GPU / NCCL",
     "tests.test_multinode": "multi-node simulation & torchrun",
@@ -118,13 +121,29 @@ def stamp(path: str) -> int:
             suite.insert(0, props)
         for old in [p for p in props if p.get("name", "").startswith(PROP_PREFIX)]:
             props.remove(old)
-        values = {"torch": torch.__version__, **{f"probe.{k}": v for k, v in probes.items()}}
+        values = {"torch": torch.__version__, "commit": _commit(path),
+                  **{f"probe.{k}": v for k, v in probes.items()}}
         for key, value in values.items():
             text = value if isinstance(value, str) else json.dumps(value)
             ET.SubElement(props, "property", name=PROP_PREFIX + key, value=text)
     tree.write(path, encoding="utf-8", xml_declaration=True)
     print(f"compat_table stamp: {path}: torch {torch.__version__}")
     return 0
+
+
+def _commit(path: str) -> str:
+    """The short commit of the checkout holding `path`, "+dirty" when tracked files differ."""
+    import subprocess
+
+    where = os.path.dirname(os.path.abspath(path))
+    try:
+        head = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 # --------------------------------------------------------------------------- read
@@ -222,6 +241,7 @@ _PROBES = [
     ("torch_load_weights_only_default", "torch.load weights_only default"),
     ("meta_load_records_offsets", "torch.load(map_location=meta) records storage offsets (reader fast path)"),
     ("safe_globals", "torch.serialization.safe_globals"),
+    ("dcp_1_13_metadata_module", "torch 1.13 DCP metadata classes unpickle from"),
     ("zip_writer_without_crc", "torch's zip writer without its CRC pass (the writer fills the CRCs from its own)"),
     ("cuda_build", "CUDA build"),
     ("cuda_available", "CUDA available here"),
@@ -253,7 +273,7 @@ def _probe_text(raw: str | None) -> str:
 
 def render(runs: list[Run]) -> str:
     if not runs:
-        return "_No junit XML found: run `tox -e torch213` (and torch29 / torch26) first._\n"
+        return "_No junit XML found: run `ci/torch_matrix.sh` (or one env: `tox -e torch213`) first._\n"
     reasons: dict[str, int] = {}
     failures: list[tuple[str, Case]] = []
     groups: list[str] = []
@@ -315,6 +335,7 @@ def render(runs: list[Run]) -> str:
             shown = ", ".join(f"`{n}`" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             lines.append(f"- torch {version}, `{module}`, {len(names)} test(s) ({shown}): {_md(message)}")
         lines.append("")
+    lines += render_cross(runs)
     lines.append("Feature probes (`ckptlib.compat.describe()` in each env):")
     lines.append("")
     lines.append("| probe | " + " | ".join(f"torch {r.torch}" for r in runs) + " |")
@@ -323,9 +344,62 @@ def render(runs: list[Run]) -> str:
         cells = [_md(_probe_text(r.props.get(f"probe.{key}"))) for r in runs]
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     lines.append("")
-    sources = ", ".join(f"`{os.path.relpath(r.source)}` ({r.timestamp or 'no timestamp'})" for r in runs)
+    sources = ", ".join(
+        f"`{os.path.relpath(r.source)}` ({r.timestamp or 'no timestamp'}, commit {r.props.get('commit') or 'not recorded'})"
+        for r in runs
+    )
     lines.append(f"Generated from {sources}.")
     return "\n".join(lines) + "\n"
+
+
+_CROSS_LOAD = re.compile(r"test_load_checkpoint_from_other_minor\[(golden|shared)-torch([\d.]+)-load-ws(\d+)\]")
+
+
+def render_cross(runs: list[Run]) -> list[str]:
+    """Rows: the minor that saved a ckptlib checkpoint; columns: the torch that loaded it
+    (tests/test_cross_version.py, golden and shared-directory checkpoints, 2 and 3 ranks)."""
+    cells: dict[tuple[str, str], collections.Counter] = {}
+    writers: set[str] = set()
+    for run in runs:
+        reader = _minor_of(run.torch)
+        for case in run.cases:
+            match = _CROSS_LOAD.fullmatch(case.name)
+            if case.module != "tests.test_cross_version":
+                continue
+            if match:
+                writer = match.group(2)
+            elif case.name == "test_write_for_other_minors":
+                writer = reader
+            else:
+                continue
+            writers.add(writer)
+            cells.setdefault((writer, reader), collections.Counter())[case.outcome] += 1
+    if not writers:
+        return []
+    readers = [_minor_of(r.torch) for r in runs]
+    lines = ["Cross-minor loads (`tests/test_cross_version.py`: a ckptlib checkpoint saved at 2 ranks under the "
+             "row's torch, loaded at 2 and 3 ranks under the column's and compared bit for bit):", ""]
+    lines.append("| saved under \\ loaded under | " + " | ".join(f"torch {r}" for r in readers) + " |")
+    lines.append("|" + "---|" * (len(readers) + 1))
+    for writer in sorted(writers, key=_version_key, reverse=True):
+        row = []
+        for reader in readers:
+            counts = cells.get((writer, reader))
+            if not counts:
+                row.append("—")
+            elif counts["fail"]:
+                row.append(f"**FAIL {counts['fail']}**")
+            elif counts["skip"]:
+                row.append(f"unsupported ({counts['skip']})")
+            else:
+                row.append("same torch" if writer == reader else "ok")
+        lines.append(f"| torch {writer} | " + " | ".join(row) + " |")
+    lines.append("")
+    return lines
+
+
+def _minor_of(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
 
 
 def _normalize(message: str) -> str:

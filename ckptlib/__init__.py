@@ -19,13 +19,18 @@ from .errors import (
     UnsupportedError,
 )
 from .convert import ConvertResult, convert
-from .manager import CheckpointManager, KeepLast, StaleLockWarning, StalePointerWarning
+from .export import ExportResult, export
+from .manager import CheckpointManager, StaleLockWarning, StalePointerWarning
+from .retention import KeepBest, KeepEvery, KeepLast
+from .save_policy import EveryNSeconds, EveryNSteps, FinalStep
 from .data import ElasticDistributedSampler, MergeSamplerProgress
 from .state import KeepExistingRanks, MergingResizePolicy, RankLocal, ResizePolicy, ResizeWarning, RNGState
 
 __all__ = [
     "AsyncSave", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
-    "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "ElasticDistributedSampler", "KeepExistingRanks", "KeepLast", "LoadResult",
+    "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "ElasticDistributedSampler",
+    "EveryNSeconds", "EveryNSteps",
+    "ExportResult", "export", "FinalStep", "KeepBest", "KeepEvery", "KeepExistingRanks", "KeepLast", "LoadResult",
     "LockedError", "MergeSamplerProgress", "MergingResizePolicy", "MissingKeysError", "NotACheckpointError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",
     "StorageError", "UnsafeCheckpointError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",

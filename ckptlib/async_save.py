@@ -9,7 +9,9 @@ run on a dedicated gloo group, created collectively and lazily by the first asyn
 group, so they never interleave with the training's collectives on the default group.
 Because that group orders its collectives, at most one async save per group is in flight:
 a new save first waits for the previous one (and re-raises its failure, if it failed and
-nobody waited for it).
+nobody waited for it: a failure is reported once, by whichever of `wait()`, `result()`, the
+next save, or the manager's `wait()`/`save()`/`gc()`/`close()` sees it first; the call that
+sees it raises it and does nothing else, the next call proceeds).
 
 Failures: a failed background save never writes the manifest, so it never becomes a
 committed checkpoint; its error is raised by `wait()` / `result()` on every rank. Errors in
@@ -136,6 +138,20 @@ class AsyncSave:
     def result(self):
         return self.wait()
 
+    def deliver(self, timeout: float | None = None):
+        """Like wait(), but a failure is raised only if nobody has observed it yet (by wait(),
+        result(), exception(), wait_staged() or an earlier deliver()); after that, None.
+        The manager and the next async save use this, so a failure surfaces exactly once."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"async save to {self.uri} still running after {timeout} s")
+        with _lock:
+            first, self._observed = not self._observed, True
+        if self._error is not None:
+            if first:
+                raise self._error
+            return None
+        return self._result
+
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The background failure (None on success), without raising it."""
         if not self._done.wait(timeout):
@@ -181,11 +197,12 @@ def wait_inflight(group=None) -> None:
     with _lock:
         if _inflight.get(_group_key(group)) is previous:
             del _inflight[_group_key(group)]
-    if previous._error is not None and not previous._observed:
-        previous._observed = True
+    try:
+        previous.deliver()
+    except BaseException as exc:
         raise CheckpointError(
-            f"the previous async save to {previous.uri} failed and nobody waited for it: {previous._error}"
-        ) from previous._error
+            f"the previous async save to {previous.uri} failed and nobody waited for it: {exc}"
+        ) from exc
 
 
 def register(group, handle: AsyncSave) -> None:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import time
 import warnings
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -23,7 +24,9 @@ from .errors import CheckpointError, MissingKeysError, ShapeMismatchError, State
 from .format import CheckpointInfo, CkptWriter, Manifest, SafeLoadPlanner, commit, prepare_save_target
 from .format.dcp_io import checkpoint_bytes
 from .format.legacy import inspect_checkpoint, open_reader
-from .format.manifest import check_metadata_json
+from .format.manifest import check_metadata_json, check_metrics
+from .load_keys import Rename, build_request, select_entries
+from .observe import log_operation, mib_per_s
 from .state import to_load_plan, to_save_state_dict
 from .storage import Storage, open_storage
 
@@ -34,10 +37,24 @@ T = TypeVar("T")
 
 @dataclasses.dataclass
 class SaveResult:
+    """What a save committed: its size (every file), the saving world size, how long it took
+    (`seconds`, for an async save from the call to the commit) and, for an async save, how
+    long the caller was blocked (`blocked_seconds`; None for a synchronous save)."""
+
     uri: str
     step: int | None
     world_size: int
     total_bytes: int
+    seconds: float = 0.0
+    blocked_seconds: float | None = None
+
+    @property
+    def bytes(self) -> int:
+        return self.total_bytes
+
+    @property
+    def mib_per_s(self) -> float | None:
+        return mib_per_s(self.total_bytes, self.seconds)
 
 
 @dataclasses.dataclass
@@ -47,11 +64,19 @@ class LoadResult:
 
     uri: str
     step: int | None
-    world_size: int | None
+    world_size: int | None  # the world size that saved it
     metadata: dict[str, Any]
     format: str
     missing_keys: list[str]
     notes: list[str]
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    bytes: int | None = None  # the checkpoint's size (its files; tensor bytes for foreign formats)
+    seconds: float = 0.0
+    load_world_size: int = 1  # the world size that loaded it
+
+    @property
+    def mib_per_s(self) -> float | None:
+        return mib_per_s(self.bytes, self.seconds)
 
 
 def _storage(uri: str | os.PathLike | Storage) -> Storage:
@@ -91,6 +116,7 @@ def save(
     *,
     step: int | None = None,
     metadata: dict[str, Any] | None = None,
+    metrics: dict[str, float] | None = None,
     overwrite: bool = False,
     process_group=None,
     async_: bool = False,
@@ -100,6 +126,8 @@ def save(
     """Save `state` as a sharded DCP checkpoint at `uri` and commit it with a manifest.
 
     Collective: every rank of `process_group` calls it with its own shard of the state.
+    `metrics` (name -> number, rank 0's values) go into the manifest for retention
+    (`KeepBest`) and listings; NaN and infinities are stored as null.
 
     `async_=True`: return an `AsyncSave` handle as soon as the state is staged to CPU memory;
     the write and the commit run in a background thread on a dedicated gloo group (see
@@ -129,23 +157,27 @@ def save(
     def check_and_collect() -> tuple[dict[str, Any], dict[str, Any]]:
         # One collective round for every check (each used to cost its own round trip).
         user_metadata = check_metadata_json(metadata)
+        checked_metrics = check_metrics(metrics)
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise StateError(f"step must be a non-negative int, got {step!r}")
         state_dict = to_save_state_dict(state, rank=rank)
         if async_ and not background_staging:
             state_dict = async_save.stage(state_dict, group)  # the copy the background writes
-        return user_metadata, state_dict
+        return (user_metadata, checked_metrics), state_dict
 
-    user_metadata, state_dict = _dist.agree(check_and_collect, group)
+    (user_metadata, user_metrics), state_dict = _dist.agree(check_and_collect, group)
 
     def write() -> SaveResult:
         return _write_and_commit(
             storage, state_dict, bg_group if async_ else group,
-            world=world, step=step, user_metadata=user_metadata, overwrite=overwrite,
+            world=world, step=step, user_metadata=user_metadata, user_metrics=user_metrics, overwrite=overwrite,
         )
 
     if not async_:
-        return write()
+        result = write()
+        result.seconds = time.perf_counter() - started
+        _log_save(result, rank)
+        return result
 
     def work() -> SaveResult:
         nonlocal state_dict
@@ -156,13 +188,35 @@ def save(
         # Preparing the target (removing debris) waits for the disk, so it runs in the
         # background too, still before any shard is written; its errors
         # (CheckpointExistsError) come from wait().
-        return write() if _background is None else _background(write, bg_group)
+        result = write() if _background is None else _background(write, bg_group)
+        result.seconds = time.perf_counter() - started
+        result.blocked_seconds = handle.blocking_seconds
+        _log_save(result, rank)
+        return result
 
     handle = async_save.AsyncSave(
         storage.uri, work, blocking_seconds=time.perf_counter() - started, started=started, staged=not background_staging
     )
     async_save.register(group, handle)
     return handle  # type: ignore[return-value]
+
+
+def _log_save(result: SaveResult, rank: int) -> None:
+    log_operation(
+        "save", uri=result.uri, step=result.step, nbytes=result.total_bytes, seconds=result.seconds,
+        world_size=result.world_size, blocked_seconds=result.blocked_seconds, rank=rank,
+    )
+
+
+def _checkpoint_size(info: CheckpointInfo) -> int | None:
+    """A checkpoint's size: its files per the manifest, else the bytes of its tensors."""
+    if info.manifest is not None:
+        return info.manifest.total_bytes
+    total = 0
+    for md in info.metadata.state_dict_metadata.values():
+        if isinstance(md, TensorStorageMetadata):
+            total += math.prod(md.size) * torch.empty((), dtype=md.properties.dtype).element_size()
+    return total
 
 
 def _on_coordinator(fn: Callable[..., T]) -> Callable[..., T]:
@@ -190,6 +244,7 @@ def _write_and_commit(
     world: int,
     step: int | None,
     user_metadata: dict[str, Any],
+    user_metrics: dict[str, Any],
     overwrite: bool,
 ) -> SaveResult:
     """Every rank writes its shard through DCP; the coordinator prepares the target before
@@ -203,6 +258,7 @@ def _write_and_commit(
             files=dict(files),
             step=step,
             metadata=user_metadata,
+            metrics=user_metrics,
             torch_version=torch.__version__,
             ckptlib_version=__version__,
         )
@@ -217,8 +273,11 @@ def _write_and_commit(
     return SaveResult(uri=storage.uri, step=step, world_size=world, total_bytes=checkpoint_bytes(metadata))
 
 
-def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool) -> list[str]:
-    """Compare the requested keys with the checkpoint; return the missing ones."""
+def _check_request(
+    template: dict[str, Any], info: CheckpointInfo, strict: bool, keep_if_absent: frozenset[str] = frozenset()
+) -> tuple[list[str], list[str]]:
+    """Compare the requested keys with the checkpoint; return the missing ones, and the absent
+    ones the state keeps its own value for (`LoadPlan.keep_if_absent`)."""
     saved = info.metadata.state_dict_metadata
     flat = compat.flatten_state_dict(template)[0]
     missing = sorted(k for k in flat if k not in saved)
@@ -227,6 +286,10 @@ def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool)
         old_missing = sorted(k for k in old_flat if k not in saved)
         if len(old_missing) < len(missing):
             flat, missing = old_flat, old_missing
+    # Kept only where the checkpoint holds the same param group (an optimizer it lacks stays missing).
+    groups = {k.rsplit(".", 1)[0] for k in saved}
+    kept = [k for k in missing if k in keep_if_absent and k.rsplit(".", 1)[0] in groups]
+    missing = [k for k in missing if k not in keep_if_absent]
     if missing and strict:
         shown = ", ".join(missing[:20]) + (f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
         raise MissingKeysError(f"{info.uri} lacks keys the state asks for: {shown}", keys=missing, path=info.uri)
@@ -255,7 +318,7 @@ def _check_request(template: dict[str, Any], info: CheckpointInfo, strict: bool)
             keys=bad_keys,
             path=info.uri,
         )
-    return missing
+    return missing, kept
 
 
 def load(
@@ -266,40 +329,98 @@ def load(
     verify: bool = True,
     trusted: bool = False,
     process_group=None,
+    only: Sequence[str] | None = None,
+    ignore_keys: Sequence[str] | None = None,
+    rename: Rename | None = None,
 ) -> LoadResult:
     """Load a checkpoint into `state` in place, at any world size; return what was loaded.
 
     `strict`: keys the state asks for but the checkpoint lacks, and dtype differences, are
     errors; with strict=False they are skipped and listed in `LoadResult.missing_keys`.
     Keys in the checkpoint that the state does not ask for are never an error.
+
+    Load control (see `ckptlib.load_keys`): `only=("model",)` loads just those top-level
+    entries of `state` (a model-only load of a full checkpoint); `ignore_keys` (globs on the
+    state's flattened keys) are neither loaded nor missing; `rename` maps checkpoint keys
+    to state keys (`{old_prefix: new_prefix}` or a callable).
     """
+    started = time.perf_counter()
     storage = _storage(uri)
     group = process_group
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     info = _dist.decide_on_rank0(lambda: inspect_checkpoint(storage, verify=verify, trusted=trusted), group)
+    selected = _dist.agree(lambda: select_entries(state, only), group)
 
     plan = _dist.agree(
         lambda: to_load_plan(
-            state, rank=rank, world_size=world, saved_world_size=info.world_size, step=info.step, strict=strict
+            selected, rank=rank, world_size=world, saved_world_size=info.world_size, step=info.step, strict=strict
         ),
         group,
     )
-    missing = _dist.agree(lambda: _check_request(plan.template, info, strict), group)
+    keyed = None
+    if ignore_keys is not None or rename is not None:
+        saved_keys = list(info.metadata.state_dict_metadata)
+        keyed = _dist.agree(
+            lambda: build_request(plan.template, saved_keys, ignore_keys=ignore_keys, rename=rename), group
+        )
+
+    def check() -> tuple[list[str], list[str]]:
+        unsourced = keyed.unsourced if keyed is not None else []
+        if unsourced and strict:
+            raise MissingKeysError(
+                f"{info.uri}: no checkpoint key is renamed to {', '.join(unsourced[:20])} (rename= renamed their "
+                "own names away)", keys=unsourced, path=info.uri,
+            )
+        request = plan.template if keyed is None else keyed.request
+        missing, kept = _check_request(request, info, strict, plan.keep_if_absent)
+        return sorted(missing + unsourced), kept
+
+    missing, kept = _dist.agree(check, group)
+    notes = list(plan.notes)
+    if kept:
+        notes.append(
+            f"the checkpoint lacks optimizer hyperparameters {', '.join(kept)} (the torch that saved it did not "
+            "have them); the optimizers keep their own values"
+        )
 
     reader, _ = open_reader(storage, info=info, verify=verify, trusted=trusted)
-    planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict)
+    # Every other key was checked above, so a partial load skips only the kept ones.
+    planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict or bool(kept))
     try:
         with _quiet_single_process():
-            dcp.load(plan.template, storage_reader=reader, planner=planner, process_group=group)
+            dcp.load(
+                plan.template if keyed is None else keyed.request, storage_reader=reader, planner=planner,
+                process_group=group,
+            )
     except compat.checkpoint_exception_cls() as exc:
         raise _unwrap_dcp_error(exc) from exc
-    _dist.agree(lambda: [apply() for apply in plan.appliers], group)
-    return LoadResult(
+
+    def apply() -> None:
+        if keyed is not None:
+            keyed.copy_back()
+        for applier in plan.appliers:
+            applier()
+        if selected is not state:  # plain values replaced in the selection go back to the caller's mapping
+            for name, value in selected.items():
+                if state[name] is not value:
+                    state[name] = value  # type: ignore[index]
+
+    _dist.agree(apply, group)
+    result = LoadResult(
         uri=storage.uri,
         step=info.step,
         world_size=info.world_size,
         metadata=dict(info.manifest.metadata) if info.manifest else {},
         format=info.kind,
         missing_keys=missing,
-        notes=plan.notes + list(getattr(info, "notes", []) or []),
+        notes=notes + list(getattr(info, "notes", []) or []),
+        metrics=dict(info.manifest.metrics) if info.manifest else {},
+        bytes=_checkpoint_size(info),
+        seconds=time.perf_counter() - started,
+        load_world_size=world,
     )
+    log_operation(
+        "load", uri=result.uri, step=result.step, nbytes=result.bytes, seconds=result.seconds, world_size=world,
+        saved_world_size=result.world_size, rank=rank,
+    )
+    return result

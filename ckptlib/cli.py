@@ -16,6 +16,7 @@ import tempfile
 from typing import Sequence
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+_NO_PROGRESS_HELP = "no progress bar (there is none when stderr is not a terminal either)"
 
 
 class UsageError(Exception):
@@ -71,7 +72,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                     args.world_sizes,
                     wrap,
                     args.optim,
-                    not args.json and not args.no_progress,
+                    not args.json and _show_progress(args),
                     args.layouts,
                     args.pairs,
                     timeout=args.timeout,
@@ -110,11 +111,12 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
     try:
         dist.init_process_group(args.backend)
         try:
+            progress = not args.json and _show_progress(args)
             if args.layouts:
                 report = validate.run_layout_pairs(args.root, args.world_sizes, args.layouts, args.optim,
-                                                   pairs=args.pairs, progress=not args.json)
+                                                   pairs=args.pairs, progress=progress)
             else:
-                report = validate.run_pairs(args.root, args.world_sizes, wrap, args.optim, progress=not args.json)
+                report = validate.run_pairs(args.root, args.world_sizes, wrap, args.optim, progress=progress)
             _dist.exit_barrier()
             return report
         finally:
@@ -136,11 +138,30 @@ def _open(uri: str):
         raise UsageError(str(exc)) from None
 
 
+def _progress_bar(args: argparse.Namespace, desc: str, total: int | None = None, unit: str = "B"):
+    """A tqdm bar on stderr, disabled unless `_show_progress(args)`."""
+    from tqdm.auto import tqdm
+
+    scale = unit == "B"
+    return tqdm(
+        total=total, desc=desc, unit=unit, unit_scale=scale, unit_divisor=1024 if scale else 1000,
+        disable=not _show_progress(args), leave=False, file=sys.stderr,
+    )
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .format.verify import verify
 
     storage = _open(args.uri)
-    problems = verify(storage)
+    bar = _progress_bar(args, "ckpt verify")
+
+    def start(total: int) -> None:
+        bar.reset(total=total)
+
+    try:
+        problems = verify(storage, on_start=start, on_bytes=bar.update)
+    finally:
+        bar.close()
     errors = [p for p in problems if p.is_error]
     for p in problems:
         print(p.line(storage.uri))
@@ -187,7 +208,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         args.dst,
         to=args.to,
         force=args.force,
-        progress=not args.no_progress,
+        progress=_show_progress(args),
         prefix=args.prefix,
         trusted=args.trusted,
     )
@@ -200,6 +221,85 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if result.skipped:
         print(f"skipped (not representable in {result.to}): {', '.join(result.skipped[:20])}")
     return EXIT_OK
+
+
+def _show_progress(args: argparse.Namespace) -> bool:
+    """A progress bar only on a terminal: never when stderr is piped or with --no-progress."""
+    return not getattr(args, "no_progress", False) and sys.stderr.isatty()
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .export import export, parse_dtype, parse_size
+
+    try:
+        dtype = parse_dtype(args.dtype)
+        shard = parse_size(args.max_shard_size)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    result = export(
+        args.src,
+        args.dst,
+        format=args.format,
+        dtype=dtype,
+        max_shard_size=shard,
+        model_only=args.model_only,
+        step=args.step,
+        force=args.force,
+        progress=_show_progress(args),
+        trusted=args.trusted,
+    )
+    rate = result.mib_per_s
+    print(
+        f"exported {result.src} ({result.src_format}, step {'-' if result.step is None else result.step}) -> "
+        f"{result.dst} ({result.format}{', ' + result.dtype if result.dtype else ''}): {result.tensors} tensors, "
+        f"{result.bytes} bytes in {len(result.files)} file{'s' if len(result.files) != 1 else ''}, "
+        f"{result.seconds:.2f}s" + (f" ({rate:.1f} MiB/s)" if rate else "")
+    )
+    if result.skipped:
+        shown = ", ".join(result.skipped[:10]) + (f" ... ({len(result.skipped)} in all)" if len(result.skipped) > 10 else "")
+        print(f"not exported: {shown}")
+    return EXIT_OK
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _human_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
+    for limit, div, unit in ((120, 1, "s"), (7200, 60, "m"), (172800, 3600, "h")):
+        if seconds < limit:
+            return f"{int(seconds // div)}{unit}"
+    return f"{int(seconds // 86400)}d"
+
+
+def _age_seconds(created: str | None) -> float | None:
+    import datetime
+
+    if not created:
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(created)
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return (datetime.datetime.now(datetime.timezone.utc) - when).total_seconds()
+
+
+def _metric_text(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:.6g}"
+    return str(value)
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
@@ -222,21 +322,35 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             "bytes": sum(info.files.values()),
             "world_size": None,
             "latest": pointer == step_dir(info.step),
+            "created": None,
+            "age_seconds": None,
+            "metrics": {},
         }
         if info.state == "committed":
             try:
-                row["world_size"] = Manifest.from_bytes(child.read(MANIFEST_NAME), f"{child.uri}/{MANIFEST_NAME}").world_size
+                manifest = Manifest.from_bytes(child.read(MANIFEST_NAME), f"{child.uri}/{MANIFEST_NAME}")
             except CheckpointError:
                 row["state"] = "corrupt"
+            else:
+                row["world_size"] = manifest.world_size
+                row["created"] = manifest.created or None
+                age = _age_seconds(manifest.created)
+                row["age_seconds"] = None if age is None else round(age, 3)
+                row["metrics"] = dict(getattr(manifest, "metrics", None) or {})
         rows.append(row)
     if args.json:
         lock = holder.to_json() if holder is not None else None
         print(json.dumps({"root": args.root, "latest": pointer, "lock": lock, "steps": rows}, indent=1))
         return EXIT_OK
-    print(f"{'step':>10}  {'state':<10} {'world':>5} {'bytes':>12}  latest")
+    print(f"{'step':>10}  {'state':<10} {'world':>5} {'size':>10} {'age':>6}  latest  metrics")
     for r in rows:
         ws = "-" if r["world_size"] is None else str(r["world_size"])
-        print(f"{r['step']:>10}  {r['state']:<10} {ws:>5} {r['bytes']:>12}  {'*' if r['latest'] else ''}")
+        metrics = " ".join(f"{k}={_metric_text(v)}" for k, v in sorted(r["metrics"].items()))
+        line = (
+            f"{r['step']:>10}  {r['state']:<10} {ws:>5} {_human_bytes(r['bytes']):>10} {_human_age(r['age_seconds']):>6}"
+            f"  {'*' if r['latest'] else '':<6}  {metrics}"
+        )
+        print(line.rstrip())
     if holder is not None:
         print(f"locked by {holder.describe()}")
     return EXIT_OK
@@ -273,17 +387,47 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
 
 def _cmd_gc(args: argparse.Namespace) -> int:
     from .manager import CheckpointManager
+    from .retention import KeepEvery, KeepLast, parse_keep_best
 
-    if args.keep < 1:
-        raise UsageError("--keep must be at least 1")
-    mgr = CheckpointManager(args.root, keep_last=args.keep)
+    if args.keep is not None and args.keep_last is not None:
+        raise UsageError("--keep is --keep-last; give one of them")
+    keep_last = args.keep if args.keep is not None else args.keep_last
+    for flag, value in (("--keep", args.keep), ("--keep-last", args.keep_last), ("--keep-every", args.keep_every)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1")
+    policies = []
+    try:
+        if keep_last is not None:
+            policies.append(KeepLast(keep_last))
+        if args.keep_every is not None:
+            policies.append(KeepEvery(args.keep_every))
+        policies.extend(parse_keep_best(spec) for spec in args.keep_best)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not policies:
+        raise UsageError("say what to keep: --keep-last N, --keep-every K and/or --keep-best K:METRIC[:min|max]")
+    retention = policies[0]
+    for policy in policies[1:]:
+        retention = retention | policy
+    mgr = CheckpointManager(args.root, retention=retention)
     if not mgr.storage.exists():
         raise UsageError(f"{args.root}: no such checkpoint root")
     if args.force and not args.dry_run:
         holder = mgr.break_lock()
         if holder is not None:
             print(f"removed the lock held by {holder.describe()}")
-    removed = mgr.gc(dry_run=args.dry_run)
+    bar = _progress_bar(args, "ckpt gc", unit="dir")
+
+    def on_removed(done: int, total: int) -> None:
+        if bar.total != total:
+            bar.reset(total=total)
+        bar.n = done
+        bar.refresh()
+
+    try:
+        removed = mgr.gc(dry_run=args.dry_run, on_removed=on_removed)
+    finally:
+        bar.close()
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
         print(f"{verb} {mgr.storage.uri.rstrip('/')}/{name}")
@@ -328,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optim", choices=["adam", "adamw", "sgd"], default="adamw")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="process group backend under torchrun")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank fails the run")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help=_NO_PROGRESS_HELP)
     p.set_defaults(func=_cmd_validate)
 
     p = sub.add_parser(
@@ -343,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("uri", help="a checkpoint directory: path, file:// or s3:// URI")
+    p.add_argument("--no-progress", action="store_true", help=_NO_PROGRESS_HELP)
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser(
@@ -365,7 +510,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "ls",
         help="list the steps under a checkpoint root",
-        description="List steps: committed, incomplete or corrupt, size, saved world size, which is latest, and who holds the root's lock.",
+        description=(
+            "List steps: committed, incomplete or corrupt, size, age (since the manifest was written), saved "
+            "world size, which is latest, the metrics given to the save, and who holds the root's lock. "
+            "--json: root, latest, lock and steps (each with step, name, state, bytes, world_size, latest, "
+            "created, age_seconds, metrics)."
+        ),
     )
     p.add_argument("root")
     p.add_argument("--json", action="store_true")
@@ -375,17 +525,28 @@ def build_parser() -> argparse.ArgumentParser:
         "gc",
         help="apply retention to a checkpoint root",
         description=(
-            "Keep the newest N committed steps (never the one `latest` names) and remove incomplete debris. "
+            "Apply retention to ROOT and remove incomplete debris (only directories ckptlib wrote). A committed "
+            "step is kept when any rule keeps it: --keep-last N (the N highest steps), --keep-every K (steps that "
+            "are multiples of K), --keep-best K:METRIC[:min|max] (the K best by a metric saved with the step; "
+            "steps without it are not best; a tie keeps the newer step). The step `latest` names is always kept. "
+            "The rules are CheckpointManager's retention policies (KeepLast | KeepEvery | KeepBest). "
             "Takes the root's lock: fails (exit 1) while a writer holds it."
         ),
     )
     p.add_argument("root")
-    p.add_argument("--keep", type=int, required=True, help="number of newest committed steps to keep")
+    p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep the N highest-numbered committed steps")
+    p.add_argument("--keep", type=int, default=None, metavar="N", help="same as --keep-last N")
+    p.add_argument("--keep-every", type=int, default=None, metavar="K", help="keep every step that is a multiple of K")
+    p.add_argument(
+        "--keep-best", action="append", default=[], metavar="K:METRIC[:min|max]",
+        help="keep the K best steps by METRIC (saved with metrics=...; min is best unless :max); repeatable",
+    )
     p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     p.add_argument(
         "--force", action="store_true",
         help="first remove the root's lock, whoever holds it (only when that writer is known to be gone)",
     )
+    p.add_argument("--no-progress", action="store_true", help=_NO_PROGRESS_HELP)
     p.set_defaults(func=_cmd_gc)
 
     p = sub.add_parser(
@@ -404,8 +565,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite DST if it exists")
     p.add_argument("--prefix", default="model", help="state key that holds flat model files / is exported to safetensors (default model)")
     p.add_argument("--trusted", action="store_true", help="allow arbitrary unpickling of objects in torch.save sources")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help=_NO_PROGRESS_HELP)
     p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser(
+        "export",
+        help="export a checkpoint as one consolidated model in Hugging Face's layout",
+        description=(
+            "Write SRC (any checkpoint ckptlib reads, at any saved world size, or a CheckpointManager root: its "
+            "latest step, or --step) as one consolidated model in DST, streaming one tensor at a time. "
+            "--format safetensors: model.safetensors, or model-0000k-of-0000n.safetensors plus "
+            "model.safetensors.index.json when the tensors exceed --max-shard-size. --format torch: "
+            "pytorch_model.bin (torch.save of a flat name->tensor dict), or pytorch_model-0000k-of-0000n.bin plus "
+            "pytorch_model.bin.index.json. A DST ending in .safetensors (.bin/.pt/.pth for torch) is one file. "
+            "--model-only writes the 'model' entry's tensors without the 'model.' prefix (the names "
+            "transformers' loaders expect); otherwise every tensor under its full key. Non-tensor values are "
+            "never exported. Refuses to write into an existing DST unless --force, and even then only when DST "
+            "is an export ckptlib wrote (ckptlib_export.json lists its files)."
+        ),
+    )
+    p.add_argument("src", help="a checkpoint (path, file:// or s3:// URI) or a CheckpointManager root")
+    p.add_argument("dst", help="a local directory (or one .safetensors/.bin file)")
+    p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors", help="default safetensors")
+    p.add_argument("--dtype", default=None, help="cast floating-point tensors, e.g. bfloat16 (integer tensors keep theirs)")
+    p.add_argument(
+        "--max-shard-size", default="5GB",
+        help="largest shard: bytes or 5GB / 500MB / 2GiB as Hugging Face spells it (default 5GB); "
+        "a larger tensor gets a shard of its own",
+    )
+    p.add_argument("--model-only", action="store_true", help="only the model's tensors, without the 'model.' prefix")
+    p.add_argument("--step", type=int, default=None, help="with a CheckpointManager root: this step instead of latest")
+    p.add_argument("--force", action="store_true", help="replace an export ckptlib wrote earlier at DST")
+    p.add_argument("--trusted", action="store_true", help="allow arbitrary unpickling of objects in torch.save sources")
+    p.add_argument("--no-progress", action="store_true", help=_NO_PROGRESS_HELP)
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser(
         "unlock",

@@ -21,15 +21,24 @@ What moved or changed inside the window (2.6 .. 2.13), and how ckptlib copes:
 - `torch.load`: `weights_only` defaults to True from 2.6 on (and the TORCH_FORCE_*
   variables can flip it), so ckptlib always passes it explicitly; `load_weights_only_default`
   measures the effective default.
+- torch.save's archive: `TorchArchiveWriter` streams a flat tensor dict through torch's own
+  zip writer (`torch._C.PyTorchFileWriter`) with a pickle built from shapes alone;
+  `streaming_torch_save_reason` compares its bytes with torch.save's once per process
+  (export falls back to spilling tensors for torch.save where they differ).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
+import importlib.util
 import inspect
 import io
+import math
+import os
 import pickle
+import sys
 import warnings
 from typing import Any, Callable
 
@@ -271,6 +280,32 @@ def set_element(root: dict, path: tuple, value: Any) -> None:
     _set_element(root, path, value)
 
 
+# torch 1.13 shipped DCP as torch.distributed._shard.checkpoint; its checkpoints' `.metadata`
+# pickles the metadata classes under those module names. Today that package is a shim that
+# aliases only the package, so unpickling imports a *second copy* of metadata.py whose classes
+# are not DCP's ("expected BytesStorageMetadata but found ...TensorStorageMetadata").
+_RENAMED_DCP_MODULES = {
+    "torch.distributed._shard.checkpoint": "torch.distributed.checkpoint",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def current_pickle_module(module: str) -> str:
+    """Where a class pickled under `module` by an older torch lives in this torch.
+
+    `torch.distributed._shard.checkpoint.metadata` (1.13) -> `torch.distributed.checkpoint.metadata`,
+    when this torch has the latter; any other module name is returned unchanged."""
+    for old, new in _RENAMED_DCP_MODULES.items():
+        if module == old or module.startswith(old + "."):
+            candidate = new + module[len(old):]
+            try:
+                found = importlib.util.find_spec(candidate) is not None
+            except (ImportError, ValueError):
+                found = False
+            return candidate if found else module
+    return module
+
+
 def checkpoint_exception_cls() -> type:
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -420,6 +455,105 @@ def torch_save_without_zip_crc(obj: Any, buffer: Any) -> bool:
     return True
 
 
+class _StorageRef:
+    """A storage torch.save would write as record `data/<key>` (only its type and size known)."""
+
+    def __init__(self, storage_type: Any, key: str, numel: int):
+        self.storage_type, self.key, self.numel = storage_type, key, numel
+
+
+class _TensorRef:
+    def __init__(self, storage: _StorageRef, shape: tuple[int, ...]):
+        self.storage, self.shape = storage, shape
+
+
+class _TensorRefPickler(pickle.Pickler):
+    """Pickles _TensorRefs exactly as torch.save pickles contiguous CPU tensors."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageRef):
+            return ("storage", obj.storage_type, obj.key, "cpu", obj.numel)
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, _TensorRef):
+            stride = torch.empty(obj.shape, device="meta").stride()
+            return torch._utils._rebuild_tensor_v2, (obj.storage, 0, obj.shape, stride, False, collections.OrderedDict())
+        return NotImplemented
+
+
+def _pickle_storage_type(dtype: torch.dtype) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TypedStorage is deprecated, but it names the pickled type
+        return getattr(torch, torch.storage.TypedStorage(0, dtype=dtype)._pickle_storage_type())
+
+
+class TorchArchiveWriter:
+    """Writes a torch.save file of a flat {name: tensor} dict one tensor at a time: the pickle
+    (from shapes and dtypes alone) first, then each tensor's record as it arrives. The bytes
+    equal torch.save's (`streaming_torch_save_reason` checks that once per process)."""
+
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+        refs = {
+            name: _TensorRef(_StorageRef(_pickle_storage_type(dtype), str(i), math.prod(shape)), tuple(shape))
+            for i, (name, dtype, shape) in enumerate(entries)
+        }
+        buf = io.BytesIO()
+        _TensorRefPickler(buf, protocol=torch.serialization.DEFAULT_PROTOCOL).dump(refs)
+        alignment = getattr(torch.serialization, "_get_storage_alignment", None)
+        self._writer = torch._C.PyTorchFileWriter(path)
+        self._record("data.pkl", buf.getvalue())
+        self._record(".format_version", "1")
+        if alignment is not None:
+            self._record(".storage_alignment", str(alignment()))
+        self._record("byteorder", sys.byteorder)
+        self._next = 0
+
+    def _record(self, name: str, value: Any) -> None:
+        self._writer.write_record(name, value, len(value))
+
+    def add_record(self, name: str, value: str) -> None:
+        """An extra record torch.load ignores (before the first tensor)."""
+        self._record(name, value)
+
+    def add(self, tensor: torch.Tensor) -> None:
+        """The next entry's data (a contiguous CPU tensor, in the order of `entries`)."""
+        storage = tensor.untyped_storage()
+        self._writer.write_record(f"data/{self._next}", storage, storage.nbytes())
+        self._next += 1
+
+    def close(self) -> None:
+        self._writer.write_end_of_file()
+        del self._writer
+
+
+@functools.lru_cache(maxsize=None)
+def streaming_torch_save_reason() -> str | None:
+    """None when TorchArchiveWriter writes exactly torch.save's bytes on this torch; else why not."""
+    import tempfile
+
+    probe = {
+        "a": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "b": torch.arange(5, dtype=torch.bfloat16),
+        "c": torch.tensor(7),
+        "d": torch.zeros(0, 3, dtype=torch.int64),
+    }
+    try:
+        with tempfile.TemporaryDirectory(prefix="ckptlib-probe-") as tmp:
+            mine, theirs = os.path.join(tmp, "probe.bin"), os.path.join(tmp, "ref", "probe.bin")
+            os.makedirs(os.path.dirname(theirs))
+            writer = TorchArchiveWriter(mine, [(k, v.dtype, tuple(v.shape)) for k, v in probe.items()])
+            for value in probe.values():
+                writer.add(value)
+            writer.close()
+            torch.save(probe, theirs)
+            with open(mine, "rb") as a, open(theirs, "rb") as b:
+                same = a.read() == b.read()
+    except Exception as exc:  # noqa: BLE001 - any failure means "use plain torch.save"
+        return f"{type(exc).__name__}: {exc}"
+    return None if same else "the streamed archive differs from torch.save's"
+
+
 def has_safe_globals() -> bool:
     """`torch.serialization.safe_globals` (a context manager to allowlist classes)."""
     ser = getattr(torch, "serialization", None)
@@ -471,4 +605,5 @@ def describe() -> dict[str, Any]:
         "meta_load_records_offsets": meta_load_records_offsets(),
         "zip_writer_without_crc": torch_save_without_zip_crc(torch.zeros(1), io.BytesIO()),
         "safe_globals": has_safe_globals(),
+        "dcp_1_13_metadata_module": current_pickle_module("torch.distributed._shard.checkpoint.metadata"),
     }

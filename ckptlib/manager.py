@@ -28,14 +28,20 @@ import json
 import os
 import re
 import socket
+import time
 import uuid
 import warnings
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from . import _dist
 from .checkpoint import LoadResult, SaveResult, load, save
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError
-from .format import PENDING_NAME, classify
+from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
+from .observe import log_operation
+from .preemption import DEFAULT_SIGNALS, PreemptionWatcher, signal_name
+from .retention import KeepLast, RetentionPolicy, StepRecord, to_delete
+from . import save_policy as _save_policy
+from .save_policy import SaveContext, SavePolicy, decide
 from .storage import Storage, open_storage
 
 LATEST = "latest"
@@ -53,23 +59,6 @@ def step_dir(step: int) -> str:
 def parse_step(name: str) -> int | None:
     match = _STEP_RE.match(name)
     return int(match.group(1)) if match else None
-
-
-@dataclasses.dataclass(frozen=True)
-class KeepLast:
-    """Retention: keep the newest `n` committed steps (None keeps all)."""
-
-    n: int | None = None
-
-    def __post_init__(self):
-        if self.n is not None and (not isinstance(self.n, int) or self.n < 1):
-            raise ValueError(f"keep_last must be a positive int or None, got {self.n!r}")
-
-    def to_delete(self, committed: list[int], protected: set[int]) -> list[int]:
-        if self.n is None:
-            return []
-        doomed = sorted(committed)[: max(0, len(committed) - self.n)]
-        return [s for s in doomed if s not in protected]
 
 
 class StalePointerWarning(UserWarning):
@@ -281,7 +270,12 @@ class CheckpointManager:
         root: str | os.PathLike,
         *,
         keep_last: int | None = None,
-        retention=None,
+        retention: RetentionPolicy | None = None,
+        save_policy: SavePolicy | None = None,
+        save_on_preemption: bool = False,
+        preemption_signals: Iterable[int] = DEFAULT_SIGNALS,
+        initial_load: str | os.PathLike | None = None,
+        initial_load_only: Sequence[str] | None = None,
         process_group=None,
         hold_lock: bool = False,
         async_save: bool = False,
@@ -298,12 +292,35 @@ class CheckpointManager:
         moves `latest`. At interpreter exit the save in flight is waited for before the lock
         is released. `background_staging=True` (with `async_save=True`): `save()` returns
         before the state is copied; call the handle's `wait_staged()` before changing the
-        state (see `ckptlib.save`)."""
+        state (see `ckptlib.save`).
+
+        `retention`: a policy from `ckptlib.retention` (`KeepLast(3) | KeepBest(2, "loss")`);
+        `keep_last=N` is short for `KeepLast(N)`. `save_policy` (`ckptlib.save_policy`) decides
+        when `maybe_save` saves. `save_on_preemption=True`: a handler for `preemption_signals`
+        records the signal and the next `maybe_save` saves on every rank (see `maybe_save`).
+        `initial_load`: a checkpoint (any format ckptlib reads) that `load()` reads when the
+        root has no committed step yet; only the state's modules unless `initial_load_only`
+        names the state entries to take from it."""
         if background_staging and not async_save:
             raise StateError("background_staging=True needs async_save=True")
+        if keep_last is not None and retention is not None:
+            raise StateError("pass keep_last or retention, not both (combine policies with |)")
+        if save_policy is not None and not isinstance(save_policy, SavePolicy):
+            raise StateError(f"save_policy must have should_save(context), got {save_policy!r}")
+        if retention is not None and not callable(getattr(retention, "keep", None)):
+            raise StateError(f"retention must have keep(records), got {retention!r}")
         self.root_uri = os.fspath(root)
         self.storage: Storage = open_storage(self.root_uri)
         self.retention = retention if retention is not None else KeepLast(keep_last)
+        self.save_policy = save_policy
+        self.initial_load = None if initial_load is None else os.fspath(initial_load)
+        self.initial_load_only = None if initial_load_only is None else tuple(initial_load_only)
+        self.initial_loaded = False  # True after load() read initial_load (the root had no step)
+        self.preempted = False  # set by maybe_save once a preemption signal reached any rank
+        self.preemption_signal: str | None = None  # its name ("SIGTERM"), the same on every rank
+        self._watcher = PreemptionWatcher(preemption_signals) if save_on_preemption else None
+        self._last_save_step: int | None = None
+        self._last_save_time = _save_policy.clock()
         self.process_group = process_group
         self.hold_lock = hold_lock
         self.async_save = async_save
@@ -326,18 +343,21 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self._watcher is not None:
+                self._watcher.close()
             self._lock.release()
 
     # -- async saves --------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Wait for the async save in flight, if any: its SaveResult, or its failure raised
-        (once; the next call starts clean). None when nothing was in flight; TimeoutError
-        when it is still running after `timeout` seconds."""
+        unless it was already raised elsewhere (by the handle's wait()/result(), or an earlier
+        call here): a failure is delivered once and the next call starts clean. None when
+        nothing was in flight; TimeoutError when it is still running after `timeout` seconds."""
         pending = self._pending
         if pending is None:
             return None
         try:
-            return pending.wait(timeout)
+            return pending.deliver(timeout)
         finally:
             if pending.done():
                 self._pending = None
@@ -436,8 +456,48 @@ class CheckpointManager:
         return f"{self.storage.uri.rstrip('/')}/{step_dir(step)}"
 
     # -- saving -------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None) -> SaveResult:
-        """Save and commit `step`, move `latest` to it, then apply retention."""
+    def maybe_save(
+        self, step: int, state: Mapping[str, Any], *, metrics: dict[str, float] | None = None, force: bool = False,
+        metadata: dict[str, Any] | None = None,
+    ) -> bool:
+        """Save `step` if the save policy says so (rank 0 decides), `force` is true on any rank, or
+        a preemption signal reached any rank; return whether it saved. Collective: one small
+        all_reduce per call, then the save if any.
+
+        After a preemption signal the save is synchronous (an async save in flight is waited
+        for too), and `preempted` becomes True on every rank: the loop should stop. A step this
+        manager already saved or loaded is not saved again."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise StateError(f"step must be a non-negative int, got {step!r}")
+        watcher = self._watcher
+        policy = self.save_policy
+
+        def ask_policy() -> bool:
+            if policy is None:
+                return False
+            return policy.should_save(SaveContext(step, _save_policy.clock(), self._last_save_time, self._last_save_step))
+
+        decision = decide(ask_policy, force=force, signal=watcher and watcher.received, group=self.process_group)
+        if decision.preempted:
+            self.preempted = True
+            self.preemption_signal = signal_name(decision.signal)
+            if watcher is not None:
+                watcher.received = None  # handled: a later signal asks for another save
+        if not (decision.save or decision.preempted) or step == self._last_save_step:
+            if decision.preempted:
+                self.wait()
+            return False
+        self.save(step, state, metadata=metadata, metrics=metrics)
+        if decision.preempted:
+            self.wait()
+        return True
+
+    def save(
+        self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None,
+        metrics: dict[str, float] | None = None,
+    ) -> SaveResult:
+        """Save and commit `step`, move `latest` to it, then apply retention. `metrics` (rank 0's
+        values) are stored in the manifest for `KeepBest` and listings."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise StateError(f"step must be a non-negative int, got {step!r}")
         self.wait()  # the previous async save: its failure surfaces here, before anything else
@@ -448,17 +508,20 @@ class CheckpointManager:
             if replace:
                 warnings.warn(replace, StalePointerWarning, stacklevel=2)
             if self.async_save:
-                return self._save_async(step, target, state, metadata, overwrite=bool(replace))
-            result = save(
-                target, state, step=step, metadata=metadata, overwrite=bool(replace), process_group=self.process_group
-            )
-            _dist.decide_on_rank0(lambda: self._publish(step), self.process_group)
+                result = self._save_async(step, target, state, metadata, metrics, overwrite=bool(replace))
+            else:
+                result = save(
+                    target, state, step=step, metadata=metadata, metrics=metrics, overwrite=bool(replace),
+                    process_group=self.process_group,
+                )
+                _dist.decide_on_rank0(lambda: self._publish(step), self.process_group)
         except BaseException:
             self._drop_lock_after_failure()
             raise
+        self._last_save_step, self._last_save_time = step, _save_policy.clock()
         return result
 
-    def _save_async(self, step: int, target: Storage, state: Mapping[str, Any], metadata, *, overwrite: bool):
+    def _save_async(self, step: int, target: Storage, state: Mapping[str, Any], metadata, metrics, *, overwrite: bool):
         def background(run, group):
             # In the background thread: collectives only on `group` (the dedicated one).
             try:
@@ -470,8 +533,8 @@ class CheckpointManager:
             return result
 
         handle = save(
-            target, state, step=step, metadata=metadata, overwrite=overwrite, process_group=self.process_group,
-            async_=True, background_staging=self.background_staging, _background=background,
+            target, state, step=step, metadata=metadata, metrics=metrics, overwrite=overwrite,
+            process_group=self.process_group, async_=True, background_staging=self.background_staging, _background=background,
         )
         self._pending = handle
         atexit.register(self._wait_at_exit)
@@ -507,63 +570,120 @@ class CheckpointManager:
             raise
         self._drop_lock()
 
-    def _collect(self, protect: set[int], dry_run: bool = False) -> list[str]:
-        """Retention and debris removal; never removes what `latest` names or `protect`."""
+    def _collect(self, protect: set[int], dry_run: bool = False, on_removed=None) -> list[str]:
+        """Retention and debris removal; never removes what `latest` names or `protect`.
+        `on_removed(done, total)` follows the deletions (a progress bar)."""
         scan = self._scan()
         pointed = parse_step(self.storage.read_pointer(LATEST) or "")
         protected = set(protect) | ({pointed} if pointed is not None else set())
-        committed = [s.step for s in scan if s.state == "committed"]
-        doomed = {s: step_dir(s) for s in self.retention.to_delete(committed, protected)}
+        uses_metrics = getattr(self.retention, "uses_metrics", True)
+        records = [
+            StepRecord(s.step, self._saved_metrics(s.name) if uses_metrics else {})
+            for s in scan if s.state == "committed"
+        ]
+        doomed = {s: step_dir(s) for s in to_delete(self.retention, records, protected)}
         for info in scan:
             if info.state == "incomplete" and info.step not in protected:
                 doomed[info.step] = info.name
         leftovers = [n for n in self.storage.list_children() if _DELETING_RE.match(n)]
         if not dry_run:
-            for name in doomed.values():
+            total = len(doomed) + len(leftovers)
+            if on_removed is not None:
+                on_removed(0, total)
+            for done, name in enumerate([*doomed.values(), *leftovers], 1):  # leftovers: a deletion that crashed
                 self.storage.delete_tree(name)
-            for name in leftovers:  # a deletion that crashed half-way
-                self.storage.delete_tree(name)
+                if on_removed is not None:
+                    on_removed(done, total)
             for info in scan:  # a commit that crashed between writing the manifest and this
                 if info.state == "committed" and info.step not in doomed and PENDING_NAME in info.files:
                     self.storage.child(info.name).delete([PENDING_NAME])
         return sorted(doomed.values()) + sorted(leftovers)
 
-    def gc(self, *, dry_run: bool = False) -> list[str]:
+    def _saved_metrics(self, name: str) -> dict[str, Any]:
+        """The metrics in a step's manifest; {} when it has none or cannot be read (never fatal)."""
+        where = f"{self.storage.uri.rstrip('/')}/{name}/{MANIFEST_NAME}"
+        try:
+            return dict(Manifest.from_bytes(self.storage.child(name).read(MANIFEST_NAME), where).metrics)
+        except (CheckpointError, OSError):
+            return {}
+
+    def gc(self, *, dry_run: bool = False, on_removed=None) -> list[str]:
         """Apply retention and remove debris now; returns the step directories (to be) removed.
+        `on_removed(done, total)` is called on rank 0 as directories are removed.
 
         Takes the root's lock (LockedError while another writer holds it), except for a dry run.
         """
         self.wait()  # never delete while a save is still writing (verl #4638)
-        if dry_run:
-            return _dist.decide_on_rank0(lambda: self._collect(protect=set(), dry_run=True), self.process_group)
+        world = _dist.get_world_size(self.process_group)
 
-        def locked_collect() -> list[str]:
-            self._take_lock()
-            try:
-                return self._collect(protect=set())
-            finally:
-                self._drop_lock()
+        def collect() -> list[str]:
+            started = time.perf_counter()
+            sizes = {info.name: sum(info.files.values()) for info in self._scan()}
+            if dry_run:
+                removed = self._collect(protect=set(), dry_run=True)
+            else:
+                self._take_lock()
+                try:
+                    removed = self._collect(protect=set(), on_removed=on_removed)
+                finally:
+                    self._drop_lock()
+            log_operation(
+                "gc", uri=self.root_uri, step=None, nbytes=sum(sizes.get(name, 0) for name in removed),
+                seconds=time.perf_counter() - started, world_size=world, removed=len(removed), dry_run=dry_run,
+            )
+            return removed
 
-        return _dist.decide_on_rank0(locked_collect, self.process_group)
+        return _dist.decide_on_rank0(collect, self.process_group)
 
     # -- loading ------------------------------------------------------------------------
     def load(self, state: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> int | None:
-        """Load `step` (None: the newest committed) into `state`; None when there is nothing to resume."""
+        """Load `step` (None: the newest committed) into `state` and return the step resumed
+        from: None when there is nothing to resume, 0 after an `initial_load` (train from step
+        0). Takes `load`'s options (`strict`, `only`, `ignore_keys`, `rename`...)."""
         result = self.load_result(state, step, **kwargs)
-        return None if result is None else result.step
+        if result is None:
+            return None
+        return 0 if self.initial_loaded else result.step
 
     def load_result(self, state: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> LoadResult | None:
+        """Like `load`, returning the whole LoadResult (its `uri` names the initial_load
+        checkpoint when that was loaded)."""
         if step is None:
             step = self.latest()
             if step is None:
-                return None
+                return self._load_initial(state, kwargs) if self.initial_load is not None else None
         elif not isinstance(step, int) or isinstance(step, bool):
             raise StateError(f"step must be an int or None, got {step!r}")
         try:
-            return load(self.storage.child(step_dir(step)), state, process_group=self.process_group, **kwargs)
+            result = load(self.storage.child(step_dir(step)), state, process_group=self.process_group, **kwargs)
         except CheckpointNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.root_uri} has no step {step}", path=self.path(step)) from exc
+        self._last_save_step = step  # maybe_save does not save this step again
+        self.initial_loaded = False
+        return result
 
+    def _load_initial(self, state: Mapping[str, Any], kwargs: dict[str, Any]) -> LoadResult:
+        """The root has no committed step: load `initial_load` (by default only the state's modules)."""
+        import torch.nn as nn
+
+        if "only" not in kwargs:
+            only = self.initial_load_only
+            if only is None:
+                only = tuple(name for name, value in state.items() if isinstance(value, nn.Module))
+                if not only:
+                    raise StateError(
+                        f"initial_load={self.initial_load!r} loads the state's nn.Module entries, and the state has "
+                        "none; pass initial_load_only=(names...)"
+                    )
+            kwargs = {**kwargs, "only": only}
+        try:
+            result = load(self.initial_load, state, process_group=self.process_group, **kwargs)
+            self.initial_loaded = True
+            return result
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"initial_load {self.initial_load!r} does not exist ({exc})", path=self.initial_load
+            ) from exc
 
 __all__ = [
     "CheckpointManager", "KeepLast", "LockHolder", "StaleLockWarning", "StalePointerWarning", "step_dir", "parse_step",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import pickle
 import random
 import warnings
 from typing import Any, Callable, Mapping, Protocol
@@ -203,7 +204,45 @@ def to_save_state_dict(state: Mapping[str, Any], *, rank: int) -> dict[str, Any]
             out[name] = value.state_dict()
         else:
             out[name] = value
+    _check_picklable(out, "")
     return out
+
+
+class _NullSink:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+class _TensorSkippingPickler(pickle.Pickler):
+    """Pickles into nothing, treating tensors and storages as external (as torch.save does)."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+            return id(obj)
+        return None
+
+
+def _check_picklable(value: Any, path: str) -> None:
+    """Every non-tensor value of the state dict must pickle (DCP torch.saves it): a lambda, an
+    open file, a lock, a socket or a generator is a StateError naming its dotted key, raised
+    before anything is written rather than as a PicklingError from the middle of a save."""
+    if isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_picklable(v, f"{path}.{k}" if path else str(k))
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_picklable(v, f"{path}.{i}" if path else str(i))
+        return
+    try:
+        _TensorSkippingPickler(_NullSink(), protocol=2).dump(value)
+    except Exception as exc:  # noqa: BLE001 - any failure to pickle, whatever the object raises
+        raise StateError(
+            f"state value {path} ({type(value).__name__}) cannot be saved: it does not pickle "
+            f"({type(exc).__name__}: {exc}); save plain values, tensors or objects with state_dict()"
+        ) from exc
 
 
 @dataclasses.dataclass
@@ -213,6 +252,10 @@ class LoadPlan:
     template: dict[str, Any]
     appliers: list[Callable[[], None]]
     notes: list[str]
+    # Flat keys the checkpoint may lack; the state keeps its own value for them: optimizer
+    # hyperparameters a newer torch added (Adam's `decoupled_weight_decay` is absent from a
+    # checkpoint an older torch wrote, and its default is what the older torch did).
+    keep_if_absent: frozenset[str] = frozenset()
 
 
 def to_load_plan(
@@ -283,7 +326,19 @@ def to_load_plan(
             appliers.append(lambda n=name: _set_plain(state, n, template[n]))
     for note in notes:
         warnings.warn(note, ResizeWarning, stacklevel=3)
-    return LoadPlan(template=template, appliers=appliers, notes=notes)
+    optimizers = {name for name, value in state.items() if isinstance(value, torch.optim.Optimizer)}
+    return LoadPlan(template=template, appliers=appliers, notes=notes, keep_if_absent=_hyperparameter_keys(template, optimizers))
+
+
+def _hyperparameter_keys(template: dict[str, Any], optimizers: set[str]) -> frozenset[str]:
+    """Flat keys of the optimizers' param-group hyperparameters (not their `params` lists)."""
+    if not optimizers:
+        return frozenset()
+    _, paths = compat.flatten_state_dict({name: template[name] for name in optimizers})
+    return frozenset(
+        key for key, path in paths.items()
+        if len(path) == 4 and path[1] == "param_groups" and path[3] != "params"
+    )
 
 
 def _merge_back(dst: Any, src: Any) -> None:

@@ -5,7 +5,9 @@
 
 Run it again with the same --root (at any world size that divides --batch) and it
 resumes from the newest committed checkpoint; the loss curve continues exactly where it
-stopped. See examples/README.md.
+stopped. SIGTERM or SIGUSR1 (to torchrun, or to any one rank) makes every rank save the
+step it reached and exit 0: `CheckpointManager(save_on_preemption=True)` with `maybe_save`.
+See examples/README.md.
 
 Why the loss is bit-identical at every world size: the data of step s is a function of
 (seed, s) only, and the global batch is split over the ranks in contiguous chunks. Each
@@ -171,7 +173,12 @@ def run(args) -> int:
     model, optim, wrap = build(args, rank, world)
     replica = Net()
     state = {"model": model, "optim": optim, "step": 0}
-    mgr = ckptlib.CheckpointManager(args.root, keep_last=args.keep)
+    mgr = ckptlib.CheckpointManager(
+        args.root,
+        keep_last=args.keep,
+        save_policy=ckptlib.EveryNSteps(args.save_every) | ckptlib.FinalStep(args.steps),
+        save_on_preemption=True,  # SIGTERM/SIGUSR1: save the step reached, on every rank, then stop
+    )
 
     resumed = mgr.load(state)  # None: nothing to resume, start from step 0
     start = state["step"]
@@ -183,14 +190,20 @@ def run(args) -> int:
         if rank == 0:
             log_line(args.log, {"step": step, "loss": loss, "world_size": world, "wrap": wrap})
         state["step"] = step
-        if step % args.save_every == 0 or step == args.steps:
-            mgr.save(step, state, metadata={"world_size": world, "wrap": wrap})
-            if step == args.crash_at_step:  # every rank returned from the save: it is committed
-                dist.barrier()
-                sys.stdout.flush()
-                os._exit(17)
+        saved = mgr.maybe_save(step, state, metrics={"loss": loss}, metadata={"world_size": world, "wrap": wrap})
+        if saved and step == args.crash_at_step:  # every rank returned from the save: it is committed
+            dist.barrier()
+            sys.stdout.flush()
+            os._exit(17)
+        if mgr.preempted:  # every rank saw it in maybe_save, and the step is committed
+            if rank == 0:
+                print(f"train.py: {mgr.preemption_signal or 'a preemption signal'} received; saved step {step}, "
+                      "exiting", flush=True)
+            mgr.close()
+            return 0
         if args.step_delay:
             time.sleep(args.step_delay)
+    mgr.close()
     if rank == 0:
         print(f"train.py: done at step {args.steps}, loss {loss if args.steps > start else float('nan'):.6f}", flush=True)
     return 0

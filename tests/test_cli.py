@@ -151,12 +151,14 @@ def test_ls_text_and_json(tmp_path, capsys):
     ]
     assert doc["steps"][2]["bytes"] == len(b"partial") + 2
     assert doc["steps"][0]["bytes"] == sum(p.stat().st_size for p in (root / "step_0000000001").iterdir())
+    assert all(0 <= s["age_seconds"] < 600 for s in doc["steps"][:2]) and doc["steps"][2]["age_seconds"] is None
     rc, out, _ = _ckpt(capsys, "ls", root)
     lines = out.splitlines()
-    assert lines[0].split() == ["step", "state", "world", "bytes", "latest"]
-    assert lines[1].split()[:3] == ["1", "committed", "1"] and not lines[1].endswith("*")
+    assert lines[0].split() == ["step", "state", "world", "size", "age", "latest", "metrics"]
+    size = f"{doc['steps'][0]['bytes'] / 1024:.1f}"
+    assert lines[1].split()[:5] == ["1", "committed", "1", size, "KiB"] and not lines[1].endswith("*")
     assert lines[2].split()[:3] == ["2", "committed", "1"] and lines[2].endswith("*")
-    assert lines[3].split() == ["3", "incomplete", "-", str(len(b"partial") + 2)]
+    assert lines[3].split() == ["3", "incomplete", "-", str(len(b"partial") + 2), "B", "-"]
     assert len(lines) == 4
 
 
@@ -201,10 +203,19 @@ def test_gc_usage_errors(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     rc, _, err = _ckpt(capsys, "gc", tmp_path / "run", "--keep", "0")
     assert rc == 2 and "--keep must be at least 1" in err
-    with pytest.raises(SystemExit) as info:
-        cli.main(["gc", str(tmp_path / "run")])  # --keep is required: argparse's usage error
-    assert info.value.code == 2
-    capsys.readouterr()
+    rc, _, err = _ckpt(capsys, "gc", tmp_path / "run")
+    assert rc == 2 and "say what to keep: --keep-last N, --keep-every K and/or --keep-best" in err
+    for flags, message in (
+        (["--keep-last", "0"], "--keep-last must be at least 1"),
+        (["--keep-every", "-3"], "--keep-every must be at least 1"),
+        (["--keep", "2", "--keep-last", "2"], "--keep is --keep-last; give one of them"),
+        (["--keep-best", "2:loss:median"], "KeepBest mode must be 'min' or 'max', got 'median'"),
+        (["--keep-best", "two:loss"], "--keep-best wants K:METRIC[:min|max] with an integer K, got 'two:loss'"),
+        (["--keep-best", "2"], "--keep-best wants K:METRIC[:min|max], got '2'"),
+        (["--keep-best", "0:loss"], "KeepBest k must be a positive int, got 0"),
+    ):
+        rc, _, err = _ckpt(capsys, "gc", tmp_path / "run", *flags)
+        assert rc == 2 and message in err, (flags, err)
 
 
 def test_gc_refuses_a_locked_root_unless_forced(tmp_path, capsys):
@@ -241,7 +252,8 @@ def test_unlock(tmp_path, capsys):
         ("verify", ["Exit status: 0 intact, 1 damaged, 2 no checkpoint at URI", "CRC-32"]),
         ("inspect", ["format, step, world_size, torch_version, total_bytes, tensors", "no shard is read"]),
         ("ls", ["committed, incomplete or corrupt", "lock"]),
-        ("gc", ["--keep", "--dry-run", "--force", "Takes the root's lock"]),
+        ("gc", ["--keep", "--keep-last", "--keep-every", "--keep-best", "K:METRIC[:min|max]", "--dry-run", "--force",
+                "Takes the root's lock", "`latest` names is always kept"]),
         ("unlock", ["ckptlib.lock"]),
         ("validate", ["--world-sizes"]),
         ("convert", ["--to", "--force", "one tensor at a time"]),

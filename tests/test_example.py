@@ -201,6 +201,65 @@ def test_sigkill_mid_run_then_resume(reference, tmp_path, dist_run):
     assert read_log(log) == reference
 
 
+def worker_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of torchrun's worker with RANK=`rank` (from its environment)."""
+    for pid in process_tree(launcher_pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode() and b"LOCAL_RANK" in env and pid != launcher_pid:
+            return pid
+    raise AssertionError(f"no worker with RANK={rank} under pid {launcher_pid}")
+
+
+def wait_for_steps(proc, log, n: int) -> None:
+    deadline = time.monotonic() + TORCHRUN_TIMEOUT
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and len(open(log).read().splitlines()) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run ended or hung before logging {n} steps (exit {proc.poll()})")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["launcher", "rank2"])
+def test_torchrun_sigterm_saves_the_step_reached_then_resumes_on_2(reference, tmp_path, target):
+    """SIGTERM mid-training, to torchrun (which forwards it to every worker) or to one of its 4
+    workers: at the next maybe_save every rank saves the step it reached and exits 0. That
+    step is committed and `latest` names it; torchrun on 2 ranks resumes from it and the
+    stitched loss curve equals the uninterrupted run's."""
+    root, log = tmp_path / "ckpt", tmp_path / "loss.jsonl"
+    proc = subprocess.Popen(
+        torchrun_cmd(4, args(root, log, 12, "--step-delay", "0.3")), env=torchrun_env(), cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        wait_for_steps(proc, log, 4)
+        os.kill(proc.pid if target == "launcher" else worker_pid(proc.pid, 2), signal.SIGTERM)
+        out, err = proc.communicate(timeout=TORCHRUN_TIMEOUT)
+    finally:
+        kill_tree(proc.pid)
+        proc.wait(30)
+    reached = max(read_log(log))
+    assert 4 <= reached < 12, (out, err[-3000:])
+    assert f"SIGTERM received; saved step {reached}, exiting" in out, (out, err[-3000:])
+    if target == "rank2":
+        assert proc.returncode == 0, err[-3000:]  # every worker exited 0 after the save
+    else:
+        assert "exitcode  : -" not in err and "SIGKILL" not in err, err[-3000:]  # no worker was killed
+    saved = [s for s in range(3, reached, 3)] + [reached]
+    assert sorted(os.listdir(root)) == ["latest"] + [f"step_{s:010d}" for s in saved[-2:]]  # --keep 2
+    assert os.readlink(root / "latest") == f"step_{reached:010d}"
+    assert (root / f"step_{reached:010d}" / "ckptlib.json").exists()
+
+    second = torchrun(2, args(root, log, 12))
+    assert second.returncode == 0, f"{second.stdout}\n{second.stderr[-5000:]}"
+    assert f"resumed from step {reached}" in second.stdout
+    assert read_log(log) == reference
+
+
 def fsdp2_step() -> str:
     """Rank body: one FSDP2 training step on CPU; 'ok' or the error text."""
     import torch

@@ -22,6 +22,7 @@ serialized blob alive while it asks for the next one, hence about 3x for DCP tar
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -44,6 +45,9 @@ from .dcp_io import CkptWriter, SafeLoadPlanner
 from .legacy import safetensors_name
 
 SAFETENSORS_ALIGN = 8
+# Marks a single-file export as ckptlib's (a safetensors __metadata__ key, a torch archive
+# record), so that overwriting it with force=True never replaces a file someone else wrote.
+EXPORT_MARK = "ckptlib_export"
 
 
 @contextlib.contextmanager
@@ -233,9 +237,11 @@ def safetensors_plan(source: SourceValues, prefix: str | None) -> tuple[dict[str
     return names, skipped
 
 
-def _header(entries: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes, list[tuple[str, int, int]]]:
+def _header(
+    entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[tuple[str, int, int]]]:
     """(header bytes incl. length prefix, [(name, begin, end)]) for entries (name, dtype, shape, nbytes)."""
-    doc: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    doc: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     spans = []
     for name, dtype, shape, nbytes in entries:
@@ -247,6 +253,92 @@ def _header(entries: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes
     return struct.pack("<Q", len(text)) + text, spans
 
 
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def out_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor is written in: `cast` applies to floating-point tensors only
+    (integer and bool tensors, like optimizer step counts, keep theirs)."""
+    return cast if cast is not None and dtype.is_floating_point else dtype
+
+
+@dataclasses.dataclass
+class _Entry:
+    name: str  # the name written
+    fqn: str  # the source key
+    dtype: torch.dtype  # as written
+    shape: tuple[int, ...]
+    nbytes: int  # as written
+
+
+def planned_entries(source: SourceValues, names: dict[str, str], cast: torch.dtype | None) -> list[_Entry]:
+    out = []
+    for name, fqn in names.items():
+        md = source.tensor_meta(fqn)
+        dtype = out_dtype(md.properties.dtype, cast)
+        shape = tuple(md.size)
+        out.append(_Entry(name, fqn, dtype, shape, math.prod(shape) * _element_size(dtype)))
+    return out
+
+
+def shard_groups(entries: list, max_shard_bytes: int | None) -> list[list]:
+    """Split entries (in order) into shards of at most `max_shard_bytes` each, as Hugging
+    Face does: a tensor larger than the limit gets a shard of its own."""
+    groups: list[list] = [[]]
+    size = 0
+    for entry in entries:
+        if max_shard_bytes and groups[-1] and size + entry.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += entry.nbytes
+    return groups
+
+
+def _shard_names(stem: str, ext: str, count: int, single: str | None) -> list[str]:
+    if count == 1:
+        return [single or f"{stem}.{ext}"]
+    return [f"{stem}-{i + 1:05d}-of-{count:05d}.{ext}" for i in range(count)]
+
+
+def _write_index(directory: str, name: str, files: list[str], groups: list[list]) -> None:
+    """Hugging Face's shard index: total tensor bytes and the file of every tensor."""
+    index = {
+        "metadata": {"total_size": sum(e.nbytes for group in groups for e in group)},
+        "weight_map": {e.name: file for file, group in zip(files, groups) for e in group},
+    }
+    final = os.path.join(directory, name)
+    with open(final + ".tmp", "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(final + ".tmp", final)
+
+
+@contextlib.contextmanager
+def _atomic_file(final: str) -> Iterator[str]:
+    """A temporary path beside `final`, renamed onto it when the block succeeds."""
+    tmp = f"{final}.tmp-{os.getpid()}"
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+_CAST_PIECE = 1 << 24  # elements cast at a time while writing, so a cast never holds a second full copy
+
+
+def _write_tensor_bytes(f, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    flat = tensor.reshape(-1)
+    if flat.dtype == dtype:
+        f.write(memoryview(flat.view(torch.uint8).numpy()))
+        return
+    for piece in flat.split(_CAST_PIECE):
+        f.write(memoryview(piece.to(dtype).view(torch.uint8).numpy()))
+
+
 def write_safetensors(
     directory: str,
     source: SourceValues,
@@ -254,68 +346,113 @@ def write_safetensors(
     *,
     single_file: str | None = None,
     max_shard_bytes: int | None = None,
+    dtype: torch.dtype | None = None,
     on_tensor: Callable[[str, int], None] | None = None,
+    on_file: Callable[[str], None] | None = None,
+    mark: bool = False,
 ) -> list[str]:
     """Write `names` (safetensors name -> source fqn) as model.safetensors (or `single_file`),
-    or as shards of at most `max_shard_bytes` plus model.safetensors.index.json. Each file is
-    written to a temporary name and renamed; returns the file names written."""
-    entries = []
-    for name, fqn in names.items():
-        md = source.tensor_meta(fqn)
-        dtype = safetensors_name(md.properties.dtype)
-        if dtype is None:
-            raise UnsupportedError(f"{fqn}: dtype {md.properties.dtype} has no safetensors encoding")
-        entries.append((name, dtype, tuple(md.size), source.nbytes(fqn)))
+    or as shards of at most `max_shard_bytes` plus model.safetensors.index.json (Hugging
+    Face's layout). `dtype` casts floating-point tensors. Each file is written to a temporary
+    name and renamed; `on_file(name)` is called before each file is started; `mark` adds
+    EXPORT_MARK to each file's metadata. Returns the file names written."""
+    entries = planned_entries(source, names, dtype)
+    for e in entries:
+        if safetensors_name(e.dtype) is None:
+            raise UnsupportedError(f"{e.fqn}: dtype {e.dtype} has no safetensors encoding")
     # Largest element size first keeps every tensor aligned to its element size.
-    def itemsize(entry) -> int:
-        return torch.empty((), dtype=source.tensor_meta(names[entry[0]]).properties.dtype).element_size()
-
-    entries.sort(key=lambda e: (-itemsize(e), e[0]))
-    groups: list[list] = [[]]
-    size = 0
-    for entry in entries:
-        if max_shard_bytes and groups[-1] and size + entry[3] > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(entry)
-        size += entry[3]
-    if len(groups) == 1:
-        files = [single_file or "model.safetensors"]
-    else:
-        files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    entries.sort(key=lambda e: (-_element_size(e.dtype), e.name))
+    groups = shard_groups(entries, max_shard_bytes)
+    files = _shard_names("model", "safetensors", len(groups), single_file)
     os.makedirs(directory, exist_ok=True)
     written = []
     for file, group in zip(files, groups):
-        final = os.path.join(directory, file)
-        tmp = f"{final}.tmp-{os.getpid()}"
-        header, _ = _header(group)
-        try:
-            with open(tmp, "wb") as f:
-                f.write(header)
-                for name, _, _, nbytes in group:
-                    tensor = source.tensor(names[name]).contiguous()
-                    if nbytes:
-                        f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-                    del tensor
-                    if on_tensor is not None:
-                        on_tensor(names[name], nbytes)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        if on_file is not None:
+            on_file(file)
+        header, _ = _header(
+            [(e.name, safetensors_name(e.dtype), e.shape, e.nbytes) for e in group], {EXPORT_MARK: "1"} if mark else None
+        )
+        with _atomic_file(os.path.join(directory, file)) as tmp, open(tmp, "wb") as f:
+            f.write(header)
+            for e in group:
+                tensor = source.tensor(e.fqn)
+                if e.nbytes:
+                    _write_tensor_bytes(f, tensor, e.dtype)
+                del tensor
+                if on_tensor is not None:
+                    on_tensor(e.fqn, e.nbytes)
+            f.flush()
+            os.fsync(f.fileno())
         written.append(file)
     if len(groups) > 1:
-        index = {
-            "metadata": {"total_size": sum(e[3] for e in entries)},
-            "weight_map": {name: file for file, group in zip(files, groups) for name, *_ in group},
-        }
-        final = os.path.join(directory, "model.safetensors.index.json")
-        with open(final + ".tmp", "w") as f:
-            json.dump(index, f, indent=1, sort_keys=True)
-        os.replace(final + ".tmp", final)
+        if on_file is not None:
+            on_file("model.safetensors.index.json")
+        _write_index(directory, "model.safetensors.index.json", files, groups)
         written.append("model.safetensors.index.json")
+    return written
+
+
+def _write_torch_archive(path: str, source: SourceValues, group: list[_Entry], on_tensor, mark: bool) -> None:
+    """One torch.save file of the flat dict {name: tensor} for `group`, one tensor in memory."""
+    if compat.streaming_torch_save_reason() is None:
+        writer = compat.TorchArchiveWriter(path, [(e.name, e.dtype, e.shape) for e in group])
+        if mark:
+            writer.add_record(EXPORT_MARK, "1")
+        for e in group:
+            tensor = source.tensor(e.fqn).to(e.dtype).contiguous()
+            writer.add(tensor)
+            del tensor
+            if on_tensor is not None:
+                on_tensor(e.fqn, e.nbytes)
+        writer.close()
+        return
+    # This torch's archive differs from the streamed one: spill each tensor to a mapped file
+    # and let torch.save copy from the mappings (page cache, not anonymous memory).
+    spill = tempfile.mkdtemp(prefix=".ckptlib-spill-", dir=os.path.dirname(path))
+    try:
+        flat = {}
+        for i, e in enumerate(group):
+            flat[e.name] = _spill(source.tensor(e.fqn).to(e.dtype), os.path.join(spill, str(i)))
+            if on_tensor is not None:
+                on_tensor(e.fqn, e.nbytes)
+        torch.save(flat, path)
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+
+
+def write_torch_files(
+    directory: str,
+    source: SourceValues,
+    names: dict[str, str],
+    *,
+    single_file: str | None = None,
+    max_shard_bytes: int | None = None,
+    dtype: torch.dtype | None = None,
+    on_tensor: Callable[[str, int], None] | None = None,
+    on_file: Callable[[str], None] | None = None,
+    mark: bool = False,
+) -> list[str]:
+    """Hugging Face's torch layout: pytorch_model.bin (or `single_file`), a torch.save of the
+    flat dict {name: tensor}, or shards pytorch_model-0000k-of-0000n.bin plus
+    pytorch_model.bin.index.json. Written one tensor at a time; returns the file names."""
+    entries = planned_entries(source, names, dtype)
+    groups = shard_groups(entries, max_shard_bytes)
+    files = _shard_names("pytorch_model", "bin", len(groups), single_file)
+    os.makedirs(directory, exist_ok=True)
+    written = []
+    for file, group in zip(files, groups):
+        if on_file is not None:
+            on_file(file)
+        with _atomic_file(os.path.join(directory, file)) as tmp:
+            _write_torch_archive(tmp, source, group, on_tensor, mark)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        written.append(file)
+    if len(groups) > 1:
+        if on_file is not None:
+            on_file("pytorch_model.bin.index.json")
+        _write_index(directory, "pytorch_model.bin.index.json", files, groups)
+        written.append("pytorch_model.bin.index.json")
     return written
 
 
@@ -325,4 +462,7 @@ def iter_tensors(source: SourceValues) -> Iterator[tuple[str, torch.Tensor]]:
         yield fqn, source.tensor(fqn)
 
 
-__all__ = ["SourceValues", "iter_tensors", "safetensors_plan", "save_dcp_streaming", "write_safetensors", "write_torch_save"]
+__all__ = [
+    "EXPORT_MARK", "SourceValues", "iter_tensors", "out_dtype", "planned_entries", "safetensors_plan", "save_dcp_streaming", "shard_groups",
+    "write_safetensors", "write_torch_files", "write_torch_save",
+]

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import math
 import os
 import re
@@ -74,6 +73,15 @@ from ..errors import (
 from ..storage import LocalStorage, Storage, check_relative, open_storage
 from .dcp_io import CkptReader, PlannedReader
 from .layout import CheckpointInfo, classify, open_checkpoint
+from .safetensors_header import (
+    MAX_HEADER_BYTES,
+    header_length,
+    parse_json_object,
+    safetensors_dtype,
+    safetensors_name,
+    validate_header,
+    validate_index,
+)
 
 FORMATS = ("ckptlib", "dcp", "torch_save", "v0", "safetensors")
 DEFAULT_PREFIX = "model"
@@ -83,7 +91,6 @@ TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 _V0_RE = re.compile(r"^rank_(\d+)\.pt$")
 _ZIP_MAGIC = b"PK\x03\x04"
 _LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"  # pickled torch magic number (pre-1.6 files)
-_MAX_SAFETENSORS_HEADER = 100 << 20
 
 V0_FORMAT = """\
 v0: the per-rank checkpoint format of older trainers.
@@ -174,7 +181,7 @@ def _looks_like_safetensors(head: bytes, size: int) -> bool:
     if len(head) < 9:
         return False
     (n,) = struct.unpack("<Q", head[:8])
-    return 2 <= n <= min(size - 8, _MAX_SAFETENSORS_HEADER) and head[8:9] == b"{"
+    return 2 <= n <= min(size - 8, MAX_HEADER_BYTES) and head[8:9] == b"{"
 
 
 def _v0_rank(name: str) -> int:
@@ -558,67 +565,22 @@ def _inspect_v0(where_: _Where, uri: str, *, trusted: bool) -> SourceInfo:
 
 # --------------------------------------------------------------------------- safetensors
 
-_ST_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
-    "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "F64": "float64",
-    "I64": "int64", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "C64": "complex64",
-}
-
-
-def safetensors_dtype(name: str) -> torch.dtype | None:
-    attr = _ST_DTYPES.get(name)
-    value = getattr(torch, attr, None) if attr else None
-    return value if isinstance(value, torch.dtype) else None
-
-
-def safetensors_name(dtype: torch.dtype) -> str | None:
-    for name, attr in _ST_DTYPES.items():
-        if getattr(torch, attr, None) == dtype:
-            return name
-    return None
-
-
 def read_safetensors_header(root: Storage, name: str, size: int | None = None) -> tuple[dict, int]:
-    """The header of a safetensors file (tensor entries only) and the offset its data starts at."""
+    """The validated tensor entries of a safetensors file and the offset its data starts at
+    (see safetensors_header for the rules; CheckpointCorruptError naming the file and key)."""
     where = f"{root.uri}/{name}"
     try:
         if size is None:
             size = _size(root, name)
             if size is None:
                 raise FileNotFoundError(where)
-        if size < 8:
-            raise CheckpointCorruptError(f"{where}: {size} bytes, too short for a safetensors file", path=where)
-        (n,) = struct.unpack("<Q", root.read(name, 0, 8))
-        if n > min(size - 8, _MAX_SAFETENSORS_HEADER):
-            raise CheckpointCorruptError(
-                f"{where}: safetensors header length {n} exceeds the file ({size} bytes)", path=where
-            )
-        header = json.loads(root.read(name, 8, n).decode("utf-8"))
+        n = header_length(root.read(name, 0, 8) if size >= 8 else b"", where, size)
+        header = parse_json_object(root.read(name, 8, n), where, "safetensors header")
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"{where} is missing", path=where) from exc
-    except (UnicodeDecodeError, json.JSONDecodeError, EOFError) as exc:
-        raise CheckpointCorruptError(f"{where}: unreadable safetensors header ({exc})", path=where) from exc
-    if not isinstance(header, dict):
-        raise CheckpointCorruptError(f"{where}: safetensors header is not a JSON object", path=where)
-    header.pop("__metadata__", None)
-    data_start = 8 + n
-    for key, entry in header.items():
-        try:
-            dtype_name, shape, (begin, end) = entry["dtype"], [int(d) for d in entry["shape"]], entry["data_offsets"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointCorruptError(f"{where}: malformed header entry for {key}", path=where) from exc
-        dtype = safetensors_dtype(dtype_name)
-        if dtype is None:
-            raise UnsupportedError(f"{where}: {key} has dtype {dtype_name}, which this torch cannot hold", path=where)
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if not (0 <= begin <= end and end - begin == nbytes and data_start + end <= size):
-            raise CheckpointCorruptError(
-                f"{where}: {key}: data_offsets [{begin}, {end}] do not fit {dtype_name} {shape} "
-                f"in a {size}-byte file",
-                path=where,
-            )
-    return header, data_start
+    except EOFError as exc:
+        raise CheckpointCorruptError(f"{where} is truncated ({exc})", path=where) from exc
+    return validate_header(header, where, size - 8 - n), 8 + n
 
 
 def _inspect_safetensors(where_: _Where, uri: str, *, prefix: str | None) -> SourceInfo:
@@ -627,17 +589,18 @@ def _inspect_safetensors(where_: _Where, uri: str, *, prefix: str | None) -> Sou
     if first.endswith(".index.json"):
         where = f"{root.uri}/{first}"
         try:
-            index = json.loads(root.read(first).decode("utf-8"))
-            weight_map = index["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not a mapping")
+            raw = root.read(first)
         except FileNotFoundError as exc:
             raise CheckpointCorruptError(f"{where} is missing", path=where) from exc
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointCorruptError(f"{where}: malformed safetensors index ({exc})", path=where) from exc
+        weight_map = validate_index(parse_json_object(raw, where, "safetensors index"), where)
         base = first.rsplit("/", 1)[0] + "/" if "/" in first else ""
         for key, file in weight_map.items():
-            rel = base + check_relative(str(file), root.uri)
+            try:
+                rel = base + check_relative(file, root.uri)
+            except StorageError as exc:
+                raise UnsafeCheckpointError(
+                    f"{where}: weight_map[{key!r}] names {file!r}, which escapes {root.uri}", path=where
+                ) from exc
             if rel not in files and _size(root, rel) is None:
                 missing = f"{root.uri}/{rel}"
                 raise CheckpointCorruptError(

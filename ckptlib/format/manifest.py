@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import zlib
 from typing import Any
 
@@ -128,6 +129,8 @@ class Manifest:
     step: int | None = None
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     torch_version: str = ""
+    # Training metrics given to the save (`metrics=`): name -> number, or None for NaN/inf.
+    metrics: dict[str, float | None] = dataclasses.field(default_factory=dict)
     ckptlib_version: str = ""
     format_version: int = FORMAT_VERSION
     created: str = dataclasses.field(
@@ -150,6 +153,8 @@ class Manifest:
             "metadata": self.metadata,
             "files": {name: rec.to_json() for name, rec in sorted(self.files.items())},
         }
+        if self.metrics:
+            doc["metrics"] = self.metrics
         doc["checksum"] = zlib.crc32(_canonical(doc))
         return json.dumps(doc, indent=1, sort_keys=False).encode("utf-8")
 
@@ -187,6 +192,7 @@ class Manifest:
                 files=files,
                 step=None if step is None else int(step),
                 metadata=dict(doc.get("metadata") or {}),
+                metrics=dict(doc.get("metrics") or {}),
                 torch_version=str(doc.get("torch_version", "")),
                 ckptlib_version=str(doc.get("ckptlib_version", "")),
                 format_version=version,
@@ -194,6 +200,25 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointCorruptError(f"{where}: malformed manifest ({exc!r})", path=where) from exc
+
+
+def check_metrics(metrics: Any) -> dict[str, float | None]:
+    """Metrics must map non-empty names to real numbers; NaN and infinities are stored as None
+    (JSON has no such numbers, and no retention policy ranks them)."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise StateError(f"metrics must be a dict of names to numbers, got {type(metrics).__name__}")
+    out: dict[str, float | None] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise StateError(f"metric name {name!r} must be a non-empty string")
+        if hasattr(value, "item") and callable(value.item) and getattr(value, "numel", lambda: 1)() == 1:
+            value = value.item()  # a one-element tensor or numpy scalar
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise StateError(f"metric {name!r} must be a number, got {type(value).__name__} {value!r}")
+        out[name] = value if math.isfinite(value) else None
+    return out
 
 
 def check_metadata_json(metadata: Any) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Only DCP's own metadata classes, torch dtypes/Size/layouts/memory formats and a few
 builtins may be named by the pickle; any other global raises UnsafeCheckpointError
-before anything is called.
+before anything is called. Classes pickled under torch 1.13's module names
+(`torch.distributed._shard.checkpoint.*`) are rebuilt as today's (`compat.current_pickle_module`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .. import compat
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
 
 # Modules whose *classes* (types only, never functions) may be rebuilt.
@@ -52,6 +54,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
+        # torch 1.13 pickled DCP's classes under torch.distributed._shard.checkpoint.*: rebuild
+        # them as today's classes, or DCP rejects them as foreign types.
+        module = compat.current_pickle_module(module)
         if module == "torch":
             found = _torch_global(name)
             if found is not None:

@@ -27,7 +27,7 @@ import dataclasses
 import math
 import os
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
@@ -276,7 +276,9 @@ def structure_problems(
 # --------------------------------------------------------------------------- checksums
 
 
-def _checksum_problems(storage: Storage, name: str, record: FileRecord, read_chunk: int) -> list[Problem]:
+def _checksum_problems(
+    storage: Storage, name: str, record: FileRecord, read_chunk: int, on_bytes: Callable[[int], None] | None = None
+) -> list[Problem]:
     """Read `name` once, in `read_chunk` pieces, and compare the whole-file, item and block
     CRCs. Each byte is checksummed once: the pieces between item and block boundaries are,
     and their CRCs are combined (without zlib-ng: one running CRC per level instead)."""
@@ -316,6 +318,8 @@ def _checksum_problems(storage: Storage, name: str, record: FileRecord, read_chu
                     blocks[a // bs] = fold(blocks[a // bs], piece, piece_crc)
                 a = b
             pos = end
+            if on_bytes is not None:
+                on_bytes(n)
     except FileNotFoundError:
         return [Problem(name, "disappeared while it was being verified", "missing")]
     except EOFError as exc:
@@ -350,8 +354,17 @@ def _open_listing(storage: Storage) -> dict[str, int]:
     return listing
 
 
-def verify(storage: Storage | str | os.PathLike, *, read_chunk: int = READ_CHUNK) -> list[Problem]:
+def verify(
+    storage: Storage | str | os.PathLike,
+    *,
+    read_chunk: int = READ_CHUNK,
+    on_start: Callable[[int], None] | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> list[Problem]:
     """Every problem of the checkpoint at `storage`; no problem with `is_error` means intact.
+
+    `on_start(total_bytes)` is called once the manifest is read, then `on_bytes(n)` as data
+    is checksummed (a progress bar).
 
     Raises CheckpointNotFoundError / NotACheckpointError when there is no checkpoint there
     at all (a missing path, an empty directory, a file, unrelated files).
@@ -419,6 +432,8 @@ def verify(storage: Storage | str | os.PathLike, *, read_chunk: int = READ_CHUNK
             )
 
     if manifest is not None:
+        if on_start is not None:
+            on_start(sum(r.size for n, r in manifest.files.items() if n != METADATA_NAME))
         problems.extend(_manifest_problems(manifest))
         for name, record in sorted(manifest.files.items()):
             if name == METADATA_NAME:
@@ -430,7 +445,7 @@ def verify(storage: Storage | str | os.PathLike, *, read_chunk: int = READ_CHUNK
                     Problem(name, f"has {listing[name]} bytes, the manifest says {record.size} (truncated or overwritten)")
                 )
             else:
-                problems.extend(_checksum_problems(storage, name, record, read_chunk))
+                problems.extend(_checksum_problems(storage, name, record, read_chunk, on_bytes))
         for name in sorted(listing):
             if name not in manifest.files and name not in (MANIFEST_NAME, PENDING_NAME):
                 problems.append(Problem(name, "is not listed in the manifest (not part of the checkpoint)", "note"))

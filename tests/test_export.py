@@ -1,0 +1,275 @@
+"""`ckptlib.export` / `ckpt export`: a consolidated model in Hugging Face's layout, from any
+source world size, read back bit-exactly by the `safetensors` package and `torch.load`, with
+bounded memory and an overwrite rule that never touches files ckptlib did not write."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ckptlib
+from ckptlib.cli import main as cli_main
+from ckptlib.errors import CheckpointExistsError, StateError
+from ckptlib.export import EXPORT_RECORD, parse_size
+from ckptlib.testing.matrix import save_side
+
+st = pytest.importorskip("safetensors.torch")
+from safetensors import safe_open  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read_export(directory: str, fmt: str) -> dict[str, torch.Tensor]:
+    """Load an export the way transformers does: the index's weight_map (every file it names
+    must exist and hold exactly the tensors mapped to it), or the single weights file."""
+    stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
+    index_path = os.path.join(directory, f"{stem}.{ext}.index.json")
+
+    def load_file(name: str) -> dict[str, torch.Tensor]:
+        path = os.path.join(directory, name)
+        if fmt == "safetensors":
+            with safe_open(path, framework="pt") as f:
+                assert f.metadata()["format"] == "pt"  # transformers refuses other formats
+            return st.load_file(path)
+        return torch.load(path, weights_only=True, mmap=True)
+
+    if not os.path.exists(index_path):
+        return load_file(f"{stem}.{ext}")
+    with open(index_path) as f:
+        index = json.load(f)
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        tensors = load_file(name)
+        assert sorted(tensors) == sorted(k for k, v in index["weight_map"].items() if v == name)
+        out.update(tensors)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())
+    return out
+
+
+def assert_same(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert sorted(actual) == sorted(expected)
+    for key, value in expected.items():
+        assert actual[key].dtype == value.dtype, key
+        assert torch.equal(actual[key], value), key
+
+
+def _save_manager(root: str) -> dict:
+    return save_side(root, "fsdp2", "adamw", manager=True)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+@pytest.mark.parametrize("world_size", [1, 3], ids=lambda n: f"save{n}-fsdp2")
+def test_model_only_export_from_any_world_size_is_bit_exact(tmp_path, dist_run, world_size, fmt):
+    root = str(tmp_path / "run")
+    expected = dist_run(world_size, _save_manager, root)[0]
+    out = str(tmp_path / "hf")
+    result = ckptlib.export(root, out, format=fmt, model_only=True)  # a manager root: its latest step
+    assert result.step == 2 and result.world_size == world_size and result.src_format == "ckptlib"
+    weights = "model.safetensors" if fmt == "safetensors" else "pytorch_model.bin"
+    assert sorted(os.listdir(out)) == sorted([weights, EXPORT_RECORD])  # one shard: no index, as HF does
+    assert_same(expected["model"], read_export(out, fmt))
+    assert result.bytes == sum(t.numel() * t.element_size() for t in expected["model"].values())
+    assert result.tensors == len(expected["model"])
+    assert "step" in result.skipped and all(not k.startswith("model.") for k in result.skipped)
+
+
+def test_full_export_keeps_full_keys_and_optimizer_tensors(tmp_path, dist_run):
+    src = str(tmp_path / "ckpt")
+    expected = dist_run(2, save_side, src, "fsdp2", "adamw")[0]
+    out = str(tmp_path / "all")
+    ckptlib.export(src, out)
+    got = read_export(out, "safetensors")
+    want = {f"model.{k}": v for k, v in expected["model"].items()}
+    for param, slots in expected["optim"]["state"].items():
+        for slot, value in slots.items():
+            want[f"optim.state.{param}.{slot}"] = value
+    assert_same(want, got)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_sharding_follows_hugging_face_layout(tmp_path, fmt):
+    tensors = {f"layer{i}.weight": torch.full((100,), float(i)) for i in range(5)}  # 400 bytes each
+    tensors["big"] = torch.arange(300, dtype=torch.float32)  # 1200 bytes: larger than a shard
+    ckptlib.save(str(tmp_path / "c"), {"model": tensors})
+    out = str(tmp_path / "hf")
+    result = ckptlib.export(str(tmp_path / "c"), out, format=fmt, model_only=True, max_shard_size=1000)
+    stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
+    shards = [f for f in result.files if f.endswith("." + ext)]
+    assert shards == [f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}" for i in range(1, len(shards) + 1)]
+    assert result.files == shards + [f"{stem}.{ext}.index.json"]
+    assert sorted(os.listdir(out)) == sorted(result.files + [EXPORT_RECORD])
+    index = json.loads((tmp_path / "hf" / f"{stem}.{ext}.index.json").read_text())
+    assert index["metadata"]["total_size"] == 5 * 400 + 1200 == result.bytes
+    assert sorted(index["weight_map"]) == sorted(tensors)
+    for shard in shards:
+        size = sum(tensors[k].numel() * 4 for k, v in index["weight_map"].items() if v == shard)
+        assert size <= 1000 or size == 1200  # the big tensor alone in its shard
+    assert_same(tensors, read_export(out, fmt))
+    record = json.loads((tmp_path / "hf" / EXPORT_RECORD).read_text())
+    assert record["complete"] is True and record["files"] == result.files
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_dtype_casts_floating_point_tensors_only(tmp_path, fmt):
+    model = {"w": torch.randn(4, 8), "h": torch.randn(3, dtype=torch.float64), "count": torch.arange(6)}
+    ckptlib.save(str(tmp_path / "c"), {"model": model})
+    out = str(tmp_path / "o")
+    result = ckptlib.export(str(tmp_path / "c"), out, format=fmt, model_only=True, dtype="bfloat16")
+    got = read_export(out, fmt)
+    assert result.dtype == "bfloat16"
+    assert_same({"w": model["w"].to(torch.bfloat16), "h": model["h"].to(torch.bfloat16), "count": model["count"]}, got)
+    assert result.bytes == 32 * 2 + 3 * 2 + 6 * 8
+
+
+def test_key_map_renames_and_drops(tmp_path):
+    ckptlib.save(str(tmp_path / "c"), {"model": {"a.w": torch.ones(2), "b.w": torch.zeros(3), "drop": torch.ones(1)}})
+    out = str(tmp_path / "o")
+    result = ckptlib.export(
+        str(tmp_path / "c"), out, model_only=True, key_map=lambda k: None if k == "drop" else "model.layers." + k
+    )
+    assert sorted(read_export(out, "safetensors")) == ["model.layers.a.w", "model.layers.b.w"]
+    assert "model.drop" in result.skipped
+    with pytest.raises(StateError, match="two tensors are exported as 'same'"):
+        ckptlib.export(str(tmp_path / "c"), str(tmp_path / "o2"), model_only=True, key_map=lambda k: "same")
+
+
+def test_overwrite_only_with_force_and_only_an_export(tmp_path):
+    ckptlib.save(str(tmp_path / "c"), {"model": {f"t{i}": torch.full((100,), float(i)) for i in range(4)}})
+    src, out = str(tmp_path / "c"), tmp_path / "hf"
+    ckptlib.export(src, str(out), model_only=True, max_shard_size=500)
+    assert len([f for f in os.listdir(out) if f.endswith(".safetensors")]) == 4
+    (out / "config.json").write_text("{}")  # the user adds a config next to the weights
+    with pytest.raises(CheckpointExistsError, match="already holds an export .*force"):
+        ckptlib.export(src, str(out), model_only=True)
+    ckptlib.export(src, str(out), model_only=True, force=True)
+    # The old shards and index are gone, the user's config is kept.
+    assert sorted(os.listdir(out)) == sorted(["config.json", EXPORT_RECORD, "model.safetensors"])
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "model.safetensors").write_bytes(b"not ours")
+    for force in (False, True):
+        with pytest.raises(CheckpointExistsError, match="not an export ckptlib wrote"):
+            ckptlib.export(src, str(foreign), force=force)
+    assert (foreign / "model.safetensors").read_bytes() == b"not ours"
+
+    for name, fmt in (("one.safetensors", "safetensors"), ("one.bin", "torch")):
+        single = tmp_path / name
+        ckptlib.export(src, str(single), format=fmt, model_only=True, max_shard_size=100)  # one file: never sharded
+        with pytest.raises(CheckpointExistsError, match="already exists"):
+            ckptlib.export(src, str(single), format=fmt, model_only=True)
+        ckptlib.export(src, str(single), format=fmt, model_only=True, force=True, dtype="bfloat16")
+        other = tmp_path / f"other-{name}"
+        other.write_bytes(b"x" * 64)
+        with pytest.raises(CheckpointExistsError, match="not an export ckptlib wrote"):
+            ckptlib.export(src, str(other), format=fmt, model_only=True, force=True)
+        assert other.read_bytes() == b"x" * 64
+    assert st.load_file(str(tmp_path / "one.safetensors"))["t1"].dtype == torch.bfloat16
+    assert torch.load(str(tmp_path / "one.bin"), weights_only=True)["t3"].dtype == torch.bfloat16
+
+
+def test_export_reloads_with_ckptlib_at_another_world_size(tmp_path, dist_run):
+    src = str(tmp_path / "c")
+    expected = dist_run(3, save_side, src, "fsdp2", "adamw")[0]
+    out = str(tmp_path / "hf")
+    ckptlib.export(src, out, model_only=True, max_shard_size=2000)
+    assert len(os.listdir(out)) > 3
+    loaded = {k: torch.zeros_like(v) for k, v in expected["model"].items()}
+    result = ckptlib.load(out, {"model": loaded})
+    assert result.format == "safetensors"
+    assert_same(expected["model"], loaded)
+
+
+def test_export_logs_one_info_line(tmp_path, caplog):
+    ckptlib.save(str(tmp_path / "c"), {"model": {"w": torch.ones(256)}}, step=7)
+    with caplog.at_level(logging.INFO, logger="ckptlib"):
+        result = ckptlib.export(str(tmp_path / "c"), str(tmp_path / "o"), model_only=True)
+    records = [r for r in caplog.records if r.name == "ckptlib" and r.ckptlib["op"] == "export"]
+    assert len(records) == 1
+    fields = records[0].ckptlib
+    assert (fields["step"], fields["bytes"], fields["world_size"]) == (7, 1024, 1)
+    assert fields["seconds"] > 0 and fields["mib_per_s"] == pytest.approx(1024 / 2**20 / fields["seconds"])
+    message = records[0].getMessage()
+    for part in ("step=7", "bytes=1024", "world_size=1", "MiB/s=", "seconds="):
+        assert part in message
+    assert result.bytes == 1024
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30), ("1.5KB", 1500), ("1000", 1000), (4096, 4096)],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["5 gigs", "-1", "0", "GB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_cli_export(tmp_path, capsys):
+    ckptlib.save(str(tmp_path / "c"), {"model": {"w": torch.ones(8)}, "epoch": 1}, step=3)
+    assert cli_main(["export", str(tmp_path / "c"), str(tmp_path / "o"), "--model-only", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "step 3" in out and "1 tensors" in out and "safetensors, bfloat16" in out
+    assert st.load_file(str(tmp_path / "o" / "model.safetensors"))["w"].dtype == torch.bfloat16
+    assert cli_main(["export", str(tmp_path / "c"), str(tmp_path / "o")]) == 1
+    assert "already holds an export" in capsys.readouterr().err
+    assert cli_main(["export", str(tmp_path / "c"), str(tmp_path / "o"), "--force", "--format", "torch"]) == 0
+    assert sorted(os.listdir(tmp_path / "o")) == [EXPORT_RECORD, "pytorch_model.bin"]
+    assert cli_main(["export", str(tmp_path / "c"), str(tmp_path / "x"), "--max-shard-size", "lots"]) == 2
+    assert cli_main(["export", str(tmp_path / "c"), str(tmp_path / "x"), "--dtype", "int8"]) == 2
+    assert cli_main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
+
+
+# --------------------------------------------------------------------------- memory
+
+TENSOR_MIB = 32
+TENSORS = 12  # 384 MiB: more than one tensor + 300 MiB, so a materialising export would fail
+
+_MEASURE = textwrap.dedent(
+    """
+    import resource, sys
+    import ckptlib, ckptlib.export, ckptlib.format.convert, safetensors  # imports before the baseline
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    ckptlib.export(sys.argv[1], sys.argv[2], format=sys.argv[3], dtype=sys.argv[4] or None, max_shard_size="100MB", model_only=True)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print((after - before) * 1024)  # ru_maxrss is in KiB on Linux
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("big") / "ckpt")
+    n = TENSOR_MIB * 2**20 // 4
+    ckptlib.save(path, {"model": {f"layers.{i}.weight": torch.full((n,), float(i)) for i in range(TENSORS)}}, step=1)
+    return path
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss units differ off Linux")
+@pytest.mark.parametrize("fmt,dtype", [("safetensors", ""), ("torch", "bfloat16")])
+def test_peak_memory_is_one_tensor_plus_300_mib(tmp_path, big_checkpoint, fmt, dtype):
+    out = str(tmp_path / "o")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEASURE, big_checkpoint, out, fmt, dtype], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    growth = int(proc.stdout.strip().splitlines()[-1])
+    largest = TENSOR_MIB * 2**20
+    checkpoint_bytes = TENSORS * largest
+    limit = largest + 300 * 2**20
+    assert checkpoint_bytes > limit  # materialising the checkpoint could not pass
+    assert growth <= limit, f"peak RSS grew {growth / 2**20:.0f} MiB (limit {limit / 2**20:.0f} MiB)"
+    got = read_export(out, fmt)
+    assert len(got) == TENSORS and got["layers.11.weight"][0].item() == 11.0

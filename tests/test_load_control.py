@@ -1,0 +1,337 @@
+"""Load control (only=, ignore_keys=, rename=) and CheckpointManager(initial_load=).
+
+Axes: the control (only / ignore / rename by prefix / rename by callable), the source
+format (ckptlib, torch.save, safetensors), the world sizes (saved at 2, loaded at 3), and
+strictness. Every check is bit-exact against the saved tensors or the untouched ones.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ckptlib
+from ckptlib import CheckpointManager, CheckpointNotFoundError, MissingKeysError, StateError
+from ckptlib.testing.legacy_writers import write_safetensors, write_torch_save
+
+
+class Net(nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.encoder = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.encoder(x)))
+
+
+class RenamedNet(nn.Module):
+    """Net with its encoder called `backbone` (a refactored model loading an old checkpoint)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.backbone = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.backbone(x)))
+
+
+def _trained(seed: int = 0):
+    model = Net(seed)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 8)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+def _sd(module: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in module.state_dict().items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[k] = v.detach().clone()
+    return out
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _as_backbone(sd: dict) -> dict:
+    return {k.replace("encoder.", "backbone."): v for k, v in sd.items()}
+
+
+@pytest.fixture
+def full_ckpt(tmp_path):
+    model, optim = _trained()
+    path = tmp_path / "full"
+    ckptlib.save(path, {"model": model, "optim": optim, "epoch": 7}, step=5)
+    return path, _sd(model), optim.state_dict()
+
+
+# ---------------------------------------------------------------- only=
+
+
+@pytest.mark.parametrize("only", [("model",), "model", ["model", "epoch"]], ids=["tuple", "str", "list+plain"])
+def test_only_loads_the_named_entries(full_ckpt, only):
+    path, saved, _ = full_ckpt
+    model = Net(1)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": optim, "epoch": -1}
+    result = ckptlib.load(path, state, only=only)
+    assert _equal(_sd(model), saved)
+    assert optim.state_dict()["state"] == {}  # untouched: still fresh
+    assert state["epoch"] == (7 if "epoch" in only else -1)
+    assert result.step == 5 and result.missing_keys == []
+
+
+def test_only_names_must_exist(full_ckpt):
+    path, _, _ = full_ckpt
+    with pytest.raises(StateError, match=r"only= names \['optimizer'\] that the state does not have"):
+        ckptlib.load(path, {"model": Net(1)}, only=("optimizer",))
+
+
+# ---------------------------------------------------------------- ignore_keys=
+
+
+@pytest.mark.parametrize(
+    "patterns, ignored_prefixes",
+    [
+        (["model.head.*"], ["head."]),
+        (["model.head.bias", "model.encoder.weight"], ["head.bias", "encoder.weight"]),
+        (["*bias"], ["head.bias", "encoder.bias"]),
+        ("model.encoder.*", ["encoder."]),
+    ],
+    ids=["glob-head", "two-exact", "suffix-glob", "single-str"],
+)
+def test_ignored_keys_keep_their_values(full_ckpt, patterns, ignored_prefixes):
+    path, saved, saved_optim = full_ckpt
+    model = Net(1)
+    before = _sd(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ckptlib.load(path, {"model": model, "optim": optim}, ignore_keys=patterns)
+    after = _sd(model)
+    for key in after:
+        want = before[key] if any(key.startswith(p) for p in ignored_prefixes) else saved[key]
+        assert torch.equal(after[key], want), key
+    # the optimizer is loaded (its keys are not ignored): AdamW moments match the saved ones
+    for index, moments in saved_optim["state"].items():
+        assert torch.equal(optim.state_dict()["state"][index]["exp_avg"], moments["exp_avg"])
+
+
+def test_ignored_keys_are_not_missing(tmp_path):
+    ckptlib.save(tmp_path / "c", {"w": torch.arange(4.0)})
+    state = {"w": torch.zeros(4), "new_buffer": torch.full((2,), 9.0)}
+    with pytest.raises(MissingKeysError, match="new_buffer"):
+        ckptlib.load(tmp_path / "c", state)
+    result = ckptlib.load(tmp_path / "c", state, ignore_keys=["new_*"])
+    assert result.missing_keys == []
+    assert torch.equal(state["w"], torch.arange(4.0)) and torch.equal(state["new_buffer"], torch.full((2,), 9.0))
+    state["w"].zero_()
+    result = ckptlib.load(tmp_path / "c", state, strict=False, ignore_keys=["w"])
+    assert result.missing_keys == ["new_buffer"] and torch.equal(state["w"], torch.zeros(4))
+
+
+# ---------------------------------------------------------------- rename=
+
+
+@pytest.mark.parametrize(
+    "rename",
+    [
+        {"model.encoder.": "model.backbone.", "optim.state.encoder.": "optim.state.backbone.",
+         "optim.param_groups.encoder.": "optim.param_groups.backbone."},
+        lambda key: key.replace("encoder.", "backbone."),
+    ],
+    ids=["prefix-dict", "callable"],
+)
+def test_rename_loads_old_keys_into_new_names(full_ckpt, rename):
+    path, saved, saved_optim = full_ckpt
+    model = RenamedNet(1)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    result = ckptlib.load(path, {"model": model, "optim": optim}, rename=rename)
+    assert _equal(_sd(model), _as_backbone(saved))
+    assert result.missing_keys == []
+    got = optim.state_dict()["state"]
+    for index, moments in saved_optim["state"].items():
+        assert torch.equal(got[index]["exp_avg"], moments["exp_avg"])
+        assert torch.equal(got[index]["exp_avg_sq"], moments["exp_avg_sq"])
+
+
+def test_rename_longest_prefix_wins(tmp_path):
+    ckptlib.save(tmp_path / "c", {"a": {"x": torch.ones(2), "xy": torch.full((2,), 2.0)}})
+    state = {"b": {"x": torch.zeros(2)}, "c": {"y": torch.zeros(2)}}
+    ckptlib.load(tmp_path / "c", state, rename={"a.": "b.", "a.xy": "c.y"})
+    assert torch.equal(state["b"]["x"], torch.ones(2)) and torch.equal(state["c"]["y"], torch.full((2,), 2.0))
+
+
+def test_rename_errors(full_ckpt):
+    path, _, _ = full_ckpt
+    with pytest.raises(StateError, match="rename maps both checkpoint keys"):
+        ckptlib.load(path, {"model": Net(1)}, rename=lambda k: "model.head.bias" if k.startswith("model.") else k)
+    with pytest.raises(StateError, match="rename returned None for checkpoint key"):
+        ckptlib.load(path, {"model": Net(1)}, rename=lambda k: None)
+    with pytest.raises(StateError, match="rename raised on checkpoint key"):
+        ckptlib.load(path, {"model": Net(1)}, rename=lambda k: 1 / 0)
+    with pytest.raises(StateError, match="rename must map old key prefixes"):
+        ckptlib.load(path, {"model": Net(1)}, rename={"model.": 3})
+
+
+def test_a_key_renamed_away_is_missing(full_ckpt):
+    """rename moves `model.head.*` to `model.old_head.*`: the state's own head has no source."""
+    path, saved, _ = full_ckpt
+    model = Net(1)
+    before = _sd(model)
+    with pytest.raises(MissingKeysError, match="no checkpoint key is renamed to model.head.bias, model.head.weight"):
+        ckptlib.load(path, {"model": model}, rename={"model.head.": "model.old_head."})
+    result = ckptlib.load(path, {"model": model}, rename={"model.head.": "model.old_head."}, strict=False)
+    assert result.missing_keys == ["model.head.bias", "model.head.weight"]
+    after = _sd(model)
+    assert torch.equal(after["head.weight"], before["head.weight"])
+    assert torch.equal(after["encoder.weight"], saved["encoder.weight"])
+
+
+# ---------------------------------------------------------------- foreign formats
+
+
+@pytest.mark.parametrize("shards", [1, 2], ids=["safetensors-single", "safetensors-sharded"])
+def test_safetensors_with_rename_and_ignore(tmp_path, shards):
+    model, _ = _trained()
+    write_safetensors(str(tmp_path / "hf"), model.state_dict(), shards=shards)
+    target = RenamedNet(3)
+    before = _sd(target)
+    optim = torch.optim.AdamW(target.parameters(), lr=0.1)
+    result = ckptlib.load(
+        tmp_path / "hf", {"model": target, "optim": optim}, only=("model",),
+        rename={"model.encoder.": "model.backbone."}, ignore_keys=["model.head.bias"],
+    )
+    assert result.format == "safetensors"
+    want = _as_backbone(_sd(model))
+    want["head.bias"] = before["head.bias"]
+    assert _equal(_sd(target), want)
+
+
+def test_torch_save_file_model_only(tmp_path):
+    model, optim = _trained()
+    write_torch_save(str(tmp_path / "ckpt.pt"), {"model": model.state_dict(), "optim": optim.state_dict()})
+    target = Net(4)
+    target_optim = torch.optim.AdamW(target.parameters(), lr=0.1)
+    ckptlib.load(tmp_path / "ckpt.pt", {"model": target, "optim": target_optim}, only=["model"])
+    assert _equal(_sd(target), _sd(model)) and target_optim.state_dict()["state"] == {}
+
+
+# ---------------------------------------------------------------- resharded: save at 2, load at 3
+
+
+def _fsdp(model: nn.Module) -> nn.Module:
+    fully_shard = ckptlib.compat.require_fsdp2_cpu()
+    mesh = ckptlib.compat.init_device_mesh_fn()("cpu", (dist.get_world_size(),))
+    for child in model.children():
+        fully_shard(child, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _save_sharded(path: str) -> dict:
+    model = _fsdp(Net(0))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 8)).sum().backward()
+    optim.step()
+    ckptlib.save(path, {"model": model, "optim": optim}, step=2)
+    return _sd(model)
+
+
+def _load_renamed_sharded(path: str) -> tuple[dict, dict]:
+    model = _fsdp(RenamedNet(9))
+    before = _sd(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ckptlib.load(path, {"model": model, "optim": optim}, only=("model",),
+                 rename={"model.encoder.": "model.backbone."}, ignore_keys=["model.head.*"])
+    return before, _sd(model)
+
+
+def test_resharded_load_with_rename_ignore_and_only(tmp_path, dist_run):
+    if ckptlib.compat.fsdp2_cpu_reason() is not None:
+        pytest.skip(ckptlib.compat.fsdp2_cpu_reason())
+    path = str(tmp_path / "c")
+    saved = dist_run(2, _save_sharded, path)[0]
+    results = dist_run(3, _load_renamed_sharded, path)
+    for before, after in results:
+        want = _as_backbone(saved)
+        want["head.weight"], want["head.bias"] = before["head.weight"], before["head.bias"]
+        assert _equal(after, want)
+
+
+# ---------------------------------------------------------------- initial_load
+
+
+def test_initial_load_model_only_then_ignored_once_the_root_has_a_step(full_ckpt, tmp_path):
+    path, saved, _ = full_ckpt
+    root = tmp_path / "run"
+    model = Net(1)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": optim, "epoch": -1}
+    mgr = CheckpointManager(root, initial_load=path)
+    assert mgr.load(state) == 0 and mgr.initial_loaded
+    assert _equal(_sd(model), saved) and optim.state_dict()["state"] == {} and state["epoch"] == -1
+    assert mgr.load_result(state).uri == str(path)
+    model(torch.randn(2, 8)).sum().backward()
+    optim.step()
+    mgr.save(1, state)
+    trained = _sd(model)
+
+    again = Net(2)
+    again_optim = torch.optim.AdamW(again.parameters(), lr=0.1)
+    mgr2 = CheckpointManager(root, initial_load=path)
+    assert mgr2.load({"model": again, "optim": again_optim, "epoch": -1}) == 1 and not mgr2.initial_loaded
+    assert _equal(_sd(again), trained) and again_optim.state_dict()["state"] != {}
+
+
+def test_initial_load_with_optimizer_and_after_debris(full_ckpt, tmp_path):
+    path, saved, saved_optim = full_ckpt
+    root = tmp_path / "run"
+    (root / "step_0000000003").mkdir(parents=True)
+    (root / "step_0000000003" / "ckptlib.pending").write_text("{}")  # a crashed first save
+    model = Net(1)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    mgr = CheckpointManager(root, initial_load=str(path), initial_load_only=("model", "optim"))
+    assert mgr.load({"model": model, "optim": optim}) == 0
+    assert _equal(_sd(model), saved)
+    assert torch.equal(optim.state_dict()["state"][0]["exp_avg"], saved_optim["state"][0]["exp_avg"])
+
+
+def test_initial_load_that_does_not_exist(tmp_path):
+    missing = tmp_path / "no-such-checkpoint"
+    mgr = CheckpointManager(tmp_path / "run", initial_load=missing)
+    with pytest.raises(CheckpointNotFoundError, match=f"initial_load '{missing}' does not exist") as info:
+        mgr.load({"model": Net(1)})
+    assert info.value.path == str(missing)
+
+
+def test_initial_load_needs_modules_or_names(full_ckpt, tmp_path):
+    path, _, _ = full_ckpt
+    mgr = CheckpointManager(tmp_path / "run", initial_load=path)
+    with pytest.raises(StateError, match="the state has none; pass initial_load_only"):
+        mgr.load({"w": torch.zeros(2)})
+
+
+def _initial_from_safetensors(root: str, hf: str):
+    model = _fsdp(RenamedNet(5))
+    mgr = CheckpointManager(root, initial_load=hf)
+    step = mgr.load({"model": model}, rename={"model.encoder.": "model.backbone."})
+    return step, _sd(model)
+
+
+def test_initial_load_safetensors_at_2_ranks(tmp_path, dist_run):
+    if ckptlib.compat.fsdp2_cpu_reason() is not None:
+        pytest.skip(ckptlib.compat.fsdp2_cpu_reason())
+    model, _ = _trained()
+    write_safetensors(str(tmp_path / "hf"), model.state_dict(), shards=2)
+    results = dist_run(2, _initial_from_safetensors, str(tmp_path / "run"), str(tmp_path / "hf"))
+    for step, got in results:
+        assert step == 0 and _equal(got, _as_backbone(_sd(model)))
+    assert not os.path.exists(tmp_path / "run" / "latest")

@@ -1,0 +1,174 @@
+"""Golden DCP checkpoints written by every torch era back to 1.13: inspect, convert, reload.
+
+tests/test_legacy.py loads every fixture at world sizes 1..4 bit-exactly; this module checks
+what `ckpt inspect` reports about the DCP-based ones (written by real torch 1.13.1, 2.0.1,
+2.1-2.5, 2.9, 2.13 and by ckptlib itself), that `ckpt convert` turns each into a ckptlib
+checkpoint and a torch.save file holding the same bits, and the unpickling fix that lets
+torch 1.13's `.metadata` load at all (its classes were pickled under
+`torch.distributed._shard.checkpoint.*`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import pickletools
+
+import pytest
+import torch
+
+import ckptlib
+from ckptlib import cli, compat
+from ckptlib.errors import UnsafeCheckpointError
+from ckptlib.format.safe_pickle import safe_loads
+from test_legacy import (
+    FIXTURE_NAMES,
+    _check_ranks,
+    _launch,
+    diff,
+    fixture_info,
+    fixture_path,
+    generator,
+    rank_load_and_compare,
+    reference,
+)
+
+pytestmark = pytest.mark.legacy
+
+DCP_FIXTURES = [n for n in FIXTURE_NAMES if fixture_info(n)["format"] in ("dcp", "ckptlib")]
+
+
+def _minor(name: str) -> str:
+    return ".".join(fixture_info(name)["torch_version"].split("+")[0].split(".")[:2])
+
+
+def _tensor_leaves(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Dotted key -> tensor for every tensor in a nested state (DCP's key for it, under the
+    rules of every torch: only the keys of non-tensor values changed in 2.4)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_tensor_leaves(value, f"{prefix}{key}."))
+        elif isinstance(value, torch.Tensor):
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _ckpt(capsys, *argv) -> tuple[int, str, str]:
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return rc, out, err
+
+
+def test_golden_fixtures_span_every_torch_era():
+    """1.13 (torch.distributed._shard.checkpoint), 2.0 (ShardedTensor, DCP public), a
+    DTensor one before and after 2.4's key-flattening change, and FSDP2 ones from the window."""
+    minors = {_minor(n) for n in DCP_FIXTURES}
+    assert {"1.13", "2.0", "2.9", "2.13"} <= minors, minors
+
+
+@pytest.mark.parametrize("name", DCP_FIXTURES)
+def test_inspect_reports_what_the_torch_saved(name, capsys):
+    """`ckpt inspect --json`: format, saved world size and every tensor's key, shape, dtype and
+    chunk count (one chunk per rank for row-sharded tensors, one for 0-dim ones)."""
+    info = fixture_info(name)
+    path = fixture_path(name)
+    rc, out, err = _ckpt(capsys, "inspect", "--json", path)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["format"] == info["format"]
+    assert doc["world_size"] == info["saved_world_size"]
+    files = [f for f in os.listdir(path) if f != "ckptlib.json"]  # a manifest does not count itself
+    assert doc["total_bytes"] == sum(os.path.getsize(os.path.join(path, f)) for f in files)
+    expected = _tensor_leaves(reference(name))
+    listed = {t["key"]: t for t in doc["tensors"]}
+    assert set(listed) == set(expected)
+    for key, tensor in expected.items():
+        entry = listed[key]
+        assert (tuple(entry["shape"]), entry["dtype"]) == (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")), key
+        assert entry["chunks"] == (info["saved_world_size"] if tensor.dim() else 1), (key, entry)
+    rc, out, err = _ckpt(capsys, "verify", path)
+    assert rc == 0 and out.splitlines()[-1] == f"{path}: OK", out + err
+
+
+@pytest.mark.parametrize("to", ["dcp", "torch"])
+@pytest.mark.parametrize("name", DCP_FIXTURES)
+def test_ckpt_convert_keeps_every_bit(name, to, tmp_path, capsys):
+    """`ckpt convert` to a ckptlib checkpoint (loaded back at 3 ranks) or a torch.save file."""
+    dst = tmp_path / ("converted.pt" if to == "torch" else "converted")
+    rc, out, err = _ckpt(capsys, "convert", fixture_path(name), dst, "--to", to, "--no-progress")
+    assert rc == 0, err
+    assert out.startswith(f"converted {fixture_path(name)} ({fixture_info(name)['format']}) -> {dst}")
+    if to == "torch":
+        expected = reference(name)
+        if _minor(name) == "1.13":  # 1.13 saved a flat dict (no nesting recorded): it converts flat
+            expected = generator()._flatten_pre_2_4(expected)
+        assert diff(torch.load(dst, weights_only=True), expected) == []
+        return
+    rc, out, err = _ckpt(capsys, "inspect", "--json", dst)
+    assert rc == 0 and json.loads(out)["format"] == "ckptlib"
+    results = _launch(3, rank_load_and_compare, name, str(dst))
+    _check_ranks(results, f"{name} converted")
+    assert {r["format"] for r in results} == {"ckptlib"}
+
+
+# --------------------------------------------------------------------------- torch 1.13's pickled module names
+
+
+OLD_METADATA = "torch.distributed._shard.checkpoint.metadata"
+
+
+def test_old_module_names_map_onto_todays():
+    assert compat.current_pickle_module(OLD_METADATA) == "torch.distributed.checkpoint.metadata"
+    assert compat.current_pickle_module("torch.distributed._shard.checkpoint.filesystem") == (
+        "torch.distributed.checkpoint.filesystem"
+    )
+    assert compat.current_pickle_module("torch.distributed._shard.checkpoint.no_such_module") == (
+        "torch.distributed._shard.checkpoint.no_such_module"
+    )
+    assert compat.current_pickle_module("torch.distributed._shard.checkpointing") == "torch.distributed._shard.checkpointing"
+    assert compat.current_pickle_module("collections") == "collections"
+
+
+def test_torch_113_metadata_unpickles_as_todays_classes():
+    """Without the mapping, unpickling imports a second copy of metadata.py and DCP rejects its
+    classes ("expected BytesStorageMetadata but found ...TensorStorageMetadata")."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+    path = os.path.join(fixture_path("dcp_sharded_tensor_torch1.13"), ".metadata")
+    data = open(path, "rb").read()
+    named = {arg for op, arg, _ in pickletools.genops(data) if op.name in ("GLOBAL", "SHORT_BINUNICODE")}
+    assert OLD_METADATA in named  # what makes this fixture a test of the mapping
+    md = safe_loads(data, path)
+    assert type(md) is Metadata
+    kinds = {type(v) for v in md.state_dict_metadata.values()}
+    assert kinds == {TensorStorageMetadata, BytesStorageMetadata}
+    assert md.planner_data is None  # 1.13 recorded no key paths: keys are flat
+
+
+def test_old_module_names_still_admit_only_classes(tmp_path):
+    """The mapping renames modules; it does not widen what may be unpickled."""
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    plain = pickle.dumps(Evil(), protocol=0)
+    crafted = plain.replace(b"posix\nsystem", b"torch.distributed._shard.checkpoint.filesystem\nos")
+    assert crafted != plain
+    for data in (crafted, plain):
+        with pytest.raises(UnsafeCheckpointError, match="refusing to unpickle"):
+            safe_loads(data, str(tmp_path / ".metadata"))
+
+
+def test_torch_113_per_item_files_load_in_one_process():
+    """1.13's writer made one .distcp file per item (dozens for this small state)."""
+    path = fixture_path("dcp_sharded_tensor_torch1.13")
+    assert len([f for f in os.listdir(path) if f.endswith(".distcp")]) > 2 * fixture_info("dcp_sharded_tensor_torch1.13")["saved_world_size"]
+    ref = reference("dcp_sharded_tensor_torch1.13")
+    state = {"extra": {k: torch.zeros_like(v) for k, v in ref["extra"].items()}, "meta": {"epoch": -1, "tag": "wrong"}}
+    result = ckptlib.load(path, state)
+    assert result.format == "dcp" and result.world_size == 2
+    assert diff(state, {"extra": ref["extra"], "meta": ref["meta"]}) == []
