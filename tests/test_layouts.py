@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+import ckptlib.testing
 from ckptlib.testing import layout_matrix as lm
 from ckptlib.testing import layouts as lay
 from ckptlib.testing import validate
@@ -123,3 +125,53 @@ def test_validate_rejects_unknown_layouts_and_sizes_no_layout_runs_at(capsys):
     assert info.value.code == 2 and "unknown layout 'zero3'" in capsys.readouterr().err
     assert cli.main(["validate", "--layouts", "hsdp", "--world-sizes", "1,2,3"]) == 2
     assert "2-D layouts run at even world sizes from 4" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- a user's own model
+
+
+class UserNet(torch.nn.Module):
+    """What a user brings: their model, its TP plan and FSDP units, passed via ModelSpec."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(10, 16)
+        self.down = torch.nn.Linear(16, 7)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def build_user_net(seed: int) -> UserNet:
+    torch.manual_seed(seed)
+    return UserNet()
+
+
+def user_loss(model, step: int):
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(step))
+    return model(x).square().mean()
+
+
+def user_tp_plan(model):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def user_fsdp_units(model):
+    return [model.up]
+
+
+USER_SPEC = ckptlib.testing.ModelSpec(build=build_user_net, loss=user_loss, tp_plan=user_tp_plan,
+                                      fsdp_units=user_fsdp_units)
+
+
+@pytest.mark.parametrize("case", [ckptlib.testing.LayoutCase(2, "tp", 4, "fsdp2+tp"),
+                                  ckptlib.testing.LayoutCase(4, "hsdp", 2, "tp")], ids=lambda c: c.id)
+def test_users_own_model_over_layout_pairs(case, tmp_path, dist_run):
+    """The README's example: dist_run over layout pairs of a model that is not ckptlib's."""
+    _skip_unavailable(case.save_layout, case.load_layout)
+    uri = str(tmp_path / "ckpt")
+    expected = dist_run(case.save_ws, ckptlib.testing.save_layout, uri, case.save_layout, spec=USER_SPEC)[0]
+    problems = dist_run(case.load_ws, ckptlib.testing.load_layout, uri, case.load_layout, expected, spec=USER_SPEC)
+    assert problems == [[]] * case.load_ws
