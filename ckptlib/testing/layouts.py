@@ -13,9 +13,10 @@ A layout is how a model's parameters are spread over ranks:
 
 ``apply_layout(model, layout, mesh)`` wraps a model; ``build_mesh(layout, world_size)``
 makes its mesh. Models say what to shard: ``fsdp_units`` (submodules that get their own
-FSDP unit), ``tp_plan`` (a ``parallelize_module`` plan) and ``after_tp`` (e.g. re-tie
-weights that the plan replaced) are taken from the arguments or, if absent, from methods
-of the same names on the model (as ``ckptlib.testing.models.TinyTransformer`` has).
+FSDP unit) and ``tp_plan`` (a ``parallelize_module`` plan) are taken from the arguments or,
+if absent, from methods of the same names on the model; ``after_tp`` (e.g. re-tie weights
+that the plan replaced) from the argument or the model's ``retie()`` (as
+``ckptlib.testing.models.TinyTransformer`` has).
 """
 
 from __future__ import annotations
@@ -146,10 +147,11 @@ def build_mesh(layout: str | Layout, *, group=None, groups_2d=None, device: str 
 
 
 def _model_hook(model: nn.Module, given: Any, name: str) -> Any:
+    """`given`, else what the model's method `name()` returns, else None."""
     if given is not None:
         return given
     method = getattr(model, name, None)
-    return method() if callable(method) and name != "after_tp" else method
+    return method() if callable(method) else None
 
 
 def apply_layout(
@@ -186,9 +188,10 @@ def apply_layout(
         if not plan:
             raise ValueError(f"layout {name!r} needs a tp_plan (argument or model.tp_plan())")
         parallelize_module(model, mesh["tp"], plan)
-        hook = _model_hook(model, after_tp, "retie") if after_tp is None else after_tp
-        if callable(hook):
-            hook()
+        if after_tp is not None:
+            after_tp()
+        elif callable(getattr(model, "retie", None)):
+            model.retie()
         if name == "tp":
             return model
         mesh = mesh["dp"]
