@@ -1,4 +1,4 @@
-"""ckptlib against raw DCP, torch.save, the disk and boto3, side by side in one run.
+"""ckptlib against raw DCP, torch.save, the disk and the cloud SDKs, side by side in one run.
 
     python benchmarks/bench.py [--quick] [--json OUT] [--plot OUT.png] [--sizes 64 256 1024]
 
@@ -21,8 +21,9 @@ alternate inside each repetition, in a rotating order, so machine noise hits all
 - async save: how long `ckptlib.save(..., async_=True)` blocks (first save of a process:
   staging buffers are allocated; later saves reuse them) against a synchronous save; and
   with `background_staging=True`, how long it blocks and when `wait_staged()` returns.
-- S3 (moto server on 127.0.0.1): ckptlib save/load against boto3's managed multipart
-  upload/download of the same bytes per rank.
+- cloud storage (benchmarks/cloud.py; S3 on moto, GCS on fake-gcs-server, Azure on Azurite,
+  all on 127.0.0.1): ckptlib save/load against each SDK's own plain upload/download of the
+  same bytes per rank.
 
 Throughput is state bytes / wall time of the slowest rank (barriers around every timed op;
 every timed save starts after an untimed `os.sync()`, so it waits for its own writeback only).
@@ -50,6 +51,7 @@ N_TENSORS = 16
 COLS = 1024
 
 TARGETS = {
+    "cloud_save": 0.9,  # ckptlib save throughput >= 0.9x the cloud SDK's plain upload of the same bytes
     "save_vs_dcp": 0.9,  # ckptlib save throughput >= 0.9x raw DCP at the same world size
     "save_vs_raw": 0.7,  # ... and >= 0.7x the raw parallel write
     "reshard": 1.15,  # resharded load time <= 1.15x same-N load time
@@ -339,51 +341,6 @@ def rank_rss(op: str, path: str, size_mib: int) -> dict[str, Any]:
     }
 
 
-def rank_s3(endpoint_env: dict[str, str], bucket: str, size_mib: int, reps: int) -> dict[str, Any]:
-    import boto3
-    from boto3.s3.transfer import TransferConfig
-
-    import ckptlib
-    from ckptlib.storage import s3 as s3mod
-
-    os.environ.update(endpoint_env)
-    rank, world = _rank()
-    state = _make_state(size_mib)
-    template = _make_state(size_mib, fill=False)
-    payload = bytearray()
-    for t in state["params"].values():
-        payload += memoryview(t.to_local().numpy()).cast("B")
-    client = boto3.session.Session().client("s3", endpoint_url=endpoint_env["AWS_ENDPOINT_URL"])
-    config = TransferConfig(
-        multipart_threshold=s3mod.DEFAULT_MULTIPART_THRESHOLD,
-        multipart_chunksize=s3mod.DEFAULT_PART_SIZE,
-        max_concurrency=s3mod.DEFAULT_MAX_CONCURRENCY,
-    )
-    times: dict[str, list[float]] = {}
-    ok = True
-    for rep in range(reps):
-        uri = f"s3://{bucket}/rep{rep}/ckpt"
-        key = f"rep{rep}/raw/{rank}.bin"
-        for method in (["ckptlib", "boto3"] if rep % 2 == 0 else ["boto3", "ckptlib"]):
-            if method == "ckptlib":
-                times.setdefault("save_ckptlib", []).append(_timed(lambda: ckptlib.save(uri, state)))
-            else:
-                times.setdefault("save_boto3", []).append(
-                    _timed(lambda: client.upload_fileobj(io.BytesIO(payload), bucket, key, Config=config))
-                )
-        for method in (["ckptlib", "boto3"] if rep % 2 == 0 else ["boto3", "ckptlib"]):
-            if method == "ckptlib":
-                times.setdefault("load_ckptlib", []).append(_timed(lambda: ckptlib.load(uri, template)))
-                ok = ok and _same(state, template)
-            else:
-                sink = io.BytesIO()
-                times.setdefault("load_boto3", []).append(
-                    _timed(lambda: client.download_fileobj(bucket, key, sink, Config=config))
-                )
-                ok = ok and sink.getbuffer().nbytes == len(payload)
-    return {"rank": rank, "world": world, "times": times, "ok": ok, "shard_bytes": len(payload)}
-
-
 # --------------------------------------------------------------------------- the driver
 
 
@@ -429,7 +386,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "io": [],
         "reshard": [],
         "rss": [],
-        "s3": [],
+        "cloud": [],
         "notes": [],
     }
     if not cold:
@@ -489,42 +446,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     shutil.rmtree(ck_path, ignore_errors=True)
             for path in kept.values():
                 shutil.rmtree(path, ignore_errors=True)
-        if not args.no_s3:
-            results["s3"] = _run_s3(args, launch)
+        if args.clouds:
+            from benchmarks.cloud import run_cloud
+
+            results["cloud"] = run_cloud(args, launch, _log)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return results
 
 
-def _run_s3(args, launch) -> list[dict[str, Any]]:
-    try:
-        import boto3  # noqa: F401
-        import moto.server  # noqa: F401
-
-        import ckptlib.storage.s3  # noqa: F401
-    except ImportError as exc:
-        _log(f"s3: skipped ({exc})")
-        return [{"skipped": str(exc)}]
-    from ckptlib.testing.s3 import create_bucket, remove_bucket, s3_env, start_moto_server
-
-    rows = []
-    with start_moto_server() as endpoint:
-        env = {k: v for k, v in s3_env(endpoint).items() if v is not None}
-        for ws in [w for w in args.world_sizes if w <= 2]:
-            _log(f"s3: {args.s3_size} MiB at {ws} ranks")
-            bucket = create_bucket(endpoint, "bench")
-            try:
-                out = launch(ws, rank_s3, env, bucket, args.s3_size, args.reps, timeout=args.timeout)
-            finally:
-                remove_bucket(endpoint, bucket)
-            row = {"size_mib": args.s3_size, "world": ws, "ok": all(r["ok"] for r in out), "times": {}}
-            for key in out[0]["times"]:
-                row["times"][key] = _max_over_ranks(out, key)
-            rows.append(row)
-    return rows
-
-
 # --------------------------------------------------------------------------- report
+
+
+def _cloud_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cloud rows of a run (older JSON files call them "s3")."""
+    return results.get("cloud") or results.get("s3") or []
 
 
 def _best(values: list[float]) -> float:
@@ -543,10 +479,10 @@ def summarize(results: dict[str, Any], estimator: str = "median") -> dict[str, A
     over the repetitions by `estimator`: "median", or "best" (the fastest repetition: on a
     shared machine, noise only ever adds time, so the best run is the least disturbed)."""
     _median = _ESTIMATORS[estimator]
-    summary: dict[str, Any] = {"save": [], "load": [], "reshard": [], "rss": [], "async": [], "s3": [], "targets": {}}
+    summary: dict[str, Any] = {"save": [], "load": [], "reshard": [], "rss": [], "async": [], "cloud": [], "targets": {}}
     verdict: dict[str, list] = {
         k: [] for k in ("save_vs_dcp", "save_vs_raw", "reshard", "reshard_noverify", "checksum", "checksum_cold", "rss",
-                        "async_block", "async_block_bg")
+                        "async_block", "async_block_bg", "cloud_save")
     }
     for e in results["io"]:
         t = {k: _median(v) for k, v in e["times"].items()}
@@ -611,20 +547,17 @@ def summarize(results: dict[str, Any], estimator: str = "median") -> dict[str, A
             row[f"{op}_extra"] = r.get(f"{op}_extra", float("nan")) / MiB
         summary["rss"].append(row)
         verdict["rss"].append((row["load_ckptlib_mib"] / limit, f"{r['size_mib']} MiB, {r['world']} ranks"))
-    for r in results["s3"]:
-        if "skipped" in r:
-            summary["s3"].append(r)
-            continue
-        t = {k: _median(v) for k, v in r["times"].items()}
-        size = r["size_mib"]
-        summary["s3"].append({"size_mib": size, "world": r["world"], "ok": r["ok"],
-                              "save_ckptlib": _tp(size, t["save_ckptlib"]), "save_boto3": _tp(size, t["save_boto3"]),
-                              "load_ckptlib": _tp(size, t["load_ckptlib"]), "load_boto3": _tp(size, t["load_boto3"])})
+    from benchmarks.cloud import summarize_cloud
+
+    summary["cloud"] = summarize_cloud(_cloud_rows(results), _median)
+    for r in summary["cloud"]:
+        if "skipped" not in r:
+            verdict["cloud_save"].append((r["save_ratio"], f"{r['backend']} {r['size_mib']} MiB, {r['world']} ranks"))
     limits = {"save_vs_dcp": (">=", TARGETS["save_vs_dcp"]), "save_vs_raw": (">=", TARGETS["save_vs_raw"]),
               "reshard": ("<=", TARGETS["reshard"]), "reshard_noverify": ("<=", TARGETS["reshard"]),
               "checksum": ("<=", TARGETS["checksum"]), "checksum_cold": ("<=", TARGETS["checksum"]),
               "rss": ("<=", 1.0), "async_block": ("<=", TARGETS["async_block"]),
-              "async_block_bg": ("<=", TARGETS["async_block"])}
+              "async_block_bg": ("<=", TARGETS["async_block"]), "cloud_save": (">=", TARGETS["cloud_save"])}
     for name, values in verdict.items():
         values = [(v, where) for v, where in values if v == v]
         if not values:
@@ -707,18 +640,9 @@ def markdown(results: dict[str, Any], summary: dict[str, Any], estimator: str = 
                        f"{_f(r['steady_block_s'], 3)} | {_f(r['total_s'], 3)} | {_f(r['first_ratio'], 3)} | "
                        f"{_f(r['steady_ratio'], 3)} | {_f(r['bg_block_s'], 3)} | {_f(r['bg_staged_s'], 3)} | "
                        f"{_f(r['bg_ratio'], 3)} |")
-    if summary["s3"]:
-        out.append("")
-        out.append("### S3 (moto server on 127.0.0.1), MiB/s")
-        out.append("| state MiB | ranks | ckptlib save | boto3 upload | ratio | ckptlib load | boto3 download | ratio |")
-        out.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for r in summary["s3"]:
-            if "skipped" in r:
-                out.append(f"| skipped: {r['skipped']} |||||||")
-                continue
-            out.append(f"| {r['size_mib']} | {r['world']} | {_f(r['save_ckptlib'])} | {_f(r['save_boto3'])} | "
-                       f"{_f(r['save_ckptlib'] / r['save_boto3'], 2)} | {_f(r['load_ckptlib'])} | {_f(r['load_boto3'])} | "
-                       f"{_f(r['load_ckptlib'] / r['load_boto3'], 2)} |")
+    from benchmarks.cloud import markdown_cloud
+
+    out.extend(markdown_cloud(summary.get("cloud", []), _f))
     out.append("")
     out.append("### Targets")
     out.append("| target | limit | worst | where | status |")
@@ -727,7 +651,8 @@ def markdown(results: dict[str, Any], summary: dict[str, Any], estimator: str = 
              "reshard": "resharded / same-N load (verify=True)", "reshard_noverify": "resharded / same-N load (verify=False)",
              "checksum": "checksum share of load (page cache)", "checksum_cold": "checksum share of load (cold cache)",
              "rss": "load peak RSS / (1.5×shard+300 MiB)", "async_block": "async blocking / sync save (≥256 MiB)",
-             "async_block_bg": "async blocking, background staging / sync save (≥256 MiB)"}
+             "async_block_bg": "async blocking, background staging / sync save (≥256 MiB)",
+             "cloud_save": "cloud save / the SDK's plain upload"}
     for key, label in names.items():
         t = summary["targets"].get(key, {"status": "not measured"})
         if t["status"] == "not measured":
@@ -736,7 +661,7 @@ def markdown(results: dict[str, Any], summary: dict[str, Any], estimator: str = 
             others = [w for w in t.get("misses", []) if w != t["where"]]
             extra = f" (also: {'; '.join(others)})" if t["status"] == "missed" and others else ""
             out.append(f"| {label} | {t['limit']} | {_f(t['worst'], 2)} | {t['where']} | {t['status']}{extra} |")
-    bad = [e for e in results["io"] if not e["ok"]] + [r for r in results["s3"] if not r.get("ok", True)]
+    bad = [e for e in results["io"] if not e["ok"]] + [r for r in _cloud_rows(results) if not r.get("ok", True)]
     if bad:
         out.append("")
         out.append(f"**Round-trip check failed** in {len(bad)} configuration(s): loaded values differ from saved ones.")
@@ -799,13 +724,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", help="state sizes in MiB (default 64 256 1024)")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--reps", type=int, help="repetitions (default 3; --quick: 2)")
-    parser.add_argument("--s3-size", type=int, help="MiB per S3 state (default 128; --quick: 32)")
+    parser.add_argument("--cloud-sizes", type=int, nargs="+",
+                        help="MiB per state for the cloud backends (default 32 128; --quick: 32)")
+    parser.add_argument("--clouds", nargs="*", choices=("s3", "gcs", "azure"), default=["s3", "gcs", "azure"],
+                        help="cloud backends to compare with their SDKs (default: all three; none: skip)")
     parser.add_argument("--json", metavar="OUT", help="write raw timings and the summary as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="write a PNG plot (needs matplotlib)")
     parser.add_argument("--markdown", metavar="OUT.md", help="also write the tables to this file")
     parser.add_argument("--dir", help="scratch directory (default: the system temp dir)")
     parser.add_argument("--warm-only", action="store_true", help="no cold (dropped page cache) loads")
-    parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument("--no-s3", action="store_true", help="same as --clouds with nothing")
     parser.add_argument("--no-rss", action="store_true")
     parser.add_argument("--no-reshard", action="store_true")
     parser.add_argument("--no-async", action="store_true")
@@ -829,8 +757,10 @@ def main(argv: list[str] | None = None) -> int:
         args.sizes = [64] if args.quick else [64, 256, 1024]
     if args.reps is None:
         args.reps = 2 if args.quick else 3
-    if args.s3_size is None:
-        args.s3_size = 32 if args.quick else 128
+    if args.cloud_sizes is None:
+        args.cloud_sizes = [32] if args.quick else [32, 128]
+    if args.no_s3:
+        args.clouds = []
     started = time.perf_counter()
     results = run(args)
     results["seconds"] = time.perf_counter() - started
@@ -847,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
             plot(results, summary, args.plot)
         except ImportError as exc:
             print(f"no plot: {exc} (pip install matplotlib)", file=sys.stderr)
-    ok = all(e["ok"] for e in results["io"]) and all(r.get("ok", True) for r in results["s3"])
+    ok = all(e["ok"] for e in results["io"]) and all(r.get("ok", True) for r in results["cloud"])
     return 0 if ok else 1
 
 

@@ -17,12 +17,14 @@ from .errors import (
     StorageError,
     UnsafeCheckpointError,
     UnsupportedError,
+    UploadError,
 )
 from .convert import ConvertResult, convert
 from .export import ExportResult, export
 from .manager import CheckpointManager, StaleLockWarning, StalePointerWarning
 from .retention import KeepBest, KeepEvery, KeepLast
 from .save_policy import EveryNSeconds, EveryNSteps, FinalStep
+from .tiered import TieredCheckpointManager
 from .data import ElasticDistributedSampler, MergeSamplerProgress
 from .state import KeepExistingRanks, MergingResizePolicy, RankLocal, ResizePolicy, ResizeWarning, RNGState
 
@@ -33,5 +35,5 @@ __all__ = [
     "ExportResult", "export", "FinalStep", "KeepBest", "KeepEvery", "KeepExistingRanks", "KeepLast", "LoadResult",
     "LockedError", "MergeSamplerProgress", "MergingResizePolicy", "MissingKeysError", "NotACheckpointError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",
-    "StorageError", "UnsafeCheckpointError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",
+    "StorageError", "TieredCheckpointManager", "UnsafeCheckpointError", "UploadError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",
 ]

@@ -349,7 +349,7 @@ def load(
     group = process_group
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     info = _dist.decide_on_rank0(lambda: inspect_checkpoint(storage, verify=verify, trusted=trusted), group)
-    selected = _dist.agree(lambda: select_entries(state, only), group)
+    selected = _dist.agree(lambda: select_entries(state, only, ignore_keys), group)
 
     plan = _dist.agree(
         lambda: to_load_plan(

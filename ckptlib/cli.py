@@ -100,7 +100,7 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
     from .testing import validate
 
     if not args.root:
-        raise UsageError("under torchrun, --root is required (a path or s3:// URI every rank can reach)")
+        raise UsageError("under torchrun, --root is required (a path, s3://, gs:// or az:// URI every rank can reach)")
     from . import _dist
 
     # gloo's C++ side prints "[Gloo] Rank ... connected" lines to stdout on some torch
@@ -449,13 +449,14 @@ def build_parser() -> argparse.ArgumentParser:
             "Run the save-at-N/load-at-M round trip (train, save, load, compare bit-exactly, train one "
             "more step against a never-checkpointed run) for every pair of world sizes. Without torchrun "
             "it starts max(world sizes) local gloo ranks on a temporary directory (or --root). Under "
-            "torchrun it uses the launched ranks and --root (a shared path or s3:// URI). With --layouts, "
-            "the pairs are (layout A at N ranks) saved and (layout B at M ranks) loaded, e.g. a run trained "
-            "with FSDP2 x TP resuming with FSDP2 on fewer ranks."
+            "torchrun it uses the launched ranks and --root (a shared path, s3://, gs:// or az:// URI). With "
+            "--layouts, the pairs are (layout A at N ranks) saved and (layout B at M ranks) loaded, e.g. a run "
+            "trained with FSDP2 x TP resuming with FSDP2 on fewer ranks."
         ),
     )
     p.add_argument("--world-sizes", type=_world_sizes, default=[1, 2, 3, 4], help="comma-separated (default 1,2,3,4)")
-    p.add_argument("--root", default=None, help="where to write the test checkpoints (default: a temp dir)")
+    p.add_argument("--root", default=None,
+                   help="where to write the test checkpoints: a path, s3://, gs:// or az:// URI (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--wrap", choices=["fsdp2", "ddp", "plain"], default=None, help="model wrapping (default fsdp2 when supported, else ddp)")
     p.add_argument(
@@ -486,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
             "problem, naming the file. Exit status: 0 intact, 1 damaged, 2 no checkpoint at URI."
         ),
     )
-    p.add_argument("uri", help="a checkpoint directory: path, file:// or s3:// URI")
+    p.add_argument("uri", help="a checkpoint directory: path, file://, s3://, gs:// or az:// URI")
     p.add_argument("--no-progress", action="store_true", help=_NO_PROGRESS_HELP)
     p.set_defaults(func=_cmd_verify)
 
@@ -499,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
             "(no shard is read; use `ckpt verify` to check the data)."
         ),
     )
-    p.add_argument("uri", help="a checkpoint directory: path, file:// or s3:// URI")
+    p.add_argument("uri", help="a checkpoint directory: path, file://, s3://, gs:// or az:// URI")
     p.add_argument(
         "--json", action="store_true",
         help="print JSON with the keys format, step, world_size, torch_version, total_bytes, tensors "
@@ -517,7 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
             "created, age_seconds, metrics)."
         ),
     )
-    p.add_argument("root")
+    p.add_argument("root", help="a checkpoint root: path, file://, s3://, gs:// or az:// URI")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_ls)
 
@@ -533,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Takes the root's lock: fails (exit 1) while a writer holds it."
         ),
     )
-    p.add_argument("root")
+    p.add_argument("root", help="a checkpoint root: path, file://, s3://, gs:// or az:// URI")
     p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep the N highest-numbered committed steps")
     p.add_argument("--keep", type=int, default=None, metavar="N", help="same as --keep-last N")
     p.add_argument("--keep-every", type=int, default=None, metavar="K", help="keep every step that is a multiple of K")
@@ -584,7 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
             "is an export ckptlib wrote (ckptlib_export.json lists its files)."
         ),
     )
-    p.add_argument("src", help="a checkpoint (path, file:// or s3:// URI) or a CheckpointManager root")
+    p.add_argument("src", help="a checkpoint (path, file://, s3://, gs:// or az:// URI) or a CheckpointManager root")
     p.add_argument("dst", help="a local directory (or one .safetensors/.bin file)")
     p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors", help="default safetensors")
     p.add_argument("--dtype", default=None, help="cast floating-point tensors, e.g. bfloat16 (integer tensors keep theirs)")
@@ -609,14 +610,14 @@ def build_parser() -> argparse.ArgumentParser:
             "be gone. Removing the lock of a live writer lets two writers interleave."
         ),
     )
-    p.add_argument("root")
+    p.add_argument("root", help="a checkpoint root: path, file://, s3://, gs:// or az:// URI")
     p.set_defaults(func=_cmd_unlock)
 
     # Listed for `ckpt --help`; main() hands everything after `bench` to benchmarks/bench.py
     # (argparse's REMAINDER would refuse a first argument that starts with "--").
     sub.add_parser(
         "bench",
-        help="benchmark ckptlib against raw DCP, torch.save, the disk and boto3 (source checkouts)",
+        help="benchmark ckptlib against raw DCP, torch.save, the disk and each cloud SDK (source checkouts)",
         description="Runs benchmarks/bench.py; `ckpt bench --help` lists its options.",
     )
     return parser

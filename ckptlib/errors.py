@@ -79,6 +79,10 @@ class StorageError(CheckpointError):
     """The storage backend failed permanently (permission denied, bucket missing, retries exhausted)."""
 
 
+class UploadError(StorageError):
+    """Uploading a step to a tiered manager's remote root failed; the remote `latest` was not moved."""
+
+
 class UnsupportedError(CheckpointError):
     """The installed torch lacks a feature this call needs (see ckptlib.compat)."""
 

@@ -6,8 +6,9 @@ Keys are the flattened, dot-joined names DCP uses (`model.out.weight`,
 - `only=("model",)`: load just these top-level entries of the state; the others stay as
   they are (a model-only load from a full checkpoint, with the optimizer in the state).
 - `ignore_keys=["model.head.*"]`: glob patterns (fnmatch, `*` also crosses dots) on the
-  state's keys after renaming; matching keys are not loaded, and an ignored key is never
-  missing.
+  state's keys after renaming; matching keys are not loaded and keep their values, and an
+  ignored key is never missing. A pattern that covers a whole entry (`optim.*`, or just
+  `optim`) leaves that entry out entirely (an optimizer keeps even "no state yet").
 - `rename={"old.": "new."}`: the checkpoint's key `old.x` loads into the state's key
   `new.x` (plain string prefixes, the longest matching prefix wins); or a callable that
   maps a checkpoint key to a state key. Two checkpoint keys renamed to the same state key
@@ -26,16 +27,37 @@ from .errors import StateError
 Rename = Mapping[str, str] | Callable[[str], str]
 
 
-def select_entries(state: Mapping[str, Any], only: Sequence[str] | None) -> Mapping[str, Any]:
-    """The top-level entries of `state` named by `only` (all when None)."""
-    if only is None:
-        return state
+def _patterns(ignore_keys: Sequence[str] | str | None) -> list[str]:
+    patterns = [ignore_keys] if isinstance(ignore_keys, str) else list(ignore_keys or [])
+    if not all(isinstance(p, str) for p in patterns):
+        raise StateError(f"ignore_keys must be glob strings, got {ignore_keys!r}")
+    return patterns
+
+
+def _whole_entry_ignored(name: str, patterns: list[str]) -> bool:
+    """A pattern that matches the entry's name, or every key under it (`optim.*`, `*`)."""
+    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name + ".\uffff", p) for p in patterns)
+
+
+def select_entries(
+    state: Mapping[str, Any], only: Sequence[str] | str | None, ignore_keys: Sequence[str] | str | None = None
+) -> Mapping[str, Any]:
+    """The top-level entries of `state` to load: those `only` names (all when None), less those
+    `ignore_keys` ignores as a whole. Such entries are left out before any state dict is built:
+    building an optimizer's initialises its state (DCP takes a zero-learning-rate step)."""
     if isinstance(only, str):
         only = (only,)
-    unknown = [name for name in only if name not in state]
-    if unknown:
-        raise StateError(f"only= names {unknown} that the state does not have (it has {sorted(state)})")
-    return {name: state[name] for name in state if name in only}
+    if only is not None:
+        unknown = [name for name in only if name not in state]
+        if unknown:
+            raise StateError(f"only= names {unknown} that the state does not have (it has {sorted(state)})")
+    patterns = _patterns(ignore_keys)
+    if only is None and not any(_whole_entry_ignored(name, patterns) for name in state):
+        return state
+    return {
+        name: value for name, value in state.items()
+        if (only is None or name in only) and not _whole_entry_ignored(name, patterns)
+    }
 
 
 def _rename_fn(rename: Rename) -> Callable[[str], str]:
@@ -84,11 +106,7 @@ def build_request(
     rename: Rename | None = None,
 ) -> KeyRequest:
     """Flatten `template`, drop ignored keys and translate state keys to checkpoint keys."""
-    if isinstance(ignore_keys, str):
-        ignore_keys = [ignore_keys]
-    patterns = list(ignore_keys or [])
-    if not all(isinstance(p, str) for p in patterns):
-        raise StateError(f"ignore_keys must be glob strings, got {ignore_keys!r}")
+    patterns = _patterns(ignore_keys)
     flat, mapping = compat.flatten_state_dict(template)
     to_ckpt: dict[str, str] = {}
     if rename is not None:

@@ -263,7 +263,17 @@ class RootLock:
 
 
 class CheckpointManager:
-    """Saves numbered checkpoints under `root` and resumes from the newest committed one."""
+    """Saves numbered checkpoints under `root` and resumes from the newest committed one.
+
+    `CheckpointManager(local_root, remote_root=URI, keep_local=1, ...)` is a tiered manager
+    (`ckptlib.tiered`): saves go to local disk and are uploaded in the background."""
+
+    def __new__(cls, *args: Any, remote_root: str | os.PathLike | None = None, **kwargs: Any):
+        if remote_root is not None and cls is CheckpointManager:
+            from .tiered import TieredCheckpointManager
+
+            cls = TieredCheckpointManager
+        return super().__new__(cls)
 
     def __init__(
         self,

@@ -335,3 +335,21 @@ def test_initial_load_safetensors_at_2_ranks(tmp_path, dist_run):
     for step, got in results:
         assert step == 0 and _equal(got, _as_backbone(_sd(model)))
     assert not os.path.exists(tmp_path / "run" / "latest")
+
+
+@pytest.mark.parametrize(
+    "control",
+    [{"only": ("model",)}, {"ignore_keys": ["optim.*", "epoch"]}, {"ignore_keys": "[oe]*"}],
+    ids=["only-model", "ignore-optim.*+epoch", "ignore-glob"],
+)
+def test_manager_load_takes_the_same_controls(full_ckpt, tmp_path, control):
+    path, saved, _ = full_ckpt
+    mgr = CheckpointManager(tmp_path / "run")
+    model, optim = _trained(0)
+    mgr.save(3, {"model": model, "optim": optim, "epoch": 7})
+    target = Net(6)
+    target_optim = torch.optim.AdamW(target.parameters(), lr=0.1)
+    state = {"model": target, "optim": target_optim, "epoch": -1}
+    assert mgr.load(state, **control) == 3
+    assert _equal(_sd(target), _sd(model)) and state["epoch"] == -1
+    assert target_optim.state_dict()["state"] == {}  # untouched, not even initialised

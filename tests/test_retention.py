@@ -314,3 +314,23 @@ def test_s3_keep_last_after_every_save(s3_root, n):
     for k in range(1, 6):
         mgr.save(k, _state(k))
         assert mgr.steps() == list(range(max(1, k - n + 1), k + 1))
+
+
+def _save_with_rank_metrics(root: str) -> list[int]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    mgr = CheckpointManager(root, retention=KeepBest(2, "loss"))
+    rank0_losses = [0.5, 0.1, 0.9, 0.3]
+    for step, loss in enumerate(rank0_losses, start=1):
+        # each rank passes its own value; the manifest records rank 0's
+        mgr.save(step, {"w": torch.full((2,), float(step))}, metrics={"loss": loss if rank == 0 else 100.0 - loss})
+    return mgr.steps()
+
+
+def test_keep_best_uses_rank0s_metrics_on_every_rank(tmp_path, dist_run):
+    root = str(tmp_path / "run")
+    assert dist_run(2, _save_with_rank_metrics, root) == [[2, 4], [2, 4]]
+    for step, loss in ((2, 0.1), (4, 0.3)):
+        doc = json.loads(open(os.path.join(root, f"step_{step:010d}", "ckptlib.json")).read())
+        assert doc["metrics"] == {"loss": loss}

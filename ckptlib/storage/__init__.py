@@ -1,4 +1,4 @@
-"""Where checkpoint bytes live: `open_storage(uri)` for plain paths, file:// and s3:// URIs."""
+"""Where checkpoint bytes live: `open_storage(uri)` for plain paths, file://, s3://, gs:// and az:// URIs."""
 
 from __future__ import annotations
 
@@ -12,12 +12,16 @@ from .local import LocalStorage
 __all__ = ["Storage", "LocalStorage", "open_storage", "check_relative", "is_remote"]
 
 
+REMOTE_SCHEMES = ("s3://", "gs://", "az://")
+
+
 def is_remote(uri: str | os.PathLike) -> bool:
-    return str(uri).startswith("s3://")
+    return str(uri).startswith(REMOTE_SCHEMES)
 
 
 def open_storage(uri: str | os.PathLike) -> Storage:
-    """The backend for a URI: `s3://bucket/prefix`, `file:///abs/path` or a plain path."""
+    """The backend for a URI: `s3://bucket/prefix`, `gs://bucket/prefix`,
+    `az://container/prefix`, `file:///abs/path` or a plain path."""
     if isinstance(uri, os.PathLike):
         uri = os.fspath(uri)
     if not isinstance(uri, str) or not uri:
@@ -26,11 +30,19 @@ def open_storage(uri: str | os.PathLike) -> Storage:
         from .s3 import S3Storage  # boto3 is an optional dependency
 
         return S3Storage.from_uri(uri)
+    if uri.startswith("gs://"):
+        from .gcs import GCSStorage  # google-cloud-storage is an optional dependency
+
+        return GCSStorage.from_uri(uri)
+    if uri.startswith("az://"):
+        from .azure import AzureStorage  # azure-storage-blob is an optional dependency
+
+        return AzureStorage.from_uri(uri)
     if uri.startswith("file://"):
         parsed = urlparse(uri)
         if parsed.netloc not in ("", "localhost"):
             raise StorageError(f"file:// URI with a remote host is not supported: {uri}", path=uri)
         return LocalStorage(parsed.path)
     if "://" in uri:
-        raise StorageError(f"unsupported URI scheme in {uri!r} (use a path, file:// or s3://)", path=uri)
+        raise StorageError(f"unsupported URI scheme in {uri!r} (use a path, file://, s3://, gs:// or az://)", path=uri)
     return LocalStorage(uri)

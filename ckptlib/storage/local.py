@@ -152,11 +152,16 @@ class LocalStorage:
             f = open(full, "wb")
         except OSError as exc:
             raise _os_error(exc, "cannot write", full) from exc
-        with f:
-            yield f
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())  # the name: when a commit syncs it (`sync`)
+        try:
+            with f:
+                yield f
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())  # the name: when a commit syncs it (`sync`)
+        except BaseException:
+            with contextlib.suppress(OSError):  # like an aborted upload: no partial object is left
+                os.unlink(full)
+            raise
 
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         full = self._path(path)

@@ -33,6 +33,8 @@ from . import launcher as _launcher
 _MARKERS = {
     "elastic": "elastic: the save-at-N / load-at-M matrix (CPU, gloo)",
     "s3": "s3: needs the moto S3 server (started by a session fixture)",
+    "gcs": "gcs: needs the fake-gcs-server GCS emulator (started by a session fixture)",
+    "azure": "azure: needs the Azurite Azure Blob emulator (started by a session fixture)",
     "legacy": "legacy: legacy and interchange formats, golden fixtures",
     "gpu": "gpu: needs CUDA devices and NCCL; skipped without them",
     "slow": "slow: long-running cases",

@@ -144,7 +144,9 @@ def moto_server() -> Iterator[str]:
         import boto3  # noqa: F401
         import moto.server  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the install
-        pytest.skip(f"S3 tests need boto3 and moto[server]: {exc}")
+        from .emulators import unavailable
+
+        unavailable("boto3 and moto[server] (the S3 test server)", "pip install -e '.[test]'", str(exc))
     with start_moto_server() as endpoint:
         yield endpoint
 

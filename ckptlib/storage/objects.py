@@ -1,0 +1,620 @@
+"""One `Storage` over any object store: retries with backoff, ranged and parallel reads,
+streamed multipart writes, exclusive create, pointers. Each cloud supplies only an
+`ObjectClient` (a handful of primitive calls and how to classify its errors): gcs.py, azure.py.
+
+Guarantees (the same as S3's, s3.py):
+
+* `write` and a finished `open_writer` are atomic: readers see the old object or the new one.
+* `open_writer` sends nothing before the multipart threshold; small objects go as one put,
+  large ones as parts uploaded by a bounded pool while the caller keeps writing (memory stays
+  below about `(max_concurrency + 2) * part_size`), committed in one call at the end. An
+  exception inside the context aborts: no object is created.
+* Every primitive call is retried with exponential backoff and jitter on transient errors
+  (HTTP 408/429/5xx, connection resets, timeouts), `max_attempts` tries in all; a permanent
+  error, or retries exhausted, is a `StorageError` naming the URI and the operation, with
+  credentials scrubbed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import logging
+import os
+import random
+import re
+import threading
+import time
+import uuid
+from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
+
+from ..errors import StorageError
+from .base import check_relative
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+DEFAULT_MULTIPART_THRESHOLD = 16 * MiB
+DEFAULT_PART_SIZE = 16 * MiB
+DEFAULT_MAX_CONCURRENCY = 8
+DEFAULT_READ_CHUNK_SIZE = 32 * MiB
+DEFAULT_MAX_ATTEMPTS = 8
+
+T = TypeVar("T")
+
+# Secrets that can appear in SDK messages: SAS signatures, account keys, bearer tokens.
+_SECRET_RES = (
+    re.compile(r"(?i)(sig|se|sv|sp|sr|st|skoid|sktid|skt|ske|sks|skv|spr|srt|ss)=[^&\s\"']+"),
+    re.compile(r"(?i)(AccountKey|SharedAccessSignature|access_token|private_key|client_secret)\s*[=:]\s*[^;\s\"',]+"),
+    re.compile(r"(?i)(authorization|x-goog-api-key)[\"']?\s*[:=]\s*[\"']?[^\"'\n,}]+"),
+    re.compile(r"\bya29\.[A-Za-z0-9_\-\.]+"),
+)
+
+
+def scrub(text: str, secrets: Iterable[str] = ()) -> str:
+    """`text` with anything that looks like a credential replaced by <redacted>."""
+    for pattern in _SECRET_RES:
+        text = pattern.sub(lambda m: m.group(0).split("=", 1)[0] + "=<redacted>" if "=" in m.group(0)
+                           else "<redacted>", text)
+    for secret in secrets:
+        if secret and len(secret) >= 8:
+            text = text.replace(secret, "<redacted>")
+    return text
+
+
+class Exists(Exception):
+    """Raised by `ObjectClient.put(if_absent=True)` when an object is already there."""
+
+
+class ObjectClient(Protocol):
+    """What a cloud provides to `ObjectStorage`. Keys are full object names in `container`.
+    Every method may raise the SDK's own exceptions; `classify` tells them apart."""
+
+    scheme: str  # "gs", "az": the URI scheme
+    label: str  # "GCS", "Azure Blob": for messages
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        """One-shot upload; `Exists` when if_absent and an object is there."""
+
+    def get(self, key: str, start: int, end: int | None) -> tuple[bytes | None, int | None]:
+        """Bytes [start, end] (inclusive; None: to the end) and the object size if known;
+        (None, size) when start is at or past the end. FileNotFoundError if absent."""
+
+    def size(self, key: str) -> int:
+        """The object's size; FileNotFoundError if absent."""
+
+    def list(self, key_prefix: str) -> list[tuple[str, int]]:
+        """Every (key, size) whose key starts with `key_prefix`."""
+
+    def list_prefixes(self, key_prefix: str) -> list[str]:
+        """The '/'-delimited sub-prefixes directly below `key_prefix` (with trailing '/')."""
+
+    def delete(self, key: str) -> None:
+        """Remove one object; absent is not an error."""
+
+    def start_upload(self, key: str) -> "Upload":
+        """Begin a multipart upload of `key` (no object is visible until `complete`)."""
+
+    def classify(self, exc: BaseException) -> str:
+        """'missing', 'exists', 'range' (416), 'transient' or 'permanent'."""
+
+    def describe(self, exc: BaseException) -> str:
+        """A one-line account of an SDK error (code, HTTP status, hint); scrubbed by the caller."""
+
+    def secrets(self) -> Iterable[str]:
+        """Credential strings to scrub from any message."""
+
+
+class Upload(Protocol):
+    """One multipart upload: parts in any order and concurrently, then one commit."""
+
+    def put_part(self, number: int, data: bytes) -> Any:
+        """Upload part `number` (1-based); returns what `complete` needs about it."""
+
+    def complete(self, parts: list[Any]) -> None:
+        """Make the object from the parts, in order; idempotent when retried."""
+
+    def abort(self) -> None:
+        """Forget the parts (best effort); no object appears."""
+
+
+def env_options(scheme: str) -> dict[str, int]:
+    """Transfer sizes from CKPTLIB_<SCHEME>_{MULTIPART_THRESHOLD,PART_SIZE,MAX_CONCURRENCY,READ_CHUNK_SIZE,MAX_ATTEMPTS}."""
+    out = {}
+    for option in ("multipart_threshold", "part_size", "max_concurrency", "read_chunk_size", "max_attempts"):
+        name = f"CKPTLIB_{scheme.upper()}_{option.upper()}"
+        raw = os.environ.get(name)
+        if raw:
+            try:
+                out[option] = int(raw)
+            except ValueError:
+                raise StorageError(f"{name}={raw!r} is not an integer") from None
+    return out
+
+
+class ObjectStorage:
+    """Objects below `<scheme>://container/prefix`, through the `ObjectClient` that the
+    subclass's `_new_client` makes on first use (and again after unpickling)."""
+
+    def __init__(
+        self,
+        scheme: str,
+        container: str,
+        prefix: str = "",
+        *,
+        multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD,
+        part_size: int = DEFAULT_PART_SIZE,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        read_chunk_size: int = DEFAULT_READ_CHUNK_SIZE,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        backoff_base: float = 0.1,
+        backoff_cap: float = 8.0,
+    ):
+        prefix = (prefix or "").strip("/")
+        base_uri = f"{scheme}://{container}"
+        if prefix:
+            check_relative(prefix, base_uri)
+        if part_size < 1 or multipart_threshold < 1 or max_concurrency < 1 or read_chunk_size < 1 or max_attempts < 1:
+            raise ValueError("transfer sizes, max_concurrency and max_attempts must be >= 1")
+        self._client: ObjectClient | None = None
+        self.scheme = scheme
+        self.container = container
+        self.prefix = prefix
+        self.uri = f"{base_uri}/{prefix}" if prefix else base_uri
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+        self.max_concurrency = max_concurrency
+        self.read_chunk_size = read_chunk_size
+        self.max_attempts = max_attempts
+        self.backoff_base = backoff_base
+        self.backoff_cap = backoff_cap
+
+    def _options(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("multipart_threshold", "part_size", "max_concurrency",
+                                               "read_chunk_size", "max_attempts", "backoff_base", "backoff_cap")}
+
+    @property
+    def client(self) -> ObjectClient:
+        if self._client is None:
+            self._client = self._new_client()
+        return self._client
+
+    def _new_client(self) -> ObjectClient:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_client"] = None  # SDK clients do not pickle; the copy makes its own
+        return state
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+    # -- keys and calls ------------------------------------------------------------------
+    def _key(self, path: str) -> str:
+        check_relative(path, self.uri)
+        return f"{self.prefix}/{path}" if self.prefix else path
+
+    def _dir(self) -> str:
+        """The key prefix of everything below the root (with the '/': step_1 must not match step_10)."""
+        return f"{self.prefix}/" if self.prefix else ""
+
+    def _where(self, path: str = "") -> str:
+        return f"{self.uri}/{path}" if path else self.uri
+
+    def error(self, exc: BaseException, op: str, where: str, attempts: int = 1) -> StorageError:
+        """A StorageError naming the operation and URI; credentials scrubbed."""
+        if isinstance(exc, StorageError):
+            return exc
+        client = self.client
+        text = f"{client.label} {op} failed for {where}: {client.describe(exc)}"
+        if attempts > 1:
+            text += f" (gave up after {attempts} attempts)"
+        return StorageError(scrub(text, client.secrets()), path=where)
+
+    def call(self, op: str, where: str, fn: Callable[[], T], *, passthrough: tuple[str, ...] = (),
+             absent_ok: bool = False) -> T:
+        """Run `fn` with retries on transient errors. Errors classified in `passthrough`
+        ('missing', 'exists', 'range') propagate unchanged for the caller to interpret; a
+        missing object is a FileNotFoundError when `absent_ok` (reads), else a StorageError."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return fn()
+            except (FileNotFoundError, Exists):
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified below
+                kind = self.client.classify(exc)
+                if kind in passthrough:
+                    raise
+                if kind == "missing" and absent_ok:
+                    raise FileNotFoundError(f"{where}: no such object") from exc
+                if kind == "transient" and attempt < self.max_attempts:
+                    delay = min(self.backoff_cap, self.backoff_base * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+                    log.info("%s: %s failed transiently (%s); retry %d/%d in %.2fs", where, op,
+                             type(exc).__name__, attempt, self.max_attempts - 1, delay)
+                    time.sleep(delay)
+                    continue
+                raise self.error(exc, op, where, attempt) from exc
+
+    # -- Storage protocol ----------------------------------------------------------------
+    def child(self, name: str) -> "ObjectStorage":
+        clone = self.__class__.__new__(self.__class__)
+        clone.__dict__.update(self.__dict__)
+        clone.prefix = self._key(name)
+        clone.uri = f"{self.scheme}://{self.container}/{clone.prefix}"
+        return clone
+
+    def local_path(self, path: str = "") -> None:
+        if path:
+            check_relative(path, self.uri)
+        return None
+
+    def exists(self) -> bool:
+        return bool(self.call("list", self.uri, lambda: self.client.list(self._dir())))
+
+    def write(self, path: str, data: bytes, *, durable: bool = True) -> None:
+        key = self._key(path)
+        body = bytes(data)
+        self.call("put", self._where(path), lambda: self.client.put(key, body))
+
+    def sync(self, paths: Iterable[str], names_only: Iterable[str] = ()) -> None:
+        """Nothing to do: a completed upload is durable."""
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Put `data` only if no object is at `path` (see base.SupportsCreateExclusive)."""
+        key = self._key(path)
+        where = self._where(path)
+        body = bytes(data)
+        for _ in range(4):
+            try:
+                self.call("conditional put", where, lambda: self.client.put(key, body, if_absent=True),
+                          passthrough=("exists",))
+                return True
+            except Exists:
+                pass
+            except Exception as exc:  # noqa: BLE001 - an SDK's own "exists" error
+                if self.client.classify(exc) != "exists":
+                    raise self.error(exc, "conditional put", where) from exc
+            # Taken, perhaps by this very call (a retried put whose first response was lost):
+            # the caller's data is unique (a lock token), so equal bytes mean the object is ours.
+            try:
+                return bytes(self.read(path)) == body
+            except FileNotFoundError:
+                continue  # deleted meanwhile: try again
+        raise StorageError(f"conditional put failed for {where}: kept racing with concurrent writers", path=where)
+
+    @contextlib.contextmanager
+    def open_writer(self, path: str) -> Iterator["MultipartWriter"]:
+        writer = MultipartWriter(self, self._key(path), self._where(path))
+        try:
+            yield writer
+        except BaseException:
+            writer.abort()
+            raise
+        writer.finish()
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes [offset, offset+length); a range over 2 * read_chunk_size is fetched as
+        parallel ranged GETs into one buffer. FileNotFoundError / EOFError like a local file."""
+        key = self._key(path)
+        where = self._where(path)
+        if offset < 0 or (length is not None and length < 0):
+            raise ValueError(f"{where}: negative offset or length ({offset}, {length})")
+        if length == 0:
+            self.call("head", where, lambda: self.client.size(key), absent_ok=True)
+            return b""
+        if length is None:
+            data, _ = self.call("get", where, lambda: self.client.get(key, offset, None), absent_ok=True)
+            return data if data is not None else b""
+        if length > 2 * self.read_chunk_size and self.max_concurrency > 1:
+            return self._parallel_read(key, where, offset, length)
+        data, total = self.call("get", where, lambda: self.client.get(key, offset, offset + length - 1),
+                                absent_ok=True)
+        if data is None or len(data) != length:
+            got = offset + (0 if data is None else len(data))
+            raise EOFError(f"{where}: wanted {length} bytes at offset {offset}, object holds {total or got}")
+        return data
+
+    def _parallel_read(self, key: str, where: str, offset: int, length: int) -> bytearray:
+        out = bytearray(length)
+        chunk = self.read_chunk_size
+        spans = [(a, min(chunk, length - a)) for a in range(0, length, chunk)]
+        short: list[int | None] = []
+
+        def fetch(rel: int, n: int) -> None:
+            start = offset + rel
+            data, total = self.call("get", where, lambda: self.client.get(key, start, start + n - 1), absent_ok=True)
+            if data is None or len(data) != n:
+                short.append(total)
+                return
+            out[rel : rel + n] = data
+
+        workers = min(self.max_concurrency, len(spans))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"ckptlib-{self.scheme}-read") as pool:
+            futures = [pool.submit(fetch, a, n) for a, n in spans]
+            try:
+                for fut in futures:
+                    fut.result()
+            except BaseException:
+                for fut in futures:
+                    fut.cancel()
+                raise
+        if short:
+            sizes = [s for s in short if s is not None]
+            raise EOFError(f"{where}: wanted {length} bytes at offset {offset}, "
+                           f"object holds {min(sizes) if sizes else 'fewer bytes'}")
+        return out
+
+    def _list_keys(self, key_prefix: str) -> dict[str, int]:
+        return dict(self.call("list", self.uri, lambda: self.client.list(key_prefix)))
+
+    def list(self, prefix: str = "") -> dict[str, int]:
+        if prefix:
+            check_list_prefix(prefix, self.uri)
+        base = self._dir()
+        out: dict[str, int] = {}
+        for key, size in self._list_keys(base + prefix).items():
+            rel = key[len(base) :]
+            if rel and not rel.endswith("/") and not is_upload_part(rel):
+                out[rel] = size
+        return out
+
+    def list_children(self) -> list[str]:
+        base = self._dir()
+        names = set()
+        for common in self.call("list", self.uri, lambda: self.client.list_prefixes(base)):
+            name = common[len(base) :].rstrip("/")
+            if name and name not in (".", ".."):
+                names.add(name)
+        return sorted(names)
+
+    def delete(self, paths: Iterable[str]) -> None:
+        self._delete_keys(list(dict.fromkeys(self._key(p) for p in paths)))
+
+    def _delete_keys(self, keys: list[str]) -> None:
+        if not keys:
+            return
+
+        def delete_one(key: str) -> None:
+            self.call("delete", f"{self.scheme}://{self.container}/{key}", lambda: self.client.delete(key),
+                      absent_ok=True)
+
+        def tolerant(key: str) -> None:
+            try:
+                delete_one(key)
+            except FileNotFoundError:
+                pass
+            except StorageError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - an SDK "missing" passed through
+                if self.client.classify(exc) != "missing":
+                    raise
+
+        workers = min(self.max_concurrency, len(keys))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"ckptlib-{self.scheme}-del") as pool:
+            errors = [f.exception() for f in [pool.submit(tolerant, k) for k in keys]]
+        failures = [e for e in errors if e is not None]
+        if failures:
+            raise failures[0]
+
+    def delete_tree(self, name: str = "") -> None:
+        target = self.child(name) if name else self
+        keys = list(self._list_keys(target._dir()))
+        # What makes a directory look committed goes first, so a failure half-way leaves an
+        # incomplete-looking directory, never a committed one with files missing.
+        from ..format.manifest import MANIFEST_NAME, METADATA_NAME
+
+        def rank(key: str) -> int:
+            leaf = key.rsplit("/", 1)[-1]
+            return 0 if leaf == MANIFEST_NAME else 1 if leaf == METADATA_NAME else 2
+
+        for phase in (0, 1, 2):
+            self._delete_keys([k for k in keys if rank(k) == phase])
+
+    def set_pointer(self, name: str, target: str) -> None:
+        key = self._key(name)
+        check_relative(target, self.uri)
+        body = target.encode("utf-8")
+        self.call("put pointer", self._where(name), lambda: self.client.put(key, body))
+
+    def read_pointer(self, name: str) -> str | None:
+        key = self._key(name)
+        where = self._where(name)
+        try:
+            data, _ = self.call("get pointer", where, lambda: self.client.get(key, 0, None), absent_ok=True)
+        except FileNotFoundError:
+            return None
+        try:
+            return (data or b"").decode("utf-8").strip().rstrip("/")
+        except UnicodeDecodeError as exc:
+            raise StorageError(f"{where}: pointer object is not UTF-8 text", path=where) from exc
+
+
+UPLOAD_PART_MARK = ".ckptlib-part-"
+
+
+def upload_part_key(key: str, token: str, number: int) -> str:
+    """Where a backend without native multipart keeps part `number` until it is composed."""
+    return f"{key}{UPLOAD_PART_MARK}{token}-{number:05d}"
+
+
+def is_upload_part(path: str) -> bool:
+    return UPLOAD_PART_MARK in path.rsplit("/", 1)[-1]
+
+
+def check_list_prefix(prefix: str, root_uri: str) -> None:
+    """A list prefix may end mid-name ('__0', 'step_') or with '/', but never climbs out."""
+    if prefix.startswith("/") or "\\" in prefix:
+        raise StorageError(f"list prefix {prefix!r} escapes the checkpoint root {root_uri}", path=root_uri)
+    parts = prefix.split("/")
+    if any(p in (".", "..") for p in parts) or any(p == "" for p in parts[:-1]):
+        raise StorageError(f"list prefix {prefix!r} escapes the checkpoint root {root_uri}", path=root_uri)
+
+
+class MultipartWriter(io.RawIOBase):
+    """Write-only stream: buffers up to the threshold, then uploads parts in the background."""
+
+    def __init__(self, storage: ObjectStorage, key: str, where: str):
+        super().__init__()
+        self._s = storage
+        self._key = key
+        self._where = where
+        self._buf = bytearray()
+        self._written = 0
+        self._upload: Upload | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._slots = threading.BoundedSemaphore(storage.max_concurrency)
+        self._futures: list[concurrent.futures.Future] = []
+        self._parts: dict[int, Any] = {}
+        self._next_part = 1
+        self._error: BaseException | None = None
+        self._done = False
+        self.parts_uploaded = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self._written
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation(f"{self._where} is an object stream: no file descriptor")
+
+    def write(self, b) -> int:
+        if self._done:
+            raise ValueError(f"write to a finished object stream ({self._where})")
+        self._raise_part_error()
+        mv = memoryview(b)
+        if mv.ndim != 1 or mv.itemsize != 1:
+            mv = mv.cast("B")
+        n = len(mv)
+        pos = 0
+        while pos < n:
+            target = self._s.multipart_threshold if self._upload is None else self._s.part_size
+            take = min(target - len(self._buf), n - pos)
+            if take <= 0:  # a threshold below the part size with a part pending
+                take = n - pos
+            self._buf += mv[pos : pos + take]
+            pos += take
+            if len(self._buf) >= target:
+                if self._upload is None:
+                    self._start()
+                while len(self._buf) >= self._s.part_size:
+                    size = self._s.part_size
+                    with memoryview(self._buf) as view, view[:size] as piece:
+                        part = bytes(piece)
+                    del self._buf[:size]
+                    self._submit(part)
+        self._written += n
+        return n
+
+    def _start(self) -> None:
+        self._upload = self._s.call("start upload", self._where, lambda: self._s.client.start_upload(self._key))
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self._s.max_concurrency, thread_name_prefix=f"ckptlib-{self._s.scheme}-upload"
+        )
+
+    def _submit(self, data: bytes) -> None:
+        number = self._next_part
+        self._next_part += 1
+        self._slots.acquire()  # backpressure: at most max_concurrency parts in flight
+        if self._error is not None:
+            self._slots.release()
+            self._raise_part_error()
+        assert self._pool is not None
+        self._futures.append(self._pool.submit(self._upload_part, number, data))
+
+    def _upload_part(self, number: int, data: bytes) -> None:
+        try:
+            if self._error is not None:
+                return
+            upload = self._upload
+            assert upload is not None
+            record = self._s.call(f"upload part {number}", self._where, lambda: upload.put_part(number, data))
+            self._parts[number] = record
+            self.parts_uploaded += 1
+        except BaseException as exc:  # noqa: BLE001 - surfaced on the writer's thread
+            if self._error is None:
+                self._error = exc
+        finally:
+            self._slots.release()
+
+    def _raise_part_error(self) -> None:
+        error = self._error
+        if error is None:
+            return
+        if isinstance(error, StorageError):
+            raise error
+        raise self._s.error(error, "multipart upload", self._where) from error
+
+    def finish(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._upload is None:
+            data = bytes(self._buf)
+            self._buf = bytearray()
+            try:
+                self._s.call("put", self._where, lambda: self._s.client.put(self._key, data))
+            finally:
+                self._shutdown()
+            return
+        try:
+            if self._buf or not self._futures:
+                part = bytes(self._buf)
+                self._buf = bytearray()
+                self._submit(part)
+            for fut in self._futures:
+                fut.result()
+            self._raise_part_error()
+            parts = [self._parts[n] for n in sorted(self._parts)]
+            upload = self._upload
+            self._s.call("complete multipart upload", self._where, lambda: upload.complete(parts))
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            self._shutdown()
+
+    def abort(self) -> None:
+        """Called when the caller's block raised: no object, no parts left behind."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._abort()
+        finally:
+            self._shutdown()
+
+    def _abort(self) -> None:
+        self._buf = bytearray()
+        if self._error is None:
+            self._error = StorageError(f"{self._where}: upload aborted", path=self._where)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)  # no part may land after the abort
+        if self._upload is not None:
+            try:
+                self._upload.abort()
+            except Exception as exc:  # noqa: BLE001 - the original failure is the one to raise
+                log.warning("%s: could not abort the upload: %s", self._where,
+                            scrub(str(exc), self._s.client.secrets()))
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._buf = bytearray()
+        super().close()
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:16]

@@ -1,0 +1,282 @@
+"""gs:// and az:// end to end, on fake-gcs-server and Azurite started by the tests: save/load,
+CheckpointManager retention and `latest`, save-at-N/load-at-M, the CLI, and faults (503
+bursts, the server stopping mid-upload) injected by a proxy between ckptlib and the emulator.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import ckptlib
+from ckptlib import compat
+from ckptlib.errors import CheckpointError, StorageError
+from ckptlib.storage import is_remote, open_storage
+from ckptlib.testing import emulators as em
+from ckptlib.testing import matrix as mx
+from ckptlib.testing.emulators import azure_root, azurite_server, gcs_root, gcs_server  # noqa: F401
+from ckptlib.testing.faultproxy import FaultProxy
+
+MiB = 1 << 20
+CLOUDS = [pytest.param("gcs", id="gcs", marks=pytest.mark.gcs),
+          pytest.param("azure", id="azure", marks=pytest.mark.azure)]
+
+
+@pytest.fixture(params=CLOUDS)
+def cloud(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def server(cloud, request) -> str:
+    return request.getfixturevalue("gcs_server" if cloud == "gcs" else "azurite_server")
+
+
+@pytest.fixture
+def root(cloud, request) -> str:
+    return request.getfixturevalue("gcs_root" if cloud == "gcs" else "azure_root")
+
+
+def env_for(cloud: str, endpoint: str) -> dict[str, str | None]:
+    return em.gcs_env(endpoint) if cloud == "gcs" else em.azure_env(endpoint)
+
+
+def scheme(cloud: str) -> str:
+    return "GS" if cloud == "gcs" else "AZ"
+
+
+def keys(root: str) -> set[str]:
+    """Every object below the bucket/container holding `root`, as 'prefix/...' keys (ckptlib's view)."""
+    container = root.split("/")[2]
+    base = root.split("://")[0] + "://" + container
+    return set(open_storage(base).list())
+
+
+def tensors(seed: int, n: int = 1000) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, generator=g), "b": torch.randint(0, 1 << 30, (17,), generator=g)}
+
+
+def assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_uris(cloud):
+    assert is_remote("gs://b/x") and is_remote("az://c/x") and not is_remote("/tmp/x")
+    good = "gs://my-bucket/a/b/" if cloud == "gcs" else "az://my-container/a/b/"
+    storage = open_storage(good)
+    assert storage.uri == good.rstrip("/") and storage.prefix == "a/b"
+    bad = "gs://Bad_Bucket!/x" if cloud == "gcs" else "az://Bad--Container/x"
+    with pytest.raises(StorageError, match="invalid"):
+        open_storage(bad)
+    with pytest.raises(StorageError, match="escapes"):
+        open_storage(good + "../up")
+    with pytest.raises(StorageError, match=r"unsupported URI scheme .*gs://.*az://"):
+        open_storage("hdfs://x/y")
+
+
+def test_save_load_round_trip_bit_exact(root):
+    state = tensors(0)
+    result = ckptlib.save(root, state, step=7, metadata={"cloud": root[:2]})
+    assert result.uri == root and result.step == 7
+    prefix = root.split("/", 3)[3]
+    assert keys(root) == {f"{prefix}/ckptlib.json", f"{prefix}/.metadata", f"{prefix}/__0_0.distcp"}
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    loaded = ckptlib.load(root, out)
+    assert (loaded.step, loaded.world_size, loaded.metadata) == (7, 1, {"cloud": root[:2]})
+    assert_equal(out, state)
+
+
+def test_multipart_shard_round_trips(root, cloud, monkeypatch):
+    monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_MULTIPART_THRESHOLD", str(MiB))
+    monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_PART_SIZE", str(MiB))
+    monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_READ_CHUNK_SIZE", str(MiB // 2))
+    state = tensors(1, n=3 * MiB // 4 + 5)  # a 3 MiB shard: 4 parts
+    ckptlib.save(root, state)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    ckptlib.load(root, out)
+    assert_equal(out, state)
+    assert not any(".ckptlib-part-" in k for k in keys(root))  # no temporary parts left behind
+
+
+def test_manager_retention_and_latest(root):
+    manager = ckptlib.CheckpointManager(root, keep_last=2)
+    assert manager.latest() is None
+    for step in range(1, 5):
+        manager.save(step, tensors(step))
+    prefix = root.split("/", 3)[3]
+    assert keys(root) == {f"{prefix}/latest"} | {
+        f"{prefix}/step_{s:010d}/{name}" for s in (3, 4) for name in ("ckptlib.json", ".metadata", "__0_0.distcp")
+    }
+    assert manager.storage.read_pointer("latest") == "step_0000000004"
+    assert manager.steps() == [3, 4] and manager.latest() == 4
+    out = {k: torch.zeros_like(v) for k, v in tensors(0).items()}
+    assert manager.load(out) == 4
+    assert_equal(out, tensors(4))
+
+
+def test_cli_commands_take_cloud_uris(root, capsys):
+    from ckptlib.cli import main
+
+    manager = ckptlib.CheckpointManager(root, keep_last=3)
+    for step in (1, 2):
+        manager.save(step, tensors(step))
+    del manager
+    assert main(["ls", "--json", root]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert "step_0000000001" in json.dumps(listing) and "step_0000000002" in json.dumps(listing)
+    step_uri = f"{root}/step_0000000002"
+    assert main(["verify", step_uri]) == 0
+    capsys.readouterr()
+    assert main(["inspect", "--json", step_uri]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["step"] == 2 and described["world_size"] == 1
+    assert main(["gc", "--keep", "1", root]) == 0
+    assert ckptlib.CheckpointManager(root).steps() == [2]
+
+
+def test_ckpt_validate_root_on_the_cloud(root, capsys):
+    """`ckpt validate --root gs://... / az://...`: every pair passes and the run's checkpoints are removed."""
+    from ckptlib.cli import main
+
+    rc = main(["validate", "--world-sizes", "1,2", "--root", root, "--json", "--no-progress"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["ok"] and doc["root"] == root
+    assert len(doc["cells"]) == 4 and all(c["ok"] for c in doc["cells"])
+    assert keys(root) == set()
+
+
+# -- elastic: save at N ranks, load at M --------------------------------------------------------
+
+ELASTIC = [
+    pytest.param(2, 3, "fsdp2", "adamw", False, id="save2-fsdp2-load3-fsdp2-adamw"),
+    pytest.param(3, 2, "fsdp2", "sgd", True, id="save3-fsdp2-load2-fsdp2-sgd-manager"),
+    pytest.param(1, 4, "ddp", "adam", False, id="save1-ddp-load4-ddp-adam"),
+]
+
+
+@pytest.mark.elastic
+@pytest.mark.parametrize("save_ws,load_ws,wrap,optim,manager", ELASTIC)
+def test_elastic_save_n_load_m(cloud, server, root, dist_run, save_ws, load_ws, wrap, optim, manager):
+    if wrap == "fsdp2" and compat.fsdp2_cpu_reason():
+        pytest.skip(compat.fsdp2_cpu_reason())
+    env = env_for(cloud, server)
+    expected = dist_run(save_ws, mx.save_side, root, wrap, optim, manager=manager, env=env)[0]
+    prefix = root.split("/", 3)[3] + ("/step_0000000002" if manager else "")
+    shards = {k for k in keys(root) if k.endswith(".distcp")}
+    assert shards == {f"{prefix}/__{r}_0.distcp" for r in range(save_ws)}
+    problems = dist_run(load_ws, mx.load_side, root, wrap, optim, expected, manager=manager, env=env)
+    assert problems == [[]] * load_ws
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def proxy(cloud, server, monkeypatch):
+    """A FaultProxy in front of the emulator, with this process's client pointed at it and
+    small parts, so an upload is many requests."""
+    port = int(server.rsplit(":", 1)[1])
+    with FaultProxy(port) as p:
+        for name, value in env_for(cloud, p.endpoint).items():
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        for option in ("MULTIPART_THRESHOLD", "PART_SIZE"):
+            monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_{option}", str(MiB))
+        yield p
+
+
+def test_503_burst_is_retried(cloud, root, proxy):
+    state = tensors(2, n=MiB)  # a 4 MiB shard: parts
+    proxy.fail_next(4)
+    ckptlib.save(root, state, step=1)
+    assert proxy.injected == 4
+    proxy.fail_next(3)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert ckptlib.load(root, out).step == 1
+    assert proxy.injected == 7
+    assert_equal(out, state)
+
+
+def test_brief_outage_mid_upload_is_retried(cloud, root, proxy):
+    state = tensors(3, n=MiB)
+    proxy.cut_after(2 * MiB, restore_after=0.5)
+    ckptlib.CheckpointManager(root).save(1, state)
+    assert proxy.outages == 1 and proxy.refused + proxy.requests > 0
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert ckptlib.CheckpointManager(root).load(out) == 1
+    assert_equal(out, state)
+
+
+@pytest.mark.parametrize("fault", ["server-stopped-mid-upload", "endless-503s"])
+def test_permanent_failure_keeps_latest(cloud, root, proxy, monkeypatch, fault):
+    monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_MAX_ATTEMPTS", "3")
+    manager = ckptlib.CheckpointManager(root, keep_last=3)
+    manager.save(1, tensors(1, n=MiB))
+    if fault == "server-stopped-mid-upload":
+        proxy.cut_after(2 * MiB)
+    else:
+        proxy.fail_next(10_000)
+    with pytest.raises(CheckpointError) as info:
+        manager.save(2, tensors(2, n=MiB))
+    proxy.restore()
+    assert proxy.outages == 1 if fault == "server-stopped-mid-upload" else proxy.injected >= 3
+    err = info.value
+    assert isinstance(err, StorageError)
+    assert root in str(err) and "gave up after 3 attempts" in str(err)
+    assert em.AZURITE_KEY not in str(err) and "AccountKey" not in str(err)
+    assert manager.storage.read_pointer("latest") == "step_0000000001"
+    reopened = ckptlib.CheckpointManager(root, keep_last=3)
+    assert reopened.latest() == 1
+    out = {k: torch.zeros_like(v) for k, v in tensors(0, n=MiB).items()}
+    assert reopened.load(out) == 1
+    assert_equal(out, tensors(1, n=MiB))
+    reopened.save(3, tensors(3, n=MiB))
+    assert reopened.steps() == [1, 3]
+    assert not any("step_0000000002" in k or ".ckptlib-part-" in k for k in keys(root))
+
+
+# -- credentials and missing containers ----------------------------------------------------------
+
+def test_missing_bucket_or_container_is_a_storage_error(cloud, server):
+    uri = "gs://no-such-bucket-ckptlib/run" if cloud == "gcs" else "az://no-such-container-ckptlib/run"
+    with pytest.raises(StorageError) as info:
+        ckptlib.save(uri, tensors(0))
+    assert "no-such-" in str(info.value)
+
+
+@pytest.mark.azure
+def test_azure_wrong_key_is_a_storage_error_without_the_key(azurite_server, azure_root, monkeypatch):
+    wrong = "A" * 43 + "Q==" + "B" * 40
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING",
+                       em.azure_connection_string(azurite_server).replace(em.AZURITE_KEY, wrong))
+    with pytest.raises(StorageError) as info:
+        open_storage(azure_root).write("x", b"1")
+    message = str(info.value)
+    assert message.startswith(f"Azure Blob put failed for {azure_root}/x: ")
+    assert "AuthorizationFailure" in message or "AuthenticationFailed" in message or "HTTP 403" in message
+    assert wrong not in message and em.AZURITE_KEY not in message
+
+
+@pytest.mark.azure
+def test_azure_account_name_and_key_from_the_environment(azurite_server, azure_root, monkeypatch):
+    monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING")
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", em.AZURITE_ACCOUNT)
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", em.AZURITE_KEY)
+    monkeypatch.setenv("AZURE_STORAGE_BLOB_ENDPOINT", f"{azurite_server}/{em.AZURITE_ACCOUNT}")
+    storage = open_storage(azure_root)
+    storage.write("k", b"via account key")
+    assert bytes(storage.read("k")) == b"via account key"
+
+
+def test_no_account_configured_says_what_to_set(monkeypatch):
+    for name in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    pytest.importorskip("azure.storage.blob")
+    with pytest.raises(StorageError, match="AZURE_STORAGE_CONNECTION_STRING"):
+        open_storage("az://some-container/run").exists()

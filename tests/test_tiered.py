@@ -1,0 +1,269 @@
+"""The local fast tier: `CheckpointManager(local_root, remote_root=URI, keep_local=1, ...)`.
+
+Saves block only for the local write; the upload runs in the background and the remote
+`latest` moves only after a verified copy. Each test runs against a local-directory remote
+and an S3 remote (a moto server on 127.0.0.1), including a process killed mid-upload and an
+injected storage fault, both followed by a resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ckptlib
+import ckptlib.tiered as tiered
+from ckptlib.errors import StateError, StorageError
+from ckptlib.format import MANIFEST_NAME, classify
+from ckptlib.format.verify import verify
+from ckptlib.manager import CheckpointManager
+from ckptlib.storage import open_storage
+from ckptlib.testing.s3 import moto_server, s3_env, s3_root  # noqa: F401
+from ckptlib.tiered import TieredCheckpointManager, UploadError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def remote(request, tmp_path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "remote")
+    return request.getfixturevalue("s3_root")
+
+
+def _state(step: int) -> dict:
+    gen = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(64, 33, generator=gen), "b": torch.randn(7, generator=gen)}, "step": step}
+
+
+def _children(uri: str) -> list[str]:
+    return sorted(n for n in open_storage(uri).list_children() if n.startswith("step_"))
+
+
+def _assert_state(state: dict, step: int) -> None:
+    want = _state(step)
+    assert state["step"] == step
+    for key, value in want["model"].items():
+        assert torch.equal(state["model"][key], value), key
+
+
+def _fresh() -> dict:
+    return {"model": {"w": torch.zeros(64, 33), "b": torch.zeros(7)}, "step": -1}
+
+
+def test_constructor_dispatch_and_arguments(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "l"), remote_root=str(tmp_path / "r"), keep_local=2)
+    assert isinstance(mgr, TieredCheckpointManager) and mgr.keep_local == 2
+    assert type(CheckpointManager(str(tmp_path / "l"))) is CheckpointManager
+    with pytest.raises(StateError, match="keep_local must be a positive int"):
+        CheckpointManager(str(tmp_path / "l"), remote_root=str(tmp_path / "r"), keep_local=0)
+    with pytest.raises(StateError, match="async_save=True does not combine with remote_root"):
+        CheckpointManager(str(tmp_path / "l"), remote_root=str(tmp_path / "r"), async_save=True)
+
+
+@pytest.mark.parametrize("keep_local,keep_last", [(1, 2), (2, None)], ids=["local1-remote2", "local2-remoteall"])
+def test_save_uploads_verifies_and_applies_both_retentions(tmp_path, remote, keep_local, keep_last):
+    local = str(tmp_path / "local")
+    mgr = CheckpointManager(local, remote_root=remote, keep_local=keep_local, keep_last=keep_last)
+    for step in (1, 2, 3, 4):
+        result = mgr.save(step, _state(step))
+        assert result.uri == f"{local}/step_{step:010d}"  # the blocking part: the local copy
+    uploaded = mgr.wait()
+    assert uploaded.step == 4 and uploaded.uri == f"{remote.rstrip('/')}/step_0000000004"
+    assert mgr.wait() is None  # nothing in flight any more
+    assert _children(local) == [f"step_{s:010d}" for s in (1, 2, 3, 4)[-keep_local:]]
+    remote_steps = [1, 2, 3, 4] if keep_last is None else [3, 4]
+    assert _children(remote) == [f"step_{s:010d}" for s in remote_steps]
+    assert mgr.steps() == remote_steps and mgr.latest() == 4 and mgr.local_steps() == [1, 2, 3, 4][-keep_local:]
+    assert open_storage(remote).read_pointer("latest") == "step_0000000004"
+    for step in remote_steps:
+        copy = open_storage(remote).child(f"step_{step:010d}")
+        assert [p for p in verify(copy) if p.is_error] == []
+        state = _fresh()
+        ckptlib.load(copy, state)
+        _assert_state(state, step)
+    local_manifest = open_storage(local).child("step_0000000004").read(MANIFEST_NAME)
+    assert open_storage(remote).child("step_0000000004").read(MANIFEST_NAME) == local_manifest
+    mgr.close()
+
+
+def test_load_prefers_the_local_copy_only_when_it_is_the_same(tmp_path, remote):
+    local = str(tmp_path / "local")
+    mgr = CheckpointManager(local, remote_root=remote, keep_local=1)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    mgr.wait()
+    state = _fresh()
+    result = mgr.load_result(state)
+    assert result.uri == f"{local}/step_0000000002" and result.step == 2
+    _assert_state(state, 2)
+
+    # A different checkpoint under the same step name locally: the remote copy is read.
+    ckptlib.save(f"{local}/step_0000000002", _state(99), step=2, overwrite=True)
+    state = _fresh()
+    result = mgr.load_result(state)
+    assert result.uri == f"{remote.rstrip('/')}/step_0000000002"
+    _assert_state(state, 2)
+
+    # Step 1 exists only remotely (keep_local=1): read from the remote root.
+    state = _fresh()
+    assert mgr.load_result(state, step=1).uri == f"{remote.rstrip('/')}/step_0000000001"
+    _assert_state(state, 1)
+    mgr.close()
+
+    # A fresh local disk (a new machine): everything comes from the remote root.
+    other = CheckpointManager(str(tmp_path / "new-local"), remote_root=remote)
+    state = _fresh()
+    assert other.load(state) == 2
+    _assert_state(state, 2)
+
+
+def test_an_upload_failure_leaves_the_remote_latest_and_resumes(tmp_path, remote, monkeypatch):
+    local = str(tmp_path / "local")
+    mgr = CheckpointManager(local, remote_root=remote, keep_local=1, upload_concurrency=1)
+    mgr.save(1, _state(1))
+    mgr.wait()
+    real_copy = tiered._copy_file
+    copied: list[str] = []
+
+    def failing_copy(src, dst, name, size, crc):
+        if name.startswith("__"):
+            with dst.open_writer(name) as out:  # half the shard reaches the remote, then the link drops
+                out.write(src.read(name, 0, size // 2))
+                raise StorageError(f"{dst.uri}/{name}: injected: connection reset")
+        copied.append(name)
+        real_copy(src, dst, name, size, crc)
+
+    monkeypatch.setattr(tiered, "_copy_file", failing_copy)
+    mgr.save(2, _state(2))  # the local save succeeds; the upload fails in the background
+    with pytest.raises(UploadError, match=r"step_0000000002: upload failed: .*injected: connection reset"):
+        mgr.wait()
+    assert mgr.wait() is None  # delivered once
+    assert open_storage(remote).read_pointer("latest") == "step_0000000001"
+    assert classify(open_storage(remote).child("step_0000000002")) == "incomplete"
+    assert mgr.latest() == 1
+    state = _fresh()
+    monkeypatch.setattr(tiered, "_copy_file", lambda *a: (copied.append(a[2]), real_copy(*a))[1])
+    copied.clear()
+    assert mgr.load(state) == 2  # resumes the upload first, then loads the local copy
+    _assert_state(state, 2)
+    assert copied == ["__0_0.distcp"]  # .metadata was complete remotely: not sent again
+    assert open_storage(remote).read_pointer("latest") == "step_0000000002"
+    assert [p for p in verify(open_storage(remote).child("step_0000000002")) if p.is_error] == []
+    mgr.close()
+
+
+def test_a_damaged_local_copy_is_never_committed_remotely(tmp_path, remote):
+    local = str(tmp_path / "local")
+    mgr = CheckpointManager(local, remote_root=remote)
+    mgr.save(1, _state(1))
+    mgr.wait()
+
+    real_read = open_storage(local).__class__.read
+
+    def flipping_read(self, path, offset=0, length=None):
+        data = real_read(self, path, offset, length)
+        if path.startswith("__") and "step_0000000002" in self.uri and offset == 0:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        return data
+
+    import ckptlib.storage.local as local_mod
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(local_mod.LocalStorage, "read", flipping_read)
+        mgr.save(2, _state(2))
+        with pytest.raises(ckptlib.CheckpointCorruptError, match="does not match its manifest"):
+            mgr.wait()
+    assert open_storage(remote).read_pointer("latest") == "step_0000000001"
+    mgr.close()
+
+
+_CRASHING_CHILD = textwrap.dedent(
+    """
+    import os, sys, time, torch
+    sys.path.insert(0, sys.argv[3])
+    import ckptlib, ckptlib.tiered as tiered
+    from test_tiered import _state
+
+    real_copy = tiered._copy_file
+
+    def slow_copy(src, dst, name, size, crc):
+        if name.startswith("__") and "step_0000000002" in src.uri:
+            with dst.open_writer(name) as out:
+                out.write(src.read(name, 0, size // 2))
+                print("UPLOADING", flush=True)
+                time.sleep(600)  # killed here, mid-file
+        real_copy(src, dst, name, size, crc)
+
+    tiered._copy_file = slow_copy
+    mgr = ckptlib.CheckpointManager(sys.argv[1], remote_root=sys.argv[2], keep_local=1, upload_concurrency=1)
+    mgr.save(1, _state(1))
+    mgr.wait()
+    mgr.save(2, _state(2))
+    print("SAVED", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_killed_mid_upload_then_the_next_start_resumes(tmp_path, remote):
+    local = str(tmp_path / "local")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CRASHING_CHILD, local, remote, os.path.join(REPO, "tests")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])),
+    )
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if "UPLOADING" in lines and "SAVED" in lines:
+                break
+        assert "UPLOADING" in lines and "SAVED" in lines, proc.stderr.read()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    store = open_storage(remote)
+    assert store.read_pointer("latest") == "step_0000000001"  # the crash left the remote latest intact
+    assert classify(store.child("step_0000000002")) != "committed"
+    assert classify(open_storage(local).child("step_0000000002")) == "committed"
+    # The crashed writer's lock (a dead pid on this host) is removed as stale by the next start.
+    with pytest.warns(ckptlib.StaleLockWarning):
+        mgr = CheckpointManager(local, remote_root=remote, keep_local=1, keep_last=1)
+        state = _fresh()
+        assert mgr.load(state) == 2
+    _assert_state(state, 2)
+    assert store.read_pointer("latest") == "step_0000000002"
+    assert _children(remote) == ["step_0000000002"]  # keep_last=1 and the debris is gone
+    assert [p for p in verify(store.child("step_0000000002")) if p.is_error] == []
+    mgr.save(3, _state(3))
+    mgr.close()
+    assert store.read_pointer("latest") == "step_0000000003"
+
+
+def _ranks_save(local: str, remote: str) -> list:
+    mgr = CheckpointManager(local, remote_root=remote, keep_local=1, keep_last=2)
+    for step in (1, 2, 3):
+        state = {"w": torch.full((5,), float(step * 10)), "step": step}
+        mgr.save(step, state)
+    mgr.wait()
+    loaded = {"w": torch.zeros(5), "step": -1}
+    where = mgr.load_result(loaded).uri
+    mgr.close()
+    return [where, loaded["step"], loaded["w"].tolist()]
+
+
+def test_multi_rank_upload_and_load(tmp_path, remote, dist_run):
+    local = str(tmp_path / "local")
+    results = dist_run(2, _ranks_save, local, remote)
+    for where, step, values in results:
+        assert where == f"{local}/step_0000000003" and step == 3 and values == [30.0] * 5
+    assert _children(remote) == ["step_0000000002", "step_0000000003"]
+    manifest = json.loads(open_storage(remote).child("step_0000000003").read(MANIFEST_NAME))
+    assert manifest["world_size"] == 2
