@@ -18,7 +18,7 @@ alternate inside each repetition, in a rotating order, so machine noise hits all
 - peak RSS per rank: ru_maxrss of fresh rank processes that only load (or only save), next
   to the rank's shard size; the ranks are forked from a forkserver that imported torch, so
   the baseline (~the forkserver's RSS) is reported too.
-- async save: how long `ckptlib.save(..., async_=True)` blocks (first save of a process:
+- async save: how long `ckptlib.async_save(...)` blocks (first save of a process:
   staging buffers are allocated; later saves reuse them) against a synchronous save; and
   with `background_staging=True`, how long it blocks and when `wait_staged()` returns.
 - cloud storage (benchmarks/cloud.py; S3 on moto, GCS on fake-gcs-server, Azure on Azurite,
@@ -222,7 +222,7 @@ def rank_io(root: str, size_mib: int, reps: int, cold: bool, keep: str, do_async
                 handle = []
                 _barrier()
                 t0 = time.perf_counter()
-                handle.append(ckptlib.save(path, state, async_=True))
+                handle.append(ckptlib.async_save(path, state))
                 blocked = time.perf_counter() - t0
                 handle[0].wait()
                 _barrier()
@@ -231,7 +231,7 @@ def rank_io(root: str, size_mib: int, reps: int, cold: bool, keep: str, do_async
             elif method == "async_bg":
                 _barrier()
                 t0 = time.perf_counter()
-                handle = ckptlib.save(path, state, async_=True, background_staging=True)
+                handle = ckptlib.async_save(path, state, background_staging=True)
                 blocked = time.perf_counter() - t0
                 handle.wait_staged()
                 staged = time.perf_counter() - t0
@@ -397,9 +397,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         import torch
 
         results["machine"]["torch"] = torch.__version__
-        from ckptlib.format import dcp_io
+        from ckptlib.format import checksum
 
-        results["machine"]["crc32"] = getattr(dcp_io.crc32, "__module__", "zlib") or "zlib"
+        results["machine"]["crc32"] = getattr(checksum.crc32, "__module__", "zlib") or "zlib"
         for size in args.sizes:
             kept: dict[int, str] = {}
             for ws in args.world_sizes:
@@ -631,7 +631,7 @@ def markdown(results: dict[str, Any], summary: dict[str, Any], estimator: str = 
                 f"{_f(r['save_dcp_mib'])} (+{_f(r['save_dcp_extra'])}) |")
     if summary["async"]:
         out.append("")
-        out.append("### Async save: time `save(..., async_=True)` blocks the caller")
+        out.append("### Async save: time `async_save(...)` blocks the caller")
         out.append("| state MiB | ranks | sync save s | first async: blocked s | later async: blocked s | async total s "
                    "| first/sync | later/sync | background staging: blocked s | staged after s | blocked/sync |")
         out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -710,8 +710,8 @@ def plot(results: dict[str, Any], summary: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def _report(text: str, markdown_path: str | None) -> None:
-    print(text)
+def _report(text: str, markdown_path: str | None, stream=None) -> None:
+    print(text, file=stream or sys.stdout)
     if markdown_path:
         with open(markdown_path, "w") as f:
             f.write(text + "\n")
@@ -728,7 +728,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="MiB per state for the cloud backends (default 32 128; --quick: 32)")
     parser.add_argument("--clouds", nargs="*", choices=("s3", "gcs", "azure"), default=["s3", "gcs", "azure"],
                         help="cloud backends to compare with their SDKs (default: all three; none: skip)")
-    parser.add_argument("--json", metavar="OUT", help="write raw timings and the summary as JSON")
+    parser.add_argument(
+        "--json", metavar="OUT", nargs="?", const="-",
+        help="write raw timings and the summary as JSON to OUT, or to stdout without OUT or with '-' "
+        "(the tables then go to stderr)",
+    )
     parser.add_argument("--plot", metavar="OUT.png", help="write a PNG plot (needs matplotlib)")
     parser.add_argument("--markdown", metavar="OUT.md", help="also write the tables to this file")
     parser.add_argument("--dir", help="scratch directory (default: the system temp dir)")
@@ -765,13 +769,20 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args)
     results["seconds"] = time.perf_counter() - started
     summary = summarize(results, args.estimator)
+    json_to_stdout = args.json == "-"
     _report(
         markdown(results, summary, args.estimator) + f"\n\nWall time of the benchmark: {results['seconds']:.0f} s.",
         args.markdown,
+        sys.stderr if json_to_stdout else None,
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"results": results, "summary": summary, "targets": TARGETS}, f, indent=1, default=str)
+        report = {"results": results, "summary": summary, "targets": TARGETS}
+        if json_to_stdout:
+            json.dump(report, sys.stdout, indent=1, default=str)
+            sys.stdout.write("\n")
+        else:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
     if args.plot:
         try:
             plot(results, summary, args.plot)

@@ -8,13 +8,16 @@ process group every helper degrades to a plain local call.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import time
 import traceback
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError
+from .errors import CheckpointError, RankLostError
 
 T = TypeVar("T")
 
@@ -119,44 +122,75 @@ def decide_on_rank0(fn: Callable[[], T], group=None) -> T:
     return value
 
 
-_exit_barriers = 0
+# Seconds the survivors of a broken collective wait for each other's roll call in the store.
+ROLL_CALL_SECONDS = 5.0
+# What gloo (and the store) say when a peer's process is gone or its socket broke.
+_PEER_LOST_MARKERS = (
+    "connection closed by peer", "connection reset by peer", "broken pipe", "read error", "write error",
+    "connection refused", "socket closed", "no route to host", "timed out", "timeout",
+)
+_guards: dict[str, "itertools.count[int]"] = {}
 
 
-def exit_barrier(timeout_s: float = 300.0, key: str | None = None, group=None) -> None:
-    """Wait, through the rendezvous store, until every rank is done with collectives.
+def _is_peer_loss(exc: BaseException) -> bool:
+    """A failure of the transport under a collective, not of ckptlib or the user's state."""
+    if isinstance(exc, CheckpointError):
+        cause = exc.__cause__
+        return cause is not None and not isinstance(cause, CheckpointError) and _is_peer_loss(cause)
+    dist_error = getattr(dist, "DistError", None)
+    if not isinstance(exc, RuntimeError) and not (dist_error and isinstance(exc, dist_error)):
+        return False
+    text = str(exc).lower()
+    return any(marker in text for marker in _PEER_LOST_MARKERS)
 
-    Tearing a gloo group down (or exiting) while a peer still reads the last collective's
-    bytes makes that peer abort ("Connection closed by peer", or "terminate called without
-    an active exception"); a store-based barrier before that avoids the race. Call it on
-    every rank before `destroy_process_group()` or exit. Rank 0, which usually hosts the
-    store, leaves last, so no rank polls a store that is gone. Every call of a process uses
-    its own store key (`key`, or the n-th call's), so ranks must call it equally often.
-    `group`: only its ranks take part (its rank 0 leaves last).
+
+def _roll_call(group, key: str, wait_s: float) -> list[int] | None:
+    """Global ranks of `group` that did not check in under `key` in the rendezvous store within
+    `wait_s` seconds (survivors of the same broken collective all check in); None when the
+    store itself is unreachable (its host is gone too)."""
+    from . import compat
+
+    try:
+        store = compat.default_store()
+        ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+        store.set(f"{key}/{dist.get_rank()}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            absent = [r for r in ranks if not store.check([f"{key}/{r}"])]
+            if not absent or time.monotonic() > deadline:
+                return absent
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store is gone: say so instead of naming ranks
+        return None
+
+
+@contextlib.contextmanager
+def peer_loss_as_error(what: str, group=None, *, step: int | None = None, path: str | None = None) -> Iterator[None]:
+    """Turn a broken collective under `what` (e.g. "save of step 2 to /ckpt") into a
+    RankLostError naming the ranks that disappeared, found by a roll call in the store.
+
+    Every rank enters it for the same `what` equally often (like the collectives it guards):
+    the roll call's key is `what` and how many times this process entered it before.
     """
-    global _exit_barriers
-    if not is_distributed():
-        return
-    import time
-
-    from torch.distributed import distributed_c10d
-
-    if key is None:
-        _exit_barriers += 1
-        key = f"ckptlib/exit_barrier/{_exit_barriers}"
-    store = distributed_c10d._get_default_store()
-    world = dist.get_world_size(group)
-
-    def wait_for(name: str, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while int(store.add(name, 0)) < world:
-            if time.monotonic() > deadline:
-                raise CheckpointError(
-                    f"exit barrier: only {int(store.add(name, 0))} of {world} ranks {what} in {timeout_s:.0f}s"
-                )
-            time.sleep(0.01)
-
-    store.add(key, 1)
-    wait_for(key, "arrived")
-    store.add(f"{key}/left", 1)
-    if dist.get_rank(group) == 0:
-        wait_for(f"{key}/left", "left")
+    serial = next(_guards.setdefault(what, itertools.count()))
+    try:
+        yield
+    except RankLostError:
+        raise
+    except BaseException as exc:
+        if not is_distributed() or not _is_peer_loss(exc):
+            raise
+        absent = _roll_call(group, f"ckptlib/roll_call/{what}/{serial}", ROLL_CALL_SECONDS)
+        if absent is None:
+            who = "a peer rank disappeared (the rendezvous store is unreachable as well)"
+        elif absent:
+            names = ", ".join(map(str, absent))
+            who = (f"rank{'s' if len(absent) > 1 else ''} {names} disappeared (died, or lost its connection: "
+                   f"no answer within {ROLL_CALL_SECONDS:.0f} s)")
+        else:
+            who = "a connection between ranks broke, though every rank is still alive"
+        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[0]
+        raise RankLostError(
+            f"{what} failed on rank {dist.get_rank()}: {who} ({detail})",
+            ranks=absent or (), step=step, path=path, rank=dist.get_rank(),
+        ) from exc

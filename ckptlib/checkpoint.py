@@ -6,7 +6,6 @@ on every rank alike, and a failed save never touches a committed checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -19,18 +18,19 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from . import _dist, compat
-from .errors import CheckpointError, MissingKeysError, ShapeMismatchError, StateError
-from .format import CheckpointInfo, CkptWriter, Manifest, SafeLoadPlanner, commit, prepare_save_target
-from .format.dcp_io import checkpoint_bytes
-from .format.legacy import inspect_checkpoint, open_reader
+from . import _dist, background_save, compat
+from .background_save import AsyncSave
+from .errors import CastWarning, CheckpointError, DtypeMismatchError, MissingKeysError, ShapeMismatchError, StateError
+from .format import CheckpointInfo, CkptWriter, SafeLoadPlanner, prepare_save_target
+from .format.layout import commit_manifest
+from .format.dcp_writer import checkpoint_bytes
 from .format.manifest import check_metadata_json, check_metrics
+from .format.source import inspect_checkpoint, open_reader
 from .load_keys import Rename, build_request, select_entries
 from .observe import log_operation, mib_per_s
-from .state import to_load_plan, to_save_state_dict
-from .storage import Storage, open_storage
+from .state import to_load_target, to_save_state_dict
+from .storage import Storage, as_storage
 
-__version__ = "0.1.0"
 
 T = TypeVar("T")
 
@@ -79,23 +79,10 @@ class LoadResult:
         return mib_per_s(self.bytes, self.seconds)
 
 
-def _storage(uri: str | os.PathLike | Storage) -> Storage:
-    return uri if not isinstance(uri, (str, os.PathLike)) else open_storage(uri)
-
-
-@contextlib.contextmanager
-def _quiet_single_process():
-    """Without a process group DCP warns that it assumes one process; that is our documented mode."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
-        yield
-
-
 def _unwrap_dcp_error(exc: BaseException) -> CheckpointError:
     """Turn DCP's CheckpointException (failures gathered from all ranks) into a ckptlib error."""
-    failures = getattr(exc, "failures", None) or {}
-    for rank, failure in sorted(failures.items()):
-        inner = failure[0] if isinstance(failure, tuple) else failure
+    failures = compat.dcp_failures(exc)
+    for rank, inner in failures:
         if isinstance(inner, CheckpointError):
             if inner.rank is None:  # raised on that rank (a decision for every rank has its rank set)
                 inner.rank = rank
@@ -103,11 +90,8 @@ def _unwrap_dcp_error(exc: BaseException) -> CheckpointError:
                     inner.message = f"rank {rank}: {inner.message}"
                     inner.args = (inner.message,)
             return inner
-    parts = []
-    for rank, failure in sorted(failures.items()):
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
-    return CheckpointError("; ".join(parts) or str(exc), rank=min(failures) if failures else None)
+    parts = [f"rank {rank}: {type(inner).__name__}: {inner}" for rank, inner in failures]
+    return CheckpointError("; ".join(parts) or str(exc), rank=failures[0][0] if failures else None)
 
 
 def save(
@@ -119,86 +103,125 @@ def save(
     metrics: dict[str, float] | None = None,
     overwrite: bool = False,
     process_group=None,
-    async_: bool = False,
-    background_staging: bool = False,
-    _background=None,
 ) -> SaveResult:
     """Save `state` as a sharded DCP checkpoint at `uri` and commit it with a manifest.
 
     Collective: every rank of `process_group` calls it with its own shard of the state.
     `metrics` (name -> number, rank 0's values) go into the manifest for retention
     (`KeepBest`) and listings; NaN and infinities are stored as null.
-
-    `async_=True`: return an `AsyncSave` handle as soon as the state is staged to CPU memory;
-    the write and the commit run in a background thread on a dedicated gloo group (see
-    `ckptlib.async_save`). `handle.wait()` returns this SaveResult or raises the failure.
-
-    `background_staging=True` (with `async_=True`): return before the staging copy, which
-    then runs first in the background. Nothing may change the state until
-    `handle.wait_staged()` returned: not an optimizer step, and not a forward pass in
-    training mode that updates buffers (BatchNorm's running statistics). Without such
-    buffers, calling it right before `optimizer.step()` lets the device-to-host copy
-    overlap forward and backward on a GPU.
-    (`_background(run, group)`, private: wraps the background work, e.g. the manager's
-    publish after the commit; `group` is the dedicated group its collectives must use.)
+    For a save that returns once the state is staged, see `async_save`.
     """
     started = time.perf_counter()
-    storage = _storage(uri)
+    storage = as_storage(uri)
     group = process_group
-    if background_staging and not async_:
-        raise StateError("background_staging=True needs async_=True")
-    if async_:
-        from . import async_save
-
-        async_save.wait_inflight(group)  # one background save per group at a time
-        bg_group = async_save.async_group(group)
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
+    with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
+        (user_metadata, user_metrics), state_dict = _dist.agree(
+            lambda: _check_and_collect(state, step, metadata, metrics, group), group
+        )
+    result = _write_and_commit(
+        storage, state_dict, group,
+        world=world, step=step, user_metadata=user_metadata, user_metrics=user_metrics, overwrite=overwrite,
+    )
+    result.seconds = time.perf_counter() - started
+    _log_save(result, rank)
+    return result
 
-    def check_and_collect() -> tuple[dict[str, Any], dict[str, Any]]:
-        # One collective round for every check (each used to cost its own round trip).
-        user_metadata = check_metadata_json(metadata)
-        checked_metrics = check_metrics(metrics)
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise StateError(f"step must be a non-negative int, got {step!r}")
-        state_dict = to_save_state_dict(state, rank=rank)
-        if async_ and not background_staging:
-            state_dict = async_save.stage(state_dict, group)  # the copy the background writes
-        return (user_metadata, checked_metrics), state_dict
 
-    (user_metadata, user_metrics), state_dict = _dist.agree(check_and_collect, group)
+def async_save(
+    uri: str | os.PathLike | Storage,
+    state: Mapping[str, Any],
+    *,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    metrics: dict[str, float] | None = None,
+    overwrite: bool = False,
+    process_group=None,
+    background_staging: bool = False,
+) -> AsyncSave:
+    """`save`, returning an `AsyncSave` handle as soon as the state is staged to CPU memory;
+    the write and the commit run in a background thread on a dedicated gloo group (see
+    `ckptlib.background_save`). `handle.wait()` returns the SaveResult or raises the failure.
+
+    `background_staging=True`: return before the staging copy, which then runs first in the
+    background. Nothing may change the state until `handle.wait_staged()` returned: not an
+    optimizer step, and not a forward pass in training mode that updates buffers (BatchNorm's
+    running statistics). Without such buffers, calling it right before `optimizer.step()`
+    lets the device-to-host copy overlap forward and backward on a GPU.
+    """
+    return start_async_save(
+        uri, state, step=step, metadata=metadata, metrics=metrics, overwrite=overwrite,
+        process_group=process_group, background_staging=background_staging,
+    )
+
+
+def start_async_save(
+    uri: str | os.PathLike | Storage,
+    state: Mapping[str, Any],
+    *,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    metrics: dict[str, float] | None = None,
+    overwrite: bool = False,
+    process_group=None,
+    background_staging: bool = False,
+    wrap: Callable[[Callable[[], SaveResult], Any], SaveResult] | None = None,
+) -> AsyncSave:
+    """`async_save` for ckptlib's own callers: `wrap(run, group)` runs the background work
+    (`run()` writes and commits) and may add to it, e.g. the manager's publish after the
+    commit; `group` is the dedicated group its collectives must use."""
+    started = time.perf_counter()
+    storage = as_storage(uri)
+    group = process_group
+    background_save.wait_inflight(group)  # one background save per group at a time
+    bg_group = background_save.async_group(group)
+    rank, world = _dist.get_rank(group), _dist.get_world_size(group)
+    with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
+        (user_metadata, user_metrics), state_dict = _dist.agree(
+            lambda: _check_and_collect(state, step, metadata, metrics, group, stage=not background_staging), group
+        )
 
     def write() -> SaveResult:
         return _write_and_commit(
-            storage, state_dict, bg_group if async_ else group,
+            storage, state_dict, bg_group,
             world=world, step=step, user_metadata=user_metadata, user_metrics=user_metrics, overwrite=overwrite,
         )
-
-    if not async_:
-        result = write()
-        result.seconds = time.perf_counter() - started
-        _log_save(result, rank)
-        return result
 
     def work() -> SaveResult:
         nonlocal state_dict
         if background_staging:
             # Every rank learns of a copy that failed on one (on the background's group).
-            state_dict = _dist.agree(lambda: async_save.stage(state_dict, group), bg_group)
+            state_dict = _dist.agree(lambda: background_save.stage(state_dict, group), bg_group)
             handle.mark_staged()
         # Preparing the target (removing debris) waits for the disk, so it runs in the
         # background too, still before any shard is written; its errors
         # (CheckpointExistsError) come from wait().
-        result = write() if _background is None else _background(write, bg_group)
+        result = write() if wrap is None else wrap(write, bg_group)
         result.seconds = time.perf_counter() - started
         result.blocked_seconds = handle.blocking_seconds
         _log_save(result, rank)
         return result
 
-    handle = async_save.AsyncSave(
+    handle = background_save.AsyncSave(
         storage.uri, work, blocking_seconds=time.perf_counter() - started, started=started, staged=not background_staging
     )
-    async_save.register(group, handle)
-    return handle  # type: ignore[return-value]
+    background_save.register(group, handle)
+    return handle
+
+
+def _check_and_collect(
+    state: Mapping[str, Any], step, metadata, metrics, group, *, stage: bool = False
+) -> tuple[tuple[dict[str, Any], dict[str, Any]], dict[str, Any]]:
+    """Every check of a save's arguments and the state dict to write (staged to CPU memory
+    when `stage`), run inside one collective round (`_dist.agree`)."""
+    user_metadata = check_metadata_json(metadata)
+    checked_metrics = check_metrics(metrics)
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise StateError(f"step must be a non-negative int, got {step!r}")
+    state_dict = to_save_state_dict(state, rank=_dist.get_rank(group))
+    if stage:
+        state_dict = background_save.stage(state_dict, group)  # the copy the background writes
+    return (user_metadata, checked_metrics), state_dict
 
 
 def _log_save(result: SaveResult, rank: int) -> None:
@@ -236,6 +259,11 @@ def _on_coordinator(fn: Callable[..., T]) -> Callable[..., T]:
     return run
 
 
+def _saving(storage: Storage, step: int | None) -> str:
+    """How errors name a save (a rank lost during it, see `_dist.peer_loss_as_error`)."""
+    return f"save of step {step} to {storage.uri}" if step is not None else f"save to {storage.uri}"
+
+
 def _write_and_commit(
     storage: Storage,
     state_dict: dict[str, Any],
@@ -252,32 +280,43 @@ def _write_and_commit(
     def prepare() -> None:
         prepare_save_target(storage, overwrite=overwrite, world_size=world)
 
-    def commit_manifest(files: dict[str, Any]) -> None:
-        manifest = Manifest(
-            world_size=world,
-            files=dict(files),
-            step=step,
-            metadata=user_metadata,
-            metrics=user_metrics,
-            torch_version=torch.__version__,
-            ckptlib_version=__version__,
-        )
-        commit(storage, manifest)
+    def commit_files(files: dict[str, Any]) -> None:
+        commit_manifest(storage, files, world_size=world, step=step, metadata=user_metadata, metrics=user_metrics)
 
-    writer = CkptWriter(storage, prepare=_on_coordinator(prepare), commit=_on_coordinator(commit_manifest))
-    try:
-        with _quiet_single_process():
-            metadata = dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
-    except compat.checkpoint_exception_cls() as exc:
-        raise _unwrap_dcp_error(exc) from exc
+    writer = CkptWriter(storage, prepare=_on_coordinator(prepare), commit=_on_coordinator(commit_files))
+    with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
+        try:
+            with compat.quiet_single_process():
+                metadata = dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
+        except compat.checkpoint_exception_cls() as exc:
+            raise _unwrap_dcp_error(exc) from exc
     return SaveResult(uri=storage.uri, step=step, world_size=world, total_bytes=checkpoint_bytes(metadata))
 
 
+def _is_lossless(saved: torch.dtype, requested: torch.dtype) -> bool:
+    """Every value of `saved` is exactly representable in `requested` (a widening: fp16->fp32,
+    int32->int64, bool->int8); float<->int and narrowing conversions are lossy."""
+    if saved.is_complex != requested.is_complex or saved.is_floating_point != requested.is_floating_point:
+        return saved == torch.bool and not requested.is_complex
+    return torch.promote_types(saved, requested) == requested
+
+
+def _describe_casts(casts: dict[str, tuple[torch.dtype, torch.dtype]]) -> str:
+    shown = [
+        f"{key} saved as {str(saved).replace('torch.', '')}, requested {str(requested).replace('torch.', '')}"
+        f"{'' if _is_lossless(saved, requested) else ' (lossy)'}"
+        for key, (saved, requested) in list(casts.items())[:20]
+    ]
+    return "; ".join(shown) + (f" ... ({len(casts)} in all)" if len(casts) > 20 else "")
+
+
 def _check_request(
-    template: dict[str, Any], info: CheckpointInfo, strict: bool, keep_if_absent: frozenset[str] = frozenset()
-) -> tuple[list[str], list[str]]:
-    """Compare the requested keys with the checkpoint; return the missing ones, and the absent
-    ones the state keeps its own value for (`LoadPlan.keep_if_absent`)."""
+    template: dict[str, Any], info: CheckpointInfo, strict: bool, keep_if_absent: frozenset[str] = frozenset(),
+    cast: bool = False,
+) -> tuple[list[str], list[str], dict[str, tuple[torch.dtype, torch.dtype]]]:
+    """Compare the requested keys with the checkpoint; return the missing ones, the absent ones
+    the state keeps its own value for (`LoadTarget.keep_if_absent`), and the dtype conversions
+    the load will make ({key: (saved, requested)}, only with `cast`)."""
     saved = info.metadata.state_dict_metadata
     flat = compat.flatten_state_dict(template)[0]
     missing = sorted(k for k in flat if k not in saved)
@@ -295,6 +334,7 @@ def _check_request(
         raise MissingKeysError(f"{info.uri} lacks keys the state asks for: {shown}", keys=missing, path=info.uri)
     problems = []
     bad_keys = []
+    casts: dict[str, tuple[torch.dtype, torch.dtype]] = {}
     for key, value in flat.items():
         meta = saved.get(key)
         if meta is None:
@@ -304,21 +344,30 @@ def _check_request(
                 problems.append(f"{key}: a tensor in the state, a non-tensor object in the checkpoint")
             elif tuple(value.shape) != tuple(meta.size):
                 problems.append(f"{key}: shape {tuple(value.shape)} in the state, {tuple(meta.size)} in the checkpoint")
-            elif strict and value.dtype != meta.properties.dtype:
-                problems.append(f"{key}: dtype {value.dtype} in the state, {meta.properties.dtype} in the checkpoint")
             else:
+                if value.dtype != meta.properties.dtype:
+                    casts[key] = (meta.properties.dtype, value.dtype)
                 continue
             bad_keys.append(key)
         elif isinstance(meta, TensorStorageMetadata):
             problems.append(f"{key}: a {type(value).__name__} in the state, a tensor in the checkpoint")
             bad_keys.append(key)
     if problems:
+        problems += [f"{key}: dtype {requested} in the state, {saved} in the checkpoint" for key, (saved, requested) in casts.items()]
         raise ShapeMismatchError(
             f"{info.uri}: state does not match the checkpoint: " + "; ".join(problems[:20]),
-            keys=bad_keys,
+            keys=bad_keys + list(casts),
             path=info.uri,
         )
-    return missing, kept
+    if casts and not cast:
+        raise DtypeMismatchError(
+            f"{info.uri}: dtypes differ from the checkpoint ({_describe_casts(casts)}); "
+            "pass cast=True to convert them",
+            keys=list(casts),
+            casts=casts,
+            path=info.uri,
+        )
+    return missing, kept, casts
 
 
 def load(
@@ -326,6 +375,7 @@ def load(
     state: Mapping[str, Any],
     *,
     strict: bool = True,
+    cast: bool = False,
     verify: bool = True,
     trusted: bool = False,
     process_group=None,
@@ -335,9 +385,12 @@ def load(
 ) -> LoadResult:
     """Load a checkpoint into `state` in place, at any world size; return what was loaded.
 
-    `strict`: keys the state asks for but the checkpoint lacks, and dtype differences, are
-    errors; with strict=False they are skipped and listed in `LoadResult.missing_keys`.
-    Keys in the checkpoint that the state does not ask for are never an error.
+    `strict`: keys the state asks for but the checkpoint lacks are errors; with strict=False
+    they are skipped and listed in `LoadResult.missing_keys`. Keys in the checkpoint that the
+    state does not ask for are never an error. Shape differences are always errors.
+    `cast`: a tensor whose dtype differs from the checkpoint's is a DtypeMismatchError
+    (strict or not) unless cast=True, which converts it and warns (CastWarning) with the keys.
+    `verify`: check every byte read against the manifest's checksums (see README, Integrity).
 
     Load control (see `ckptlib.load_keys`): `only=("model",)` loads just those top-level
     entries of `state` (a model-only load of a full checkpoint); `ignore_keys` (globs on the
@@ -345,14 +398,24 @@ def load(
     to state keys (`{old_prefix: new_prefix}` or a callable).
     """
     started = time.perf_counter()
-    storage = _storage(uri)
-    group = process_group
+    storage = as_storage(uri)
+    with _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri):
+        return _load(
+            storage, state, strict=strict, cast=cast, verify=verify, trusted=trusted, group=process_group,
+            only=only, ignore_keys=ignore_keys, rename=rename, started=started,
+        )
+
+
+def _load(
+    storage: Storage, state: Mapping[str, Any], *, strict: bool, cast: bool, verify: bool, trusted: bool, group,
+    only: Sequence[str] | None, ignore_keys: Sequence[str] | None, rename: Rename | None, started: float,
+) -> LoadResult:
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     info = _dist.decide_on_rank0(lambda: inspect_checkpoint(storage, verify=verify, trusted=trusted), group)
     selected = _dist.agree(lambda: select_entries(state, only, ignore_keys), group)
 
     plan = _dist.agree(
-        lambda: to_load_plan(
+        lambda: to_load_target(
             selected, rank=rank, world_size=world, saved_world_size=info.world_size, step=info.step, strict=strict
         ),
         group,
@@ -364,7 +427,7 @@ def load(
             lambda: build_request(plan.template, saved_keys, ignore_keys=ignore_keys, rename=rename), group
         )
 
-    def check() -> tuple[list[str], list[str]]:
+    def check() -> tuple[list[str], list[str], dict]:
         unsourced = keyed.unsourced if keyed is not None else []
         if unsourced and strict:
             raise MissingKeysError(
@@ -372,10 +435,16 @@ def load(
                 "own names away)", keys=unsourced, path=info.uri,
             )
         request = plan.template if keyed is None else keyed.request
-        missing, kept = _check_request(request, info, strict, plan.keep_if_absent)
-        return sorted(missing + unsourced), kept
+        missing, kept, casts = _check_request(request, info, strict, plan.keep_if_absent, cast)
+        return sorted(missing + unsourced), kept, casts
 
-    missing, kept = _dist.agree(check, group)
+    missing, kept, casts = _dist.agree(check, group)
+    if casts:
+        warnings.warn(
+            f"{storage.uri}: converted to the dtypes the state asked for: {_describe_casts(casts)}",
+            CastWarning,
+            stacklevel=3,
+        )
     notes = list(plan.notes)
     if kept:
         notes.append(
@@ -387,7 +456,7 @@ def load(
     # Every other key was checked above, so a partial load skips only the kept ones.
     planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict or bool(kept))
     try:
-        with _quiet_single_process():
+        with compat.quiet_single_process():
             dcp.load(
                 plan.template if keyed is None else keyed.request, storage_reader=reader, planner=planner,
                 process_group=group,

@@ -45,13 +45,9 @@ def _layout_names(text: str) -> list[str]:
 def _cmd_validate(args: argparse.Namespace) -> int:
     from .testing import validate
 
-    if args.layouts:
-        from .testing.layouts import get_layout
-
-        usable = [n for n in args.world_sizes if any(get_layout(name).supports(n) for name in args.layouts)]
-        if not usable:
-            raise UsageError(f"no world size in {args.world_sizes} suits --layouts {','.join(args.layouts)} "
-                             "(2-D layouts run at even world sizes from 4)")
+    if args.layouts and not validate.layouts_fit(args.layouts, args.world_sizes):
+        raise UsageError(f"no world size in {args.world_sizes} suits --layouts {','.join(args.layouts)} "
+                         "(2-D layouts run at even world sizes from 4)")
 
     wrap = args.wrap or validate.default_wrap()
     if validate.under_torchrun():
@@ -101,7 +97,7 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
 
     if not args.root:
         raise UsageError("under torchrun, --root is required (a path, s3://, gs:// or az:// URI every rank can reach)")
-    from . import _dist
+    from .teardown import exit_barrier
 
     # gloo's C++ side prints "[Gloo] Rank ... connected" lines to stdout on some torch
     # versions; keep stdout for the report (JSON must parse) by pointing fd 1 at stderr.
@@ -117,7 +113,7 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
                                                    pairs=args.pairs, progress=progress)
             else:
                 report = validate.run_pairs(args.root, args.world_sizes, wrap, args.optim, progress=progress)
-            _dist.exit_barrier()
+            exit_barrier()
             return report
         finally:
             dist.destroy_process_group()
@@ -200,7 +196,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert
-    from .format.legacy import detect_format
+    from .format.source import detect_format
 
     detect_format(args.src)  # not-a-checkpoint / missing: exit 2 with the reason
     result = convert(
@@ -320,6 +316,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             "name": info.name,
             "state": info.state,
             "bytes": sum(info.files.values()),
+            "size": sum(info.files.values()),
             "world_size": None,
             "latest": pointer == step_dir(info.step),
             "created": None,
@@ -459,17 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to write the test checkpoints: a path, s3://, gs:// or az:// URI (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--wrap", choices=["fsdp2", "ddp", "plain"], default=None, help="model wrapping (default fsdp2 when supported, else ddp)")
-    p.add_argument(
-        "--layouts", type=_layout_names, default=None, metavar="LIST",
-        help="comma-separated parallelism layouts to save from and load into, e.g. fsdp2,hsdp,tp,fsdp2+tp "
-        "(choices: plain, ddp, fsdp2, hsdp, tp, fsdp2+tp, fsdp1, fsdp1-flat; 2-D layouts run at even world "
-        "sizes from 4 as 2 x N/2). Runs a small transformer; every pair names its save and load layout",
-    )
-    p.add_argument(
-        "--pairs", choices=["all", "covering"], default="all",
-        help="with --layouts: every (layout, world size) saved and loaded at every other (all, default), or "
-        "one case per (save layout, load layout) pair with world sizes rotated (covering)",
-    )
+    p.add_argument("--layouts", type=_layout_names, default=None, metavar="LIST", help=(
+        "comma-separated parallelism layouts to save from and load into, e.g. fsdp2,hsdp,tp,fsdp2+tp (choices: "
+        "plain, ddp, fsdp2, hsdp, tp, fsdp2+tp, fsdp1, fsdp1-flat; 2-D layouts run at even world sizes from 4 "
+        "as 2 x N/2). Runs a small transformer; every pair names its save and load layout"))
+    p.add_argument("--pairs", choices=["all", "covering"], default="all", help=(
+        "with --layouts: every (layout, world size) saved and loaded at every other (all, default), or one "
+        "case per (save layout, load layout) pair with world sizes rotated (covering)"))
     p.add_argument("--optim", choices=["adam", "adamw", "sgd"], default="adamw")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="process group backend under torchrun")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank fails the run")
@@ -514,12 +507,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "List steps: committed, incomplete or corrupt, size, age (since the manifest was written), saved "
             "world size, which is latest, the metrics given to the save, and who holds the root's lock. "
-            "--json: root, latest, lock and steps (each with step, name, state, bytes, world_size, latest, "
-            "created, age_seconds, metrics)."
+            "--json: root, latest, lock and steps (each with step, name, state, bytes (= size), world_size, "
+            "latest, created, age_seconds, metrics)."
         ),
     )
     p.add_argument("root", help="a checkpoint root: path, file://, s3://, gs:// or az:// URI")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
     p.set_defaults(func=_cmd_ls)
 
     p = sub.add_parser(
@@ -540,7 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-every", type=int, default=None, metavar="K", help="keep every step that is a multiple of K")
     p.add_argument(
         "--keep-best", action="append", default=[], metavar="K:METRIC[:min|max]",
-        help="keep the K best steps by METRIC (saved with metrics=...; min is best unless :max); repeatable",
+        help="keep the K best steps by METRIC (a name without ':', saved with metrics=...; min is best unless :max); "
+        "repeatable",
     )
     p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     p.add_argument(

@@ -30,6 +30,7 @@ What moved or changed inside the window (2.6 .. 2.13), and how ckptlib copes:
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -312,6 +313,23 @@ def checkpoint_exception_cls() -> type:
     return CheckpointException
 
 
+def dcp_failures(exc: BaseException) -> list[tuple[int, BaseException]]:
+    """(rank, exception) for every rank that failed, from DCP's CheckpointException (which
+    gathers failures from all ranks; each is an exception or an (exception, traceback) pair)."""
+    failures = getattr(exc, "failures", None) or {}
+    return [(rank, failure[0] if isinstance(failure, tuple) else failure) for rank, failure in sorted(failures.items())]
+
+
+@contextlib.contextmanager
+def quiet_single_process():
+    """Without a process group DCP warns that it assumes one process (and, where torch.distributed
+    is unavailable, that it is disabled); that is ckptlib's documented single-process mode."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
 _DCP_FUNCTIONS = {
     "save": ("torch.distributed.checkpoint", "save"),
     "load": ("torch.distributed.checkpoint", "load"),
@@ -428,9 +446,22 @@ def meta_load_records_offsets() -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             meta = torch.load(buf, map_location="meta", weights_only=True)
-        return isinstance(getattr(meta.untyped_storage(), "_checkpoint_offset", None), int)
+        return isinstance(meta_storage_offset(meta), int)
     except Exception:  # noqa: BLE001 - any failure means "not available"
         return False
+
+
+def meta_storage_offset(meta: torch.Tensor) -> int | None:
+    """Where the bytes of a tensor loaded with `map_location="meta"` lie in its archive, or
+    None where this torch does not record it (see `meta_load_records_offsets`)."""
+    return getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+
+
+def default_store():
+    """The default process group's c10d Store (the rendezvous store every rank shares)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
 
 
 def torch_save_without_zip_crc(obj: Any, buffer: Any) -> bool:

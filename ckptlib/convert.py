@@ -4,9 +4,9 @@
     ckptlib.convert("ckpt/step100", "export/model.pt", to="torch")  # -> one torch.save file
     ckptlib.convert("ckpt/step100", "export/hf", to="safetensors")  # -> model.safetensors
 
-Sources: anything ``ckptlib.format.legacy.detect_format`` knows (ckptlib, plain DCP of any
+Sources: anything ``ckptlib.format.source.detect_format`` knows (ckptlib, plain DCP of any
 torch since 2.0, torch.save files, v0 per-rank sets, safetensors). Conversion runs in one
-process and never needs the checkpoint in memory (see ``ckptlib.format.convert``).
+process and never needs the checkpoint in memory (see ``ckptlib.format.streaming``).
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ import dataclasses
 import os
 import time
 
-import torch
-
-from .checkpoint import __version__
 from .errors import CheckpointExistsError, StateError, UnsupportedError
-from .format import Manifest, commit, prepare_save_target
-from .format import convert as fconv
-from .format.legacy import DEFAULT_PREFIX, SourceInfo, inspect_checkpoint, open_reader
-from .storage import Storage, is_remote, open_storage
+from .format import prepare_save_target
+from .format.layout import commit_manifest
+from .format.foreign import DEFAULT_PREFIX, SourceInfo
+from .format.safetensors import safetensors_plan, write_safetensors
+from .format.source import inspect_checkpoint, open_reader
+from .format.streaming import SourceValues, save_dcp_streaming
+from .format.torch_save import write_torch_save
+from .storage import Storage, as_storage, is_remote
 
 TARGETS = ("dcp", "torch", "safetensors")
 
@@ -40,10 +41,6 @@ class ConvertResult:
     skipped: list[str]
     notes: list[str]
     seconds: float
-
-
-def _storage(uri: str | os.PathLike | Storage) -> Storage:
-    return uri if not isinstance(uri, (str, os.PathLike)) else open_storage(uri)
 
 
 def _local_path(dst: str | os.PathLike | Storage, to: str) -> str:
@@ -105,20 +102,20 @@ def convert(
     if to not in TARGETS:
         raise ValueError(f"to must be one of {TARGETS}, got {to!r}")
     start = time.monotonic()
-    src_storage = _storage(src)
+    src_storage = as_storage(src)
     info = inspect_checkpoint(src_storage, verify=verify, prefix=prefix, trusted=trusted)
     reader, info = open_reader(src_storage, info=info, verify=verify, prefix=prefix, trusted=trusted)
-    source = fconv.SourceValues(reader, info.metadata, trusted=trusted)
+    source = SourceValues(reader, info.metadata, trusted=trusted)
     notes = list(info.notes) if isinstance(info, SourceInfo) else []
 
-    dst_storage = _storage(dst) if to == "dcp" else None
+    dst_storage = as_storage(dst) if to == "dcp" else None
     dst_path = None if to == "dcp" else _local_path(dst, to)
     if _same_place(src_storage, dst_path, dst_storage):
         raise StateError(f"refusing to convert {src_storage.uri} onto itself ({dst})")
 
     skipped: list[str] = []
     if to == "safetensors":
-        names, skipped = fconv.safetensors_plan(source, prefix)
+        names, skipped = safetensors_plan(source, prefix)
         if not names:
             raise StateError(
                 f"{info.uri}: no tensors under {prefix!r} to write as safetensors "
@@ -142,16 +139,14 @@ def convert(
                 raise CheckpointExistsError(
                     f"{dst_storage.uri} already exists (pass force=True, or --force, to overwrite)", path=exc.path
                 ) from exc
-            writer = fconv.save_dcp_streaming(dst_storage, source, on_tensor=tick)
-            manifest = Manifest(
+            writer = save_dcp_streaming(dst_storage, source, on_tensor=tick)
+            commit_manifest(
+                dst_storage,
+                writer.file_records,
                 world_size=1,
-                files=dict(writer.file_records),
                 step=info.step,
                 metadata=dict(info.manifest.metadata) if info.manifest is not None else {},
-                torch_version=torch.__version__,
-                ckptlib_version=__version__,
             )
-            commit(dst_storage, manifest)
             files = sorted(writer.file_records)
             where = dst_storage.uri
         elif to == "torch":
@@ -160,7 +155,7 @@ def convert(
                 raise CheckpointExistsError(f"{dst_path} is a directory; converting to torch writes one file", path=dst_path)
             if os.path.exists(dst_path) and not force:
                 raise CheckpointExistsError(f"{dst_path} already exists (pass force=True to overwrite)", path=dst_path)
-            fconv.write_torch_save(dst_path, source, on_tensor=tick)
+            write_torch_save(dst_path, source, on_tensor=tick)
             files = [os.path.basename(dst_path)]
             where = dst_path
         else:
@@ -176,7 +171,7 @@ def convert(
                         f"{dst_path} already exists and is not empty (pass force=True to overwrite)", path=dst_path
                     )
                 _clear_safetensors(dst_path)
-            files = fconv.write_safetensors(
+            files = write_safetensors(
                 directory,
                 source,
                 names,

@@ -66,6 +66,19 @@ class ShapeMismatchError(CheckpointError):
         self.keys = list(keys)
 
 
+class DtypeMismatchError(ShapeMismatchError):
+    """A tensor's dtype differs between the caller's state and the checkpoint and the load did
+    not opt in to converting it (`cast=True`). `casts` maps each key to (saved, requested)."""
+
+    def __init__(self, message: str, *, keys=(), casts=None, path: str | None = None, rank: int | None = None):
+        super().__init__(message, keys=keys, path=path, rank=rank)
+        self.casts = dict(casts or {})
+
+
+class CastWarning(UserWarning):
+    """A load with `cast=True` converted tensors to the dtype the state asked for (keys listed)."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """Metadata or an object would need code execution (a pickle global outside the allowlist),
     or a file name in the manifest/metadata escapes the checkpoint directory."""
@@ -77,6 +90,17 @@ class StateError(CheckpointError):
 
 class StorageError(CheckpointError):
     """The storage backend failed permanently (permission denied, bucket missing, retries exhausted)."""
+
+
+class RankLostError(CheckpointError):
+    """A peer rank disappeared (its process died or its connection broke) during a collective
+    save or load; `ranks` are those that did not answer, `step` the step being saved or loaded."""
+
+    def __init__(self, message: str, *, ranks=(), step: int | None = None, path: str | None = None,
+                 rank: int | None = None):
+        super().__init__(message, path=path, rank=rank)
+        self.ranks = list(ranks)
+        self.step = step
 
 
 class UploadError(StorageError):

@@ -7,7 +7,8 @@
 Any source ckptlib reads (ckptlib or plain DCP at any saved world size, torch.save files,
 v0 per-rank files, safetensors; a CheckpointManager root exports its `latest` step), in one
 process, one tensor in memory at a time: peak memory is about the largest tensor plus a
-few tens of MiB, never the checkpoint (the writers are `ckptlib.format.convert`'s).
+few tens of MiB, never the checkpoint (the writers live with their readers in
+`ckptlib.format.safetensors` and `ckptlib.format.torch_save`).
 
 A directory export records what it wrote in `ckptlib_export.json`, written before the first
 weight file and completed after the last: `force=True` replaces only an export ckptlib
@@ -22,21 +23,25 @@ import os
 import re
 import struct
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from .errors import CheckpointExistsError, CheckpointNotFoundError, NotACheckpointError, StateError, UnsupportedError
-from .format import convert as fconv
-from .format.legacy import DEFAULT_PREFIX, inspect_checkpoint, open_reader
+from .format.foreign import DEFAULT_PREFIX
+from .format.safetensors import write_safetensors
+from .format.shard_files import EXPORT_MARK, planned_entries
+from .format.source import inspect_checkpoint, open_reader
+from .format.streaming import SourceValues
+from .format.torch_save import write_torch_files
 from .observe import log_operation
-from .storage import Storage, is_remote, open_storage
+from .storage import Storage, as_storage, is_remote, root_is_file
 
 FORMATS = ("safetensors", "torch")
 EXPORT_RECORD = "ckptlib_export.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _SINGLE_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth")}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
@@ -72,7 +77,8 @@ def parse_size(value: int | str | None) -> int | None:
     match = _SIZE_RE.match(str(value))
     if not match:
         raise ValueError(f"max shard size must be bytes or like '5GB', '500MB', '2GiB'; got {value!r}")
-    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
+    unit = (match.group(2) or "B").upper()
+    size = int(float(match.group(1)) * _UNITS[unit if unit.endswith("B") else unit + "B"])
     if size < 1:
         raise ValueError(f"max shard size must be positive, got {value!r}")
     return size
@@ -90,7 +96,7 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
 def _source_storage(src: str | os.PathLike | Storage, step: int | None) -> Storage:
     """The checkpoint to export: `src` itself, or a step of the CheckpointManager root `src`
     (`step`, default the one `latest` names)."""
-    storage = src if not isinstance(src, (str, os.PathLike)) else open_storage(src)
+    storage = as_storage(src)
     from .manager import CheckpointManager, step_dir
 
     manager = CheckpointManager(storage.uri)
@@ -102,10 +108,27 @@ def _source_storage(src: str | os.PathLike | Storage, step: int | None) -> Stora
         inspect_checkpoint(storage, verify=False)
         return storage
     except NotACheckpointError:
-        latest = manager.latest() if storage.exists() and not getattr(storage, "is_file", lambda: False)() else None
+        latest = manager.latest() if storage.exists() and not root_is_file(storage) else None
         if latest is None:
             raise
         return storage.child(step_dir(latest))
+
+
+def _as_callable(key_map: Callable[[str], str | None] | Mapping[str, str] | None) -> Callable[[str], str | None] | None:
+    """A key map given as {old_prefix: new_prefix} (the longest matching prefix wins) as a callable."""
+    if key_map is None or callable(key_map):
+        return key_map
+    if not isinstance(key_map, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in key_map.items()):
+        raise StateError(f"key_map must be a callable or a dict of str prefixes, got {key_map!r}")
+    prefixes = sorted(key_map, key=len, reverse=True)
+
+    def rename(name: str) -> str:
+        for old in prefixes:
+            if name.startswith(old):
+                return key_map[old] + name[len(old) :]
+        return name
+
+    return rename
 
 
 def _names(
@@ -189,11 +212,11 @@ def _single_file_is_export(path: str, fmt: str) -> bool:
             with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(min(n, 1 << 24)))
-            return header.get("__metadata__", {}).get(fconv.EXPORT_MARK) is not None
+            return header.get("__metadata__", {}).get(EXPORT_MARK) is not None
         import zipfile
 
         with zipfile.ZipFile(path) as archive:
-            return any(n.endswith("/" + fconv.EXPORT_MARK) for n in archive.namelist())
+            return any(n.endswith("/" + EXPORT_MARK) for n in archive.namelist())
     except Exception:  # noqa: BLE001 - anything unreadable is not ours
         return False
 
@@ -220,7 +243,7 @@ def export(
     dtype: torch.dtype | str | None = None,
     max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE,
     model_only: bool = False,
-    key_map: Callable[[str], str | None] | None = None,
+    key_map: Callable[[str], str | None] | Mapping[str, str] | None = None,
     step: int | None = None,
     force: bool = False,
     progress: bool = False,
@@ -244,7 +267,7 @@ def export(
     - `dtype` (e.g. torch.bfloat16 or "bfloat16"): floating-point tensors are cast to it;
       integer and bool tensors keep theirs.
     - `key_map(name) -> str | None`: renames each tensor (after the prefix is stripped);
-      None leaves it out.
+      None leaves it out. A dict {old_prefix: new_prefix} renames by prefix (longest first).
     - `src`: a checkpoint in any format ckptlib reads, or a CheckpointManager root (its
       `latest` step, or `step`).
 
@@ -264,8 +287,8 @@ def export(
     source_storage = _source_storage(src, step)
     info = inspect_checkpoint(source_storage, verify=verify, trusted=trusted)
     reader, info = open_reader(source_storage, info=info, verify=verify, trusted=trusted)
-    source = fconv.SourceValues(reader, info.metadata, trusted=trusted)
-    names, skipped = _names(source.tensor_keys, source.object_keys, model_only, key_map)
+    source = SourceValues(reader, info.metadata, trusted=trusted)
+    names, skipped = _names(source.tensor_keys, source.object_keys, model_only, _as_callable(key_map))
     if not names:
         shown = ", ".join(source.tensor_keys[:8]) + (" ..." if len(source.tensor_keys) > 8 else "")
         raise StateError(
@@ -302,11 +325,11 @@ def export(
             record["files"].append(name)
             _write_record(directory, record)
 
-    total = sum(e.nbytes for e in fconv.planned_entries(source, names, cast))
+    total = sum(e.nbytes for e in planned_entries(source, names, cast))
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"export {format}", disable=not progress, leave=False)
-    write = fconv.write_safetensors if format == "safetensors" else fconv.write_torch_files
+    write = write_safetensors if format == "safetensors" else write_torch_files
     try:
         files = write(
             directory,

@@ -23,18 +23,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import datetime
-import json
 import os
 import re
-import socket
 import time
-import uuid
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 from . import _dist
-from .checkpoint import LoadResult, SaveResult, load, save
+from .checkpoint import LoadResult, SaveResult, load, save, start_async_save
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError
 from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
 from .observe import log_operation
@@ -42,10 +38,10 @@ from .preemption import DEFAULT_SIGNALS, PreemptionWatcher, signal_name
 from .retention import KeepLast, RetentionPolicy, StepRecord, to_delete
 from . import save_policy as _save_policy
 from .save_policy import SaveContext, SavePolicy, decide
+from .lock import LOCK_NAME, LockHolder, RootLock, StaleLockWarning
 from .storage import Storage, open_storage
 
 LATEST = "latest"
-LOCK_NAME = "ckptlib.lock"
 _STEP_RE = re.compile(r"^step_(\d{10})$")
 # What LocalStorage.delete_tree leaves when it crashes between its rename and the removal.
 _DELETING_RE = re.compile(r"^step_\d{10}\.deleting-[0-9a-f]{8}$")
@@ -65,10 +61,6 @@ class StalePointerWarning(UserWarning):
     """The `latest` pointer named a step that is missing or uncommitted."""
 
 
-class StaleLockWarning(UserWarning):
-    """A lock left by a writer that no longer runs was removed."""
-
-
 @dataclasses.dataclass
 class StepInfo:
     step: int
@@ -77,202 +69,21 @@ class StepInfo:
     files: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
 
 
-# --------------------------------------------------------------------------- the root lock
-
-# Tokens of the locks this process holds now: a lock file naming this process with another
-# token is a leftover (a release that failed), not a live holder.
-_LIVE_TOKENS: set[str] = set()
-
-
-def _process_start(pid: int) -> str | None:
-    """The kernel's start time of `pid` (Linux), to tell a live holder from a reused pid."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            data = f.read()
-    except OSError:
-        return None
-    fields = data[data.rfind(")") + 2 :].split()
-    return fields[19] if len(fields) > 19 else None  # field 22, counted after "pid (comm)"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: alive, owned by someone else
-        return True
-    return True
-
-
-@dataclasses.dataclass
-class LockHolder:
-    """Who holds a root's lock, as its lock file says (fields are None when unreadable)."""
-
-    host: str | None = None
-    pid: int | None = None
-    start: str | None = None
-    token: str | None = None
-    created: str | None = None
-
-    @classmethod
-    def parse(cls, data: bytes) -> "LockHolder":
-        try:
-            doc = json.loads(data.decode("utf-8"))
-            pid = doc.get("pid")
-            return cls(
-                host=str(doc["host"]),
-                pid=pid if isinstance(pid, int) else None,
-                start=doc.get("start"),
-                token=str(doc["token"]),
-                created=doc.get("created"),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-            return cls()
-
-    def describe(self) -> str:
-        if self.token is None:
-            return "an unknown holder (the lock file is unreadable)"
-        me = " (this process)" if self.pid == os.getpid() and self.host == socket.gethostname() else ""
-        return f"pid {self.pid} on host {self.host}{me}, since {self.created}"
-
-    def is_stale(self) -> bool:
-        """True only when the holder certainly no longer runs: its pid on this host is gone, or
-        was reused by a process that started later. A holder on another host is never stale."""
-        if self.host != socket.gethostname() or self.pid is None:
-            return False
-        if self.pid == os.getpid():
-            return self.token not in _LIVE_TOKENS
-        if not _pid_alive(self.pid):
-            return True
-        now = _process_start(self.pid)
-        return self.start is not None and now is not None and now != self.start
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-class RootLock:
-    """`ckptlib.lock` in a checkpoint root, through the Storage protocol."""
-
-    def __init__(self, storage: Storage):
-        self.storage = storage
-        self.token: str | None = None
-        self._owner_pid: int | None = None
-
-    @property
-    def where(self) -> str:
-        return f"{self.storage.uri.rstrip('/')}/{LOCK_NAME}"
-
-    def holder(self) -> LockHolder | None:
-        try:
-            return LockHolder.parse(self.storage.read(LOCK_NAME))
-        except FileNotFoundError:
-            return None
-
-    def _create(self, data: bytes) -> bool:
-        create = getattr(self.storage, "create_exclusive", None)
-        if create is not None:
-            return bool(create(LOCK_NAME, data))
-        # Best effort for a backend without an atomic create: check, write, read back. Two
-        # writers racing within one round trip can both win; see SupportsCreateExclusive.
-        if self.holder() is not None:
-            return False
-        self.storage.write(LOCK_NAME, data)
-        try:
-            return self.storage.read(LOCK_NAME) == data
-        except FileNotFoundError:
-            return False
-
-    def acquire(self) -> None:
-        """Take the lock or raise LockedError naming the root and the holder."""
-        root = self.storage.uri
-        token = uuid.uuid4().hex
-        pid = os.getpid()
-        data = json.dumps(
-            {
-                "format": "ckptlib-lock",
-                "host": socket.gethostname(),
-                "pid": pid,
-                "start": _process_start(pid),
-                "token": token,
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            }
-        ).encode()
-        holder = None
-        for _ in range(3):
-            if self._create(data):
-                self.token, self._owner_pid = token, pid
-                _LIVE_TOKENS.add(token)
-                atexit.register(self._release_at_exit)
-                return
-            holder = self.holder()
-            if holder is None:
-                continue  # released between our attempt and the read: try again
-            if holder.is_stale():
-                warnings.warn(
-                    f"{root}: removing a stale lock left by {holder.describe()} (that process no longer runs)",
-                    StaleLockWarning,
-                    stacklevel=4,
-                )
-                self.storage.delete([LOCK_NAME])
-                continue
-            break
-        described = holder.describe() if holder is not None else "writers that keep taking it"
-        err = LockedError(
-            f"{root} is locked by another writer: {described} (lock file {self.where}). Two managers must not "
-            f"write one root at once. If that writer is gone, remove the lock with "
-            f"CheckpointManager({root!r}).break_lock() or `ckpt unlock {root}`.",
-            path=root,
-        )
-        err.holder = holder.to_json() if holder is not None else None
-        raise err
-
-    def held(self) -> bool:
-        """Whether this object holds the lock and the lock file still says so."""
-        if self.token is None:
-            return False
-        holder = self.holder()
-        return holder is not None and holder.token == self.token
-
-    def release(self) -> None:
-        if self.token is None:
-            return
-        try:
-            if self.held():
-                self.storage.delete([LOCK_NAME])
-        finally:
-            self.forget()
-
-    def forget(self) -> None:
-        """Stop counting as the holder (without touching the lock file)."""
-        if self.token is not None:
-            _LIVE_TOKENS.discard(self.token)
-            self.token = None
-            atexit.unregister(self._release_at_exit)
-
-    def _release_at_exit(self) -> None:
-        if self._owner_pid == os.getpid():  # never from a forked child
-            with contextlib.suppress(Exception):
-                self.release()
-
-    def break_(self) -> LockHolder | None:
-        holder = self.holder()
-        self.storage.delete([LOCK_NAME])
-        return holder
-
-
 class CheckpointManager:
     """Saves numbered checkpoints under `root` and resumes from the newest committed one.
 
     `CheckpointManager(local_root, remote_root=URI, keep_local=1, ...)` is a tiered manager
     (`ckptlib.tiered`): saves go to local disk and are uploaded in the background."""
 
+    # The class `CheckpointManager(..., remote_root=...)` makes: ckptlib.tiered registers it
+    # (`remote_root_manager`); the package imports that module, so it is always registered.
+    _remote_root_class: type | None = None
+
     def __new__(cls, *args: Any, remote_root: str | os.PathLike | None = None, **kwargs: Any):
         if remote_root is not None and cls is CheckpointManager:
-            from .tiered import TieredCheckpointManager
-
-            cls = TieredCheckpointManager
+            if CheckpointManager._remote_root_class is None:
+                raise StateError("remote_root= needs ckptlib.tiered (import ckptlib)")
+            cls = CheckpointManager._remote_root_class
         return super().__new__(cls)
 
     def __init__(
@@ -504,24 +315,38 @@ class CheckpointManager:
 
     def save(
         self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None,
-        metrics: dict[str, float] | None = None,
+        metrics: dict[str, float] | None = None, overwrite: bool = False,
     ) -> SaveResult:
         """Save and commit `step`, move `latest` to it, then apply retention. `metrics` (rank 0's
-        values) are stored in the manifest for `KeepBest` and listings."""
+        values) are stored in the manifest for `KeepBest` and listings.
+
+        A committed `step` that `latest` does not name (a rollback's abandoned step) is replaced
+        with a StalePointerWarning; the step `latest` names is refused (CheckpointExistsError)
+        unless `overwrite=True`. Its old files are removed before the new ones are written, so
+        a crash during that save leaves `latest` falling back to the newest other committed step."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise StateError(f"step must be a non-negative int, got {step!r}")
         self.wait()  # the previous async save: its failure surfaces here, before anything else
+        with _dist.peer_loss_as_error(f"save of step {step} to {self.root_uri}", self.process_group, step=step,
+                                      path=self.path(step)):
+            return self._save(step, state, metadata, metrics, overwrite)
+
+    def _save(
+        self, step: int, state: Mapping[str, Any], metadata: dict[str, Any] | None, metrics: dict[str, float] | None,
+        overwrite: bool,
+    ) -> SaveResult:
         target = self.storage.child(step_dir(step))
         _dist.decide_on_rank0(self._take_lock, self.process_group)
         try:
-            replace = _dist.decide_on_rank0(lambda: self._replaceable(step), self.process_group)
+            replace = None if overwrite else _dist.decide_on_rank0(lambda: self._replaceable(step), self.process_group)
             if replace:
-                warnings.warn(replace, StalePointerWarning, stacklevel=2)
+                warnings.warn(replace, StalePointerWarning, stacklevel=3)
+            overwrite = overwrite or bool(replace)
             if self.async_save:
-                result = self._save_async(step, target, state, metadata, metrics, overwrite=bool(replace))
+                result = self._save_async(step, target, state, metadata, metrics, overwrite=overwrite)
             else:
                 result = save(
-                    target, state, step=step, metadata=metadata, metrics=metrics, overwrite=bool(replace),
+                    target, state, step=step, metadata=metadata, metrics=metrics, overwrite=overwrite,
                     process_group=self.process_group,
                 )
                 _dist.decide_on_rank0(lambda: self._publish(step), self.process_group)
@@ -542,9 +367,9 @@ class CheckpointManager:
                 raise
             return result
 
-        handle = save(
+        handle = start_async_save(
             target, state, step=step, metadata=metadata, metrics=metrics, overwrite=overwrite,
-            process_group=self.process_group, async_=True, background_staging=self.background_staging, _background=background,
+            process_group=self.process_group, background_staging=self.background_staging, wrap=background,
         )
         self._pending = handle
         atexit.register(self._wait_at_exit)
@@ -694,6 +519,14 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"initial_load {self.initial_load!r} does not exist ({exc})", path=self.initial_load
             ) from exc
+
+
+def remote_root_manager(cls: type) -> type:
+    """Class decorator: `cls` is what `CheckpointManager(root, remote_root=...)` creates
+    (ckptlib.tiered's TieredCheckpointManager; manager.py does not import it)."""
+    CheckpointManager._remote_root_class = cls
+    return cls
+
 
 __all__ = [
     "CheckpointManager", "KeepLast", "LockHolder", "StaleLockWarning", "StalePointerWarning", "step_dir", "parse_step",

@@ -246,7 +246,7 @@ def _check_picklable(value: Any, path: str) -> None:
 
 
 @dataclasses.dataclass
-class LoadPlan:
+class LoadTarget:
     """What DCP loads into (`template`) and how to hand the loaded values back."""
 
     template: dict[str, Any]
@@ -258,7 +258,7 @@ class LoadPlan:
     keep_if_absent: frozenset[str] = frozenset()
 
 
-def to_load_plan(
+def to_load_target(
     state: Mapping[str, Any],
     *,
     rank: int,
@@ -266,7 +266,7 @@ def to_load_plan(
     saved_world_size: int | None,
     step: int | None,
     strict: bool,
-) -> LoadPlan:
+) -> LoadTarget:
     """Build the template DCP loads into, and the callbacks that apply it to `state`."""
     _validate(state)
     modules = _modules(state)
@@ -327,7 +327,7 @@ def to_load_plan(
     for note in notes:
         warnings.warn(note, ResizeWarning, stacklevel=3)
     optimizers = {name for name, value in state.items() if isinstance(value, torch.optim.Optimizer)}
-    return LoadPlan(template=template, appliers=appliers, notes=notes, keep_if_absent=_hyperparameter_keys(template, optimizers))
+    return LoadTarget(template=template, appliers=appliers, notes=notes, keep_if_absent=_hyperparameter_keys(template, optimizers))
 
 
 def _hyperparameter_keys(template: dict[str, Any], optimizers: set[str]) -> frozenset[str]:

@@ -40,7 +40,7 @@ from .errors import (
 )
 from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
 from .format.checksum import crc32
-from .manager import LATEST, CheckpointManager, KeepLast, step_dir
+from .manager import LATEST, CheckpointManager, KeepLast, remote_root_manager, step_dir
 from .observe import log_operation
 from .storage import Storage
 
@@ -87,21 +87,23 @@ def _remote_matches(dst: Storage, name: str, size: int, expected_crc: int) -> bo
 class _Upload:
     """One step's upload, on rank 0, in a background thread (or in the foreground)."""
 
-    def __init__(self, manager: "TieredCheckpointManager", step: int, resumed: bool = False):
+    def __init__(self, manager: "TieredCheckpointManager", step: int, *, resumed: bool = False, overwrite: bool = False):
         self.manager = manager
         self.step = step
         self.resumed = resumed
+        self.overwrite = overwrite
         self.error: BaseException | None = None
         self.result: SaveResult | None = None
         self.thread = threading.Thread(target=self.run, name=f"ckptlib-upload-{step}")
 
     def run(self) -> None:
         try:
-            self.result = self.manager._upload(self.step, resumed=self.resumed)
+            self.result = self.manager._upload(self.step, resumed=self.resumed, overwrite=self.overwrite)
         except BaseException as exc:  # noqa: BLE001 - raised by wait() on every rank
             self.error = exc
 
 
+@remote_root_manager
 class TieredCheckpointManager(CheckpointManager):
     """CheckpointManager(local_root, remote_root=URI, keep_local=1, ...): see the module docstring."""
 
@@ -134,16 +136,22 @@ class TieredCheckpointManager(CheckpointManager):
             remote_root, keep_last=keep_last, retention=retention, process_group=process_group, hold_lock=hold_lock
         )
         self.remote_root_uri = self.remote.root_uri
+        local_path, remote_path = self.storage.local_path(), self.remote.storage.local_path()
+        if local_path is not None and remote_path is not None:
+            a, b = os.path.realpath(local_path), os.path.realpath(remote_path)
+            if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):
+                raise StateError(f"remote_root {self.remote_root_uri!r} and the local root {self.root_uri!r} overlap")
         self.keep_local = keep_local
         self.upload_concurrency = upload_concurrency
         self._upload_in_flight: _Upload | None = None  # rank 0 only
         self._resume_checked = False
+        self._closing = False
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_uri!r}, remote_root={self.remote_root_uri!r})"
 
     # -- the upload ---------------------------------------------------------------------
-    def _upload(self, step: int, *, resumed: bool = False) -> SaveResult:
+    def _upload(self, step: int, *, resumed: bool = False, overwrite: bool = False) -> SaveResult:
         """Rank 0: copy local `step` to the remote root, verify it, commit it, move the remote
         `latest` and apply remote retention, under the remote root's lock."""
         started = time.perf_counter()
@@ -159,7 +167,7 @@ class TieredCheckpointManager(CheckpointManager):
             committed_same = MANIFEST_NAME in present and remote.read(MANIFEST_NAME) == manifest_bytes
             if not committed_same:
                 if MANIFEST_NAME in present:
-                    if self.remote.storage.read_pointer(LATEST) == name:
+                    if self.remote.storage.read_pointer(LATEST) == name and not overwrite:
                         raise UploadError(
                             f"{where} is the remote latest and holds a different checkpoint than {local.uri}; "
                             "refusing to replace it",
@@ -237,54 +245,57 @@ class TieredCheckpointManager(CheckpointManager):
         self._resume_checked = True
         return result
 
+    def _finish_upload(self, timeout: float | None = None) -> SaveResult | None:
+        """This rank: wait for its upload in flight (rank 0 has one), raise its failure once."""
+        upload = self._upload_in_flight
+        if upload is None:
+            return None
+        upload.thread.join(timeout)
+        if upload.thread.is_alive():
+            raise StorageError(f"upload of step {upload.step} to {self.remote_root_uri} still running after {timeout} s")
+        self._upload_in_flight = None
+        if upload.error is not None:
+            raise upload.error
+        return upload.result
+
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Wait for the upload in flight: its SaveResult (the remote copy), None when none was
-        in flight; its failure is raised on every rank (once). Collective."""
-
-        def rank0() -> SaveResult | None:
-            upload = self._upload_in_flight
-            if upload is None:
-                return None
-            upload.thread.join(timeout)
-            if upload.thread.is_alive():
-                raise StorageError(f"upload of step {upload.step} to {self.remote_root_uri} still running after {timeout} s")
-            self._upload_in_flight = None
-            if upload.error is not None:
-                raise upload.error
-            return upload.result
-
-        return _dist.decide_on_rank0(rank0, self.process_group)
-
-    def _wait_at_exit(self) -> None:
-        upload = self._upload_in_flight
-        if upload is not None:
-            upload.thread.join()
+        in flight; its failure is raised on every rank (once). Collective (except in close())."""
+        if self._closing:
+            return self._finish_upload(timeout)
+        return _dist.decide_on_rank0(lambda: self._finish_upload(timeout), self.process_group)
 
     def close(self) -> None:
-        """Wait for the upload in flight (raising its failure), then release both roots' locks."""
+        """Rank 0 waits for the upload in flight (raising its failure there), then both roots'
+        locks are released. No collective, like CheckpointManager.close()."""
+        self._closing = True
         try:
-            self.wait()
+            self._finish_upload()
         finally:
-            with contextlib.suppress(Exception):
-                super().close()
-            self.remote.close()
+            try:
+                with contextlib.suppress(Exception):
+                    super().close()
+                self.remote.close()
+            finally:
+                self._closing = False
 
     # -- saving -------------------------------------------------------------------------
     def save(
         self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None,
-        metrics: dict[str, float] | None = None,
+        metrics: dict[str, float] | None = None, overwrite: bool = False,
     ) -> SaveResult:
         """Save `step` to the local root (the only part that blocks), then upload it in the
         background; the returned SaveResult describes the local copy. Waits for the previous
-        upload first (and raises its failure)."""
+        upload first (and raises its failure). `overwrite=True` also replaces the step the
+        remote `latest` names (CheckpointManager.save's rules, on both roots)."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise StateError(f"step must be a non-negative int, got {step!r}")
         self.wait()
         if not self._resume_checked:
             self.resume_upload()
-        result = super().save(step, state, metadata=metadata, metrics=metrics)
+        result = super().save(step, state, metadata=metadata, metrics=metrics, overwrite=overwrite)
         if _dist.get_rank(self.process_group) == 0:
-            upload = _Upload(self, step)
+            upload = _Upload(self, step, overwrite=overwrite)
             self._upload_in_flight = upload
             upload.thread.start()
         return result

@@ -1,4 +1,4 @@
-"""Async save (`ckptlib.save(..., async_=True)`) and the reader/writer fast paths.
+"""Async save (`ckptlib.async_save(...)`) and the reader/writer fast paths.
 
 Async: the state is staged before `save` returns (with `background_staging=True`, before
 `wait_staged()` returns), written and committed in a background
@@ -6,7 +6,7 @@ thread whose collectives run on a dedicated gloo group; a background failure sur
 `wait()` on every rank and never leaves a manifest; a process that exits without `wait()`
 still commits (atexit).
 
-Fast paths (ckptlib.format.dcp_io): items of at least 1 MiB are read by preadv straight into
+Fast paths (ckptlib.format.dcp_reader): items of at least 1 MiB are read by preadv straight into
 the destination and checksummed there, or (unverified, resharded) only their needed rows are
 read; these tests use tensors large enough to take them, at several world sizes.
 """
@@ -85,8 +85,8 @@ def _check_state(state: dict, seed: int) -> list[str]:
 def _async_save_then_train(uri: str) -> dict:
     """Save asynchronously, mutate the state at once (as a training step would), then wait."""
     state = _state(7)
-    handle = ckptlib.save(uri, state, step=7, async_=True)
-    assert isinstance(handle, ckptlib.async_save.AsyncSave)
+    handle = ckptlib.async_save(uri, state, step=7)
+    assert isinstance(handle, ckptlib.AsyncSave)
     with torch.no_grad():  # the "training step": every tensor and plain value changes
         for key in ("w", "cols", "half", "small"):
             state[key].to_local().add_(1)
@@ -119,10 +119,10 @@ def _async_twice_same_buffers(root: str) -> list[int]:
     """Two async saves in a row: the second waits for the first and reuses its staging buffers,
     which must not corrupt the first checkpoint."""
     state = _state(3)
-    first = ckptlib.save(f"{root}/a", state, step=3, async_=True)
+    first = ckptlib.async_save(f"{root}/a", state, step=3)
     with torch.no_grad():
         state["w"].to_local().mul_(-1)
-    second = ckptlib.save(f"{root}/b", state, step=4, async_=True)  # waits for `first`
+    second = ckptlib.async_save(f"{root}/b", state, step=4)  # waits for `first`
     assert first.done()
     second.wait()
     return [first.result().step, second.result().step]
@@ -142,7 +142,7 @@ def _async_with_failing_rank(uri: str, bad_rank: int):
             raise OSError(28, "No space left on device (injected)")
 
         LocalStorage.open_writer = broken_writer
-    handle = ckptlib.save(uri, _state(5), step=5, async_=True)
+    handle = ckptlib.async_save(uri, _state(5), step=5)
     try:
         handle.wait(timeout=60)
     except ckptlib.CheckpointError as exc:
@@ -159,7 +159,7 @@ def _background_staging_then_train(uri: str) -> dict:
     """background_staging=True: save returns before the copy; the "training step" waits for
     wait_staged() and then changes everything; the checkpoint holds the values before it."""
     state = _state(9)
-    handle = ckptlib.save(uri, state, step=9, async_=True, background_staging=True)
+    handle = ckptlib.async_save(uri, state, step=9, background_staging=True)
     handle.wait_staged(timeout=60)
     staged_after = handle.staged_seconds
     with torch.no_grad():
@@ -177,14 +177,14 @@ def test_background_staging_saves_the_state_before_the_next_step(tmp_path, dist_
 
 
 def _background_staging_fails_on(uri: str, bad_rank: int) -> list[str]:
-    from ckptlib import async_save
+    from ckptlib import background_save
 
     if dist.get_rank() == bad_rank:
         def no_memory(key, value, pool, used):
             raise MemoryError(f"cannot stage {key} (injected)")
 
-        async_save._staged_tensor = no_memory
-    handle = ckptlib.save(uri, _state(5), step=5, async_=True, background_staging=True)
+        background_save._staged_tensor = no_memory
+    handle = ckptlib.async_save(uri, _state(5), step=5, background_staging=True)
     seen = []
     for wait in (handle.wait_staged, handle.wait):
         try:
@@ -204,8 +204,9 @@ def test_background_staging_failure_reaches_every_rank(tmp_path, dist_run):
 
 
 def test_background_staging_needs_async(tmp_path):
-    with pytest.raises(ckptlib.StateError, match=r"^background_staging=True needs async_=True$"):
+    with pytest.raises(TypeError, match="background_staging"):  # only async_save stages in the background
         ckptlib.save(tmp_path / "c", {"w": torch.ones(2)}, background_staging=True)
+    assert not (tmp_path / "c").exists()
     with pytest.raises(ckptlib.StateError, match=r"^background_staging=True needs async_save=True$"):
         ckptlib.CheckpointManager(tmp_path / "r", background_staging=True)
 
@@ -224,7 +225,7 @@ def test_background_failure_surfaces_on_every_rank_and_never_commits(tmp_path, d
 
 def test_async_save_single_process_and_unwaited_failure_is_reported(tmp_path):
     state = {"w": _full(1), "n": 1}
-    handle = ckptlib.save(str(tmp_path / "a"), state, step=1, async_=True)
+    handle = ckptlib.async_save(str(tmp_path / "a"), state, step=1)
     state["w"].zero_()
     assert handle.wait(timeout=60).step == 1
     loaded = {"w": torch.zeros(ROWS, COLS), "n": 0}
@@ -232,11 +233,11 @@ def test_async_save_single_process_and_unwaited_failure_is_reported(tmp_path):
     assert torch.equal(loaded["w"], _full(1)) and loaded["n"] == 1
 
     # a committed checkpoint at the target: the failure is raised by wait(), not lost ...
-    bad = ckptlib.save(str(tmp_path / "b"), state, step=1, async_=True)
+    bad = ckptlib.async_save(str(tmp_path / "b"), state, step=1)
     bad.wait()
     with pytest.raises(ckptlib.CheckpointExistsError):
         ckptlib.save(str(tmp_path / "b"), state, step=2)
-    onto_committed = ckptlib.save(str(tmp_path / "b"), state, step=2, async_=True)
+    onto_committed = ckptlib.async_save(str(tmp_path / "b"), state, step=2)
     with pytest.raises(ckptlib.CheckpointExistsError):  # the target is prepared in the background
         onto_committed.wait()
     assert ckptlib.load(str(tmp_path / "b"), {"w": torch.zeros(ROWS, COLS), "n": 0}).step == 1  # untouched
@@ -246,14 +247,14 @@ def test_async_save_single_process_and_unwaited_failure_is_reported(tmp_path):
     original = LocalStorage.open_writer
     try:
         LocalStorage.open_writer = lambda self, path: (_ for _ in ()).throw(OSError(5, "EIO (injected)"))
-        failed = ckptlib.save(str(tmp_path / "c"), state, step=3, async_=True)
+        failed = ckptlib.async_save(str(tmp_path / "c"), state, step=3)
         failed._done.wait(60)
     finally:
         LocalStorage.open_writer = original
     with pytest.raises(ckptlib.CheckpointError, match="nobody waited"):
-        ckptlib.save(str(tmp_path / "d"), state, step=4, async_=True)
+        ckptlib.async_save(str(tmp_path / "d"), state, step=4)
     assert not os.path.exists(tmp_path / "c" / MANIFEST_NAME)
-    ckptlib.save(str(tmp_path / "d"), state, step=4, async_=True).wait()  # reported once, then usable
+    ckptlib.async_save(str(tmp_path / "d"), state, step=4).wait()  # reported once, then usable
 
 
 _EXIT_SCRIPT = textwrap.dedent(
@@ -268,7 +269,7 @@ _EXIT_SCRIPT = textwrap.dedent(
         from torch.distributed.tensor import Shard, distribute_tensor
         from torch.distributed.device_mesh import init_device_mesh
         state["w"] = distribute_tensor(torch.arange(3_000_000, dtype=torch.float32), init_device_mesh("cpu", (world,)), [Shard(0)])
-    ckptlib.save(sys.argv[1], state, step=9, async_=True)
+    ckptlib.async_save(sys.argv[1], state, step=9)
     # no wait(): the interpreter exits right away and atexit must let the save commit
     """
 )
@@ -304,7 +305,7 @@ def _async_fsdp2_round(uri: str) -> dict:
     for step in range(2):
         mx.train_step(model, opt, step)
     state = {"model": model, "optim": opt, "step": 2}
-    handle = ckptlib.save(uri, state, step=2, async_=True)
+    handle = ckptlib.async_save(uri, state, step=2)
     expected = mx.full_state(model, opt)  # collectives on the default group while the save runs
     mx.train_step(model, opt, 2)  # and a training step
     handle.wait(timeout=60)
@@ -329,17 +330,17 @@ def _save_sync(uri: str, seed: int) -> None:
 
 
 def _load_verify(uri: str, seed: int, verify: bool) -> list[str]:
-    from ckptlib.format import dcp_io
+    from ckptlib.format import dcp_reader
 
     fast = []
-    original = dcp_io.CkptReader._read_local_tensor
+    original = dcp_reader.CkptReader._read_local_tensor
 
     def counting(self, *args, **kwargs):
         took = original(self, *args, **kwargs)
         fast.append(took)
         return took
 
-    dcp_io.CkptReader._read_local_tensor = counting  # this rank is a fresh process
+    dcp_reader.CkptReader._read_local_tensor = counting  # this rank is a fresh process
     state = _empty_state()
     assert ckptlib.load(uri, state, verify=verify).step == seed
     problems = _check_state(state, seed)
@@ -409,7 +410,7 @@ def test_corruption_in_a_large_item_is_detected(tmp_path, where, reshard):
     path.write_bytes(bytes(raw))
     target = {"a": torch.zeros(ROWS, COLS)}
     if reshard:  # a load that needs only some rows: verifies the blocks that hold them
-        from ckptlib.format.legacy import open_reader
+        from ckptlib.format.source import open_reader
 
         reader, info = open_reader(ckptlib.storage.open_storage(uri), verify=True)
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -461,7 +462,7 @@ def _manager_async_run(root: str, fail_step: int | None) -> dict:
         except ckptlib.CheckpointError as exc:  # the previous step's background failure
             seen["errors"].append((step, str(exc)))
             handle = mgr.save(step, state)  # reported once; this save goes ahead
-        assert isinstance(handle, ckptlib.async_save.AsyncSave)
+        assert isinstance(handle, ckptlib.AsyncSave)
         with torch.no_grad():
             state["w"].to_local().add_(1)  # train on while the save runs
         seen["latest_after_save"].append(mgr.latest())

@@ -44,9 +44,9 @@ def _observe_handle(handle, how: str) -> None:
 @pytest.mark.parametrize("observer", ["wait", "result", "exception"])
 def test_save_async_failure_seen_by_handle_is_not_raised_again_by_next_save(tmp_path, monkeypatch, observer):
     _fail_writes_under(monkeypatch, "bad")
-    failed = ckptlib.save(str(tmp_path / "bad"), _state(1), step=1, async_=True)
+    failed = ckptlib.async_save(str(tmp_path / "bad"), _state(1), step=1)
     _observe_handle(failed, observer)
-    good = ckptlib.save(str(tmp_path / "good"), _state(2), step=2, async_=True)  # does not raise step 1's error
+    good = ckptlib.async_save(str(tmp_path / "good"), _state(2), step=2)  # does not raise step 1's error
     assert good.wait(timeout=60).step == 2
     loaded = {"w": torch.zeros(64, 8), "n": 0}
     assert ckptlib.load(str(tmp_path / "good"), loaded).step == 2 and loaded["n"] == 2

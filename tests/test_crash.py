@@ -28,7 +28,7 @@ import ckptlib
 from ckptlib import CheckpointManager, LockedError
 from ckptlib.format import classify
 from ckptlib.format.verify import verify
-from ckptlib.manager import LOCK_NAME, StaleLockWarning, _process_start
+from ckptlib.lock import LOCK_NAME, StaleLockWarning, _process_start
 from ckptlib.storage import open_storage
 from ckptlib.testing.launcher import RankExited
 

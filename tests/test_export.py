@@ -19,6 +19,7 @@ from ckptlib.cli import main as cli_main
 from ckptlib.errors import CheckpointExistsError, StateError
 from ckptlib.export import EXPORT_RECORD, parse_size
 from ckptlib.testing.matrix import save_side
+from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401
 
 st = pytest.importorskip("safetensors.torch")
 from safetensors import safe_open  # noqa: E402
@@ -136,6 +137,8 @@ def test_key_map_renames_and_drops(tmp_path):
     )
     assert sorted(read_export(out, "safetensors")) == ["model.layers.a.w", "model.layers.b.w"]
     assert "model.drop" in result.skipped
+    ckptlib.export(str(tmp_path / "c"), str(tmp_path / "o3"), model_only=True, key_map={"a.": "enc.", "": "x."})
+    assert sorted(read_export(str(tmp_path / "o3"), "safetensors")) == ["enc.w", "x.b.w", "x.drop"]
     with pytest.raises(StateError, match="two tensors are exported as 'same'"):
         ckptlib.export(str(tmp_path / "c"), str(tmp_path / "o2"), model_only=True, key_map=lambda k: "same")
 
@@ -187,6 +190,21 @@ def test_export_reloads_with_ckptlib_at_another_world_size(tmp_path, dist_run):
     assert_same(expected["model"], loaded)
 
 
+@pytest.mark.s3
+def test_export_from_an_s3_manager_root(s3_root, tmp_path):
+    mgr = ckptlib.CheckpointManager(s3_root)
+    model = {"a": torch.randn(16, 4), "b": torch.arange(9)}
+    mgr.save(4, {"model": model, "epoch": 2})
+    mgr.save(8, {"model": {k: v + 1 for k, v in model.items()}, "epoch": 3})
+    out = str(tmp_path / "hf")
+    result = ckptlib.export(s3_root, out, model_only=True, step=4)
+    assert result.step == 4 and result.src == f"{s3_root}/step_0000000004"
+    assert_same(model, read_export(out, "safetensors"))
+    latest = ckptlib.export(s3_root, str(tmp_path / "latest"), model_only=True, format="torch")
+    assert latest.step == 8
+    assert_same({k: v + 1 for k, v in model.items()}, read_export(str(tmp_path / "latest"), "torch"))
+
+
 def test_export_logs_one_info_line(tmp_path, caplog):
     ckptlib.save(str(tmp_path / "c"), {"model": {"w": torch.ones(256)}}, step=7)
     with caplog.at_level(logging.INFO, logger="ckptlib"):
@@ -204,7 +222,8 @@ def test_export_logs_one_info_line(tmp_path, caplog):
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30), ("1.5KB", 1500), ("1000", 1000), (4096, 4096)],
+    [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30), ("1.5KB", 1500), ("1000", 1000), (4096, 4096),
+     ("5G", 5 * 10**9), ("10mb", 10**7)],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
@@ -239,7 +258,7 @@ TENSORS = 12  # 384 MiB: more than one tensor + 300 MiB, so a materialising expo
 _MEASURE = textwrap.dedent(
     """
     import resource, sys
-    import ckptlib, ckptlib.export, ckptlib.format.convert, safetensors  # imports before the baseline
+    import ckptlib, ckptlib.export, ckptlib.format.streaming, safetensors  # imports before the baseline
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     ckptlib.export(sys.argv[1], sys.argv[2], format=sys.argv[3], dtype=sys.argv[4] or None, max_shard_size="100MB", model_only=True)
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

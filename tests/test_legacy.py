@@ -36,8 +36,8 @@ from ckptlib.errors import (
     UnsafeCheckpointError,
 )
 from ckptlib.format import CkptReader
-from ckptlib.format.legacy import (
-    LegacyReader,
+from ckptlib.format.source import (
+    ForeignReader,
     SourceInfo,
     detect_format,
     inspect_checkpoint,
@@ -362,7 +362,7 @@ def test_open_reader_kinds():
         reader, info = open_reader(fixture_path(name))
         kind = fixture_info(name)["format"]
         assert info.kind == kind
-        assert isinstance(reader, CkptReader if kind in ("ckptlib", "dcp") else LegacyReader)
+        assert isinstance(reader, CkptReader if kind in ("ckptlib", "dcp") else ForeignReader)
 
 
 @pytest.mark.parametrize("name", ["torch_save", "v0_ws3", "safetensors_sharded"])
@@ -374,7 +374,7 @@ def test_source_info_is_small_and_rebuilds_the_reader(name):
     assert len(blob) < 20_000  # locators only, never tensor data
     again = pickle.loads(blob)
     reader, same = open_reader(fixture_path(name), info=again)
-    assert same is again and isinstance(reader, LegacyReader)
+    assert same is again and isinstance(reader, ForeignReader)
     pickle.loads(pickle.dumps(reader))  # readers cross process boundaries too
 
 
@@ -523,11 +523,11 @@ def test_convert_reads_one_tensor_at_a_time(tmp_path, monkeypatch):
     """Streaming: every tensor is fetched once, on its own, and released before the next."""
     import weakref
 
-    from ckptlib.format import convert as fconv
+    from ckptlib.format import streaming
 
     live: list = []
     fetched: list = []
-    original = fconv.SourceValues.tensor
+    original = streaming.SourceValues.tensor
 
     def tracking(self, fqn):
         tensor = original(self, fqn)
@@ -536,7 +536,7 @@ def test_convert_reads_one_tensor_at_a_time(tmp_path, monkeypatch):
         live.append(weakref.ref(tensor))
         return tensor
 
-    monkeypatch.setattr(fconv.SourceValues, "tensor", tracking)
+    monkeypatch.setattr(streaming.SourceValues, "tensor", tracking)
     # CkptWriter's loop still holds the previous item while it asks for the next one, so a
     # DCP target has at most two tensors alive; the file writers only ever one.
     for to, dst, most in (("dcp", "d", 1), ("safetensors", "s", 0), ("torch", "t.pt", 0)):

@@ -18,7 +18,7 @@ import ckptlib
 from ckptlib import CheckpointManager, KeepBest, KeepEvery, KeepLast, StalePointerWarning, StateError
 from ckptlib import cli
 from ckptlib.retention import AnyOf, StepRecord, to_delete
-from ckptlib.testing.s3 import moto_server, s3_root  # noqa: F401
+from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401
 
 
 def _dirs(root) -> list[int]:
@@ -152,15 +152,20 @@ def test_keep_best_by_saved_metrics(tmp_path):
     assert result.metrics == {"val_loss": 0.3, "lr": 0.1}
 
 
-def test_keep_best_alone_never_evicts_the_step_to_resume_from(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_keep_best_alone_never_evicts_the_step_to_resume_from(tmp_path, async_save):
     """A best-only policy whose newest steps are the worst: `latest` (what a resume needs) stays
-    (a `best_fn` that evicted the newest steps left a run unresumable elsewhere)."""
+    (a `best_fn` that evicted the newest steps left a run unresumable elsewhere). Async: each
+    save's retention runs in the background after its commit, and the save in flight is
+    never a candidate."""
     root = tmp_path / "run"
-    mgr = CheckpointManager(root, retention=KeepBest(1, "loss"))
+    mgr = CheckpointManager(root, retention=KeepBest(1, "loss"), async_save=async_save)
     for step, loss in enumerate([0.5, 0.9, 1.3, 0.2, 2.0], start=1):
         mgr.save(step, _state(step), metrics={"loss": loss})
+        mgr.wait()
         best = 4 if step >= 4 else 1
         assert _dirs(root) == sorted({best, step}), f"after step {step}"
+    mgr.close()
     got = _state(0)
     assert CheckpointManager(root).load(got) == 5 and torch.equal(got["w"], torch.full((4,), 5.0))
 
@@ -240,12 +245,17 @@ def test_rollback_latest_older_than_newest_survives_gc(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_save_of_the_step_latest_names_is_refused(tmp_path):
+def test_save_of_the_step_latest_names_is_refused_unless_overwrite(tmp_path):
     mgr = CheckpointManager(tmp_path / "run", keep_last=1)
     mgr.save(4, _state(4))
     with pytest.raises(ckptlib.CheckpointExistsError, match="step_0000000004 already holds a committed checkpoint"):
         mgr.save(4, _state(5))
-    assert _dirs(tmp_path / "run") == [4]
+    got = _state(0)
+    assert mgr.load(got) == 4 and torch.equal(got["w"], torch.full((4,), 4.0))
+    mgr.save(4, _state(44), overwrite=True)
+    assert _dirs(tmp_path / "run") == [4] and mgr.latest() == 4
+    got = _state(0)
+    assert mgr.load(got) == 4 and torch.equal(got["w"], torch.full((4,), 44.0)) and got["step"] == 44
 
 
 # ---------------------------------------------------------------- ckpt gc

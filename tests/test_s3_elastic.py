@@ -12,7 +12,7 @@ import pytest
 
 from ckptlib import compat
 from ckptlib.testing import matrix as mx
-from ckptlib.testing.s3 import moto_server, s3_client, s3_env, s3_root  # noqa: F401
+from ckptlib.testing.s3_server import moto_server, s3_client, s3_env, s3_root  # noqa: F401
 
 pytestmark = [pytest.mark.s3, pytest.mark.elastic]
 

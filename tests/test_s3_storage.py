@@ -19,7 +19,7 @@ from ckptlib.errors import CheckpointError, StorageError
 from ckptlib.storage import open_storage
 from ckptlib.storage import s3 as s3mod
 from ckptlib.storage.s3 import S3Storage, make_client, parse_uri
-from ckptlib.testing.s3 import moto_server, s3_client, s3_root  # noqa: F401
+from ckptlib.testing.s3_server import moto_server, s3_client, s3_root  # noqa: F401
 
 pytestmark = pytest.mark.s3
 

@@ -14,7 +14,7 @@ import torch
 import ckptlib
 from ckptlib import cli
 from ckptlib.errors import CheckpointCorruptError, UnsafeCheckpointError, UnsupportedError
-from ckptlib.format.legacy import open_reader
+from ckptlib.format.source import open_reader
 
 pytestmark = pytest.mark.legacy
 

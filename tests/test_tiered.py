@@ -24,7 +24,7 @@ from ckptlib.format import MANIFEST_NAME, classify
 from ckptlib.format.verify import verify
 from ckptlib.manager import CheckpointManager
 from ckptlib.storage import open_storage
-from ckptlib.testing.s3 import moto_server, s3_env, s3_root  # noqa: F401
+from ckptlib.testing.s3_server import moto_server, s3_env, s3_root  # noqa: F401
 from ckptlib.tiered import TieredCheckpointManager, UploadError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,6 +63,8 @@ def test_constructor_dispatch_and_arguments(tmp_path):
     assert type(CheckpointManager(str(tmp_path / "l"))) is CheckpointManager
     with pytest.raises(StateError, match="keep_local must be a positive int"):
         CheckpointManager(str(tmp_path / "l"), remote_root=str(tmp_path / "r"), keep_local=0)
+    with pytest.raises(StateError, match="overlap"):
+        CheckpointManager(str(tmp_path / "l"), remote_root=str(tmp_path / "l" / "remote"))
     with pytest.raises(StateError, match="async_save=True does not combine with remote_root"):
         CheckpointManager(str(tmp_path / "l"), remote_root=str(tmp_path / "r"), async_save=True)
 
@@ -267,3 +269,19 @@ def test_multi_rank_upload_and_load(tmp_path, remote, dist_run):
     assert _children(remote) == ["step_0000000002", "step_0000000003"]
     manifest = json.loads(open_storage(remote).child("step_0000000003").read(MANIFEST_NAME))
     assert manifest["world_size"] == 2
+
+
+def test_overwrite_replaces_the_remote_latest_too(tmp_path, remote):
+    mgr = CheckpointManager(str(tmp_path / "local"), remote_root=remote, keep_local=2)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    mgr.wait()
+    with pytest.raises(ckptlib.CheckpointExistsError):
+        mgr.save(2, _state(5))
+    mgr.save(2, _state(5), overwrite=True)
+    assert mgr.wait().step == 2
+    state = _fresh()
+    ckptlib.load(f"{remote.rstrip('/')}/step_0000000002", state)
+    _assert_state(state, 5)
+    assert open_storage(remote).read_pointer("latest") == "step_0000000002"
+    mgr.close()

@@ -43,7 +43,7 @@ def test_save_refuses_unpicklable_value_before_writing(tmp_path, kind, mode):
     bad = UNPICKLABLE[kind]()
     target = tmp_path / "ckpt"
     with pytest.raises(ckptlib.StateError, match=r"^state value extra\.callback \(\w+\) cannot be saved: it does not pickle"):
-        ckptlib.save(str(target), _state(bad), step=1, async_=(mode == "async"))
+        (ckptlib.async_save if mode == "async" else ckptlib.save)(str(target), _state(bad), step=1)
     assert not target.exists()
     if hasattr(bad, "close"):
         bad.close()
@@ -77,7 +77,7 @@ def test_manager_refuses_unpicklable_value_and_keeps_latest(tmp_path, async_save
 def _one_rank_has_a_lambda(uri: str, async_: bool) -> str:
     bad = (lambda: 0) if dist.get_rank() == 1 else 7
     try:
-        ckptlib.save(uri, _state(bad), step=1, async_=async_)
+        (ckptlib.async_save if async_ else ckptlib.save)(uri, _state(bad), step=1)
     except ckptlib.StateError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"

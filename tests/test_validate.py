@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from ckptlib import cli
-from ckptlib.testing.s3 import moto_server, s3_env, s3_root  # noqa: F401 (fixtures)
+from ckptlib.testing.s3_server import moto_server, s3_env, s3_root  # noqa: F401 (fixtures)
 from ckptlib.testing.validate import Cell, Report
 
 

@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
+import zlib
+from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
+
+from .._version import __version__
 
 from ..errors import (
     CheckpointCorruptError,
@@ -28,17 +32,37 @@ from ..errors import (
     NotACheckpointError,
     UnsafeCheckpointError,
 )
-from ..storage import Storage
-from .dcp_io import describe_file, is_ckptlib_metadata, read_metadata
-from .manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, Manifest
+from ..storage import Storage, root_is_file
+from .file_names import describe_file, shard_rank
+from .manifest import MANIFEST_NAME, METADATA_MARKER, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
 from .safe_pickle import safe_loads
+from .structure import structure_problems
 
-_SHARD_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+def is_ckptlib_metadata(metadata: Any) -> bool:
+    """Whether `.metadata` was written by ckptlib's CkptWriter (which also writes a manifest)."""
+    modules = getattr(getattr(metadata, "storage_meta", None), "modules", None)
+    return isinstance(modules, (list, tuple)) and METADATA_MARKER in modules
 
 
-def shard_rank(name: str) -> int | None:
-    match = _SHARD_RE.match(name)
-    return int(match.group(1)) if match else None
+def read_metadata(storage: Storage, manifest: Manifest | None, *, verify: bool = True) -> Metadata:
+    """Read and safely unpickle `.metadata`, checking it against the manifest first."""
+    where = f"{storage.uri}/{METADATA_NAME}"
+    try:
+        blob = storage.read(METADATA_NAME)
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"{where}: DCP metadata file is missing", path=where) from exc
+    if manifest is not None and verify:
+        record = manifest.files.get(METADATA_NAME)
+        if record is None:
+            raise CheckpointCorruptError(f"{where}: not listed in the manifest", path=where)
+        if len(blob) != record.size or zlib.crc32(blob) != record.crc32:
+            raise CheckpointCorruptError(
+                f"{where}: checksum mismatch (size {len(blob)} vs {record.size} in the manifest)", path=where
+            )
+    metadata = safe_loads(blob, where)
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptError(f"{where}: holds {type(metadata).__name__}, not DCP Metadata", path=where)
+    return metadata
 
 
 @dataclasses.dataclass
@@ -114,8 +138,7 @@ def not_a_checkpoint_error(storage: Storage, kind: str) -> CheckpointError | Non
     """The error for a `classify` kind that is no checkpoint at all (missing, a file, empty,
     unrelated files), or None."""
     uri = storage.uri
-    is_file = getattr(storage, "is_file", None)
-    if is_file is not None and is_file():
+    if root_is_file(storage):
         return NotACheckpointError(f"{uri} is a file, not a checkpoint directory", path=uri)
     if kind == "missing":
         return CheckpointNotFoundError(f"no checkpoint at {uri}: the path does not exist", path=uri)
@@ -164,7 +187,6 @@ def open_checkpoint(storage: Storage, *, verify: bool = True, check_files: bool 
                 path=f"{uri}/{problems[0][0]}",
             )
     metadata = read_metadata(storage, manifest, verify=verify)
-    from .verify import structure_problems  # verify imports this module
 
     errors = [p for p in structure_problems(metadata, manifest, listing, exhaustive=False) if p.is_error]
     if errors:
@@ -189,6 +211,30 @@ def prepare_save_target(storage: Storage, *, overwrite: bool, world_size: int) -
         storage.delete_tree()  # debris of a crashed save, or an explicit overwrite
     # Not durable: losing it in a crash is harmless (shards without a manifest are debris anyway).
     storage.write(PENDING_NAME, json.dumps({"world_size": world_size}).encode(), durable=False)
+
+
+def commit_manifest(
+    storage: Storage,
+    files: dict[str, FileRecord],
+    *,
+    world_size: int,
+    step: int | None,
+    metadata: dict[str, Any],
+    metrics: dict[str, Any] | None = None,
+) -> Manifest:
+    """Build the manifest of the files just written (stamped with this torch's and ckptlib's
+    versions) and `commit` it; every save and conversion commits through here."""
+    manifest = Manifest(
+        world_size=world_size,
+        files=dict(files),
+        step=step,
+        metadata=metadata,
+        metrics=dict(metrics or {}),
+        torch_version=torch.__version__,
+        ckptlib_version=__version__,
+    )
+    commit(storage, manifest)
+    return manifest
 
 
 def commit(storage: Storage, manifest: Manifest) -> None:

@@ -6,10 +6,20 @@ import os
 from urllib.parse import urlparse
 
 from ..errors import StorageError
-from .base import Storage, check_relative
+from .base import (
+    Storage,
+    SupportsCreateExclusive,
+    SupportsDirectReads,
+    SupportsFileRoot,
+    check_relative,
+    root_is_file,
+)
 from .local import LocalStorage
 
-__all__ = ["Storage", "LocalStorage", "open_storage", "check_relative", "is_remote"]
+__all__ = [
+    "Storage", "SupportsCreateExclusive", "SupportsDirectReads", "SupportsFileRoot", "LocalStorage",
+    "as_storage", "open_storage", "check_relative", "is_remote", "root_is_file",
+]
 
 
 REMOTE_SCHEMES = ("s3://", "gs://", "az://")
@@ -46,3 +56,8 @@ def open_storage(uri: str | os.PathLike) -> Storage:
     if "://" in uri:
         raise StorageError(f"unsupported URI scheme in {uri!r} (use a path, file://, s3://, gs:// or az://)", path=uri)
     return LocalStorage(uri)
+
+
+def as_storage(uri_or_storage: str | os.PathLike | Storage) -> Storage:
+    """`open_storage(uri)` for a path or URI; a Storage is returned as it is."""
+    return open_storage(uri_or_storage) if isinstance(uri_or_storage, (str, os.PathLike)) else uri_or_storage

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import os
 import re
 import threading
@@ -158,8 +159,9 @@ class AzureClient:
     def size(self, key: str) -> int:
         return int(self._blob(key).get_blob_properties().size)
 
-    def list(self, key_prefix: str) -> list[tuple[str, int]]:
-        return [(b.name, int(b.size or 0)) for b in self.container.list_blobs(name_starts_with=key_prefix or None)]
+    def list(self, key_prefix: str, limit: int | None = None) -> list[tuple[str, int]]:
+        blobs = self.container.list_blobs(name_starts_with=key_prefix or None, results_per_page=limit)
+        return [(b.name, int(b.size or 0)) for b in (itertools.islice(blobs, limit) if limit else blobs)]
 
     def list_prefixes(self, key_prefix: str) -> list[str]:
         from azure.storage.blob import BlobPrefix

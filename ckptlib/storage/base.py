@@ -11,6 +11,13 @@ from typing import BinaryIO, ContextManager, Iterable, Protocol, runtime_checkab
 from ..errors import StorageError
 
 
+# What makes a directory look committed (ckptlib's manifest, then DCP's metadata; the names
+# `ckptlib.format.manifest` gives them). A backend that deletes a tree object by object
+# removes these first, so an interrupted deletion never leaves a committed-looking directory
+# with files missing.
+DELETE_FIRST = ("ckptlib.json", ".metadata")
+
+
 @runtime_checkable
 class Storage(Protocol):
     """What every backend provides. Small on purpose: DCP layout lives in ckptlib.format."""
@@ -79,6 +86,32 @@ class SupportsCreateExclusive(Protocol):
         """Write `data` at `path` iff no object is there; True if this call created it, False if
         one already existed. Atomic: of concurrent callers at most one gets True, and readers
         never see a partial object."""
+
+
+@runtime_checkable
+class SupportsDirectReads(Protocol):
+    """Optional for backends whose objects are plain local files: a reader may read such a file
+    itself (`os.preadv` straight into tensor memory) instead of through `read`.
+
+    `direct_read_path` returns None whenever reads must go through `read` after all (a
+    subclass or a test that wraps `read` for fault injection or instrumentation)."""
+
+    def direct_read_path(self, path: str) -> str | None:
+        """The local file whose bytes `read(path, ...)` returns, or None."""
+
+
+@runtime_checkable
+class SupportsFileRoot(Protocol):
+    """Optional for backends whose root may be a single file rather than a directory (a local
+    path to a torch.save or safetensors file, which `ckptlib.format.source` reads)."""
+
+    def is_file(self) -> bool:
+        """Whether the root is a file."""
+
+
+def root_is_file(storage: Storage) -> bool:
+    """Whether `storage` is rooted at a single file (see SupportsFileRoot)."""
+    return isinstance(storage, SupportsFileRoot) and bool(storage.is_file())
 
 
 def check_relative(path: str, root_uri: str) -> str:

@@ -11,6 +11,7 @@ the SDK's own retry is switched off per call.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -120,8 +121,8 @@ class GCSClient:
             raise FileNotFoundError(key)
         return int(blob.size or 0)
 
-    def list(self, key_prefix: str) -> list[tuple[str, int]]:
-        blobs = self.sdk.list_blobs(self.bucket, prefix=key_prefix, retry=None, timeout=TIMEOUT)
+    def list(self, key_prefix: str, limit: int | None = None) -> list[tuple[str, int]]:
+        blobs = self.sdk.list_blobs(self.bucket, prefix=key_prefix, max_results=limit, retry=None, timeout=TIMEOUT)
         return [(b.name, int(b.size or 0)) for b in blobs]
 
     def list_prefixes(self, key_prefix: str) -> list[str]:
@@ -237,11 +238,17 @@ class ComposedUpload:
         with self._lock:
             made = sorted(self._made)
             self._made.clear()
-        for key in made:
+        def delete(key: str) -> None:
             try:
                 self._c.delete(key)
             except Exception as exc:  # noqa: BLE001 - leftovers are hidden from list() and removed by delete_tree
                 log.debug("could not delete temporary part %s: %s", key, type(exc).__name__)
+
+        if len(made) > 1:
+            with concurrent.futures.ThreadPoolExecutor(min(8, len(made)), thread_name_prefix="ckptlib-gs-del") as pool:
+                list(pool.map(delete, made))
+        elif made:
+            delete(made[0])
 
 
 class GCSStorage(ObjectStorage):

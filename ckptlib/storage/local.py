@@ -163,6 +163,13 @@ class LocalStorage:
                 os.unlink(full)
             raise
 
+    def direct_read_path(self, path: str) -> str | None:
+        """`SupportsDirectReads`: the file's path, unless `read` was replaced (by a subclass or a
+        patch), whose readers must then see every read."""
+        if type(self).read is not _PLAIN_READ:
+            return None
+        return self.local_path(path)
+
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         full = self._path(path)
         with open(full, "rb") as f:  # FileNotFoundError propagates: callers map it
@@ -250,3 +257,6 @@ class LocalStorage:
             rel = os.path.relpath(target, os.path.dirname(link))
             target = rel
         return target
+
+
+_PLAIN_READ = LocalStorage.read  # as defined, before anything could patch it

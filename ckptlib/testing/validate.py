@@ -172,6 +172,11 @@ def run_pairs(root: str, world_sizes: list[int], wrap: str, optim: str, progress
     return Report(root, wrap, optim, list(world_sizes), cells) if rank == 0 else None
 
 
+def layouts_fit(layouts: list[str], world_sizes: list[int]) -> bool:
+    """Whether some layout of `layouts` runs at some size of `world_sizes`."""
+    return any(layouts_mod.get_layout(name).supports(n) for name in layouts for n in world_sizes)
+
+
 def run_layout_pairs(root: str, world_sizes: list[int], layouts: list[str], optim: str, *,
                      pairs: str = "all", progress: bool = True) -> Report | None:
     """Every (layout A at N) save loaded at every (layout B at M) inside an initialized

@@ -103,6 +103,20 @@ def test_multipart_shard_round_trips(root, cloud, monkeypatch):
     assert not any(".ckptlib-part-" in k for k in keys(root))  # no temporary parts left behind
 
 
+@pytest.mark.gcs
+def test_gcs_composes_in_rounds_beyond_32_parts(gcs_root):
+    """70 parts: composed 32 at a time into intermediates, then once more; no part is left."""
+    storage = open_storage(gcs_root)
+    storage.multipart_threshold = storage.part_size = 256 << 10
+    data = bytes(range(256)) * (70 * 1024 - 3)
+    with storage.open_writer("many-parts") as stream:
+        stream.write(data)
+        assert stream.parts_uploaded >= 60
+    assert storage.list() == {"many-parts": len(data)}
+    assert bytes(storage.read("many-parts")) == data
+    assert keys(gcs_root) == {"run/many-parts"}
+
+
 def test_manager_retention_and_latest(root):
     manager = ckptlib.CheckpointManager(root, keep_last=2)
     assert manager.latest() is None

@@ -2,7 +2,7 @@
 
 In a test module::
 
-    from ckptlib.testing.s3 import moto_server, s3_root  # noqa: F401
+    from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401
 
     def test_roundtrip(s3_root):          # "s3://<fresh bucket>/run"
         ckptlib.save(s3_root, state)

@@ -1,6 +1,6 @@
 """Asynchronous saves: stage the state to CPU memory, write and commit in a background thread.
 
-`ckptlib.save(uri, state, async_=True)` returns an `AsyncSave` once the state is staged; the
+`ckptlib.async_save(uri, state)` returns an `AsyncSave` once the state is staged; the
 caller may then change the state (a training step) without affecting what is saved.
 
 Collectives: the background thread never touches the caller's process group. Its
@@ -15,7 +15,7 @@ sees it raises it and does nothing else, the next call proceeds).
 
 Failures: a failed background save never writes the manifest, so it never becomes a
 committed checkpoint; its error is raised by `wait()` / `result()` on every rank. Errors in
-the arguments or the state are raised by `save()` itself; the target is prepared (debris
+the arguments or the state are raised by `async_save()` itself; the target is prepared (debris
 removed, pending marker written and fsynced) in the background, before any shard is
 written, so a CheckpointExistsError comes from `wait()`.
 
@@ -25,7 +25,7 @@ saved asynchronously pass a store-based exit barrier (up to 60 s), so no rank ex
 a peer still reads the background's last collective (gloo would abort that peer). Call `wait()` before
 `destroy_process_group()`: the background needs the group until the commit.
 
-Background staging (`background_staging=True`): `save()` returns right after its checks;
+Background staging (`background_staging=True`): `async_save()` returns right after its checks;
 the background first copies the state (then agrees on the dedicated group that every rank
 did), and `wait_staged()` returns once it has. Nothing may change the state before that:
 no optimizer step, and no training-mode forward pass that updates buffers (BatchNorm's
@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from . import _dist
+from .teardown import exit_barrier
 from .errors import CheckpointError
 
 __all__ = ["AsyncSave", "release_staging"]
@@ -300,7 +301,7 @@ def _wait_at_exit() -> None:
     for group in list(_groups):
         try:
             ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-            _dist.exit_barrier(
+            exit_barrier(
                 timeout_s=60.0, key=f"ckptlib/async_save_exit/{','.join(map(str, ranks))}", group=group
             )
         except Exception as exc:  # noqa: BLE001 - exiting anyway; say why a peer may complain

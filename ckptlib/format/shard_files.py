@@ -1,0 +1,106 @@
+"""Hugging Face's sharded file layout, shared by the safetensors and torch.save writers: which
+tensors go in which shard file, the files' names and index, written atomically."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from .streaming import SourceValues
+
+# Marks a single-file export as ckptlib's (a safetensors __metadata__ key, a torch archive
+# record), so that overwriting it with force=True never replaces a file someone else wrote.
+EXPORT_MARK = "ckptlib_export"
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def out_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor is written in: `cast` applies to floating-point tensors only
+    (integer and bool tensors, like optimizer step counts, keep theirs)."""
+    return cast if cast is not None and dtype.is_floating_point else dtype
+
+
+@dataclasses.dataclass
+class ShardEntry:
+    name: str  # the name written
+    fqn: str  # the source key
+    dtype: torch.dtype  # as written
+    shape: tuple[int, ...]
+    nbytes: int  # as written
+
+
+def planned_entries(source: SourceValues, names: dict[str, str], cast: torch.dtype | None) -> list[ShardEntry]:
+    out = []
+    for name, fqn in names.items():
+        md = source.tensor_meta(fqn)
+        dtype = out_dtype(md.properties.dtype, cast)
+        shape = tuple(md.size)
+        out.append(ShardEntry(name, fqn, dtype, shape, math.prod(shape) * element_size(dtype)))
+    return out
+
+
+def shard_groups(entries: list, max_shard_bytes: int | None) -> list[list]:
+    """Split entries (in order) into shards of at most `max_shard_bytes` each, as Hugging
+    Face does: a tensor larger than the limit gets a shard of its own."""
+    groups: list[list] = [[]]
+    size = 0
+    for entry in entries:
+        if max_shard_bytes and groups[-1] and size + entry.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += entry.nbytes
+    return groups
+
+
+def shard_names(stem: str, ext: str, count: int, single: str | None) -> list[str]:
+    if count == 1:
+        return [single or f"{stem}.{ext}"]
+    return [f"{stem}-{i + 1:05d}-of-{count:05d}.{ext}" for i in range(count)]
+
+
+def write_index(directory: str, name: str, files: list[str], groups: list[list]) -> None:
+    """Hugging Face's shard index: total tensor bytes and the file of every tensor."""
+    index = {
+        "metadata": {"total_size": sum(e.nbytes for group in groups for e in group)},
+        "weight_map": {e.name: file for file, group in zip(files, groups) for e in group},
+    }
+    final = os.path.join(directory, name)
+    with open(final + ".tmp", "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(final + ".tmp", final)
+
+
+@contextlib.contextmanager
+def atomic_file(final: str) -> Iterator[str]:
+    """A temporary path beside `final`, renamed onto it when the block succeeds."""
+    tmp = f"{final}.tmp-{os.getpid()}"
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+_CAST_PIECE = 1 << 24  # elements cast at a time while writing, so a cast never holds a second full copy
+
+
+def write_tensor_bytes(f, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    flat = tensor.reshape(-1)
+    if flat.dtype == dtype:
+        f.write(memoryview(flat.view(torch.uint8).numpy()))
+        return
+    for piece in flat.split(_CAST_PIECE):
+        f.write(memoryview(piece.to(dtype).view(torch.uint8).numpy()))

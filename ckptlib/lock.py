@@ -1,0 +1,216 @@
+"""The root lock of a checkpoint directory: one writer at a time.
+
+Rank 0 creates `ckptlib.lock` atomically (through the storage's optional
+`create_exclusive`) before a save or gc and removes it afterwards (or keeps it until the
+manager's `close()` with `hold_lock=True`). A lock whose holder is gone (a dead pid on this
+host, checked by pid and process start time) is removed with a StaleLockWarning, so a
+crashed save never leaves the root locked for good; a holder on another host must be
+removed explicitly (`break_lock()`, `ckpt unlock`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import socket
+import uuid
+import warnings
+from typing import Any
+
+from .errors import LockedError
+from .storage import Storage, SupportsCreateExclusive
+
+LOCK_NAME = "ckptlib.lock"
+
+
+class StaleLockWarning(UserWarning):
+    """A lock left by a writer that no longer runs was removed."""
+
+
+# Tokens of the locks this process holds now: a lock file naming this process with another
+# token is a leftover (a release that failed), not a live holder.
+_LIVE_TOKENS: set[str] = set()
+
+
+def _process_start(pid: int) -> str | None:
+    """The kernel's start time of `pid` (Linux), to tell a live holder from a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(")") + 2 :].split()
+    return fields[19] if len(fields) > 19 else None  # field 22, counted after "pid (comm)"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, owned by someone else
+        return True
+    return True
+
+
+@dataclasses.dataclass
+class LockHolder:
+    """Who holds a root's lock, as its lock file says (fields are None when unreadable)."""
+
+    host: str | None = None
+    pid: int | None = None
+    start: str | None = None
+    token: str | None = None
+    created: str | None = None
+
+    @classmethod
+    def parse(cls, data: bytes) -> "LockHolder":
+        try:
+            doc = json.loads(data.decode("utf-8"))
+            pid = doc.get("pid")
+            return cls(
+                host=str(doc["host"]),
+                pid=pid if isinstance(pid, int) else None,
+                start=doc.get("start"),
+                token=str(doc["token"]),
+                created=doc.get("created"),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            return cls()
+
+    def describe(self) -> str:
+        if self.token is None:
+            return "an unknown holder (the lock file is unreadable)"
+        me = " (this process)" if self.pid == os.getpid() and self.host == socket.gethostname() else ""
+        return f"pid {self.pid} on host {self.host}{me}, since {self.created}"
+
+    def is_stale(self) -> bool:
+        """True only when the holder certainly no longer runs: its pid on this host is gone, or
+        was reused by a process that started later. A holder on another host is never stale."""
+        if self.host != socket.gethostname() or self.pid is None:
+            return False
+        if self.pid == os.getpid():
+            return self.token not in _LIVE_TOKENS
+        if not _pid_alive(self.pid):
+            return True
+        now = _process_start(self.pid)
+        return self.start is not None and now is not None and now != self.start
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class RootLock:
+    """`ckptlib.lock` in a checkpoint root, through the Storage protocol."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self.token: str | None = None
+        self._owner_pid: int | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.storage.uri.rstrip('/')}/{LOCK_NAME}"
+
+    def holder(self) -> LockHolder | None:
+        try:
+            return LockHolder.parse(self.storage.read(LOCK_NAME))
+        except FileNotFoundError:
+            return None
+
+    def _create(self, data: bytes) -> bool:
+        if isinstance(self.storage, SupportsCreateExclusive):
+            return bool(self.storage.create_exclusive(LOCK_NAME, data))
+        # Best effort for a backend without an atomic create: check, write, read back. Two
+        # writers racing within one round trip can both win; see SupportsCreateExclusive.
+        if self.holder() is not None:
+            return False
+        self.storage.write(LOCK_NAME, data)
+        try:
+            return self.storage.read(LOCK_NAME) == data
+        except FileNotFoundError:
+            return False
+
+    def acquire(self) -> None:
+        """Take the lock or raise LockedError naming the root and the holder."""
+        root = self.storage.uri
+        token = uuid.uuid4().hex
+        pid = os.getpid()
+        data = json.dumps(
+            {
+                "format": "ckptlib-lock",
+                "host": socket.gethostname(),
+                "pid": pid,
+                "start": _process_start(pid),
+                "token": token,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            }
+        ).encode()
+        holder = None
+        for _ in range(3):
+            if self._create(data):
+                self.token, self._owner_pid = token, pid
+                _LIVE_TOKENS.add(token)
+                atexit.register(self._release_at_exit)
+                return
+            holder = self.holder()
+            if holder is None:
+                continue  # released between our attempt and the read: try again
+            if holder.is_stale():
+                warnings.warn(
+                    f"{root}: removing a stale lock left by {holder.describe()} (that process no longer runs)",
+                    StaleLockWarning,
+                    stacklevel=4,
+                )
+                self.storage.delete([LOCK_NAME])
+                continue
+            break
+        described = holder.describe() if holder is not None else "writers that keep taking it"
+        err = LockedError(
+            f"{root} is locked by another writer: {described} (lock file {self.where}). Two managers must not "
+            f"write one root at once. If that writer is gone, remove the lock with "
+            f"CheckpointManager({root!r}).break_lock() or `ckpt unlock {root}`.",
+            path=root,
+        )
+        err.holder = holder.to_json() if holder is not None else None
+        raise err
+
+    def held(self) -> bool:
+        """Whether this object holds the lock and the lock file still says so."""
+        if self.token is None:
+            return False
+        holder = self.holder()
+        return holder is not None and holder.token == self.token
+
+    def release(self) -> None:
+        if self.token is None:
+            return
+        try:
+            if self.held():
+                self.storage.delete([LOCK_NAME])
+        finally:
+            self.forget()
+
+    def forget(self) -> None:
+        """Stop counting as the holder (without touching the lock file)."""
+        if self.token is not None:
+            _LIVE_TOKENS.discard(self.token)
+            self.token = None
+            atexit.unregister(self._release_at_exit)
+
+    def _release_at_exit(self) -> None:
+        if self._owner_pid == os.getpid():  # never from a forked child
+            with contextlib.suppress(Exception):
+                self.release()
+
+    def break_(self) -> LockHolder | None:
+        holder = self.holder()
+        self.storage.delete([LOCK_NAME])
+        return holder
+
+
+__all__ = ["LOCK_NAME", "LockHolder", "RootLock", "StaleLockWarning"]

@@ -1,0 +1,265 @@
+"""Structure rules of the ckptlib package, checked from its source (issue 16):
+
+- no module over MAX_LINES lines;
+- no import cycle among ckptlib modules, counting every import: module-level ones and
+  function-local ones (a local import that dodges a cycle is still a cycle); only imports
+  under ``if TYPE_CHECKING:`` (never executed) are left out;
+- no two modules with the same file name (``convert.py`` twice made "which convert?" a question);
+- private torch names (``torch._x`` attributes, also through names imported from torch;
+  ``from torch... import _x``; ``torch._x`` modules; ``getattr(obj, "_x")`` on a torch object or
+  a tensor's storage) only in ``ckptlib/compat.py``, the one place that knows torch internals.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckptlib")
+MAX_LINES = 650
+COMPAT = "ckptlib/compat.py"
+
+
+def _modules() -> dict[str, str]:
+    """{dotted module name: file path} for every module of the package."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "__pycache__")))
+        for filename in sorted(filenames):
+            if filename.endswith(".py"):
+                path = os.path.join(dirpath, filename)
+                rel = os.path.relpath(path, os.path.dirname(ROOT))[: -len(".py")].split(os.sep)
+                if rel[-1] == "__init__":
+                    rel = rel[:-1]
+                found[".".join(rel)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _rel(path: str) -> str:
+    return os.path.relpath(path, os.path.dirname(ROOT)).replace(os.sep, "/")
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _executed_nodes(tree: ast.AST):
+    """Every node except those under `if TYPE_CHECKING:` (their else branch does run)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _imports(module: str, path: str) -> set[str]:
+    """The ckptlib modules `module` imports anywhere in its body."""
+    is_package = path.endswith("__init__.py")
+    package = module if is_package else module.rsplit(".", 1)[0]
+    out: set[str] = set()
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    for node in _executed_nodes(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                base_name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base_name = node.module or ""
+            names = [f"{base_name}.{alias.name}" if f"{base_name}.{alias.name}" in MODULES else base_name
+                     for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES and "." in name:
+                name = name.rsplit(".", 1)[0]
+            if name in MODULES and name != module and name.split(".")[0] == "ckptlib":
+                out.add(name)
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_package_found():
+    assert {"ckptlib", "ckptlib.checkpoint", "ckptlib.compat", "ckptlib.format", "ckptlib.storage"} <= set(MODULES)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_module_size(module):
+    path = MODULES[module]
+    with open(path) as f:
+        lines = sum(1 for _ in f)
+    assert lines <= MAX_LINES, f"{_rel(path)} has {lines} lines (at most {MAX_LINES}): split it along its seams"
+
+
+def test_no_import_cycles():
+    graph = {module: _imports(module, path) for module, path in MODULES.items()}
+    cycles = _cycles(graph)
+    shown = []
+    for component in cycles:
+        members = set(component)
+        edges = sorted(f"{a} -> {b}" for a in component for b in graph[a] if b in members)
+        shown.append("; ".join(edges))
+    assert not cycles, "import cycles among ckptlib modules:\n" + "\n".join(shown)
+
+
+def test_cycle_finder_sees_function_local_imports(tmp_path):
+    """The rule is not vacuous: a cycle closed by a function-local import is found."""
+    a = tmp_path / "a.py"
+    a.write_text("from . import b\n")
+    b = tmp_path / "b.py"
+    b.write_text("def f():\n    from .a import x\n")
+    saved = dict(MODULES)
+    try:
+        MODULES.update({"ckptlib.zz_a": str(a), "ckptlib.zz_b": str(b)})
+        # (relative imports resolve against the module's own package, ckptlib)
+        a.write_text("from . import zz_b\n")
+        b.write_text("def f():\n    from .zz_a import x\n")
+        graph = {m: _imports(m, MODULES[m]) for m in ("ckptlib.zz_a", "ckptlib.zz_b")}
+        assert _cycles(graph) == [["ckptlib.zz_a", "ckptlib.zz_b"]]
+        b.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .zz_a import x\n")
+        graph = {m: _imports(m, MODULES[m]) for m in ("ckptlib.zz_a", "ckptlib.zz_b")}
+        assert _cycles(graph) == []
+    finally:
+        MODULES.clear()
+        MODULES.update(saved)
+
+
+def test_no_two_modules_share_a_name():
+    by_name = collections.defaultdict(list)
+    for module, path in MODULES.items():
+        if not path.endswith("__init__.py"):
+            by_name[os.path.basename(path)].append(_rel(path))
+    same = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not same, f"modules sharing a file name: {same}"
+
+
+def _private_torch_uses(path: str) -> list[str]:
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    torch_aliases = {"torch"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "torch" and any(p.startswith("_") for p in parts[1:]):
+                    found.append(f"line {node.lineno}: import {alias.name}")
+                if alias.name == "torch" and alias.asname:
+                    torch_aliases.add(alias.asname)
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            parts = node.module.split(".")
+            if any(p.startswith("_") for p in parts[1:]):
+                found.append(f"line {node.lineno}: from {node.module} import ...")
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    found.append(f"line {node.lineno}: from {node.module} import {alias.name}")
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            torch_aliases.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            torch_aliases.update(a.asname for a in node.names if a.asname and a.name.split(".")[0] == "torch")
+    def torch_object(expr: ast.AST) -> bool:
+        """An expression built from a torch name, or a tensor's storage (`t.untyped_storage()`)."""
+        for sub in ast.walk(expr):
+            if isinstance(sub, ast.Name) and sub.id in torch_aliases:
+                return True
+            if isinstance(sub, ast.Attribute) and sub.attr in ("untyped_storage", "storage", "_typed_storage"):
+                return True
+        return False
+
+    for node in ast.walk(tree):
+        if (  # getattr(<a torch object>, "_private")
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and node.args[1].value.startswith("_")
+            and not node.args[1].value.startswith("__")
+            and torch_object(node.args[0])
+        ):
+            found.append(f"line {node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            root = node.value
+            chain = []
+            while isinstance(root, ast.Attribute):
+                chain.append(root.attr)
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in torch_aliases:
+                found.append(f"line {node.lineno}: {root.id}.{'.'.join(reversed(chain + [node.attr]))}")
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(m for m, p in MODULES.items() if _rel(p) != COMPAT))
+def test_private_torch_names_only_in_compat(module):
+    uses = _private_torch_uses(MODULES[module])
+    assert not uses, f"{_rel(MODULES[module])} touches private torch names (move them to {COMPAT}): {uses}"
+
+
+def test_private_torch_finder_is_not_vacuous():
+    uses = _private_torch_uses(MODULES["ckptlib.compat"])
+    assert uses, "compat.py is where torch's private names live; the finder should see some"
+
+
+def test_storage_deletes_the_commit_markers_first():
+    """storage/ names the files that make a directory committed without importing format/
+    (data flows cli/manager -> format -> storage); the names must stay format's."""
+    from ckptlib.format.manifest import MANIFEST_NAME, METADATA_NAME
+    from ckptlib.storage.base import DELETE_FIRST
+
+    assert DELETE_FIRST == (MANIFEST_NAME, METADATA_NAME)
+
+
+def test_storage_imports_nothing_above_it():
+    above = {m for m in MODULES if not m.startswith(("ckptlib.storage", "ckptlib.errors"))}
+    for module, path in MODULES.items():
+        if module.startswith("ckptlib.storage"):
+            assert not (_imports(module, path) & above), f"{_rel(path)} imports {sorted(_imports(module, path) & above)}"
