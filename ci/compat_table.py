@@ -207,7 +207,7 @@ def read_run(path: str) -> Run:
 
 
 def _guess_version(path: str) -> str:
-    match = re.search(r"torch[-_]?(\d+)\.?(\d+)", os.path.basename(path))
+    match = re.search(r"torch[-_]?(\d)\.?(\d+)", os.path.basename(path))
     return f"{match.group(1)}.{match.group(2)} (unstamped)" if match else f"? ({os.path.basename(path)})"
 
 

@@ -14,6 +14,8 @@ from .errors import (
     LockedError,
     MissingKeysError,
     NotACheckpointError,
+    NotARegularFileError,
+    OverwriteRefusedError,
     RankLostError,
     ShapeMismatchError,
     StateError,
@@ -37,7 +39,8 @@ __all__ = [
     "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "ElasticDistributedSampler",
     "EveryNSeconds", "EveryNSteps",
     "ExportResult", "export", "FinalStep", "KeepBest", "KeepEvery", "KeepExistingRanks", "KeepLast", "LoadResult",
-    "LockedError", "MergeSamplerProgress", "MergingResizePolicy", "MissingKeysError", "NotACheckpointError", "RankLostError", "RNGState", "RankLocal", "ResizePolicy",
+    "LockedError", "MergeSamplerProgress", "MergingResizePolicy", "MissingKeysError", "NotACheckpointError",
+    "NotARegularFileError", "OverwriteRefusedError", "RankLostError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",
     "StorageError", "TieredCheckpointManager", "UnsafeCheckpointError", "UploadError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",
 ]

@@ -133,10 +133,10 @@ _guards: dict[str, "itertools.count[int]"] = {}
 
 
 def _is_peer_loss(exc: BaseException) -> bool:
-    """A failure of the transport under a collective, not of ckptlib or the user's state."""
+    """A failure of the transport under a collective, not of ckptlib or the user's state
+    (those reach the guard as CheckpointErrors: `agree` and DCP's error gathering wrap them)."""
     if isinstance(exc, CheckpointError):
-        cause = exc.__cause__
-        return cause is not None and not isinstance(cause, CheckpointError) and _is_peer_loss(cause)
+        return False
     dist_error = getattr(dist, "DistError", None)
     if not isinstance(exc, RuntimeError) and not (dist_error and isinstance(exc, dist_error)):
         return False

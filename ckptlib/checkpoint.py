@@ -24,11 +24,13 @@ from .errors import CastWarning, CheckpointError, DtypeMismatchError, MissingKey
 from .format import CheckpointInfo, CkptWriter, SafeLoadPlanner, prepare_save_target
 from .format.layout import commit_manifest
 from .format.dcp_writer import checkpoint_bytes
+from .format.deletion import remove_failed_save
 from .format.manifest import check_metadata_json, check_metrics
 from .format.source import inspect_checkpoint, open_reader
 from .load_keys import Rename, build_request, select_entries
 from .observe import log_operation, mib_per_s
 from .state import to_load_target, to_save_state_dict
+from .steps import check_step
 from .storage import Storage, as_storage
 
 
@@ -116,7 +118,7 @@ def save(
     group = process_group
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
-        (user_metadata, user_metrics), state_dict = _dist.agree(
+        (user_metadata, user_metrics, step), state_dict = _dist.agree(
             lambda: _check_and_collect(state, step, metadata, metrics, group), group
         )
     result = _write_and_commit(
@@ -177,7 +179,7 @@ def start_async_save(
     bg_group = background_save.async_group(group)
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
-        (user_metadata, user_metrics), state_dict = _dist.agree(
+        (user_metadata, user_metrics, step), state_dict = _dist.agree(
             lambda: _check_and_collect(state, step, metadata, metrics, group, stage=not background_staging), group
         )
 
@@ -211,17 +213,16 @@ def start_async_save(
 
 def _check_and_collect(
     state: Mapping[str, Any], step, metadata, metrics, group, *, stage: bool = False
-) -> tuple[tuple[dict[str, Any], dict[str, Any]], dict[str, Any]]:
+) -> tuple[tuple[dict[str, Any], dict[str, Any], int | None], dict[str, Any]]:
     """Every check of a save's arguments and the state dict to write (staged to CPU memory
     when `stage`), run inside one collective round (`_dist.agree`)."""
     user_metadata = check_metadata_json(metadata)
     checked_metrics = check_metrics(metrics)
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise StateError(f"step must be a non-negative int, got {step!r}")
+    checked_step = None if step is None else check_step(step)
     state_dict = to_save_state_dict(state, rank=_dist.get_rank(group))
     if stage:
         state_dict = background_save.stage(state_dict, group)  # the copy the background writes
-    return (user_metadata, checked_metrics), state_dict
+    return (user_metadata, checked_metrics, checked_step), state_dict
 
 
 def _log_save(result: SaveResult, rank: int) -> None:
@@ -288,8 +289,15 @@ def _write_and_commit(
         try:
             with compat.quiet_single_process():
                 metadata = dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
-        except compat.checkpoint_exception_cls() as exc:
-            raise _unwrap_dcp_error(exc) from exc
+        except BaseException as exc:
+            # Every rank removes what this save wrote (a full disk must not stay full; the next
+            # save then succeeds by itself); a committed checkpoint is never touched.
+            remove_failed_save(
+                storage, shard=writer.unfinished_shard, coordinator=writer.is_coordinator, prepared=writer.prepared
+            )
+            if isinstance(exc, compat.checkpoint_exception_cls()):
+                raise _unwrap_dcp_error(exc) from exc
+            raise
     return SaveResult(uri=storage.uri, step=step, world_size=world, total_bytes=checkpoint_bytes(metadata))
 
 

@@ -505,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ls",
         help="list the steps under a checkpoint root",
         description=(
-            "List steps: committed, incomplete or corrupt, size, age (since the manifest was written), saved "
+            "List steps: committed, incomplete or corrupt (or foreign: only files ckptlib did not write), size, age (since the manifest was written), saved "
             "world size, which is latest, the metrics given to the save, and who holds the root's lock. "
             "--json: root, latest, lock and steps (each with step, name, state, bytes (= size), world_size, "
             "latest, created, age_seconds, metrics)."
@@ -519,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
         "gc",
         help="apply retention to a checkpoint root",
         description=(
-            "Apply retention to ROOT and remove incomplete debris (only directories ckptlib wrote). A committed "
+            "Apply retention to ROOT and remove incomplete debris (only files ckptlib wrote: a step directory that also holds other files keeps them). A committed "
             "step is kept when any rule keeps it: --keep-last N (the N highest steps), --keep-every K (steps that "
             "are multiples of K), --keep-best K:METRIC[:min|max] (the K best by a metric saved with the step; "
             "steps without it are not best; a tie keeps the newer step). The step `latest` names is always kept. "

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 
-from .errors import CheckpointExistsError, StateError, UnsupportedError
+from .errors import CheckpointExistsError, OverwriteRefusedError, StateError, UnsupportedError
 from .format import prepare_save_target
+from .format.deletion import remove_failed_save
 from .format.layout import commit_manifest
 from .format.foreign import DEFAULT_PREFIX, SourceInfo
 from .format.safetensors import safetensors_plan, write_safetensors
@@ -135,26 +137,34 @@ def convert(
             assert dst_storage is not None
             try:
                 prepare_save_target(dst_storage, overwrite=force, world_size=1)
+            except OverwriteRefusedError:
+                raise
             except CheckpointExistsError as exc:
                 raise CheckpointExistsError(
                     f"{dst_storage.uri} already exists (pass force=True, or --force, to overwrite)", path=exc.path
                 ) from exc
-            writer = save_dcp_streaming(dst_storage, source, on_tensor=tick)
-            commit_manifest(
-                dst_storage,
-                writer.file_records,
-                world_size=1,
-                step=info.step,
-                metadata=dict(info.manifest.metadata) if info.manifest is not None else {},
-            )
+            try:
+                writer = save_dcp_streaming(dst_storage, source, on_tensor=tick)
+                commit_manifest(
+                    dst_storage,
+                    writer.file_records,
+                    world_size=1,
+                    step=info.step,
+                    metadata=dict(info.manifest.metadata) if info.manifest is not None else {},
+                )
+            except BaseException:
+                remove_failed_save(dst_storage, shard=None, coordinator=True, prepared=True)  # e.g. disk full
+                raise
             files = sorted(writer.file_records)
             where = dst_storage.uri
         elif to == "torch":
             assert dst_path is not None
             if os.path.isdir(dst_path):
                 raise CheckpointExistsError(f"{dst_path} is a directory; converting to torch writes one file", path=dst_path)
-            if os.path.exists(dst_path) and not force:
-                raise CheckpointExistsError(f"{dst_path} already exists (pass force=True to overwrite)", path=dst_path)
+            if os.path.lexists(dst_path):
+                if not force:
+                    raise CheckpointExistsError(f"{dst_path} already exists (pass force=True to overwrite)", path=dst_path)
+                _check_replaceable_file(dst_path)
             write_torch_save(dst_path, source, on_tensor=tick)
             files = [os.path.basename(dst_path)]
             where = dst_path
@@ -162,10 +172,14 @@ def convert(
             assert dst_path is not None
             single = dst_path.endswith(".safetensors")
             directory = os.path.dirname(os.path.abspath(dst_path)) if single else dst_path
-            if single:
-                if os.path.exists(dst_path) and not force:
-                    raise CheckpointExistsError(f"{dst_path} already exists (pass force=True to overwrite)", path=dst_path)
-            elif os.path.isfile(dst_path) or (os.path.isdir(dst_path) and os.listdir(dst_path)):
+            if single or (os.path.lexists(dst_path) and not os.path.isdir(dst_path)):
+                if os.path.lexists(dst_path):
+                    if not force:
+                        raise CheckpointExistsError(f"{dst_path} already exists (pass force=True to overwrite)", path=dst_path)
+                    _check_replaceable_file(dst_path)
+                    if not single:
+                        os.unlink(dst_path)  # a recognised checkpoint file where the export directory goes
+            elif os.path.isdir(dst_path) and os.listdir(dst_path):
                 if not force:
                     raise CheckpointExistsError(
                         f"{dst_path} already exists and is not empty (pass force=True to overwrite)", path=dst_path
@@ -197,14 +211,33 @@ def convert(
     )
 
 
+_EXPORT_FILE_RE = re.compile(r"^model(?:-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
+
+
+def _check_replaceable_file(path: str) -> None:
+    """force=True may replace a file only if it is a checkpoint file ckptlib recognises (a
+    torch.save or safetensors file, by its content); anything else is OverwriteRefusedError,
+    untouched."""
+    from .format.torch_save import looks_like_checkpoint_file
+
+    if not os.path.isfile(path):
+        raise OverwriteRefusedError(f"{path} exists and is not a regular file; refusing to overwrite it", path=path)
+    if not looks_like_checkpoint_file(path):
+        raise OverwriteRefusedError(
+            f"{path} is not a checkpoint file ckptlib recognises (a torch.save or safetensors file); refusing to "
+            "overwrite it",
+            path=path,
+        )
+
+
 def _clear_safetensors(path: str) -> None:
-    """force=True on a safetensors target: remove what a previous export left (only its files)."""
-    if os.path.isfile(path):
-        os.unlink(path)
-        return
+    """force=True on a safetensors directory: remove what a previous export wrote (model.safetensors,
+    its model-NNNNN-of-NNNNN shards and index), nothing else: an HF model directory keeps its
+    config, tokenizer and any other file."""
     for name in os.listdir(path):
-        if name.endswith(".safetensors") or name == "model.safetensors.index.json":
-            os.unlink(os.path.join(path, name))
+        full = os.path.join(path, name)
+        if _EXPORT_FILE_RE.match(name) and (os.path.isfile(full) or os.path.islink(full)):
+            os.unlink(full)
 
 
 __all__ = ["ConvertResult", "TARGETS", "convert"]

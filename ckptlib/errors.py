@@ -46,8 +46,20 @@ class CheckpointCorruptError(CheckpointError):
     """Committed files do not match the manifest (size, checksum, missing file)."""
 
 
+class NotARegularFileError(CheckpointCorruptError):
+    """A checkpoint file (or the `latest` pointer) is a FIFO, a device, a socket or a directory:
+    ckptlib reads only regular files and symlinks to them, so a crafted name can never make a
+    read block forever (a FIFO) or never end (/dev/zero)."""
+
+
 class CheckpointExistsError(CheckpointError):
     """Refusing to overwrite a committed checkpoint."""
+
+
+class OverwriteRefusedError(CheckpointExistsError, NotACheckpointError):
+    """An overwrite (or a cleanup) target exists but is not only a checkpoint: a manager root,
+    a directory with files ckptlib did not write, a file it does not recognise. Nothing was
+    touched. Both "something is there" and "it is not a checkpoint ckptlib may replace"."""
 
 
 class MissingKeysError(CheckpointError):

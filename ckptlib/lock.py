@@ -21,7 +21,7 @@ import uuid
 import warnings
 from typing import Any
 
-from .errors import LockedError
+from .errors import CheckpointError, LockedError
 from .storage import Storage, SupportsCreateExclusive
 
 LOCK_NAME = "ckptlib.lock"
@@ -121,6 +121,8 @@ class RootLock:
             return LockHolder.parse(self.storage.read(LOCK_NAME))
         except FileNotFoundError:
             return None
+        except CheckpointError:  # not a regular file (a FIFO, a directory): a holder nobody can name
+            return LockHolder()
 
     def _create(self, data: bytes) -> bool:
         if isinstance(self.storage, SupportsCreateExclusive):

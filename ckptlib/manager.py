@@ -24,7 +24,6 @@ import atexit
 import contextlib
 import dataclasses
 import os
-import re
 import time
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
@@ -38,34 +37,28 @@ from .preemption import DEFAULT_SIGNALS, PreemptionWatcher, signal_name
 from .retention import KeepLast, RetentionPolicy, StepRecord, to_delete
 from . import save_policy as _save_policy
 from .save_policy import SaveContext, SavePolicy, decide
+from .format.deletion import describe_foreign, remove_checkpoint
 from .lock import LOCK_NAME, LockHolder, RootLock, StaleLockWarning
+from .steps import DELETING_RE, check_step, parse_step, step_dir
 from .storage import Storage, open_storage
 
 LATEST = "latest"
-_STEP_RE = re.compile(r"^step_(\d{10})$")
-# What LocalStorage.delete_tree leaves when it crashes between its rename and the removal.
-_DELETING_RE = re.compile(r"^step_\d{10}\.deleting-[0-9a-f]{8}$")
-
-
-def step_dir(step: int) -> str:
-    """Zero-padded so lexical order is step order."""
-    return f"step_{step:010d}"
-
-
-def parse_step(name: str) -> int | None:
-    match = _STEP_RE.match(name)
-    return int(match.group(1)) if match else None
 
 
 class StalePointerWarning(UserWarning):
     """The `latest` pointer named a step that is missing or uncommitted."""
 
 
+class ForeignFilesWarning(UserWarning):
+    """Retention or gc removed a step's checkpoint files but left files ckptlib did not write
+    (and their directory) in place."""
+
+
 @dataclasses.dataclass
 class StepInfo:
     step: int
     name: str
-    state: str  # committed | incomplete
+    state: str  # committed | incomplete | foreign
     files: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
 
 
@@ -242,7 +235,10 @@ class CheckpointManager:
             child = self.storage.child(name)
             files = child.list()
             kind = classify(child, files)
-            out.append(StepInfo(step, name, "committed" if kind == "committed" else "incomplete", files))
+            # "foreign": files ckptlib did not write (or a plain DCP checkpoint someone put
+            # there); never debris, never deleted.
+            state = {"committed": "committed", "other": "foreign", "dcp": "foreign"}.get(kind, "incomplete")
+            out.append(StepInfo(step, name, state, files))
         return sorted(out, key=lambda s: s.step)
 
     def steps(self) -> list[int]:
@@ -288,8 +284,7 @@ class CheckpointManager:
         After a preemption signal the save is synchronous (an async save in flight is waited
         for too), and `preempted` becomes True on every rank: the loop should stop. A step this
         manager already saved or loaded is not saved again."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise StateError(f"step must be a non-negative int, got {step!r}")
+        step = check_step(step)
         watcher = self._watcher
         policy = self.save_policy
 
@@ -324,8 +319,7 @@ class CheckpointManager:
         with a StalePointerWarning; the step `latest` names is refused (CheckpointExistsError)
         unless `overwrite=True`. Its old files are removed before the new ones are written, so
         a crash during that save leaves `latest` falling back to the newest other committed step."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise StateError(f"step must be a non-negative int, got {step!r}")
+        step = check_step(step)
         self.wait()  # the previous async save: its failure surfaces here, before anything else
         with _dist.peer_loss_as_error(f"save of step {step} to {self.root_uri}", self.process_group, step=step,
                                       path=self.path(step)):
@@ -420,18 +414,28 @@ class CheckpointManager:
         for info in scan:
             if info.state == "incomplete" and info.step not in protected:
                 doomed[info.step] = info.name
-        leftovers = [n for n in self.storage.list_children() if _DELETING_RE.match(n)]
+        leftovers = [n for n in self.storage.list_children() if DELETING_RE.match(n)]
         if not dry_run:
+            kept: dict[str, list[str]] = {}
             total = len(doomed) + len(leftovers)
             if on_removed is not None:
                 on_removed(0, total)
             for done, name in enumerate([*doomed.values(), *leftovers], 1):  # leftovers: a deletion that crashed
-                self.storage.delete_tree(name)
+                foreign = remove_checkpoint(self.storage.child(name))
+                if foreign:
+                    kept[name] = foreign
                 if on_removed is not None:
                     on_removed(done, total)
             for info in scan:  # a commit that crashed between writing the manifest and this
                 if info.state == "committed" and info.step not in doomed and PENDING_NAME in info.files:
                     self.storage.child(info.name).delete([PENDING_NAME])
+            for name, foreign in kept.items():
+                warnings.warn(
+                    f"{describe_foreign(f'{self.root_uri}/{name}', foreign)}; removed the checkpoint's own files and "
+                    "left the directory with those in place",
+                    ForeignFilesWarning,
+                    stacklevel=3,
+                )
         return sorted(doomed.values()) + sorted(leftovers)
 
     def _saved_metrics(self, name: str) -> dict[str, Any]:
@@ -487,8 +491,8 @@ class CheckpointManager:
             step = self.latest()
             if step is None:
                 return self._load_initial(state, kwargs) if self.initial_load is not None else None
-        elif not isinstance(step, int) or isinstance(step, bool):
-            raise StateError(f"step must be an int or None, got {step!r}")
+        else:
+            step = check_step(step)
         try:
             result = load(self.storage.child(step_dir(step)), state, process_group=self.process_group, **kwargs)
         except CheckpointNotFoundError as exc:
@@ -529,6 +533,6 @@ def remote_root_manager(cls: type) -> type:
 
 
 __all__ = [
-    "CheckpointManager", "KeepLast", "LockHolder", "StaleLockWarning", "StalePointerWarning", "step_dir", "parse_step",
+    "CheckpointManager", "ForeignFilesWarning", "KeepLast", "LockHolder", "StaleLockWarning", "StalePointerWarning", "step_dir", "parse_step",
     "CheckpointError", "LOCK_NAME",
 ]

@@ -41,6 +41,7 @@ from .errors import (
 from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
 from .format.checksum import crc32
 from .manager import LATEST, CheckpointManager, KeepLast, remote_root_manager, step_dir
+from .steps import check_step
 from .observe import log_operation
 from .storage import Storage
 
@@ -288,8 +289,7 @@ class TieredCheckpointManager(CheckpointManager):
         background; the returned SaveResult describes the local copy. Waits for the previous
         upload first (and raises its failure). `overwrite=True` also replaces the step the
         remote `latest` names (CheckpointManager.save's rules, on both roots)."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise StateError(f"step must be a non-negative int, got {step!r}")
+        step = check_step(step)
         self.wait()
         if not self._resume_checked:
             self.resume_upload()
@@ -339,8 +339,8 @@ class TieredCheckpointManager(CheckpointManager):
     def load_result(self, state: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> LoadResult | None:
         """Load `step` (None: the remote latest) from the local copy when it is the same
         checkpoint, else from the remote root. First finishes an upload a crash interrupted."""
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-            raise StateError(f"step must be an int or None, got {step!r}")
+        if step is not None:
+            step = check_step(step)
         self.resume_upload()
         step, where = _dist.decide_on_rank0(lambda: self._choose(step), self.process_group)
         if step is None:

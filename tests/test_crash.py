@@ -165,8 +165,11 @@ def test_kill_during_save(tmp_path, dist_run, point, victim, committed, latest, 
         assert [n for n in listing if n.startswith("step_0000000001")][0].startswith("step_0000000001.deleting-")
     elif point == "after-manifest":  # committed, but the pending marker was never removed
         assert "ckptlib.pending" in os.listdir(step2)
+    elif not committed and victim == 0:
+        assert "step_0000000002" in listing  # the coordinator died: debris for the next save to clean
     elif not committed:
-        assert "step_0000000002" in listing  # debris to clean
+        # The surviving coordinator removed the failed save's files (rank 1's partial shard too).
+        assert "step_0000000002" not in listing
     lock_left = LOCK_NAME in listing
     if victim == 0:
         assert lock_left  # the holder died with it; the next save must see it is stale

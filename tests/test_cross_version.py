@@ -142,7 +142,7 @@ def test_load_checkpoint_from_other_minor(source, world_size):
 def test_golden_checkpoints_from_several_minors():
     """The plain suite (torch 2.13 in CI) loads ckptlib checkpoints from older and newer minors."""
     minors = {s.removeprefix("golden-") for s in SOURCES if s.startswith("golden-")}
-    assert {"torch2.13"} <= minors, minors
+    assert {"torch2.13", "torch2.14"} <= minors, minors
 
 
 # --------------------------------------------------------------------------- what differs between minors

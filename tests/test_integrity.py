@@ -337,7 +337,8 @@ def test_storage_record_past_end_of_file(tmp_path):
 def _meta(size, chunks):
     md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size),
                                [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
-    storage = {MetadataIndex("t", o): type("Info", (), {"relative_path": "__0_0.distcp", "offset": 0, "length": 0})()
+    # Each record holds 1 KiB (what the file below holds): enough bytes for every chunk here.
+    storage = {MetadataIndex("t", o): type("Info", (), {"relative_path": "__0_0.distcp", "offset": 0, "length": 1024})()
                for o, _ in chunks}
     return Metadata(state_dict_metadata={"t": md}, storage_data=storage)
 
@@ -358,7 +359,7 @@ def _meta(size, chunks):
     ],
 )
 def test_chunk_coverage(size, chunks, expected):
-    problems = structure_problems(_meta(size, chunks), None, {"__0_0.distcp": 0})
+    problems = structure_problems(_meta(size, chunks), None, {"__0_0.distcp": 1024})
     if expected is None:
         assert problems == []
     else:

@@ -67,6 +67,8 @@ def test_golden_fixtures_span_every_torch_era():
     DTensor one before and after 2.4's key-flattening change, and FSDP2 ones from the window."""
     minors = {_minor(n) for n in DCP_FIXTURES}
     assert {"1.13", "2.0", "2.9", "2.13"} <= minors, minors
+    assert any(m in minors for m in ("2.1", "2.2", "2.3")), minors  # pre-2.4 flattening, DTensor
+    assert any(m in minors for m in ("2.4", "2.5")), minors  # 2.4 flattening, DTensor in _tensor
 
 
 @pytest.mark.parametrize("name", DCP_FIXTURES)

@@ -27,10 +27,12 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .. import compat
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
 from ..storage import Storage, SupportsDirectReads
+from ..storage.local import open_regular
 from . import item_encoder
 from .block_checks import _CRC_CHUNK, _BlockCheck, _ItemCheck
 from .checksum import crc32
 from .file_names import whose
+from .item_header import pickled_tensor_header
 from .manifest import METADATA_NAME, Manifest, check_name
 from .ranged_io import (
     _MAX_SPAN,
@@ -207,11 +209,10 @@ class CkptReader(PlannedReader):
     def _read_local(self, name: str, path: str, reqs: list[Any], crcs, planner: LoadPlanner) -> None:
         where = f"{self.storage.uri}/{name}"
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd, size = open_regular(path)  # a FIFO or device in its place: NotARegularFileError
         except FileNotFoundError as exc:
             raise CheckpointCorruptError(f"{where}: shard file is missing{whose(name)}", path=where) from exc
         try:
-            size = os.fstat(fd).st_size
             for req, info in sorted(reqs, key=lambda r: r[1].offset):
                 if info.offset + info.length > size:
                     raise CheckpointCorruptError(
@@ -318,10 +319,15 @@ class CkptReader(PlannedReader):
         if found is None:
             return None
         dtype, sizes = found
-        record = item_encoder.tensor_data_record(_cached_tail_reader(read_into, info.offset, info.length), info.length)
+        read = _cached_tail_reader(read_into, info.offset, info.length)
+        record = item_encoder.tensor_data_record(read, info.length)
         meta = torch.empty(sizes, dtype=dtype, device="meta")
         if record is None or record.size != meta.numel() * meta.element_size():
             return None
+        # The item's own header must say what .metadata says: a transposed shape or another
+        # dtype of the same byte size would otherwise read intact bytes as the wrong tensor.
+        if pickled_tensor_header(item_encoder.tensor_pickle(read, info.length)) != (dtype, tuple(sizes), meta.stride(), 0):
+            return None  # the caller decodes the header with torch.load and reports the mismatch
         return meta, record.start, record.parsed
 
     def _read_local_tensor(self, fd: int, name: str, req, info, expected, planner: LoadPlanner) -> bool:
@@ -362,8 +368,10 @@ class CkptReader(PlannedReader):
                 # torch.load parsed the whole archive: only the item's CRC verifies that
                 layout = meta, compat.meta_storage_offset(meta), [(0, info.length)]
             meta, record, parsed = layout
+            declared = self._chunk_sizes(req.storage_index.fqn, req.storage_index.offset)
             if (
-                type(meta) not in (torch.Tensor, torch.nn.Parameter)
+                (declared is not None and (tuple(meta.shape) != declared[1] or meta.dtype != declared[0]))
+                or type(meta) not in (torch.Tensor, torch.nn.Parameter)
                 or meta.layout != torch.strided
                 or not meta.is_contiguous()
                 or not isinstance(record, int)
@@ -471,7 +479,25 @@ class CkptReader(PlannedReader):
                 f"{whose(name)}: {exc}",
                 path=where,
             ) from exc
-        tensor = _narrowed(tensor, req)
+        fqn = req.storage_index.fqn
+        declared = self._chunk_sizes(fqn, req.storage_index.offset)
+        stored = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else None
+        if stored is None or (declared is not None and stored != (declared[1], declared[0])):
+            what = f"shape {stored[0]} and dtype {stored[1]}" if stored else f"a {type(tensor).__name__}"
+            want = f"shape {declared[1]} and dtype {declared[0]}" if declared else "a tensor"
+            raise CheckpointCorruptError(
+                f"{where}: {fqn}: the stored item at offset {info.offset} holds {what}, but {METADATA_NAME} "
+                f"declares {want}{whose(name)}",
+                path=where,
+            )
+        try:
+            tensor = _narrowed(tensor, req)
+        except (RuntimeError, IndexError) as exc:
+            raise CheckpointCorruptError(
+                f"{where}: {fqn}: the load asks for part {list(req.storage_offsets)}+{list(req.lengths)} of a stored "
+                f"chunk of shape {tuple(tensor.shape)}{whose(name)}: {exc}",
+                path=where,
+            ) from exc
         target = _resolve_target(planner, req, tensor, where)
         target.copy_(tensor)
         planner.commit_tensor(req, target)

@@ -90,6 +90,11 @@ class CkptWriter(StorageWriter):
         self.file_records: dict[str, FileRecord] = {}
         self._prepare = prepare
         self._commit = commit
+        # For the cleanup of a failed save (`deletion.remove_failed_save`): whether the
+        # coordinator prepared the target, and the shard file this rank started but did not
+        # finish (None once it is complete).
+        self.prepared = False
+        self.unfinished_shard: str | None = None
 
     def reset(self, checkpoint_id=None) -> None:
         self.file_records = {}
@@ -103,6 +108,7 @@ class CkptWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if self._prepare is not None:
             self._prepare()
+        self.prepared = True
         return [dataclasses.replace(plan, storage_data=f"__{i}_") for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
@@ -119,6 +125,7 @@ class CkptWriter(StorageWriter):
             for wi in ordered
             if wi.tensor_data is not None
         )
+        self.unfinished_shard = name
         with self.storage.open_writer(name) as stream:
             sink = _CrcSink(stream, block_size_for(planned))
             for item in ordered:
@@ -144,6 +151,7 @@ class CkptWriter(StorageWriter):
                 offset = sink.pos
             sink.end_file()
             file_crc = sink.file_crc
+        self.unfinished_shard = None
         record = FileRecord(size=offset, crc32=file_crc, items=items, block_size=sink.block_size, blocks=sink.blocks)
         self.file_records[name] = record
         if results:

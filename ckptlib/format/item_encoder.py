@@ -275,6 +275,19 @@ def tensor_data_record(read: Callable[[int, int], bytes], size: int) -> DataReco
         return None
 
 
+def tensor_pickle(read: Callable[[int, int], bytes], size: int, limit: int = 1 << 16) -> bytes | None:
+    """The bytes of the `*/data.pkl` record of a torch.save archive (what says the tensor's
+    dtype, shape and strides), or None when there is no such record, it is not stored
+    uncompressed or it is larger than `limit` (a single tensor's is a few hundred bytes)."""
+    try:
+        entries = [e for e in _central_entries(read, size) if e.name.endswith("/data.pkl")]
+        if len(entries) != 1 or entries[0].size > limit:
+            return None
+        return read(_data_start(read, entries[0]), entries[0].size)
+    except (_Unsupported, struct.error, UnicodeDecodeError, EOFError):
+        return None
+
+
 def _hash_combine(seed: int, value: int) -> int:
     """c10::hash_combine on 64-bit size_t: how torch folds record CRCs into the id."""
     return (seed ^ ((value + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & _U64_MASK)) & _U64_MASK

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import stat
 import zlib
 from typing import Any
 
@@ -47,8 +49,15 @@ def is_ckptlib_metadata(metadata: Any) -> bool:
 def read_metadata(storage: Storage, manifest: Manifest | None, *, verify: bool = True) -> Metadata:
     """Read and safely unpickle `.metadata`, checking it against the manifest first."""
     where = f"{storage.uri}/{METADATA_NAME}"
+    record = manifest.files.get(METADATA_NAME) if manifest is not None and verify else None
     try:
-        blob = storage.read(METADATA_NAME)
+        if record is None:
+            blob = storage.read(METADATA_NAME)  # bounded by the file's size
+        else:  # never more than the manifest records, plus one byte to tell a larger file
+            try:
+                blob = storage.read(METADATA_NAME, 0, record.size + 1)
+            except EOFError:
+                blob = storage.read(METADATA_NAME)
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"{where}: DCP metadata file is missing", path=where) from exc
     if manifest is not None and verify:
@@ -134,6 +143,15 @@ def classify(storage: Storage, listing: dict[str, int] | None = None) -> str:
     return "incomplete" if _marked_by_ckptlib(storage) else "dcp"
 
 
+def _file_kind(path: str) -> str:
+    mode = os.stat(path).st_mode
+    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file or directory"
+
+
 def not_a_checkpoint_error(storage: Storage, kind: str) -> CheckpointError | None:
     """The error for a `classify` kind that is no checkpoint at all (missing, a file, empty,
     unrelated files), or None."""
@@ -141,6 +159,11 @@ def not_a_checkpoint_error(storage: Storage, kind: str) -> CheckpointError | Non
     if root_is_file(storage):
         return NotACheckpointError(f"{uri} is a file, not a checkpoint directory", path=uri)
     if kind == "missing":
+        local = storage.local_path()
+        if local is not None and os.path.exists(local):  # neither a directory nor a regular file
+            return NotACheckpointError(
+                f"{uri} is {_file_kind(local)}, not a checkpoint directory; refusing to read it", path=uri
+            )
         return CheckpointNotFoundError(f"no checkpoint at {uri}: the path does not exist", path=uri)
     if kind in ("empty", "other"):
         return NotACheckpointError(
@@ -198,17 +221,28 @@ def open_checkpoint(storage: Storage, *, verify: bool = True, check_files: bool 
 
 
 def prepare_save_target(storage: Storage, *, overwrite: bool, world_size: int) -> None:
-    """Make `storage` ready for a new save without ever losing a committed checkpoint."""
+    """Make `storage` ready for a new save without ever losing a committed checkpoint or a
+    file ckptlib did not write.
+
+    Debris of a crashed save is removed; `overwrite=True` also replaces a committed ckptlib
+    or plain DCP checkpoint. Only a checkpoint's own files are removed, and only when the
+    directory holds nothing else: anything else there (a manager root, a user's files,
+    sub-directories) is OverwriteRefusedError and nothing is touched.
+    """
+    from .deletion import refuse_foreign, remove_checkpoint
+
     uri = storage.uri
-    kind = classify(storage)
+    listing = storage.list() if storage.exists() else {}
+    kind = classify(storage, listing)
     if kind == "committed" and not overwrite:
         raise CheckpointExistsError(f"{uri} already holds a committed checkpoint (pass overwrite=True)", path=uri)
-    if kind in ("dcp", "other") and not overwrite:
-        raise CheckpointExistsError(
-            f"{uri} is not empty and not a ckptlib checkpoint; refusing to write into it", path=uri
-        )
+    if kind == "dcp" and not overwrite:
+        raise CheckpointExistsError(f"{uri} already holds a DCP checkpoint (pass overwrite=True)", path=uri)
     if kind in ("committed", "incomplete", "dcp", "other"):
-        storage.delete_tree()  # debris of a crashed save, or an explicit overwrite
+        refuse_foreign(
+            storage, listing, "overwrite it" if overwrite else "write a checkpoint into it", checkpoint=kind != "other"
+        )
+        remove_checkpoint(storage, listing)  # debris of a crashed save, or an explicit overwrite
     # Not durable: losing it in a crash is harmless (shards without a manifest are debris anyway).
     storage.write(PENDING_NAME, json.dumps({"world_size": world_size}).encode(), durable=False)
 

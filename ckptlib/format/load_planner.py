@@ -11,6 +11,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, cre
 
 from .. import compat
 from ..errors import UnsafeCheckpointError
+from . import item_encoder
+from .safe_pickle import check_no_allocating_calls
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -34,6 +36,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         if self.trusted:
             return super().load_bytes(read_item, value)
+        data = value.getvalue()
+        header = item_encoder.tensor_pickle(lambda pos, n: data[pos : pos + n], len(data), limit=len(data))
+        if header is not None:
+            check_no_allocating_calls(header, f"object {read_item.dest_index.fqn!r}")
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:

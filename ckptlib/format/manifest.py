@@ -184,9 +184,15 @@ class Manifest:
         try:
             files = {str(k): FileRecord.from_json(v, f"{where}:{k}") for k, v in doc["files"].items()}
             step = doc.get("step")
-            world_size = int(doc["world_size"])
-            if world_size < 1 or (step is not None and int(step) < 0):
+            world_size = _strict_int(doc["world_size"], "world_size")
+            if step is not None:
+                step = _strict_int(step, "step")
+            if world_size < 1 or (step is not None and not 0 <= step <= INT64_MAX):
                 raise ValueError(f"world_size {world_size}, step {step}")
+            if world_size > len(files):
+                # Every rank writes a shard file (an empty one when it has nothing to save):
+                # a larger world size is a lie that would make readers size things by it.
+                raise ValueError(f"world_size {world_size} with only {len(files)} files listed")
             return cls(
                 world_size=world_size,
                 files=files,
@@ -219,6 +225,16 @@ def check_metrics(metrics: Any) -> dict[str, float | None]:
             raise StateError(f"metric {name!r} must be a number, got {type(value).__name__} {value!r}")
         out[name] = value if math.isfinite(value) else None
     return out
+
+
+INT64_MAX = (1 << 63) - 1
+
+
+def _strict_int(value: Any, what: str) -> int:
+    """An int from JSON: a float (1.5, or 2.0) or a bool is no count or step."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} {value!r} is not an integer")
+    return value
 
 
 def check_metadata_json(metadata: Any) -> dict[str, Any]:

@@ -26,7 +26,9 @@ _CLASS_MODULES = (
     "torch.distributed._shard.sharded_tensor.metadata",
     "torch.distributed._shard.sharding_spec.api",
 )
-_BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray", "object", "tuple", "list", "dict"}
+# Never a callable that allocates from a number: `bytearray(2**31)` is 2 GB built from a
+# 40-byte pickle (DCP metadata holds no bytearray). Containers only copy what the pickle holds.
+_BUILTINS = {"set", "frozenset", "slice", "complex", "object", "tuple", "list", "dict"}
 # torch.layout pickles as a call to torch.serialization._get_layout(name): a lookup, no side effects.
 _OTHER = {
     ("collections", "OrderedDict"),
@@ -74,6 +76,69 @@ class _RestrictedUnpickler(pickle.Unpickler):
             "(not a DCP metadata class; the file may be crafted to run code)",
             path=self.where,
         )
+
+
+class _Stub:
+    """Stands for every object while `check_no_allocating_calls` replays a pickle."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_Stub":
+        return _Stub()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
+class _AllocationScan(pickle.Unpickler):
+    """Replays a pickle calling nothing real: every global is a stub, except the builtins that
+    allocate from a number (`bytearray(2**31)`), which refuse a count."""
+
+    def __init__(self, data: bytes, where: str, path: str | None):
+        super().__init__(io.BytesIO(data))
+        self.where, self.path = where, path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in ("builtins", "__builtin__") and name in ("bytearray", "bytes"):
+            where, self_path = self.where, self.path
+
+            def refuse_count(*args: Any, **kwargs: Any) -> _Stub:
+                if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+                    raise UnsafeCheckpointError(
+                        f"{where}: the pickle builds {name}({args[0]}) from a number: {args[0]} bytes allocated from a "
+                        "few bytes of file; refusing it (pass trusted=True only if you trust this checkpoint's author)",
+                        path=self_path,
+                    )
+                return _Stub()
+
+            return refuse_count
+        return _Stub
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _Stub()
+
+
+def check_no_allocating_calls(data: bytes, where: str, path: str | None = None) -> None:
+    """UnsafeCheckpointError if the pickle `data` calls bytearray or bytes with a count (what
+    torch's weights_only unpickler would run: it allows bytearray). A pickle that cannot be
+    replayed is left to the real unpickler, which reports it. `where` starts the message;
+    `path` is the error's path (None: the caller adds the file)."""
+    try:
+        _AllocationScan(data, where, path).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception:  # noqa: BLE001 - not ours to judge; torch.load reports it
+        pass
 
 
 def safe_loads(data: bytes, where: str) -> Any:

@@ -59,7 +59,7 @@ from ..storage import LocalStorage, Storage, as_storage, root_is_file
 from . import safetensors, torch_save, v0
 from .dcp_reader import CkptReader, PlannedReader
 from .foreign import DEFAULT_PREFIX, SourceFiles, SourceInfo, TensorLoc, file_head, file_size
-from .layout import CheckpointInfo, classify, open_checkpoint
+from .layout import CheckpointInfo, classify, not_a_checkpoint_error, open_checkpoint
 from .safetensors import SAFETENSORS_FILE, SAFETENSORS_INDEX, looks_like_safetensors
 from .torch_save import TORCH_SAVE_SUFFIXES, looks_like_torch_save
 from .v0 import V0_FORMAT, V0_RE, v0_rank
@@ -105,7 +105,7 @@ def _detect(storage: Storage) -> tuple[str, SourceFiles]:
             return "torch_save", SourceFiles(root, (name,))
         raise _not_a_checkpoint(uri)
     if not storage.exists():
-        raise CheckpointNotFoundError(f"no checkpoint at {uri}: the path does not exist", path=uri)
+        raise not_a_checkpoint_error(storage, "missing")  # absent, or a FIFO or device
     listing = storage.list()
     kind = classify(storage, listing)
     if kind == "committed":

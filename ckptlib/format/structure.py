@@ -69,13 +69,17 @@ def _find_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple
     return None
 
 
-def _chunk_problems(fqn: str, md: TensorStorageMetadata, keys: set, exhaustive: bool) -> list[Problem]:
+def _chunk_problems(fqn: str, md: TensorStorageMetadata, keys: dict, exhaustive: bool) -> list[Problem]:
+    """Problems of one tensor's chunks; `keys` maps (fqn, offsets) of every storage record to
+    its stored length (None when the record is malformed)."""
     problems = []
     try:
         size = tuple(int(d) for d in md.size)
     except (TypeError, ValueError):
         return [Problem(METADATA_NAME, f"tensor {fqn!r} has an invalid size {md.size!r}")]
     total = math.prod(size)
+    itemsize = getattr(getattr(getattr(md, "properties", None), "dtype", None), "itemsize", 0)
+    itemsize = itemsize if isinstance(itemsize, int) and itemsize > 0 else 0
     boxes = []
     outside = False
     for chunk in md.chunks or []:
@@ -103,6 +107,16 @@ def _chunk_problems(fqn: str, md: TensorStorageMetadata, keys: set, exhaustive: 
         if (fqn, off) not in keys:
             problems.append(
                 Problem(METADATA_NAME, f"tensor {fqn!r}: chunk at offsets {list(off)} has no storage record")
+            )
+        elif itemsize and isinstance(keys[(fqn, off)], int) and math.prod(sz) * itemsize > keys[(fqn, off)]:
+            # Checked before anything is allocated for it: a chunk's bytes are stored in its item,
+            # so a shape whose bytes exceed the item is a lie (a (10^7, 10^6) shape: 40 TB).
+            problems.append(
+                Problem(
+                    METADATA_NAME,
+                    f"tensor {fqn!r}: chunk at offsets {list(off)} with sizes {list(sz)} needs "
+                    f"{math.prod(sz) * itemsize} bytes, but its stored item holds {keys[(fqn, off)]}",
+                )
             )
         boxes.append((off, sz))
     if outside:
@@ -153,16 +167,18 @@ def structure_problems(
     problems: list[Problem] = []
     items = {name: {(o, n) for o, n, _ in rec.items} for name, rec in manifest.files.items()} if manifest else None
     reported_files: set[str] = set()
-    keys: set[tuple[str | None, tuple[int, ...] | None]] = set()
+    keys: dict[tuple[str | None, tuple[int, ...] | None], int | None] = {}
     for index, info in storage_data.items():
         fqn = getattr(index, "fqn", None)
         offset = getattr(index, "offset", None)
-        try:
-            keys.add((fqn, None if offset is None else tuple(int(o) for o in offset)))
-        except (TypeError, ValueError):
-            problems.append(Problem(METADATA_NAME, f"storage record key {index!r} is malformed"))
         name = getattr(info, "relative_path", None)
         off, length = getattr(info, "offset", None), getattr(info, "length", None)
+        try:
+            keys[(fqn, None if offset is None else tuple(int(o) for o in offset))] = (
+                length if isinstance(length, int) and not isinstance(length, bool) else None
+            )
+        except (TypeError, ValueError):
+            problems.append(Problem(METADATA_NAME, f"storage record key {index!r} is malformed"))
         what = f"the storage record of {fqn!r}"
         try:
             check_name(name, METADATA_NAME, "file name")

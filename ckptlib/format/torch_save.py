@@ -15,8 +15,9 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from .. import compat
-from ..errors import CheckpointCorruptError, NotACheckpointError, UnsafeCheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, NotACheckpointError, UnsafeCheckpointError
 from ..storage import Storage
+from ..storage.local import check_regular
 from .shard_files import EXPORT_MARK, ShardEntry, atomic_file, planned_entries, shard_groups, shard_names, write_index
 from .foreign import (
     ObjectLoc,
@@ -40,12 +41,26 @@ def looks_like_torch_save(head: bytes) -> bool:
     return head.startswith(_ZIP_MAGIC) or head.startswith(_LEGACY_TORCH_MAGIC)
 
 
+def looks_like_checkpoint_file(path: str) -> bool:
+    """Whether the local regular file at `path` starts like a torch.save or safetensors file."""
+    from .safetensors import looks_like_safetensors
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError:
+        return False
+    return looks_like_torch_save(head) or looks_like_safetensors(head, size)
+
+
 def torch_load(root: Storage, name: str, *, trusted: bool, notes: list[str] | None = None) -> Any:
     """torch.load a file memory-mapped (local) or from its bytes (remote), weights_only unless trusted."""
     where = f"{root.uri}/{name}"
     path = root.local_path(name)
     try:
         if path is not None:
+            check_regular(path)  # never mmap or read a FIFO or device
             try:
                 return torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
             except RuntimeError as exc:
@@ -59,6 +74,8 @@ def torch_load(root: Storage, name: str, *, trusted: bool, notes: list[str] | No
         return torch.load(io.BytesIO(root.read(name)), map_location="cpu", weights_only=not trusted)
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"{where} is missing", path=where) from exc
+    except CheckpointError:
+        raise
     except Exception as exc:
         if type(exc).__name__ == "UnpicklingError" or "Weights only load failed" in str(exc):
             raise UnsafeCheckpointError(

@@ -10,7 +10,10 @@ same on local disk and S3) and reports, per file:
 - `.metadata` (restricted unpickling only): every tensor's saved chunks cover it exactly (no
   gap, no overlap; zero-size chunks are fine: pytorch/pytorch#108869), every chunk and object
   has a storage record, every storage record names a file inside the directory, lies within
-  that file and matches an item record of the manifest.
+  that file and matches an item record of the manifest; no chunk needs more bytes than its
+  stored item holds (checked before anything is allocated for it);
+- every tensor item's own header (a metadata-only torch.load, a few KiB an item): the shape
+  and dtype it holds are the ones `.metadata` declares for its chunk.
 
 A plain DCP checkpoint (no manifest) gets the structural checks and a note that it carries no
 checksums. A ckptlib checkpoint that lost its manifest (its `.metadata` is marked) is damaged.
@@ -28,6 +31,7 @@ import os
 import zlib
 from typing import Any, Callable
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
@@ -36,6 +40,7 @@ from .checksum import crc32, crc32_combine
 from .file_names import shard_rank
 from .layout import classify, is_ckptlib_metadata, not_a_checkpoint_error, open_checkpoint
 from .manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
+from .ranged_io import _RangeReader
 from .safe_pickle import safe_loads
 from .structure import Problem, structure_problems
 
@@ -89,6 +94,7 @@ def _checksum_problems(
     k = 0  # the item at or after the current position
     pos = 0
     try:
+        storage.read(name, 0, 0)  # a FIFO or device in its place fails here, even when empty
         while pos < record.size:
             n = min(read_chunk, record.size - pos)
             data = memoryview(storage.read(name, pos, n))
@@ -116,6 +122,8 @@ def _checksum_problems(
                 on_bytes(n)
     except FileNotFoundError:
         return [Problem(name, "disappeared while it was being verified", "missing")]
+    except CheckpointError as exc:
+        return [Problem(name, _message_without_where(exc, f"{storage.uri.rstrip('/')}/{name}"))]
     except EOFError as exc:
         return [Problem(name, f"is shorter than its listed size ({exc})")]
     bad = [(off, length) for (off, length, crc), actual in zip(items, got) if crc != actual]
@@ -134,6 +142,14 @@ def _checksum_problems(
 
 
 # --------------------------------------------------------------------------- entry points
+
+
+def _read_at_most(storage: Storage, name: str, limit: int) -> bytes:
+    """The file's bytes, or its first `limit` + 1 when it is larger (enough to tell)."""
+    try:
+        return storage.read(name, 0, limit + 1)
+    except EOFError:
+        return storage.read(name)
 
 
 def _open_listing(storage: Storage) -> dict[str, int]:
@@ -181,10 +197,20 @@ def verify(
         problems.append(Problem(METADATA_NAME, "is missing", "missing"))
     else:
         where = f"{uri}/{METADATA_NAME}"
-        blob = storage.read(METADATA_NAME)
         record = manifest.files.get(METADATA_NAME) if manifest is not None else None
-        crc = zlib.crc32(blob)
-        if manifest is not None and record is None:
+        try:
+            # With a manifest, never more than it records (a larger file fails the CRC anyway).
+            blob = storage.read(METADATA_NAME) if record is None else _read_at_most(storage, METADATA_NAME, record.size)
+        except CheckpointError as exc:
+            blob = None
+            problems.append(Problem(METADATA_NAME, _message_without_where(exc, where)))
+        except FileNotFoundError:
+            blob = None
+            problems.append(Problem(METADATA_NAME, "disappeared while it was being verified", "missing"))
+        crc = zlib.crc32(blob) if blob is not None else 0
+        if blob is None:
+            pass
+        elif manifest is not None and record is None:
             problems.append(Problem(METADATA_NAME, "is not listed in the manifest"))
         elif record is not None and (len(blob) != record.size or crc != record.crc32):
             problems.append(
@@ -249,8 +275,68 @@ def verify(
             )
 
     if metadata is not None:
-        problems.extend(structure_problems(metadata, manifest, listing, exhaustive=True))
+        structure = structure_problems(metadata, manifest, listing, exhaustive=True)
+        problems.extend(structure)
+        if not any(p.is_error for p in structure):
+            # Files already reported damaged are not decoded again (one finding per damage).
+            damaged = {p.file for p in problems if p.is_error and p.file is not None}
+            problems.extend(_declared_item_problems(storage, metadata, damaged))
     return _cap(problems)
+
+
+class _StoredItem(_RangeReader):
+    """Bytes [base, base + size) of a checkpoint file, read through the Storage on demand."""
+
+    def __init__(self, storage: Storage, name: str, base: int, size: int):
+        super().__init__(size)
+        self._storage, self._name, self._base = storage, name, base
+
+    def _fill(self, view: memoryview, pos: int) -> int:
+        data = self._storage.read(self._name, self._base + pos, view.nbytes)
+        view[: len(data)] = data
+        return len(data)
+
+
+def _declared_item_problems(storage: Storage, metadata: Metadata, skip: set[str]) -> list[Problem]:
+    """Every stored tensor item's own shape and dtype against what `.metadata` declares for its
+    chunk (CRCs only prove the bytes are the ones written, not that `.metadata` describes
+    them). Read from each item's header: a metadata-only torch.load, a few KiB an item.
+    Files in `skip` (already reported damaged) are not decoded."""
+    declared: dict[tuple[str, tuple[int, ...]], tuple[Any, tuple[int, ...]]] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            for chunk in md.chunks:
+                declared[(fqn, tuple(int(o) for o in chunk.offsets))] = (md.properties.dtype, tuple(int(s) for s in chunk.sizes))
+    problems: list[Problem] = []
+    for index, info in metadata.storage_data.items():
+        key = (index.fqn, tuple(int(o) for o in index.offset)) if index.offset is not None else None
+        want = declared.get(key) if key is not None else None
+        if want is None:
+            continue
+        name, off, length = info.relative_path, info.offset, info.length
+        if name in skip:
+            continue
+        where = f"item of {index.fqn!r} at offset {off} (length {length})"
+        try:
+            stored = torch.load(_StoredItem(storage, name, off, length), map_location="meta", weights_only=True)
+        except FileNotFoundError:
+            problems.append(Problem(name, "disappeared while it was being verified", "missing"))
+            continue
+        except Exception as exc:  # noqa: BLE001 - any failure to decode is a finding
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            problems.append(Problem(name, f"{where} cannot be decoded as a tensor ({type(exc).__name__}: {first})"))
+            continue
+        if not isinstance(stored, torch.Tensor):
+            problems.append(Problem(name, f"{where} holds a {type(stored).__name__}, .metadata declares a tensor"))
+        elif (stored.dtype, tuple(stored.shape)) != want:
+            problems.append(
+                Problem(
+                    name,
+                    f"{where} holds a tensor of shape {list(stored.shape)} and dtype {_dtype_name(stored.dtype)}, "
+                    f".metadata declares shape {list(want[1])} and dtype {_dtype_name(want[0])}",
+                )
+            )
+    return problems
 
 
 def _manifest_problems(manifest: Manifest) -> list[Problem]:
@@ -267,11 +353,14 @@ def _manifest_problems(manifest: Manifest) -> list[Problem]:
                 Problem(MANIFEST_NAME, f"lists {name}, a shard of rank {rank}, but says the world size was "
                         f"{manifest.world_size}")
             )
-    missing = sorted(set(range(manifest.world_size)) - ranks)
-    if missing:
+    # Never range(world_size): a crafted world size (10^12) must not build a set that large.
+    present = sum(1 for r in ranks if r < manifest.world_size)
+    if present < manifest.world_size:
+        shown = [r for r in range(min(manifest.world_size, len(ranks) + 20)) if r not in ranks][:20]
+        more = manifest.world_size - present - len(shown)
         problems.append(
-            Problem(MANIFEST_NAME, f"lists no shard file for rank(s) {', '.join(map(str, missing))} of the "
-                    f"{manifest.world_size} that saved")
+            Problem(MANIFEST_NAME, f"lists no shard file for rank(s) {', '.join(map(str, shown))}"
+                    f"{f' and {more} more' if more > 0 else ''} of the {manifest.world_size} that saved")
         )
     return problems
 

@@ -6,10 +6,11 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 import uuid
 from typing import BinaryIO, Iterable, Iterator
 
-from ..errors import StorageError
+from ..errors import NotARegularFileError, StorageError
 from .base import check_relative
 
 
@@ -28,7 +29,55 @@ def _fsync_dir(path: str) -> None:
 
 
 def _os_error(exc: OSError, what: str, path: str) -> StorageError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason = "no space left on device" if exc.errno == errno.ENOSPC else "no space left (disk quota exceeded)"
+        return StorageError(f"{what} {path}: {reason} ([Errno {exc.errno}] {exc.strerror})", path=path)
     return StorageError(f"{what} {path}: {exc.strerror or exc}", path=path)
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+# The `latest` pointer is a step directory's name; a pointer file larger than this is not one.
+_MAX_POINTER_BYTES = 4096
+
+
+def _not_regular(mode: int, full: str) -> NotARegularFileError:
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return NotARegularFileError(
+        f"{full} is {kind}, not a regular file: ckptlib reads only regular files (or symlinks to them)",
+        path=full,
+    )
+
+
+def open_regular(full: str) -> tuple[int, int]:
+    """(fd, size) of the regular file at `full`, symlinks followed; NotARegularFileError for a
+    FIFO, device, socket or directory. Checked with stat before opening (opening a device can
+    have effects) and again on the open descriptor, which is opened with O_NONBLOCK so a FIFO
+    swapped in between cannot block. FileNotFoundError propagates."""
+    mode = os.stat(full).st_mode
+    if not stat.S_ISREG(mode):
+        raise _not_regular(mode, full)
+    fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(st.st_mode, full)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def check_regular(full: str) -> None:
+    """NotARegularFileError unless `full` is a regular file (symlinks followed)."""
+    mode = os.stat(full).st_mode
+    if not stat.S_ISREG(mode):
+        raise _not_regular(mode, full)
 
 
 class LocalStorage:
@@ -158,6 +207,10 @@ class LocalStorage:
                 f.flush()
                 if self.fsync:
                     os.fsync(f.fileno())  # the name: when a commit syncs it (`sync`)
+        except OSError as exc:  # ENOSPC and friends, from a write, the flush, fsync or close
+            with contextlib.suppress(OSError):
+                os.unlink(full)  # a partial file is never left behind to fill the disk
+            raise _os_error(exc, "cannot write", full) from exc
         except BaseException:
             with contextlib.suppress(OSError):  # like an aborted upload: no partial object is left
                 os.unlink(full)
@@ -171,13 +224,26 @@ class LocalStorage:
         return self.local_path(path)
 
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Regular files only (NotARegularFileError otherwise), and never more than the file
+        system says the file holds (length=None: up to its size when opened)."""
         full = self._path(path)
-        with open(full, "rb") as f:  # FileNotFoundError propagates: callers map it
-            if length is None:
-                f.seek(offset)
-                return f.read()
-            data = os.pread(f.fileno(), length, offset)
-        if len(data) != length:
+        fd, size = open_regular(full)  # FileNotFoundError propagates: callers map it
+        try:
+            want = max(0, size - offset) if length is None else length
+            data = os.pread(fd, want, offset)
+            if len(data) < want:  # a short read before the end of the file: read on
+                parts = [data]
+                got = len(data)
+                while got < want:
+                    more = os.pread(fd, want - got, offset + got)
+                    if not more:
+                        break
+                    parts.append(more)
+                    got += len(more)
+                data = b"".join(parts)
+        finally:
+            os.close(fd)
+        if length is not None and len(data) != length:
             raise EOFError(f"{full}: wanted {length} bytes at offset {offset}, file holds {offset + len(data)}")
         return data
 
@@ -191,8 +257,10 @@ class LocalStorage:
                 rel = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
                 if rel.startswith(prefix):
                     full = os.path.join(dirpath, name)
+                    # stat, not lstat: a symlinked file (the Hugging Face cache layout) has its
+                    # target's size. A dangling link is left out (absent, as its target is).
                     with contextlib.suppress(FileNotFoundError):
-                        out[rel] = os.lstat(full).st_size
+                        out[rel] = os.stat(full).st_size
         return out
 
     def list_children(self) -> list[str]:
@@ -248,10 +316,19 @@ class LocalStorage:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            if exc.errno != errno.EINVAL:  # EINVAL: a regular file, read it as text below
+            if exc.errno != errno.EINVAL:  # EINVAL: not a symlink; a regular file is read as text
                 raise _os_error(exc, "cannot read pointer", link) from exc
-            with open(link, encoding="utf-8") as f:
-                target = f.read().strip()
+            fd, size = open_regular(link)
+            try:
+                if size > _MAX_POINTER_BYTES:
+                    raise StorageError(f"{link}: {size} bytes is not a pointer (a step directory's name)", path=link)
+                data = os.pread(fd, size, 0)
+            finally:
+                os.close(fd)
+            try:
+                target = data.decode("utf-8").strip()
+            except UnicodeDecodeError as exc:
+                raise StorageError(f"{link}: pointer file is not UTF-8 text", path=link) from exc
         target = target.rstrip("/")
         if os.path.isabs(target):
             rel = os.path.relpath(target, os.path.dirname(link))

@@ -1,0 +1,221 @@
+"""Crafted but well-formed content never allocates without bound, and a `.metadata` that
+disagrees with the stored items is caught by verify and by load.
+
+Before: a manifest world_size of 10^12 made verify build set(range(world_size)); a
+`.metadata` tensor shape of (10^7, 10^6) made convert allocate 40 TB; a 40-byte `.metadata`
+pickle built a 2 GB bytearray; a shape in `.metadata` that disagreed with the stored bytes
+(CRCs consistent) passed `ckpt verify` and the load died with a raw RuntimeError.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import warnings
+import zlib
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptlib
+from ckptlib import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError, cli
+from ckptlib.format import verify
+from ckptlib.format.manifest import _canonical
+from ckptlib.format.safe_pickle import safe_loads
+
+
+def _rewrite_manifest(d, edit) -> None:
+    doc = json.loads((d / "ckptlib.json").read_text())
+    doc.pop("checksum", None)
+    edit(doc)
+    doc["checksum"] = zlib.crc32(_canonical(doc))
+    (d / "ckptlib.json").write_text(json.dumps(doc))
+
+
+def _rewrite_metadata(d, edit, *, manifest: bool = True) -> None:
+    """Edit `.metadata` (our own file, so plain pickle is fine here) and, for a ckptlib
+    checkpoint, record its new size and CRC in the manifest: every checksum stays consistent."""
+    md = pickle.loads((d / ".metadata").read_bytes())
+    edit(md)
+    blob = pickle.dumps(md)
+    (d / ".metadata").write_bytes(blob)
+    if manifest:
+        crc = zlib.crc32(blob)
+
+        def fix(doc):
+            doc["files"][".metadata"] = {"size": len(blob), "crc32": crc, "items": [[0, len(blob), crc]]}
+
+        _rewrite_manifest(d, fix)
+
+
+def _declare(md, key: str, size: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
+    """Make `.metadata` declare `key` (one chunk) with another size and/or dtype."""
+    tmd = md.state_dict_metadata[key]
+    tmd.size = torch.Size(size)
+    if dtype is not None:
+        tmd.properties.dtype = dtype
+    (chunk,) = tmd.chunks
+    chunk.sizes = torch.Size(size)
+
+
+def _save(d, kind: str, state: dict) -> None:
+    if kind == "ckptlib":
+        ckptlib.save(d, state)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=str(d))
+
+
+def _errors(path) -> list:
+    return [p for p in verify(path) if p.is_error]
+
+
+# --------------------------------------------------------------------------- manifest counts
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [10**12, 3, 2.0, True], ids=["1e12", "3-with-one-shard", "float", "bool"])
+def test_manifest_world_size_lie(tmp_path, capsys, world_size):
+    d = tmp_path / "c"
+    ckptlib.save(d, {"w": torch.ones(4)})
+    _rewrite_manifest(d, lambda doc: doc.__setitem__("world_size", world_size))
+    errors = _errors(d)
+    assert errors and errors[0].file == "ckptlib.json", errors
+    with pytest.raises(CheckpointCorruptError, match="ckptlib.json"):
+        ckptlib.load(d, {"w": torch.zeros(4)})
+    assert cli.main(["verify", str(d)]) == 1
+    assert cli.main(["inspect", str(d)]) == 1
+    capsys.readouterr()
+
+
+@pytest.mark.timeout(60)
+def test_manifest_missing_ranks_are_listed_without_building_the_range(tmp_path):
+    from ckptlib.format.manifest import FileRecord, Manifest
+    from ckptlib.format.verify import _manifest_problems
+
+    files = {f"__{r}_0.distcp": FileRecord(size=0, crc32=0) for r in (0, 2)}
+    files.update({f"x{i}": FileRecord(size=0, crc32=0) for i in range(10)})
+    problems = _manifest_problems(Manifest(world_size=12, files=files))
+    assert [p.message for p in problems] == [
+        "lists no shard file for rank(s) 1, 3, 4, 5, 6, 7, 8, 9, 10, 11 of the 12 that saved"
+    ]
+    problems = _manifest_problems(Manifest(world_size=10**12, files=files))  # constructed directly, not parsed
+    assert ", 20, 21 and 999999999978 more of the 1000000000000 that saved" in problems[0].message
+
+
+# --------------------------------------------------------------------------- .metadata sizes
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["ckptlib", "dcp"])
+def test_metadata_shape_of_40_terabytes_is_refused_before_allocating(tmp_path, capsys, kind):
+    d = tmp_path / "c"
+    _save(d, kind, {"w": torch.ones(4, 4)})
+    _rewrite_metadata(d, lambda md: _declare(md, "w", (10**7, 10**6)), manifest=kind == "ckptlib")
+    errors = _errors(d)
+    assert any("needs 40000000000000 bytes" in p.message for p in errors), errors
+    with pytest.raises(CheckpointCorruptError, match="needs 40000000000000 bytes"):
+        ckptlib.load(d, {"w": torch.zeros(4, 4)})
+    with pytest.raises(CheckpointCorruptError, match="needs 40000000000000 bytes"):
+        ckptlib.convert(d, tmp_path / "out", progress=False)
+    with pytest.raises(CheckpointCorruptError):
+        ckptlib.convert(d, tmp_path / "out.pt", to="torch", progress=False)
+    assert cli.main(["inspect", str(d)]) == 1
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.pt").exists()
+    capsys.readouterr()
+
+
+class _Allocates:
+    """Pickles as a call of `fn(*args)` (what a crafted file would hold)."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "payload",
+    [_Allocates(bytearray, 2**31), _Allocates(bytes, 2**31)],
+    ids=["bytearray-2GB", "bytes-2GB"],
+)
+def test_metadata_pickle_cannot_allocate_from_a_number(tmp_path, capsys, payload):
+    blob = pickle.dumps(payload, protocol=2)
+    assert len(blob) < 60
+    with pytest.raises(UnsafeCheckpointError, match="refusing to unpickle global"):
+        safe_loads(blob, "x/.metadata")
+    d = tmp_path / "c"
+    ckptlib.save(d, {"w": torch.ones(2)})
+    (d / ".metadata").write_bytes(blob)
+    crc = zlib.crc32(blob)
+    _rewrite_manifest(d, lambda doc: doc["files"].__setitem__(".metadata", {"size": len(blob), "crc32": crc, "items": [[0, len(blob), crc]]}))
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: refusing to unpickle global __builtin__\.byte"):
+        ckptlib.load(d, {"w": torch.zeros(2)})
+    assert any(p.kind == "unsafe" for p in verify(d))
+    assert cli.main(["inspect", str(d)]) == 1
+    capsys.readouterr()
+
+
+# --------------------------------------------------------------------------- shapes vs stored items
+
+SIZES = {"small": (3, 4), "large": (512, 1024)}  # large: the zero-copy read path (>= 1 MiB)
+LIES = {
+    "transposed": lambda s: ((s[1], s[0]), None),
+    "fewer-rows": lambda s: ((s[0] - 1, s[1]), None),
+    "dtype": lambda s: (s, torch.int32),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("lie", list(LIES))
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("kind", ["ckptlib", "dcp"])
+def test_metadata_shape_that_disagrees_with_the_stored_item(tmp_path, capsys, kind, size, lie):
+    shape = SIZES[size]
+    d = tmp_path / "c"
+    _save(d, kind, {"w": torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape), "b": torch.ones(3)})
+    declared, dtype = LIES[lie](shape)
+    _rewrite_metadata(d, lambda md: _declare(md, "w", declared, dtype), manifest=kind == "ckptlib")
+    errors = _errors(d)
+    assert any(p.file == "__0_0.distcp" and "'w'" in p.message and "declares" in p.message for p in errors), errors
+    assert cli.main(["verify", str(d)]) == 1
+    out = capsys.readouterr().out
+    assert "__0_0.distcp" in out and "declares shape" in out
+    with pytest.raises(CheckpointError) as info:
+        ckptlib.load(d, {"w": torch.zeros(declared, dtype=dtype or torch.float32), "b": torch.zeros(3)})
+    assert isinstance(info.value, CheckpointCorruptError), repr(info.value)
+    assert "__0_0.distcp" in str(info.value) and "w" in str(info.value)
+
+
+def test_verify_passes_intact_checkpoints_with_many_items(tmp_path):
+    d = tmp_path / "c"
+    state = {f"t{i}": torch.full((i + 1, 3), float(i)) for i in range(30)}
+    state["big"] = torch.ones(600, 1024)
+    state["obj"] = {"lr": 0.1}
+    ckptlib.save(d, state)
+    assert _errors(d) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fn", [bytearray, bytes], ids=["bytearray", "bytes"])
+def test_object_item_cannot_allocate_from_a_number(tmp_path, fn):
+    """torch's weights_only unpickler allows bytearray: an object item holding `bytearray(2**40)`
+    (a few hundred bytes of file) is refused before torch.load runs it."""
+    d = tmp_path / "c"
+    ckptlib.save(d, {"w": torch.ones(2), "extra": {"blob": _Allocates(fn, 2**40), "n": 3}})
+    assert _errors(d) == []  # the bytes are the ones written; only loading them would allocate
+    with pytest.raises(UnsafeCheckpointError, match=r"\(1099511627776\) from a number") as info:
+        ckptlib.load(d, {"w": torch.zeros(2), "extra": {"blob": None, "n": 0}})
+    assert "__0_0.distcp" in str(info.value) and "extra" in str(info.value)
+
+
+def test_object_items_with_real_byte_values_still_load(tmp_path):
+    d = tmp_path / "c"
+    ckptlib.save(d, {"w": torch.ones(2), "raw": bytearray(b"\x00\x01abc"), "b": b"xyz"})
+    state = {"w": torch.zeros(2), "raw": bytearray(), "b": b""}
+    ckptlib.load(d, state)
+    assert state["raw"] == bytearray(b"\x00\x01abc") and state["b"] == b"xyz"
