@@ -363,6 +363,10 @@ def _run_bench(bench_args: list[str]) -> int:
         return EXIT_USAGE
     if root not in sys.path:
         sys.path.insert(0, root)  # before the rank forkserver starts, so the ranks can import it too
+    if bench_args[:1] == ["scale"]:
+        from benchmarks import scale
+
+        return scale.main(bench_args[1:])
     from benchmarks import bench
 
     return bench.main(bench_args)
@@ -612,7 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "bench",
         help="benchmark ckptlib against raw DCP, torch.save, the disk and each cloud SDK (source checkouts)",
-        description="Runs benchmarks/bench.py; `ckpt bench --help` lists its options.",
+        description="Runs benchmarks/bench.py; `ckpt bench --help` lists its options. `ckpt bench scale` runs "
+        "benchmarks/scale.py (planning, .metadata and manifest sizes at simulated world sizes; no ranks spawned).",
     )
     return parser
 

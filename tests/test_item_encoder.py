@@ -178,3 +178,29 @@ def test_tensor_data_record_refuses_what_it_cannot_read_directly():
     blob = deflated.getvalue()
     assert item_encoder.tensor_data_record(_reader(blob), len(blob)) is None
     assert item_encoder.tensor_data_record(_reader(b"not a zip at all, not at all" * 3), 84) is None
+
+
+@pytest.mark.parametrize("nbytes", [0, 4, item_encoder.SMALL_ITEM_BYTES - 4, item_encoder.SMALL_ITEM_BYTES],
+                         ids=["empty", "tiny", "just-small", "threshold"])
+def test_small_and_encoded_items_are_torch_save_bytes(tmp_path, monkeypatch, nbytes):
+    """Items either side of the small-item threshold are torch.save's exact bytes, with the
+    item CRCs of those bytes, and the encoder runs only for the large ones."""
+    encoded = []
+    real_encode = item_encoder.encode
+    monkeypatch.setattr(item_encoder, "encode", lambda *a: encoded.append(a[0].nbytes) or real_encode(*a))
+    g = torch.Generator().manual_seed(3)
+    state = {f"t{i}": torch.randn(nbytes // 4, generator=g) for i in range(3)}
+    ckptlib.save(tmp_path / "c", state)
+    assert encoded == ([nbytes] * 3 if nbytes >= item_encoder.SMALL_ITEM_BYTES else [])
+    data = _shard_files(tmp_path / "c")["__0_0.distcp"]
+    record = read_manifest(open_storage(str(tmp_path / "c"))).files["__0_0.distcp"]
+    assert record.crc32 == zlib.crc32(data)
+    items = sorted(record.items)
+    assert [zlib.crc32(data[o : o + n]) for o, n, _ in items] == [c for _, _, c in items]
+    blobs = sorted(bytes(data[o : o + n]) for o, n, _ in items)
+    loaded = sorted(torch.load(io.BytesIO(b), weights_only=True).numpy().tobytes() for b in blobs)
+    assert loaded == sorted(t.numpy().tobytes() for t in state.values())
+    for blob in blobs:
+        expected = io.BytesIO()
+        torch.save(torch.load(io.BytesIO(blob), weights_only=True), expected)
+        assert blob == expected.getvalue()

@@ -9,7 +9,9 @@ loading unverified as plain DCP.
 
 Performance (measured on the 2-core dev box, see docs/benchmarks.md): each tensor item is
 encoded with `item_encoder`: torch.save's exact bytes, with torch's own zip CRC pass
-(~4 GiB/s) replaced by the zlib-ng pass that the manifest needs anyway. Where that is
+(~4 GiB/s) replaced by the zlib-ng pass that the manifest needs anyway. Tensors under
+`item_encoder.SMALL_ITEM_BYTES` skip the encoder (its Python work per zip record costs more
+than torch's CRC of a small record): torch.save into one buffer, written and CRC'd once. Where that is
 unavailable torch.save runs straight into the shard stream through `_CrcSink` (identical
 bytes to torch.save into a BytesIO, which is what plain DCP writes), instead of into a
 BytesIO that is then copied.
@@ -135,8 +137,10 @@ class CkptWriter(StorageWriter):
                     sink.write(data.getbuffer())
                 else:
                     tensor = _tensor_for_save(data)
-                    encoded = item_encoder.encode(tensor, sink.pos, sink.block_size)
-                    if encoded is not None:
+                    encoded = None
+                    if tensor.numel() * tensor.element_size() < item_encoder.SMALL_ITEM_BYTES:
+                        sink.write(item_encoder.torch_save_bytes(tensor))
+                    elif (encoded := item_encoder.encode(tensor, sink.pos, sink.block_size)) is not None:
                         sink.write_encoded(encoded)
                     else:  # straight into the stream: identical bytes to torch.save into a BytesIO
                         torch.save(tensor, sink)

@@ -26,6 +26,11 @@ import torch
 from .. import compat
 from .checksum import FAST, crc32, crc32_combine
 
+# Tensors of fewer bytes than this are written as torch.save's bytes from one in-memory buffer
+# (one write, one CRC pass over it): the encoder's Python work per zip record costs more than
+# torch's own CRC of a small record (issue 13: thousands of small tensors).
+SMALL_ITEM_BYTES = 1 << 18
+
 # Pieces torch hands over smaller than this are copied (its writer reuses its buffers);
 # larger ones that lie inside the tensor's memory are kept as views of it (no copy).
 _COPY_BELOW = 1 << 16
@@ -348,6 +353,13 @@ def fast_path_reason() -> str | None:
         if got != expected.getvalue() or item.crc != crc32(got):
             return f"the encoding differs from torch.save's on this torch ({torch.__version__})"
     return None
+
+
+def torch_save_bytes(tensor: torch.Tensor) -> memoryview:
+    """torch.save(tensor)'s bytes in one buffer: the writer's path for small tensors."""
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return buffer.getbuffer()
 
 
 def encode(tensor: torch.Tensor, base: int = 0, block_size: int = 0) -> EncodedItem | None:

@@ -1,0 +1,38 @@
+"""benchmarks/scale.py at tiny sizes, so the scale benchmark cannot rot (no timings asserted)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+from benchmarks import scale
+from ckptlib import cli
+from ckptlib.format.manifest import Manifest
+
+
+@pytest.mark.parametrize("world, tensors", [(1, 1), (2, 3), (8, 20)], ids=["world1-t1", "world2-t3", "world8-t20"])
+def test_records_cover_every_chunk(world, tensors):
+    names = scale._tensor_names(tensors)
+    metadata_blob, manifest_blob = scale._plan_and_write_records(world, names)
+    metadata = pickle.loads(metadata_blob)
+    assert sorted(metadata.state_dict_metadata) == sorted(names)
+    assert all(len(md.chunks) == world for md in metadata.state_dict_metadata.values())
+    assert len(metadata.storage_data) == world * tensors
+    manifest = Manifest.from_bytes(manifest_blob, "scale")
+    assert sorted(manifest.files) == sorted(f"__{r}_0.distcp" for r in range(world))
+    assert all(len(record.items) == tensors for record in manifest.files.values())
+    assert scale._load_plan(metadata_blob, names, world - 1) == tensors
+
+
+def test_cli_runs_the_grid_and_skips_cells_over_the_cap(capsys):
+    assert cli.main(["bench", "scale", "--worlds", "2,4", "--tensors", "5,50", "--max-chunks", "100", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["world"], r["tensors"]) for r in rows] == [(2, 5), (2, 50), (4, 5), (4, 50)]
+    assert "skipped" in rows[3] and "skipped" not in rows[2]
+    measured = rows[:3]
+    assert [r["chunks"] for r in measured] == [10, 100, 20]
+    assert measured[1]["metadata_bytes"] > measured[0]["metadata_bytes"]
+    assert measured[1]["manifest_bytes"] > measured[0]["manifest_bytes"]
+    assert [r["rank_reads"] for r in measured] == [5, 50, 5]
