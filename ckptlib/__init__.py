@@ -31,13 +31,16 @@ from .retention import KeepBest, KeepEvery, KeepLast
 from .save_policy import EveryNSeconds, EveryNSteps, FinalStep
 from .teardown import exit_barrier
 from .tiered import TieredCheckpointManager
-from .state import KeepExistingRanks, RankLocal, ResizePolicy, ResizeWarning, RNGState
+from .data import ElasticDistributedSampler, MergeSamplerProgress
+from .state import KeepExistingRanks, MergingResizePolicy, RankLocal, ResizePolicy, ResizeWarning, RNGState
 
 __all__ = [
     "AsyncSave", "async_save", "CastWarning", "DtypeMismatchError", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
-    "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "EveryNSeconds", "EveryNSteps",
+    "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "ElasticDistributedSampler",
+    "EveryNSeconds", "EveryNSteps",
     "ExportResult", "export", "FinalStep", "KeepBest", "KeepEvery", "KeepExistingRanks", "KeepLast", "LoadResult",
-    "LockedError", "MissingKeysError", "NotACheckpointError", "NotARegularFileError", "OverwriteRefusedError", "RankLostError", "RNGState", "RankLocal", "ResizePolicy",
+    "LockedError", "MergeSamplerProgress", "MergingResizePolicy", "MissingKeysError", "NotACheckpointError",
+    "NotARegularFileError", "OverwriteRefusedError", "RankLostError", "RNGState", "RankLocal", "ResizePolicy",
     "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",
     "StorageError", "TieredCheckpointManager", "UnsafeCheckpointError", "UploadError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",
 ]

@@ -33,8 +33,21 @@ def _world_sizes(text: str) -> list[int]:
     return sorted(set(sizes))
 
 
+def _layout_names(text: str) -> list[str]:
+    from .testing.layouts import parse_layouts
+
+    try:
+        return parse_layouts(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     from .testing import validate
+
+    if args.layouts and not validate.layouts_fit(args.layouts, args.world_sizes):
+        raise UsageError(f"no world size in {args.world_sizes} suits --layouts {','.join(args.layouts)} "
+                         "(2-D layouts run at even world sizes from 4)")
 
     wrap = args.wrap or validate.default_wrap()
     if validate.under_torchrun():
@@ -56,6 +69,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                     wrap,
                     args.optim,
                     not args.json and _show_progress(args),
+                    args.layouts,
+                    args.pairs,
                     timeout=args.timeout,
                 )
             except RankError as exc:
@@ -68,7 +83,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if args.json:
         print(validate.dumps(report))
     else:
-        print(f"ckpt validate: root={report.root} wrap={report.wrap} optim={report.optim} backend={args.backend}")
+        what = f"layouts={','.join(report.layouts)}" if report.layouts else f"wrap={report.wrap}"
+        print(f"ckpt validate: root={report.root} {what} optim={report.optim} backend={args.backend}")
         print(report.table())
         print("all pairs passed" if report.ok else "SOME PAIRS FAILED")
     return EXIT_OK if report.ok else EXIT_FAIL
@@ -91,9 +107,12 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
     try:
         dist.init_process_group(args.backend)
         try:
-            report = validate.run_pairs(
-                args.root, args.world_sizes, wrap, args.optim, progress=not args.json and _show_progress(args)
-            )
+            progress = not args.json and _show_progress(args)
+            if args.layouts:
+                report = validate.run_layout_pairs(args.root, args.world_sizes, args.layouts, args.optim,
+                                                   pairs=args.pairs, progress=progress)
+            else:
+                report = validate.run_pairs(args.root, args.world_sizes, wrap, args.optim, progress=progress)
             exit_barrier()
             return report
         finally:
@@ -431,7 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Run the save-at-N/load-at-M round trip (train, save, load, compare bit-exactly, train one "
             "more step against a never-checkpointed run) for every pair of world sizes. Without torchrun "
             "it starts max(world sizes) local gloo ranks on a temporary directory (or --root). Under "
-            "torchrun it uses the launched ranks and --root (a shared path, s3://, gs:// or az:// URI)."
+            "torchrun it uses the launched ranks and --root (a shared path, s3://, gs:// or az:// URI). With "
+            "--layouts, the pairs are (layout A at N ranks) saved and (layout B at M ranks) loaded, e.g. a run "
+            "trained with FSDP2 x TP resuming with FSDP2 on fewer ranks."
         ),
     )
     p.add_argument("--world-sizes", type=_world_sizes, default=[1, 2, 3, 4], help="comma-separated (default 1,2,3,4)")
@@ -439,6 +460,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to write the test checkpoints: a path, s3://, gs:// or az:// URI (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--wrap", choices=["fsdp2", "ddp", "plain"], default=None, help="model wrapping (default fsdp2 when supported, else ddp)")
+    p.add_argument("--layouts", type=_layout_names, default=None, metavar="LIST", help=(
+        "comma-separated parallelism layouts to save from and load into, e.g. fsdp2,hsdp,tp,fsdp2+tp (choices: "
+        "plain, ddp, fsdp2, hsdp, tp, fsdp2+tp, fsdp1, fsdp1-flat; 2-D layouts run at even world sizes from 4 "
+        "as 2 x N/2). Runs a small transformer; every pair names its save and load layout"))
+    p.add_argument("--pairs", choices=["all", "covering"], default="all", help=(
+        "with --layouts: every (layout, world size) saved and loaded at every other (all, default), or one "
+        "case per (save layout, load layout) pair with world sizes rotated (covering)"))
     p.add_argument("--optim", choices=["adam", "adamw", "sgd"], default="adamw")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="process group backend under torchrun")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank fails the run")

@@ -156,6 +156,46 @@ def fsdp2_reason(device_type: str = "cpu") -> str | None:
     return f"FSDP2 on device type {device_type!r} is not covered by ckptlib's probes"
 
 
+@functools.lru_cache(maxsize=None)
+def fsdp1_cpu_reason() -> str | None:
+    """Why FSDP1 (`FullyShardedDataParallel`) cannot run on CPU here, or None.
+
+    Without `device_id` FSDP1 wants "the current accelerator" and refuses a CPU-only
+    machine ("FSDP needs a non-CPU accelerator device"); with `device_id=torch.device("cpu")`
+    it runs on CPU with gloo (checked on 2.13). Probed through its constructor's signature.
+    """
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError as exc:
+        return f"torch {torch.__version__} has no FullyShardedDataParallel: {exc}"
+    if "device_id" not in inspect.signature(FullyShardedDataParallel.__init__).parameters:
+        return f"torch {torch.__version__}'s FullyShardedDataParallel has no device_id argument"
+    return None
+
+
+def distribute_locally(tensor: torch.Tensor, mesh: Any, placements: Any) -> Any:
+    """A DTensor of `tensor` (identical on every rank) cut locally, without communication.
+
+    `distribute_tensor` scatters from rank 0 by default, and its scatter asserts for uneven
+    `_StridedShard` dims (FSDP2 over TP of a dim that splits unevenly), which is what
+    `set_model_state_dict(full_state_dict=True)` runs into; `src_data_rank=None` (torch
+    2.6+) only splits locally.
+    """
+    from torch.distributed.tensor import distribute_tensor
+
+    if "src_data_rank" in inspect.signature(distribute_tensor).parameters:
+        return distribute_tensor(tensor, mesh, placements, src_data_rank=None)
+    return distribute_tensor(tensor, mesh, placements)
+
+
+def checkpoint_wrapper_fn() -> Callable[..., Any]:
+    """torch's activation-checkpoint wrapper (it adds `_checkpoint_wrapped_module.` to FQNs,
+    which DCP's state_dict API strips); it lives in a private module."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    return checkpoint_wrapper
+
+
 # --------------------------------------------------------------------------- DTensor
 
 

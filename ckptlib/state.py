@@ -9,6 +9,7 @@ everything by parameter FQN, so a checkpoint is independent of wrapping and worl
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import pickle
@@ -40,6 +41,14 @@ class ResizePolicy(Protocol):
 
     def source_rank(self, rank: int, saved_world_size: int, world_size: int) -> int | None:
         """A saved rank to restore from, or None to start this rank's state fresh."""
+
+
+class MergingResizePolicy(ResizePolicy, Protocol):
+    """A resize policy that builds each rank's state from *every* saved rank's state
+    (e.g. `ckptlib.MergeSamplerProgress` for data-loader positions)."""
+
+    def merge(self, states: list[Any], rank: int, world_size: int) -> Any:
+        """This rank's state, given the saved ranks' states in rank order."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +287,17 @@ def to_load_target(
             )
         elif isinstance(value, RankLocal):
             saved = saved_world_size if saved_world_size is not None else world_size
+            merge = getattr(value.policy, "merge", None)
+            if saved != world_size and callable(merge):
+                notes.append(
+                    f"state[{name!r}]: saved by {saved} ranks, loading on {world_size}; rank {rank} merges "
+                    f"every saved rank's per-rank state ({type(value.policy).__name__})"
+                )
+                # One copy per saved rank: a state_dict() may hand out the same object twice.
+                template[name] = {_rank_key(r): copy.deepcopy(value.state_dict()) for r in range(saved)}
+                appliers.append(lambda v=value, n=name, k=saved, m=merge: v.load_state_dict(
+                    m([template[n][_rank_key(r)] for r in range(k)], rank, world_size)))
+                continue
             source = rank if saved == world_size else value.policy.source_rank(rank, saved, world_size)
             if saved != world_size:
                 what = f"restores saved rank {source}'s" if source is not None else "starts fresh"

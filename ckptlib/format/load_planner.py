@@ -7,7 +7,7 @@ import pickle
 import re
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 
 from .. import compat
 from ..errors import UnsafeCheckpointError
@@ -21,6 +21,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def __init__(self, *, trusted: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.trusted = trusted
+
+    def create_local_plan(self):
+        # DCP takes a rank that asks for fewer keys than the checkpoint holds for a reader of
+        # a pre-2.4 checkpoint and re-flattens its state the 2.3 way, which then misses
+        # keys such as "optim.param_groups". A rank whose shard of a parameter is empty asks
+        # for fewer keys legitimately (FSDP1 gives it no optimizer state for that parameter):
+        # when every key this rank asks for is in the checkpoint, plan with those keys.
+        if self.flatten_state_dict and self.metadata is not None:
+            if set(self.state_dict) <= set(self.metadata.state_dict_metadata):
+                return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+        return super().create_local_plan()
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         if self.trusted:

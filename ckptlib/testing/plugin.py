@@ -10,6 +10,9 @@ Enable it from a conftest with ``pytest_plugins = ["ckptlib.testing.plugin"]``.
 - ``@pytest.mark.world_size(n, nodes=1)``: the test body itself runs on ``n`` ranks; its
   arguments (fixture values, parametrize values) are pickled to every rank.  A failure on
   any rank fails the test with that rank's traceback (asserts are rewritten as usual).
+- ``@pytest.mark.full_matrix``: a case of a full cross product whose covering subset runs
+  by default. A run without ``-m`` leaves these out; ``--full-matrix`` or any ``-m``
+  expression that selects them (``pytest -m elastic``) runs them.
 - ``--backend {gloo,nccl}`` (default gloo).  Tests marked ``gpu``, and distributed tests
   under ``--backend nccl``, are skipped with the reason when CUDA, NCCL or enough GPUs are
   missing.  Collection never imports torch.
@@ -35,6 +38,7 @@ _MARKERS = {
     "legacy": "legacy: legacy and interchange formats, golden fixtures",
     "gpu": "gpu: needs CUDA devices and NCCL; skipped without them",
     "slow": "slow: long-running cases",
+    "full_matrix": "full_matrix: beyond the covering subset; run with -m (e.g. -m elastic) or --full-matrix",
     "world_size": "world_size(n, nodes=1): run the test body in n ranks of a fresh process group",
 }
 
@@ -63,6 +67,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             f"with a margin, else {_launcher.DEFAULT_TIMEOUT:g})"
         ),
     )
+    group.addoption(
+        "--full-matrix",
+        action="store_true",
+        dest="ckptlib_full_matrix",
+        default=False,
+        help="also run full_matrix cases without -m (pytest -m elastic runs them anyway)",
+    )
     parser.addini(
         "dist_preload",
         type="linelist",
@@ -87,6 +98,17 @@ def _uses_dist(item: pytest.Item) -> bool:
     return item.get_closest_marker("world_size") is not None or "dist_run" in getattr(
         item, "fixturenames", ()
     )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Without -m, full-matrix cases stay out (their covering subset runs); with -m the
+    # expression alone decides, so `pytest -m elastic` runs the whole cross product.
+    if config.getoption("ckptlib_full_matrix") or config.option.markexpr:
+        return
+    kept = [item for item in items if item.get_closest_marker("full_matrix") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("full_matrix")])
+        items[:] = kept
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -1,5 +1,8 @@
 """`ckpt validate`: the save-at-N / load-at-M round trip on the user's storage and cluster.
 
+With `--layouts` the pairs are (layout A at N, layout B at M) of a small transformer
+(`layout_matrix`); 2-D layouts on a subgroup use meshes made from `layouts.mesh_groups`.
+
 One process group of max(world sizes) ranks runs every pair: for each N the first N ranks
 form a subgroup that trains and saves; for each M the first M ranks load, compare
 bit-exactly and train one more step against a never-checkpointed reference. Under torchrun
@@ -19,7 +22,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import matrix
+from . import layout_matrix, matrix
+from . import layouts as layouts_mod
 
 
 @dataclasses.dataclass
@@ -29,6 +33,14 @@ class Cell:
     ok: bool
     seconds: float
     error: str = ""
+    save_layout: str = ""  # set by --layouts runs (else the report's `wrap` on both sides)
+    load_layout: str = ""
+
+    @property
+    def id(self) -> str:
+        if self.save_layout:
+            return f"save{self.save_ws}-{self.save_layout}-load{self.load_ws}-{self.load_layout}"
+        return f"save{self.save_ws}-load{self.load_ws}"
 
 
 @dataclasses.dataclass
@@ -38,6 +50,7 @@ class Report:
     optim: str
     world_sizes: list[int]
     cells: list[Cell]
+    layouts: list[str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -50,11 +63,15 @@ class Report:
             "wrap": self.wrap,
             "optim": self.optim,
             "world_sizes": self.world_sizes,
+            "layouts": self.layouts,
             "cells": [dataclasses.asdict(c) for c in self.cells],
         }
 
     def table(self) -> str:
-        """Rows: saved at N; columns: loaded at M; each cell pass/FAIL and seconds."""
+        """Rows: saved at N; columns: loaded at M; each cell pass/FAIL and seconds.
+        With layouts: rows and columns are `layout@N`."""
+        if self.layouts:
+            return self._layout_table()
         by = {(c.save_ws, c.load_ws): c for c in self.cells}
         width = 14
         head = "save\\load".ljust(10) + "".join(f"M={m}".ljust(width) for m in self.world_sizes)
@@ -68,7 +85,24 @@ class Report:
             lines.append(row)
         failures = [c for c in self.cells if not c.ok]
         for c in failures:
-            lines.append(f"save{c.save_ws}-load{c.load_ws}: {c.error}")
+            lines.append(f"{c.id}: {c.error}")
+        return "\n".join(lines)
+
+    def _layout_table(self) -> str:
+        saves = list(dict.fromkeys((c.save_layout, c.save_ws) for c in self.cells))
+        loads = list(dict.fromkeys((c.load_layout, c.load_ws) for c in self.cells))
+        by = {(c.save_layout, c.save_ws, c.load_layout, c.load_ws): c for c in self.cells}
+        width = max([11] + [len(f"{name}@{n}") + 2 for name, n in loads])
+        first = max([12] + [len(f"{name}@{n}") + 2 for name, n in saves])
+        lines = ["save\\load".ljust(first) + "".join(f"{name}@{n}".ljust(width) for name, n in loads)]
+        for name, n in saves:
+            row = f"{name}@{n}".ljust(first)
+            for other, m in loads:
+                cell = by.get((name, n, other, m))
+                text = "-" if cell is None else f"{'pass' if cell.ok else 'FAIL'} {cell.seconds:.1f}s"
+                row += text.ljust(width)
+            lines.append(row)
+        lines += [f"{c.id}: {c.error}" for c in self.cells if not c.ok]
         return "\n".join(lines)
 
 
@@ -138,6 +172,72 @@ def run_pairs(root: str, world_sizes: list[int], wrap: str, optim: str, progress
     return Report(root, wrap, optim, list(world_sizes), cells) if rank == 0 else None
 
 
+def layouts_fit(layouts: list[str], world_sizes: list[int]) -> bool:
+    """Whether some layout of `layouts` runs at some size of `world_sizes`."""
+    return any(layouts_mod.get_layout(name).supports(n) for name in layouts for n in world_sizes)
+
+
+def run_layout_pairs(root: str, world_sizes: list[int], layouts: list[str], optim: str, *,
+                     pairs: str = "all", progress: bool = True) -> Report | None:
+    """Every (layout A at N) save loaded at every (layout B at M) inside an initialized
+    process group (`pairs="covering"`: one case per layout pair); the report on rank 0."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    too_big = [n for n in world_sizes if n > world]
+    if too_big:
+        raise ValueError(f"world sizes {too_big} exceed the {world} ranks available")
+    select = layout_matrix.covering_subset if pairs == "covering" else layout_matrix.full_product
+    cases = select(layouts, world_sizes, optim)
+    if not cases:
+        raise ValueError(f"no world size in {world_sizes} suits the layouts {layouts} (2-D layouts need 4, 6, ...)")
+    groups = _subgroups(world_sizes)
+    groups_2d = layouts_mod.mesh_groups(world_sizes, layouts)
+    box = [uuid.uuid4().hex[:8] if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    base = f"{root.rstrip('/')}/ckpt-validate-{box[0]}"
+    saves = list(dict.fromkeys((c.save_layout, c.save_ws) for c in cases))
+    bar = None
+    if progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(saves) + len(cases), desc="ckpt validate --layouts", unit="step")
+    cells: list[Cell] = []
+    for layout, n in saves:
+        uri = f"{base}/save{n}-{layout}"
+        box = [None, None]  # expected state, save error
+        if rank < n:
+            try:
+                box[0] = layout_matrix.save_layout(uri, layout, optim, group=groups[n],
+                                                   groups_2d=groups_2d.get((layout, n)))
+            except Exception as exc:
+                box[1] = f"save at {layout} on {n} ranks failed: {_fail_text(exc)}"
+        dist.broadcast_object_list(box, src=0)
+        if bar:
+            bar.update(1)
+        for case in (c for c in cases if (c.save_layout, c.save_ws) == (layout, n)):
+            m, target = case.load_ws, case.load_layout
+            start = time.perf_counter()
+            problems: list[str] = [box[1]] if box[1] else []
+            if not box[1] and rank < m:
+                try:
+                    problems = layout_matrix.load_layout(uri, target, box[0], optim, group=groups[m],
+                                                         groups_2d=groups_2d.get((target, m)))
+                except Exception as exc:
+                    problems = [f"load at {target} on {m} ranks failed: {_fail_text(exc)}"]
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, problems)
+            merged = [p for per_rank in gathered[:m] for p in (per_rank or [])]
+            cells.append(Cell(n, m, not merged, time.perf_counter() - start, "; ".join(merged[:3]), layout, target))
+            if bar:
+                bar.update(1)
+        dist.barrier()
+    if bar:
+        bar.close()
+    if rank == 0:
+        _cleanup(base)
+    dist.barrier()
+    return Report(root, "layouts", optim, list(world_sizes), cells, list(layouts)) if rank == 0 else None
+
+
 def _cleanup(base: str) -> None:
     """Remove the run's checkpoints; a failure here must not hide the report."""
     from ..errors import CheckpointError
@@ -155,9 +255,13 @@ def default_wrap() -> str:
     return "fsdp2" if compat.fsdp2_cpu_reason() is None else "ddp"
 
 
-def rank_entry(root: str, world_sizes: list[int], wrap: str, optim: str, progress: bool) -> dict | None:
+def rank_entry(root: str, world_sizes: list[int], wrap: str, optim: str, progress: bool,
+               layouts: list[str] | None = None, pairs: str = "all") -> dict | None:
     """Entry point for launcher ranks (module-level so it pickles by reference)."""
-    report = run_pairs(root, world_sizes, wrap, optim, progress)
+    if layouts:
+        report = run_layout_pairs(root, world_sizes, layouts, optim, pairs=pairs, progress=progress)
+    else:
+        report = run_pairs(root, world_sizes, wrap, optim, progress)
     return None if report is None else report.to_json()
 
 
@@ -167,7 +271,7 @@ def under_torchrun() -> bool:
 
 def report_from_json(doc: dict) -> Report:
     cells = [Cell(**c) for c in doc["cells"]]
-    return Report(doc["root"], doc["wrap"], doc["optim"], doc["world_sizes"], cells)
+    return Report(doc["root"], doc["wrap"], doc["optim"], doc["world_sizes"], cells, doc.get("layouts"))
 
 
 def dumps(report: Report) -> str:
