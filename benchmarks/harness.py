@@ -7,7 +7,7 @@ In one run, alternating:
   that init a gloo group, all_reduce once and destroy it (every rank imports torch);
 - harness launch: the same body through `ckptlib.testing.launch` (forkserver with preloads),
   first launch (starts the forkserver) and later ones;
-- the whole CPU elastic matrix: `pytest tests/test_elastic.py` in a subprocess, its wall
+- the whole CPU elastic matrix: `pytest tests/elastic/test_elastic.py` in a subprocess, its wall
   time, its case count and the per-case call times (`--durations=0`).
 """
 
@@ -63,7 +63,7 @@ def harness_launch(world: int = 4) -> float:
 
 
 def elastic_matrix(k: str | None) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "tests/test_elastic.py", "-q", "-p", "no:cacheprovider", "--durations=0"]
+    cmd = [sys.executable, "-m", "pytest", "tests/elastic/test_elastic.py", "-q", "-p", "no:cacheprovider", "--durations=0"]
     if k:
         cmd += ["-k", k]
     t0 = time.perf_counter()

@@ -359,7 +359,7 @@ _CROSS_LOAD = re.compile(r"test_load_checkpoint_from_other_minor\[(golden|shared
 
 def render_cross(runs: list[Run]) -> list[str]:
     """Rows: the minor that saved a ckptlib checkpoint; columns: the torch that loaded it
-    (tests/test_cross_version.py, golden and shared-directory checkpoints, 2 and 3 ranks)."""
+    (tests/format/test_cross_version.py, golden and shared-directory checkpoints, 2 and 3 ranks)."""
     cells: dict[tuple[str, str], collections.Counter] = {}
     writers: set[str] = set()
     for run in runs:
@@ -379,7 +379,7 @@ def render_cross(runs: list[Run]) -> list[str]:
     if not writers:
         return []
     readers = [_minor_of(r.torch) for r in runs]
-    lines = ["Cross-minor loads (`tests/test_cross_version.py`: a ckptlib checkpoint saved at 2 ranks under the "
+    lines = ["Cross-minor loads (`tests/format/test_cross_version.py`: a ckptlib checkpoint saved at 2 ranks under the "
              "row's torch, loaded at 2 and 3 ranks under the column's and compared bit for bit):", ""]
     lines.append("| saved under \\ loaded under | " + " | ".join(f"torch {r}" for r in readers) + " |")
     lines.append("|" + "---|" * (len(readers) + 1))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What a GPU CI runner executes: the `gpu` tests on NCCL, at world sizes up to the number
-# of visible GPUs (tests/test_gpu.py parametrizes 1, 2, 4, 8 and skips sizes above the
+# of visible GPUs (tests/elastic/test_gpu.py parametrizes 1, 2, 4, 8 and skips sizes above the
 # count with the reason). See docs/gpu.md.
 #
 #   bash ci/gpu.sh                 # all visible GPUs

@@ -5,7 +5,7 @@
 #
 #   ci/torch_matrix.sh                                  # torch214, torch213, ..., torch26
 #   ci/torch_matrix.sh torch29 torch26                  # some envs, in this order
-#   ci/torch_matrix.sh -- tests/test_cross_version.py   # pytest arguments for every env
+#   ci/torch_matrix.sh -- tests/format/test_cross_version.py   # pytest arguments for every env
 #
 # Newest first: each env writes its ckptlib checkpoint into ci/compat/cross-version/ and loads
 # those of the envs that ran before it, so this order loads every minor's checkpoint under

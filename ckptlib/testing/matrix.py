@@ -1,6 +1,6 @@
 """The elastic round trip: train and save at N ranks, load at M, prove the state is identical.
 
-Shared by the pytest matrix (`tests/test_elastic.py`) and `ckpt validate`. Every function
+Shared by the pytest matrix (`tests/elastic/test_elastic.py`) and `ckpt validate`. Every function
 here runs inside a rank of an initialized process group (or a group passed explicitly).
 The model has odd dims (uneven shards), a layer with fewer rows than ranks (zero-size
 shards), a bias-free layer, a LayerNorm and a buffer.

@@ -15,7 +15,7 @@ import ckptlib
 from ckptlib import CheckpointManager, cli
 from ckptlib.manager import LOCK_NAME
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 
 
 def _ckpt(capsys, *argv):

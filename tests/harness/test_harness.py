@@ -31,7 +31,7 @@ from ckptlib.testing import (
 
 pytest_plugins = ["pytester"]
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # --------------------------------------------------------------------------- helpers

@@ -29,7 +29,7 @@ import pytest
 from ckptlib import compat
 from ckptlib.testing import RankExited
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(REPO, "examples", "train.py")
 CRASH_EXIT = 17
 TORCHRUN_TIMEOUT = 240

@@ -8,7 +8,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--sizes", "1", "--world-sizes", "1", "--reps", "1", "--warm-only",
         "--no-s3", "--no-rss", "--no-reshard", "--no-async"]
 

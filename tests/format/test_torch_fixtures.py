@@ -1,6 +1,6 @@
 """Golden DCP checkpoints written by every torch era back to 1.13: inspect, convert, reload.
 
-tests/test_legacy.py loads every fixture at world sizes 1..4 bit-exactly; this module checks
+tests/format/test_legacy.py loads every fixture at world sizes 1..4 bit-exactly; this module checks
 what `ckpt inspect` reports about the DCP-based ones (written by real torch 1.13.1, 2.0.1,
 2.1-2.5, 2.9, 2.13 and by ckptlib itself), that `ckpt convert` turns each into a ckptlib
 checkpoint and a torch.save file holding the same bits, and the unpickling fix that lets

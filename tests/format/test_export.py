@@ -24,7 +24,7 @@ from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401
 st = pytest.importorskip("safetensors.torch")
 from safetensors import safe_open  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def read_export(directory: str, fmt: str) -> dict[str, torch.Tensor]:

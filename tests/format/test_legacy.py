@@ -49,7 +49,7 @@ from reader_helpers import IntoTensor
 pytestmark = pytest.mark.legacy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURES = os.path.join(HERE, "fixtures")
+FIXTURES = os.path.join(os.path.dirname(HERE), "fixtures")
 FIXTURE_NAMES = sorted(
     name for name in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, name, "fixture.json"))
 )

@@ -23,7 +23,7 @@ import torch
 import ckptlib
 from ckptlib.manager import CheckpointManager
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _ckptlib_records(caplog, op: str) -> list[dict]:

@@ -27,7 +27,7 @@ from ckptlib.storage import open_storage
 from ckptlib.testing.s3_server import moto_server, s3_env, s3_root  # noqa: F401
 from ckptlib.tiered import TieredCheckpointManager, UploadError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
@@ -217,7 +217,7 @@ _CRASHING_CHILD = textwrap.dedent(
 def test_killed_mid_upload_then_the_next_start_resumes(tmp_path, remote):
     local = str(tmp_path / "local")
     proc = subprocess.Popen(
-        [sys.executable, "-c", _CRASHING_CHILD, local, remote, os.path.join(REPO, "tests")],
+        [sys.executable, "-c", _CRASHING_CHILD, local, remote, os.path.dirname(os.path.abspath(__file__))],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])),
     )

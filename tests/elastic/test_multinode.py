@@ -173,7 +173,7 @@ def test_node_local_state_and_scratch_do_not_collide(tmp_path, dist_run):
 
 # --------------------------------------------------------------------------- real torchrun
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(REPO, "examples", "train.py")
 
 
@@ -202,7 +202,7 @@ def test_torchrun_two_nodes_then_resume_on_one(tmp_path, dist_run):
     """Two torchrun launches (node ranks 0 and 1, static rendezvous on 127.0.0.1) train
     examples/train.py on 2x2 ranks to step 6; one node of 2 ranks resumes to step 9. The
     losses equal an uninterrupted single-rank run's bit for bit (the example is built to be
-    world-size independent; see tests/test_example.py)."""
+    world-size independent; see tests/cli/test_example.py)."""
     root, log = tmp_path / "ckpt", tmp_path / "loss.jsonl"
     port = free_port()
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
