@@ -37,7 +37,6 @@ def _world_sizes(text: str) -> list[int]:
 
 def _layout_names(text: str) -> list[str]:
     from .testing.layouts import parse_layouts
-
     try:
         return parse_layouts(text)
     except ValueError as exc:
@@ -48,8 +47,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from .testing import validate
 
     if args.layouts and not validate.layouts_fit(args.layouts, args.world_sizes):
-        raise UsageError(f"no world size in {args.world_sizes} suits --layouts {','.join(args.layouts)} "
-                         "(2-D layouts run at even world sizes from 4)")
+        raise UsageError(f"no world size in {args.world_sizes} suits --layouts (2-D layouts run at even world sizes from 4)")
 
     wrap = args.wrap or validate.default_wrap()
     if validate.under_torchrun():
@@ -425,9 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
         "comma-separated parallelism layouts to save from and load into, e.g. fsdp2,hsdp,tp,fsdp2+tp (choices: "
         "plain, ddp, fsdp2, hsdp, tp, fsdp2+tp, fsdp1, fsdp1-flat; 2-D layouts run at even world sizes from 4 "
         "as 2 x N/2). Runs a small transformer; every pair names its save and load layout"))
-    p.add_argument("--pairs", choices=["all", "covering"], default="all", help=(
-        "with --layouts: every (layout, world size) saved and loaded at every other (all, default), or one "
-        "case per (save layout, load layout) pair with world sizes rotated (covering)"))
+    p.add_argument("--pairs", choices=["all", "covering"], default="all", help="with --layouts: every (layout, world "
+                   "size) loaded at every other (all), or one case per (save, load) layout pair (covering)")
     p.add_argument("--optim", choices=["adam", "adamw", "sgd"], default="adamw")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="process group backend under torchrun")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank fails the run")
