@@ -15,6 +15,8 @@ import sys
 import tempfile
 from typing import Sequence
 
+from .listing import age_seconds, human_age, human_bytes, metric_text
+
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 _NO_PROGRESS_HELP = "no progress bar (there is none when stderr is not a terminal either)"
 
@@ -35,7 +37,6 @@ def _world_sizes(text: str) -> list[int]:
 
 def _layout_names(text: str) -> list[str]:
     from .testing.layouts import parse_layouts
-
     try:
         return parse_layouts(text)
     except ValueError as exc:
@@ -46,8 +47,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from .testing import validate
 
     if args.layouts and not validate.layouts_fit(args.layouts, args.world_sizes):
-        raise UsageError(f"no world size in {args.world_sizes} suits --layouts {','.join(args.layouts)} "
-                         "(2-D layouts run at even world sizes from 4)")
+        raise UsageError(f"no world size in {args.world_sizes} suits --layouts (2-D layouts run at even world sizes from 4)")
 
     wrap = args.wrap or validate.default_wrap()
     if validate.under_torchrun():
@@ -257,47 +257,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
-def _human_age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = max(0.0, seconds)
-    for limit, div, unit in ((120, 1, "s"), (7200, 60, "m"), (172800, 3600, "h")):
-        if seconds < limit:
-            return f"{int(seconds // div)}{unit}"
-    return f"{int(seconds // 86400)}d"
-
-
-def _age_seconds(created: str | None) -> float | None:
-    import datetime
-
-    if not created:
-        return None
-    try:
-        when = datetime.datetime.fromisoformat(created)
-    except ValueError:
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.timezone.utc)
-    return (datetime.datetime.now(datetime.timezone.utc) - when).total_seconds()
-
-
-def _metric_text(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return f"{value:.6g}"
-    return str(value)
-
-
 def _cmd_ls(args: argparse.Namespace) -> int:
     from .errors import CheckpointError
     from .format import MANIFEST_NAME, Manifest
@@ -331,7 +290,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             else:
                 row["world_size"] = manifest.world_size
                 row["created"] = manifest.created or None
-                age = _age_seconds(manifest.created)
+                age = age_seconds(manifest.created)
                 row["age_seconds"] = None if age is None else round(age, 3)
                 row["metrics"] = dict(getattr(manifest, "metrics", None) or {})
         rows.append(row)
@@ -342,9 +301,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     print(f"{'step':>10}  {'state':<10} {'world':>5} {'size':>10} {'age':>6}  latest  metrics")
     for r in rows:
         ws = "-" if r["world_size"] is None else str(r["world_size"])
-        metrics = " ".join(f"{k}={_metric_text(v)}" for k, v in sorted(r["metrics"].items()))
+        metrics = " ".join(f"{k}={metric_text(v)}" for k, v in sorted(r["metrics"].items()))
         line = (
-            f"{r['step']:>10}  {r['state']:<10} {ws:>5} {_human_bytes(r['bytes']):>10} {_human_age(r['age_seconds']):>6}"
+            f"{r['step']:>10}  {r['state']:<10} {ws:>5} {human_bytes(r['bytes']):>10} {human_age(r['age_seconds']):>6}"
             f"  {'*' if r['latest'] else '':<6}  {metrics}"
         )
         print(line.rstrip())
@@ -464,9 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
         "comma-separated parallelism layouts to save from and load into, e.g. fsdp2,hsdp,tp,fsdp2+tp (choices: "
         "plain, ddp, fsdp2, hsdp, tp, fsdp2+tp, fsdp1, fsdp1-flat; 2-D layouts run at even world sizes from 4 "
         "as 2 x N/2). Runs a small transformer; every pair names its save and load layout"))
-    p.add_argument("--pairs", choices=["all", "covering"], default="all", help=(
-        "with --layouts: every (layout, world size) saved and loaded at every other (all, default), or one "
-        "case per (save layout, load layout) pair with world sizes rotated (covering)"))
+    p.add_argument("--pairs", choices=["all", "covering"], default="all", help="with --layouts: every (layout, world "
+                   "size) loaded at every other (all), or one case per (save, load) layout pair (covering)")
     p.add_argument("--optim", choices=["adam", "adamw", "sgd"], default="adamw")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="process group backend under torchrun")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank fails the run")

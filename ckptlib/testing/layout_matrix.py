@@ -1,6 +1,6 @@
 """The layout round trip: train and save at layout A on N ranks, load at layout B on M ranks.
 
-Shared by the pytest layout matrix (`tests/test_layouts.py`), `ckpt validate --layouts`
+Shared by the pytest layout matrix (`tests/elastic/test_layouts.py`), `ckpt validate --layouts`
 and users' own tests (any model: pass a :class:`ModelSpec`). Each load checks the full
 model and optimizer state bit-exactly against the state at save time, then trains one
 more step and compares with a run that reached the same state without a checkpoint.
