@@ -15,7 +15,6 @@ Cells with more than --max-chunks chunks (world x tensors) are skipped (reported
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pickle
 import sys

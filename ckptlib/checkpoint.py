@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import _dist, background_save, compat
 from .background_save import AsyncSave
-from .errors import CastWarning, CheckpointError, DtypeMismatchError, MissingKeysError, ShapeMismatchError, StateError
+from .errors import CastWarning, CheckpointError, DtypeMismatchError, MissingKeysError, ShapeMismatchError
 from .format import CheckpointInfo, CkptWriter, SafeLoadPlanner, prepare_save_target
 from .format.layout import commit_manifest
 from .format.dcp_writer import checkpoint_bytes

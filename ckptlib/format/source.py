@@ -51,7 +51,6 @@ from torch.futures import Future
 from ..errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
-    CheckpointNotFoundError,
     NotACheckpointError,
     StorageError,
 )
