@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
 
 from ..errors import StorageError
 from .base import DELETE_FIRST, check_relative
-from .multipart import MultipartWriter
+from .multipart import MultipartWriter, Upload
 
 log = logging.getLogger(__name__)
 
@@ -105,19 +105,6 @@ class ObjectClient(Protocol):
 
     def secrets(self) -> Iterable[str]:
         """Credential strings to scrub from any message."""
-
-
-class Upload(Protocol):
-    """One multipart upload: parts in any order and concurrently, then one commit."""
-
-    def put_part(self, number: int, data: bytes) -> Any:
-        """Upload part `number` (1-based); returns what `complete` needs about it."""
-
-    def complete(self, parts: list[Any]) -> None:
-        """Make the object from the parts, in order; idempotent when retried."""
-
-    def abort(self) -> None:
-        """Forget the parts (best effort); no object appears."""
 
 
 def env_options(scheme: str) -> dict[str, int]:
@@ -289,7 +276,7 @@ class ObjectStorage:
 
     @contextlib.contextmanager
     def open_writer(self, path: str) -> Iterator[MultipartWriter]:
-        writer = MultipartWriter(self, self._key(path), self._where(path))
+        writer = MultipartWriter(_Uploads(self), self._key(path), self._where(path))
         try:
             yield writer
         except BaseException:
@@ -430,6 +417,31 @@ class ObjectStorage:
             return (data or b"").decode("utf-8").strip().rstrip("/")
         except UnicodeDecodeError as exc:
             raise StorageError(f"{where}: pointer object is not UTF-8 text", path=where) from exc
+
+
+class _Uploads:
+    """An `ObjectStorage` as `MultipartWriter`'s target: parts of one size, each request
+    through `ObjectStorage.call` (ckptlib's retries), the client's put and upload."""
+
+    stream_label = "object stream"
+    max_parts = None
+
+    def __init__(self, storage: ObjectStorage):
+        self._s = storage
+        self.scheme = storage.scheme
+        self.multipart_threshold = storage.multipart_threshold
+        self.max_concurrency = storage.max_concurrency
+        self.call = storage.call
+        self.error = storage.error
+
+    def part_size(self, number: int) -> int:
+        return self._s.part_size
+
+    def put(self, key: str, where: str, data: bytes) -> None:
+        self._s.call("put", where, lambda: self._s.client.put(key, data))
+
+    def start_upload(self, key: str, where: str) -> Upload:
+        return self._s.call("start upload", where, lambda: self._s.client.start_upload(key))
 
 
 UPLOAD_PART_MARK = ".ckptlib-part-"

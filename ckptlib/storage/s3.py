@@ -56,7 +56,8 @@ from .s3_client import (  # noqa: F401  (constants and client factories: part of
     parse_uri,
     validate_bucket,
 )
-from .s3_writer import _S3Writer
+from .multipart import MultipartWriter
+from .s3_writer import s3_writer
 
 
 class S3Storage:
@@ -204,9 +205,9 @@ class S3Storage:
         raise StorageError(f"S3 conditional put failed for {where}: kept conflicting with concurrent writers", path=where)
 
     @contextlib.contextmanager
-    def open_writer(self, path: str) -> Iterator[_S3Writer]:
+    def open_writer(self, path: str) -> Iterator[MultipartWriter]:
         key = self._key(path)
-        writer = _S3Writer(self, key, self._where(path))
+        writer = s3_writer(self, key, self._where(path))
         try:
             yield writer
         except BaseException:
