@@ -25,7 +25,7 @@ MiB = 1 << 20
 COLS = 256  # float32 columns of every tensor: 1 KiB a row
 SCENARIOS = (  # (name, tensors, MiB per rank's shard): below and above the 16 MiB multipart threshold
     ("16 small tensors", 16, 1),
-    ("4 large tensors", 4, 40),
+    ("4 large tensors", 4, 20),
 )
 
 
@@ -36,6 +36,8 @@ def _classify(environ: dict[str, Any]) -> tuple[str, str]:
     bucket, _, key = environ.get("PATH_INFO", "").lstrip("/").partition("/")
     name = key.rsplit("/", 1)[-1]
     obj = ("shard" if name.endswith(".distcp") else name) if key else "bucket"
+    if method == "GET" and not key and "uploads" not in query:
+        obj = "probe (max-keys=1)" if query.get("max-keys") == ["1"] else "listing"
     if method == "GET":
         kind = "LIST uploads" if "uploads" in query else ("LIST" if not key else "GET")
     elif method == "HEAD":

@@ -60,7 +60,8 @@ def test_rows_read_back_into_a_table_and_a_plot(tmp_path, capsys):
 @pytest.mark.parametrize(
     "method, path, query, expected",
     [
-        ("GET", "/b", "list-type=2&prefix=run%2F", ("LIST", "bucket")),
+        ("GET", "/b", "list-type=2&prefix=run%2F", ("LIST", "listing")),
+        ("GET", "/b", "list-type=2&max-keys=1&prefix=run%2F", ("LIST", "probe (max-keys=1)")),
         ("GET", "/b/run/ckpt/__3_0.distcp", "", ("GET", "shard")),
         ("HEAD", "/b/run/ckpt/.metadata", "", ("HEAD", ".metadata")),
         ("PUT", "/b/run/ckpt/ckptlib.json", "", ("PUT", "ckptlib.json")),
@@ -70,7 +71,7 @@ def test_rows_read_back_into_a_table_and_a_plot(tmp_path, capsys):
         ("DELETE", "/b/run/ckpt/ckptlib.pending", "", ("DELETE", "ckptlib.pending")),
         ("POST", "/b", "delete", ("DELETE batch", "bucket")),
     ],
-    ids=["list", "get", "head", "put", "mp-create", "mp-part", "mp-complete", "delete", "delete-batch"],
+    ids=["list", "list-probe", "get", "head", "put", "mp-create", "mp-part", "mp-complete", "delete", "delete-batch"],
 )
 def test_s3_requests_are_classified(method, path, query, expected):
     from benchmarks import s3_requests
