@@ -6,7 +6,8 @@ HEAD, GET, PUT, multipart create/part/complete, DELETE, ...) and the object it n
 file, `.metadata`, manifest, pending marker). Each save and each load runs in its own
 `ckptlib.testing.launch`, so the counts of one phase are exactly that phase's requests.
 
-    python -m benchmarks.s3_requests            # measured at 1, 2, 4 ranks next to the formula
+    python -m benchmarks.s3_requests            # measured at 1, 2, 4 ranks next to `formula`, then
+                                                # the formula at 8..4,096 ranks
     ckpt bench scale --s3                       # the same, after the planning grid
 """
 
@@ -158,27 +159,53 @@ def measure(pairs=((1, 1), (2, 2), (4, 4), (4, 2), (2, 4)), scenarios=SCENARIOS,
     return rows
 
 
+KINDS = ("LIST uploads", "LIST", "HEAD", "GET", "PUT", "multipart create", "multipart part", "multipart complete",
+         "multipart abort", "DELETE batch", "DELETE", "POST")
+
+
 def _totals(counts: dict[str, int]) -> dict[str, int]:
+    """{"KIND object": n} summed per request kind."""
     out: collections.Counter = collections.Counter()
     for key, n in counts.items():
-        kind = key.rsplit(" ", 1)[0]
-        out[kind] += n
+        out[next((k for k in KINDS if key.startswith(k + " ")), key)] += n
     return dict(sorted(out.items()))
+
+
+def formula(save_world: int, load_world: int, shard_bytes: int, *, threshold: int = 16 * MiB,
+            part: int = 16 * MiB, page: int = 1000) -> dict[str, dict[str, int]]:
+    """Requests of one ckptlib.save at `save_world` ranks (each writing `shard_bytes`) and one
+    ckptlib.load of it at `load_world` ranks, when every rank reads whole stored items (same
+    world size, or small items). Loads that need part of a large stored item instead fetch its
+    zip directory, its record header and the needed 1 MiB checksum blocks (ranged GETs)."""
+    pages = -(-(save_world + 2) // page)  # LIST pages of the checkpoint's files (shards + 2)
+    multipart = shard_bytes >= threshold
+    parts = -(-shard_bytes // part)
+    save = {"LIST": 1 + pages, "PUT": 3 + (0 if multipart else save_world), "DELETE": 1}
+    if multipart:
+        save.update({"multipart create": save_world, "multipart part": save_world * parts,
+                     "multipart complete": save_world})
+    load = {"LIST": 2 + 2 * pages, "GET": 2 + max(save_world, load_world)}
+    return {"save": dict(sorted(save.items())), "load": dict(sorted(load.items()))}
 
 
 def rows(worlds: list[int]) -> list[dict]:
     """Measured rows (1, 2, 4 ranks) with the formula's prediction beside them, then the
-    formula alone for every world size of the grid."""
+    formula alone for every world size of the grid (20 MiB shards)."""
     out = []
     for row in measure():
+        shard_bytes = row["shard_mib"] * MiB
         out.append({"s3": "measured", **{k: row[k] for k in ("scenario", "save_world", "load_world", "ok")},
                     "save": _totals(row["save"]), "load": _totals(row["load"]),
+                    "formula": formula(row["save_world"], row["load_world"], shard_bytes),
                     "save_by_object": row["save"], "load_by_object": row["load"]})
+    for world in worlds:
+        out.append({"s3": "formula", "save_world": world, "load_world": world, "shard_mib": 20,
+                    **formula(world, world, 20 * MiB)})
     return out
 
 
 if __name__ == "__main__":
     import json
 
-    for row in measure():
+    for row in rows([8, 64, 512, 4096]):
         print(json.dumps(row))

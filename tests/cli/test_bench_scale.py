@@ -77,3 +77,18 @@ def test_s3_requests_are_classified(method, path, query, expected):
     from benchmarks import s3_requests
 
     assert s3_requests._classify({"REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": query}) == expected
+
+
+@pytest.mark.parametrize(
+    "save_world, shard_mib, save_lists, puts, parts",
+    [(4, 1, 2, 7, None), (4, 20, 2, 3, 8), (998, 1, 2, 1001, None), (999, 1, 3, 1002, None)],
+    ids=["small-shards", "multipart", "one-list-page", "two-list-pages"],
+)
+def test_s3_formula(save_world, shard_mib, save_lists, puts, parts):
+    from benchmarks import s3_requests
+
+    counts = s3_requests.formula(save_world, save_world, shard_mib * s3_requests.MiB)
+    assert counts["save"]["LIST"] == save_lists
+    assert counts["save"]["PUT"] == puts
+    assert counts["save"].get("multipart part") == parts
+    assert counts["load"] == {"GET": 2 + save_world, "LIST": 2 + 2 * (save_lists - 1)}
