@@ -119,15 +119,13 @@ def _filter(session: Path) -> tuple[int, int]:
     return kept, dropped
 
 
-def _config(module: str, python: str, timeout: float) -> str:
-    paths, tests = MODULES[module]
-    command = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--timeout", "120", *tests]
+def _config(module: str, test_command: str, timeout: float) -> str:
     return (
         "[cosmic-ray]\n"
-        f"module-path = {json.dumps(paths)}\n"
+        f"module-path = {json.dumps(MODULES[module][0])}\n"
         f"timeout = {timeout}\n"
         "excluded-modules = []\n"
-        f"test-command = {json.dumps(shlex.join(command))}\n"
+        f"test-command = {json.dumps(test_command)}\n"
         "[cosmic-ray.distributor]\n"
         'name = "local"\n'
     )
@@ -137,28 +135,47 @@ def _cr(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "cosmic_ray.cli", *args], check=True)
 
 
+def _start_runner(python: str, out: Path) -> tuple[subprocess.Popen, str]:
+    """The warm pytest server (ci/mutation_runner.py) on a socket under out/."""
+    sock = str(out / "runner.sock")
+    server = subprocess.Popen([python, "ci/mutation_runner.py", "serve", sock], stdout=subprocess.PIPE, text=True)
+    line = server.stdout.readline()
+    if not line.startswith("ready"):
+        sys.exit(f"the warm pytest server did not start: {line!r}")
+    return server, sock
+
+
 def run(module: str, python: str, out: Path) -> None:
     """Init (once), filter, time the baseline, execute the pending mutants, write the report."""
     out.mkdir(parents=True, exist_ok=True)
     config = out / f"{module}.toml"
     session = out / f"{module}.sqlite"
     _, tests = MODULES[module]
-    baseline_start = time.monotonic()
-    test_command = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
-    baseline = subprocess.run(test_command, capture_output=True, text=True)
-    baseline_s = time.monotonic() - baseline_start
-    if baseline.returncode != 0:
-        sys.exit(f"{module}: the unmutated tests fail, no mutation run:\n{baseline.stdout[-3000:]}")
-    # A mutant that makes the tests run 3x longer than unmutated (plus start-up slack) counts as
-    # killed by timeout: an infinite loop is a behaviour change.
-    config.write_text(_config(module, python, timeout=round(3 * baseline_s + 60)))
-    if not session.exists():
-        _cr("init", str(config), str(session))
-        kept, dropped = _filter(session)
-        print(f"{module}: {kept} mutants kept, {dropped} filtered; baseline {baseline_s:.0f} s", flush=True)
-    started = time.monotonic()
-    _cr("exec", str(config), str(session))
-    print(f"{module}: exec took {time.monotonic() - started:.0f} s", flush=True)
+    server, sock = _start_runner(python, out)
+    try:
+        pytest_args = ["-x", "-q", "-p", "no:cacheprovider", "--timeout", "120", *tests]
+        baseline_start = time.monotonic()
+        baseline = subprocess.run([sys.executable, "ci/mutation_runner.py", "test", sock, "3600", "--", *pytest_args],
+                                  capture_output=True, text=True)
+        baseline_s = time.monotonic() - baseline_start
+        if baseline.returncode != 0:
+            sys.exit(f"{module}: the unmutated tests fail, no mutation run:\n{baseline.stdout[-3000:]}")
+        # A mutant whose tests run 3x longer than unmutated (plus slack for a loaded machine)
+        # counts as killed by timeout: an infinite loop is a behaviour change.
+        timeout = round(3 * baseline_s + 60)
+        command = [sys.executable, "ci/mutation_runner.py", "test", sock, str(timeout), "--", *pytest_args]
+        config.write_text(_config(module, shlex.join(command), timeout=timeout + 30))
+        if not session.exists():
+            _cr("init", str(config), str(session))
+            kept, dropped = _filter(session)
+            print(f"{module}: {kept} mutants kept, {dropped} filtered", flush=True)
+        print(f"{module}: baseline {baseline_s:.0f} s", flush=True)
+        started = time.monotonic()
+        _cr("exec", str(config), str(session))
+        print(f"{module}: exec took {time.monotonic() - started:.0f} s", flush=True)
+    finally:
+        server.kill()
+        server.wait()
     report(module, out)
 
 
