@@ -137,7 +137,7 @@ def _cr(*args: str) -> None:
 
 def _start_runner(python: str, out: Path) -> tuple[subprocess.Popen, str]:
     """The warm pytest server (ci/mutation_runner.py) on a socket under out/."""
-    sock = str(out / "runner.sock")
+    sock = str(out / f"{os.getpid()}.sock")
     server = subprocess.Popen([python, "ci/mutation_runner.py", "serve", sock], stdout=subprocess.PIPE, text=True)
     line = server.stdout.readline()
     if not line.startswith("ready"):
