@@ -25,7 +25,8 @@ from pathlib import Path
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     "storage-local": (
         ["ckptlib/storage/local.py"],
-        ["tests/storage/test_storage_conformance.py", "tests/format/test_symlinks.py",
+        ["tests/storage/test_local_storage.py", "tests/storage/test_storage_conformance.py",
+         "tests/manager/test_crash.py::test_durability_order_of_a_save", "tests/format/test_symlinks.py",
          "tests/format/test_special_files.py", "-m", "not s3 and not gcs and not azure"],
     ),
     "checkpoint": (

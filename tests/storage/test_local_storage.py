@@ -1,0 +1,150 @@
+"""LocalStorage behaviour the backend-neutral conformance suite cannot reach: OS errors mapped to
+StorageError messages, descriptors closed on refusal, the create-exclusive fallback for file
+systems without hard links, and delete_tree on names that are not directories."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+
+import ckptlib.storage.local as local
+from ckptlib.errors import NotARegularFileError, StorageError
+from ckptlib.storage import LocalStorage
+
+
+def _os_error(code: int) -> OSError:
+    return OSError(code, os.strerror(code))
+
+
+@pytest.mark.parametrize(
+    "code, reason",
+    [
+        (errno.ENOSPC, f"no space left on device ([Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)})"),
+        (errno.EDQUOT, f"no space left (disk quota exceeded) ([Errno {errno.EDQUOT}] {os.strerror(errno.EDQUOT)})"),
+        (errno.EACCES, os.strerror(errno.EACCES)),
+    ],
+    ids=["disk-full", "quota", "permission"],
+)
+def test_write_error_names_path_and_reason(tmp_path, monkeypatch, code, reason):
+    store = LocalStorage(str(tmp_path))
+
+    def replace(src, dst):
+        raise _os_error(code)
+
+    monkeypatch.setattr(local.os, "replace", replace)
+    with pytest.raises(StorageError) as caught:
+        store.write("d/obj", b"abc")
+    full = str(tmp_path / "d" / "obj")
+    assert str(caught.value) == f"cannot write {full}: {reason}"
+    assert caught.value.path == full
+    assert os.listdir(tmp_path / "d") == []  # the temporary file is gone too
+
+
+def test_directory_error_names_the_directory(tmp_path, monkeypatch):
+    store = LocalStorage(str(tmp_path))
+
+    def makedirs(path, exist_ok=False):
+        raise _os_error(errno.EACCES)
+
+    monkeypatch.setattr(local.os, "makedirs", makedirs)
+    with pytest.raises(StorageError) as caught:
+        store.write("d/obj", b"abc")
+    assert str(caught.value) == f"cannot create directory {tmp_path / 'd'}: {os.strerror(errno.EACCES)}"
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_open_regular_closes_the_descriptor_when_the_open_file_is_not_regular(tmp_path, monkeypatch):
+    """A FIFO swapped in between the stat and the open: refused, and the descriptor is closed."""
+    path = tmp_path / "obj"
+    path.write_bytes(b"abc")
+    real_fstat = os.fstat
+
+    def fstat(fd):
+        st = real_fstat(fd)
+        return os.stat_result((stat.S_IFIFO | 0o644, *tuple(st)[1:]))
+
+    monkeypatch.setattr(local.os, "fstat", fstat)
+    before = _open_fds()
+    with pytest.raises(NotARegularFileError) as caught:
+        local.open_regular(str(path))
+    monkeypatch.undo()
+    assert _open_fds() == before
+    assert str(caught.value) == (
+        f"{path} is a FIFO (named pipe), not a regular file: ckptlib reads only regular files (or symlinks to them)"
+    )
+
+
+@pytest.mark.parametrize("kind", ["regular", "symlink-to-regular", "fifo", "directory"])
+def test_check_regular(tmp_path, kind):
+    path = tmp_path / "obj"
+    if kind == "regular":
+        path.write_bytes(b"abc")
+    elif kind == "symlink-to-regular":
+        (tmp_path / "target").write_bytes(b"abc")
+        path.symlink_to("target")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    if kind in ("regular", "symlink-to-regular"):
+        assert local.check_regular(str(path)) is None
+        return
+    described = {"fifo": "a FIFO (named pipe)", "directory": "a directory"}[kind]
+    with pytest.raises(NotARegularFileError) as caught:
+        local.check_regular(str(path))
+    assert str(caught.value) == (
+        f"{path} is {described}, not a regular file: ckptlib reads only regular files (or symlinks to them)"
+    )
+
+
+def test_create_exclusive_maps_other_link_errors(tmp_path, monkeypatch):
+    store = LocalStorage(str(tmp_path))
+
+    def link(src, dst):
+        raise _os_error(errno.EIO)
+
+    monkeypatch.setattr(local.os, "link", link)
+    with pytest.raises(StorageError) as caught:
+        store.create_exclusive("lock", b"token")
+    assert str(caught.value) == f"cannot create {tmp_path / 'lock'}: {os.strerror(errno.EIO)}"
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("code", [errno.EPERM, errno.EXDEV], ids=["EPERM", "EXDEV"])
+def test_create_exclusive_without_hard_links(tmp_path, monkeypatch, code):
+    """A file system that refuses link(2) still gets one winner, through O_EXCL."""
+    store = LocalStorage(str(tmp_path))
+
+    def link(src, dst):
+        raise _os_error(code)
+
+    monkeypatch.setattr(local.os, "link", link)
+    assert store.create_exclusive("lock", b"token-1") is True
+    assert store.create_exclusive("lock", b"token-2") is False
+    assert os.listdir(tmp_path) == ["lock"]
+    assert (tmp_path / "lock").read_bytes() == b"token-1"
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink-to-directory", "dangling-symlink"])
+def test_delete_tree_of_a_name_that_is_not_a_directory(tmp_path, kind):
+    """Only the name goes: no renamed leftover, and a linked directory keeps its contents."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "keep").write_bytes(b"k")
+    root = tmp_path / "root"
+    root.mkdir()
+    name = root / "step_1"
+    if kind == "file":
+        name.write_bytes(b"x")
+    elif kind == "symlink-to-directory":
+        name.symlink_to(tmp_path / "elsewhere")
+    else:
+        name.symlink_to(tmp_path / "absent")
+    LocalStorage(str(root)).delete_tree("step_1")
+    assert os.listdir(root) == []
+    assert os.listdir(tmp_path / "elsewhere") == ["keep"]
