@@ -12,6 +12,9 @@ import pytest
 
 import ckptlib.storage.local as local
 from ckptlib.errors import NotARegularFileError, StorageError
+from ckptlib.format.deletion import is_own_file
+from ckptlib.format.manifest import MANIFEST_NAME
+from ckptlib.steps import DELETING_RE, step_dir
 from ckptlib.storage import LocalStorage
 
 
@@ -148,3 +151,81 @@ def test_delete_tree_of_a_name_that_is_not_a_directory(tmp_path, kind):
     LocalStorage(str(root)).delete_tree("step_1")
     assert os.listdir(root) == []
     assert os.listdir(tmp_path / "elsewhere") == ["keep"]
+
+
+def test_interrupted_write_leaves_a_temporary_name_ckptlib_recognises(tmp_path, monkeypatch):
+    """A write interrupted before its rename leaves `<name>.tmp-<8 hex>`: the name format that
+    the deletion code knows as ckptlib's own (so the directory can still be replaced)."""
+
+    def replace(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        LocalStorage(str(tmp_path)).write(MANIFEST_NAME, b"{}")
+    monkeypatch.undo()
+    [leftover] = os.listdir(tmp_path)
+    assert leftover.startswith(f"{MANIFEST_NAME}.tmp-")
+    assert is_own_file(leftover)
+
+
+def test_interrupted_delete_tree_leaves_a_name_the_manager_cleans_up(tmp_path, monkeypatch):
+    (tmp_path / step_dir(7)).mkdir()
+    (tmp_path / step_dir(7) / "x").write_bytes(b"x")
+
+    def rmtree(path, ignore_errors=False):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local.shutil, "rmtree", rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        LocalStorage(str(tmp_path)).delete_tree(step_dir(7))
+    monkeypatch.undo()
+    [leftover] = os.listdir(tmp_path)
+    assert leftover.startswith(f"{step_dir(7)}.deleting-")
+    assert DELETING_RE.match(leftover)
+
+
+def test_delete_tree_that_cannot_finish_still_removes_the_name(tmp_path, monkeypatch):
+    """A directory rmtree cannot empty (EBUSY here) is no error: its name is gone, and the
+    renamed leftover is what the manager's cleanup removes later."""
+    (tmp_path / step_dir(7) / "sub").mkdir(parents=True)
+    real_rmdir = os.rmdir
+
+    def rmdir(path, *args, **kwargs):
+        if path == "sub":
+            raise _os_error(errno.EBUSY)
+        return real_rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", rmdir)
+    LocalStorage(str(tmp_path)).delete_tree(step_dir(7))
+    monkeypatch.undo()
+    [leftover] = os.listdir(tmp_path)
+    assert DELETING_RE.match(leftover)
+
+
+def test_create_exclusive_makes_the_object_durable(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), tmp_path))
+        real_fsync(fd)
+
+    monkeypatch.setattr(local.os, "fsync", fsync)
+    assert LocalStorage(str(tmp_path)).create_exclusive("lock", b"token") is True
+    monkeypatch.undo()
+    assert [name.split(".tmp-")[0] for name in synced] == ["lock", "."]
+
+
+@pytest.mark.parametrize("size", [len("step_0000000003\n"), 4096], ids=["name", "at-limit"])
+def test_pointer_file_is_read_as_text(tmp_path, size):
+    """A `latest` that is a regular file (no symlinks there) holds the name, whitespace-padded."""
+    (tmp_path / "latest").write_bytes(b"step_0000000003".ljust(size - 1) + b"\n")
+    assert LocalStorage(str(tmp_path)).read_pointer("latest") == "step_0000000003"
+
+
+def test_pointer_file_over_the_limit_is_refused(tmp_path):
+    (tmp_path / "latest").write_bytes(b"step_0000000003".ljust(4097))
+    with pytest.raises(StorageError) as caught:
+        LocalStorage(str(tmp_path)).read_pointer("latest")
+    assert str(caught.value) == f"{tmp_path / 'latest'}: 4097 bytes is not a pointer (a step directory's name)"
