@@ -353,3 +353,14 @@ def test_manager_load_takes_the_same_controls(full_ckpt, tmp_path, control):
     assert mgr.load(state, **control) == 3
     assert _equal(_sd(target), _sd(model)) and state["epoch"] == -1
     assert target_optim.state_dict()["state"] == {}  # untouched, not even initialised
+
+
+def test_load_result_carries_the_format_notes(tmp_path):
+    """A flat model state dict saved with torch.save loads as the "model" entry, and the
+    LoadResult says so: the format's notes reach the caller."""
+    model = Net(3)
+    write_torch_save(str(tmp_path / "model.pt"), model.state_dict())
+    target = Net(4)
+    result = ckptlib.load(tmp_path / "model.pt", {"model": target})
+    assert _equal(_sd(target), _sd(model))
+    assert result.notes == [f"{tmp_path / 'model.pt'}: a flat model state dict, loaded as the 'model' entry"]

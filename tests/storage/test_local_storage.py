@@ -229,3 +229,31 @@ def test_pointer_file_over_the_limit_is_refused(tmp_path):
     with pytest.raises(StorageError) as caught:
         LocalStorage(str(tmp_path)).read_pointer("latest")
     assert str(caught.value) == f"{tmp_path / 'latest'}: 4097 bytes is not a pointer (a step directory's name)"
+
+
+def test_sync_error_names_the_file(tmp_path, monkeypatch):
+    store = LocalStorage(str(tmp_path))
+    store.write("obj", b"abc", durable=False)
+
+    def fsync(fd):
+        raise _os_error(errno.EIO)
+
+    monkeypatch.setattr(local.os, "fsync", fsync)
+    with pytest.raises(StorageError) as caught:
+        store.sync(["obj"])
+    assert str(caught.value) == f"cannot sync {tmp_path / 'obj'}: {os.strerror(errno.EIO)}"
+
+
+def test_directory_that_cannot_be_opened_for_fsync_is_no_error(tmp_path, monkeypatch):
+    """Some file systems refuse to open a directory: the write still succeeds."""
+    real_open = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if os.path.isdir(path):
+            raise _os_error(errno.EACCES)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(local.os, "open", open_)
+    LocalStorage(str(tmp_path)).write("obj", b"abc")
+    monkeypatch.undo()
+    assert (tmp_path / "obj").read_bytes() == b"abc"
