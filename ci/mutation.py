@@ -195,8 +195,14 @@ def _diff(mutation, tree: Path) -> str:
     return "".join(difflib.unified_diff(code.splitlines(True), mutated.splitlines(True), n=0))
 
 
+#: Verdicts on survivors, keyed "path:line:operator": "equivalent: why" or "killed by: test".
+VERDICTS_FILE = Path(__file__).with_name("mutation_verdicts.json")
+
+
 def report(module: str, out: Path) -> dict:
-    """Counts per outcome and a Markdown list of surviving mutants (out/<module>.md)."""
+    """Counts per outcome and a Markdown list of surviving mutants (out/<module>.md), each with
+    its verdict from ci/mutation_verdicts.json when there is one."""
+    verdicts = json.loads(VERDICTS_FILE.read_text()) if VERDICTS_FILE.exists() else {}
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
@@ -220,10 +226,13 @@ def report(module: str, out: Path) -> dict:
                 counts["incompetent"] += 1
             else:
                 counts["killed"] += 1
-    lines = [f"# Surviving mutants: {module}", "", f"Counts: {json.dumps(counts)}", ""]
+    equivalent = 0
+    body = []
     for item in sorted(survivors, key=lambda i: tuple(i.mutations[0].start_pos)):
         mutation = item.mutations[0]
-        lines += [
+        verdict = verdicts.get(f"{mutation.module_path}:{mutation.start_pos[0]}:{mutation.operator_name}", "")
+        equivalent += verdict.startswith("equivalent")
+        body += [
             f"## {item.job_id[:8]} {mutation.module_path}:{mutation.start_pos[0]} {mutation.operator_name}"
             f" (in {mutation.definition_name})",
             "",
@@ -231,9 +240,14 @@ def report(module: str, out: Path) -> dict:
             _diff(mutation, Path.cwd()).rstrip(),
             "```",
             "",
-            "Verdict: ",
+            f"Verdict: {verdict or 'not judged yet'}",
             "",
         ]
+    counts["equivalent"] = equivalent
+    ran = counts["killed"] + counts["timeout"] + counts["survived"]  # incompetent: the tests could not run
+    score = f"{counts['killed'] + counts['timeout']} / {ran - equivalent}" if ran > equivalent else "n/a"
+    lines = [f"# Surviving mutants: {module}", "", f"Counts: {json.dumps(counts)}",
+             f"Score (killed / non-equivalent run): {score}", "", *body]
     (out / f"{module}.md").write_text("\n".join(lines))
     print(f"{module}: {json.dumps(counts)}", flush=True)
     return counts
