@@ -257,3 +257,160 @@ def test_directory_that_cannot_be_opened_for_fsync_is_no_error(tmp_path, monkeyp
     LocalStorage(str(tmp_path)).write("obj", b"abc")
     monkeypatch.undo()
     assert (tmp_path / "obj").read_bytes() == b"abc"
+
+
+def test_directory_fsync_refused_by_the_file_system_is_no_error(tmp_path, monkeypatch):
+    """EINVAL from fsync on a directory (some file systems): the write still succeeds."""
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise _os_error(errno.EINVAL)
+        real_fsync(fd)
+
+    monkeypatch.setattr(local.os, "fsync", fsync)
+    LocalStorage(str(tmp_path)).write("obj", b"abc")
+    monkeypatch.undo()
+    assert (tmp_path / "obj").read_bytes() == b"abc"
+
+
+def test_open_regular_descriptor_is_nonblocking_and_close_on_exec(tmp_path):
+    import fcntl
+
+    (tmp_path / "obj").write_bytes(b"abc")
+    fd, size = local.open_regular(str(tmp_path / "obj"))
+    try:
+        assert size == 3
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK
+        assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+    finally:
+        os.close(fd)
+
+
+def test_sync_of_a_missing_object_names_it(tmp_path):
+    with pytest.raises(StorageError) as caught:
+        LocalStorage(str(tmp_path)).sync(["absent"])
+    assert str(caught.value) == f"cannot sync {tmp_path / 'absent'}: {os.strerror(errno.ENOENT)}"
+
+
+def test_create_exclusive_without_hard_links_makes_a_0644_file(tmp_path, monkeypatch):
+    def link(src, dst):
+        raise _os_error(errno.EPERM)
+
+    monkeypatch.setattr(local.os, "link", link)
+    old = os.umask(0o022)
+    try:
+        assert LocalStorage(str(tmp_path)).create_exclusive("lock", b"token") is True
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "lock").st_mode) == 0o644
+
+
+def test_open_writer_error_names_the_path(tmp_path, monkeypatch):
+    def open_(path, mode="r"):
+        raise _os_error(errno.EACCES)
+
+    monkeypatch.setattr(local, "open", open_, raising=False)
+    with pytest.raises(StorageError) as caught:
+        with LocalStorage(str(tmp_path)).open_writer("obj"):
+            pass
+    assert str(caught.value) == f"cannot write {tmp_path / 'obj'}: {os.strerror(errno.EACCES)}"
+
+
+def test_direct_reads_only_while_read_is_the_plain_one(tmp_path):
+    class Counting(LocalStorage):
+        def read(self, path, offset=0, length=None):
+            return super().read(path, offset, length)
+
+    assert LocalStorage(str(tmp_path)).direct_read_path("a/b") == str(tmp_path / "a" / "b")
+    assert Counting(str(tmp_path)).direct_read_path("a/b") is None
+
+
+def test_read_past_the_end_without_a_length_is_empty(tmp_path):
+    (tmp_path / "obj").write_bytes(b"abc")
+    assert LocalStorage(str(tmp_path)).read("obj", offset=6) == b""
+
+
+def test_short_reads_are_continued(tmp_path, monkeypatch):
+    """pread may return fewer bytes than asked before the end of the file: read on."""
+    data = bytes(range(200))
+    (tmp_path / "obj").write_bytes(data)
+    real_pread = os.pread
+    monkeypatch.setattr(local.os, "pread", lambda fd, n, offset: real_pread(fd, max(1, n // 2), offset))
+    store = LocalStorage(str(tmp_path))
+    assert store.read("obj", 10, 100) == data[10:110]
+    assert store.read("obj") == data
+
+
+def test_read_past_the_end_with_a_length_says_what_the_file_holds(tmp_path):
+    (tmp_path / "obj").write_bytes(b"x" * 50)
+    with pytest.raises(EOFError) as caught:
+        LocalStorage(str(tmp_path)).read("obj", 10, 100)
+    assert str(caught.value) == f"{tmp_path / 'obj'}: wanted 100 bytes at offset 10, file holds 50"
+
+
+def test_list_children_leaves_out_symlinked_directories(tmp_path):
+    (tmp_path / "step_1").mkdir()
+    (tmp_path / "step_2").symlink_to(tmp_path / "step_1")
+    (tmp_path / "file").write_bytes(b"")
+    assert LocalStorage(str(tmp_path)).list_children() == ["step_1"]
+
+
+def test_delete_tree_error_names_the_directory(tmp_path, monkeypatch):
+    (tmp_path / "step_1").mkdir()
+
+    def rename(src, dst):
+        raise _os_error(errno.EBUSY)
+
+    monkeypatch.setattr(local.os, "rename", rename)
+    with pytest.raises(StorageError) as caught:
+        LocalStorage(str(tmp_path)).delete_tree("step_1")
+    assert str(caught.value) == f"cannot delete {tmp_path / 'step_1'}: {os.strerror(errno.EBUSY)}"
+
+
+@pytest.mark.parametrize("operation", ["set_pointer", "delete_tree"])
+def test_pointer_and_delete_make_the_root_durable(tmp_path, monkeypatch, operation):
+    (tmp_path / "step_1").mkdir()
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), tmp_path))
+        real_fsync(fd)
+
+    monkeypatch.setattr(local.os, "fsync", fsync)
+    store = LocalStorage(str(tmp_path))
+    if operation == "set_pointer":
+        store.set_pointer("latest", "step_1")
+    else:
+        store.delete_tree("step_1")
+    monkeypatch.undo()
+    assert synced == ["."]
+
+
+def test_set_pointer_error_names_the_pointer(tmp_path, monkeypatch):
+    def symlink(target, path):
+        raise _os_error(errno.EPERM)
+
+    monkeypatch.setattr(local.os, "symlink", symlink)
+    with pytest.raises(StorageError) as caught:
+        LocalStorage(str(tmp_path)).set_pointer("latest", "step_1")
+    assert str(caught.value) == f"cannot update pointer {tmp_path / 'latest'}: {os.strerror(errno.EPERM)}"
+    assert os.listdir(tmp_path) == []
+
+
+def test_unreadable_pointer_names_it(tmp_path, monkeypatch):
+    def readlink(path):
+        raise _os_error(errno.EACCES)
+
+    monkeypatch.setattr(local.os, "readlink", readlink)
+    with pytest.raises(StorageError) as caught:
+        LocalStorage(str(tmp_path)).read_pointer("latest")
+    assert str(caught.value) == f"cannot read pointer {tmp_path / 'latest'}: {os.strerror(errno.EACCES)}"
+
+
+def test_pointer_file_that_is_not_text_is_refused(tmp_path):
+    (tmp_path / "latest").write_bytes(b"\xff\xfe")
+    with pytest.raises(StorageError) as caught:
+        LocalStorage(str(tmp_path)).read_pointer("latest")
+    assert str(caught.value) == f"{tmp_path / 'latest'}: pointer file is not UTF-8 text"
