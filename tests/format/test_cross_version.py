@@ -6,9 +6,10 @@ Two sources of checkpoints from other minors:
   `generate.py --only ckptlib_dtensor` under that torch), which every run loads;
 - the shared cross-version directory `$CKPTLIB_CROSS_VERSION_DIR` (tox sets it to
   `ci/compat/cross-version/`): each tox env writes `torch<minor>/` there
-  (`test_write_for_other_minors`) and loads every other minor's found there, so running
-  the envs in sequence (`ci/torch_matrix.sh`) loads each minor's checkpoint under the minors
-  that run after it, and the committed ones cover the other direction.
+  (`test_write_for_other_minors`) and loads every other minor's found there.
+  `ci/torch_matrix.sh` runs the suite newest first (each older minor loads every newer one),
+  then this module alone oldest first (each newer minor loads every older one): every pair,
+  both directions.
 
 Each is loaded at 2 ranks (as saved) and 3 (resharded) and compared with its reference.pt.
 Where this torch cannot load one, ckptlib must raise UnsupportedError naming the feature.
