@@ -195,7 +195,8 @@ def _diff(mutation, tree: Path) -> str:
     return "".join(difflib.unified_diff(code.splitlines(True), mutated.splitlines(True), n=0))
 
 
-#: Verdicts on survivors, keyed "path:line:operator": "equivalent: why" or "killed by: test".
+#: Verdicts on survivors, keyed "path:line:operator" (or "...#occurrence" where one line has
+#: two mutants of one operator): "equivalent: why" or "killed by: test".
 VERDICTS_FILE = Path(__file__).with_name("mutation_verdicts.json")
 
 
@@ -230,7 +231,8 @@ def report(module: str, out: Path) -> dict:
     body = []
     for item in sorted(survivors, key=lambda i: tuple(i.mutations[0].start_pos)):
         mutation = item.mutations[0]
-        verdict = verdicts.get(f"{mutation.module_path}:{mutation.start_pos[0]}:{mutation.operator_name}", "")
+        key = f"{mutation.module_path}:{mutation.start_pos[0]}:{mutation.operator_name}"
+        verdict = verdicts.get(f"{key}#{mutation.occurrence}", verdicts.get(key, ""))
         equivalent += verdict.startswith("equivalent")
         body += [
             f"## {item.job_id[:8]} {mutation.module_path}:{mutation.start_pos[0]} {mutation.operator_name}"
