@@ -16,7 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 import ckptlib
-from ckptlib import CastWarning, CheckpointManager, CheckpointNotFoundError, MissingKeysError, StateError
+from ckptlib import (
+    CastWarning, CheckpointManager, CheckpointNotFoundError, MissingKeysError, ShapeMismatchError, StateError,
+)
 from ckptlib.testing.legacy_writers import write_safetensors, write_torch_save
 
 
@@ -425,3 +427,34 @@ def test_cast_from_bool(tmp_path, requested, lossy):
     [warning] = [w for w in caught if issubclass(w.category, CastWarning)]
     assert str(warning.message).endswith(f"b saved as bool, requested {name}{' (lossy)' if lossy else ''}")
     assert target["b"].tolist() == torch.tensor([True, False]).to(requested).tolist()
+
+
+def test_plain_dcp_load_reports_the_tensor_bytes(tmp_path):
+    """Without a manifest the size is the tensors' bytes: 10 float32 + 3 int64 = 64."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = {"w": torch.arange(10, dtype=torch.float32), "i": torch.arange(3), "note": "x"}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path / "plain")), no_dist=True)
+    target = {"w": torch.zeros(10), "i": torch.zeros(3, dtype=torch.int64)}
+    result = ckptlib.load(tmp_path / "plain", target)
+    assert result.bytes == 64
+    assert target["w"].tolist() == saved["w"].tolist() and target["i"].tolist() == [0, 1, 2]
+
+
+def test_shape_mismatch_after_a_missing_key_is_still_found(tmp_path):
+    """strict=False skips the absent key and still checks every key after it."""
+    ckptlib.save(tmp_path / "ck", {"w": torch.zeros(2)})
+    with pytest.raises(ShapeMismatchError) as caught:
+        ckptlib.load(tmp_path / "ck", {"absent": torch.zeros(1), "w": torch.zeros(3)}, strict=False)
+    assert str(caught.value) == (
+        f"{tmp_path / 'ck'}: state does not match the checkpoint: w: shape (3,) in the state, (2,) in the checkpoint"
+    )
+
+
+def test_shape_mismatch_message_names_the_first_twenty(tmp_path):
+    ckptlib.save(tmp_path / "ck", {key: torch.zeros(2) for key in _keys(21)})
+    with pytest.raises(ShapeMismatchError) as caught:
+        ckptlib.load(tmp_path / "ck", {key: torch.zeros(3) for key in _keys(21)})
+    problems = "; ".join(f"{key}: shape (3,) in the state, (2,) in the checkpoint" for key in _keys(20))
+    assert str(caught.value) == f"{tmp_path / 'ck'}: state does not match the checkpoint: {problems}"
+    assert caught.value.keys == _keys(21)
