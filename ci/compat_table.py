@@ -348,12 +348,16 @@ def render(all_runs: list[Run]) -> str:
             lines.append(f"- torch {version}, `{module}`, {len(names)} test(s) ({shown}): {_md(message)}")
         lines.append("")
     lines += render_cross(all_runs)
-    lines.append("Feature probes (`ckptlib.compat.describe()` in each env):")
+    newest: dict[str, Run] = {}  # torch version -> its newest run (suite or cross-version pass)
+    for run in sorted(all_runs, key=lambda r: r.timestamp):
+        newest[run.torch] = run
+    probed = sorted(newest.values(), key=lambda r: _version_key(r.torch), reverse=True)
+    lines.append("Feature probes (`ckptlib.compat.describe()` in each env; the newest run of each torch):")
     lines.append("")
-    lines.append("| probe | " + " | ".join(f"torch {r.torch}" for r in runs) + " |")
-    lines.append("|" + "---|" * (len(runs) + 1))
+    lines.append("| probe | " + " | ".join(f"torch {r.torch}" for r in probed) + " |")
+    lines.append("|" + "---|" * (len(probed) + 1))
     for key, title in _PROBES:
-        cells = [_md(_probe_text(r.props.get(f"probe.{key}"))) for r in runs]
+        cells = [_md(_probe_text(r.props.get(f"probe.{key}"))) for r in probed]
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     lines.append("")
     sources = ", ".join(
