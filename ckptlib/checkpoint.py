@@ -15,13 +15,12 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import _dist, background_save, compat
 from .background_save import AsyncSave
 from .errors import CastWarning, CheckpointError, DtypeMismatchError, MissingKeysError, ShapeMismatchError
-from .format import CheckpointInfo, CkptWriter, SafeLoadPlanner, prepare_save_target
+from .format import CheckpointInfo, CkptSavePlanner, CkptWriter, SafeLoadPlanner, prepare_save_target
 from .format.layout import commit_manifest
 from .format.dcp_writer import checkpoint_bytes
 from .format.deletion import remove_failed_save
@@ -288,7 +287,7 @@ def _write_and_commit(
     with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
         try:
             with compat.quiet_single_process():
-                metadata = dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
+                metadata = dcp.save(state_dict, storage_writer=writer, planner=CkptSavePlanner(), process_group=group)
         except BaseException as exc:
             # Every rank removes what this save wrote (a full disk must not stay full; the next
             # save then succeeds by itself); a committed checkpoint is never touched.

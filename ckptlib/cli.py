@@ -326,6 +326,10 @@ def _run_bench(bench_args: list[str]) -> int:
         from benchmarks import scale
 
         return scale.main(bench_args[1:])
+    if bench_args[:1] == ["tensors"]:
+        from benchmarks import tensors
+
+        return tensors.main(bench_args[1:])
     from benchmarks import bench
 
     return bench.main(bench_args)
@@ -575,7 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="benchmark ckptlib against raw DCP, torch.save, the disk and each cloud SDK (source checkouts)",
         description="Runs benchmarks/bench.py; `ckpt bench --help` lists its options. `ckpt bench scale` runs "
-        "benchmarks/scale.py (planning, .metadata and manifest sizes at simulated world sizes; no ranks spawned).",
+        "benchmarks/scale.py (planning time and memory, .metadata and manifest sizes at simulated world sizes; no ranks "
+        "spawned; --s3 adds the S3 request counts of real saves and loads on moto). "
+        "`ckpt bench tensors` runs benchmarks/tensors.py (save and load of 16 to 10,000 small tensors against raw DCP).",
     )
     return parser
 

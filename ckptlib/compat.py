@@ -398,6 +398,13 @@ def dcp_load_no_dist(state_dict: dict, *, storage_reader: Any, planner: Any = No
     _load_state_dict(state_dict, storage_reader=storage_reader, planner=planner, no_dist=True)
 
 
+def dedup_save_plans(plans: list, to_lowest_rank: bool) -> list:
+    """DCP's dedup of replicated write items: the first step of DefaultSavePlanner's global plan."""
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans as dedup
+
+    return dedup(plans, to_lowest_rank)
+
+
 def require_dcp_argument(name: str, argument: str) -> None:
     if not dcp_accepts(name, argument):
         have = dcp_parameters(name)

@@ -2,7 +2,8 @@
 
 - native: `dcp_writer`/`dcp_reader` (DCP's file layout over a Storage, item and block
   checksums from `block_checks`, ranged reads from `ranged_io`), `manifest`, `layout`
-  (what a directory is; commit), `structure` (consistency of `.metadata`), `verify`;
+  (what a directory is; commit), `structure` (consistency of `.metadata`), `verify`,
+  `save_planner`/`load_planner` (DCP's planners, made linear at scale and safe to unpickle);
 - foreign: `torch_save`, `v0`, `safetensors` (each format's reader and writer), sharing
   `foreign`; `source` is the one entry point that detects a source and opens a reader for
   native and foreign checkpoints alike; `streaming` converts between them tensor by tensor.
@@ -12,13 +13,14 @@ from .dcp_reader import CkptReader
 from .dcp_writer import CkptWriter
 from .layout import CheckpointInfo, classify, commit, open_checkpoint, prepare_save_target, read_metadata, shard_rank
 from .load_planner import SafeLoadPlanner
+from .save_planner import CkptSavePlanner
 from .manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
 from .source import detect_format, inspect_checkpoint, open_reader
 from .structure import Problem
 from .verify import summarize, verify
 
 __all__ = [
-    "CheckpointInfo", "CkptReader", "CkptWriter", "FileRecord", "MANIFEST_NAME", "METADATA_NAME",
+    "CheckpointInfo", "CkptReader", "CkptSavePlanner", "CkptWriter", "FileRecord", "MANIFEST_NAME", "METADATA_NAME",
     "Manifest", "PENDING_NAME", "SafeLoadPlanner", "classify", "commit", "detect_format", "inspect_checkpoint",
     "open_checkpoint", "open_reader", "prepare_save_target", "read_metadata", "shard_rank", "Problem",
     "summarize", "verify",

@@ -46,16 +46,22 @@ def is_ckptlib_metadata(metadata: Any) -> bool:
     return isinstance(modules, (list, tuple)) and METADATA_MARKER in modules
 
 
-def read_metadata(storage: Storage, manifest: Manifest | None, *, verify: bool = True) -> Metadata:
-    """Read and safely unpickle `.metadata`, checking it against the manifest first."""
+def read_metadata(
+    storage: Storage, manifest: Manifest | None, *, verify: bool = True, listed_size: int | None = None
+) -> Metadata:
+    """Read and safely unpickle `.metadata`, checking it against the manifest first.
+    `listed_size`: its size in a listing just taken, if known (saves a second read)."""
     where = f"{storage.uri}/{METADATA_NAME}"
     record = manifest.files.get(METADATA_NAME) if manifest is not None and verify else None
     try:
         if record is None:
             blob = storage.read(METADATA_NAME)  # bounded by the file's size
-        else:  # never more than the manifest records, plus one byte to tell a larger file
+        else:  # never more than the manifest records, plus one byte to tell a larger file, unless
+            # the listing already told its size: a read past the end costs a second one (on S3
+            # a second GET of a file that grows as ranks x tensors)
+            extra = 0 if listed_size == record.size else 1
             try:
-                blob = storage.read(METADATA_NAME, 0, record.size + 1)
+                blob = storage.read(METADATA_NAME, 0, record.size + extra)
             except EOFError:
                 blob = storage.read(METADATA_NAME)
     except FileNotFoundError as exc:
@@ -209,7 +215,7 @@ def open_checkpoint(storage: Storage, *, verify: bool = True, check_files: bool 
                 f"{uri}: files do not match the manifest: " + "; ".join(text for _, text in problems),
                 path=f"{uri}/{problems[0][0]}",
             )
-    metadata = read_metadata(storage, manifest, verify=verify)
+    metadata = read_metadata(storage, manifest, verify=verify, listed_size=listing.get(METADATA_NAME))
 
     errors = [p for p in structure_problems(metadata, manifest, listing, exhaustive=False) if p.is_error]
     if errors:
@@ -232,8 +238,9 @@ def prepare_save_target(storage: Storage, *, overwrite: bool, world_size: int) -
     from .deletion import refuse_foreign, remove_checkpoint
 
     uri = storage.uri
-    listing = storage.list() if storage.exists() else {}
-    kind = classify(storage, listing)
+    exists = storage.exists()  # asked once: on S3 each ask is a LIST request
+    listing = storage.list() if exists else {}
+    kind = classify(storage, listing) if exists else "missing"
     if kind == "committed" and not overwrite:
         raise CheckpointExistsError(f"{uri} already holds a committed checkpoint (pass overwrite=True)", path=uri)
     if kind == "dcp" and not overwrite:

@@ -26,7 +26,7 @@ from .safetensors_header import (
     validate_header,
     validate_index,
 )
-from .shard_files import EXPORT_MARK, atomic_file, element_size, planned_entries, shard_groups, shard_names, write_index, write_tensor_bytes
+from .shard_files import EXPORT_MARK, ShardEntry, element_size, planned_entries, write_shards, write_tensor_bytes
 
 if TYPE_CHECKING:
     from .streaming import SourceValues
@@ -201,17 +201,12 @@ def write_safetensors(
             raise UnsupportedError(f"{e.fqn}: dtype {e.dtype} has no safetensors encoding")
     # Largest element size first keeps every tensor aligned to its element size.
     entries.sort(key=lambda e: (-element_size(e.dtype), e.name))
-    groups = shard_groups(entries, max_shard_bytes)
-    files = shard_names("model", "safetensors", len(groups), single_file)
-    os.makedirs(directory, exist_ok=True)
-    written = []
-    for file, group in zip(files, groups):
-        if on_file is not None:
-            on_file(file)
+
+    def write_file(tmp: str, group: list[ShardEntry]) -> None:
         header, _ = _header(
             [(e.name, safetensors_name(e.dtype), e.shape, e.nbytes) for e in group], {EXPORT_MARK: "1"} if mark else None
         )
-        with atomic_file(os.path.join(directory, file)) as tmp, open(tmp, "wb") as f:
+        with open(tmp, "wb") as f:
             f.write(header)
             for e in group:
                 tensor = source.tensor(e.fqn)
@@ -222,10 +217,6 @@ def write_safetensors(
                     on_tensor(e.fqn, e.nbytes)
             f.flush()
             os.fsync(f.fileno())
-        written.append(file)
-    if len(groups) > 1:
-        if on_file is not None:
-            on_file("model.safetensors.index.json")
-        write_index(directory, "model.safetensors.index.json", files, groups)
-        written.append("model.safetensors.index.json")
-    return written
+
+    return write_shards(directory, entries, "model", "safetensors", write_file,
+                        single_file=single_file, max_shard_bytes=max_shard_bytes, on_file=on_file)

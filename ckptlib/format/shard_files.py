@@ -8,7 +8,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -80,6 +80,40 @@ def write_index(directory: str, name: str, files: list[str], groups: list[list])
         json.dump(index, f, indent=2, sort_keys=True)
         f.write("\n")
     os.replace(final + ".tmp", final)
+
+
+def write_shards(
+    directory: str,
+    entries: list[ShardEntry],
+    stem: str,
+    ext: str,
+    write_file: Callable[[str, list[ShardEntry]], None],
+    *,
+    single_file: str | None,
+    max_shard_bytes: int | None,
+    on_file: Callable[[str], None] | None,
+) -> list[str]:
+    """Hugging Face's layout of `entries`: `<stem>.<ext>` (or `single_file`), or shards of at
+    most `max_shard_bytes` plus `<stem>.<ext>.index.json`. `write_file(tmp, group)` writes one
+    file's tensors, durably, to a temporary name renamed into place; `on_file(name)` is called
+    before each file is started. Returns the file names written."""
+    groups = shard_groups(entries, max_shard_bytes)
+    files = shard_names(stem, ext, len(groups), single_file)
+    os.makedirs(directory, exist_ok=True)
+    written = []
+    for file, group in zip(files, groups):
+        if on_file is not None:
+            on_file(file)
+        with atomic_file(os.path.join(directory, file)) as tmp:
+            write_file(tmp, group)
+        written.append(file)
+    if len(groups) > 1:
+        index = f"{stem}.{ext}.index.json"
+        if on_file is not None:
+            on_file(index)
+        write_index(directory, index, files, groups)
+        written.append(index)
+    return written
 
 
 @contextlib.contextmanager

@@ -48,9 +48,10 @@ def _box_overlap(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int,
     return all(max(ao, bo) < min(ao + asz, bo + bsz) for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1]))
 
 
-def _find_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[Any, Any] | None:
-    """Two chunks that share an element, or None. Sweeps along the dimension with the most
-    distinct offsets, so row-, column- and grid-sharded tensors stay near O(n log n)."""
+def find_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[Any, Any] | None:
+    """Two (offsets, sizes) chunks that share an element, or None. Sweeps along the dimension
+    with the most distinct offsets, so row-, column- and grid-sharded tensors stay near
+    O(n log n) (a grid of a x b chunks: O(n min(a, b)))."""
     boxes = [b for b in boxes if all(s > 0 for s in b[1])]
     if len(boxes) < 2:
         return None
@@ -61,7 +62,8 @@ def _find_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple
     boxes.sort(key=lambda b: b[0][dim])
     for i, a in enumerate(boxes):
         end = a[0][dim] + a[1][dim]
-        for b in boxes[i + 1 :]:
+        for j in range(i + 1, len(boxes)):  # indices, not boxes[i + 1:]: a copy per chunk is O(n^2)
+            b = boxes[j]
             if b[0][dim] >= end:
                 break
             if _box_overlap(a, b):
@@ -122,7 +124,7 @@ def _chunk_problems(fqn: str, md: TensorStorageMetadata, keys: dict, exhaustive:
     if outside:
         return problems
     covered = sum(math.prod(sz) for _, sz in boxes)
-    overlap = _find_overlap(boxes) if exhaustive else None
+    overlap = find_overlap(boxes) if exhaustive else None
     if overlap is not None:
         (a_off, a_sz), (b_off, b_sz) = overlap
         problems.append(
@@ -233,4 +235,4 @@ def structure_problems(
     return problems
 
 
-__all__ = ["KINDS", "Problem", "structure_problems"]
+__all__ = ["KINDS", "Problem", "find_overlap", "structure_problems"]

@@ -18,7 +18,7 @@ from .. import compat
 from ..errors import CheckpointCorruptError, CheckpointError, NotACheckpointError, UnsafeCheckpointError
 from ..storage import Storage
 from ..storage.local import check_regular
-from .shard_files import EXPORT_MARK, ShardEntry, atomic_file, planned_entries, shard_groups, shard_names, write_index
+from .shard_files import EXPORT_MARK, ShardEntry, planned_entries, write_shards
 from .foreign import (
     ObjectLoc,
     SourceFiles,
@@ -237,21 +237,11 @@ def write_torch_files(
     flat dict {name: tensor}, or shards pytorch_model-0000k-of-0000n.bin plus
     pytorch_model.bin.index.json. Written one tensor at a time; returns the file names."""
     entries = planned_entries(source, names, dtype)
-    groups = shard_groups(entries, max_shard_bytes)
-    files = shard_names("pytorch_model", "bin", len(groups), single_file)
-    os.makedirs(directory, exist_ok=True)
-    written = []
-    for file, group in zip(files, groups):
-        if on_file is not None:
-            on_file(file)
-        with atomic_file(os.path.join(directory, file)) as tmp:
-            _write_torch_archive(tmp, source, group, on_tensor, mark)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-        written.append(file)
-    if len(groups) > 1:
-        if on_file is not None:
-            on_file("pytorch_model.bin.index.json")
-        write_index(directory, "pytorch_model.bin.index.json", files, groups)
-        written.append("pytorch_model.bin.index.json")
-    return written
+
+    def write_file(tmp: str, group: list[ShardEntry]) -> None:
+        _write_torch_archive(tmp, source, group, on_tensor, mark)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+
+    return write_shards(directory, entries, "pytorch_model", "bin", write_file,
+                        single_file=single_file, max_shard_bytes=max_shard_bytes, on_file=on_file)

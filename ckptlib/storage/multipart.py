@@ -1,6 +1,7 @@
-"""The streamed multipart writer of `ObjectStorage` (objects.py): a write-only stream that
-buffers up to the multipart threshold (then one put), else uploads parts in a bounded pool
-while the caller keeps writing, and commits them in one call; an exception aborts."""
+"""The streamed multipart writer every object-store backend uses (`ObjectStorage` for GCS and
+Azure, `S3Storage`): a write-only stream that buffers up to the multipart threshold (then one
+put), else uploads parts in a bounded pool while the caller keeps writing, and commits them in
+one call; an exception aborts. What differs per backend sits behind `UploadTarget`."""
 
 from __future__ import annotations
 
@@ -8,36 +9,77 @@ import concurrent.futures
 import io
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol, TypeVar
 
 from ..errors import StorageError
 
-if TYPE_CHECKING:
-    from .objects import ObjectStorage, Upload
-
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Upload(Protocol):
+    """One multipart upload: parts in any order and concurrently, then one commit."""
+
+    def put_part(self, number: int, data: bytes) -> Any:
+        """Upload part `number` (1-based); returns what `complete` needs about it."""
+
+    def complete(self, parts: list[Any]) -> None:
+        """Make the object from the parts, in order; idempotent when retried."""
+
+    def abort(self) -> None:
+        """Forget the parts (best effort); no object appears."""
+
+
+class UploadTarget(Protocol):
+    """A backend as `MultipartWriter` sees it: transfer sizes, how one request runs and how its
+    failures are named, and the two ways an object is uploaded."""
+
+    scheme: str  # names the upload threads
+    stream_label: str  # "object stream", "S3 object stream": for messages
+    multipart_threshold: int
+    max_concurrency: int
+    max_parts: int | None  # None: no limit
+
+    def part_size(self, number: int) -> int:
+        """The size of part `number` (every part but the last has exactly this size)."""
+
+    def call(self, op: str, where: str, fn: Callable[[], T]) -> T:
+        """Run one request; a failure is a StorageError naming `op` and `where` (a StorageError
+        raised by `fn` passes unchanged)."""
+
+    def error(self, exc: BaseException, op: str, where: str) -> StorageError:
+        """`exc` as a StorageError naming `op` and `where`."""
+
+    def put(self, key: str, where: str, data: bytes) -> None:
+        """The whole object in one request (below the threshold)."""
+
+    def start_upload(self, key: str, where: str) -> Upload:
+        """Begin a multipart upload of `key`; nothing is visible until it completes."""
 
 
 class MultipartWriter(io.RawIOBase):
     """Write-only stream: buffers up to the threshold, then uploads parts in the background."""
 
-    def __init__(self, storage: "ObjectStorage", key: str, where: str):
+    def __init__(self, target: UploadTarget, key: str, where: str):
         super().__init__()
-        self._s = storage
+        self._t = target
         self._key = key
         self._where = where
         self._buf = bytearray()
         self._written = 0
-        self._upload: "Upload | None" = None
+        self._upload: Upload | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._slots = threading.BoundedSemaphore(storage.max_concurrency)
+        self._slots = threading.BoundedSemaphore(target.max_concurrency)
         self._futures: list[concurrent.futures.Future] = []
         self._parts: dict[int, Any] = {}
+        self._parts_lock = threading.Lock()
         self._next_part = 1
         self._error: BaseException | None = None
         self._done = False
         self.parts_uploaded = 0
 
+    # io.RawIOBase surface -------------------------------------------------------------
     def writable(self) -> bool:
         return True
 
@@ -51,11 +93,11 @@ class MultipartWriter(io.RawIOBase):
         return self._written
 
     def fileno(self) -> int:
-        raise io.UnsupportedOperation(f"{self._where} is an object stream: no file descriptor")
+        raise io.UnsupportedOperation(f"{self._where} is an {self._t.stream_label}: no file descriptor")
 
     def write(self, b) -> int:
         if self._done:
-            raise ValueError(f"write to a finished object stream ({self._where})")
+            raise ValueError(f"write to a finished {self._t.stream_label} ({self._where})")
         self._raise_part_error()
         mv = memoryview(b)
         if mv.ndim != 1 or mv.itemsize != 1:
@@ -63,7 +105,7 @@ class MultipartWriter(io.RawIOBase):
         n = len(mv)
         pos = 0
         while pos < n:
-            target = self._s.multipart_threshold if self._upload is None else self._s.part_size
+            target = self._t.multipart_threshold if self._upload is None else self._t.part_size(self._next_part)
             take = min(target - len(self._buf), n - pos)
             if take <= 0:  # a threshold below the part size with a part pending
                 take = n - pos
@@ -72,25 +114,31 @@ class MultipartWriter(io.RawIOBase):
             if len(self._buf) >= target:
                 if self._upload is None:
                     self._start()
-                while len(self._buf) >= self._s.part_size:
-                    size = self._s.part_size
+                while len(self._buf) >= self._t.part_size(self._next_part):
+                    size = self._t.part_size(self._next_part)
                     with memoryview(self._buf) as view, view[:size] as piece:
-                        part = bytes(piece)
+                        part = bytes(piece)  # one copy; the views are released before the resize
                     del self._buf[:size]
                     self._submit(part)
         self._written += n
         return n
 
+    # multipart machinery ----------------------------------------------------------------
     def _start(self) -> None:
-        self._upload = self._s.call("start upload", self._where, lambda: self._s.client.start_upload(self._key))
+        self._upload = self._t.start_upload(self._key, self._where)
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self._s.max_concurrency, thread_name_prefix=f"ckptlib-{self._s.scheme}-upload"
+            max_workers=self._t.max_concurrency, thread_name_prefix=f"ckptlib-{self._t.scheme}-upload"
         )
 
     def _submit(self, data: bytes) -> None:
         number = self._next_part
+        max_parts = self._t.max_parts
+        if max_parts is not None and number > max_parts:
+            raise StorageError(f"{self._where}: object needs more than {max_parts} parts", path=self._where)
         self._next_part += 1
-        self._slots.acquire()  # backpressure: at most max_concurrency parts in flight
+        # Backpressure: at most max_concurrency parts in flight, so memory stays bounded. Every
+        # part releases its slot when it ends, failed or not, so this never waits forever.
+        self._slots.acquire()
         if self._error is not None:
             self._slots.release()
             self._raise_part_error()
@@ -103,9 +151,10 @@ class MultipartWriter(io.RawIOBase):
                 return
             upload = self._upload
             assert upload is not None
-            record = self._s.call(f"upload part {number}", self._where, lambda: upload.put_part(number, data))
-            self._parts[number] = record
-            self.parts_uploaded += 1
+            record = self._t.call(f"upload part {number}", self._where, lambda: upload.put_part(number, data))
+            with self._parts_lock:
+                self._parts[number] = record
+                self.parts_uploaded += 1
         except BaseException as exc:  # noqa: BLE001 - surfaced on the writer's thread
             if self._error is None:
                 self._error = exc
@@ -118,8 +167,9 @@ class MultipartWriter(io.RawIOBase):
             return
         if isinstance(error, StorageError):
             raise error
-        raise self._s.error(error, "multipart upload", self._where) from error
+        raise self._t.error(error, "multipart upload", self._where) from error
 
+    # finishing ---------------------------------------------------------------------------
     def finish(self) -> None:
         if self._done:
             return
@@ -128,7 +178,7 @@ class MultipartWriter(io.RawIOBase):
             data = bytes(self._buf)
             self._buf = bytearray()
             try:
-                self._s.call("put", self._where, lambda: self._s.client.put(self._key, data))
+                self._t.put(self._key, self._where, data)
             finally:
                 self._shutdown()
             return
@@ -142,7 +192,7 @@ class MultipartWriter(io.RawIOBase):
             self._raise_part_error()
             parts = [self._parts[n] for n in sorted(self._parts)]
             upload = self._upload
-            self._s.call("complete multipart upload", self._where, lambda: upload.complete(parts))
+            self._t.call("complete multipart upload", self._where, lambda: upload.complete(parts))
         except BaseException:
             self._abort()
             raise
@@ -164,12 +214,14 @@ class MultipartWriter(io.RawIOBase):
         if self._error is None:
             self._error = StorageError(f"{self._where}: upload aborted", path=self._where)
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)  # no part may land after the abort
+            # Let in-flight parts finish (or fail) first: no part may land after the abort (S3
+            # documents that a part still being uploaded while the upload is aborted may survive it).
+            self._pool.shutdown(wait=True, cancel_futures=True)
         if self._upload is not None:
             try:
                 self._upload.abort()
             except Exception as exc:  # noqa: BLE001 - the original failure is the one to raise
-                log.warning("could not abort the upload: %s", self._s.error(exc, "abort upload", self._where))
+                log.warning("could not abort the upload: %s", self._t.error(exc, "abort upload", self._where))
 
     def _shutdown(self) -> None:
         if self._pool is not None:

@@ -1,5 +1,6 @@
-"""One `Storage` over any object store: retries with backoff, ranged and parallel reads,
-streamed multipart writes, exclusive create, pointers. Each cloud supplies only an
+"""One `Storage` over any object store: retries with backoff, ranged and parallel reads
+(prefixed.py, shared with S3), streamed multipart writes (multipart.py, shared with S3),
+exclusive create, pointers. Each cloud supplies only an
 `ObjectClient` (a handful of primitive calls and how to classify its errors): gcs.py, azure.py.
 
 Guarantees (the same as S3's, s3.py):
@@ -20,7 +21,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import os
 import random
 import re
 import time
@@ -28,8 +28,9 @@ import uuid
 from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
 
 from ..errors import StorageError
-from .base import DELETE_FIRST, check_relative
-from .multipart import MultipartWriter
+from .base import check_relative
+from .multipart import MultipartWriter, Upload
+from .prefixed import PrefixedObjects, deletion_phases, env_options  # noqa: F401 (env_options: gcs, azure)
 
 log = logging.getLogger(__name__)
 
@@ -107,34 +108,7 @@ class ObjectClient(Protocol):
         """Credential strings to scrub from any message."""
 
 
-class Upload(Protocol):
-    """One multipart upload: parts in any order and concurrently, then one commit."""
-
-    def put_part(self, number: int, data: bytes) -> Any:
-        """Upload part `number` (1-based); returns what `complete` needs about it."""
-
-    def complete(self, parts: list[Any]) -> None:
-        """Make the object from the parts, in order; idempotent when retried."""
-
-    def abort(self) -> None:
-        """Forget the parts (best effort); no object appears."""
-
-
-def env_options(scheme: str) -> dict[str, int]:
-    """Transfer sizes from CKPTLIB_<SCHEME>_{MULTIPART_THRESHOLD,PART_SIZE,MAX_CONCURRENCY,READ_CHUNK_SIZE,MAX_ATTEMPTS}."""
-    out = {}
-    for option in ("multipart_threshold", "part_size", "max_concurrency", "read_chunk_size", "max_attempts"):
-        name = f"CKPTLIB_{scheme.upper()}_{option.upper()}"
-        raw = os.environ.get(name)
-        if raw:
-            try:
-                out[option] = int(raw)
-            except ValueError:
-                raise StorageError(f"{name}={raw!r} is not an integer") from None
-    return out
-
-
-class ObjectStorage:
+class ObjectStorage(PrefixedObjects):
     """Objects below `<scheme>://container/prefix`, through the `ObjectClient` that the
     subclass's `_new_client` makes on first use (and again after unpickling)."""
 
@@ -192,18 +166,7 @@ class ObjectStorage:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
 
-    # -- keys and calls ------------------------------------------------------------------
-    def _key(self, path: str) -> str:
-        check_relative(path, self.uri)
-        return f"{self.prefix}/{path}" if self.prefix else path
-
-    def _dir(self) -> str:
-        """The key prefix of everything below the root (with the '/': step_1 must not match step_10)."""
-        return f"{self.prefix}/" if self.prefix else ""
-
-    def _where(self, path: str = "") -> str:
-        return f"{self.uri}/{path}" if path else self.uri
-
+    # -- calls ---------------------------------------------------------------------------
     def error(self, exc: BaseException, op: str, where: str, attempts: int = 1) -> StorageError:
         """A StorageError naming the operation and URI; credentials scrubbed."""
         if isinstance(exc, StorageError):
@@ -248,11 +211,6 @@ class ObjectStorage:
         clone.uri = f"{self.scheme}://{self.container}/{clone.prefix}"
         return clone
 
-    def local_path(self, path: str = "") -> None:
-        if path:
-            check_relative(path, self.uri)
-        return None
-
     def exists(self) -> bool:
         return bool(self.call("list", self.uri, lambda: self.client.list(self._dir(), limit=1)))
 
@@ -289,7 +247,7 @@ class ObjectStorage:
 
     @contextlib.contextmanager
     def open_writer(self, path: str) -> Iterator[MultipartWriter]:
-        writer = MultipartWriter(self, self._key(path), self._where(path))
+        writer = MultipartWriter(_Uploads(self), self._key(path), self._where(path))
         try:
             yield writer
         except BaseException:
@@ -297,71 +255,17 @@ class ObjectStorage:
             raise
         writer.finish()
 
-    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
-        """Bytes [offset, offset+length); a range over 2 * read_chunk_size is fetched as
-        parallel ranged GETs into one buffer. FileNotFoundError / EOFError like a local file."""
-        key = self._key(path)
-        where = self._where(path)
-        if offset < 0 or (length is not None and length < 0):
-            raise ValueError(f"{where}: negative offset or length ({offset}, {length})")
-        if length == 0:
-            self.call("head", where, lambda: self.client.size(key), absent_ok=True)
-            return b""
-        if length is None:
-            data, _ = self.call("get", where, lambda: self.client.get(key, offset, None), absent_ok=True)
-            return data if data is not None else b""
-        if length > 2 * self.read_chunk_size and self.max_concurrency > 1:
-            return self._parallel_read(key, where, offset, length)
-        data, total = self.call("get", where, lambda: self.client.get(key, offset, offset + length - 1),
-                                absent_ok=True)
-        if data is None or len(data) != length:
-            got = offset + (0 if data is None else len(data))
-            raise EOFError(f"{where}: wanted {length} bytes at offset {offset}, object holds {total or got}")
-        return data
+    def _get(self, key: str, where: str, start: int, end: int | None) -> tuple[bytes | None, int | None]:
+        return self.call("get", where, lambda: self.client.get(key, start, end), absent_ok=True)
 
-    def _parallel_read(self, key: str, where: str, offset: int, length: int) -> bytearray:
-        out = bytearray(length)
-        chunk = self.read_chunk_size
-        spans = [(a, min(chunk, length - a)) for a in range(0, length, chunk)]
-        short: list[int | None] = []
-
-        def fetch(rel: int, n: int) -> None:
-            start = offset + rel
-            data, total = self.call("get", where, lambda: self.client.get(key, start, start + n - 1), absent_ok=True)
-            if data is None or len(data) != n:
-                short.append(total)
-                return
-            out[rel : rel + n] = data
-
-        workers = min(self.max_concurrency, len(spans))
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"ckptlib-{self.scheme}-read") as pool:
-            futures = [pool.submit(fetch, a, n) for a, n in spans]
-            try:
-                for fut in futures:
-                    fut.result()
-            except BaseException:
-                for fut in futures:
-                    fut.cancel()
-                raise
-        if short:
-            sizes = [s for s in short if s is not None]
-            raise EOFError(f"{where}: wanted {length} bytes at offset {offset}, "
-                           f"object holds {min(sizes) if sizes else 'fewer bytes'}")
-        return out
+    def _head(self, key: str, where: str) -> int:
+        return self.call("head", where, lambda: self.client.size(key), absent_ok=True)
 
     def _list_keys(self, key_prefix: str) -> dict[str, int]:
         return dict(self.call("list", self.uri, lambda: self.client.list(key_prefix)))
 
-    def list(self, prefix: str = "") -> dict[str, int]:
-        if prefix:
-            check_list_prefix(prefix, self.uri)
-        base = self._dir()
-        out: dict[str, int] = {}
-        for key, size in self._list_keys(base + prefix).items():
-            rel = key[len(base) :]
-            if rel and not rel.endswith("/") and not is_upload_part(rel):
-                out[rel] = size
-        return out
+    def _listed(self, rel: str) -> bool:
+        return super()._listed(rel) and not is_upload_part(rel)
 
     def list_children(self) -> list[str]:
         base = self._dir()
@@ -403,15 +307,8 @@ class ObjectStorage:
 
     def delete_tree(self, name: str = "") -> None:
         target = self.child(name) if name else self
-        keys = list(self._list_keys(target._dir()))
-        # What makes a directory look committed goes first, so a failure half-way leaves an
-        # incomplete-looking directory, never a committed one with files missing.
-        def rank(key: str) -> int:
-            leaf = key.rsplit("/", 1)[-1]
-            return DELETE_FIRST.index(leaf) if leaf in DELETE_FIRST else len(DELETE_FIRST)
-
-        for phase in range(len(DELETE_FIRST) + 1):
-            self._delete_keys([k for k in keys if rank(k) == phase])
+        for batch in deletion_phases(list(self._list_keys(target._dir()))):
+            self._delete_keys(batch)
 
     def set_pointer(self, name: str, target: str) -> None:
         key = self._key(name)
@@ -432,6 +329,31 @@ class ObjectStorage:
             raise StorageError(f"{where}: pointer object is not UTF-8 text", path=where) from exc
 
 
+class _Uploads:
+    """An `ObjectStorage` as `MultipartWriter`'s target: parts of one size, each request
+    through `ObjectStorage.call` (ckptlib's retries), the client's put and upload."""
+
+    stream_label = "object stream"
+    max_parts = None
+
+    def __init__(self, storage: ObjectStorage):
+        self._s = storage
+        self.scheme = storage.scheme
+        self.multipart_threshold = storage.multipart_threshold
+        self.max_concurrency = storage.max_concurrency
+        self.call = storage.call
+        self.error = storage.error
+
+    def part_size(self, number: int) -> int:
+        return self._s.part_size
+
+    def put(self, key: str, where: str, data: bytes) -> None:
+        self._s.call("put", where, lambda: self._s.client.put(key, data))
+
+    def start_upload(self, key: str, where: str) -> Upload:
+        return self._s.call("start upload", where, lambda: self._s.client.start_upload(key))
+
+
 UPLOAD_PART_MARK = ".ckptlib-part-"
 
 
@@ -442,15 +364,6 @@ def upload_part_key(key: str, token: str, number: int) -> str:
 
 def is_upload_part(path: str) -> bool:
     return UPLOAD_PART_MARK in path.rsplit("/", 1)[-1]
-
-
-def check_list_prefix(prefix: str, root_uri: str) -> None:
-    """A list prefix may end mid-name ('__0', 'step_') or with '/', but never climbs out."""
-    if prefix.startswith("/") or "\\" in prefix:
-        raise StorageError(f"list prefix {prefix!r} escapes the checkpoint root {root_uri}", path=root_uri)
-    parts = prefix.split("/")
-    if any(p in (".", "..") for p in parts) or any(p == "" for p in parts[:-1]):
-        raise StorageError(f"list prefix {prefix!r} escapes the checkpoint root {root_uri}", path=root_uri)
 
 
 def new_token() -> str:

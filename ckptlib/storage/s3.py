@@ -24,15 +24,13 @@ the credentials.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import os
 import random
 import time
 from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import StorageError
-from .base import DELETE_FIRST, check_relative
+from .base import check_relative
 from .s3_client import (  # noqa: F401  (constants and client factories: part of this module's API)
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_MULTIPART_THRESHOLD,
@@ -56,11 +54,21 @@ from .s3_client import (  # noqa: F401  (constants and client factories: part of
     parse_uri,
     validate_bucket,
 )
-from .s3_writer import _S3Writer
+from .multipart import MultipartWriter
+from .prefixed import PrefixedObjects, deletion_phases, env_options
+from .s3_writer import s3_writer
 
 
-class S3Storage:
-    """Objects below `s3://bucket/prefix`. Paths are relative and '/'-separated."""
+# The transfer sizes CKPTLIB_S3_<OPTION> may set (retries are botocore's: AWS_MAX_ATTEMPTS).
+_ENV_OPTIONS = ("multipart_threshold", "part_size", "max_concurrency", "read_chunk_size")
+
+
+class S3Storage(PrefixedObjects):
+    """Objects below `s3://bucket/prefix`. Paths are relative and '/'-separated. Keys, reads
+    and listing are `PrefixedObjects`' (shared with GCS and Azure) over `_get`, `_head` and
+    `_list_keys` here."""
+
+    scheme = "s3"
 
     def __init__(
         self,
@@ -100,7 +108,7 @@ class S3Storage:
         CKPTLIB_S3_PART_SIZE, CKPTLIB_S3_MAX_CONCURRENCY and CKPTLIB_S3_READ_CHUNK_SIZE (bytes,
         counts); explicit keyword arguments win."""
         bucket, prefix = parse_uri(uri)
-        return cls(bucket, prefix, client, **{**_env_options(), **options})
+        return cls(bucket, prefix, client, **{**env_options("s3", _ENV_OPTIONS), **options})
 
     def _options(self) -> dict[str, Any]:
         return {
@@ -126,18 +134,7 @@ class S3Storage:
     def __repr__(self) -> str:
         return f"S3Storage({self.uri!r})"
 
-    # -- keys ----------------------------------------------------------------------------
-    def _key(self, path: str) -> str:
-        check_relative(path, self.uri)
-        return f"{self.prefix}/{path}" if self.prefix else path
-
-    def _dir(self) -> str:
-        """The key prefix of everything below the root (with the '/': step_1 must not match step_10)."""
-        return f"{self.prefix}/" if self.prefix else ""
-
-    def _where(self, path: str = "") -> str:
-        return f"{self.uri}/{path}" if path else self.uri
-
+    # -- requests ------------------------------------------------------------------------
     def _call(self, op: str, where: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
         bex = _botocore_errors()
         try:
@@ -148,11 +145,6 @@ class S3Storage:
     # -- Storage protocol ----------------------------------------------------------------
     def child(self, name: str) -> "S3Storage":
         return S3Storage(self.bucket, self._key(name), self._client, **self._options())
-
-    def local_path(self, path: str = "") -> None:
-        if path:
-            check_relative(path, self.uri)
-        return None
 
     def exists(self) -> bool:
         response = self._call(
@@ -204,40 +196,15 @@ class S3Storage:
         raise StorageError(f"S3 conditional put failed for {where}: kept conflicting with concurrent writers", path=where)
 
     @contextlib.contextmanager
-    def open_writer(self, path: str) -> Iterator[_S3Writer]:
+    def open_writer(self, path: str) -> Iterator[MultipartWriter]:
         key = self._key(path)
-        writer = _S3Writer(self, key, self._where(path))
+        writer = s3_writer(self, key, self._where(path))
         try:
             yield writer
         except BaseException:
             writer.abort()
             raise
         writer.finish()
-
-    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
-        """Bytes [offset, offset+length) by ranged GET; a range over 2 * read_chunk_size is
-        fetched as parallel chunk GETs into one buffer and returned as a bytearray (no second
-        copy). FileNotFoundError: no such key; EOFError: the object is shorter."""
-        key = self._key(path)
-        where = self._where(path)
-        if offset < 0 or (length is not None and length < 0):
-            raise ValueError(f"{where}: negative offset or length ({offset}, {length})")
-        if length == 0:
-            self._head(key, where)  # FileNotFoundError like a local open()
-            return b""
-        if length is None:
-            data, _total = self._get(key, where, offset, None)
-            return data if data is not None else b""
-        if length > 2 * self.read_chunk_size and self.max_concurrency > 1:
-            return self._parallel_read(key, where, offset, length)
-        data, total = self._get(key, where, offset, offset + length - 1)
-        if data is None or len(data) != length:
-            got = 0 if data is None else len(data)
-            raise EOFError(
-                f"{where}: wanted {length} bytes at offset {offset}, "
-                f"object holds {total if total is not None else offset + got}"
-            )
-        return data
 
     def _head(self, key: str, where: str) -> dict[str, Any]:
         bex = _botocore_errors()
@@ -292,36 +259,6 @@ class S3Storage:
                 total = response.get("ContentLength")
             return data, total
 
-    def _parallel_read(self, key: str, where: str, offset: int, length: int) -> bytearray:
-        """Split a large range into read_chunk_size ranged GETs run by a bounded pool."""
-        out = bytearray(length)
-        chunk = self.read_chunk_size
-        spans = [(a, min(chunk, length - a)) for a in range(0, length, chunk)]
-        short: list[int | None] = []
-
-        def fetch(rel: int, n: int) -> None:
-            data, total = self._get(key, where, offset + rel, offset + rel + n - 1)
-            if data is None or len(data) != n:
-                short.append(total)
-                return
-            out[rel : rel + n] = data
-
-        workers = min(self.max_concurrency, len(spans))
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ckptlib-s3-read") as pool:
-            futures = [pool.submit(fetch, a, n) for a, n in spans]
-            try:
-                for fut in futures:
-                    fut.result()
-            except BaseException:
-                for fut in futures:
-                    fut.cancel()
-                raise
-        if short:
-            sizes = [s for s in short if s is not None]
-            held = min(sizes) if sizes else "fewer bytes"
-            raise EOFError(f"{where}: wanted {length} bytes at offset {offset}, object holds {held}")
-        return out
-
     def _paginate(self, op: str, where: str, **kwargs: Any) -> Iterator[dict[str, Any]]:
         bex = _botocore_errors()
         try:
@@ -334,17 +271,6 @@ class S3Storage:
         for page in self._paginate("list", self.uri, Prefix=key_prefix):
             for obj in page.get("Contents") or ():
                 out[obj["Key"]] = int(obj.get("Size") or 0)
-        return out
-
-    def list(self, prefix: str = "") -> dict[str, int]:
-        if prefix:
-            _check_list_prefix(prefix, self.uri)
-        base = self._dir()
-        out: dict[str, int] = {}
-        for key, size in self._list_keys(base + prefix).items():
-            rel = key[len(base) :]
-            if rel and not rel.endswith("/"):  # skip console-made "directory" marker objects
-                out[rel] = size
         return out
 
     def list_children(self) -> list[str]:
@@ -384,18 +310,9 @@ class S3Storage:
     def delete_tree(self, name: str = "") -> None:
         target = self.child(name) if name else self
         base = target._dir()
-        keys = list(self._list_keys(base))
-        # Delete what makes a directory look committed first, so a crash or failure half-way
-        # leaves an incomplete-looking directory, never a committed one with files missing
-        # (LocalStorage renames the directory away first for the same reason).
-        def rank(key: str) -> int:
-            leaf = key.rsplit("/", 1)[-1]
-            return DELETE_FIRST.index(leaf) if leaf in DELETE_FIRST else len(DELETE_FIRST)
-
-        for phase in range(len(DELETE_FIRST) + 1):
-            batch = [k for k in keys if rank(k) == phase]
-            if batch:
-                target._delete_keys(batch)
+        # Committed-looking objects first (LocalStorage renames the directory away first instead).
+        for batch in deletion_phases(list(self._list_keys(base))):
+            target._delete_keys(batch)
         target._abort_uploads(base)
 
     def _abort_uploads(self, key_prefix: str) -> None:
@@ -435,33 +352,12 @@ class S3Storage:
         return text.rstrip("/")
 
 
-def _env_options() -> dict[str, int]:
-    out = {}
-    for option in ("multipart_threshold", "part_size", "max_concurrency", "read_chunk_size"):
-        raw = os.environ.get(f"CKPTLIB_S3_{option.upper()}")
-        if raw:
-            try:
-                out[option] = int(raw)
-            except ValueError:
-                raise StorageError(f"CKPTLIB_S3_{option.upper()}={raw!r} is not an integer") from None
-    return out
-
-
 def _total_size(content_range: str | None) -> int | None:
     """The object size from a `Content-Range: bytes a-b/size` header."""
     if not content_range or "/" not in content_range:
         return None
     total = content_range.rsplit("/", 1)[1].strip()
     return int(total) if total.isdigit() else None
-
-
-def _check_list_prefix(prefix: str, root_uri: str) -> None:
-    """A list prefix may end mid-name ('__0', 'step_') or with '/', but never climbs out."""
-    if prefix.startswith("/") or "\\" in prefix:
-        raise StorageError(f"list prefix {prefix!r} escapes the checkpoint root {root_uri}", path=root_uri)
-    parts = prefix.split("/")
-    if any(p in (".", "..") for p in parts) or any(p == "" for p in parts[:-1]):
-        raise StorageError(f"list prefix {prefix!r} escapes the checkpoint root {root_uri}", path=root_uri)
 
 
 __all__ = ["S3Storage", "make_client", "default_client", "parse_uri", "validate_bucket"]

@@ -27,34 +27,6 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-from .launcher import (
-    DEFAULT_PRELOAD,
-    DEFAULT_TIMEOUT,
-    RankError,
-    RankExited,
-    RankFailure,
-    RankTimeout,
-    RemoteError,
-    SkipLaunch,
-    add_preload,
-    forkserver_pid,
-    gpu_skip_reason,
-    launch,
-    start_forkserver,
-)
-
-__all__ = [
-    "DEFAULT_PRELOAD",
-    "DEFAULT_TIMEOUT",
-    "RankError",
-    "RankExited",
-    "RankFailure",
-    "RankTimeout",
-    "RemoteError",
-    "SkipLaunch",
-    "add_preload",
-    "forkserver_pid",
-    "gpu_skip_reason",
-    "launch",
-    "start_forkserver",
-]
+# This package's public names are the launcher's (its __all__), re-exported as they are.
+from .launcher import *  # noqa: E402,F401,F403
+from .launcher import __all__  # noqa: E402,F401

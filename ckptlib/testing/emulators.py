@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import json
 import os
 import shutil
@@ -34,13 +35,14 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from typing import Iterator
+from typing import Callable, ContextManager, Iterator
 
 import pytest
 
 __all__ = ["gcs_server", "gcs_root", "azurite_server", "azure_root", "start_gcs_server", "start_azurite",
            "gcs_env", "azure_env", "create_gcs_bucket", "remove_gcs_bucket", "create_azure_container",
-           "remove_azure_container", "unavailable", "AZURITE_ACCOUNT", "AZURITE_KEY"]
+           "remove_azure_container", "unavailable", "require", "serve", "fresh_root", "environ", "AZURITE_ACCOUNT",
+           "AZURITE_KEY"]
 
 # Azurite's well-known development account (published in Azure's documentation; not a secret).
 AZURITE_ACCOUNT = "devstoreaccount1"
@@ -65,6 +67,36 @@ def unavailable(what: str, install: str, detail: str = "") -> None:
     pytest.skip(message)
 
 
+def require(modules: tuple[str, ...], what: str, install: str) -> None:
+    """`unavailable` unless every one of `modules` imports (a client SDK, a server package)."""
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    except ImportError as exc:
+        unavailable(what, install, str(exc))
+
+
+def serve(binary: str | None, what: str, install: str,
+          start: Callable[[str], ContextManager[str]]) -> Iterator[str]:
+    """The endpoint of `start(binary)` while the generator runs (`unavailable` without a binary):
+    the body of every emulator's session fixture."""
+    if binary is None:
+        unavailable(what, install)
+    with start(binary) as endpoint:
+        yield endpoint
+
+
+def fresh_root(scheme: str, endpoint: str, create: Callable[[str], str],
+               remove: Callable[[str, str], None]) -> Iterator[str]:
+    """`<scheme>://<fresh bucket>/run` for one test (`create(endpoint)` names the bucket);
+    `remove(endpoint, bucket)` afterwards. The body of every `*_root` fixture."""
+    bucket = create(endpoint)
+    try:
+        yield f"{scheme}://{bucket}/run"
+    finally:
+        remove(endpoint, bucket)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -73,6 +105,8 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def environ(changes: dict[str, str | None]) -> Iterator[None]:
+    """Set (None: remove) variables of os.environ for the block, then restore them; used by
+    every emulator here and by the moto server (s3_server)."""
     saved = {k: os.environ.get(k) for k in changes}
     try:
         for key, value in changes.items():
@@ -199,25 +233,14 @@ def remove_gcs_bucket(endpoint: str, bucket: str) -> None:
 @pytest.fixture(scope="session")
 def gcs_server() -> Iterator[str]:
     """The endpoint of a fake-gcs-server on 127.0.0.1, up for the whole session."""
-    try:
-        import google.cloud.storage  # noqa: F401
-    except ImportError as exc:
-        unavailable("google-cloud-storage", "pip install -e '.[gcs]'", str(exc))
-    binary = gcs_binary()
-    if binary is None:
-        unavailable("fake-gcs-server (GCS emulator)", GCS_INSTALL)
-    with start_gcs_server(binary) as endpoint:
-        yield endpoint
+    require(("google.cloud.storage",), "google-cloud-storage", "pip install -e '.[gcs]'")
+    yield from serve(gcs_binary(), "fake-gcs-server (GCS emulator)", GCS_INSTALL, start_gcs_server)
 
 
 @pytest.fixture
 def gcs_root(gcs_server: str) -> Iterator[str]:
     """`gs://<fresh bucket>/run` for one test; the bucket is removed afterwards."""
-    bucket = create_gcs_bucket(gcs_server)
-    try:
-        yield f"gs://{bucket}/run"
-    finally:
-        remove_gcs_bucket(gcs_server, bucket)
+    yield from fresh_root("gs", gcs_server, create_gcs_bucket, remove_gcs_bucket)
 
 
 # -- Azure ------------------------------------------------------------------------------------
@@ -290,22 +313,12 @@ def remove_azure_container(endpoint: str, container: str) -> None:
 @pytest.fixture(scope="session")
 def azurite_server() -> Iterator[str]:
     """The blob endpoint of an Azurite server on 127.0.0.1, up for the whole session."""
-    try:
-        import azure.storage.blob  # noqa: F401
-    except ImportError as exc:
-        unavailable("azure-storage-blob", "pip install -e '.[azure]'", str(exc))
-    binary = azurite_binary()
-    if binary is None:
-        unavailable("Azurite (Azure Blob emulator, needs node and npm)", AZURITE_INSTALL)
-    with start_azurite(binary) as endpoint:
-        yield endpoint
+    require(("azure.storage.blob",), "azure-storage-blob", "pip install -e '.[azure]'")
+    yield from serve(azurite_binary(), "Azurite (Azure Blob emulator, needs node and npm)", AZURITE_INSTALL,
+                     start_azurite)
 
 
 @pytest.fixture
 def azure_root(azurite_server: str) -> Iterator[str]:
     """`az://<fresh container>/run` for one test; the container is removed afterwards."""
-    container = create_azure_container(azurite_server)
-    try:
-        yield f"az://{container}/run"
-    finally:
-        remove_azure_container(azurite_server, container)
+    yield from fresh_root("az", azurite_server, create_azure_container, remove_azure_container)

@@ -29,6 +29,8 @@ from typing import Iterator
 
 import pytest
 
+from .emulators import environ, fresh_root, require
+
 __all__ = ["moto_server", "s3_root", "s3_env", "start_moto_server", "create_bucket", "remove_bucket", "s3_client"]
 
 FAKE_KEY_ID = "testing"
@@ -61,24 +63,6 @@ def s3_env(endpoint: str, config_dir: str | None = None) -> dict[str, str | None
 
 
 @contextlib.contextmanager
-def _environ(changes: dict[str, str | None]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in changes}
-    try:
-        for key, value in changes.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-@contextlib.contextmanager
 def start_moto_server() -> Iterator[str]:
     """Run a moto S3 server on 127.0.0.1 (kernel-chosen port) with this process's AWS
     environment pointed at it; yields the endpoint URL."""
@@ -91,7 +75,7 @@ def start_moto_server() -> Iterator[str]:
         host, port = server.get_host_and_port()
         endpoint = f"http://127.0.0.1:{port}"
         with tempfile.TemporaryDirectory(prefix="ckptlib-aws-") as config_dir:
-            with _environ(s3_env(endpoint, config_dir)):
+            with environ(s3_env(endpoint, config_dir)):
                 yield endpoint
     finally:
         server.stop()
@@ -140,13 +124,7 @@ def remove_bucket(endpoint: str, bucket: str) -> None:
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[str]:
     """The endpoint URL of a moto S3 server on 127.0.0.1, up for the whole session."""
-    try:
-        import boto3  # noqa: F401
-        import moto.server  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        from .emulators import unavailable
-
-        unavailable("boto3 and moto[server] (the S3 test server)", "pip install -e '.[test]'", str(exc))
+    require(("boto3", "moto.server"), "boto3 and moto[server] (the S3 test server)", "pip install -e '.[test]'")
     with start_moto_server() as endpoint:
         yield endpoint
 
@@ -154,8 +132,4 @@ def moto_server() -> Iterator[str]:
 @pytest.fixture
 def s3_root(moto_server: str) -> Iterator[str]:
     """`s3://<fresh bucket>/run` for one test; the bucket is removed afterwards."""
-    bucket = create_bucket(moto_server)
-    try:
-        yield f"s3://{bucket}/run"
-    finally:
-        remove_bucket(moto_server, bucket)
+    yield from fresh_root("s3", moto_server, create_bucket, remove_bucket)

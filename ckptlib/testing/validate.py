@@ -116,23 +116,48 @@ def _fail_text(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1][:500]
 
 
-def run_pairs(root: str, world_sizes: list[int], wrap: str, optim: str, progress: bool = True) -> Report | None:
-    """Run every (N, M) pair inside an initialized process group; the report on rank 0."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _check_sizes(world_sizes: list[int]) -> None:
+    world = dist.get_world_size()
     too_big = [n for n in world_sizes if n > world]
     if too_big:
         raise ValueError(f"world sizes {too_big} exceed the {world} ranks available")
-    groups = _subgroups(world_sizes)
-    run_id = uuid.uuid4().hex[:8] if rank == 0 else None
-    box = [run_id]
+
+
+def _start(root: str, total: int, desc: str, progress: bool) -> tuple[str, Any]:
+    """The run's directory (one name, broadcast from rank 0) and rank 0's progress bar of
+    `total` steps (None elsewhere or without `progress`)."""
+    box = [uuid.uuid4().hex[:8] if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    base = f"{root.rstrip('/')}/ckpt-validate-{box[0]}"
     bar = None
-    if progress and rank == 0:
+    if progress and dist.get_rank() == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(world_sizes) * (1 + len(world_sizes)), desc="ckpt validate", unit="step")
+        bar = tqdm(total=total, desc=desc, unit="step")
+    return f"{root.rstrip('/')}/ckpt-validate-{box[0]}", bar
 
+
+def _gather_problems(problems: list[str], m: int) -> list[str]:
+    """Every problem the first `m` ranks found loading one cell (a collective over all ranks)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problems)
+    return [p for per_rank in gathered[:m] for p in (per_rank or [])]
+
+
+def _finish(base: str, bar: Any) -> None:
+    """Close the bar and remove the run's checkpoints (rank 0), all ranks together."""
+    if bar:
+        bar.close()
+    if dist.get_rank() == 0:
+        _cleanup(base)
+    dist.barrier()
+
+
+def run_pairs(root: str, world_sizes: list[int], wrap: str, optim: str, progress: bool = True) -> Report | None:
+    """Run every (N, M) pair inside an initialized process group; the report on rank 0."""
+    rank = dist.get_rank()
+    _check_sizes(world_sizes)
+    groups = _subgroups(world_sizes)
+    base, bar = _start(root, len(world_sizes) * (1 + len(world_sizes)), "ckpt validate", progress)
     cells: list[Cell] = []
     for n in world_sizes:
         uri = f"{base}/save{n}"
@@ -157,18 +182,12 @@ def run_pairs(root: str, world_sizes: list[int], wrap: str, optim: str, progress
                     problems = matrix.load_side(uri, wrap, optim, expected[0], group=groups[m])
                 except Exception as exc:
                     problems = [f"load at {m} ranks failed: {_fail_text(exc)}"]
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, problems)
-            merged = [p for per_rank in gathered[:m] for p in (per_rank or [])]
+            merged = _gather_problems(problems, m)
             cells.append(Cell(n, m, not merged, time.perf_counter() - start, "; ".join(merged[:3])))
             if bar:
                 bar.update(1)
         dist.barrier()
-    if bar:
-        bar.close()
-    if rank == 0:
-        _cleanup(base)
-    dist.barrier()
+    _finish(base, bar)
     return Report(root, wrap, optim, list(world_sizes), cells) if rank == 0 else None
 
 
@@ -181,25 +200,16 @@ def run_layout_pairs(root: str, world_sizes: list[int], layouts: list[str], opti
                      pairs: str = "all", progress: bool = True) -> Report | None:
     """Every (layout A at N) save loaded at every (layout B at M) inside an initialized
     process group (`pairs="covering"`: one case per layout pair); the report on rank 0."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    too_big = [n for n in world_sizes if n > world]
-    if too_big:
-        raise ValueError(f"world sizes {too_big} exceed the {world} ranks available")
+    rank = dist.get_rank()
+    _check_sizes(world_sizes)
     select = layout_matrix.covering_subset if pairs == "covering" else layout_matrix.full_product
     cases = select(layouts, world_sizes, optim)
     if not cases:
         raise ValueError(f"no world size in {world_sizes} suits the layouts {layouts} (2-D layouts need 4, 6, ...)")
     groups = _subgroups(world_sizes)
     groups_2d = layouts_mod.mesh_groups(world_sizes, layouts)
-    box = [uuid.uuid4().hex[:8] if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    base = f"{root.rstrip('/')}/ckpt-validate-{box[0]}"
     saves = list(dict.fromkeys((c.save_layout, c.save_ws) for c in cases))
-    bar = None
-    if progress and rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(saves) + len(cases), desc="ckpt validate --layouts", unit="step")
+    base, bar = _start(root, len(saves) + len(cases), "ckpt validate --layouts", progress)
     cells: list[Cell] = []
     for layout, n in saves:
         uri = f"{base}/save{n}-{layout}"
@@ -223,18 +233,12 @@ def run_layout_pairs(root: str, world_sizes: list[int], layouts: list[str], opti
                                                          groups_2d=groups_2d.get((target, m)))
                 except Exception as exc:
                     problems = [f"load at {target} on {m} ranks failed: {_fail_text(exc)}"]
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, problems)
-            merged = [p for per_rank in gathered[:m] for p in (per_rank or [])]
+            merged = _gather_problems(problems, m)
             cells.append(Cell(n, m, not merged, time.perf_counter() - start, "; ".join(merged[:3]), layout, target))
             if bar:
                 bar.update(1)
         dist.barrier()
-    if bar:
-        bar.close()
-    if rank == 0:
-        _cleanup(base)
-    dist.barrier()
+    _finish(base, bar)
     return Report(root, "layouts", optim, list(world_sizes), cells, list(layouts)) if rank == 0 else None
 
 

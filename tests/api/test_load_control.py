@@ -8,6 +8,7 @@ strictness. Every check is bit-exact against the saved tensors or the untouched 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 import ckptlib
-from ckptlib import CheckpointManager, CheckpointNotFoundError, MissingKeysError, StateError
+from ckptlib import (
+    CastWarning, CheckpointManager, CheckpointNotFoundError, MissingKeysError, ShapeMismatchError, StateError,
+)
 from ckptlib.testing.legacy_writers import write_safetensors, write_torch_save
 
 
@@ -353,3 +356,105 @@ def test_manager_load_takes_the_same_controls(full_ckpt, tmp_path, control):
     assert mgr.load(state, **control) == 3
     assert _equal(_sd(target), _sd(model)) and state["epoch"] == -1
     assert target_optim.state_dict()["state"] == {}  # untouched, not even initialised
+
+
+def test_load_result_carries_the_format_notes(tmp_path):
+    """A flat model state dict saved with torch.save loads as the "model" entry, and the
+    LoadResult says so: the format's notes reach the caller."""
+    model = Net(3)
+    write_torch_save(str(tmp_path / "model.pt"), model.state_dict())
+    target = Net(4)
+    result = ckptlib.load(tmp_path / "model.pt", {"model": target})
+    assert _equal(_sd(target), _sd(model))
+    assert result.notes == [f"{tmp_path / 'model.pt'}: a flat model state dict, loaded as the 'model' entry"]
+
+
+# ---------------------------------------------------------------- results and long key lists
+
+
+def test_save_and_load_results_report_size_and_duration(tmp_path):
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    before = time.perf_counter()
+    saved = ckptlib.save(tmp_path / "ck", state, step=3)
+    save_bound = time.perf_counter() - before
+    assert isinstance(saved.total_bytes, int) and saved.total_bytes > 4000  # the 4000-byte tensor and more
+    assert saved.bytes == saved.total_bytes
+    assert 0 < saved.seconds <= save_bound
+    assert saved.mib_per_s == saved.total_bytes / (1 << 20) / saved.seconds
+    before = time.perf_counter()
+    loaded = ckptlib.load(tmp_path / "ck", {"w": torch.zeros(1000)})
+    assert 0 < loaded.seconds <= time.perf_counter() - before
+    assert (loaded.step, loaded.world_size, loaded.load_world_size) == (3, 1, 1)
+
+
+def _keys(n: int) -> list[str]:
+    return [f"k{i:02d}" for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [20, 21])
+def test_missing_keys_message_names_twenty_then_counts(tmp_path, n):
+    ckptlib.save(tmp_path / "ck", {"w": torch.zeros(2)})
+    state = {"w": torch.zeros(2), **{key: torch.zeros(2) for key in _keys(n)}}
+    with pytest.raises(MissingKeysError) as caught:
+        ckptlib.load(tmp_path / "ck", state)
+    suffix = " ... (21 in all)" if n == 21 else ""
+    assert str(caught.value) == f"{tmp_path / 'ck'} lacks keys the state asks for: {', '.join(_keys(20))}{suffix}"
+    assert caught.value.keys == _keys(n)
+
+
+@pytest.mark.parametrize("n", [20, 21])
+def test_cast_warning_names_twenty_then_counts(tmp_path, n):
+    ckptlib.save(tmp_path / "ck", {key: torch.zeros(2) for key in _keys(n)})
+    with pytest.warns(CastWarning) as caught:
+        ckptlib.load(tmp_path / "ck", {key: torch.zeros(2, dtype=torch.float64) for key in _keys(n)}, cast=True)
+    shown = "; ".join(f"{key} saved as float32, requested float64" for key in _keys(20))
+    suffix = " ... (21 in all)" if n == 21 else ""
+    [warning] = [w for w in caught if issubclass(w.category, CastWarning)]
+    assert str(warning.message) == f"{tmp_path / 'ck'}: converted to the dtypes the state asked for: {shown}{suffix}"
+
+
+@pytest.mark.parametrize(
+    "requested, lossy", [(torch.float32, False), (torch.int8, False), (torch.complex64, True)],
+    ids=["to-float", "to-int", "to-complex"],
+)
+def test_cast_from_bool(tmp_path, requested, lossy):
+    """bool widens exactly to floats and ints; to a complex dtype the warning says lossy."""
+    ckptlib.save(tmp_path / "ck", {"b": torch.tensor([True, False])})
+    target = {"b": torch.zeros(2, dtype=requested)}
+    with pytest.warns(CastWarning) as caught:
+        ckptlib.load(tmp_path / "ck", target, cast=True)
+    name = str(requested).replace("torch.", "")
+    [warning] = [w for w in caught if issubclass(w.category, CastWarning)]
+    assert str(warning.message).endswith(f"b saved as bool, requested {name}{' (lossy)' if lossy else ''}")
+    assert target["b"].tolist() == torch.tensor([True, False]).to(requested).tolist()
+
+
+def test_plain_dcp_load_reports_the_tensor_bytes(tmp_path):
+    """Without a manifest the size is the tensors' bytes: 10 float32 + 3 int64 = 64."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = {"w": torch.arange(10, dtype=torch.float32), "i": torch.arange(3), "note": "x"}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path / "plain")), no_dist=True)
+    target = {"w": torch.zeros(10), "i": torch.zeros(3, dtype=torch.int64)}
+    result = ckptlib.load(tmp_path / "plain", target)
+    assert result.bytes == 64
+    assert target["w"].tolist() == saved["w"].tolist() and target["i"].tolist() == [0, 1, 2]
+
+
+def test_shape_mismatch_after_a_missing_key_is_still_found(tmp_path):
+    """strict=False skips the absent key and still checks every key after it."""
+    ckptlib.save(tmp_path / "ck", {"w": torch.zeros(2)})
+    with pytest.raises(ShapeMismatchError) as caught:
+        ckptlib.load(tmp_path / "ck", {"absent": torch.zeros(1), "w": torch.zeros(3)}, strict=False)
+    assert str(caught.value) == (
+        f"{tmp_path / 'ck'}: state does not match the checkpoint: w: shape (3,) in the state, (2,) in the checkpoint"
+    )
+
+
+def test_shape_mismatch_message_names_the_first_twenty(tmp_path):
+    ckptlib.save(tmp_path / "ck", {key: torch.zeros(2) for key in _keys(21)})
+    with pytest.raises(ShapeMismatchError) as caught:
+        ckptlib.load(tmp_path / "ck", {key: torch.zeros(3) for key in _keys(21)})
+    problems = "; ".join(f"{key}: shape (3,) in the state, (2,) in the checkpoint" for key in _keys(20))
+    assert str(caught.value) == f"{tmp_path / 'ck'}: state does not match the checkpoint: {problems}"
+    assert caught.value.keys == _keys(21)

@@ -15,7 +15,7 @@ from ckptlib.format.manifest import Manifest
 @pytest.mark.parametrize("world, tensors", [(1, 1), (2, 3), (8, 20)], ids=["world1-t1", "world2-t3", "world8-t20"])
 def test_records_cover_every_chunk(world, tensors):
     names = scale._tensor_names(tensors)
-    metadata_blob, manifest_blob = scale._plan_and_write_records(world, names)
+    metadata_blob, manifest_blob, _ = scale._plan_and_write_records(world, names)
     metadata = pickle.loads(metadata_blob)
     assert sorted(metadata.state_dict_metadata) == sorted(names)
     assert all(len(md.chunks) == world for md in metadata.state_dict_metadata.values())
@@ -36,3 +36,59 @@ def test_cli_runs_the_grid_and_skips_cells_over_the_cap(capsys):
     assert measured[1]["metadata_bytes"] > measured[0]["metadata_bytes"]
     assert measured[1]["manifest_bytes"] > measured[0]["manifest_bytes"]
     assert [r["rank_reads"] for r in measured] == [5, 50, 5]
+
+
+def test_rows_read_back_into_a_table_and_a_plot(tmp_path, capsys):
+    assert cli.main(["bench", "scale", "--worlds", "2,16", "--tensors", "4", "--json"]) == 0
+    saved = tmp_path / "scale.jsonl"
+    saved.write_text(capsys.readouterr().out)
+    table = tmp_path / "scale.md"
+    args = ["bench", "scale", "--from-json", str(saved), "--markdown", str(table)]
+    try:
+        import matplotlib  # noqa: F401  (the bench extra)
+
+        args += ["--plot", str(tmp_path / "scale.png")]
+    except ImportError:
+        pass
+    assert cli.main(args) == 0
+    lines = table.read_text().splitlines()
+    assert [line.split("|")[1:4] for line in lines[2:]] == [[" 2 ", " 4 ", " 8 "], [" 16 ", " 4 ", " 64 "]]
+    if "--plot" in args:
+        assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "method, path, query, expected",
+    [
+        ("GET", "/b", "list-type=2&prefix=run%2F", ("LIST", "listing")),
+        ("GET", "/b", "list-type=2&max-keys=1&prefix=run%2F", ("LIST", "probe (max-keys=1)")),
+        ("GET", "/b/run/ckpt/__3_0.distcp", "", ("GET", "shard")),
+        ("HEAD", "/b/run/ckpt/.metadata", "", ("HEAD", ".metadata")),
+        ("PUT", "/b/run/ckpt/ckptlib.json", "", ("PUT", "ckptlib.json")),
+        ("POST", "/b/run/ckpt/__0_0.distcp", "uploads", ("multipart create", "shard")),
+        ("PUT", "/b/run/ckpt/__0_0.distcp", "partNumber=2&uploadId=x", ("multipart part", "shard")),
+        ("POST", "/b/run/ckpt/__0_0.distcp", "uploadId=x", ("multipart complete", "shard")),
+        ("DELETE", "/b/run/ckpt/ckptlib.pending", "", ("DELETE", "ckptlib.pending")),
+        ("POST", "/b", "delete", ("DELETE batch", "bucket")),
+    ],
+    ids=["list", "list-probe", "get", "head", "put", "mp-create", "mp-part", "mp-complete", "delete", "delete-batch"],
+)
+def test_s3_requests_are_classified(method, path, query, expected):
+    from benchmarks import s3_requests
+
+    assert s3_requests._classify({"REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": query}) == expected
+
+
+@pytest.mark.parametrize(
+    "save_world, shard_mib, save_lists, puts, parts",
+    [(4, 1, 2, 7, None), (4, 20, 2, 3, 8), (998, 1, 2, 1001, None), (999, 1, 3, 1002, None)],
+    ids=["small-shards", "multipart", "one-list-page", "two-list-pages"],
+)
+def test_s3_formula(save_world, shard_mib, save_lists, puts, parts):
+    from benchmarks import s3_requests
+
+    counts = s3_requests.formula(save_world, save_world, shard_mib * s3_requests.MiB)
+    assert counts["save"]["LIST"] == save_lists
+    assert counts["save"]["PUT"] == puts
+    assert counts["save"].get("multipart part") == parts
+    assert counts["load"] == {"GET": 2 + save_world, "LIST": 2 + 2 * (save_lists - 1)}

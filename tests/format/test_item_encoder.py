@@ -204,3 +204,54 @@ def test_small_and_encoded_items_are_torch_save_bytes(tmp_path, monkeypatch, nby
         expected = io.BytesIO()
         torch.save(torch.load(io.BytesIO(blob), weights_only=True), expected)
         assert blob == expected.getvalue()
+
+
+SMALL_SHAPES = {"scalar": (), "empty": (0,), "small": (7, 3), "3d": (5, 4, 3)}
+
+
+@pytest.mark.parametrize("shape", SMALL_SHAPES.values(), ids=SMALL_SHAPES.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_small_items_from_a_template_are_torch_save_bytes(dtype, shape):
+    """The first tensor of a signature makes its template, the next ones are filled from it:
+    both torch.save's exact bytes (data, record CRCs and serialization id differ per tensor)."""
+    item_encoder._templates.clear()
+    first = _tensor(dtype, shape)
+    second = torch.flip(first, [0]).contiguous() if first.dim() else first + 1 if dtype != torch.bool else ~first
+    for tensor in (first, second, first):
+        assert bytes(item_encoder.small_item_bytes(tensor)) == _torch_save_bytes(tensor)
+    made = item_encoder._templates[(dtype, tuple(shape), first.stride(), 0)] if first.numel() else None
+    assert (made is not None) == (first.numel() > 0)  # empty tensors always take plain torch.save
+
+
+def test_small_items_that_are_not_plain_tensors_take_torch_save():
+    item_encoder._templates.clear()
+    base = torch.arange(6, dtype=torch.float32)
+    for tensor in (torch.nn.Parameter(base.clone()), base.clone().requires_grad_()):
+        blob = bytes(item_encoder.small_item_bytes(tensor))
+        assert blob == _torch_save_bytes(tensor)
+    assert item_encoder._templates == {}
+
+
+@pytest.mark.parametrize("shape", [(80, 80), (3,), ()], ids=["matrix", "vector", "scalar"])
+def test_tensor_layout_of_an_item_in_memory(shape):
+    from ckptlib.format.item_header import pickled_tensor_header
+
+    tensor = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    blob = _torch_save_bytes(tensor)
+    layout = item_encoder.tensor_layout(memoryview(blob))
+    assert blob[layout.data_start : layout.data_start + layout.data_size] == tensor.numpy().tobytes()
+    assert pickled_tensor_header(layout.pickle) == (torch.float32, shape, tensor.stride(), 0)
+
+
+def test_tensor_layout_refuses_what_it_cannot_read_directly():
+    two = _torch_save_bytes({"a": torch.ones(3), "b": torch.zeros(2)})  # two data records
+    assert item_encoder.tensor_layout(memoryview(two)) is None
+    deflated = io.BytesIO()
+    with zipfile.ZipFile(deflated, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("archive/data.pkl", b"\0" * 40)
+        archive.writestr("archive/data/0", b"\0" * 400)
+    assert item_encoder.tensor_layout(memoryview(deflated.getvalue())) is None
+    assert item_encoder.tensor_layout(memoryview(b"not a zip at all, not at all" * 3)) is None
+    assert item_encoder.tensor_layout(memoryview(b"")) is None
+    blob = _torch_save_bytes(torch.ones(3))
+    assert item_encoder.tensor_layout(memoryview(blob[:-30])) is None  # cut off: no end record

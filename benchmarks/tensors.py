@@ -1,0 +1,221 @@
+"""Save and load time per tensor count (issue 13): ckptlib against raw DCP, side by side in one run.
+
+A transformer-shaped state: the parameters of `layers` blocks (four hidden x hidden attention
+matrices, three MLP matrices, eleven norm/bias vectors; hidden 80, so ~14 KiB a tensor on
+average) and both AdamW moments of every parameter (`exp_avg`, `exp_avg_sq`), cut to exactly
+`tensors` tensors in all; every tensor a DTensor, Shard(0) over the ranks. In each repetition
+ckptlib.save and dcp.save (FileSystemWriter) alternate in a rotating order, then
+ckptlib.load (verify=True) and dcp.load (FileSystemReader) from the page cache; every load is
+into a zeroed template and checked bit-exact against the saved state (exit code 1 otherwise).
+
+Run: ckpt bench tensors (or python -m benchmarks.tensors) [--tensors 16 1000 10000]
+     [--world-sizes 1 2 4] [--reps 3] [--json [OUT]] [--dir DIR]
+Every number is the slowest rank's wall time (barriers around each timed call), median over
+the repetitions; "ms/tensor" is that time divided by the tensor count of the whole state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+HIDDEN = 80
+TARGET_RATIO = 1.0  # ckptlib time <= 1.0x raw DCP's at every tensor count ...
+TARGET_RATIO_LARGE = 0.5  # ... and <= 0.5x from LARGE tensors on
+LARGE = 10_000
+
+
+def parameter_shapes(count: int) -> list[tuple[int, ...]]:
+    """The shapes of a transformer's first `count` parameters, block after block."""
+    h = HIDDEN
+    block = [(h, h)] * 4 + [(2 * h, h), (h, 2 * h), (2 * h, h)] + [(h,)] * 11
+    return [block[i % len(block)] for i in range(count)]
+
+
+def make_state(tensors: int, fill: bool) -> dict[str, Any]:
+    """{"model": {name: DTensor}, "optim": {name: {"exp_avg", "exp_avg_sq"}}}, `tensors` in all."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = parameter_shapes(-(-tensors // 3))
+    names = [f"layers.{i // 18}.p{i % 18}" for i in range(len(shapes))]
+    gen = torch.Generator().manual_seed(rank)
+    state: dict[str, Any] = {"model": {}, "optim": {}}
+    made = 0
+    for kind in ("weight", "exp_avg", "exp_avg_sq"):
+        for name, shape in zip(names, shapes):
+            if made == tensors:
+                break
+            local_shape = (shape[0] // world, *shape[1:])
+            local = torch.rand(local_shape, generator=gen) if fill else torch.zeros(local_shape)
+            tensor = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
+                                        stride=torch.empty(shape, device="meta").stride())
+            if kind == "weight":
+                state["model"][name] = tensor
+            else:
+                state["optim"].setdefault(name, {})[kind] = tensor
+            made += 1
+    return state
+
+
+def _leaves(state: dict[str, Any]) -> list[Any]:
+    return list(state["model"].values()) + [t for moments in state["optim"].values() for t in moments.values()]
+
+
+def rank_tensors(root: str, tensors: int, reps: int) -> dict[str, Any]:
+    """Saves and loads of one (tensor count, world size), ckptlib and DCP interleaved."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import ckptlib
+    from benchmarks.bench import _barrier, _rank, _rm, _settle, _timed, _warm
+
+    rank, _ = _rank()
+    state = make_state(tensors, fill=True)
+    template = make_state(tensors, fill=False)
+    times: dict[str, list[float]] = {}
+    ok = True
+    methods = ["ckptlib", "dcp"]
+    for rep in range(reps):
+        base = f"{root}/rep{rep}"
+        order = methods[rep % 2 :] + methods[: rep % 2]
+        for method in order:
+            path = f"{base}/{method}"
+            _settle()
+            if method == "ckptlib":
+                seconds = _timed(lambda: ckptlib.save(path, state))
+            else:
+                seconds = _timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(path)))
+            times.setdefault(f"save_{method}", []).append(seconds)
+        for method in order:
+            path = f"{base}/{method}"
+            for t in _leaves(template):
+                t.to_local().zero_()
+            _warm(path)
+            if method == "ckptlib":
+                seconds = _timed(lambda: ckptlib.load(path, template))
+            else:
+                seconds = _timed(lambda: dcp.load(template, storage_reader=dcp.FileSystemReader(path)))
+            times.setdefault(f"load_{method}", []).append(seconds)
+            ok = ok and all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(_leaves(state), _leaves(template)))
+        _rm(base)
+    _barrier()
+    shard = sum(t.to_local().numel() * t.to_local().element_size() for t in _leaves(state))
+    return {"rank": rank, "times": times, "ok": ok, "shard_bytes": shard}
+
+
+def _log(msg: str) -> None:
+    print(f"[bench tensors {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from ckptlib.testing.launcher import launch
+
+    root = tempfile.mkdtemp(prefix="ckptlib-bench-tensors-", dir=args.dir)
+    results: dict[str, Any] = {
+        "command": "ckpt bench tensors " + " ".join(args.argv),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                    "load_average_at_start": os.getloadavg()},
+        "reps": args.reps,
+        "rows": [],
+    }
+    try:
+        for tensors in args.tensors:
+            for world in args.world_sizes:
+                _log(f"{tensors} tensors at {world} ranks")
+                out = launch(world, rank_tensors, f"{root}/t{tensors}-w{world}", tensors, args.reps,
+                             timeout=args.timeout)
+                times = {key: [max(r["times"][key][i] for r in out) for i in range(args.reps)] for key in out[0]["times"]}
+                results["rows"].append({"tensors": tensors, "world": world, "ok": all(r["ok"] for r in out),
+                                        "state_bytes": sum(r["shard_bytes"] for r in out), "times": times})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    results["machine"]["load_average_at_end"] = os.getloadavg()
+    return results
+
+
+def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per row: median seconds, ms per tensor and ckptlib / DCP ratios, with the target verdict."""
+    rows = []
+    for row in results["rows"]:
+        t = {key: statistics.median(values) for key, values in row["times"].items()}
+        n = row["tensors"]
+        limit = TARGET_RATIO_LARGE if n >= LARGE else TARGET_RATIO
+        out = {"tensors": n, "world": row["world"], "state_mib": row["state_bytes"] / (1 << 20), "ok": row["ok"],
+               "limit": limit}
+        for op in ("save", "load"):
+            ours, theirs = t[f"{op}_ckptlib"], t[f"{op}_dcp"]
+            out[f"{op}_ckptlib_s"], out[f"{op}_dcp_s"] = ours, theirs
+            out[f"{op}_ckptlib_ms_per_tensor"], out[f"{op}_dcp_ms_per_tensor"] = 1e3 * ours / n, 1e3 * theirs / n
+            out[f"{op}_ratio"] = ours / theirs
+            out[f"{op}_met"] = ours / theirs <= limit
+        rows.append(out)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| tensors | ranks | state MiB | op | ckptlib s | raw DCP s | ckptlib ms/tensor | DCP ms/tensor | ckptlib/DCP "
+        "| target | bit-exact |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        for op in ("save", "load"):
+            verdict = ("met" if r[f"{op}_met"] else "missed") + f" (≤ {r['limit']})"
+            lines.append(
+                f"| {r['tensors']} | {r['world']} | {r['state_mib']:.1f} | {op} | {r[f'{op}_ckptlib_s']:.3f} "
+                f"| {r[f'{op}_dcp_s']:.3f} | {r[f'{op}_ckptlib_ms_per_tensor']:.3f} | {r[f'{op}_dcp_ms_per_tensor']:.3f} "
+                f"| {r[f'{op}_ratio']:.2f} | {verdict} | {'yes' if r['ok'] else 'NO'} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="ckpt bench tensors", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tensors", type=int, nargs="+", default=[16, 1000, 10000],
+                        help="tensor counts of the whole state, optimizer moments included (default 16 1000 10000)")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
+    parser.add_argument("--json", metavar="OUT", nargs="?", const="-",
+                        help="write raw timings and the summary as JSON to OUT, or to stdout without OUT "
+                        "(the table then goes to stderr)")
+    parser.add_argument("--dir", help="scratch directory (default: the system temp dir)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch of ranks")
+    args = parser.parse_args(argv)
+    args.argv = argv
+    started = time.perf_counter()
+    results = run(args)
+    results["seconds"] = time.perf_counter() - started
+    rows = summarize(results)
+    to_stdout = args.json == "-"
+    print(markdown(rows) + f"\n\nWall time of the benchmark: {results['seconds']:.0f} s.",
+          file=sys.stderr if to_stdout else sys.stdout)
+    if args.json:
+        report = {"results": results, "summary": rows}
+        if to_stdout:
+            json.dump(report, sys.stdout, indent=1)
+            sys.stdout.write("\n")
+        else:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+    return 0 if all(r["ok"] for r in results["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""Mutation testing of ckptlib's core with cosmic-ray: one session per module, each with the
+tests that cover that module, a reduced operator set, and a Markdown list of the survivors.
+
+Run through ci/mutation.sh (it makes the venv with cosmic-ray and the scratch copy of the tree);
+docs/mutation.md says what the numbers mean and lists the equivalent survivors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: Module name -> (files cosmic-ray mutates, tests that run for each mutant, first fastest).
+#: The tests are the smallest set that covers the module (found by reading which tests call
+#: it); `pytest -x` stops at the first failure, so a killed mutant costs a fraction of a run.
+MODULES: dict[str, tuple[list[str], list[str]]] = {
+    "storage-local": (
+        ["ckptlib/storage/local.py"],
+        ["tests/storage/test_local_storage.py", "tests/storage/test_storage_conformance.py",
+         "tests/manager/test_crash.py::test_durability_order_of_a_save", "tests/format/test_symlinks.py",
+         "tests/format/test_special_files.py", "-m", "not s3 and not gcs and not azure"],
+    ),
+    "checkpoint": (
+        ["ckptlib/checkpoint.py"],
+        ["tests/api/test_api.py", "tests/api/test_load_control.py", "tests/api/test_dtype_cast.py",
+         "tests/api/test_disk_full.py"],
+    ),
+    "state": (
+        ["ckptlib/state.py"],
+        ["tests/api/test_rank_state.py", "tests/api/test_unpicklable_state.py", "tests/api/test_api.py",
+         "tests/elastic/test_training_state.py"],
+    ),
+    "manager": (
+        ["ckptlib/manager.py"],
+        ["tests/manager/test_manager.py", "tests/manager/test_fallbacks.py", "tests/manager/test_overwrite.py",
+         "tests/manager/test_retention.py", "tests/manager/test_crash.py"],
+    ),
+    "storage-s3": (
+        ["ckptlib/storage/s3.py"],
+        ["tests/storage/test_s3_storage.py", "tests/storage/test_storage_conformance.py", "-k", "s3 or S3"],
+    ),
+}
+_FORMAT_TESTS = ["tests/format/test_item_encoder.py", "tests/format/test_blocks.py", "tests/format/test_bounds.py",
+                 "tests/format/test_safetensors_headers.py", "tests/format/test_integrity.py",
+                 "tests/format/test_damage_kinds.py", "tests/format/test_legacy.py", "tests/format/test_export.py",
+                 "tests/format/test_special_files.py", "tests/format/test_symlinks.py"]
+for _path in sorted(Path(__file__).resolve().parent.parent.joinpath("ckptlib", "format").glob("*.py")):
+    if _path.name != "__init__.py":
+        MODULES["format-" + _path.stem] = ([f"ckptlib/format/{_path.name}"], _FORMAT_TESTS)
+
+#: The operators kept: one replacement per operator site (the boundary or the opposite), not
+#: the full cross product, which is 10-12 mutants per `+` or `==` and mostly redundant.
+KEPT_OPERATORS = re.compile(
+    r"core/("
+    r"ReplaceBinaryOperator_(Add_Sub|Sub_Add|Mult_Add|Div_Mult|FloorDiv_Mult|Mod_FloorDiv|Pow_Mult"
+    r"|LShift_RShift|RShift_LShift|BitOr_BitAnd|BitAnd_BitOr|BitXor_BitOr)"
+    r"|ReplaceComparisonOperator_(Eq_NotEq|NotEq_Eq|Lt_LtE|LtE_Lt|Gt_GtE|GtE_Gt|Is_IsNot|IsNot_Is)"
+    r"|ReplaceUnaryOperator_(USub_UAdd|Delete_Not|Invert_USub)"
+    r"|AddNot|ReplaceTrueWithFalse|ReplaceFalseWithTrue|ReplaceAndWithOr|ReplaceOrWithAnd"
+    r"|ZeroIterationForLoop|ExceptionReplacer|ReplaceBreakWithContinue|ReplaceContinueWithBreak"
+    r"|NumberReplacer|RemoveDecorator)$"
+)
+
+
+def _skipped_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Source spans no test can observe: annotations (strings at runtime under
+    `from __future__ import annotations`) and `if TYPE_CHECKING:` blocks."""
+    spans = []
+    for node in ast.walk(ast.parse(source)):
+        annotations = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            annotations.append(node.returns)
+            args = node.args
+            for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
+                if arg is not None:
+                    annotations.append(arg.annotation)
+        elif isinstance(node, ast.AnnAssign):
+            annotations.append(node.annotation)
+        elif isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            annotations.extend(node.body)
+        for ann in annotations:
+            if ann is not None:
+                spans.append(((ann.lineno, ann.col_offset), (ann.end_lineno, ann.end_col_offset)))
+    return spans
+
+
+def _inside(pos, spans) -> bool:
+    return any(start <= pos <= end for start, end in spans)
+
+
+def _filter(session: Path) -> tuple[int, int]:
+    """Mark the work items outside the kept operators, or inside annotations, as skipped."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkResult, WorkerOutcome
+
+    kept = dropped = 0
+    spans_by_file: dict[str, list] = {}
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        for item in list(db.pending_work_items):
+            mutation = item.mutations[0]
+            path = str(mutation.module_path)
+            if path not in spans_by_file:
+                spans_by_file[path] = _skipped_spans(Path(path).read_text())
+            start = tuple(mutation.start_pos)
+            # cosmic-ray positions are 1-based lines, 0-based columns, like ast's.
+            if KEPT_OPERATORS.match(mutation.operator_name) and not _inside(start, spans_by_file[path]):
+                kept += 1
+                continue
+            dropped += 1
+            db.set_result(item.job_id, WorkResult(output="filtered", worker_outcome=WorkerOutcome.SKIPPED))
+    return kept, dropped
+
+
+def _config(module: str, test_command: str, timeout: float) -> str:
+    return (
+        "[cosmic-ray]\n"
+        f"module-path = {json.dumps(MODULES[module][0])}\n"
+        f"timeout = {timeout}\n"
+        "excluded-modules = []\n"
+        f"test-command = {json.dumps(test_command)}\n"
+        "[cosmic-ray.distributor]\n"
+        'name = "local"\n'
+    )
+
+
+def _cr(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "cosmic_ray.cli", *args], check=True)
+
+
+def _start_runner(python: str, out: Path) -> tuple[subprocess.Popen, str]:
+    """The warm pytest server (ci/mutation_runner.py) on a socket under out/."""
+    sock = str(out / f"{os.getpid()}.sock")
+    server = subprocess.Popen([python, "ci/mutation_runner.py", "serve", sock], stdout=subprocess.PIPE, text=True)
+    line = server.stdout.readline()
+    if not line.startswith("ready"):
+        sys.exit(f"the warm pytest server did not start: {line!r}")
+    return server, sock
+
+
+def run(module: str, python: str, out: Path) -> None:
+    """Init (once), filter, time the baseline, execute the pending mutants, write the report."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / f"{module}.toml"
+    session = out / f"{module}.sqlite"
+    _, tests = MODULES[module]
+    server, sock = _start_runner(python, out)
+    try:
+        pytest_args = ["-x", "-q", "-p", "no:cacheprovider", "--timeout", "120", *tests]
+        baseline_start = time.monotonic()
+        baseline = subprocess.run([sys.executable, "ci/mutation_runner.py", "test", sock, "3600", "--", *pytest_args],
+                                  capture_output=True, text=True)
+        baseline_s = time.monotonic() - baseline_start
+        if baseline.returncode != 0:
+            sys.exit(f"{module}: the unmutated tests fail, no mutation run:\n{baseline.stdout[-3000:]}")
+        # A mutant whose tests run 3x longer than unmutated (plus slack for a loaded machine)
+        # counts as killed by timeout: an infinite loop is a behaviour change.
+        timeout = round(3 * baseline_s + 60)
+        command = [sys.executable, "ci/mutation_runner.py", "test", sock, str(timeout), "--", *pytest_args]
+        config.write_text(_config(module, shlex.join(command), timeout=timeout + 30))
+        if not session.exists():
+            _cr("init", str(config), str(session))
+            kept, dropped = _filter(session)
+            print(f"{module}: {kept} mutants kept, {dropped} filtered", flush=True)
+        print(f"{module}: baseline {baseline_s:.0f} s", flush=True)
+        started = time.monotonic()
+        _cr("exec", str(config), str(session))
+        print(f"{module}: exec took {time.monotonic() - started:.0f} s", flush=True)
+    finally:
+        server.kill()
+        server.wait()
+    report(module, out)
+
+
+def _diff(mutation, tree: Path) -> str:
+    """The mutant's diff, rebuilt by applying the operator to the file (cosmic-ray stores none
+    for survivors when run with the local distributor)."""
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+
+    path = tree / mutation.module_path
+    code = path.read_text()
+    operator = get_operator(mutation.operator_name)(**mutation.operator_args)
+    mutated = mutate_code(code, operator, mutation.occurrence)
+    if mutated is None:
+        return ""
+    return "".join(difflib.unified_diff(code.splitlines(True), mutated.splitlines(True), n=0))
+
+
+#: Verdicts on survivors, keyed "path:line:operator" (or "...#occurrence" where one line has
+#: two mutants of one operator): "equivalent: why" or "killed by: test".
+VERDICTS_FILE = Path(__file__).with_name("mutation_verdicts.json")
+
+
+def report(module: str, out: Path) -> dict:
+    """Counts per outcome and a Markdown list of surviving mutants (out/<module>.md), each with
+    its verdict from ci/mutation_verdicts.json when there is one."""
+    verdicts = json.loads(VERDICTS_FILE.read_text()) if VERDICTS_FILE.exists() else {}
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+
+    session = out / f"{module}.sqlite"
+    counts = {"killed": 0, "survived": 0, "timeout": 0, "incompetent": 0, "pending": 0, "skipped": 0}
+    survivors = []
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        results = dict(db.results)
+        for item in db.work_items:
+            result = results.get(item.job_id)
+            if result is None:
+                counts["pending"] += 1
+            elif result.worker_outcome == WorkerOutcome.SKIPPED:
+                counts["skipped"] += 1
+            elif result.worker_outcome == WorkerOutcome.ABNORMAL:
+                counts["timeout"] += 1
+            elif result.test_outcome == TestOutcome.SURVIVED:
+                counts["survived"] += 1
+                survivors.append(item)
+            elif result.test_outcome == TestOutcome.INCOMPETENT:
+                counts["incompetent"] += 1
+            else:
+                counts["killed"] += 1
+    equivalent = 0
+    body = []
+    for item in sorted(survivors, key=lambda i: tuple(i.mutations[0].start_pos)):
+        mutation = item.mutations[0]
+        key = f"{mutation.module_path}:{mutation.start_pos[0]}:{mutation.operator_name}"
+        verdict = verdicts.get(f"{key}#{mutation.occurrence}", verdicts.get(key, ""))
+        equivalent += verdict.startswith("equivalent")
+        body += [
+            f"## {item.job_id[:8]} {mutation.module_path}:{mutation.start_pos[0]} {mutation.operator_name}"
+            f" (in {mutation.definition_name})",
+            "",
+            "```diff",
+            _diff(mutation, Path.cwd()).rstrip(),
+            "```",
+            "",
+            f"Verdict: {verdict or 'not judged yet'}",
+            "",
+        ]
+    counts["equivalent"] = equivalent
+    ran = counts["killed"] + counts["timeout"] + counts["survived"]  # incompetent: the tests could not run
+    score = f"{counts['killed'] + counts['timeout']} / {ran - equivalent}" if ran > equivalent else "n/a"
+    lines = [f"# Surviving mutants: {module}", "", f"Counts: {json.dumps(counts)}",
+             f"Score (killed / non-equivalent run): {score}", "", *body]
+    (out / f"{module}.md").write_text("\n".join(lines))
+    print(f"{module}: {json.dumps(counts)}", flush=True)
+    return counts
+
+
+def retest(module: str, out: Path) -> None:
+    """Drop the results of the surviving mutants, so the next `run` executes them again."""
+    import sqlite3
+
+    with sqlite3.connect(out / f"{module}.sqlite") as db:
+        cursor = db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
+        print(f"{module}: {cursor.rowcount} survivors pending again", flush=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["run", "report", "retest", "list"],
+                        help="run: init (once) and execute the pending mutants; report: counts and "
+                             "survivors; retest: make the survivors pending again (after new tests)")
+    parser.add_argument("modules", nargs="*", help="names from `list` (default: all)")
+    parser.add_argument("--python", default=os.environ.get("MUTATION_TEST_PYTHON", sys.executable),
+                        help="the interpreter that runs the tests (has torch and the test extra)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("MUTATION_OUT", "mutation-out")),
+                        help="where the sessions (.sqlite) and survivor reports (.md) go")
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        for name, (paths, tests) in MODULES.items():
+            print(f"{name}: {' '.join(paths)} <- {' '.join(tests)}")
+        return
+    for module in args.modules or list(MODULES):
+        if module not in MODULES:
+            sys.exit(f"unknown module {module!r}; see `list`")
+        if args.command == "run":
+            run(module, args.python, args.out.resolve())
+        elif args.command == "retest":
+            retest(module, args.out.resolve())
+        else:
+            report(module, args.out.resolve())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""CkptSavePlanner: the same global plan and Metadata as DCP's DefaultSavePlanner, the same
+errors, but DCP's quadratic overlap check is skipped for plans that tile their tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint.default_planner as default_planner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from ckptlib.format.save_planner import CkptSavePlanner, chunks_tile_exactly
+from ckptlib.format.structure import find_overlap
+
+
+def _shard(fqn: str, offsets, sizes, size) -> WriteItem:
+    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+    return WriteItem(
+        index=MetadataIndex(fqn, chunk.offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size(size)),
+    )
+
+
+def _replicated(fqn: str, size) -> WriteItem:
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=torch.Size(size))
+    return WriteItem(
+        index=MetadataIndex(fqn, chunk.offsets),
+        type=WriteItemType.TENSOR,
+        tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size(size)),
+    )
+
+
+def _bytes(fqn: str) -> WriteItem:
+    return WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
+
+
+def _plans(per_rank: list[list[WriteItem]]) -> list[SavePlan]:
+    return [SavePlan(items, planner_data={item.index.fqn: (item.index.fqn,) for item in items}) for items in per_rank]
+
+
+def _rows(world: int, rows: int, cols: int, fqn: str = "w") -> list[list[WriteItem]]:
+    """`fqn` of shape (world * rows, cols), row-sharded: rank r holds rows [r * rows, (r + 1) * rows)."""
+    return [[_shard(fqn, [r * rows, 0], [rows, cols], [world * rows, cols])] for r in range(world)]
+
+
+def _grid(a: int, b: int) -> list[list[WriteItem]]:
+    """A (2a, 3b) tensor cut into a x b chunks of (2, 3), one per rank (2-D sharding)."""
+    return [[_shard("g", [2 * i, 3 * j], [2, 3], [2 * a, 3 * b])] for i in range(a) for j in range(b)]
+
+
+def _merge(*layouts: list[list[WriteItem]]) -> list[list[WriteItem]]:
+    return [sum((layout[r] for layout in layouts), []) for r in range(len(layouts[0]))]
+
+
+VALID = {
+    "one-rank": [[_shard("w", [0, 0], [4, 8], [4, 8]), _bytes("step")]],
+    "rows-wide": _rows(8, 1, 1000),  # the quadratic case of DCP's sweep: every chunk spans the largest dim
+    "rows-tall": _rows(8, 100, 3),
+    "columns": [[_shard("c", [0, 5 * r], [7, 5], [7, 20])] for r in range(4)],
+    "grid-2x3": _grid(2, 3),
+    "replicated-and-bytes": _merge(
+        _rows(4, 2, 16), [[_replicated("bias", [16]), _bytes("epoch")] for _ in range(4)]
+    ),
+    "scalar": [[_replicated("lr", [])] for _ in range(2)],
+    "many-tensors": _merge(*(_rows(4, 1, 9, fqn=f"layer{i}.w") for i in range(20))),
+}
+
+
+@pytest.mark.parametrize("layout", list(VALID.values()), ids=list(VALID))
+def test_same_plan_and_metadata_as_dcp_without_its_check(layout, monkeypatch):
+    expected_plans, expected_metadata = DefaultSavePlanner().create_global_plan(_plans(layout))
+    calls = []
+    original = default_planner._validate_global_plan
+    monkeypatch.setattr(default_planner, "_validate_global_plan", lambda *a: calls.append(a) or original(*a))
+    planner = CkptSavePlanner()
+    plans, metadata = planner.create_global_plan(_plans(layout))
+    assert plans == expected_plans
+    assert metadata == expected_metadata
+    assert (planner.global_plan, planner.metadata) == (plans, metadata)
+    assert calls == []  # DCP's own O(chunks^2) check never ran
+
+
+def _overlap() -> list[list[WriteItem]]:
+    rows = _rows(3, 2, 10)
+    rows[2] = [_shard("w", [3, 0], [2, 10], [6, 10])]  # rows 3-4 overlap rank 1's rows 2-3; row 5 is a gap
+    return rows
+
+
+INVALID = {
+    "overlap": _overlap(),
+    "gap": _rows(3, 2, 10)[:2] + [[]],
+    "outside": [[_shard("w", [0, 0], [2, 4], [4, 4])], [_shard("w", [2, 0], [4, 4], [4, 4])]],
+    "duplicate-offsets": [[_shard("w", [0, 0], [2, 4], [4, 4])], [_shard("w", [0, 0], [2, 4], [4, 4])]],
+    "wide-overlap-among-many": _rows(16, 1, 500)[:15] + [[_shard("w", [7, 0], [1, 500], [16, 500])]],
+}
+
+
+@pytest.mark.parametrize("layout", list(INVALID.values()), ids=list(INVALID))
+def test_an_invalid_plan_fails_with_dcps_own_error(layout, caplog):
+    with pytest.raises(ValueError) as dcp_error:
+        DefaultSavePlanner().create_global_plan(_plans(layout))
+    with pytest.raises(ValueError) as ckpt_error:
+        CkptSavePlanner().create_global_plan(_plans(layout))
+    assert str(ckpt_error.value) == str(dcp_error.value)
+    assert str(ckpt_error.value).startswith("Failed to validate global plan")
+
+
+def test_zero_size_chunks_are_left_to_dcp(monkeypatch):
+    """A tensor smaller than the world (pytorch/pytorch#108869) has empty chunks: DCP decides."""
+    layout = [[_shard("t", [min(r, 3), 0], [1 if r < 3 else 0, 5], [3, 5])] for r in range(4)]
+    expected = DefaultSavePlanner().create_global_plan(_plans(layout))
+    calls = []
+    original = default_planner._validate_global_plan
+    monkeypatch.setattr(default_planner, "_validate_global_plan", lambda *a: calls.append(a) or original(*a))
+    assert CkptSavePlanner().create_global_plan(_plans(layout)) == expected
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "chunks, expected",
+    [
+        ([((0, 0), (2, 9)), ((2, 0), (2, 9))], None),
+        ([((0, 0), (2, 9)), ((1, 0), (2, 9))], (((0, 0), (2, 9)), ((1, 0), (2, 9)))),
+        ([((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (2, 3)), ((2, 2), (2, 4))], (((2, 0), (2, 3)), ((2, 2), (2, 4)))),
+        ([((0,), (0,)), ((0,), (4,))], None),  # an empty chunk holds no element
+    ],
+    ids=["rows-apart", "rows-overlap", "grid-overlap", "empty-chunk"],
+)
+def test_find_overlap(chunks, expected):
+    assert find_overlap(list(chunks)) == expected
+
+
+def test_chunks_tile_exactly_counts_volume_only_across_ranks():
+    _, metadata = DefaultSavePlanner().create_global_plan(_plans([[_shard("w", [0, 0], [2, 4], [4, 4])]]))
+    assert chunks_tile_exactly(metadata, ranks=1)
+    assert not chunks_tile_exactly(metadata, ranks=2)
