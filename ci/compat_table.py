@@ -304,7 +304,8 @@ def render(all_runs: list[Run]) -> str:
     groups.sort(key=lambda g: (next((i for i, t in enumerate(order) if g.startswith(t)), len(order)), g))
 
     lines = []
-    head = "| test group | " + " | ".join(f"torch {r.torch}" for r in runs) + " |"
+    head = "| test group | " + " | ".join(f"torch {r.torch} ({r.props.get('commit') or 'commit not recorded'})"
+                                         for r in runs) + " |"
     lines += [head, "|" + "---|" * (len(runs) + 1)]
     for group in groups:
         cells = []
@@ -347,12 +348,16 @@ def render(all_runs: list[Run]) -> str:
             lines.append(f"- torch {version}, `{module}`, {len(names)} test(s) ({shown}): {_md(message)}")
         lines.append("")
     lines += render_cross(all_runs)
-    lines.append("Feature probes (`ckptlib.compat.describe()` in each env):")
+    newest: dict[str, Run] = {}  # torch version -> its newest run (suite or cross-version pass)
+    for run in sorted(all_runs, key=lambda r: r.timestamp):
+        newest[run.torch] = run
+    probed = sorted(newest.values(), key=lambda r: _version_key(r.torch), reverse=True)
+    lines.append("Feature probes (`ckptlib.compat.describe()` in each env; the newest run of each torch):")
     lines.append("")
-    lines.append("| probe | " + " | ".join(f"torch {r.torch}" for r in runs) + " |")
-    lines.append("|" + "---|" * (len(runs) + 1))
+    lines.append("| probe | " + " | ".join(f"torch {r.torch}" for r in probed) + " |")
+    lines.append("|" + "---|" * (len(probed) + 1))
     for key, title in _PROBES:
-        cells = [_md(_probe_text(r.props.get(f"probe.{key}"))) for r in runs]
+        cells = [_md(_probe_text(r.props.get(f"probe.{key}"))) for r in probed]
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     lines.append("")
     sources = ", ".join(
@@ -371,36 +376,36 @@ def render_cross(runs: list[Run]) -> list[str]:
     """Rows: the minor that saved a ckptlib checkpoint; columns: the torch that loaded it
     (tests/format/test_cross_version.py, golden and shared-directory checkpoints, 2 and 3 ranks;
     both the suite runs and the cross-version pass, `junit-cross-<env>.xml`)."""
-    cells: dict[tuple[str, str], collections.Counter] = {}
-    notes: dict[str, int] = {}
-    cell_notes: dict[tuple[str, str], set[int]] = collections.defaultdict(set)
-    writers: set[str] = set()
-    readers: set[str] = set()
-    for run in runs:
+    latest: dict[tuple[str, str], tuple[str, Case]] = {}  # (reader, test) -> (writer, its newest result)
+    for run in sorted(runs, key=lambda r: r.timestamp):
         reader = _minor_of(run.torch)
         for case in run.cases:
             if case.module != "tests.test_cross_version":
                 continue
             match = _CROSS_LOAD.fullmatch(case.name)
             if match:
-                writer = match.group(2)
+                latest[(reader, case.name)] = (match.group(2), case)
             elif case.name == "test_write_for_other_minors":
-                writer = reader
-            else:
-                continue
-            writers.add(writer)
-            readers.add(reader)
-            cells.setdefault((writer, reader), collections.Counter())[case.outcome] += 1
-            if case.outcome != "pass":
-                what = "UnsupportedError" if case.outcome == "skip" else "failed"
-                ref = notes.setdefault(f"{what}: {case.message}", len(notes) + 1)
-                cell_notes[(writer, reader)].add(ref)
+                latest[(reader, case.name)] = (reader, case)
+    cells: dict[tuple[str, str], collections.Counter] = {}
+    notes: dict[str, int] = {}
+    cell_notes: dict[tuple[str, str], set[int]] = collections.defaultdict(set)
+    writers: set[str] = set()
+    readers: set[str] = set()
+    for (reader, _), (writer, case) in latest.items():
+        writers.add(writer)
+        readers.add(reader)
+        cells.setdefault((writer, reader), collections.Counter())[case.outcome] += 1
+        if case.outcome != "pass":
+            what = "UnsupportedError" if case.outcome == "skip" else "failed"
+            ref = notes.setdefault(f"{what}: {case.message}", len(notes) + 1)
+            cell_notes[(writer, reader)].add(ref)
     if not writers:
         return []
     columns = sorted(readers, key=_version_key, reverse=True)
     lines = ["Cross-minor loads (`tests/format/test_cross_version.py`: a ckptlib checkpoint saved at 2 ranks under the "
-             "row's torch, loaded at 2 and 3 ranks under the column's and compared bit for bit; a cell counts every "
-             "load of that pair in the suite runs and the cross-version pass; \"ok\" = every load bit-exact):", ""]
+             "row's torch, loaded at 2 and 3 ranks under the column's and compared bit for bit; each test's newest "
+             "result counts, from the suite runs and the cross-version pass; \"ok\" = every load bit-exact):", ""]
     lines.append("| saved under \\ loaded under | " + " | ".join(f"torch {r}" for r in columns) + " |")
     lines.append("|" + "---|" * (len(columns) + 1))
     for writer in sorted(writers, key=_version_key, reverse=True):
