@@ -30,7 +30,7 @@ from .. import compat
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
 from ..storage import Storage, SupportsDirectReads
 from ..storage.local import open_regular
-from . import item_encoder
+from . import item_encoder, plan_codec
 from .block_checks import _CRC_CHUNK, _BlockCheck, _ItemCheck
 from .checksum import crc32
 from .file_names import whose
@@ -95,10 +95,10 @@ class PlannedReader(StorageReader):
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return plan_codec.compact_load_plan(plan)  # gathered and scattered by DCP: pickled compactly
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        return [plan_codec.compact_load_plan(plan) for plan in plans]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:

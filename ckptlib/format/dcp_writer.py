@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .. import compat
 from ..storage import Storage
-from . import item_encoder
+from . import item_encoder, plan_codec
 from .block_checks import _CrcSink, block_size_for
 from .manifest import METADATA_MARKER, METADATA_NAME, FileRecord
 
@@ -62,14 +62,20 @@ def checkpoint_bytes(metadata: Metadata) -> int | None:
     return getattr(metadata, _TOTAL_BYTES_ATTR, None)
 
 
-@dataclasses.dataclass(frozen=True)
-class _WithFileRecord:
-    """A rank's first WriteResult.storage_data, carrying its shard's FileRecord to the
-    coordinator's `finish` inside DCP's own gather (unwrapped there, never in `.metadata`)."""
+def _saved_receipt(total_bytes: int | None) -> Metadata:
+    """What the other ranks receive of the saved Metadata (see `_SavedMetadata`)."""
+    receipt = Metadata(state_dict_metadata={})
+    setattr(receipt, _TOTAL_BYTES_ATTR, total_bytes)
+    return receipt
 
-    info: Any
-    name: str
-    record: FileRecord
+
+class _SavedMetadata(Metadata):
+    """The coordinator's Metadata once `.metadata` is written. DCP broadcasts it to every rank
+    as dcp.save's return value, of which ckptlib reads only the size (`checkpoint_bytes`):
+    it pickles as that alone, not as every tensor's chunks again."""
+
+    def __reduce__(self):
+        return _saved_receipt, (checkpoint_bytes(self),)
 
 
 class CkptWriter(StorageWriter):
@@ -107,18 +113,22 @@ class CkptWriter(StorageWriter):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        return plan_codec.compact_save_plan(plan)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if self._prepare is not None:
             self._prepare()
         self.prepared = True
-        return [dataclasses.replace(plan, storage_data=f"__{i}_") for i, plan in enumerate(plans)]
+        return [
+            dataclasses.replace(plan_codec.compact_save_plan(plan), storage_data=f"__{i}_")
+            for i, plan in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         name = _shard_file_name(plan.storage_data)
         storage_info = compat.storage_info_cls()
-        results: list[WriteResult] = []
+        results = plan_codec.WriteResults()
+        results.info_cls = storage_info
         items: list[tuple[int, int, int]] = []
         file_crc = 0
         offset = 0
@@ -158,11 +168,12 @@ class CkptWriter(StorageWriter):
             sink.end_file()
             file_crc = sink.file_crc
         self.unfinished_shard = None
-        record = FileRecord(size=offset, crc32=file_crc, items=items, block_size=sink.block_size, blocks=sink.blocks)
+        if items:
+            record = FileRecord(size=offset, crc32=file_crc, items=items, block_size=sink.block_size, blocks=sink.blocks)
+        else:  # a rank with nothing to save still wrote its (empty) shard file
+            record = FileRecord(size=0, crc32=0, items=[])
         self.file_records[name] = record
-        if results:
-            first = results[0]
-            results[0] = dataclasses.replace(first, storage_data=_WithFileRecord(first.storage_data, name, record))
+        results.shard = (name, record)  # carried to the coordinator's `finish` by DCP's gather
         fut: Future = Future()
         fut.set_result(results)
         return fut
@@ -170,15 +181,11 @@ class CkptWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         records: dict[str, FileRecord] = {}
         storage_data = {}
-        for rank, per_rank in enumerate(results):
+        for per_rank in results:
+            name, record = per_rank.shard
+            records[name] = record
             for wr in per_rank:
-                info = wr.storage_data
-                if isinstance(info, _WithFileRecord):
-                    records[info.name] = info.record
-                    info = info.info
-                storage_data[wr.index] = info
-            if not per_rank:  # a rank with nothing to save still wrote its (empty) shard file
-                records[_shard_file_name(f"__{rank}_")] = FileRecord(size=0, crc32=0, items=[])
+                storage_data[wr.index] = wr.storage_data
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata)
@@ -189,6 +196,8 @@ class CkptWriter(StorageWriter):
         # size then needs no collective of its own (`checkpoint_bytes`). Set after the blob
         # was written, so it is not in `.metadata`.
         setattr(metadata, _TOTAL_BYTES_ATTR, sum(r.size for r in records.values()))
+        if type(metadata) is Metadata:
+            metadata.__class__ = _SavedMetadata
         if self._commit is not None:
             self._commit(records)
 
