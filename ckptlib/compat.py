@@ -59,11 +59,6 @@ def _version_tuple(version: str) -> tuple[int, int]:
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
-def torch_version_tuple() -> tuple[int, int]:
-    """(major, minor) of the installed torch; for messages and the window gate only."""
-    return _version_tuple(torch.__version__)
-
-
 def check_torch_supported() -> None:
     if _version_tuple(torch.__version__) < MIN_TORCH:
         raise UnsupportedError(
@@ -398,18 +393,18 @@ def dcp_load_no_dist(state_dict: dict, *, storage_reader: Any, planner: Any = No
     _load_state_dict(state_dict, storage_reader=storage_reader, planner=planner, no_dist=True)
 
 
+def create_write_items(fqn: str, obj: Any) -> list:
+    """DCP's write items for one flattened state-dict value (`_create_write_items`)."""
+    from torch.distributed.checkpoint.planner_helpers import _create_write_items
+
+    return _create_write_items(fqn, obj)
+
+
 def dedup_save_plans(plans: list, to_lowest_rank: bool) -> list:
     """DCP's dedup of replicated write items: the first step of DefaultSavePlanner's global plan."""
     from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans as dedup
 
     return dedup(plans, to_lowest_rank)
-
-
-def require_dcp_argument(name: str, argument: str) -> None:
-    if not dcp_accepts(name, argument):
-        have = dcp_parameters(name)
-        what = "does not exist" if have is None else f"takes only {', '.join(have)}"
-        raise UnsupportedError(f"torch {torch.__version__}: DCP {name}(..., {argument}=) is needed, but {name} {what}")
 
 
 # --------------------------------------------------------------------------- torch.load

@@ -6,13 +6,63 @@ import io
 import pickle
 import re
 
+from typing import Any
+
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from .. import compat
 from ..errors import UnsafeCheckpointError
 from . import item_encoder
+from .plan_codec import KNOWN_FIELDS, new_dataclass
 from .safe_pickle import check_no_allocating_calls
+
+
+def _read_item_like(template: ReadItem, fqn: str) -> ReadItem:
+    """`template` (a read of another tensor with the same layout, saved and loaded) for `fqn`."""
+    dest, storage = template.dest_index, template.storage_index
+    return new_dataclass(
+        ReadItem,
+        {
+            **template.__dict__,
+            "dest_index": new_dataclass(MetadataIndex, {"fqn": fqn, "offset": dest.offset, "index": dest.index}),
+            "storage_index": new_dataclass(MetadataIndex, {"fqn": fqn, "offset": storage.offset, "index": storage.index}),
+        },
+    )
+
+
+def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool) -> LoadPlan:
+    """DCP's `create_default_local_load_plan`, asked once per layout: DTensors with the same
+    mesh, placements and shape whose saved chunks are the same reuse its read items (DCP's
+    per-tensor shard arithmetic was a third of a 10,000-tensor load). Every other value, and
+    every error, is DCP's own, key by key."""
+    dtensor = compat.dtensor_cls()
+    if not KNOWN_FIELDS or dtensor is None:
+        return create_default_local_load_plan(state_dict, metadata, strict)
+    stored = metadata.state_dict_metadata
+    templates: dict[Any, list[ReadItem]] = {}
+    in_mesh: dict[int, bool] = {}
+    items: list[ReadItem] = []
+    for fqn, obj in state_dict.items():
+        md = stored.get(fqn)
+        key = None
+        if type(obj) is dtensor and isinstance(md, TensorStorageMetadata) and md.size == obj.size():
+            mesh = obj.device_mesh
+            if in_mesh.setdefault(id(mesh), mesh.get_coordinate() is not None) is False:
+                continue
+            if type(obj.to_local()) is torch.Tensor:
+                chunks = tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
+                key = (id(mesh), tuple(obj.placements), tuple(obj.shape), chunks)
+                if key in templates:
+                    items += [_read_item_like(item, fqn) for item in templates[key]]
+                    continue
+        made = create_default_local_load_plan({fqn: obj}, metadata, strict).items
+        if key is not None and all(type(item) is ReadItem for item in made):
+            templates[key] = made
+        items += made
+    return LoadPlan(items)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -30,7 +80,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         # when every key this rank asks for is in the checkpoint, plan with those keys.
         if self.flatten_state_dict and self.metadata is not None:
             if set(self.state_dict) <= set(self.metadata.state_dict_metadata):
-                return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+                return local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
         return super().create_local_plan()
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
