@@ -26,6 +26,7 @@ from .format.dcp_writer import checkpoint_bytes
 from .format.deletion import remove_failed_save
 from .format.manifest import check_metadata_json, check_metrics
 from .format.source import inspect_checkpoint, open_reader
+from .gc_pause import gc_paused
 from .load_keys import Rename, build_request, select_entries
 from .observe import log_operation, mib_per_s
 from .state import to_load_target, to_save_state_dict
@@ -286,7 +287,7 @@ def _write_and_commit(
     writer = CkptWriter(storage, prepare=_on_coordinator(prepare), commit=_on_coordinator(commit_files))
     with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
         try:
-            with compat.quiet_single_process():
+            with compat.quiet_single_process(), gc_paused():
                 metadata = dcp.save(state_dict, storage_writer=writer, planner=CkptSavePlanner(), process_group=group)
         except BaseException as exc:
             # Every rank removes what this save wrote (a full disk must not stay full; the next
@@ -406,7 +407,7 @@ def load(
     """
     started = time.perf_counter()
     storage = as_storage(uri)
-    with _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri):
+    with _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri), gc_paused():
         return _load(
             storage, state, strict=strict, cast=cast, verify=verify, trusted=trusted, group=process_group,
             only=only, ignore_keys=ignore_keys, rename=rename, started=started,
