@@ -55,6 +55,19 @@ def _canonical(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
+def _readable(doc: dict[str, Any]) -> str:
+    """JSON with one line per top-level field and per file record: readable, and written by
+    json's C encoder (an indented dump goes through its Python encoder, ~1 s at 10,000 items)."""
+    lines = []
+    for key, value in doc.items():
+        if key == "files" and value:
+            records = ",\n".join(f"  {json.dumps(name)}: {json.dumps(rec)}" for name, rec in value.items())
+            lines.append(f" {json.dumps(key)}: {{\n{records}\n }}")
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}"
+
+
 def block_count(size: int, block_size: int) -> int:
     return -(-size // block_size) if block_size > 0 else 0
 
@@ -156,7 +169,7 @@ class Manifest:
         if self.metrics:
             doc["metrics"] = self.metrics
         doc["checksum"] = zlib.crc32(_canonical(doc))
-        return json.dumps(doc, indent=1, sort_keys=False).encode("utf-8")
+        return _readable(doc).encode("utf-8")
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> "Manifest":
