@@ -52,7 +52,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
 _FORMAT_TESTS = ["tests/format/test_item_encoder.py", "tests/format/test_blocks.py", "tests/format/test_bounds.py",
                  "tests/format/test_safetensors_headers.py", "tests/format/test_integrity.py",
                  "tests/format/test_damage_kinds.py", "tests/format/test_legacy.py", "tests/format/test_export.py",
-                 "tests/format/test_special_files.py", "tests/format/test_symlinks.py"]
+                 "tests/format/test_special_files.py", "tests/format/test_symlinks.py",
+                 "tests/format/test_save_planner.py", "tests/format/test_plan_costs.py"]
 for _path in sorted(Path(__file__).resolve().parent.parent.joinpath("ckptlib", "format").glob("*.py")):
     if _path.name != "__init__.py":
         MODULES["format-" + _path.stem] = ([f"ckptlib/format/{_path.name}"], _FORMAT_TESTS)
