@@ -9,7 +9,10 @@ ckptlib.load (verify=True) and dcp.load (FileSystemReader) from the page cache; 
 into a zeroed template and checked bit-exact against the saved state (exit code 1 otherwise).
 
 Run: ckpt bench tensors (or python -m benchmarks.tensors) [--tensors 16 1000 10000]
-     [--world-sizes 1 2 4] [--reps 3] [--json [OUT]] [--dir DIR]
+     [--world-sizes 1 2 4] [--reps 3] [--json [OUT]] [--dir DIR] [--ablation]
+--ablation adds two more methods to every repetition, to show what the garbage-collector pause
+is worth on each side: raw DCP inside `ckptlib.gc_pause.gc_paused` ("dcp-gc-paused"), and
+ckptlib with its pause replaced by a no-op ("ckptlib-gc-on").
 Every number is the slowest rank's wall time (barriers around each timed call), median over
 the repetitions; "ms/tensor" is that time divided by the tensor count of the whole state.
 """
@@ -74,7 +77,21 @@ def _leaves(state: dict[str, Any]) -> list[Any]:
     return list(state["model"].values()) + [t for moments in state["optim"].values() for t in moments.values()]
 
 
-def rank_tensors(root: str, tensors: int, reps: int) -> dict[str, Any]:
+def _method_context(method: str):
+    """The garbage-collector setting a method runs under (see --ablation)."""
+    import contextlib
+    from unittest import mock
+
+    from ckptlib.gc_pause import gc_paused
+
+    if method == "dcp-gc-paused":
+        return gc_paused()
+    if method == "ckptlib-gc-on":
+        return mock.patch("ckptlib.checkpoint.gc_paused", contextlib.nullcontext)
+    return contextlib.nullcontext()
+
+
+def rank_tensors(root: str, tensors: int, reps: int, ablation: bool = False) -> dict[str, Any]:
     """Saves and loads of one (tensor count, world size), ckptlib and DCP interleaved."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -87,27 +104,30 @@ def rank_tensors(root: str, tensors: int, reps: int) -> dict[str, Any]:
     template = make_state(tensors, fill=False)
     times: dict[str, list[float]] = {}
     ok = True
-    methods = ["ckptlib", "dcp"]
+    methods = ["ckptlib", "dcp"] + (["dcp-gc-paused", "ckptlib-gc-on"] if ablation else [])
     for rep in range(reps):
         base = f"{root}/rep{rep}"
-        order = methods[rep % 2 :] + methods[: rep % 2]
+        order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
         for method in order:
             path = f"{base}/{method}"
             _settle()
-            if method == "ckptlib":
-                seconds = _timed(lambda: ckptlib.save(path, state))
-            else:
-                seconds = _timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(path)))
+            with _method_context(method):
+                if method.startswith("ckptlib"):
+                    seconds = _timed(lambda: ckptlib.save(path, state))
+                else:
+                    seconds = _timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(path)))
             times.setdefault(f"save_{method}", []).append(seconds)
         for method in order:
             path = f"{base}/{method}"
-            for t in _leaves(template):
-                t.to_local().zero_()
+            with torch.no_grad():
+                for t in _leaves(template):
+                    t.to_local().zero_()
             _warm(path)
-            if method == "ckptlib":
-                seconds = _timed(lambda: ckptlib.load(path, template))
-            else:
-                seconds = _timed(lambda: dcp.load(template, storage_reader=dcp.FileSystemReader(path)))
+            with _method_context(method):
+                if method.startswith("ckptlib"):
+                    seconds = _timed(lambda: ckptlib.load(path, template))
+                else:
+                    seconds = _timed(lambda: dcp.load(template, storage_reader=dcp.FileSystemReader(path)))
             times.setdefault(f"load_{method}", []).append(seconds)
             ok = ok and all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(_leaves(state), _leaves(template)))
         _rm(base)
@@ -126,8 +146,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ckptlib.testing.launcher import launch
 
     root = tempfile.mkdtemp(prefix="ckptlib-bench-tensors-", dir=args.dir)
+    import subprocess
+
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.strip()
     results: dict[str, Any] = {
         "command": "ckpt bench tensors " + " ".join(args.argv),
+        "commit": commit or None,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                     "load_average_at_start": os.getloadavg()},
         "reps": args.reps,
@@ -138,7 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for world in args.world_sizes:
                 _log(f"{tensors} tensors at {world} ranks")
                 out = launch(world, rank_tensors, f"{root}/t{tensors}-w{world}", tensors, args.reps,
-                             timeout=args.timeout)
+                             args.ablation, timeout=args.timeout)
                 times = {key: [max(r["times"][key][i] for r in out) for i in range(args.reps)] for key in out[0]["times"]}
                 results["rows"].append({"tensors": tensors, "world": world, "ok": all(r["ok"] for r in out),
                                         "state_bytes": sum(r["shard_bytes"] for r in out), "times": times})
@@ -163,8 +188,31 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
             out[f"{op}_ckptlib_ms_per_tensor"], out[f"{op}_dcp_ms_per_tensor"] = 1e3 * ours / n, 1e3 * theirs / n
             out[f"{op}_ratio"] = ours / theirs
             out[f"{op}_met"] = ours / theirs <= limit
+            for method in ("dcp-gc-paused", "ckptlib-gc-on"):
+                if f"{op}_{method}" in t:
+                    out[f"{op}_{method}_s"] = t[f"{op}_{method}"]
         rows.append(out)
     return rows
+
+
+def ablation_markdown(rows: list[dict[str, Any]]) -> str:
+    """Seconds of every method with --ablation, and ckptlib against raw DCP with the collector
+    paused on both sides."""
+    lines = [
+        "| tensors | ranks | op | ckptlib s | ckptlib, collector on s | raw DCP s | raw DCP, collector paused s "
+        "| ckptlib / DCP paused |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        for op in ("save", "load"):
+            paused, gc_on = r.get(f"{op}_dcp-gc-paused_s"), r.get(f"{op}_ckptlib-gc-on_s")
+            if paused is None or gc_on is None:
+                continue
+            lines.append(
+                f"| {r['tensors']} | {r['world']} | {op} | {r[f'{op}_ckptlib_s']:.3f} | {gc_on:.3f} "
+                f"| {r[f'{op}_dcp_s']:.3f} | {paused:.3f} | {r[f'{op}_ckptlib_s'] / paused:.2f} |"
+            )
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -196,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(the table then goes to stderr)")
     parser.add_argument("--dir", help="scratch directory (default: the system temp dir)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch of ranks")
+    parser.add_argument("--ablation", action="store_true",
+                        help="also time raw DCP with the garbage collector paused and ckptlib with it running")
     args = parser.parse_args(argv)
     args.argv = argv
     started = time.perf_counter()
@@ -203,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     results["seconds"] = time.perf_counter() - started
     rows = summarize(results)
     to_stdout = args.json == "-"
-    print(markdown(rows) + f"\n\nWall time of the benchmark: {results['seconds']:.0f} s.",
+    extra = ablation_markdown(rows)
+    print(markdown(rows) + (f"\n\n{extra}" if extra else "") + f"\n\nWall time of the benchmark: {results['seconds']:.0f} s.",
           file=sys.stderr if to_stdout else sys.stdout)
     if args.json:
         report = {"results": results, "summary": rows}

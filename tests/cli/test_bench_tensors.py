@@ -38,3 +38,21 @@ def test_bench_tensors_json_to_stdout_with_every_load_bit_exact(tmp_path):
         assert all(len(v) == 1 for v in row["times"].values())
     assert "| ckptlib/DCP |" in run.stderr
     assert list(tmp_path.iterdir()) == []  # the scratch directory is removed
+
+
+def test_bench_tensors_ablation_times_both_collector_settings(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "ckptlib.cli", "bench", "tensors", "--tensors", "4", "--world-sizes", "2",
+         "--reps", "1", "--dir", str(tmp_path), "--ablation", "--json"],
+        capture_output=True, text=True, cwd=ROOT, timeout=280,
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    (row,) = report["results"]["rows"]
+    assert sorted(row["times"]) == sorted(
+        f"{op}_{m}" for op in ("save", "load") for m in ("ckptlib", "dcp", "dcp-gc-paused", "ckptlib-gc-on")
+    )
+    assert row["ok"]
+    (summary,) = report["summary"]
+    assert summary["save_dcp-gc-paused_s"] > 0 and summary["load_ckptlib-gc-on_s"] > 0
+    assert "| ckptlib / DCP paused |" in run.stderr
