@@ -17,7 +17,12 @@
 #    only tests/format/test_cross_version.py (ci/compat/junit-cross-<env>.xml), now that every
 #    minor's checkpoint is in ci/compat/cross-version/: every newer minor loads every older one.
 #    Together: every pair, both directions. This pass reinstalls each env (2-3 min each) but runs
-#    only ~20 short tests.
+#    only ~20 short tests. With --cross-only the oldest env of the list runs too (it writes its
+#    checkpoint, which an empty ci/compat/cross-version/ lacks, and loads what is there).
+#    CKPTLIB_MATRIX_CROSS_PREFIX (default junit-cross; must start with junit-cross-... or be
+#    junit-cross) names this pass's XML <prefix>-<env>.xml, e.g. junit-cross-rev to keep an
+#    earlier pass's junit-cross-<env>.xml files; ci/compat_table.py counts every
+#    junit-cross-*.xml in the cross-minor table only, the newest result of each test winning.
 # Before each env it checks that the disk holding .tox has CKPTLIB_MATRIX_MIN_FREE_GB (default
 # 15) free and skips the env otherwise. pip's cache is off (PIP_NO_CACHE_DIR) so the wheels do
 # not pile up in ~/.cache. Each env's exit status, wall time (install + tests) and commit go to
@@ -32,6 +37,11 @@ fi
 ALL_ENVS=(torch214 torch213 torch212 torch211 torch210 torch29 torch28 torch27 torch26)
 CROSS_TESTS=tests/format/test_cross_version.py
 MIN_FREE_GB=${CKPTLIB_MATRIX_MIN_FREE_GB:-15}
+CROSS_PREFIX=${CKPTLIB_MATRIX_CROSS_PREFIX:-junit-cross}
+case "$CROSS_PREFIX" in
+    junit-cross|junit-cross-*) ;;
+    *) echo "torch_matrix: CKPTLIB_MATRIX_CROSS_PREFIX must be junit-cross or start with junit-cross-" >&2; exit 2 ;;
+esac
 export PIP_NO_CACHE_DIR=1
 
 full=1
@@ -68,7 +78,7 @@ run_env() {
     fi
     start=$(date +%s)
     if [ "$pass" = cross ]; then
-        CKPTLIB_JUNIT_PREFIX=junit-cross "$TOX" -e "$env" -- "$@"
+        CKPTLIB_JUNIT_PREFIX=$CROSS_PREFIX "$TOX" -e "$env" -- "$@"
     elif [ $# -gt 0 ]; then
         "$TOX" -e "$env" -- "$@"
     else
