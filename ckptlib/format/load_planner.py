@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from .. import compat
 from ..errors import UnsafeCheckpointError
 from . import item_encoder
-from .plan_codec import KNOWN_FIELDS, new_dataclass
+from .plan_codec import KNOWN_FIELDS, new_dataclass, placements_key
 from .safe_pickle import check_no_allocating_calls
 
 
@@ -54,7 +54,7 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool
                 continue
             if type(obj.to_local()) is torch.Tensor:
                 chunks = tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
-                key = (id(mesh), tuple(obj.placements), tuple(obj.shape), chunks)
+                key = (id(mesh), placements_key(obj.placements), tuple(obj.shape), chunks)
                 if key in templates:
                     items += [_read_item_like(item, fqn) for item in templates[key]]
                     continue

@@ -51,6 +51,12 @@ def new_dataclass(cls: type, fields: dict[str, Any]) -> Any:
     return obj
 
 
+def placements_key(placements: Any) -> tuple:
+    """DTensor placements as a dict key that tells their types apart: in some torch releases
+    `Shard(0) == _StridedShard(0, split_factor=2)` holds although their chunks differ."""
+    return tuple((type(p), p, repr(p)) for p in placements)
+
+
 def _size(values: tuple[int, ...] | None) -> torch.Size | None:
     return None if values is None else torch.Size(values)
 
@@ -238,4 +244,5 @@ __all__ = [
     "compact_load_plan",
     "compact_save_plan",
     "new_dataclass",
+    "placements_key",
 ]

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from .. import compat
-from .plan_codec import KNOWN_FIELDS, new_dataclass
+from .plan_codec import KNOWN_FIELDS, new_dataclass, placements_key
 from .structure import find_overlap
 
 
@@ -84,7 +84,7 @@ def local_save_plan(state_dict: dict[str, Any], is_coordinator: bool) -> SavePla
         if type(local) is not torch.Tensor:  # a tensor subclass may plan its own items
             items += compat.create_write_items(fqn, obj)
             continue
-        key = (id(mesh), tuple(obj.placements), tuple(obj.shape), local.dtype, local.layout, local.requires_grad,
+        key = (id(mesh), placements_key(obj.placements), tuple(obj.shape), local.dtype, local.layout, local.requires_grad,
                local.is_pinned())
         template = templates.get(key)
         if template is not None:

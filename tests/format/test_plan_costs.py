@@ -198,10 +198,25 @@ def _state(world: int, *, load_layout: bool = False) -> dict:
             "f": distribute_tensor(full(7, 5).requires_grad_(), mesh, row),  # a's shape, other flags
             "g": distribute_tensor(full(2, 6), grid, [Replicate(), Shard(1)]),
             "h": distribute_tensor(full(7, 5), grid, [Replicate(), Shard(0)]),  # a's shape on another mesh
+            "i": distribute_tensor(full(8, 4), grid, [Shard(0), Shard(0)]),
+            "j": _strided(full(8, 4), grid),  # i's shape and mesh, FSDP2 x TP's strided placement
         },
         "plain": torch.arange(5),
         "step": 3,
     }
+
+
+def _strided(full: torch.Tensor, grid):
+    """`full` with FSDP2 x TP's placements on `grid`: _StridedShard(0) over dp, Shard(0) over tp."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    tp = grid.size(1)
+    rank = grid.get_local_rank(1)
+    rows = full.shape[0] // tp
+    return DTensor.from_local(full[rank * rows : (rank + 1) * rows].contiguous(), grid,
+                              [_StridedShard(0, split_factor=tp), Shard(0)], run_check=False,
+                              shape=full.shape, stride=full.stride())
 
 
 def _flat(state: dict) -> dict:
@@ -328,3 +343,15 @@ def test_gc_paused_restores_the_collector_after_an_error():
         with gc_paused():
             raise RuntimeError("boom")
     assert gc.isenabled()
+
+
+def test_placements_key_tells_strided_shards_from_shards():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    keys = {
+        plan_codec.placements_key(p)
+        for p in ([Shard(0)], [_StridedShard(0, split_factor=2)], [_StridedShard(0, split_factor=4)], [Replicate()])
+    }
+    assert len(keys) == 4
+    assert plan_codec.placements_key([Shard(1), Replicate()]) == plan_codec.placements_key((Shard(1), Replicate()))
