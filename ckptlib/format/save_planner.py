@@ -132,8 +132,10 @@ def global_save_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadat
 
 def chunks_tile_exactly(metadata: Metadata, *, ranks: int) -> bool:
     """True if DCP's global-plan check (`_validate_global_plan`) surely passes: every chunk of
-    every tensor lies inside it with positive sizes, no two overlap, and (with more than one
-    rank, as DCP checks) together they hold exactly its elements. False means "let DCP check"."""
+    every tensor lies inside it with positive sizes, no two overlap, and together they hold
+    exactly its elements (newer DCP checks the volume only across ranks, torch 2.8's for one
+    rank too: a plan either would refuse goes to DCP). False means "let DCP check". `ranks`
+    is kept for callers; the answer no longer depends on it."""
     for md in metadata.state_dict_metadata.values():
         if not isinstance(md, TensorStorageMetadata) or len(md.size) == 0:
             continue  # objects and 0-d tensors: DCP checks nothing either
@@ -148,7 +150,7 @@ def chunks_tile_exactly(metadata: Metadata, *, ranks: int) -> bool:
                 return False
             boxes.append((offsets, sizes))
             volume += math.prod(sizes)
-        if ranks > 1 and volume != math.prod(size):
+        if volume != math.prod(size):
             return False
         if find_overlap(boxes) is not None:
             return False

@@ -265,9 +265,11 @@ def rank_compare_plans(world: int) -> dict:
 def test_local_plans_equal_dcps_item_for_item(world):
     for out in launch(world, rank_compare_plans, world):
         assert out["save_equal"] and out["save_hints"] and out["load_equal"] and out["load_hints"] and out["lenient"]
-        for case in ("missing", "resized", "partial"):
+        for case in ("missing", "resized"):
             ours, theirs = out[case]
             assert ours is not None and ours == theirs, (case, ours, theirs)
+        ours, theirs = out["partial"]  # DCP refuses Partial placements from torch 2.9 on; 2.8 does not
+        assert ours == theirs, (ours, theirs)
 
 
 def rank_save(path: str) -> int:
