@@ -1,7 +1,8 @@
 """A failure inside DCP's save or load reaches the caller as a ckptlib error naming the rank
 it happened on (DCP gathers it into a CheckpointException, ckptlib unwraps it): a ckptlib
 error keeps its type and gets the rank, anything else becomes a CheckpointError with its type
-in the message. One process, with a storage whose shard writes or reads fail."""
+in the message. One process, with a storage whose shard writes or reads fail; and two ranks,
+where the coordinator's own step fails with an error that cannot be pickled."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import ckptlib
 from ckptlib import CheckpointError, StorageError
+from ckptlib.format import MANIFEST_NAME
 from ckptlib.storage.local import LocalStorage
 
 
@@ -63,3 +66,26 @@ def test_an_error_in_a_shard_read_names_the_rank(tmp_path):
     assert type(caught.value) is CheckpointError
     assert str(caught.value) == "rank 0: RuntimeError: boom" and caught.value.rank == 0
     assert target["w"].tolist() == [0.0] * 4
+
+
+def _save_with_a_commit_that_fails(uri: str):
+    class LocalFailure(Exception):
+        """Defined in a function: pickle cannot send it to the other ranks as it is."""
+
+    def commit_manifest(*args, **kwargs):
+        raise LocalFailure("the manifest write failed")
+
+    ckptlib.checkpoint.commit_manifest = commit_manifest  # this rank's process only
+    ckptlib.save(uri, {"w": torch.full((4,), float(dist.get_rank()))})
+
+
+def test_a_coordinator_failure_of_any_type_reaches_every_rank(tmp_path, dist_run):
+    """The coordinator turns its failure into a CheckpointError that DCP can send to every
+    rank (`checkpoint._on_coordinator`); the raw error would break DCP's broadcast."""
+    uri = str(tmp_path / "c")
+    results = dist_run(2, _save_with_a_commit_that_fails, uri, return_exceptions=True, timeout=90)
+    assert [type(r) for r in results] == [CheckpointError] * 2, results
+    for r in results:
+        assert str(r).startswith("rank 0: ") and str(r).endswith("LocalFailure: the manifest write failed"), str(r)
+        assert r.rank == 0
+    assert not os.path.exists(os.path.join(uri, MANIFEST_NAME))
