@@ -31,8 +31,15 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "checkpoint": (
         ["ckptlib/checkpoint.py"],
-        ["tests/api/test_api.py", "tests/api/test_load_control.py", "tests/api/test_dtype_cast.py",
-         "tests/api/test_disk_full.py"],
+        ["tests/api/test_failure_unwrapping.py", "tests/api/test_async_single_process.py", "tests/api/test_api.py",
+         "tests/api/test_load_control.py", "tests/api/test_dtype_cast.py", "tests/api/test_disk_full.py",
+         # the paths only these reach: optimizer hyperparameters a newer torch added, the
+         # pre-2.4 key rules (a torch 2.0 checkpoint), trusted=False, a rank lost mid-save
+         "tests/format/test_cross_version.py::test_hyperparameter_a_newer_torch_added_keeps_the_optimizers_value",
+         "tests/format/test_cross_version.py::test_optimizer_the_checkpoint_lacks_is_still_missing",
+         "tests/format/test_legacy.py::test_pre_24_flattened_objects_load",
+         "tests/format/test_integrity.py::test_opaque_object_needs_trusted",
+         "tests/api/test_rank_loss.py::test_survivors_of_a_rank_dying_mid_save_raise_rank_lost[save2-victim1]"],
     ),
     "state": (
         ["ckptlib/state.py"],
