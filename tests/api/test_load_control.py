@@ -508,3 +508,4 @@ def test_load_result_carries_metadata_and_metrics(tmp_path):
     ckptlib.save(tmp_path / "ck", {"w": torch.ones(2)}, step=9, metadata={"run": "a"}, metrics={"loss": 0.25})
     result = ckptlib.load(tmp_path / "ck", {"w": torch.zeros(2)})
     assert (result.step, result.metadata, result.metrics, result.format) == (9, {"run": "a"}, {"loss": 0.25}, "ckptlib")
+    assert result.seconds > 0 and result.mib_per_s == result.bytes / (1 << 20) / result.seconds
