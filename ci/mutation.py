@@ -217,9 +217,12 @@ def report(module: str, out: Path) -> dict:
     session = out / f"{module}.sqlite"
     counts = {"killed": 0, "survived": 0, "timeout": 0, "incompetent": 0, "pending": 0, "skipped": 0}
     survivors = []
+    sites = set()  # "path:line:operator" of every mutant in the session, for stale verdicts
     with use_db(str(session), WorkDB.Mode.open) as db:
         results = dict(db.results)
         for item in db.work_items:
+            mutation = item.mutations[0]
+            sites.add(f"{mutation.module_path}:{mutation.start_pos[0]}:{mutation.operator_name}")
             result = results.get(item.job_id)
             if result is None:
                 counts["pending"] += 1
@@ -255,6 +258,13 @@ def report(module: str, out: Path) -> dict:
     counts["equivalent"] = equivalent
     ran = counts["killed"] + counts["timeout"] + counts["survived"]  # incompetent: the tests could not run
     score = f"{counts['killed'] + counts['timeout']} / {ran - equivalent}" if ran > equivalent else "n/a"
+    # Verdicts are keyed by line: an edit above a verdict's line moves its mutant away from it.
+    stale = sorted(key for key in verdicts if key.startswith(tuple(f"{p}:" for p in MODULES[module][0]))
+                   and key.split("#")[0] not in sites)
+    if stale:
+        body += ["## Stale verdicts (no mutant of that operator on that line any more: re-key them)", "",
+                 *[f"- `{key}`" for key in stale], ""]
+        print(f"{module}: {len(stale)} verdicts match no mutant (see {module}.md)", flush=True)
     lines = [f"# Surviving mutants: {module}", "", f"Counts: {json.dumps(counts)}",
              f"Score (killed / non-equivalent run): {score}", "", *body]
     (out / f"{module}.md").write_text("\n".join(lines))
