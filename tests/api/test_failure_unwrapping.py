@@ -89,3 +89,22 @@ def test_a_coordinator_failure_of_any_type_reaches_every_rank(tmp_path, dist_run
         assert str(r).startswith("rank 0: ") and str(r).endswith("LocalFailure: the manifest write failed"), str(r)
         assert r.rank == 0
     assert not os.path.exists(os.path.join(uri, MANIFEST_NAME))
+
+
+def _save_with_failing_shard_writes(uri: str):
+    rank = dist.get_rank()
+
+    def open_writer(self, path):
+        raise RuntimeError(f"boom on rank {rank}")
+
+    LocalStorage.open_writer = open_writer  # this rank's process only
+    ckptlib.save(uri, {"w": torch.full((4,), float(rank))})
+
+
+def test_failures_on_several_ranks_name_them_all_and_the_first(tmp_path, dist_run):
+    uri = str(tmp_path / "c")
+    results = dist_run(2, _save_with_failing_shard_writes, uri, return_exceptions=True, timeout=90)
+    assert [type(r) for r in results] == [CheckpointError] * 2, results
+    for r in results:
+        assert str(r) == "rank 0: RuntimeError: boom on rank 0; rank 1: RuntimeError: boom on rank 1"
+        assert r.rank == 0
