@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import types
 import warnings
+from collections.abc import MutableMapping
 
 import pytest
 import torch
@@ -360,3 +362,37 @@ def test_existing_checkpoint_refused_on_every_rank_before_any_write(tmp_path, di
     loaded = {"w": torch.zeros(4)}
     ckptlib.load(uri, loaded)
     assert torch.equal(loaded["w"], torch.ones(4))
+
+
+class _Store(MutableMapping):
+    """A state mapping that is not a dict (a user's own container)."""
+
+    def __init__(self, **items):
+        self._items = dict(items)
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __setitem__(self, key, value):
+        self._items[key] = value
+
+    def __delitem__(self, key):
+        del self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
+def test_plain_values_load_into_any_mutable_mapping_and_not_into_a_read_only_one(tmp_path):
+    ckptlib.save(tmp_path / "c", {"w": torch.ones(2), "epoch": 7})
+    state = _Store(w=torch.zeros(2), epoch=0)
+    ckptlib.load(tmp_path / "c", state)
+    assert state["epoch"] == 7 and state["w"].tolist() == [1.0, 1.0]
+    frozen = types.MappingProxyType({"w": torch.zeros(2), "epoch": 0})
+    with pytest.raises(StateError) as caught:
+        ckptlib.load(tmp_path / "c", frozen)
+    assert str(caught.value) == "cannot store loaded value for 'epoch': the state mapping is read-only"
+    assert frozen["epoch"] == 0
