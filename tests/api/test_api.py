@@ -235,6 +235,8 @@ def test_save_replaces_debris_of_crashed_save(tmp_path):
     [
         pytest.param([1, 2], "state must be a mapping", id="not-a-mapping"),
         pytest.param({"a.b": 1}, "state key 'a.b' must be a non-empty string without '.'", id="dot-in-key"),
+        pytest.param({"": 1}, "state key '' must be a non-empty string without '.'", id="empty-key"),
+        pytest.param({1: 1}, "state key 1 must be a non-empty string without '.'", id="int-key"),
         pytest.param({"x": {"m": nn.Linear(1, 1)}}, "put modules, optimizers and RankLocal objects at the top level", id="nested-module"),
     ],
 )

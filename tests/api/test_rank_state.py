@@ -117,3 +117,30 @@ def test_custom_resize_policy(tmp_path, dist_run):
 def test_rank_local_needs_stateful():
     with pytest.raises(ckptlib.StateError, match="RankLocal needs an object with state_dict\\(\\)/load_state_dict\\(\\), got int"):
         ckptlib.RankLocal(3)
+
+
+def test_derived_seeds_are_stable():
+    """A fresh rank's seed is a fixed function of (step, rank): the same in every release, so
+    a resumed run is reproducible; an unknown step (None) has its own seeds, not step 1's."""
+    assert derived_seed(None, 0) == 3679785045524520890
+    assert derived_seed(5, 3) == 407708805009305925
+    assert derived_seed(1, 0) == 9159886843107480480
+
+
+class _MergeMarks:
+    """A merging policy whose merged state is recognisable."""
+
+    def source_rank(self, rank, saved_world_size, world_size):
+        return 0
+
+    def merge(self, states, rank, world_size):
+        return {"position": -1000 - len(states)}
+
+
+def test_merging_policy_is_not_used_at_the_same_world_size(tmp_path):
+    ckptlib.save(tmp_path / "c", {"loader": ckptlib.RankLocal(Loader(7))})
+    loader = Loader()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ckptlib.ResizeWarning)
+        result = ckptlib.load(tmp_path / "c", {"loader": ckptlib.RankLocal(loader, policy=_MergeMarks())})
+    assert loader.position == 7 and result.notes == []
