@@ -144,3 +144,14 @@ def test_merging_policy_is_not_used_at_the_same_world_size(tmp_path):
         warnings.simplefilter("error", ckptlib.ResizeWarning)
         result = ckptlib.load(tmp_path / "c", {"loader": ckptlib.RankLocal(loader, policy=_MergeMarks())})
     assert loader.position == 7 and result.notes == []
+
+
+class _SaveOnly:
+    def state_dict(self):
+        return {"position": 1}
+
+
+def test_rank_local_needs_both_state_methods():
+    with pytest.raises(ckptlib.StateError) as caught:
+        ckptlib.RankLocal(_SaveOnly())
+    assert str(caught.value) == "RankLocal needs an object with state_dict()/load_state_dict(), got _SaveOnly"
