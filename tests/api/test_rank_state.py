@@ -125,6 +125,8 @@ def test_derived_seeds_are_stable():
     assert derived_seed(None, 0) == 3679785045524520890
     assert derived_seed(5, 3) == 407708805009305925
     assert derived_seed(1, 0) == 9159886843107480480
+    assert derived_seed(0, 1) == 648344707019214003  # the digest's top bit is masked off: 63 bits
+    assert all(0 <= derived_seed(step, rank) < 1 << 63 for step in range(10) for rank in range(8))
 
 
 class _MergeMarks:
