@@ -46,7 +46,9 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ["tests/api/test_rank_state.py", "tests/api/test_unpicklable_state.py", "tests/api/test_api.py",
          "tests/elastic/test_training_state.py",
          # a torch 2.0 checkpoint: DCP replaces a nested dict of plain values, _merge_back copies it back
-         "tests/format/test_legacy.py::test_pre_24_flattened_objects_load"],
+         "tests/format/test_legacy.py::test_pre_24_flattened_objects_load",
+         # _hyperparameter_keys: an optimizer hyperparameter the checkpoint's torch did not have
+         "tests/format/test_cross_version.py::test_hyperparameter_a_newer_torch_added_keeps_the_optimizers_value"],
     ),
     "manager": (
         ["ckptlib/manager.py"],
