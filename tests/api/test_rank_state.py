@@ -157,3 +157,14 @@ def test_rank_local_needs_both_state_methods():
     with pytest.raises(ckptlib.StateError) as caught:
         ckptlib.RankLocal(_SaveOnly())
     assert str(caught.value) == "RankLocal needs an object with state_dict()/load_state_dict(), got _SaveOnly"
+
+
+def test_resize_warning_points_at_the_caller(tmp_path, dist_run):
+    """The ResizeWarning names the line that called ckptlib.load, not a line inside ckptlib."""
+    uri = str(tmp_path / "c")
+    dist_run(2, _save, uri)
+    loader = Loader()
+    with pytest.warns(ckptlib.ResizeWarning) as caught:
+        ckptlib.load(uri, {"rng": ckptlib.RNGState(), "loader": ckptlib.RankLocal(loader)})
+    assert [w.filename for w in caught if issubclass(w.category, ckptlib.ResizeWarning)] == [__file__, __file__]
+    assert loader.position == 7
