@@ -250,6 +250,14 @@ def test_optimizer_without_its_module(tmp_path):
     _, opt = _trained()
     with pytest.raises(StateError, match="optimizer state\\['optim'\\] has parameters that belong to no nn.Module"):
         ckptlib.save(tmp_path / "c", {"optim": opt})
+    with pytest.raises(StateError) as caught:
+        ckptlib.save(tmp_path / "c", {"other": _model(1), "optim": opt})
+    assert str(caught.value) == (
+        "optimizer state['optim'] has parameters that belong to no nn.Module in the state; put the model it "
+        "optimizes in the same state mapping (modules found: ['other'])"
+    )
+    with pytest.raises(StateError, match=r"\(modules found: none\)$"):
+        ckptlib.save(tmp_path / "c", {"optim": opt})
 
 
 def test_metadata_must_be_json(tmp_path):

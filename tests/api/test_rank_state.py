@@ -168,3 +168,25 @@ def test_resize_warning_points_at_the_caller(tmp_path, dist_run):
         ckptlib.load(uri, {"rng": ckptlib.RNGState(), "loader": ckptlib.RankLocal(loader)})
     assert [w.filename for w in caught if issubclass(w.category, ckptlib.ResizeWarning)] == [__file__, __file__]
     assert loader.position == 7
+
+
+def test_default_policy_is_an_immutable_value():
+    import dataclasses
+
+    policy = ckptlib.KeepExistingRanks()
+    assert policy == ckptlib.KeepExistingRanks() and hash(policy) == hash(ckptlib.KeepExistingRanks())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.extra = 1
+
+
+def test_rng_state_saved_without_cuda_loads_where_cuda_is_available(tmp_path, monkeypatch):
+    """A CPU run's RNG state resumed on a machine with CUDA: the CUDA generator is left alone."""
+    torch.manual_seed(11)
+    ckptlib.save(tmp_path / "c", {"rng": ckptlib.RNGState()})
+    expected = torch.rand(3)
+    set_calls = []
+    monkeypatch.setattr(ckptlib.compat, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *args, **kwargs: set_calls.append(args))
+    torch.manual_seed(0)
+    ckptlib.load(tmp_path / "c", {"rng": ckptlib.RNGState()})
+    assert set_calls == [] and torch.equal(torch.rand(3), expected)
