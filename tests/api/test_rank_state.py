@@ -190,3 +190,21 @@ def test_rng_state_saved_without_cuda_loads_where_cuda_is_available(tmp_path, mo
     torch.manual_seed(0)
     ckptlib.load(tmp_path / "c", {"rng": ckptlib.RNGState()})
     assert set_calls == [] and torch.equal(torch.rand(3), expected)
+
+
+def test_rng_state_does_not_start_cuda_to_save_it(monkeypatch):
+    """Where CUDA is available but this process never used it, saving the RNG state neither
+    initialises CUDA nor records a CUDA generator state."""
+    calls = []
+    monkeypatch.setattr(ckptlib.compat, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *args, **kwargs: calls.append(args) or torch.zeros(1))
+    sd = ckptlib.RNGState().state_dict()
+    assert calls == [] and "cuda" not in sd
+
+
+def test_an_object_with_only_state_dict_is_saved_as_an_object(tmp_path):
+    ckptlib.save(tmp_path / "c", {"x": _SaveOnly()})
+    state = {"x": None}
+    ckptlib.load(tmp_path / "c", state, trusted=True)
+    assert isinstance(state["x"], _SaveOnly)
