@@ -208,3 +208,19 @@ def test_an_object_with_only_state_dict_is_saved_as_an_object(tmp_path):
     state = {"x": None}
     ckptlib.load(tmp_path / "c", state, trusted=True)
     assert isinstance(state["x"], _SaveOnly)
+
+
+class _Slotted:
+    """Pickles with protocol 2 (what a save writes), not with protocols 0 and 1."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def test_a_value_that_pickles_as_saves_pickle_passes_the_check(tmp_path):
+    ckptlib.save(tmp_path / "c", {"obj": _Slotted(5)})
+    state = {"obj": None}
+    ckptlib.load(tmp_path / "c", state, trusted=True)
+    assert isinstance(state["obj"], _Slotted) and state["obj"].value == 5

@@ -257,6 +257,9 @@ def test_pre_24_flattened_objects_merge_back_every_value():
     meta = {"epoch": 3, "tag": "wrong"}
     ckptlib.load(fixture_path("dcp_sharded_tensor_torch2.0"), {"meta": meta})
     assert meta == {"epoch": 3, "tag": "golden"}
+    meta = {"epoch": {"a dict": "where the checkpoint has an int"}, "tag": "wrong"}
+    ckptlib.load(fixture_path("dcp_sharded_tensor_torch2.0"), {"meta": meta})
+    assert meta == {"epoch": 3, "tag": "golden"}
 
 
 def test_every_kind_of_fixture_is_present():
