@@ -224,3 +224,24 @@ def test_a_value_that_pickles_as_saves_pickle_passes_the_check(tmp_path):
     state = {"obj": None}
     ckptlib.load(tmp_path / "c", state, trusted=True)
     assert isinstance(state["obj"], _Slotted) and state["obj"].value == 5
+
+
+class _StartFresh:
+    def source_rank(self, rank, saved_world_size, world_size):
+        return None
+
+
+def _save_loader_and_weights(uri: str):
+    ckptlib.save(uri, {"loader": ckptlib.RankLocal(Loader(10 * dist.get_rank() + 7)), "w": torch.arange(4.0)})
+
+
+@pytest.mark.parametrize("policy", [_MergeMarks(), _StartFresh()], ids=["merge", "start-fresh"])
+def test_entries_after_a_resized_rank_local_are_loaded(tmp_path, dist_run, policy):
+    uri = str(tmp_path / "c")
+    dist_run(2, _save_loader_and_weights, uri)
+    loader = Loader(-1)
+    state = {"loader": ckptlib.RankLocal(loader, policy=policy), "w": torch.zeros(4)}
+    with pytest.warns(ckptlib.ResizeWarning):
+        ckptlib.load(uri, state)
+    assert state["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert loader.position == (-1002 if isinstance(policy, _MergeMarks) else -1)
