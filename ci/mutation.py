@@ -31,13 +31,26 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "checkpoint": (
         ["ckptlib/checkpoint.py"],
-        ["tests/api/test_api.py", "tests/api/test_load_control.py", "tests/api/test_dtype_cast.py",
-         "tests/api/test_disk_full.py"],
+        ["tests/api/test_failure_unwrapping.py", "tests/api/test_async_single_process.py", "tests/api/test_api.py",
+         "tests/api/test_load_control.py", "tests/api/test_dtype_cast.py", "tests/api/test_disk_full.py",
+         # the paths only these reach: optimizer hyperparameters a newer torch added, the
+         # pre-2.4 key rules (a torch 2.0 checkpoint), trusted=False, a rank lost mid-save
+         "tests/format/test_cross_version.py::test_hyperparameter_a_newer_torch_added_keeps_the_optimizers_value",
+         "tests/format/test_cross_version.py::test_optimizer_the_checkpoint_lacks_is_still_missing",
+         "tests/format/test_legacy.py::test_pre_24_flattened_objects_load",
+         "tests/format/test_integrity.py::test_opaque_object_needs_trusted",
+         "tests/api/test_rank_loss.py::test_survivors_of_a_rank_dying_mid_save_raise_rank_lost[save2-victim1]"],
     ),
     "state": (
         ["ckptlib/state.py"],
         ["tests/api/test_rank_state.py", "tests/api/test_unpicklable_state.py", "tests/api/test_api.py",
-         "tests/elastic/test_training_state.py"],
+         "tests/elastic/test_training_state.py",
+         # a torch 2.0 checkpoint: DCP replaces a nested dict of plain values, _merge_back copies it back
+         "tests/format/test_legacy.py::test_pre_24_flattened_objects_load",
+         "tests/format/test_legacy.py::test_pre_24_flattened_objects_merge_back_every_value",
+         # _hyperparameter_keys: an optimizer hyperparameter the checkpoint's torch did not have
+         "tests/format/test_cross_version.py::test_hyperparameter_a_newer_torch_added_keeps_the_optimizers_value",
+         "tests/format/test_cross_version.py::test_a_param_group_without_its_params_is_missing"],
     ),
     "manager": (
         ["ckptlib/manager.py"],
@@ -211,9 +224,12 @@ def report(module: str, out: Path) -> dict:
     session = out / f"{module}.sqlite"
     counts = {"killed": 0, "survived": 0, "timeout": 0, "incompetent": 0, "pending": 0, "skipped": 0}
     survivors = []
+    sites = set()  # "path:line:operator" of every mutant in the session, for stale verdicts
     with use_db(str(session), WorkDB.Mode.open) as db:
         results = dict(db.results)
         for item in db.work_items:
+            mutation = item.mutations[0]
+            sites.add(f"{mutation.module_path}:{mutation.start_pos[0]}:{mutation.operator_name}")
             result = results.get(item.job_id)
             if result is None:
                 counts["pending"] += 1
@@ -249,6 +265,13 @@ def report(module: str, out: Path) -> dict:
     counts["equivalent"] = equivalent
     ran = counts["killed"] + counts["timeout"] + counts["survived"]  # incompetent: the tests could not run
     score = f"{counts['killed'] + counts['timeout']} / {ran - equivalent}" if ran > equivalent else "n/a"
+    # Verdicts are keyed by line: an edit above a verdict's line moves its mutant away from it.
+    stale = sorted(key for key in verdicts if key.startswith(tuple(f"{p}:" for p in MODULES[module][0]))
+                   and key.split("#")[0] not in sites)
+    if stale:
+        body += ["## Stale verdicts (no mutant of that operator on that line any more: re-key them)", "",
+                 *[f"- `{key}`" for key in stale], ""]
+        print(f"{module}: {len(stale)} verdicts match no mutant (see {module}.md)", flush=True)
     lines = [f"# Surviving mutants: {module}", "", f"Counts: {json.dumps(counts)}",
              f"Score (killed / non-equivalent run): {score}", "", *body]
     (out / f"{module}.md").write_text("\n".join(lines))

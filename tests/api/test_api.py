@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import types
 import warnings
+from collections.abc import MutableMapping
 
 import pytest
 import torch
@@ -233,6 +235,8 @@ def test_save_replaces_debris_of_crashed_save(tmp_path):
     [
         pytest.param([1, 2], "state must be a mapping", id="not-a-mapping"),
         pytest.param({"a.b": 1}, "state key 'a.b' must be a non-empty string without '.'", id="dot-in-key"),
+        pytest.param({"": 1}, "state key '' must be a non-empty string without '.'", id="empty-key"),
+        pytest.param({1: 1}, "state key 1 must be a non-empty string without '.'", id="int-key"),
         pytest.param({"x": {"m": nn.Linear(1, 1)}}, "put modules, optimizers and RankLocal objects at the top level", id="nested-module"),
     ],
 )
@@ -245,6 +249,14 @@ def test_bad_state_is_a_state_error(tmp_path, state, message):
 def test_optimizer_without_its_module(tmp_path):
     _, opt = _trained()
     with pytest.raises(StateError, match="optimizer state\\['optim'\\] has parameters that belong to no nn.Module"):
+        ckptlib.save(tmp_path / "c", {"optim": opt})
+    with pytest.raises(StateError) as caught:
+        ckptlib.save(tmp_path / "c", {"other": _model(1), "optim": opt})
+    assert str(caught.value) == (
+        "optimizer state['optim'] has parameters that belong to no nn.Module in the state; put the model it "
+        "optimizes in the same state mapping (modules found: ['other'])"
+    )
+    with pytest.raises(StateError, match=r"\(modules found: none\)$"):
         ckptlib.save(tmp_path / "c", {"optim": opt})
 
 
@@ -360,3 +372,37 @@ def test_existing_checkpoint_refused_on_every_rank_before_any_write(tmp_path, di
     loaded = {"w": torch.zeros(4)}
     ckptlib.load(uri, loaded)
     assert torch.equal(loaded["w"], torch.ones(4))
+
+
+class _Store(MutableMapping):
+    """A state mapping that is not a dict (a user's own container)."""
+
+    def __init__(self, **items):
+        self._items = dict(items)
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __setitem__(self, key, value):
+        self._items[key] = value
+
+    def __delitem__(self, key):
+        del self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
+def test_plain_values_load_into_any_mutable_mapping_and_not_into_a_read_only_one(tmp_path):
+    ckptlib.save(tmp_path / "c", {"w": torch.ones(2), "epoch": 7})
+    state = _Store(w=torch.zeros(2), epoch=0)
+    ckptlib.load(tmp_path / "c", state)
+    assert state["epoch"] == 7 and state["w"].tolist() == [1.0, 1.0]
+    frozen = types.MappingProxyType({"w": torch.zeros(2), "epoch": 0})
+    with pytest.raises(StateError) as caught:
+        ckptlib.load(tmp_path / "c", frozen)
+    assert str(caught.value) == "cannot store loaded value for 'epoch': the state mapping is read-only"
+    assert frozen["epoch"] == 0

@@ -458,3 +458,54 @@ def test_shape_mismatch_message_names_the_first_twenty(tmp_path):
     problems = "; ".join(f"{key}: shape (3,) in the state, (2,) in the checkpoint" for key in _keys(20))
     assert str(caught.value) == f"{tmp_path / 'ck'}: state does not match the checkpoint: {problems}"
     assert caught.value.keys == _keys(21)
+
+
+def test_absent_nested_plain_value_is_missing_under_its_flat_key(tmp_path):
+    """A nested plain value the checkpoint lacks is missing as `meta.epoch` (torch >= 2.4 keys),
+    not under the pre-2.4 key `meta`: the old key rules apply only where they match more keys."""
+    ckptlib.save(tmp_path / "ck", {"w": torch.ones(2)})
+    with pytest.raises(MissingKeysError) as caught:
+        ckptlib.load(tmp_path / "ck", {"w": torch.zeros(2), "meta": {"epoch": 1}})
+    assert str(caught.value) == f"{tmp_path / 'ck'} lacks keys the state asks for: meta.epoch"
+    state = {"w": torch.zeros(2), "meta": {"epoch": 1}}
+    result = ckptlib.load(tmp_path / "ck", state, strict=False)
+    assert result.missing_keys == ["meta.epoch"]
+    assert state["meta"] == {"epoch": 1} and state["w"].tolist() == [1.0, 1.0]
+
+
+def test_missing_model_key_is_not_reported_as_an_optimizer_hyperparameter(tmp_path):
+    """Only optimizer hyperparameters a newer torch added are kept and noted; an ordinary key
+    the checkpoint lacks, beside keys it has, is just missing."""
+    ckptlib.save(tmp_path / "ck", {"model": {"w": torch.ones(2)}})
+    state = {"model": {"w": torch.zeros(2), "extra": torch.full((2,), 7.0)}}
+    result = ckptlib.load(tmp_path / "ck", state, strict=False)
+    assert result.missing_keys == ["model.extra"]
+    assert result.notes == []
+    assert state["model"]["w"].tolist() == [1.0, 1.0] and state["model"]["extra"].tolist() == [7.0, 7.0]
+
+
+def test_keys_renamed_away_message_names_twenty(tmp_path):
+    ckptlib.save(tmp_path / "ck", {key: torch.zeros(2) for key in _keys(21)})
+    with pytest.raises(MissingKeysError) as caught:
+        ckptlib.load(tmp_path / "ck", {key: torch.ones(2) for key in _keys(21)}, rename={"k": "old_k"})
+    assert str(caught.value) == (
+        f"{tmp_path / 'ck'}: no checkpoint key is renamed to {', '.join(_keys(20))} (rename= renamed their own "
+        "names away)"
+    )
+    assert caught.value.keys == _keys(21)
+
+
+def test_cast_warning_points_at_the_caller(tmp_path):
+    """The CastWarning names the line that called ckptlib.load (stacklevel), not ckptlib."""
+    ckptlib.save(tmp_path / "ck", {"w": torch.zeros(2)})
+    with pytest.warns(CastWarning) as caught:
+        ckptlib.load(tmp_path / "ck", {"w": torch.zeros(2, dtype=torch.float64)}, cast=True)
+    [warning] = [w for w in caught if issubclass(w.category, CastWarning)]
+    assert warning.filename == __file__
+
+
+def test_load_result_carries_metadata_and_metrics(tmp_path):
+    ckptlib.save(tmp_path / "ck", {"w": torch.ones(2)}, step=9, metadata={"run": "a"}, metrics={"loss": 0.25})
+    result = ckptlib.load(tmp_path / "ck", {"w": torch.zeros(2)})
+    assert (result.step, result.metadata, result.metrics, result.format) == (9, {"run": "a"}, {"loss": 0.25}, "ckptlib")
+    assert result.seconds > 0 and result.mib_per_s == result.bytes / (1 << 20) / result.seconds

@@ -185,6 +185,18 @@ def test_hyperparameter_a_newer_torch_added_keeps_the_optimizers_value(tmp_path)
     assert diff(model.state_dict(), saved_model.state_dict()) == []
 
 
+def test_a_param_group_without_its_params_is_missing(tmp_path):
+    """Only hyperparameters are kept when absent: a param group saved without its `params`
+    list is a checkpoint that cannot say which parameters the group holds."""
+    gen = generator()
+    path = str(tmp_path / "no-params")
+    _adam_checkpoint(path, drop=("params",))
+    model = gen.build_model()
+    with pytest.raises(MissingKeysError) as err:
+        ckptlib.load(path, {"model": model, "optim": gen.make_optim(model)})
+    assert str(err.value) == f"{path} lacks keys the state asks for: optim.param_groups.0.params"
+
+
 def test_optimizer_the_checkpoint_lacks_is_still_missing(tmp_path):
     """Keeping absent hyperparameters never hides a whole missing optimizer (one that has not
     stepped asks only for its param groups)."""

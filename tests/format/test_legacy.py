@@ -251,6 +251,17 @@ def test_pre_24_flattened_objects_load():
     assert all(r["diffs"] == [] for r in results)
 
 
+def test_pre_24_flattened_objects_merge_back_every_value():
+    """The dict DCP puts in place of a pre-2.4 'meta' is copied back value by value, past a
+    value the state already had (the same int object, skipped) to the ones that differ."""
+    meta = {"epoch": 3, "tag": "wrong"}
+    ckptlib.load(fixture_path("dcp_sharded_tensor_torch2.0"), {"meta": meta})
+    assert meta == {"epoch": 3, "tag": "golden"}
+    meta = {"epoch": {"a dict": "where the checkpoint has an int"}, "tag": "wrong"}
+    ckptlib.load(fixture_path("dcp_sharded_tensor_torch2.0"), {"meta": meta})
+    assert meta == {"epoch": 3, "tag": "golden"}
+
+
 def test_every_kind_of_fixture_is_present():
     kinds = {(fixture_info(n)["format"]) for n in FIXTURE_NAMES}
     assert kinds == {"ckptlib", "dcp", "torch_save", "v0", "safetensors"}
