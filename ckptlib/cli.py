@@ -9,11 +9,12 @@ checkpoint there). User errors print one line, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from .listing import age_seconds, human_age, human_bytes, metric_text
 
@@ -322,17 +323,36 @@ def _run_bench(bench_args: list[str]) -> int:
         return EXIT_USAGE
     if root not in sys.path:
         sys.path.insert(0, root)  # before the rank forkserver starts, so the ranks can import it too
-    if bench_args[:1] == ["scale"]:
-        from benchmarks import scale
+    with report_stdout():
+        if bench_args[:1] == ["scale"]:
+            from benchmarks import scale
 
-        return scale.main(bench_args[1:])
-    if bench_args[:1] == ["tensors"]:
-        from benchmarks import tensors
+            return scale.main(bench_args[1:])
+        if bench_args[:1] == ["tensors"]:
+            from benchmarks import tensors
 
-        return tensors.main(bench_args[1:])
-    from benchmarks import bench
+            return tensors.main(bench_args[1:])
+        from benchmarks import bench
 
-    return bench.main(bench_args)
+        return bench.main(bench_args)
+
+
+@contextlib.contextmanager
+def report_stdout() -> Iterator[None]:
+    """fd 1 points at stderr inside (ranks inherit it: gloo's C++ side prints "connected"
+    lines to stdout on some torch versions), while Python's sys.stdout keeps the real stdout
+    for the report, so `--json` output parses."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    previous, sys.stdout = sys.stdout, os.fdopen(saved, "w", closefd=False)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = previous
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _cmd_unlock(args: argparse.Namespace) -> int:
