@@ -9,11 +9,12 @@ checkpoint there). User errors print one line, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from .listing import age_seconds, human_age, human_bytes, metric_text
 
@@ -312,27 +313,46 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@contextlib.contextmanager
+def _fd1_to_stderr() -> Iterator[None]:
+    """Point fd 1 at stderr while `sys.stdout` keeps writing to the real stdout: what C++ code
+    prints to fd 1, in this process or in rank processes started meanwhile (which inherit
+    it), goes to stderr. gloo prints "[Gloo] Rank ... connected" lines there on some torch
+    versions (2.9, 2.10), which broke `ckpt bench --json` (stdout must be the report alone)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    report = open(saved, "w", encoding=getattr(sys.stdout, "encoding", None) or "utf-8", closefd=False)
+    previous, sys.stdout = sys.stdout, report
+    try:
+        yield
+    finally:
+        report.flush()
+        sys.stdout = previous
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _run_bench(bench_args: list[str]) -> int:
     """benchmarks/bench.py lives next to the package in a source checkout, not in the wheel."""
-    import os
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if not os.path.isfile(os.path.join(root, "benchmarks", "bench.py")):
         print(f"ckpt bench: error: needs a source checkout (no benchmarks/bench.py under {root})", file=sys.stderr)
         return EXIT_USAGE
     if root not in sys.path:
         sys.path.insert(0, root)  # before the rank forkserver starts, so the ranks can import it too
-    if bench_args[:1] == ["scale"]:
-        from benchmarks import scale
+    with _fd1_to_stderr():  # before the ranks start: they inherit fd 1
+        if bench_args[:1] == ["scale"]:
+            from benchmarks import scale
 
-        return scale.main(bench_args[1:])
-    if bench_args[:1] == ["tensors"]:
-        from benchmarks import tensors
+            return scale.main(bench_args[1:])
+        if bench_args[:1] == ["tensors"]:
+            from benchmarks import tensors
 
-        return tensors.main(bench_args[1:])
-    from benchmarks import bench
+            return tensors.main(bench_args[1:])
+        from benchmarks import bench
 
-    return bench.main(bench_args)
+        return bench.main(bench_args)
 
 
 def _cmd_unlock(args: argparse.Namespace) -> int:
