@@ -34,3 +34,24 @@ def test_a_plain_install_gets_the_fast_crc():
     from ckptlib.format import checksum
 
     assert checksum.FAST
+
+
+def test_bench_keeps_what_c_code_and_ranks_print_to_fd_1_off_stdout():
+    """`ckpt bench` points fd 1 at stderr while sys.stdout still reaches the real stdout: gloo's
+    C++ side prints "[Gloo] Rank ... connected" to fd 1 in the rank processes on some torch
+    versions (2.9, 2.10), which made `ckpt bench --json`'s stdout unparsable there. Checked
+    here without gloo: a raw write to fd 1 and a child process that inherits it."""
+    code = (
+        "import os, subprocess, sys\n"
+        "from ckptlib.cli import report_stdout\n"
+        "with report_stdout():\n"
+        "    os.write(1, b'raw fd 1 noise\\n')\n"
+        "    subprocess.run([sys.executable, '-c', 'print(\"child noise\")'], check=True)\n"
+        "    print('{\"report\": 1}')\n"
+        "print('after')\n"
+        "os.write(1, b'fd 1 again\\n')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == '{"report": 1}\nafter\nfd 1 again\n'
+    assert "raw fd 1 noise" in run.stderr and "child noise" in run.stderr
