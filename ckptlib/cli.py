@@ -343,9 +343,15 @@ def report_stdout() -> Iterator[None]:
     lines to stdout on some torch versions), while Python's sys.stdout keeps the real stdout
     for the report, so `--json` output parses."""
     sys.stdout.flush()
+    try:
+        on_fd1 = sys.stdout.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # captured or replaced: it does not write to fd 1
+        on_fd1 = False
     saved = os.dup(1)
     os.dup2(2, 1)
-    previous, sys.stdout = sys.stdout, os.fdopen(saved, "w", closefd=False)
+    previous = sys.stdout
+    if on_fd1:
+        sys.stdout = os.fdopen(saved, "w", closefd=False)
     try:
         yield
     finally:
