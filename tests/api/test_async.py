@@ -14,6 +14,7 @@ read; these tests use tensors large enough to take them, at several world sizes.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -259,7 +260,10 @@ def test_async_save_single_process_and_unwaited_failure_is_reported(tmp_path):
 
 _EXIT_SCRIPT = textwrap.dedent(
     """
-    import os, sys, torch, torch.distributed as dist
+    import atexit, os, sys
+    # registered before ckptlib's handler, so it runs after it (atexit is last-in, first-out)
+    atexit.register(lambda: print(sys.argv[2], file=sys.stderr, flush=True))
+    import torch, torch.distributed as dist
     import ckptlib
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world > 1:
@@ -275,6 +279,20 @@ _EXIT_SCRIPT = textwrap.dedent(
 )
 
 
+_EXIT_HANDLERS_DONE = "exit-handlers-done"
+
+
+def _gloo_teardown_abort(returncode: int, stderr: str) -> bool:
+    """gloo's known abort while C++ objects are torn down (about 1 run in 20, without ckptlib too),
+    told apart from a failure: it comes after every atexit handler, ckptlib's included, returned."""
+    lines = stderr.splitlines()
+    return (
+        returncode == -signal.SIGABRT
+        and _EXIT_HANDLERS_DONE in lines
+        and any("terminate called without an active exception" in line for line in lines[lines.index(_EXIT_HANDLERS_DONE) + 1 :])
+    )
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_exit_without_wait_still_commits(tmp_path, world):
     import socket
@@ -288,12 +306,14 @@ def test_exit_without_wait_still_commits(tmp_path, world):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
     procs = [
-        subprocess.Popen([sys.executable, str(script), uri], env=dict(env, RANK=str(r)), stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [sys.executable, str(script), uri, _EXIT_HANDLERS_DONE], env=dict(env, RANK=str(r)), stderr=subprocess.PIPE
+        )
         for r in range(world)
     ]
     for proc in procs:
         _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err.decode()
+        assert proc.returncode == 0 or _gloo_teardown_abort(proc.returncode, err.decode()), err.decode()
     assert os.path.exists(os.path.join(uri, MANIFEST_NAME))
     loaded = {"w": torch.zeros(3_000_000), "step": 0}
     assert ckptlib.load(uri, loaded).step == 9
