@@ -33,15 +33,25 @@ def _field_names(cls: type) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(cls))
 
 
+#: WriteItem's `bytes_io_data` (torch 2.8+); torch 2.7's WriteItem has only the other three.
+WRITE_ITEM_HAS_BYTES_IO = "bytes_io_data" in _field_names(WriteItem)
+
 # The codec covers exactly these fields; a torch whose classes differ sends items as themselves.
 KNOWN_FIELDS = (
-    _field_names(WriteItem) == {"index", "type", "bytes_io_data", "tensor_data"}
+    _field_names(WriteItem) - {"bytes_io_data"} == {"index", "type", "tensor_data"}
     and _field_names(TensorWriteData) == {"chunk", "properties", "size"}
     and _field_names(ChunkStorageMetadata) == {"offsets", "sizes"}
     and _field_names(MetadataIndex) == {"fqn", "offset", "index"}
     and _field_names(ReadItem) == {"type", "dest_index", "dest_offsets", "storage_index", "storage_offsets", "lengths"}
     and _field_names(WriteResult) == {"index", "size_in_bytes", "storage_data"}
 )
+
+
+def write_item_fields(index: Any, kind: Any, tensor_data: Any) -> dict[str, Any]:
+    """A tensor WriteItem's fields in this torch's field set."""
+    if WRITE_ITEM_HAS_BYTES_IO:
+        return {"index": index, "type": kind, "bytes_io_data": None, "tensor_data": tensor_data}
+    return {"index": index, "type": kind, "tensor_data": tensor_data}
 
 
 def new_dataclass(cls: type, fields: dict[str, Any]) -> Any:
@@ -96,7 +106,9 @@ def _properties_key(properties: Any) -> Any:
 
 
 def _encode_write_item(item: Any, properties: list[Any], seen: dict[Any, int]) -> Any:
-    if type(item) is not WriteItem or item.bytes_io_data is not None or type(item.type) is not WriteItemType:
+    if type(item) is not WriteItem or type(item.type) is not WriteItemType:
+        return item
+    if getattr(item, "bytes_io_data", None) is not None:
         return item
     data = item.tensor_data
     index = _index_tuple(item.index)
@@ -119,10 +131,7 @@ def _decode_write_item(entry: Any, properties: list[Any]) -> Any:
     fqn, offset, hint, kind, offsets, sizes, slot, size = entry
     chunk = new_dataclass(ChunkStorageMetadata, {"offsets": torch.Size(offsets), "sizes": torch.Size(sizes)})
     data = new_dataclass(TensorWriteData, {"chunk": chunk, "properties": properties[slot], "size": torch.Size(size)})
-    return new_dataclass(
-        WriteItem,
-        {"index": _index(fqn, offset, hint), "type": WriteItemType(kind), "bytes_io_data": None, "tensor_data": data},
-    )
+    return new_dataclass(WriteItem, write_item_fields(_index(fqn, offset, hint), WriteItemType(kind), data))
 
 
 def _decode_save_plan(cls: type, entries: list[Any], properties: list[Any], fields: dict[str, Any]) -> SavePlan:
@@ -245,4 +254,5 @@ __all__ = [
     "compact_save_plan",
     "new_dataclass",
     "placements_key",
+    "write_item_fields",
 ]

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from .. import compat
-from .plan_codec import KNOWN_FIELDS, new_dataclass, placements_key
+from .plan_codec import KNOWN_FIELDS, new_dataclass, placements_key, write_item_fields
 from .structure import find_overlap
 
 
@@ -56,12 +56,11 @@ def _item_like(template: WriteItem, fqn: str) -> WriteItem:
     properties = new_dataclass(TensorProperties, dict(data.properties.__dict__))
     return new_dataclass(
         WriteItem,
-        {
-            "index": new_dataclass(MetadataIndex, {"fqn": fqn, "offset": template.index.offset, "index": None}),
-            "type": template.type,
-            "bytes_io_data": None,
-            "tensor_data": new_dataclass(TensorWriteData, {"chunk": chunk, "properties": properties, "size": data.size}),
-        },
+        write_item_fields(
+            new_dataclass(MetadataIndex, {"fqn": fqn, "offset": template.index.offset, "index": None}),
+            template.type,
+            new_dataclass(TensorWriteData, {"chunk": chunk, "properties": properties, "size": data.size}),
+        ),
     )
 
 
