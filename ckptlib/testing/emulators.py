@@ -260,7 +260,7 @@ def azurite_binary(install: bool = True) -> str | None:
     """azurite-blob: $CKPTLIB_AZURITE, .ci/azurite/ (installed there with npm on first use), PATH."""
     explicit = os.environ.get("CKPTLIB_AZURITE")
     if explicit:
-        return explicit if os.access(explicit, os.X_OK) else None
+        return explicit if os.path.isfile(explicit) and os.access(explicit, os.X_OK) else None
     local = os.path.join(AZURITE_DIR, "node_modules", ".bin", "azurite-blob")
     if os.access(local, os.X_OK):
         return local
