@@ -9,7 +9,8 @@ What moved or changed inside the window (2.6 .. 2.13), and how ckptlib copes:
 
 - FSDP2 `fully_shard`: public at `torch.distributed.fsdp` (2.6+), formerly
   `torch.distributed._composable.fsdp`. On CPU it needs the `torch.cpu.Stream` stand-in to
-  have `record_event`; 2.6's lacks it (`fsdp2_cpu_reason`).
+  have `record_event`; 2.6's lacks it (`fsdp2_cpu_reason`). 2.7 cannot run three matrix
+  layouts on CPU: FSDP2+TP of uneven dims, HSDP on gloo, FSDP1 with shardless ranks (`layout_gap_reason`).
 - DTensor: public at `torch.distributed.tensor` (2.5+), formerly `torch.distributed._tensor`
   (`dtensor_cls`, `dtensor_api`).
 - DCP: `StorageWriter.set_up_storage_writer` / `StorageReader.set_up_storage_reader` /
@@ -61,9 +62,7 @@ def _version_tuple(version: str) -> tuple[int, int]:
 
 def check_torch_supported() -> None:
     if _version_tuple(torch.__version__) < MIN_TORCH:
-        raise UnsupportedError(
-            f"ckptlib needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}, found {torch.__version__}"
-        )
+        raise UnsupportedError(f"ckptlib needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}, found {torch.__version__}")
 
 
 def _import_first(*candidates: tuple[str, str]) -> Any | None:
@@ -89,14 +88,9 @@ def fully_shard_fn() -> Any | None:
 
 
 def _cpu_stream_problems() -> list[str]:
-    """What FSDP2's stream handling needs from the CPU device module's `Stream` but lacks.
-
-    FSDP2 drives streams through the device module of the mesh's device type (`torch.cpu`
-    for a CPU mesh), not through `torch.Stream`: torch 2.6's `torch.Stream` has
-    `record_event`, but its `torch.cpu.Stream` stand-in does not, and that stand-in is what
-    `fully_shard` trips over on CPU. So the probe checks `torch.cpu.Stream` and calls the
-    method on an instance (the stand-in is a plain Python class: calling it is free).
-    """
+    """What FSDP2's stream handling needs from `torch.cpu.Stream` (the device module of a CPU
+    mesh, not `torch.Stream`) but lacks: 2.6's stand-in has no `record_event`. The method is
+    called on an instance (the stand-in is a plain Python class: calling it is free)."""
     cpu = getattr(torch, "cpu", None)
     stream_cls = getattr(cpu, "Stream", None)
     if stream_cls is None:
@@ -116,12 +110,8 @@ def _cpu_stream_problems() -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def fsdp2_cpu_reason() -> str | None:
-    """Why FSDP2 cannot train on CPU with gloo here, or None when it can.
-
-    torch 2.6's FSDP2 calls `record_event` on `torch.cpu.Stream`, which that torch lacks
-    (`fully_shard` on CPU fails with "'Stream' object has no attribute 'record_event'");
-    2.9.1 and 2.13 have it. Checked through the class itself, not the version string.
-    """
+    """Why FSDP2 cannot train on CPU with gloo here, or None when it can: torch 2.6's FSDP2
+    calls `record_event` on `torch.cpu.Stream`, which that torch lacks (checked on the class)."""
     if fully_shard_fn() is None:
         return f"torch {torch.__version__} has no FSDP2 fully_shard"
     problems = _cpu_stream_problems()
@@ -153,12 +143,8 @@ def fsdp2_reason(device_type: str = "cpu") -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def fsdp1_cpu_reason() -> str | None:
-    """Why FSDP1 (`FullyShardedDataParallel`) cannot run on CPU here, or None.
-
-    Without `device_id` FSDP1 wants "the current accelerator" and refuses a CPU-only
-    machine ("FSDP needs a non-CPU accelerator device"); with `device_id=torch.device("cpu")`
-    it runs on CPU with gloo (checked on 2.13). Probed through its constructor's signature.
-    """
+    """Why FSDP1 cannot run on CPU here, or None: it needs `device_id=torch.device("cpu")` (without
+    it, "FSDP needs a non-CPU accelerator device"); probed through its constructor's signature."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError as exc:
@@ -168,14 +154,45 @@ def fsdp1_cpu_reason() -> str | None:
     return None
 
 
-def distribute_locally(tensor: torch.Tensor, mesh: Any, placements: Any) -> Any:
-    """A DTensor of `tensor` (identical on every rank) cut locally, without communication.
+@functools.lru_cache(maxsize=None)
+def _source_has(module: str, qualname: str, text: str) -> bool:
+    """Whether the source of torch's `module.qualname` contains `text` (False if unreadable)."""
+    try:
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        return text in inspect.getsource(obj)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
 
-    `distribute_tensor` scatters from rank 0 by default, and its scatter asserts for uneven
-    `_StridedShard` dims (FSDP2 over TP of a dim that splits unevenly), which is what
-    `set_model_state_dict(full_state_dict=True)` runs into; `src_data_rank=None` (torch
-    2.6+) only splits locally.
-    """
+
+#: layout -> (where, the code that fails, why): torch gaps that stop a matrix layout on CPU (2.7).
+_LAYOUT_GAPS = {
+    "fsdp2+tp": ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam._init_sharded_param",
+                 "FSDP+TP sharding does not support uneven",
+                 "FSDP2 over tensor parallel refuses a dim 0 that splits unevenly"),
+    "hsdp": ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "foreach_reduce",
+             "op=ReduceOp.AVG if predivide_factor is None",
+             "HSDP all-reduces gradients with ReduceOp.AVG, which gloo lacks"),
+    "fsdp1": ("torch.distributed.checkpoint.state_dict", "_get_model_state_dict", "p.is_meta",
+              "get_model_state_dict asks each FSDP1 ShardedTensor is_meta, which raises 'Only single local shard "
+              "is supported.' on a rank that holds no shard of it (the others then hang in the next collective)"),
+}
+
+
+def layout_gap_reason(layout: str) -> str | None:
+    """Why this torch cannot run a parallelism layout of the test matrix on CPU (probed in torch's
+    source: the gap itself, not a version), or None. fsdp1-flat shares fsdp1's."""
+    gap = _LAYOUT_GAPS.get("fsdp1" if layout == "fsdp1-flat" else layout)
+    if gap is None or not _source_has(*gap[:3]):
+        return None
+    return f"torch {torch.__version__}: {gap[3]}"
+
+
+def distribute_locally(tensor: torch.Tensor, mesh: Any, placements: Any) -> Any:
+    """A DTensor of `tensor` (identical on every rank) cut locally, without communication:
+    `distribute_tensor`'s default scatter asserts for uneven `_StridedShard` dims (FSDP2 over TP);
+    `src_data_rank=None` (torch 2.6+) only splits locally."""
     from torch.distributed.tensor import distribute_tensor
 
     if "src_data_rank" in inspect.signature(distribute_tensor).parameters:
@@ -254,11 +271,8 @@ def flatten_state_dict(state_dict: dict) -> tuple[dict, dict]:
 
 
 def flatten_state_dict_pre_2_4(state_dict: dict) -> tuple[dict, dict]:
-    """Flatten with the key rules of torch <= 2.3 (nested dicts of plain values stayed one key).
-
-    torch 2.4 changed flattening (pytorch/pytorch#133923); DCP's planner falls back to the
-    old rules when a checkpoint's keys match them, and so must our key checks.
-    """
+    """Flatten with the key rules of torch <= 2.3 (nested dicts of plain values stayed one key):
+    torch 2.4 changed them (pytorch/pytorch#133923); DCP falls back to the old rules, so must we."""
     from torch.distributed.checkpoint import _version
 
     previous = _version._derived_version
@@ -367,11 +381,7 @@ def dcp_accepts(name: str, argument: str) -> bool:
 
 def dcp_save_no_dist(state_dict: dict, *, storage_writer: Any, planner: Any = None) -> Any:
     """`dcp.save(..., no_dist=True)`: one process, no collectives, even inside a process group.
-
-    torch 2.6's `dcp.save` has no `no_dist` (it decides from `dist.is_initialized()`, so in
-    a distributed job it would run collectives); its private `_save_state_dict` takes it
-    in every torch of the window.
-    """
+    torch 2.6's `dcp.save` lacks `no_dist`; its private `_save_state_dict` takes it everywhere."""
     import torch.distributed.checkpoint as dcp
 
     if dcp_accepts("save", "no_dist"):
@@ -416,11 +426,8 @@ class _NotAllowlisted:
 
 @functools.lru_cache(maxsize=None)
 def load_weights_only_default() -> bool:
-    """Whether a bare `torch.load(f)` unpickles with weights_only=True here.
-
-    True from torch 2.6 on unless TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set. Measured, not
-    looked up: ckptlib passes weights_only explicitly everywhere, this is for reports.
-    """
+    """Whether a bare `torch.load(f)` unpickles with weights_only=True here (2.6+, unless
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD); measured for reports: ckptlib always passes it."""
     buf = io.BytesIO()
     torch.save({"probe": _NotAllowlisted()}, buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)
     buf.seek(0)
@@ -626,6 +633,7 @@ def describe() -> dict[str, Any]:
         "nccl": nccl_available(),
         "fully_shard": None if fully_shard_fn() is None else fully_shard_fn().__module__,
         "fsdp2_cpu": fsdp2_cpu_reason() or "ok",
+        "cpu_layout_gaps": {name: layout_gap_reason(name) or "ok" for name in _LAYOUT_GAPS},
         "dtensor_module": dtensor_module_name(),
         "storage_info_fields": list(storage_info_fields()),
         "load_planner_allow_partial_load": dcp_accepts("DefaultLoadPlanner", "allow_partial_load"),

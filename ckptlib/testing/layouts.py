@@ -49,10 +49,11 @@ class Layout:
 
     def unavailable_reason(self, device: str = "cpu") -> str | None:
         """Why this torch cannot run the layout on `device`, or None."""
+        gap = compat.layout_gap_reason(self.name) if device == "cpu" else None
         if self.name in ("fsdp2", "hsdp", "fsdp2+tp"):
-            return compat.fsdp2_reason(device)
+            return compat.fsdp2_reason(device) or gap
         if self.name in ("fsdp1", "fsdp1-flat") and device == "cpu":
-            return compat.fsdp1_cpu_reason()
+            return compat.fsdp1_cpu_reason() or gap
         return None
 
 

@@ -15,11 +15,14 @@ process and reused by every load.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 import ckptlib.testing
+from ckptlib import compat
+from ckptlib.testing.launch_errors import RankError
 from ckptlib.testing import layout_matrix as lm
 from ckptlib.testing import layouts as lay
 from ckptlib.testing import validate
@@ -95,6 +98,7 @@ def test_2d_layouts_only_at_even_sizes_from_4():
 def test_ckpt_validate_layouts_names_both_layouts(capsys):
     from ckptlib import cli
 
+    _skip_unavailable("fsdp2+tp", "tp")
     argv = ["validate", "--layouts", "fsdp2+tp,tp", "--world-sizes", "2,4", "--pairs", "covering", "--json"]
     rc = cli.main(argv)
     doc = json.loads(capsys.readouterr().out)
@@ -175,3 +179,45 @@ def test_users_own_model_over_layout_pairs(case, tmp_path, dist_run):
     expected = dist_run(case.save_ws, ckptlib.testing.save_layout, uri, case.save_layout, spec=USER_SPEC)[0]
     problems = dist_run(case.load_ws, ckptlib.testing.load_layout, uri, case.load_layout, expected, spec=USER_SPEC)
     assert problems == [[]] * case.load_ws
+
+
+def _fsdp1_state_dict_with_a_shardless_rank() -> str:
+    """get_model_state_dict of FSDP1 over a Linear(4, 1) on 2 ranks: its sharded state dict cuts
+    each parameter's dim 0 (1 row) into chunks, so rank 1 holds no shard of either."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(torch.nn.Linear(4, 1), device_id=torch.device("cpu"), use_orig_params=True)
+    try:
+        return "ok" if sorted(get_model_state_dict(model)) == ["bias", "weight"] else "keys differ"
+    except Exception as exc:  # noqa: BLE001 - the text is the result
+        return f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+
+
+@pytest.mark.parametrize("layout,failure", [
+    ("fsdp2+tp", "FSDP+TP sharding does not support uneven sharding"),
+    ("hsdp", "Cannot use ReduceOp.AVG with Gloo"),
+])
+def test_layout_gap_probe_matches_reality(layout, failure, tmp_path, dist_run):
+    """Where compat.layout_gap_reason says a layout cannot run on CPU (torch 2.7), a 4-rank
+    save of the matrix model fails with torch's own error; where it can, the matrix runs it."""
+    other = compat.fsdp2_reason("cpu")
+    if other or compat.layout_gap_reason(layout) is None:
+        pytest.skip(other or f"{layout} runs on this torch: test_save_layout_load_layout covers it")
+    with pytest.raises(RankError, match=re.escape(failure)):
+        dist_run(4, lm.save_layout, str(tmp_path / "ckpt"), layout)
+
+
+def test_fsdp1_gap_probe_matches_reality(dist_run):
+    """The FSDP1 gap (DCP asks a shardless rank's ShardedTensor is_meta, which raises) is
+    probed exactly where it exists."""
+    if compat.fsdp1_cpu_reason():
+        pytest.skip(compat.fsdp1_cpu_reason())
+    outcomes = dist_run(2, _fsdp1_state_dict_with_a_shardless_rank)
+    if compat.layout_gap_reason("fsdp1") is None:
+        assert outcomes == ["ok", "ok"]
+    else:
+        assert outcomes[0] == "ok" and outcomes[1].startswith(
+            "rank 1: NotImplementedError: Only single local shard is supported."), outcomes
