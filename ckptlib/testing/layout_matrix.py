@@ -158,51 +158,82 @@ def load_layout(uri: str, layout: str, expected: dict[str, Any], optim: str = "a
     train_step(spec, model, opt, steps)
     resumed = full_state(model, opt)
     ref_model, ref_opt = build(spec, layout, optim, seed=2, group=group, groups_2d=groups_2d)
-    set_full_state(ref_model, ref_opt, expected)
+    set_full_state(ref_model, ref_opt, expected, local_indices(spec, layout, optim, group=group, groups_2d=groups_2d))
     train_step(spec, ref_model, ref_opt, steps)
     problems += matrix.differences(full_state(ref_model, ref_opt), resumed, "train-after-load")
     return problems
 
 
-def set_full_state(model: nn.Module, optim: torch.optim.Optimizer, full: dict[str, Any]) -> None:
+def set_full_state(model: nn.Module, optim: torch.optim.Optimizer, full: dict[str, Any],
+                   indices: dict[str, torch.Tensor] | None = None) -> None:
     """Give a parallelized model and its optimizer the unsharded state `full` (the same on
-    every rank), without a checkpoint: the never-checkpointed reference run."""
-    set_full_model(model, full["model"])
-    set_full_optimizer(model, optim, full["optim"])
+    every rank), without a checkpoint: the never-checkpointed reference run. `indices`
+    (`local_indices`) cuts DTensors exactly as the layout did."""
+    set_full_model(model, full["model"], indices)
+    set_full_optimizer(model, optim, full["optim"], indices)
 
 
-def set_full_model(model: nn.Module, full: dict[str, Any]) -> None:
-    """DTensor layouts are cut locally (see `compat.distribute_locally`); others (plain,
-    DDP, FSDP1's ShardedTensors) go through DCP's full-state setter."""
+def local_indices(spec: ModelSpec, layout: str, optim: str, *, group=None, groups_2d=None) -> dict[str, torch.Tensor]:
+    """{parameter FQN: the flat indices, into the full parameter, of this rank's local shard}
+    under `layout`: the spec's model with every parameter numbering its own elements,
+    parallelized like the real one. Needed where DTensor's own cut of a `_StridedShard` over
+    an uneven dim differs from FSDP2's (torch 2.8: 8 rows against FSDP2's 9 of 37)."""
+    def numbered(seed: int) -> nn.Module:
+        model = spec.build(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if not param.is_floating_point() or param.numel() > 2 ** 24:
+                    raise ValueError(f"{name}: cannot number {param.numel()} {param.dtype} elements exactly")
+                param.copy_(torch.arange(param.numel(), dtype=torch.float64).view_as(param))
+        return model
+
+    model, _ = build(dataclasses.replace(spec, build=numbered), layout, optim, seed=0, group=group,
+                     groups_2d=groups_2d)
+    return {fqn: value.to_local().long() for fqn, value in get_model_state_dict(model).items()
+            if hasattr(value, "to_local")}
+
+
+def set_full_model(model: nn.Module, full: dict[str, Any], indices: dict[str, torch.Tensor] | None = None) -> None:
+    """DTensor layouts are cut locally (by `indices`, else `compat.distribute_locally`); others
+    (plain, DDP, FSDP1's ShardedTensors) go through DCP's full-state setter."""
     msd = get_model_state_dict(model)
     if any(_is_sharded_tensor(v) for v in msd.values()):
         set_model_state_dict(model, matrix._to_cpu(full), options=StateDictOptions(full_state_dict=True))
     else:
-        set_model_state_dict(model, _like(msd, full))
+        set_model_state_dict(model, _like(msd, full, indices or {}))
 
 
-def set_full_optimizer(model: nn.Module, optim: torch.optim.Optimizer, full: dict[str, Any]) -> None:
+def set_full_optimizer(model: nn.Module, optim: torch.optim.Optimizer, full: dict[str, Any],
+                       indices: dict[str, torch.Tensor] | None = None) -> None:
     if any(_is_sharded_tensor(v) for v in get_model_state_dict(model).values()):
         set_optimizer_state_dict(model, optim, matrix._to_cpu(full), options=StateDictOptions(full_state_dict=True))
     else:  # get_optimizer_state_dict initializes an empty optimizer's state first
-        set_optimizer_state_dict(model, optim, _like(get_optimizer_state_dict(model, optim), full))
+        set_optimizer_state_dict(model, optim, _like(get_optimizer_state_dict(model, optim), full, indices or {}))
 
 
 def _is_sharded_tensor(value: Any) -> bool:
     return type(value).__name__ == "ShardedTensor"  # FSDP1's sharded state dicts
 
 
-def _like(template: Any, full: Any) -> Any:
-    """`full` with each tensor placed like the template's tensor at the same key."""
+def _like(template: Any, full: Any, indices: dict[str, torch.Tensor], path: tuple = ()) -> Any:
+    """`full` with each tensor placed like the template's tensor at the same key: a DTensor
+    below a parameter's FQN in `indices` (a model's key, an optimizer's "state" key) is cut by
+    those indices, any other by `compat.distribute_locally`."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(full, dict):
         sub = template if isinstance(template, dict) else {}
-        return {k: _like(sub.get(k), v) for k, v in full.items()}
+        return {k: _like(sub.get(k), v, indices, (*path, k)) for k, v in full.items()}
     if isinstance(full, torch.Tensor):
-        if isinstance(template, DTensor):
+        if not isinstance(template, DTensor):
+            return full.clone()
+        fqn = next((key for key in reversed(path) if key in indices), None)
+        if fqn is None or full.shape != template.shape:
             return compat.distribute_locally(full.clone(), template.device_mesh, template.placements)
-        return full.clone()
+        index = indices[fqn]
+        local = full.reshape(-1)[index.reshape(-1)].view(index.shape).clone()
+        return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
+                                  shape=template.shape, stride=template.stride())
     return full
 
 
