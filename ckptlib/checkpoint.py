@@ -29,7 +29,7 @@ from .format.source import inspect_checkpoint, open_reader
 from .gc_pause import gc_paused
 from .load_keys import Rename, build_request, select_entries
 from .observe import log_operation, mib_per_s
-from .state import to_load_target, to_save_state_dict
+from .state import CollectiveSteps, apply_all, to_load_target, to_save_state_dict
 from .steps import check_step
 from .storage import Storage, as_storage
 
@@ -211,15 +211,22 @@ def start_async_save(
     return handle
 
 
+def _agreement(group) -> Callable[[Callable[[], Any]], Any] | None:
+    """`_dist.agree` on `group`, for CollectiveSteps; None in a single process."""
+    return (lambda fn: _dist.agree(fn, group)) if _dist.is_distributed() else None
+
+
 def _check_and_collect(
     state: Mapping[str, Any], step, metadata, metrics, group, *, stage: bool = False
 ) -> tuple[tuple[dict[str, Any], dict[str, Any], int | None], dict[str, Any]]:
     """Every check of a save's arguments and the state dict to write (staged to CPU memory
     when `stage`), run inside one collective round (`_dist.agree`)."""
-    user_metadata = check_metadata_json(metadata)
-    checked_metrics = check_metrics(metrics)
-    checked_step = None if step is None else check_step(step)
-    state_dict = to_save_state_dict(state, rank=_dist.get_rank(group))
+    # agreed first: a rank failing here must not skip the collective steps the others then take
+    user_metadata, checked_metrics, checked_step = _dist.agree(
+        lambda: (check_metadata_json(metadata), check_metrics(metrics), None if step is None else check_step(step)),
+        group,
+    )
+    state_dict = to_save_state_dict(state, rank=_dist.get_rank(group), agree=_agreement(group))
     if stage:
         state_dict = background_save.stage(state_dict, group)  # the copy the background writes
     return (user_metadata, checked_metrics, checked_step), state_dict
@@ -424,7 +431,8 @@ def _load(
 
     plan = _dist.agree(
         lambda: to_load_target(
-            selected, rank=rank, world_size=world, saved_world_size=info.world_size, step=info.step, strict=strict
+            selected, rank=rank, world_size=world, saved_world_size=info.world_size, step=info.step, strict=strict,
+            agree=_agreement(group),
         ),
         group,
     )
@@ -472,15 +480,19 @@ def _load(
     except compat.checkpoint_exception_cls() as exc:
         raise _unwrap_dcp_error(exc) from exc
 
-    def apply() -> None:
-        if keyed is not None:
-            keyed.copy_back()
-        for applier in plan.appliers:
-            applier()
+    def give_back() -> None:
         if selected is not state:  # plain values replaced in the selection go back to the caller's mapping
             for name, value in selected.items():
                 if state[name] is not value:
                     state[name] = value  # type: ignore[index]
+
+    def apply() -> None:
+        steps = CollectiveSteps(_agreement(group))
+        if keyed is not None:
+            steps.local(keyed.copy_back)
+        apply_all(plan, steps)
+        steps.local(give_back)
+        steps.finish()
 
     _dist.agree(apply, group)
     result = LoadResult(

@@ -188,23 +188,71 @@ def _validate(state: Any) -> None:
             _check_tree(value, name)
 
 
-def to_save_state_dict(state: Mapping[str, Any], *, rank: int) -> dict[str, Any]:
-    """The DCP state dict to save for `state` on this rank."""
+Agree = Callable[[Callable[[], Any]], Any]
+
+
+class CollectiveSteps:
+    """Runs a state's steps so that a failure on one rank never leaves the others inside torch's
+    next collective (a module's or optimizer's state dict, get or set, may run collectives:
+    FSDP1's do): each such step ends in `agree` (`_dist.agree`), which raises on every rank
+    once any rank failed; a local step's error waits for the next such step, or `finish`
+    (one more agreement), so the steps end the same way on every rank. Without `agree` (one
+    process) every step just runs."""
+
+    def __init__(self, agree: Agree | None = None):
+        self._agree = agree
+        self._error: Exception | None = None
+
+    def local(self, fn: Callable[[], Any], default: Any = None) -> Any:
+        if self._agree is None:
+            return fn()
+        if self._error is None:
+            try:
+                return fn()
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by the next collective step
+                self._error = exc
+        return default
+
+    def collective(self, fn: Callable[[], Any]) -> Any:
+        if self._agree is None:
+            return fn()
+
+        def run() -> Any:
+            if self._error is not None:
+                raise self._error
+            return fn()
+
+        return self._agree(run)
+
+    def finish(self) -> None:
+        if self._agree is not None:
+            self.collective(lambda: None)
+
+
+def _checked(state: Mapping[str, Any]) -> tuple[list[tuple[str, Any]], dict[str, nn.Module]]:
     _validate(state)
-    modules = _modules(state)
+    return list(state.items()), _modules(state)
+
+
+def to_save_state_dict(state: Mapping[str, Any], *, rank: int, agree: Agree | None = None) -> dict[str, Any]:
+    """The DCP state dict to save for `state` on this rank (`agree`: see CollectiveSteps)."""
+    steps = CollectiveSteps(agree)
+    items, modules = steps.collective(lambda: _checked(state))  # every rank then runs as many steps
     out: dict[str, Any] = {}
-    for name, value in state.items():
+    for name, value in items:
         if isinstance(value, nn.Module):
-            out[name] = get_model_state_dict(value)
+            out[name] = steps.collective(lambda v=value: get_model_state_dict(v))
         elif isinstance(value, torch.optim.Optimizer):
-            out[name] = get_optimizer_state_dict(_owner_module(name, value, modules), value)
+            out[name] = steps.collective(
+                lambda n=name, v=value: get_optimizer_state_dict(_owner_module(n, v, modules), v))
         elif isinstance(value, RankLocal):
-            out[name] = {_rank_key(rank): value.state_dict()}
+            out[name] = steps.local(lambda v=value: {_rank_key(rank): v.state_dict()})
         elif _is_stateful(value):
-            out[name] = value.state_dict()
+            out[name] = steps.local(value.state_dict)
         else:
             out[name] = value
-    _check_picklable(out, "")
+    steps.local(lambda: _check_picklable(out, ""))
+    steps.finish()
     return out
 
 
@@ -250,7 +298,7 @@ class LoadTarget:
     """What DCP loads into (`template`) and how to hand the loaded values back."""
 
     template: dict[str, Any]
-    appliers: list[Callable[[], None]]
+    appliers: list[tuple[Callable[[], None], bool]]  # (hand back, may run collectives: see CollectiveSteps)
     notes: list[str]
     # Flat keys the checkpoint may lack; the state keeps its own value for them: optimizer
     # hyperparameters a newer torch added (Adam's `decoupled_weight_decay` is absent from a
@@ -266,68 +314,83 @@ def to_load_target(
     saved_world_size: int | None,
     step: int | None,
     strict: bool,
+    agree: Agree | None = None,
 ) -> LoadTarget:
-    """Build the template DCP loads into, and the callbacks that apply it to `state`."""
-    _validate(state)
-    modules = _modules(state)
+    """Build the template DCP loads into, and the callbacks that apply it to `state`
+    (`agree`: see CollectiveSteps; `apply_all` runs the callbacks)."""
+    steps = CollectiveSteps(agree)
+    items, modules = steps.collective(lambda: _checked(state))  # every rank then runs as many steps
     template: dict[str, Any] = {}
-    appliers: list[Callable[[], None]] = []
+    appliers: list[tuple[Callable[[], None], bool]] = []
     notes: list[str] = []
     options = StateDictOptions(strict=strict)
 
-    for name, value in state.items():
+    for name, value in items:
         if isinstance(value, nn.Module):
-            template[name] = get_model_state_dict(value)
-            appliers.append(lambda m=value, n=name: set_model_state_dict(m, template[n], options=options))
+            template[name] = steps.collective(lambda v=value: get_model_state_dict(v))
+            appliers.append((lambda m=value, n=name: set_model_state_dict(m, template[n], options=options), True))
         elif isinstance(value, torch.optim.Optimizer):
-            owner = _owner_module(name, value, modules)
-            template[name] = get_optimizer_state_dict(owner, value)
+            owner = steps.local(lambda n=name, v=value: _owner_module(n, v, modules))
+            template[name] = steps.collective(lambda o=owner, v=value: get_optimizer_state_dict(o, v))
             appliers.append(
-                lambda o=value, m=owner, n=name: set_optimizer_state_dict(m, o, template[n], options=options)
+                (lambda o=value, m=owner, n=name: set_optimizer_state_dict(m, o, template[n], options=options), True)
             )
         elif isinstance(value, RankLocal):
-            saved = saved_world_size if saved_world_size is not None else world_size
-            merge = getattr(value.policy, "merge", None)
-            if saved != world_size and callable(merge):
-                notes.append(
-                    f"state[{name!r}]: saved by {saved} ranks, loading on {world_size}; rank {rank} merges "
-                    f"every saved rank's per-rank state ({type(value.policy).__name__})"
-                )
-                # One copy per saved rank: a state_dict() may hand out the same object twice.
-                template[name] = {_rank_key(r): copy.deepcopy(value.state_dict()) for r in range(saved)}
-                appliers.append(lambda v=value, n=name, k=saved, m=merge: v.load_state_dict(
-                    m([template[n][_rank_key(r)] for r in range(k)], rank, world_size)))
-                continue
-            source = rank if saved == world_size else value.policy.source_rank(rank, saved, world_size)
-            if saved != world_size:
-                what = f"restores saved rank {source}'s" if source is not None else "starts fresh"
-                notes.append(
-                    f"state[{name!r}]: saved by {saved} ranks, loading on {world_size}; rank {rank} {what} "
-                    f"per-rank state ({type(value.policy).__name__})"
-                )
-            if source is None:
-                appliers.append(lambda v=value: v.start_fresh(step, rank))
-                continue
-            key = _rank_key(source)
-            template[name] = {key: value.state_dict()}
-            appliers.append(lambda v=value, n=name, k=key: v.load_state_dict(template[n][k]))
+            entry = steps.local(lambda n=name, v=value: _rank_local_entry(
+                n, v, rank=rank, world_size=world_size, saved_world_size=saved_world_size, step=step, template=template))
+            if entry is not None:
+                applier, note = entry
+                appliers.append((applier, False))
+                notes += [note] if note else []
         elif _is_stateful(value):
-            template[name] = value.state_dict()
-            appliers.append(lambda v=value, n=name: v.load_state_dict(template[n]))
+            template[name] = steps.local(value.state_dict)
+            appliers.append((lambda v=value, n=name: v.load_state_dict(template[n]), False))
         elif isinstance(value, Mapping):
             template[name] = value  # loaded in place: tensors copied into, plain values replaced
             # DCP may replace a whole sub-dict (pre-2.4 checkpoints keyed a dict of plain
             # values as one item); copy such replacements back into the caller's dicts.
-            appliers.append(lambda v=value, n=name: _merge_back(v, template[n]))
+            appliers.append((lambda v=value, n=name: _merge_back(v, template[n]), False))
         elif isinstance(value, torch.Tensor):
             template[name] = value
         else:
             template[name] = value
-            appliers.append(lambda n=name: _set_plain(state, n, template[n]))
+            appliers.append((lambda n=name: _set_plain(state, n, template[n]), False))
+    steps.finish()
     for note in notes:
         warnings.warn(note, ResizeWarning, stacklevel=_stacklevel_outside_ckptlib())
-    optimizers = {name for name, value in state.items() if isinstance(value, torch.optim.Optimizer)}
+    optimizers = {name for name, value in items if isinstance(value, torch.optim.Optimizer)}
     return LoadTarget(template=template, appliers=appliers, notes=notes, keep_if_absent=_hyperparameter_keys(template, optimizers))
+
+
+def _rank_local_entry(name: str, value: RankLocal, *, rank: int, world_size: int, saved_world_size: int | None,
+                      step: int | None, template: dict[str, Any]) -> tuple[Callable[[], None], str | None]:
+    """A RankLocal's template (put into `template`), its applier and its resize note."""
+    saved = saved_world_size if saved_world_size is not None else world_size
+    merge = getattr(value.policy, "merge", None)
+    if saved != world_size and callable(merge):
+        # One copy per saved rank: a state_dict() may hand out the same object twice.
+        template[name] = {_rank_key(r): copy.deepcopy(value.state_dict()) for r in range(saved)}
+        note = (f"state[{name!r}]: saved by {saved} ranks, loading on {world_size}; rank {rank} merges "
+                f"every saved rank's per-rank state ({type(value.policy).__name__})")
+        return (lambda: value.load_state_dict(merge([template[name][_rank_key(r)] for r in range(saved)], rank,
+                                                    world_size))), note
+    source = rank if saved == world_size else value.policy.source_rank(rank, saved, world_size)
+    note = None
+    if saved != world_size:
+        what = f"restores saved rank {source}'s" if source is not None else "starts fresh"
+        note = (f"state[{name!r}]: saved by {saved} ranks, loading on {world_size}; rank {rank} {what} "
+                f"per-rank state ({type(value.policy).__name__})")
+    if source is None:
+        return (lambda: value.start_fresh(step, rank)), note
+    key = _rank_key(source)
+    template[name] = {key: value.state_dict()}
+    return (lambda: value.load_state_dict(template[name][key])), note
+
+
+def apply_all(target: LoadTarget, steps: CollectiveSteps) -> None:
+    """Run `target`'s appliers as `steps`, collective ones (modules, optimizers) as such."""
+    for applier, collective in target.appliers:
+        (steps.collective if collective else steps.local)(applier)
 
 
 def _hyperparameter_keys(template: dict[str, Any], optimizers: set[str]) -> frozenset[str]:

@@ -1,0 +1,70 @@
+"""A failure on one rank in the middle of a state's collective steps (a module's state dict,
+get or set, before an FSDP1 module whose state dict gathers across ranks) is raised on every
+rank as a CheckpointError naming that rank, never a hang (torch 2.7's FSDP1 state dicts fail
+this way on a rank that holds no shard of a parameter)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import ckptlib
+from ckptlib import compat
+from ckptlib.format import MANIFEST_NAME
+
+pytestmark = pytest.mark.skipif(compat.fsdp1_cpu_reason() is not None, reason=str(compat.fsdp1_cpu_reason()))
+
+
+def _fail(*_args, **_kwargs):
+    raise RuntimeError("hook failed on rank 1")
+
+
+def _state(fail_in: str | None) -> dict:
+    """A plain module that fails on rank 1 (in `fail_in`), then FSDP1 and its optimizer."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    broken = nn.Linear(2, 2)
+    if dist.get_rank() == 1 and fail_in == "state_dict":
+        broken.register_state_dict_pre_hook(_fail)
+    if dist.get_rank() == 1 and fail_in == "load_state_dict":
+        broken.register_load_state_dict_pre_hook(_fail)
+    model = FullyShardedDataParallel(nn.Linear(8, 8), device_id=torch.device("cpu"), use_orig_params=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 8)).sum().backward()
+    optim.step()
+    return {"broken": broken, "model": model, "optim": optim}
+
+
+def _outcome(action) -> str:
+    try:
+        action()
+        return "ok"
+    except ckptlib.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _save(uri: str, fail_in: str | None) -> str:
+    state = _state(fail_in)
+    return _outcome(lambda: ckptlib.save(uri, state, step=1))
+
+
+def _load(uri: str, fail_in: str | None) -> str:
+    state = _state(fail_in)
+    return _outcome(lambda: ckptlib.load(uri, state))
+
+
+@pytest.mark.parametrize("action,fail_in", [("save", "state_dict"), ("load", "state_dict"), ("load", "load_state_dict")],
+                         ids=["save-state_dict", "load-state_dict", "load-load_state_dict"])
+def test_a_rank_failing_before_an_fsdp1_state_dict_fails_every_rank(tmp_path, dist_run, action, fail_in):
+    uri = str(tmp_path / "ckpt")
+    if action == "load":
+        assert dist_run(2, _save, uri, None, timeout=120) == ["ok", "ok"]
+    outcomes = dist_run(2, _save if action == "save" else _load, uri, fail_in, timeout=120)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.startswith("CheckpointError: rank 1: RuntimeError: hook failed on rank 1"), (rank, outcome)
+    assert os.path.exists(os.path.join(uri, MANIFEST_NAME)) == (action == "load")
