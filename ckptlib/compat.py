@@ -176,7 +176,7 @@ _LAYOUT_GAPS = {
              "HSDP all-reduces gradients with ReduceOp.AVG, which gloo lacks"),
     "fsdp1": ("torch.distributed.checkpoint.state_dict", "_get_model_state_dict", "p.is_meta",
               "get_model_state_dict asks each FSDP1 ShardedTensor is_meta, which raises 'Only single local shard "
-              "is supported.' on a rank that holds no shard of it (the others then hang in the next collective)"),
+              "is supported.' on a rank that holds no shard of it"),
 }
 
 
