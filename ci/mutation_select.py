@@ -114,7 +114,10 @@ def select(args: list[str], map_path: str, pristine_dir: str | None, spawning: s
         return args, "whole selection: covered only outside tests"
     added = set(cov.get("spawning", [])) - tests if spawning == "add" else set()
     durations = cov.get("durations", {})
-    ordered = sorted(tests | added, key=lambda t: (durations.get(t, 1e9), t))
+    # the covering tests first, fastest first, then the spawning ones: under `pytest -x` those run
+    # only when no covering test killed the mutant
+    ordered = sorted(tests, key=lambda t: (durations.get(t, 1e9), t))
+    ordered += sorted(added, key=lambda t: (durations.get(t, 1e9), t))
     options = [a for a in args if not a.startswith("tests/")]
     where = ", ".join(f"{name}:{','.join(map(str, lines))}" for name, lines in changed.items())
     return options + ordered, f"{len(tests)} covering tests (+{len(added)} spawning) for {where}"
