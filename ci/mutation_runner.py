@@ -100,11 +100,13 @@ def test(path: str, timeout: float, args: list[str], map_path: str | None = None
 
         args, why = select(args, map_path, pristine, spawning)
         print(f"[mutation selection] {why}", flush=True)
+    started = time.monotonic()
     client = socket.socket(socket.AF_UNIX)
     client.connect(path)
     client.sendall((json.dumps({"args": args, "timeout": timeout, "cwd": os.getcwd()}) + "\n").encode())
     reply = json.loads(client.makefile().readline())
     sys.stdout.write(reply["output"])
+    print(f"\n[mutation runner] {time.monotonic() - started:.1f} s", flush=True)
     return 0 if reply["code"] == 0 else 1
 
 

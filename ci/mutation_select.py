@@ -120,4 +120,7 @@ def select(args: list[str], map_path: str, pristine_dir: str | None, spawning: s
     ordered += sorted(added, key=lambda t: (durations.get(t, 1e9), t))
     options = [a for a in args if not a.startswith("tests/")]
     where = ", ".join(f"{name}:{','.join(map(str, lines))}" for name, lines in changed.items())
-    return options + ordered, f"{len(tests)} covering tests (+{len(added)} spawning) for {where}"
+    why = f"{len(tests)} covering tests (+{len(added)} spawning) for {where}"
+    if added:
+        why += "; spawning tests added: " + " ".join(sorted(added))
+    return options + ordered, why
