@@ -117,7 +117,7 @@ IMPORT_TIME = "<import>"  # lines run before the first test: collection, conftes
 def coverage(map_path: str, files: list[str], args: list[str]) -> int:
     """Run pytest in this process under coverage.py with one dynamic context per test (its node
     id) and write {"lines": {file: {line: [node ids or "<import>"]}}, "durations": {node id: s},
-    "spawning": [node ids that started a process: ranks, CLI runs], "sha256": {file: digest}}."""
+    "spawning": [node ids that started a process: ranks, CLI runs, os.fork], "sha256": {file: digest}}."""
     import coverage as coverage_py
     import multiprocessing.process
     import subprocess
@@ -130,7 +130,7 @@ def coverage(map_path: str, files: list[str], args: list[str]) -> int:
     spawning: set[str] = set()
     current: list[str] = []
 
-    real_start, real_popen = multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__
+    real_start, real_popen, real_fork = multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__, os.fork
 
     def start(self, *a, **k):
         spawning.update(current)
@@ -140,7 +140,11 @@ def coverage(map_path: str, files: list[str], args: list[str]) -> int:
         spawning.update(current)
         return real_popen(self, *a, **k)
 
-    multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__ = start, popen
+    def fork():  # a child forked by the test itself: its coverage is lost at os._exit
+        spawning.update(current)
+        return real_fork()
+
+    multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__, os.fork = start, popen, fork
 
     class Contexts:
         @pytest.hookimpl(hookwrapper=True)
@@ -159,7 +163,7 @@ def coverage(map_path: str, files: list[str], args: list[str]) -> int:
         code = int(pytest.main(args, plugins=[Contexts()]))
     finally:
         cov.stop()
-        multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__ = real_start, real_popen
+        multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__, os.fork = real_start, real_popen, real_fork
     data = cov.get_data()
     lines: dict[str, dict[str, list[str]]] = {}
     for measured in data.measured_files():
