@@ -178,12 +178,25 @@ def coverage(module: str, python: str, out: Path) -> None:
         target.unlink(missing_ok=True)
         sys.exit(f"{module}: the unmutated tests fail under coverage, no map written")
     cov = json.loads(target.read_text())
+    cov["tests_sha256"] = _tests_digest()
+    target.write_text(json.dumps(cov, indent=0))
     for path in paths:
         by_line = cov["lines"].get(path, {})
         import_only = sum(1 for ids in by_line.values() if ids == ["<import>"])
         print(f"{path}: {len(by_line)} lines ran, {import_only} only at import time", flush=True)
     print(f"{module}: {len(cov['durations'])} tests ({len(cov['spawning'])} start processes), "
           f"{time.monotonic() - started:.0f} s -> {target}", flush=True)
+
+
+def _tests_digest() -> str:
+    """One digest of every file under tests/ and of the module table: a map made before a test
+    was added or changed (`retest` after new tests) would not select the new test."""
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(MODULES, sort_keys=True).encode())
+    for path in sorted(Path("tests").rglob("*.py")):
+        digest.update(str(path).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def _selection(module: str, out: Path) -> list[str]:
@@ -196,7 +209,12 @@ def _selection(module: str, out: Path) -> list[str]:
     if not target.exists():
         print(f"{module}: no coverage map, every mutant runs the whole selection", flush=True)
         return []
-    digests = json.loads(target.read_text())["sha256"]
+    cov = json.loads(target.read_text())
+    if cov.get("tests_sha256") != _tests_digest():
+        print(f"{module}: the coverage map predates the current tests (run `coverage` again); "
+              "every mutant runs the whole selection", flush=True)
+        return []
+    digests = cov["sha256"]
     pristine = out / f"{module}.pristine"
     for path in MODULES[module][0]:
         if hashlib.sha256(Path(path).read_bytes()).hexdigest() != digests.get(path):
@@ -339,7 +357,7 @@ def retest(module: str, out: Path) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["run", "report", "retest", "list", "coverage"],
                         help="run: init (once) and execute the pending mutants, each with the tests that "
                              "cover its lines when `coverage` made a map for the module (else the whole "
