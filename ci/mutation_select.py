@@ -3,8 +3,8 @@ test command, ci/mutation_runner.py's client).
 
 The mutated lines are found by comparing each file of the map with its pristine copy (cosmic-ray
 writes the mutant into the file before the test command and restores it after). A mutant runs
-only the tests whose coverage context reached its statement, fastest first; it runs the
-module's whole selection (the arguments as given) when:
+only the tests whose coverage context reached its statement (in the whole selection's order,
+slow tests last); it runs the module's whole selection (the arguments as given) when:
 
 - the map or the pristine copy is missing, or the pristine file is not the one the map measured;
 - no file differs, or a changed line is outside every function body (module level, class body,
@@ -27,6 +27,7 @@ import json
 import os
 
 IMPORT_TIME = "<import>"
+SLOW_S = 1.0  # tests slower than this run after the others (ranks, CLI runs, sleeps)
 
 
 def changed_lines(pristine: str, current: str) -> list[int]:
@@ -114,10 +115,18 @@ def select(args: list[str], map_path: str, pristine_dir: str | None, spawning: s
         return args, "whole selection: covered only outside tests"
     added = set(cov.get("spawning", [])) - tests if spawning == "add" else set()
     durations = cov.get("durations", {})
-    # the covering tests first, fastest first, then the spawning ones: under `pytest -x` those run
-    # only when no covering test killed the mutant
-    ordered = sorted(tests, key=lambda t: (durations.get(t, 1e9), t))
-    ordered += sorted(added, key=lambda t: (durations.get(t, 1e9), t))
+    position = {test: n for n, test in enumerate(durations)}  # the order the whole selection runs
+    # The covering tests in the whole selection's order (its files fastest first; within a file
+    # the targeted unit tests tend to come first, and under `pytest -x` that order stops no later
+    # than the whole selection would), tests over a second after the rest, fastest first; then the
+    # spawning ones, which under `-x` run only when no covering test killed the mutant.
+    # (Sorting every test by its duration put a test that hangs under the mutant, e.g. reading
+    # /dev/zero, before a faster-failing unit test: each such mutant then costs the whole timeout.)
+    def order(test: str) -> tuple:
+        slow = durations.get(test, 1e9) > SLOW_S
+        return (slow, durations.get(test, 1e9) if slow else position.get(test, len(position)), test)
+
+    ordered = sorted(tests, key=order) + sorted(added, key=order)
     options = [a for a in args if not a.startswith("tests/")]
     where = ", ".join(f"{name}:{','.join(map(str, lines))}" for name, lines in changed.items())
     why = f"{len(tests)} covering tests (+{len(added)} spawning) for {where}"
