@@ -162,7 +162,7 @@ def _start_runner(python: str, out: Path) -> tuple[subprocess.Popen, str]:
 
 #: Whether a mutant whose lines ran in-process also runs the selection's tests that start
 #: processes (ranks, CLI runs), whose coverage is not measured: "add" or "none" (docs/mutation.md).
-SPAWNING = os.environ.get("MUTATION_SPAWNING", "add")
+SPAWNING = os.environ.get("MUTATION_SPAWNING", "none")
 
 
 def coverage(module: str, python: str, out: Path) -> None:
