@@ -160,12 +160,80 @@ def _start_runner(python: str, out: Path) -> tuple[subprocess.Popen, str]:
     return server, sock
 
 
+#: Whether a mutant whose lines ran in-process also runs the selection's tests that start
+#: processes (ranks, CLI runs), whose coverage is not measured: "add" or "none" (docs/mutation.md).
+SPAWNING = os.environ.get("MUTATION_SPAWNING", "none")
+
+
+def coverage(module: str, python: str, out: Path) -> None:
+    """Run the module's selection once under coverage.py, one context per test, and write
+    out/<module>.coverage.json: {"lines": {file: {line: [node ids, "<import>"]}}, ...}."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths, tests = MODULES[module]
+    target = out / f"{module}.coverage.json"
+    started = time.monotonic()
+    result = subprocess.run([python, "ci/mutation_runner.py", "coverage", str(target), *paths, "--",
+                             "-q", "-p", "no:cacheprovider", "--timeout", "120", *tests])
+    if result.returncode != 0:
+        target.unlink(missing_ok=True)
+        sys.exit(f"{module}: the unmutated tests fail under coverage, no map written")
+    cov = json.loads(target.read_text())
+    cov["tests_sha256"] = _tests_digest()
+    target.write_text(json.dumps(cov, indent=0))
+    for path in paths:
+        by_line = cov["lines"].get(path, {})
+        import_only = sum(1 for ids in by_line.values() if ids == ["<import>"])
+        print(f"{path}: {len(by_line)} lines ran, {import_only} only at import time", flush=True)
+    print(f"{module}: {len(cov['durations'])} tests ({len(cov['spawning'])} start processes), "
+          f"{time.monotonic() - started:.0f} s -> {target}", flush=True)
+
+
+def _tests_digest() -> str:
+    """One digest of every file under tests/ and of the module table: a map made before a test
+    was added or changed (`retest` after new tests) would not select the new test."""
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(MODULES, sort_keys=True).encode())
+    for path in sorted(Path("tests").rglob("*.py")):
+        digest.update(str(path).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _selection(module: str, out: Path) -> list[str]:
+    """The per-mutant options of ci/mutation_runner.py's client: the coverage map when there is
+    one for the module's current files (and a pristine copy of them to find the mutated lines)."""
+    import hashlib
+    import shutil
+
+    target = out / f"{module}.coverage.json"
+    if not target.exists():
+        print(f"{module}: no coverage map, every mutant runs the whole selection", flush=True)
+        return []
+    cov = json.loads(target.read_text())
+    if cov.get("tests_sha256") != _tests_digest():
+        print(f"{module}: the coverage map predates the current tests (run `coverage` again); "
+              "every mutant runs the whole selection", flush=True)
+        return []
+    digests = cov["sha256"]
+    pristine = out / f"{module}.pristine"
+    for path in MODULES[module][0]:
+        if hashlib.sha256(Path(path).read_bytes()).hexdigest() != digests.get(path):
+            print(f"{module}: the coverage map is stale for {path} (run `coverage` again); "
+                  "every mutant runs the whole selection", flush=True)
+            return []
+        (pristine / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, pristine / path)
+    print(f"{module}: per-mutant tests from {target} (spawning tests: {SPAWNING})", flush=True)
+    return ["--map", str(target), "--pristine", str(pristine), "--spawning", SPAWNING]
+
+
 def run(module: str, python: str, out: Path) -> None:
     """Init (once), filter, time the baseline, execute the pending mutants, write the report."""
     out.mkdir(parents=True, exist_ok=True)
     config = out / f"{module}.toml"
     session = out / f"{module}.sqlite"
     _, tests = MODULES[module]
+    selection = _selection(module, out)
     server, sock = _start_runner(python, out)
     try:
         pytest_args = ["-x", "-q", "-p", "no:cacheprovider", "--timeout", "120", *tests]
@@ -178,7 +246,7 @@ def run(module: str, python: str, out: Path) -> None:
         # A mutant whose tests run 3x longer than unmutated (plus slack for a loaded machine)
         # counts as killed by timeout: an infinite loop is a behaviour change.
         timeout = round(3 * baseline_s + 60)
-        command = [sys.executable, "ci/mutation_runner.py", "test", sock, str(timeout), "--", *pytest_args]
+        command = [sys.executable, "ci/mutation_runner.py", "test", sock, str(timeout), *selection, "--", *pytest_args]
         config.write_text(_config(module, shlex.join(command), timeout=timeout + 30))
         if not session.exists():
             _cr("init", str(config), str(session))
@@ -289,10 +357,13 @@ def retest(module: str, out: Path) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["run", "report", "retest", "list"],
-                        help="run: init (once) and execute the pending mutants; report: counts and "
-                             "survivors; retest: make the survivors pending again (after new tests)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["run", "report", "retest", "list", "coverage"],
+                        help="run: init (once) and execute the pending mutants, each with the tests that "
+                             "cover its lines when `coverage` made a map for the module (else the whole "
+                             "selection); report: counts and survivors; retest: make the survivors pending "
+                             "again (after new tests); coverage: run the selection once under coverage.py "
+                             "and write <out>/<module>.coverage.json")
     parser.add_argument("modules", nargs="*", help="names from `list` (default: all)")
     parser.add_argument("--python", default=os.environ.get("MUTATION_TEST_PYTHON", sys.executable),
                         help="the interpreter that runs the tests (has torch and the test extra)")
@@ -301,13 +372,17 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.command == "list":
         for name, (paths, tests) in MODULES.items():
-            print(f"{name}: {' '.join(paths)} <- {' '.join(tests)}")
+            has_map = (args.out / f"{name}.coverage.json").exists()
+            per_mutant = "covering tests (coverage map)" if has_map else "whole selection (no coverage map)"
+            print(f"{name}: {' '.join(paths)} <- {' '.join(tests)}  [per mutant: {per_mutant}]")
         return
     for module in args.modules or list(MODULES):
         if module not in MODULES:
             sys.exit(f"unknown module {module!r}; see `list`")
         if args.command == "run":
             run(module, args.python, args.out.resolve())
+        elif args.command == "coverage":
+            coverage(module, args.python, args.out.resolve())
         elif args.command == "retest":
             retest(module, args.out.resolve())
         else:

@@ -5,6 +5,8 @@
 #   ci/mutation.sh run [module...]          # all modules by default; resumes an interrupted session
 #   ci/mutation.sh report [module...]       # counts + survivors (<out>/<module>.md)
 #   ci/mutation.sh retest [module...]       # after adding tests: survivors pending again, then `run`
+#   ci/mutation.sh coverage [module...]     # per-test coverage map: `run` then runs only the tests
+#                                           # that cover each mutant (see ci/mutation_select.py)
 #
 # cosmic-ray mutates files in place, so it works on a scratch copy of the committed tree
 # (git archive HEAD), never on the checkout: MUTATION_TREE (default /tmp/ckptlib-mutation/tree),
@@ -28,6 +30,10 @@ fi
 if [ "${MUTATION_REFRESH:-0}" = 1 ] || [ ! -d "$tree/ckptlib" ]; then
     rm -rf "$tree" && mkdir -p "$tree"
     git -C "$repo" archive HEAD | tar -x -C "$tree"
+fi
+if [ "${1:-}" = coverage ] && ! "$test_python" -c 'import coverage' 2>/dev/null; then
+    # coverage.py is a dependency of the mutation tool, not of the tests: installed into the test python
+    "$test_python" -m pip install -q "coverage>=7,<8"
 fi
 cd "$tree"
 export PYTHONPATH="$tree" MUTATION_OUT="$out" MUTATION_TEST_PYTHON="$test_python"

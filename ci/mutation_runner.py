@@ -4,11 +4,17 @@ cosmic-ray just wrote) and runs pytest.main. This takes the ~5-15 s torch import
 mutant. The client is the test command cosmic-ray runs; it needs only the standard library.
 
     python ci/mutation_runner.py serve SOCKET            # the project's venv python
-    python3 ci/mutation_runner.py test SOCKET TIMEOUT -- PYTEST_ARGS...
+    python3 ci/mutation_runner.py test SOCKET TIMEOUT [--map MAP --pristine DIR --spawning add|none] -- PYTEST_ARGS...
+    python ci/mutation_runner.py coverage MAP FILE... -- PYTEST_ARGS...   # the project's venv python
+
+With --map (a coverage map written by `coverage`) the client runs only the tests that cover the
+mutated lines (found by comparing the module's files with their pristine copies under DIR);
+ci/mutation_select.py says when it falls back to the whole selection.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -86,13 +92,91 @@ def _run_child(args: list[str], timeout: float, cwd: str) -> tuple[int, str]:
         return code, log.read()[-20000:]
 
 
-def test(path: str, timeout: float, args: list[str]) -> int:
+def test(path: str, timeout: float, args: list[str], map_path: str | None = None, pristine: str | None = None,
+         spawning: str = "none") -> int:
+    if map_path:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from mutation_select import select
+
+        args, why = select(args, map_path, pristine, spawning)
+        print(f"[mutation selection] {why}", flush=True)
+    started = time.monotonic()
     client = socket.socket(socket.AF_UNIX)
     client.connect(path)
     client.sendall((json.dumps({"args": args, "timeout": timeout, "cwd": os.getcwd()}) + "\n").encode())
     reply = json.loads(client.makefile().readline())
     sys.stdout.write(reply["output"])
+    print(f"\n[mutation runner] {time.monotonic() - started:.1f} s", flush=True)
     return 0 if reply["code"] == 0 else 1
+
+
+OUTSIDE_TESTS = "<between tests>"  # coverage context after the first test began, outside any test
+IMPORT_TIME = "<import>"  # lines run before the first test: collection, conftest, imports
+
+
+def coverage(map_path: str, files: list[str], args: list[str]) -> int:
+    """Run pytest in this process under coverage.py with one dynamic context per test (its node
+    id) and write {"lines": {file: {line: [node ids or "<import>"]}}, "durations": {node id: s},
+    "spawning": [node ids that started a process: ranks, CLI runs, os.fork], "sha256": {file: digest}}."""
+    import coverage as coverage_py
+    import multiprocessing.process
+    import subprocess
+
+    import pytest
+
+    paths = {os.path.abspath(f): f for f in files}
+    cov = coverage_py.Coverage(data_file=None, include=list(paths), branch=False, config_file=False)
+    durations: dict[str, float] = {}
+    spawning: set[str] = set()
+    current: list[str] = []
+
+    real_start, real_popen, real_fork = multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__, os.fork
+
+    def start(self, *a, **k):
+        spawning.update(current)
+        return real_start(self, *a, **k)
+
+    def popen(self, *a, **k):
+        spawning.update(current)
+        return real_popen(self, *a, **k)
+
+    def fork():  # a child forked by the test itself: its coverage is lost at os._exit
+        spawning.update(current)
+        return real_fork()
+
+    multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__, os.fork = start, popen, fork
+
+    class Contexts:
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_protocol(self, item, nextitem):
+            current[:] = [item.nodeid]
+            cov.switch_context(item.nodeid)
+            yield
+            cov.switch_context(OUTSIDE_TESTS)
+            current.clear()
+
+        def pytest_runtest_logreport(self, report):
+            durations[report.nodeid] = durations.get(report.nodeid, 0.0) + report.duration
+
+    cov.start()  # before ckptlib is imported: its import-time lines get the empty context
+    try:
+        code = int(pytest.main(args, plugins=[Contexts()]))
+    finally:
+        cov.stop()
+        multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__, os.fork = real_start, real_popen, real_fork
+    data = cov.get_data()
+    lines: dict[str, dict[str, list[str]]] = {}
+    for measured in data.measured_files():
+        name = paths.get(os.path.abspath(measured))
+        if name is None:
+            continue
+        by_line = data.contexts_by_lineno(measured)
+        lines[name] = {str(n): sorted(IMPORT_TIME if c == "" else c for c in by_line[n]) for n in sorted(by_line)}
+    digests = {name: hashlib.sha256(open(abs_path, "rb").read()).hexdigest() for abs_path, name in paths.items()}
+    with open(map_path, "w") as f:
+        json.dump({"lines": lines, "durations": durations, "spawning": sorted(spawning), "sha256": digests,
+                   "pytest_args": args, "exit_code": code}, f, indent=0)
+    return code
 
 
 if __name__ == "__main__":
@@ -100,6 +184,11 @@ if __name__ == "__main__":
         serve(sys.argv[2])
     elif sys.argv[1] == "test":
         separator = sys.argv.index("--")
-        sys.exit(test(sys.argv[2], float(sys.argv[3]), sys.argv[separator + 1:]))
+        options = dict(zip(sys.argv[4:separator:2], sys.argv[5:separator:2]))
+        sys.exit(test(sys.argv[2], float(sys.argv[3]), sys.argv[separator + 1:],
+                      options.get("--map"), options.get("--pristine"), options.get("--spawning", "none")))
+    elif sys.argv[1] == "coverage":
+        separator = sys.argv.index("--")
+        sys.exit(coverage(sys.argv[2], sys.argv[3:separator], sys.argv[separator + 1:]))
     else:
         sys.exit(__doc__)
