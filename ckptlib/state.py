@@ -193,40 +193,47 @@ Agree = Callable[[Callable[[], Any]], Any]
 
 class CollectiveSteps:
     """Runs a state's steps so that a failure on one rank never leaves the others inside torch's
-    next collective (a module's or optimizer's state dict, get or set, may run collectives:
-    FSDP1's do): each such step ends in `agree` (`_dist.agree`), which raises on every rank
-    once any rank failed; a local step's error waits for the next such step, or `finish`
-    (one more agreement), so the steps end the same way on every rank. Without `agree` (one
-    process) every step just runs."""
+    collectives (a module's or optimizer's state dict, get or set, may run some: FSDP1's do).
+    A step's error is held; before a step that may run collectives, and at `finish`, the ranks
+    agree (`agree`: `_dist.agree`) on whether any step since the last agreement failed, and if
+    one did every rank raises. `agreed` steps are agreed right away (their results decide the
+    steps that follow). Every rank must take the same steps. Without `agree` (one process)
+    every step just runs."""
 
     def __init__(self, agree: Agree | None = None):
         self._agree = agree
         self._error: Exception | None = None
+        self._unagreed = False
 
     def local(self, fn: Callable[[], Any], default: Any = None) -> Any:
         if self._agree is None:
             return fn()
+        self._unagreed = True
         if self._error is None:
             try:
                 return fn()
-            except Exception as exc:  # noqa: BLE001 - raised on every rank by the next collective step
+            except Exception as exc:  # noqa: BLE001 - raised on every rank at the next agreement
                 self._error = exc
         return default
 
-    def collective(self, fn: Callable[[], Any]) -> Any:
+    def collective(self, fn: Callable[[], Any], default: Any = None) -> Any:
+        self.finish()  # nobody enters torch's collectives while a step failed somewhere
+        return self.local(fn, default)
+
+    def agreed(self, fn: Callable[[], Any]) -> Any:
         if self._agree is None:
             return fn()
-
-        def run() -> Any:
-            if self._error is not None:
-                raise self._error
-            return fn()
-
-        return self._agree(run)
+        self.finish()
+        return self._agree(fn)
 
     def finish(self) -> None:
-        if self._agree is not None:
-            self.collective(lambda: None)
+        if self._agree is not None and self._unagreed:
+            self._unagreed = False
+            self._agree(self._raise_held)
+
+    def _raise_held(self) -> None:
+        if self._error is not None:
+            raise self._error
 
 
 def _checked(state: Mapping[str, Any]) -> tuple[list[tuple[str, Any]], dict[str, nn.Module]]:
@@ -237,7 +244,7 @@ def _checked(state: Mapping[str, Any]) -> tuple[list[tuple[str, Any]], dict[str,
 def to_save_state_dict(state: Mapping[str, Any], *, rank: int, agree: Agree | None = None) -> dict[str, Any]:
     """The DCP state dict to save for `state` on this rank (`agree`: see CollectiveSteps)."""
     steps = CollectiveSteps(agree)
-    items, modules = steps.collective(lambda: _checked(state))  # every rank then runs as many steps
+    items, modules = steps.agreed(lambda: _checked(state))  # every rank then takes the same steps
     out: dict[str, Any] = {}
     for name, value in items:
         if isinstance(value, nn.Module):
@@ -319,7 +326,7 @@ def to_load_target(
     """Build the template DCP loads into, and the callbacks that apply it to `state`
     (`agree`: see CollectiveSteps; `apply_all` runs the callbacks)."""
     steps = CollectiveSteps(agree)
-    items, modules = steps.collective(lambda: _checked(state))  # every rank then runs as many steps
+    items, modules = steps.agreed(lambda: _checked(state))  # every rank then takes the same steps
     template: dict[str, Any] = {}
     appliers: list[tuple[Callable[[], None], bool]] = []
     notes: list[str] = []

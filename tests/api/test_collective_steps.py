@@ -22,8 +22,26 @@ def _fail(*_args, **_kwargs):
     raise RuntimeError("hook failed on rank 1")
 
 
+class _Counter:
+    """A stateful object (a local step, no collectives) that fails on rank 1 when told to."""
+
+    def __init__(self, fail: str | None):
+        self.fail, self.n = fail, 3
+
+    def state_dict(self) -> dict:
+        if self.fail == "stateful.state_dict":
+            _fail()
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.fail == "stateful.load_state_dict":
+            _fail()
+        self.n = sd["n"]
+
+
 def _state(fail_in: str | None) -> dict:
-    """A plain module that fails on rank 1 (in `fail_in`), then FSDP1 and its optimizer."""
+    """A plain module and a stateful object, either of which fails on rank 1 (in `fail_in`),
+    then FSDP1 and its optimizer."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -37,7 +55,8 @@ def _state(fail_in: str | None) -> dict:
     optim = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.ones(2, 8)).sum().backward()
     optim.step()
-    return {"broken": broken, "model": model, "optim": optim}
+    counter = _Counter(fail_in if dist.get_rank() == 1 else None)
+    return {"broken": broken, "counter": counter, "model": model, "optim": optim}
 
 
 def _outcome(action) -> str:
@@ -58,8 +77,11 @@ def _load(uri: str, fail_in: str | None) -> str:
     return _outcome(lambda: ckptlib.load(uri, state))
 
 
-@pytest.mark.parametrize("action,fail_in", [("save", "state_dict"), ("load", "state_dict"), ("load", "load_state_dict")],
-                         ids=["save-state_dict", "load-state_dict", "load-load_state_dict"])
+_CASES = [("save", "state_dict"), ("load", "state_dict"), ("load", "load_state_dict"),
+          ("save", "stateful.state_dict"), ("load", "stateful.state_dict"), ("load", "stateful.load_state_dict")]
+
+
+@pytest.mark.parametrize("action,fail_in", _CASES, ids=[f"{a}-{f}" for a, f in _CASES])
 def test_a_rank_failing_before_an_fsdp1_state_dict_fails_every_rank(tmp_path, dist_run, action, fail_in):
     uri = str(tmp_path / "ckpt")
     if action == "load":
