@@ -374,3 +374,26 @@ def test_a_step_with_a_damaged_manifest_has_no_metrics_for_keep_best(tmp_path):
     assert _dirs(root) == [2]  # step 1 has no usable value: KeepBest never keeps it
     mgr.save(3, _state(3), metrics={"loss": 0.3})
     assert _dirs(root) == [3]
+
+
+def test_a_step_deleted_while_a_dry_run_reads_its_metrics_has_none(tmp_path, monkeypatch):
+    """gc(dry_run=True) takes no lock: a writer's retention may delete a step between the dry
+    run's listing and its read of that step's manifest. The step then has no value, no error."""
+    import shutil
+
+    from ckptlib.storage.local import LocalStorage
+
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root)
+    for step, loss in [(1, 0.1), (2, 0.5), (3, 0.3)]:
+        mgr.save(step, _state(step), metrics={"loss": loss})
+    pruner = CheckpointManager(root, retention=KeepBest(1, "loss"))
+    real_read_pointer = LocalStorage.read_pointer
+
+    def read_pointer_then_lose_step_1(self, name):
+        if (root / "step_0000000001").exists():  # the other writer's retention, after the dry run listed the steps
+            shutil.rmtree(root / "step_0000000001")
+        return real_read_pointer(self, name)
+
+    monkeypatch.setattr(LocalStorage, "read_pointer", read_pointer_then_lose_step_1)
+    assert pruner.gc(dry_run=True) == ["step_0000000001", "step_0000000002"]
