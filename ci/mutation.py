@@ -63,6 +63,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
          "tests/manager/test_save_policy.py::test_preemption_signal_saves_at_the_next_maybe_save",
          "tests/manager/test_save_policy.py::test_preemption_chains_to_a_python_handler_and_restores_it",
          "tests/manager/test_save_policy.py::test_preemption_after_the_step_was_saved_does_not_save_it_again",
+         "tests/manager/test_save_policy.py::test_a_signal_is_handled_once",
+         "tests/manager/test_save_policy.py::test_async_maybe_save_waits_for_the_save_in_flight_only_after_a_signal",
          "tests/manager/test_tiered.py::test_constructor_dispatch_and_arguments",
          "tests/api/test_async.py::test_background_staging_needs_async",
          "tests/api/test_load_control.py::test_initial_load_model_only_then_ignored_once_the_root_has_a_step",
