@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 import time
 
 import pytest
@@ -12,6 +14,8 @@ import torch.distributed as dist
 import ckptlib
 from ckptlib import CheckpointExistsError, CheckpointManager, StalePointerWarning
 from ckptlib.errors import CheckpointNotFoundError
+from ckptlib.lock import StaleLockWarning
+from ckptlib.manager import ForeignFilesWarning
 
 
 def _state(value: float) -> dict:
@@ -225,18 +229,84 @@ def test_wait_delivers_an_async_save_once(tmp_path):
 # ---------------------------------------------------------------- warnings name the caller's line
 
 
-def test_stale_pointer_warnings_name_the_callers_line(tmp_path):
-    root = tmp_path / "run"
+def _stale_pointer(root):
+    mgr = CheckpointManager(root)
+    mgr.save(3, _state(3))
+    mgr.save(6, _state(6))
+    (root / "step_0000000006" / "ckptlib.json").unlink()
+    return mgr
+
+
+def _unpublished_step_6(root):
     mgr = CheckpointManager(root)
     mgr.save(3, _state(3))
     ckptlib.save(root / "step_0000000006", _state(6), step=6)  # committed, pointer not moved
-    with pytest.warns(StalePointerWarning, match="step_0000000006 is committed but latest names") as saved:
-        mgr.save(6, _state(66))
-    assert [(w.filename, w.lineno) for w in saved] == [(__file__, saved[0].lineno)]
-    (root / "step_0000000006" / "ckptlib.json").unlink()
-    with pytest.warns(StalePointerWarning, match="which is not a committed checkpoint; using step 3") as resolved:
-        assert mgr.latest() == 3
-    assert [w.filename for w in resolved] == [__file__]
+    return mgr
+
+
+def _users_file_in_step_1(root):
+    mgr = CheckpointManager(root)
+    mgr.save(1, _state(1))
+    (root / "step_0000000001" / "eval.txt").write_text("loss 0.1")
+    return CheckpointManager(root, keep_last=1)
+
+
+def _users_file_in_step_1_then_step_2(root):
+    mgr = CheckpointManager(root)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    (root / "step_0000000001" / "eval.txt").write_text("loss 0.1")
+    return CheckpointManager(root, keep_last=1)
+
+
+def _lock_cannot_be_removed(root, monkeypatch):
+    from ckptlib.lock import LOCK_NAME
+    from ckptlib.storage.local import LocalStorage
+
+    real_delete = LocalStorage.delete
+
+    def delete(self, names):
+        if list(names) == [LOCK_NAME]:
+            raise PermissionError(13, "Permission denied (injected)")
+        return real_delete(self, names)
+
+    monkeypatch.setattr(LocalStorage, "delete", delete)
+    return CheckpointManager(root)
+
+
+# (how the root is prepared, the call that warns, the warning and its message)
+WARNING_CASES = {
+    "stale-pointer-latest": (_stale_pointer, lambda mgr: functools.partial(mgr.latest), StalePointerWarning,
+                             "which is not a committed checkpoint; using step 3"),
+    "stale-pointer-load": (_stale_pointer, lambda mgr: functools.partial(mgr.load, _state(0)), StalePointerWarning,
+                           "which is not a committed checkpoint; using step 3"),
+    "replace-save": (_unpublished_step_6, lambda mgr: functools.partial(mgr.save, 6, _state(66)), StalePointerWarning,
+                     "step_0000000006 is committed but latest names 'step_0000000003'"),
+    "replace-maybe-save": (_unpublished_step_6, lambda mgr: functools.partial(mgr.maybe_save, 6, _state(66), force=True),
+                           StalePointerWarning, "step_0000000006 is committed but latest names 'step_0000000003'"),
+    "foreign-files-save": (_users_file_in_step_1, lambda mgr: functools.partial(mgr.save, 2, _state(2)),
+                           ForeignFilesWarning, "eval.txt"),
+    "foreign-files-gc": (_users_file_in_step_1_then_step_2, lambda mgr: functools.partial(mgr.gc), ForeignFilesWarning,
+                         "eval.txt"),
+    "lock-not-removed-save": (_lock_cannot_be_removed, lambda mgr: functools.partial(mgr.save, 1, _state(1)),
+                              StaleLockWarning, "could not remove the lock"),
+    "lock-not-removed-gc": (_lock_cannot_be_removed, lambda mgr: functools.partial(mgr.gc), StaleLockWarning,
+                            "could not remove the lock"),
+}
+
+
+@pytest.mark.parametrize("case", list(WARNING_CASES))
+def test_manager_warnings_name_the_callers_line(tmp_path, monkeypatch, case):
+    """However deep in the manager a warning is raised (the save, its retention, the lock), it
+    names the line that called the manager, so a user can see and filter where it came from."""
+    prepare, call, category, message = WARNING_CASES[case]
+    root = tmp_path / "run"
+    args = (root, monkeypatch) if prepare is _lock_cannot_be_removed else (root,)
+    trigger = call(prepare(*args))
+    with pytest.warns(category, match=message) as caught:
+        line = sys._getframe().f_lineno + 1
+        trigger()
+    assert [(w.category, w.filename, w.lineno) for w in caught] == [(category, __file__, line)]
 
 
 # ---------------------------------------------------------------- gc: progress, log, what it leaves
