@@ -57,7 +57,22 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "manager": (
         ["ckptlib/manager.py"],
         ["tests/manager/test_manager.py", "tests/manager/test_fallbacks.py", "tests/manager/test_overwrite.py",
-         "tests/manager/test_retention.py", "tests/manager/test_crash.py"],
+         "tests/manager/test_retention.py", "tests/manager/test_crash.py",
+         # the one-process tests of what only they reach: maybe_save and preemption, the
+         # remote_root= dispatch, background_staging's check, initial_load
+         "tests/manager/test_save_policy.py::test_step_policies_save_exactly",
+         "tests/manager/test_save_policy.py::test_force_and_no_second_save_of_a_step",
+         "tests/manager/test_save_policy.py::test_preemption_signal_saves_at_the_next_maybe_save",
+         "tests/manager/test_save_policy.py::test_preemption_chains_to_a_python_handler_and_restores_it",
+         "tests/manager/test_save_policy.py::test_preemption_after_the_step_was_saved_does_not_save_it_again",
+         "tests/manager/test_save_policy.py::test_a_signal_is_handled_once",
+         "tests/manager/test_save_policy.py::test_async_maybe_save_waits_for_the_save_in_flight_only_after_a_signal",
+         "tests/manager/test_tiered.py::test_constructor_dispatch_and_arguments",
+         "tests/api/test_async.py::test_background_staging_needs_async",
+         "tests/api/test_load_control.py::test_initial_load_model_only_then_ignored_once_the_root_has_a_step",
+         "tests/api/test_load_control.py::test_initial_load_with_optimizer_and_after_debris",
+         "tests/api/test_load_control.py::test_initial_load_that_does_not_exist",
+         "tests/api/test_load_control.py::test_initial_load_needs_modules_or_names"],
     ),
     "storage-s3": (
         ["ckptlib/storage/s3.py"],

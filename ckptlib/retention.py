@@ -139,7 +139,8 @@ class AnyOf(_Combinable):
 
     @property
     def uses_metrics(self) -> bool:  # type: ignore[override]
-        return any(getattr(p, "uses_metrics", False) for p in self.policies)
+        # A policy without the attribute may read metrics (the manager's default too).
+        return any(getattr(p, "uses_metrics", True) for p in self.policies)
 
     def keep(self, records: Sequence[StepRecord]) -> set[int]:
         kept: set[int] = set()

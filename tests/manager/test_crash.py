@@ -420,3 +420,98 @@ def test_durability_order_of_a_save(tmp_path, monkeypatch):
         ("fsync", "ck"),
     ]
     assert sorted(os.listdir(tmp_path / "ck")) == [".metadata", "__0_0.distcp", "ckptlib.json"]
+
+
+# ---------------------------------------------------------------- the lock after a failure
+
+
+@pytest.mark.parametrize("intruder", [True, False], ids=["another-holder", "no-holder"])
+def test_a_lock_removed_while_held_says_who_holds_it_now(tmp_path, intruder):
+    root = tmp_path / "run"
+    owner = CheckpointManager(root, hold_lock=True)
+    owner.save(1, {"w": _full(1), "b": _bias(1), "step": 1})
+    CheckpointManager(root).break_lock()
+    other = CheckpointManager(root, hold_lock=True)
+    if intruder:
+        other.save(2, {"w": _full(2), "b": _bias(2), "step": 2})
+    holder = other.lock_holder()
+    assert (holder is not None) == intruder
+    with pytest.raises(LockedError) as info:
+        owner.save(3, {"w": _full(3), "b": _bias(3), "step": 3})
+    assert str(info.value) == (
+        f"{root}: this manager's lock ({root}/{LOCK_NAME}) was removed while it held it"
+        + (f"; {holder.describe()} holds it now" if intruder else "")
+        + ". Another writer may have written this root; refusing to continue."
+    )
+    assert info.value.path == str(root)
+    other.close()
+    owner.close()
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000001"] + (["step_0000000002"] if intruder else [])
+
+
+def _inject(monkeypatch, where: str) -> None:
+    """What LocalStorage raises for a full disk, from the shard writer or from set_pointer."""
+    from ckptlib.errors import StorageError
+    from ckptlib.storage.local import LocalStorage
+
+    def fail(*args, **kwargs):
+        raise StorageError(f"No space left on device (injected in {where})")
+
+    monkeypatch.setattr(LocalStorage, {"write": "open_writer", "pointer": "set_pointer"}[where], fail)
+
+
+@pytest.mark.parametrize("hold_lock", [False, True], ids=["lock-per-save", "hold-lock"])
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("where", ["write", "pointer"])
+def test_a_failed_save_releases_the_lock_unless_held(tmp_path, monkeypatch, where, async_save, hold_lock):
+    """The lock taken for a save that fails (writing the shards, or moving `latest` after the
+    commit) is released at once, never left for the next writer to break as stale; with
+    hold_lock=True it stays this manager's, and the manager keeps saving."""
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root, hold_lock=hold_lock, async_save=async_save)
+    mgr.save(1, {"w": _full(1), "b": _bias(1), "step": 1})
+    mgr.wait()
+    _inject(monkeypatch, where)
+    with pytest.raises(ckptlib.StorageError) as info:
+        mgr.save(2, {"w": _full(2), "b": _bias(2), "step": 2})
+        mgr.wait()
+    assert str(info.value) == {"write": "rank 0: ", "pointer": ""}[where] + f"No space left on device (injected in {where})"
+    monkeypatch.undo()
+    assert mgr.wait() is None
+    assert os.readlink(root / "latest") == "step_0000000001"
+    assert (LOCK_NAME in os.listdir(root)) == hold_lock
+    if hold_lock:
+        assert mgr.lock_holder().pid == os.getpid()
+        with pytest.raises(LockedError, match="is locked by another writer"):
+            CheckpointManager(root).gc()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StaleLockWarning)  # nothing stale to break
+        mgr.save(3, {"w": _full(3), "b": _bias(3), "step": 3})
+        mgr.wait()
+    mgr.close()
+    assert mgr.latest() == 3 and not (root / LOCK_NAME).exists()
+
+
+def test_a_lock_that_cannot_be_removed_after_a_save_only_warns(tmp_path, monkeypatch):
+    from ckptlib.storage.local import LocalStorage
+
+    root = tmp_path / "run"
+    real_delete = LocalStorage.delete
+
+    def delete(self, names):
+        if list(names) == [LOCK_NAME]:
+            raise PermissionError(13, "Permission denied (injected)")
+        return real_delete(self, names)
+
+    monkeypatch.setattr(LocalStorage, "delete", delete)
+    mgr = CheckpointManager(root)
+    with pytest.warns(StaleLockWarning) as caught:
+        result = mgr.save(1, {"w": _full(1), "b": _bias(1), "step": 1})
+    assert [str(w.message) for w in caught] == [
+        f"{root}/{LOCK_NAME}: could not remove the lock ([Errno 13] Permission denied (injected))"
+    ]
+    assert result.step == 1 and mgr.latest() == 1 and (root / LOCK_NAME).exists()
+    monkeypatch.undo()
+    with pytest.warns(StaleLockWarning, match=r"\(this process\)"):  # the leftover is this process's: stale
+        mgr.save(2, {"w": _full(2), "b": _bias(2), "step": 2})
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000001", "step_0000000002"]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
+import time
 
 import pytest
 import torch
@@ -11,6 +14,8 @@ import torch.distributed as dist
 import ckptlib
 from ckptlib import CheckpointExistsError, CheckpointManager, StalePointerWarning
 from ckptlib.errors import CheckpointNotFoundError
+from ckptlib.lock import StaleLockWarning
+from ckptlib.manager import ForeignFilesWarning
 
 
 def _state(value: float) -> dict:
@@ -171,3 +176,184 @@ def test_multi_rank_single_pointer_and_resume_on_fewer_ranks(tmp_path, dist_run)
     dist_run(2, _save_steps_then_report, root, [4], 2)
     resumed = dist_run(4, _resume, root)
     assert [r[0] for r in resumed] == [4] * 4
+
+
+# ---------------------------------------------------------------- what a new manager reports
+
+
+def test_a_new_manager_has_loaded_nothing_and_seen_no_signal(tmp_path):
+    import signal
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    mgr = CheckpointManager(tmp_path / "run")  # save_on_preemption defaults to False: no handler
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert (mgr.initial_loaded, mgr.preempted, mgr.preemption_signal) == (False, False, None)
+    assert mgr.load(_state(0)) is None  # an empty root, no initial_load
+    assert (mgr.initial_loaded, mgr.preempted) == (False, False)
+    assert mgr.maybe_save(1, _state(1)) is False  # no policy, no signal: no save
+    assert (mgr.preempted, mgr.preemption_signal) == (False, None)
+    assert not (tmp_path / "run").exists() or os.listdir(tmp_path / "run") == []
+    mgr.close()
+
+
+# ---------------------------------------------------------------- latest without a pointer
+
+
+@pytest.mark.parametrize("steps", [[4], [4, 9], [2, 4, 9]], ids=["one-step", "two-steps", "three-steps"])
+def test_without_a_pointer_latest_is_the_newest_committed_step(tmp_path, recwarn, steps):
+    """A crash before the first pointer was written, or a root copied without `latest`."""
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root)
+    for step in steps:
+        mgr.save(step, _state(step))
+    (root / "latest").unlink()
+    assert mgr.latest() == steps[-1]
+    got, state = _load_w(mgr)
+    assert got == steps[-1] and torch.equal(state["w"], torch.full((3,), float(steps[-1])))
+    assert [w for w in recwarn if issubclass(w.category, StalePointerWarning)] == []
+
+
+# ---------------------------------------------------------------- async wait
+
+
+def test_wait_delivers_an_async_save_once(tmp_path):
+    mgr = CheckpointManager(tmp_path / "run", async_save=True)
+    handle = mgr.save(3, _state(3))
+    result = mgr.wait()
+    assert result is handle.result() and result.step == 3
+    assert mgr.wait() is None  # nothing in flight any more
+    assert mgr.steps() == [3] and mgr.latest() == 3
+    mgr.close()
+
+
+# ---------------------------------------------------------------- warnings name the caller's line
+
+
+def _stale_pointer(root):
+    mgr = CheckpointManager(root)
+    mgr.save(3, _state(3))
+    mgr.save(6, _state(6))
+    (root / "step_0000000006" / "ckptlib.json").unlink()
+    return mgr
+
+
+def _unpublished_step_6(root):
+    mgr = CheckpointManager(root)
+    mgr.save(3, _state(3))
+    ckptlib.save(root / "step_0000000006", _state(6), step=6)  # committed, pointer not moved
+    return mgr
+
+
+def _users_file_in_step_1(root):
+    mgr = CheckpointManager(root)
+    mgr.save(1, _state(1))
+    (root / "step_0000000001" / "eval.txt").write_text("loss 0.1")
+    return CheckpointManager(root, keep_last=1)
+
+
+def _users_file_in_step_1_then_step_2(root):
+    mgr = CheckpointManager(root)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    (root / "step_0000000001" / "eval.txt").write_text("loss 0.1")
+    return CheckpointManager(root, keep_last=1)
+
+
+def _lock_cannot_be_removed(root, monkeypatch):
+    from ckptlib.lock import LOCK_NAME
+    from ckptlib.storage.local import LocalStorage
+
+    real_delete = LocalStorage.delete
+
+    def delete(self, names):
+        if list(names) == [LOCK_NAME]:
+            raise PermissionError(13, "Permission denied (injected)")
+        return real_delete(self, names)
+
+    monkeypatch.setattr(LocalStorage, "delete", delete)
+    return CheckpointManager(root)
+
+
+# (how the root is prepared, the call that warns, the warning and its message)
+WARNING_CASES = {
+    "stale-pointer-latest": (_stale_pointer, lambda mgr: functools.partial(mgr.latest), StalePointerWarning,
+                             "which is not a committed checkpoint; using step 3"),
+    "stale-pointer-load": (_stale_pointer, lambda mgr: functools.partial(mgr.load, _state(0)), StalePointerWarning,
+                           "which is not a committed checkpoint; using step 3"),
+    "replace-save": (_unpublished_step_6, lambda mgr: functools.partial(mgr.save, 6, _state(66)), StalePointerWarning,
+                     "step_0000000006 is committed but latest names 'step_0000000003'"),
+    "replace-maybe-save": (_unpublished_step_6, lambda mgr: functools.partial(mgr.maybe_save, 6, _state(66), force=True),
+                           StalePointerWarning, "step_0000000006 is committed but latest names 'step_0000000003'"),
+    "foreign-files-save": (_users_file_in_step_1, lambda mgr: functools.partial(mgr.save, 2, _state(2)),
+                           ForeignFilesWarning, "eval.txt"),
+    "foreign-files-gc": (_users_file_in_step_1_then_step_2, lambda mgr: functools.partial(mgr.gc), ForeignFilesWarning,
+                         "eval.txt"),
+    "lock-not-removed-save": (_lock_cannot_be_removed, lambda mgr: functools.partial(mgr.save, 1, _state(1)),
+                              StaleLockWarning, "could not remove the lock"),
+    "lock-not-removed-gc": (_lock_cannot_be_removed, lambda mgr: functools.partial(mgr.gc), StaleLockWarning,
+                            "could not remove the lock"),
+}
+
+
+@pytest.mark.parametrize("case", list(WARNING_CASES))
+def test_manager_warnings_name_the_callers_line(tmp_path, monkeypatch, case):
+    """However deep in the manager a warning is raised (the save, its retention, the lock), it
+    names the line that called the manager, so a user can see and filter where it came from."""
+    prepare, call, category, message = WARNING_CASES[case]
+    root = tmp_path / "run"
+    args = (root, monkeypatch) if prepare is _lock_cannot_be_removed else (root,)
+    trigger = call(prepare(*args))
+    with pytest.warns(category, match=message) as caught:
+        line = sys._getframe().f_lineno + 1
+        trigger()
+    assert [(w.category, w.filename, w.lineno) for w in caught] == [(category, __file__, line)]
+
+
+# ---------------------------------------------------------------- gc: progress, log, what it leaves
+
+
+def test_gc_reports_progress_and_logs_the_removed_bytes(tmp_path, caplog):
+    import logging
+
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root)
+    for step in (1, 2, 3):
+        mgr.save(step, _state(step))
+    leftover = root / "step_0000000007.deleting-0123abcd"  # a deletion that crashed half-way
+    leftover.mkdir()
+    (leftover / "__0_0.distcp").write_bytes(b"x" * 100)
+    sizes = {s: sum(p.stat().st_size for p in (root / f"step_000000000{s}").iterdir()) for s in (1, 2)}
+    calls = []
+    started = time.perf_counter()
+    with caplog.at_level(logging.INFO, logger="ckptlib"):
+        removed = CheckpointManager(root, keep_last=1).gc(on_removed=lambda done, total: calls.append((done, total)))
+    elapsed = time.perf_counter() - started
+    assert removed == ["step_0000000001", "step_0000000002", "step_0000000007.deleting-0123abcd"]
+    assert calls == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000003"]
+    [record] = [r for r in caplog.records if getattr(r, "ckptlib", {}).get("op") == "gc"]
+    fields = record.ckptlib
+    assert fields["bytes"] == sizes[1] + sizes[2]  # the leftover's size is unknown: counted 0
+    assert fields["removed"] == 3 and fields["dry_run"] is False and fields["world_size"] == 1
+    assert 0 <= fields["seconds"] <= elapsed
+
+
+def test_gc_leaves_the_incomplete_step_latest_names_as_it_is(tmp_path):
+    """A crash while overwriting the step `latest` names (its old files go first) leaves it
+    incomplete; gc keeps it as it is, pending marker included, and still removes other debris."""
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root)
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+    crashed = root / "step_0000000002"
+    for name in os.listdir(crashed):
+        (crashed / name).unlink()
+    (crashed / "ckptlib.pending").write_text("{}")
+    (crashed / "__0_0.distcp").write_bytes(b"half")
+    debris = root / "step_0000000005"
+    debris.mkdir()
+    (debris / "ckptlib.pending").write_text("{}")
+    assert mgr.gc() == ["step_0000000005"]
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000001", "step_0000000002"]
+    assert sorted(os.listdir(crashed)) == ["__0_0.distcp", "ckptlib.pending"]
+    assert sorted(os.listdir(root / "step_0000000001")) == [".metadata", "__0_0.distcp", "ckptlib.json"]

@@ -344,3 +344,56 @@ def test_keep_best_uses_rank0s_metrics_on_every_rank(tmp_path, dist_run):
     for step, loss in ((2, 0.1), (4, 0.3)):
         doc = json.loads(open(os.path.join(root, f"step_{step:010d}", "ckptlib.json")).read())
         assert doc["metrics"] == {"loss": loss}
+
+
+class _KeepLowestLoss:
+    """A user's policy without `uses_metrics`: it reads the metrics, so the manager must load them."""
+
+    def keep(self, records):
+        scored = [r for r in records if isinstance(r.metrics.get("loss"), float)]
+        return {min(scored, key=lambda r: r.metrics["loss"]).step} if scored else set()
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["alone", "with-keep-last"])
+def test_a_custom_policy_without_uses_metrics_gets_the_saved_metrics(tmp_path, combined):
+    root = tmp_path / "run"
+    policy = _KeepLowestLoss() | KeepLast(1) if combined else _KeepLowestLoss()
+    mgr = CheckpointManager(root, retention=policy)
+    for step, loss in [(1, 0.7), (2, 0.2), (3, 0.9), (4, 0.5)]:
+        mgr.save(step, _state(step), metrics={"loss": loss})
+    assert _dirs(root) == [2, 4]  # the lowest loss, and latest (never deleted)
+
+
+def test_a_step_with_a_damaged_manifest_has_no_metrics_for_keep_best(tmp_path):
+    """A manifest that is not valid JSON does not stop retention: that step has no value."""
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root, retention=KeepBest(1, "loss"))
+    mgr.save(1, _state(1), metrics={"loss": 0.1})
+    (root / "step_0000000001" / "ckptlib.json").write_text("{not json")
+    mgr.save(2, _state(2), metrics={"loss": 0.5})
+    assert _dirs(root) == [2]  # step 1 has no usable value: KeepBest never keeps it
+    mgr.save(3, _state(3), metrics={"loss": 0.3})
+    assert _dirs(root) == [3]
+
+
+def test_a_step_deleted_while_a_dry_run_reads_its_metrics_has_none(tmp_path, monkeypatch):
+    """gc(dry_run=True) takes no lock: a writer's retention may delete a step between the dry
+    run's listing and its read of that step's manifest. The step then has no value, no error."""
+    import shutil
+
+    from ckptlib.storage.local import LocalStorage
+
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root)
+    for step, loss in [(1, 0.1), (2, 0.5), (3, 0.3)]:
+        mgr.save(step, _state(step), metrics={"loss": loss})
+    pruner = CheckpointManager(root, retention=KeepBest(1, "loss"))
+    real_read_pointer = LocalStorage.read_pointer
+
+    def read_pointer_then_lose_step_1(self, name):
+        if (root / "step_0000000001").exists():  # the other writer's retention, after the dry run listed the steps
+            shutil.rmtree(root / "step_0000000001")
+        return real_read_pointer(self, name)
+
+    monkeypatch.setattr(LocalStorage, "read_pointer", read_pointer_then_lose_step_1)
+    assert pruner.gc(dry_run=True) == ["step_0000000001", "step_0000000002"]

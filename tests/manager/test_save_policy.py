@@ -174,6 +174,49 @@ def test_preemption_after_the_step_was_saved_does_not_save_it_again(tmp_path):
         assert _dirs(root) == [2]
 
 
+def test_a_signal_is_handled_once(tmp_path):
+    """The signal makes one save; later maybe_saves follow the policy again until another signal."""
+    root = tmp_path / "run"
+    with CheckpointManager(root, save_policy=EveryNSteps(10), save_on_preemption=True) as mgr:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert mgr.maybe_save(4, _state(4)) and mgr.preempted
+        assert [mgr.maybe_save(step, _state(step)) for step in (5, 6)] == [False, False]
+        assert _dirs(root) == [4]
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert mgr.maybe_save(7, _state(7)) and mgr.preemption_signal == "SIGUSR1"
+        assert _dirs(root) == [4, 7]
+
+
+def test_async_maybe_save_waits_for_the_save_in_flight_only_after_a_signal(tmp_path, monkeypatch):
+    """Without a signal a maybe_save that does not save returns at once, the async save still
+    writing; after a signal it waits for that save even when the step needs no new save."""
+    import contextlib
+    import threading
+
+    from ckptlib.storage.local import LocalStorage
+
+    gate = threading.Event()
+    real_writer = LocalStorage.open_writer
+
+    @contextlib.contextmanager
+    def held_writer(self, path):
+        assert gate.wait(10), "the write was never let through"
+        with real_writer(self, path) as stream:
+            yield stream
+
+    monkeypatch.setattr(LocalStorage, "open_writer", held_writer)
+    root = tmp_path / "run"
+    with CheckpointManager(root, save_policy=EveryNSteps(2), save_on_preemption=True, async_save=True) as mgr:
+        assert mgr.maybe_save(2, _state(2))  # staged; the write is held back
+        assert not mgr.maybe_save(3, _state(3))
+        assert mgr._pending is not None and not mgr._pending.done() and mgr.latest() is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Timer(0.2, gate.set).start()
+        assert not mgr.maybe_save(2, _state(2))  # already saved: no second save, but waited for
+        assert mgr._pending is None and mgr.latest() == 2 and mgr.preempted
+    assert _dirs(root) == [2]
+
+
 def test_preemption_needs_the_main_thread(tmp_path):
     import threading
 
