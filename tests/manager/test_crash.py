@@ -493,17 +493,10 @@ def test_a_failed_save_releases_the_lock_unless_held(tmp_path, monkeypatch, wher
 
 
 def test_a_lock_that_cannot_be_removed_after_a_save_only_warns(tmp_path, monkeypatch):
-    from ckptlib.storage.local import LocalStorage
+    from manager_helpers import refuse_lock_deletion
 
     root = tmp_path / "run"
-    real_delete = LocalStorage.delete
-
-    def delete(self, names):
-        if list(names) == [LOCK_NAME]:
-            raise PermissionError(13, "Permission denied (injected)")
-        return real_delete(self, names)
-
-    monkeypatch.setattr(LocalStorage, "delete", delete)
+    refuse_lock_deletion(monkeypatch)
     mgr = CheckpointManager(root)
     with pytest.warns(StaleLockWarning) as caught:
         result = mgr.save(1, {"w": _full(1), "b": _bias(1), "step": 1})

@@ -260,17 +260,9 @@ def _users_file_in_step_1_then_step_2(root):
 
 
 def _lock_cannot_be_removed(root, monkeypatch):
-    from ckptlib.lock import LOCK_NAME
-    from ckptlib.storage.local import LocalStorage
+    from manager_helpers import refuse_lock_deletion
 
-    real_delete = LocalStorage.delete
-
-    def delete(self, names):
-        if list(names) == [LOCK_NAME]:
-            raise PermissionError(13, "Permission denied (injected)")
-        return real_delete(self, names)
-
-    monkeypatch.setattr(LocalStorage, "delete", delete)
+    refuse_lock_deletion(monkeypatch)
     return CheckpointManager(root)
 
 
