@@ -129,12 +129,11 @@ def global_save_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadat
     return new_plans, Metadata(md)
 
 
-def chunks_tile_exactly(metadata: Metadata, *, ranks: int) -> bool:
+def chunks_tile_exactly(metadata: Metadata) -> bool:
     """True if DCP's global-plan check (`_validate_global_plan`) surely passes: every chunk of
     every tensor lies inside it with positive sizes, no two overlap, and together they hold
     exactly its elements (newer DCP checks the volume only across ranks, torch 2.8's for one
-    rank too: a plan either would refuse goes to DCP). False means "let DCP check". `ranks`
-    is kept for callers; the answer no longer depends on it."""
+    rank too: a plan either would refuse goes to DCP). False means "let DCP check"."""
     for md in metadata.state_dict_metadata.values():
         if not isinstance(md, TensorStorageMetadata) or len(md.size) == 0:
             continue  # objects and 0-d tensors: DCP checks nothing either
@@ -173,7 +172,7 @@ class CkptSavePlanner(DefaultSavePlanner):
         if self.flatten_state_dict:
             merged = dict(ChainMap(*[plan.planner_data for plan in global_plan]))
             metadata = dataclasses.replace(metadata, planner_data=merged)
-        if not chunks_tile_exactly(metadata, ranks=len(global_plan)):
+        if not chunks_tile_exactly(metadata):
             return super().create_global_plan(all_plans)
         self.global_plan = global_plan
         self.metadata = metadata
