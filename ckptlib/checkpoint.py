@@ -486,15 +486,13 @@ def _load(
                 if state[name] is not value:
                     state[name] = value  # type: ignore[index]
 
-    def apply() -> None:
-        steps = CollectiveSteps(_agreement(group))
-        if keyed is not None:
-            steps.local(keyed.copy_back)
-        apply_all(plan, steps)
-        steps.local(give_back)
-        steps.finish()
-
-    _dist.agree(apply, group)
+    # ends in an agreement (give_back is a local step): raises on every rank or on none
+    steps = CollectiveSteps(_agreement(group))
+    if keyed is not None:
+        steps.local(keyed.copy_back)
+    apply_all(plan, steps)
+    steps.local(give_back)
+    steps.finish()
     result = LoadResult(
         uri=storage.uri,
         step=info.step,

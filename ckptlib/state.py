@@ -205,7 +205,8 @@ class CollectiveSteps:
         self._error: Exception | None = None
         self._unagreed = False
 
-    def local(self, fn: Callable[[], Any], default: Any = None) -> Any:
+    def local(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn`, holding its error (then None) when ranks must agree first."""
         if self._agree is None:
             return fn()
         self._unagreed = True
@@ -214,11 +215,11 @@ class CollectiveSteps:
                 return fn()
             except Exception as exc:  # noqa: BLE001 - raised on every rank at the next agreement
                 self._error = exc
-        return default
+        return None
 
-    def collective(self, fn: Callable[[], Any], default: Any = None) -> Any:
+    def collective(self, fn: Callable[[], Any]) -> Any:
         self.finish()  # nobody enters torch's collectives while a step failed somewhere
-        return self.local(fn, default)
+        return self.local(fn)
 
     def agreed(self, fn: Callable[[], Any]) -> Any:
         if self._agree is None:
