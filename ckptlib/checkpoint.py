@@ -19,7 +19,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import _dist, background_save, compat
 from .background_save import AsyncSave
-from .errors import CastWarning, CheckpointError, DtypeMismatchError, MissingKeysError, ShapeMismatchError
+from .errors import (
+    CastWarning, CheckpointError, DtypeMismatchError, MissingKeysError, ShapeMismatchError, stacklevel_outside_ckptlib,
+)
 from .format import CheckpointInfo, CkptSavePlanner, CkptWriter, SafeLoadPlanner, prepare_save_target
 from .format.layout import commit_manifest
 from .format.dcp_writer import checkpoint_bytes
@@ -459,7 +461,7 @@ def _load(
         warnings.warn(
             f"{storage.uri}: converted to the dtypes the state asked for: {_describe_casts(casts)}",
             CastWarning,
-            stacklevel=3,
+            stacklevel=stacklevel_outside_ckptlib(),
         )
     notes = list(plan.notes)
     if kept:

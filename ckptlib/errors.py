@@ -6,6 +6,9 @@ re-raised on all ranks) and names the path, key or rank it is about.
 
 from __future__ import annotations
 
+import os
+import sys
+
 
 class CheckpointError(Exception):
     """Base class of every error ckptlib raises on purpose."""
@@ -125,3 +128,15 @@ class UnsupportedError(CheckpointError):
 
 class LockedError(CheckpointError):
     """Another writer holds the checkpoint root."""
+
+
+def stacklevel_outside_ckptlib() -> int:
+    """warnings.warn's stacklevel, for a warning its caller raises, that names the first frame
+    outside ckptlib: the user's line that called ckptlib (directly, or through a
+    CheckpointManager), however many of ckptlib's frames (collective rounds, the manager, the
+    lock) lie in between."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

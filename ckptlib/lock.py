@@ -21,7 +21,7 @@ import uuid
 import warnings
 from typing import Any
 
-from .errors import CheckpointError, LockedError
+from .errors import CheckpointError, LockedError, stacklevel_outside_ckptlib
 from .storage import Storage, SupportsCreateExclusive
 
 LOCK_NAME = "ckptlib.lock"
@@ -166,7 +166,7 @@ class RootLock:
                 warnings.warn(
                     f"{root}: removing a stale lock left by {holder.describe()} (that process no longer runs)",
                     StaleLockWarning,
-                    stacklevel=4,
+                    stacklevel=stacklevel_outside_ckptlib(),
                 )
                 self.storage.delete([LOCK_NAME])
                 continue

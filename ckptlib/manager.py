@@ -28,9 +28,9 @@ import time
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
-from . import _dist, state as _state
+from . import _dist
 from .checkpoint import LoadResult, SaveResult, load, save, start_async_save
-from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError
+from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError, stacklevel_outside_ckptlib
 from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
 from .observe import log_operation
 from .preemption import DEFAULT_SIGNALS, PreemptionWatcher, signal_name
@@ -206,7 +206,7 @@ class CheckpointManager:
             try:
                 self._lock.release()
             except Exception as exc:  # noqa: BLE001 - reported, never fatal
-                warnings.warn(f"{self._lock.where}: could not remove the lock ({exc})", StaleLockWarning, stacklevel=_state._stacklevel_outside_ckptlib())
+                warnings.warn(f"{self._lock.where}: could not remove the lock ({exc})", StaleLockWarning, stacklevel=stacklevel_outside_ckptlib())
 
     def _drop_lock_after_failure(self) -> None:
         if _dist.get_rank(self.process_group) == 0 and not self.hold_lock:
@@ -266,7 +266,7 @@ class CheckpointManager:
         """The step `load()` would resume from, or None when the root has no checkpoint."""
         step, warning = _dist.decide_on_rank0(self._resolve_latest, self.process_group)
         if warning:
-            warnings.warn(warning, StalePointerWarning, stacklevel=_state._stacklevel_outside_ckptlib())
+            warnings.warn(warning, StalePointerWarning, stacklevel=stacklevel_outside_ckptlib())
         return step
 
     def path(self, step: int) -> str:
@@ -334,7 +334,7 @@ class CheckpointManager:
         try:
             replace = None if overwrite else _dist.decide_on_rank0(lambda: self._replaceable(step), self.process_group)
             if replace:
-                warnings.warn(replace, StalePointerWarning, stacklevel=_state._stacklevel_outside_ckptlib())
+                warnings.warn(replace, StalePointerWarning, stacklevel=stacklevel_outside_ckptlib())
             overwrite = overwrite or bool(replace)
             if self.async_save:
                 result = self._save_async(step, target, state, metadata, metrics, overwrite=overwrite)
@@ -434,7 +434,7 @@ class CheckpointManager:
                     f"{describe_foreign(f'{self.root_uri}/{name}', foreign)}; removed the checkpoint's own files and "
                     "left the directory with those in place",
                     ForeignFilesWarning,
-                    stacklevel=_state._stacklevel_outside_ckptlib(),
+                    stacklevel=stacklevel_outside_ckptlib(),
                 )
         return sorted(doomed.values()) + sorted(leftovers)
 

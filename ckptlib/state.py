@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import compat
-from .errors import StateError
+from .errors import StateError, stacklevel_outside_ckptlib
 
 
 class ResizeWarning(UserWarning):
@@ -365,7 +365,7 @@ def to_load_target(
             appliers.append((lambda n=name: _set_plain(state, n, template[n]), False))
     steps.finish()
     for note in notes:
-        warnings.warn(note, ResizeWarning, stacklevel=_stacklevel_outside_ckptlib())
+        warnings.warn(note, ResizeWarning, stacklevel=stacklevel_outside_ckptlib())
     optimizers = {name for name, value in items if isinstance(value, torch.optim.Optimizer)}
     return LoadTarget(template=template, appliers=appliers, notes=notes, keep_if_absent=_hyperparameter_keys(template, optimizers))
 
@@ -431,17 +431,3 @@ def _set_plain(state: Mapping[str, Any], name: str, value: Any) -> None:
     if not isinstance(state, dict) and not hasattr(state, "__setitem__"):
         raise StateError(f"cannot store loaded value for {name!r}: the state mapping is read-only")
     state[name] = value  # type: ignore[index]
-
-
-def _stacklevel_outside_ckptlib() -> int:
-    """warnings.warn's stacklevel, for a warning its caller raises, that names the first frame
-    outside ckptlib: the line that called load (directly, or through a CheckpointManager),
-    however many of ckptlib's frames (the collective round, the manager) lie in between."""
-    import os
-    import sys
-
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level

@@ -266,6 +266,25 @@ def _lock_cannot_be_removed(root, monkeypatch):
     return CheckpointManager(root)
 
 
+def _stale_lock_of_an_exited_process(root):
+    import json
+    import socket
+
+    from ckptlib.lock import LOCK_NAME
+
+    root.mkdir(parents=True)
+    pid = os.getpid() + 1_000_000  # above pid_max: no process has it
+    (root / LOCK_NAME).write_text(json.dumps({"format": "ckptlib-lock", "host": socket.gethostname(), "pid": pid,
+                                              "token": "t", "created": "2024-01-01T00:00:00+00:00"}))
+    return CheckpointManager(root)
+
+
+def _bf16_step_1(root):
+    mgr = CheckpointManager(root)
+    mgr.save(1, {"w": torch.full((3,), 1.0, dtype=torch.bfloat16), "step": 1})
+    return mgr
+
+
 # (how the root is prepared, the call that warns, the warning and its message)
 WARNING_CASES = {
     "stale-pointer-latest": (_stale_pointer, lambda mgr: functools.partial(mgr.latest), StalePointerWarning,
@@ -284,6 +303,10 @@ WARNING_CASES = {
                               StaleLockWarning, "could not remove the lock"),
     "lock-not-removed-gc": (_lock_cannot_be_removed, lambda mgr: functools.partial(mgr.gc), StaleLockWarning,
                             "could not remove the lock"),
+    "stale-lock-save": (_stale_lock_of_an_exited_process, lambda mgr: functools.partial(mgr.save, 1, _state(1)),
+                        StaleLockWarning, "removing a stale lock left by pid"),
+    "cast-load": (_bf16_step_1, lambda mgr: functools.partial(mgr.load, _state(0), cast=True), ckptlib.CastWarning,
+                  "converted to the dtypes the state asked for: w saved as"),
 }
 
 
