@@ -39,9 +39,10 @@ class _Counter:
         self.n = sd["n"]
 
 
-def _state(fail_in: str | None) -> dict:
+def _state(fail_in: str | None, order: str = "before-fsdp1") -> dict:
     """A plain module and a stateful object, either of which fails on rank 1 (in `fail_in`),
-    then FSDP1 and its optimizer."""
+    and FSDP1 and its optimizer: the stateful object before the FSDP1 module, or between it and
+    its optimizer (`order`), so that only the optimizer's own step is collective after it."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -56,6 +57,8 @@ def _state(fail_in: str | None) -> dict:
     model(torch.ones(2, 8)).sum().backward()
     optim.step()
     counter = _Counter(fail_in if dist.get_rank() == 1 else None)
+    if order == "between-fsdp1-and-its-optimizer":
+        return {"broken": broken, "model": model, "counter": counter, "optim": optim}
     return {"broken": broken, "counter": counter, "model": model, "optim": optim}
 
 
@@ -67,26 +70,33 @@ def _outcome(action) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
-def _save(uri: str, fail_in: str | None) -> str:
-    state = _state(fail_in)
+def _save(uri: str, fail_in: str | None, order: str = "before-fsdp1") -> str:
+    state = _state(fail_in, order)
     return _outcome(lambda: ckptlib.save(uri, state, step=1))
 
 
-def _load(uri: str, fail_in: str | None) -> str:
-    state = _state(fail_in)
+def _load(uri: str, fail_in: str | None, order: str = "before-fsdp1") -> str:
+    state = _state(fail_in, order)
     return _outcome(lambda: ckptlib.load(uri, state))
 
 
-_CASES = [("save", "state_dict"), ("load", "state_dict"), ("load", "load_state_dict"),
-          ("save", "stateful.state_dict"), ("load", "stateful.state_dict"), ("load", "stateful.load_state_dict")]
+_BEFORE = "before-fsdp1"
+_BETWEEN = "between-fsdp1-and-its-optimizer"
+_CASES = [("save", "state_dict", _BEFORE), ("load", "state_dict", _BEFORE), ("load", "load_state_dict", _BEFORE),
+          ("save", "stateful.state_dict", _BEFORE), ("load", "stateful.state_dict", _BEFORE),
+          ("load", "stateful.load_state_dict", _BEFORE),
+          # only the optimizer's step (get, or set: its applier) is collective after the failure
+          ("save", "stateful.state_dict", _BETWEEN), ("load", "stateful.state_dict", _BETWEEN),
+          ("load", "stateful.load_state_dict", _BETWEEN)]
 
 
-@pytest.mark.parametrize("action,fail_in", _CASES, ids=[f"{a}-{f}" for a, f in _CASES])
-def test_a_rank_failing_before_an_fsdp1_state_dict_fails_every_rank(tmp_path, dist_run, action, fail_in):
+@pytest.mark.parametrize("action,fail_in,order", _CASES,
+                         ids=[f"{a}-{f}" + ("" if o == _BEFORE else f"-{o}") for a, f, o in _CASES])
+def test_a_rank_failing_before_an_fsdp1_state_dict_fails_every_rank(tmp_path, dist_run, action, fail_in, order):
     uri = str(tmp_path / "ckpt")
     if action == "load":
-        assert dist_run(2, _save, uri, None, timeout=120) == ["ok", "ok"]
-    outcomes = dist_run(2, _save if action == "save" else _load, uri, fail_in, timeout=120)
+        assert dist_run(2, _save, uri, None, order, timeout=120) == ["ok", "ok"]
+    outcomes = dist_run(2, _save if action == "save" else _load, uri, fail_in, order, timeout=120)
     for rank, outcome in enumerate(outcomes):
         assert outcome.startswith("CheckpointError: rank 1: RuntimeError: hook failed on rank 1"), (rank, outcome)
     assert os.path.exists(os.path.join(uri, MANIFEST_NAME)) == (action == "load")
