@@ -203,6 +203,26 @@ def test_rng_state_does_not_start_cuda_to_save_it(monkeypatch):
     assert calls == [] and "cuda" not in sd
 
 
+def test_rng_state_of_a_process_using_cuda_includes_its_generator(monkeypatch):
+    """Where this process has used CUDA, its device generator's state is saved with the rest."""
+    cuda_state = torch.arange(4, dtype=torch.uint8)
+    monkeypatch.setattr(ckptlib.compat, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *args, **kwargs: cuda_state)
+    assert ckptlib.RNGState().state_dict()["cuda"] is cuda_state
+
+
+@pytest.mark.parametrize("saved,world,sources", [
+    (2, 4, [0, 1, None, None]),  # grow: the new ranks start fresh
+    (4, 2, [0, 1]),  # shrink: ranks 2 and 3 are dropped
+    (3, 3, [0, 1, 2]),
+    (1, 2, [0, None]),
+], ids=["grow2to4", "shrink4to2", "same3", "grow1to2"])
+def test_keep_existing_ranks_sources(saved, world, sources):
+    policy = ckptlib.KeepExistingRanks()
+    assert [policy.source_rank(rank, saved, world) for rank in range(world)] == sources
+
+
 def test_an_object_with_only_state_dict_is_saved_as_an_object(tmp_path):
     ckptlib.save(tmp_path / "c", {"x": _SaveOnly()})
     state = {"x": None}

@@ -43,6 +43,7 @@ from ckptlib.format.source import (
     inspect_checkpoint,
     open_reader,
 )
+from ckptlib.state import _merge_back
 from ckptlib.testing.legacy_writers import uneven_bounds, write_safetensors, write_v0
 from reader_helpers import IntoTensor
 
@@ -260,6 +261,24 @@ def test_pre_24_flattened_objects_merge_back_every_value():
     meta = {"epoch": {"a dict": "where the checkpoint has an int"}, "tag": "wrong"}
     ckptlib.load(fixture_path("dcp_sharded_tensor_torch2.0"), {"meta": meta})
     assert meta == {"epoch": 3, "tag": "golden"}
+
+
+def test_merge_back_keeps_the_callers_objects():
+    """What a load hands back into a dict DCP replaced: nested dicts merged into the caller's
+    own dicts and same-shape tensors copied into the caller's tensors (both stay the objects
+    the caller holds); anything else, a tensor of another shape included, replaced."""
+    inner, weight, other = {"kept": 1, "old": 2}, torch.zeros(3), torch.zeros(2)
+    dst = {"inner": inner, "weight": weight, "other": other, "number": torch.ones(1), "plain": {"a": 1}}
+    src = {"inner": {"old": 20, "new": 30}, "weight": torch.arange(3.0), "other": torch.arange(4.0),
+           "number": 5, "plain": 7}
+    _merge_back(dst, src)
+    assert dst["inner"] is inner and inner == {"kept": 1, "old": 20, "new": 30}
+    assert dst["weight"] is weight and torch.equal(weight, torch.arange(3.0))
+    assert torch.equal(dst["other"], torch.arange(4.0)) and torch.equal(other, torch.zeros(2))
+    assert dst["number"] == 5 and dst["plain"] == 7
+    dst = {"was_int": 1}
+    _merge_back(dst, {"was_int": {"now": "a dict"}})
+    assert dst == {"was_int": {"now": "a dict"}}
 
 
 def test_every_kind_of_fixture_is_present():
