@@ -10,8 +10,12 @@ slow tests last); it runs the module's whole selection (the arguments as given) 
 - no file differs, or a changed line is outside every function body (module level, class body,
   decorator, default argument, annotation: run once at import time, which every test depends on);
 - a line of the changed statement ran at import time ("<import>" in the map);
-- no line of the changed statement ran in-process under any test (it may run only in spawned rank
-  or CLI processes, which coverage does not follow).
+- no line of the changed statement ran in-process under any test, and the selection has no test
+  that starts processes.
+
+A statement no test ran in-process may still run in spawned rank or CLI processes, which
+coverage does not follow: such a mutant runs the selection's spawning tests only (every other
+test ran without reaching it, so it runs exactly as unmutated).
 
 With spawning="add", the tests that start processes (ranks, CLI runs; "spawning" in the map) are
 added to every in-process selection: those processes run the mutant too, and coverage cannot see
@@ -95,6 +99,7 @@ def select(args: list[str], map_path: str, pristine_dir: str | None, spawning: s
     if not changed:
         return args, "whole selection: no changed line found"
     tests: set[str] = set()
+    unreached: list[str] = []  # lines no test ran in-process: their tests are the spawning ones
     for name, lines in changed.items():
         tree = ast.parse(sources[name])
         by_line = cov["lines"].get(name, {})
@@ -108,7 +113,10 @@ def select(args: list[str], map_path: str, pristine_dir: str | None, spawning: s
             if IMPORT_TIME in covering:
                 return args, f"whole selection: {name}:{line} ran at import time"
             if not covering:
-                return args, f"whole selection: {name}:{line} never ran in-process"
+                if not cov.get("spawning"):
+                    return args, f"whole selection: {name}:{line} never ran in-process"
+                covering = set(cov["spawning"])
+                unreached.append(f"{name}:{line}")
             tests |= covering
     tests.discard("<between tests>")
     if not tests:
@@ -130,6 +138,8 @@ def select(args: list[str], map_path: str, pristine_dir: str | None, spawning: s
     options = [a for a in args if not a.startswith("tests/")]
     where = ", ".join(f"{name}:{','.join(map(str, lines))}" for name, lines in changed.items())
     why = f"{len(tests)} covering tests (+{len(added)} spawning) for {where}"
+    if unreached:
+        why += f"; never ran in-process ({', '.join(unreached)}): the spawning tests cover them"
     if added:
         why += "; spawning tests added: " + " ".join(sorted(added))
     return options + ordered, why
