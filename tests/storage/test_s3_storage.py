@@ -8,6 +8,7 @@ import itertools
 import os
 import pickle
 import threading
+import types
 import uuid
 
 import pytest
@@ -18,7 +19,7 @@ import ckptlib
 from ckptlib.errors import CheckpointError, StorageError
 from ckptlib.storage import open_storage
 from ckptlib.storage import s3 as s3mod
-from ckptlib.storage.s3 import S3Storage, make_client, parse_uri
+from ckptlib.storage.s3 import MAX_PART_SIZE, MAX_PUT_SIZE, MIN_PART_SIZE, S3Storage, make_client, parse_uri
 from ckptlib.testing.s3_server import moto_server, s3_client, s3_root  # noqa: F401
 
 pytestmark = pytest.mark.s3
@@ -102,6 +103,37 @@ class Wire:
         self.close()
 
 
+class _JitterEnds:
+    """Stands in for `random` in s3mod: uniform() returns the low (or the high) end of its
+    range, so back-off delays are exact and a test sees the range's ends."""
+
+    def __init__(self, end: str):
+        self.end = end
+
+    def uniform(self, a: float, b: float) -> float:
+        return min(a, b) if self.end == "low" else max(a, b)
+
+
+def _record_sleeps(monkeypatch, end: str) -> list[float]:
+    """Back-off sleeps in s3mod are recorded instead of slept, with the jitter at `end`."""
+    sleeps: list[float] = []
+    monkeypatch.setattr(s3mod, "time", types.SimpleNamespace(sleep=sleeps.append))
+    monkeypatch.setattr(s3mod, "random", _JitterEnds(end))
+    return sleeps
+
+
+_JITTER = {"low": 0.5, "high": 1.0}  # the back-off's jitter range: [0.5, 1.0] x the base delay
+
+
+def _delete_result(*errors: tuple[str, str, str | None]) -> bytes:
+    """A DeleteObjects reply listing (key, code, message or None) errors."""
+    items = "".join(
+        f"<Error><Key>{key}</Key><Code>{code}</Code>" + (f"<Message>{message}</Message>" if message else "") + "</Error>"
+        for key, code, message in errors
+    )
+    return f'<?xml version="1.0" encoding="UTF-8"?><DeleteResult>{items}</DeleteResult>'.encode()
+
+
 @pytest.fixture
 def client(moto_server):
     """A fresh ckptlib-configured client per test, so hooks never leak between tests."""
@@ -154,6 +186,49 @@ def test_pickles_without_its_client(store):
     clone = pickle.loads(pickle.dumps(store))
     assert clone.uri == store.uri and clone._client is None
     assert (clone.part_size, clone.multipart_threshold) == (store.part_size, store.multipart_threshold)
+
+
+def test_transfer_options_accept_the_ends_of_their_ranges(s3_root, client):
+    """The smallest allowed values (threshold 1 byte, one thread, 1-byte chunks, no read
+    retries) and the largest sizes are accepted, and a storage built with the smallest works."""
+    storage = S3Storage.from_uri(s3_root, client=client, multipart_threshold=1, max_concurrency=1,
+                                 read_chunk_size=1, read_retries=0, part_size=MIN_PART_SIZE)
+    assert storage._options() == {"multipart_threshold": 1, "part_size": MIN_PART_SIZE, "max_concurrency": 1,
+                                  "read_chunk_size": 1, "read_retries": 0}
+    storage.write("x", b"abc")
+    assert storage.read("x") == b"abc" and storage.read("x", 0, 3) == b"abc"
+    with storage.open_writer("y") as stream:
+        stream.write(b"defg")
+    assert storage.read("y", 1, 3) == b"efg"
+    largest = S3Storage("bucket-name", "run", multipart_threshold=MAX_PUT_SIZE, part_size=MAX_PART_SIZE)
+    assert (largest.multipart_threshold, largest.part_size) == (MAX_PUT_SIZE, MAX_PART_SIZE)
+
+
+_COUNTS_MESSAGE = "max_concurrency and read_chunk_size must be >= 1, read_retries >= 0"
+
+
+@pytest.mark.parametrize(
+    "option,value,message",
+    [
+        ("multipart_threshold", 0, f"multipart_threshold must be within [1, {MAX_PUT_SIZE}], got 0"),
+        ("multipart_threshold", MAX_PUT_SIZE + 1,
+         f"multipart_threshold must be within [1, {MAX_PUT_SIZE}], got {MAX_PUT_SIZE + 1}"),
+        ("part_size", MIN_PART_SIZE - 1,
+         f"part_size must be within [{MIN_PART_SIZE}, {MAX_PART_SIZE}] bytes, got {MIN_PART_SIZE - 1}"),
+        ("part_size", MAX_PART_SIZE + 1,
+         f"part_size must be within [{MIN_PART_SIZE}, {MAX_PART_SIZE}] bytes, got {MAX_PART_SIZE + 1}"),
+        ("max_concurrency", 0, _COUNTS_MESSAGE),
+        ("read_chunk_size", 0, _COUNTS_MESSAGE),
+        ("read_retries", -1, _COUNTS_MESSAGE),
+    ],
+    ids=["threshold-0", "threshold-over-max-put", "part-under-min", "part-over-max", "concurrency-0",
+         "chunk-0", "retries-negative"],
+)
+def test_transfer_option_out_of_range_is_refused(option, value, message):
+    """Each option alone, one step outside its range, is refused with a message naming it."""
+    with pytest.raises(ValueError) as info:
+        S3Storage("bucket-name", "run", **{option: value})
+    assert str(info.value) == message
 
 
 # --------------------------------------------------------------------------------------
