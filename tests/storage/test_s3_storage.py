@@ -426,6 +426,98 @@ def test_create_exclusive(store, client):
     assert store.create_exclusive("ckptlib.lock", b"token-4") is False
 
 
+@pytest.mark.parametrize("answer", ["PreconditionFailed", "no-body"])
+@pytest.mark.parametrize("there", [b"mine", b"theirs"])
+def test_create_exclusive_taken_answer_compares_the_whole_object(moto_server, store, client, answer, there):
+    """A 412 (with S3's PreconditionFailed body, or bare as a proxy may send it) means the key
+    is taken: the call is ours only if the object holds our bytes. The check reads the whole
+    object with a plain GET: a server may reject an invalid Range (RFC 9110) and disown us."""
+    s3_client(moto_server).put_object(Bucket=store.bucket, Key="run/lock", Body=there)
+    gets: list[dict] = []
+
+    def taken(op, request, n):
+        if op == "GetObject":
+            gets.append(dict(request.headers))
+        if op == "PutObject":
+            body = _error_body("PreconditionFailed", "At least one of the pre-conditions you specified did not hold")
+            return _fake_response(request, 412, body if answer == "PreconditionFailed" else b"")
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(taken)
+        assert store.create_exclusive("lock", b"mine") is (there == b"mine")
+        assert wire.count("PutObject") == 1
+    assert len(gets) == 1 and "Range" not in gets[0]
+    assert store.read("lock") == there
+
+
+def test_create_exclusive_puts_again_when_the_taken_object_vanished(store, client):
+    """A 412 whose object is gone by the time it is read (deleted meanwhile) is not an answer:
+    the conditional PUT is sent again and creates the object."""
+
+    def taken_once(op, request, n):
+        if op == "PutObject" and n == 1:
+            return _fake_response(request, 412, _error_body("PreconditionFailed", "taken"))
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(taken_once)
+        assert store.create_exclusive("lock", b"mine") is True
+        assert [r[0] for r in wire.requests] == ["PutObject", "GetObject", "PutObject"]
+    assert store.read("lock") == b"mine"
+
+
+@pytest.mark.parametrize("answer", ["ConditionalRequestConflict", "OperationAborted", "no-body"])
+def test_create_exclusive_retries_any_409(store, client, monkeypatch, answer):
+    """A 409 means a concurrent conditional write is in flight (ConditionalRequestConflict, or
+    OperationAborted: "a conflicting conditional operation ... try again"): sent again after a
+    back-off, whatever the code."""
+    sleeps = _record_sleeps(monkeypatch, "high")
+
+    def conflict_once(op, request, n):
+        if op == "PutObject" and n == 1:
+            return _fake_response(request, 409, b"" if answer == "no-body" else _error_body(answer, "try again"))
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(conflict_once)
+        assert store.create_exclusive("lock", b"mine") is True
+        assert wire.count("PutObject") == 2
+    assert sleeps == [0.05]
+    assert store.read("lock") == b"mine"
+
+
+@pytest.mark.parametrize("end", ["low", "high"])
+def test_create_exclusive_conflict_back_off_doubles_then_gives_up(store, client, monkeypatch, end):
+    """Conflicts back off 0.05 s x 2**attempt (capped at 2 s) times a jitter in [0.5, 1.0],
+    for 6 attempts; then a StorageError says the writes kept conflicting."""
+    sleeps = _record_sleeps(monkeypatch, end)
+    with Wire(client) as wire:
+        wire.rules.append(lambda op, req, n: _fake_response(req, 409, _error_body("ConditionalRequestConflict", "again")))
+        with pytest.raises(StorageError) as info:
+            store.create_exclusive("lock", b"mine")
+        assert wire.count("PutObject") == 6
+    assert str(info.value) == f"S3 conditional put failed for {store.uri}/lock: kept conflicting with concurrent writers"
+    assert sleeps == pytest.approx([_JITTER[end] * base for base in (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)])
+
+
+def test_create_exclusive_permanent_error_is_raised_at_once(store, client):
+    """An error that is neither 'taken' (412) nor 'conflict' (409), such as AccessDenied, is a
+    StorageError after one PUT: no ownership check, no retry."""
+
+    def deny(op, request, n):
+        if op == "PutObject":
+            return _fake_response(request, 403, _error_body("AccessDenied", "Access Denied"))
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(deny)
+        with pytest.raises(StorageError) as info:
+            store.create_exclusive("lock", b"mine")
+        assert [r[0] for r in wire.requests] == ["PutObject"]
+    assert str(info.value).startswith(f"S3 conditional put failed for {store.uri}/lock: AccessDenied (HTTP 403)")
+
+
 @pytest.mark.parametrize(
     "call",
     [
