@@ -746,6 +746,106 @@ def test_body_that_breaks_off_is_retried(store, client):
         assert wire.count("GetObject") == 2
 
 
+def _broken_bodies(data: bytes, times: int):
+    """A Wire rule: the first `times` GETs answer 200 with a body that breaks off."""
+    state = {"broken": 0}
+
+    def rule(op, request, n):
+        if op == "GetObject" and state["broken"] < times:
+            state["broken"] += 1
+            return _fake_response(request, 200, data[:10], {"content-length": str(len(data)), "content-type": "binary/octet-stream"})
+        return None
+
+    return rule
+
+
+@pytest.mark.parametrize("end", ["low", "high"])
+def test_broken_body_back_off_doubles_up_to_8_seconds(store, client, monkeypatch, end):
+    """Each retry of a broken-off body waits 0.2 s x 2**retry, capped at 8 s, times a jitter
+    in [0.5, 1.0]; read_retries retries are made, then the read succeeds or fails."""
+    data = os.urandom(1000)
+    store.write("x.bin", data)
+    storage = S3Storage.from_uri(store.uri, client=client, read_retries=6)
+    sleeps = _record_sleeps(monkeypatch, end)
+    with Wire(client) as wire:
+        wire.rules.append(_broken_bodies(data, 6))
+        assert storage.read("x.bin") == data
+        assert wire.count("GetObject") == 7
+    assert sleeps == pytest.approx([_JITTER[end] * base for base in (0.4, 0.8, 1.6, 3.2, 6.4, 8.0)])
+
+
+def test_read_retries_zero_gives_up_on_the_first_broken_body(store, client, monkeypatch):
+    """read_retries=0: a body that breaks off is a StorageError at once, without a wait."""
+    data = os.urandom(1000)
+    store.write("x.bin", data)
+    storage = S3Storage.from_uri(store.uri, client=client, read_retries=0)
+    sleeps = _record_sleeps(monkeypatch, "high")
+    with Wire(client) as wire:
+        wire.rules.append(_broken_bodies(data, 1))
+        with pytest.raises(StorageError, match=r"S3 get \(reading the body\) failed for s3://.*/run/x.bin"):
+            storage.read("x.bin")
+        assert wire.count("GetObject") == 1
+    assert sleeps == []
+
+
+_INVALID_RANGE = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidRange</Code>'
+    b"<Message>The requested range is not satisfiable</Message><RangeRequested>bytes=5000-5009</RangeRequested>"
+    b"<ActualObjectSize>1024</ActualObjectSize><RequestId>FAKE</RequestId></Error>"
+)
+
+
+@pytest.mark.parametrize("answer", ["InvalidRange", "no-body"])
+def test_416_reads_as_past_the_end(store, client, answer):
+    """A range past the end answered 416, with S3's InvalidRange body (which gives the object
+    size) or bare, reads as end of object: b"" without a length, EOFError with one."""
+    store.write("x", bytes(1024))
+
+    def unsatisfiable(op, request, n):
+        if op == "GetObject":
+            return _fake_response(request, 416, _INVALID_RANGE if answer == "InvalidRange" else b"")
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(unsatisfiable)
+        assert store.read("x", 5000) == b""
+        with pytest.raises(EOFError) as info:
+            store.read("x", 5000, 10)
+        assert wire.count("GetObject") == 2
+    held = "1024" if answer == "InvalidRange" else "5000"
+    assert str(info.value) == f"{store.uri}/x: wanted 10 bytes at offset 5000, object holds {held}"
+
+
+@pytest.mark.parametrize(
+    "op,call,message",
+    [
+        ("GetObject", lambda s: s.read("x"), "S3 get failed for {uri}/x: ConnectionClosedError: "),
+        ("PutObject", lambda s: s.create_exclusive("lock", b"mine"), "S3 conditional put failed for {uri}/lock: ConnectionClosedError: "),
+    ],
+    ids=["read", "create-exclusive"],
+)
+def test_connection_failure_after_the_last_attempt_is_a_storage_error(s3_root, op, call, message):
+    """A connection failure botocore gave up on (here: no retries left) is a StorageError
+    naming the operation, the URI and the botocore error."""
+    from botocore.exceptions import ConnectionClosedError
+
+    client = make_client(max_attempts=1)
+    storage = S3Storage.from_uri(s3_root, client=client)
+    storage.write("x", b"1")
+
+    def close(o, request, n):
+        if o == op:
+            raise ConnectionClosedError(endpoint_url=request.url)
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(close)
+        with pytest.raises(StorageError) as info:
+            call(storage)
+        assert wire.count(op) == 1
+    assert str(info.value).startswith(message.format(uri=storage.uri))
+
+
 # --------------------------------------------------------------------------------------
 # ckptlib.save / load and CheckpointManager on s3://
 # --------------------------------------------------------------------------------------
