@@ -354,6 +354,43 @@ def test_delete_reports_per_key_errors(store, client):
             store.delete(["a", "b"])
 
 
+def _answer_deletes(client, reply: bytes) -> Wire:
+    """A Wire on `client` that answers every DeleteObjects with `reply` (status 200)."""
+    wire = Wire(client)
+    wire.rules.append(lambda op, req, n: _fake_response(req, 200, reply) if op == "DeleteObjects" else None)
+    return wire
+
+
+def test_delete_reports_every_failure_but_absent_keys(store, client):
+    """Per-key errors of a batch delete are all reported, each as 'key: code message' (the
+    message left out when there is none), wherever an absent key (NoSuchKey) sits among them;
+    a reply whose only errors are absent keys is success."""
+    reply = _delete_result(("run/a", "NoSuchKey", "The specified key does not exist."),
+                           ("run/b", "AccessDenied", "Access Denied"),
+                           ("run/c", "InternalError", None))
+    with _answer_deletes(client, reply):
+        with pytest.raises(StorageError) as info:
+            store.delete(["a", "b", "c"])
+    assert str(info.value) == (
+        f"S3 delete failed for 2 object(s) under {store.uri}: run/b: AccessDenied Access Denied; run/c: InternalError"
+    )
+    with _answer_deletes(client, _delete_result(("run/a", "NoSuchKey", None), ("run/b", "NoSuchKey", None))):
+        store.delete(["a", "b"])
+
+
+@pytest.mark.parametrize("failed", [5, 6])
+def test_delete_failure_message_shows_five_failures_and_the_count(store, client, failed):
+    """The error shows the first five failures; beyond five it adds how many failed in all."""
+    names = [f"f{i}" for i in range(failed)]
+    reply = _delete_result(*((f"run/{name}", "AccessDenied", None) for name in names))
+    with _answer_deletes(client, reply):
+        with pytest.raises(StorageError) as info:
+            store.delete(names)
+    shown = "; ".join(f"run/f{i}: AccessDenied" for i in range(5))
+    more = " ... (6 in all)" if failed == 6 else ""
+    assert str(info.value) == f"S3 delete failed for {failed} object(s) under {store.uri}: {shown}{more}"
+
+
 def test_delete_tree_removes_commit_marker_first_and_pending_uploads(moto_server, store, client):
     names = ["step_1/ckptlib.json", "step_1/.metadata", "step_1/__0_0.distcp", "step_1/__1_0.distcp",
              "step_10/ckptlib.json", "keep.txt"]
