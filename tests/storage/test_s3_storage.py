@@ -302,6 +302,15 @@ def test_list_list_children_and_prefix_isolation(store):
     assert not sibling.exists()
 
 
+def test_list_children_skips_names_a_key_cannot_make(moto_server, store):
+    """Keys that other tools may write below the root with an empty, '.' or '..' segment
+    ('run//x', 'run/./x') make no child of that name."""
+    raw = s3_client(moto_server)
+    for key in ("run//x", "run/./x", "run/../x", "run/a/b"):
+        raw.put_object(Bucket=store.bucket, Key=key, Body=b"1")
+    assert store.list_children() == ["a"]
+
+
 def test_list_pagination(s3_root, client, monkeypatch):
     storage = S3Storage.from_uri(s3_root, client=client)
     for i in range(7):
@@ -591,6 +600,20 @@ def _writer_storage(s3_root, client, **kw) -> S3Storage:
     return S3Storage.from_uri(s3_root, client=client, multipart_threshold=5 * MiB, part_size=5 * MiB, **kw)
 
 
+def test_write_is_one_put_up_to_the_single_put_limit(monkeypatch, s3_root, client):
+    """`write` sends one PUT whatever the multipart threshold, up to the largest single PUT;
+    beyond that (5 GiB on S3, made smaller here) it is a multipart upload."""
+    storage = _writer_storage(s3_root, client)
+    monkeypatch.setattr(s3mod, "MAX_PUT_SIZE", 6 * MiB)
+    at_limit, beyond = os.urandom(6 * MiB), os.urandom(6 * MiB + 1)
+    with Wire(client) as wire:
+        storage.write("at-limit.bin", at_limit)
+        assert (wire.count("PutObject"), wire.count("CreateMultipartUpload")) == (1, 0)
+        storage.write("beyond.bin", beyond)
+        assert (wire.count("PutObject"), wire.count("CreateMultipartUpload"), wire.count("UploadPart")) == (1, 1, 2)
+    assert storage.read("at-limit.bin") == at_limit and storage.read("beyond.bin") == beyond
+
+
 def test_small_stream_is_one_put(s3_root, client):
     storage = _writer_storage(s3_root, client)
     with Wire(client) as wire:
@@ -825,22 +848,26 @@ def test_read_retries_zero_gives_up_on_the_first_broken_body(store, client, monk
     assert sleeps == []
 
 
-_INVALID_RANGE = (
-    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidRange</Code>'
-    b"<Message>The requested range is not satisfiable</Message><RangeRequested>bytes=5000-5009</RangeRequested>"
-    b"<ActualObjectSize>1024</ActualObjectSize><RequestId>FAKE</RequestId></Error>"
-)
+def _invalid_range(size: str) -> bytes:
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidRange</Code>'
+        "<Message>The requested range is not satisfiable</Message><RangeRequested>bytes=5000-5009</RangeRequested>"
+        f"<ActualObjectSize>{size}</ActualObjectSize><RequestId>FAKE</RequestId></Error>"
+    ).encode()
 
 
-@pytest.mark.parametrize("answer", ["InvalidRange", "no-body"])
+@pytest.mark.parametrize("answer", ["InvalidRange", "InvalidRange-size-unreadable", "no-body"])
 def test_416_reads_as_past_the_end(store, client, answer):
     """A range past the end answered 416, with S3's InvalidRange body (which gives the object
-    size) or bare, reads as end of object: b"" without a length, EOFError with one."""
+    size, used if it is a number) or bare, reads as end of object: b"" without a length,
+    EOFError with one."""
     store.write("x", bytes(1024))
+    reply = {"InvalidRange": _invalid_range("1024"), "InvalidRange-size-unreadable": _invalid_range("n/a"),
+             "no-body": b""}[answer]
 
     def unsatisfiable(op, request, n):
         if op == "GetObject":
-            return _fake_response(request, 416, _INVALID_RANGE if answer == "InvalidRange" else b"")
+            return _fake_response(request, 416, reply)
         return None
 
     with Wire(client) as wire:
@@ -853,13 +880,32 @@ def test_416_reads_as_past_the_end(store, client, answer):
     assert str(info.value) == f"{store.uri}/x: wanted 10 bytes at offset 5000, object holds {held}"
 
 
+def test_short_range_whose_content_range_has_no_size(store, client):
+    """A short ranged answer whose Content-Range leaves the size unknown (`bytes a-b/*`, which
+    RFC 9110 allows) gives the size as offset + bytes received, not the answer's length."""
+
+    store.write("x", bytes(1024))
+
+    def unknown_size(op, request, n):
+        if op == "GetObject":
+            return _fake_response(request, 206, bytes(24), {"content-range": "bytes 1000-1023/*"})
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(unknown_size)
+        with pytest.raises(EOFError) as info:
+            store.read("x", 1000, 100)
+    assert str(info.value) == f"{store.uri}/x: wanted 100 bytes at offset 1000, object holds 1024"
+
+
 @pytest.mark.parametrize(
     "op,call,message",
     [
         ("GetObject", lambda s: s.read("x"), "S3 get failed for {uri}/x: ConnectionClosedError: "),
         ("PutObject", lambda s: s.create_exclusive("lock", b"mine"), "S3 conditional put failed for {uri}/lock: ConnectionClosedError: "),
+        ("HeadObject", lambda s: s.read("x", 0, 0), "S3 head failed for {uri}/x: ConnectionClosedError: "),
     ],
-    ids=["read", "create-exclusive"],
+    ids=["read", "create-exclusive", "read-nothing"],
 )
 def test_connection_failure_after_the_last_attempt_is_a_storage_error(s3_root, op, call, message):
     """A connection failure botocore gave up on (here: no retries left) is a StorageError
