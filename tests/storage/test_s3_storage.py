@@ -446,6 +446,16 @@ def test_pointer_round_trip(store):
     assert store.read_pointer("latest") == "step_0000000004"
 
 
+def test_pointer_that_is_not_utf8_is_a_storage_error(moto_server, store):
+    """A `latest` object holding bytes that are not UTF-8 (written by something else) is a
+    StorageError naming the object, not a UnicodeDecodeError."""
+    s3_client(moto_server).put_object(Bucket=store.bucket, Key="run/latest", Body=b"step_\xff\xfe")
+    with pytest.raises(StorageError) as info:
+        store.read_pointer("latest")
+    assert str(info.value) == f"{store.uri}/latest: pointer object is not UTF-8 text"
+    assert isinstance(info.value.__cause__, UnicodeDecodeError)
+
+
 def test_create_exclusive(store, client):
     from ckptlib.storage.base import SupportsCreateExclusive
 
