@@ -302,6 +302,25 @@ def test_list_list_children_and_prefix_isolation(store):
     assert not sibling.exists()
 
 
+def test_exists_from_a_listing_without_key_count(store, client):
+    """exists() trusts the listed objects when a ListObjectsV2 reply has no KeyCount (as some
+    S3-compatible servers send it), and KeyCount when it has no Contents."""
+    listing = (
+        '<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>{b}</Name><Prefix>run/</Prefix>{extra}'
+        "<MaxKeys>1</MaxKeys><IsTruncated>false</IsTruncated></ListBucketResult>"
+    )
+    replies = {
+        "Contents": "<Contents><Key>run/x</Key><Size>1</Size></Contents>",
+        "KeyCount": "<KeyCount>1</KeyCount>",
+    }
+    for extra in replies.values():
+        body = listing.format(b=store.bucket, extra=extra).encode()
+        with Wire(client) as wire:
+            wire.rules.append(lambda op, req, n: _fake_response(req, 200, body) if op == "ListObjectsV2" else None)
+            assert store.exists() is True
+    assert store.exists() is False
+
+
 def test_list_children_skips_names_a_key_cannot_make(moto_server, store):
     """Keys that other tools may write below the root with an empty, '.' or '..' segment
     ('run//x', 'run/./x') make no child of that name."""
@@ -444,6 +463,23 @@ def test_pointer_round_trip(store):
         with pytest.raises(StorageError):
             store.set_pointer("latest", bad)
     assert store.read_pointer("latest") == "step_0000000004"
+
+
+def test_pointer_is_read_with_a_plain_get(store, client):
+    """read_pointer reads the whole object without a Range header: there is no range to ask
+    for, and a server may reject an invalid one (RFC 9110) and lose the pointer."""
+    store.set_pointer("latest", "step_0000000003")
+    gets: list[dict] = []
+
+    def record(op, request, n):
+        if op == "GetObject":
+            gets.append(dict(request.headers))
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(record)
+        assert store.read_pointer("latest") == "step_0000000003"
+    assert len(gets) == 1 and "Range" not in gets[0]
 
 
 def test_pointer_that_is_not_utf8_is_a_storage_error(moto_server, store):
