@@ -8,6 +8,7 @@ import itertools
 import os
 import pickle
 import threading
+import types
 import uuid
 
 import pytest
@@ -18,7 +19,7 @@ import ckptlib
 from ckptlib.errors import CheckpointError, StorageError
 from ckptlib.storage import open_storage
 from ckptlib.storage import s3 as s3mod
-from ckptlib.storage.s3 import S3Storage, make_client, parse_uri
+from ckptlib.storage.s3 import MAX_PART_SIZE, MAX_PUT_SIZE, MIN_PART_SIZE, S3Storage, make_client, parse_uri
 from ckptlib.testing.s3_server import moto_server, s3_client, s3_root  # noqa: F401
 
 pytestmark = pytest.mark.s3
@@ -102,6 +103,37 @@ class Wire:
         self.close()
 
 
+class _JitterEnds:
+    """Stands in for `random` in s3mod: uniform() returns the low (or the high) end of its
+    range, so back-off delays are exact and a test sees the range's ends."""
+
+    def __init__(self, end: str):
+        self.end = end
+
+    def uniform(self, a: float, b: float) -> float:
+        return min(a, b) if self.end == "low" else max(a, b)
+
+
+def _record_sleeps(monkeypatch, end: str) -> list[float]:
+    """Back-off sleeps in s3mod are recorded instead of slept, with the jitter at `end`."""
+    sleeps: list[float] = []
+    monkeypatch.setattr(s3mod, "time", types.SimpleNamespace(sleep=sleeps.append))
+    monkeypatch.setattr(s3mod, "random", _JitterEnds(end))
+    return sleeps
+
+
+_JITTER = {"low": 0.5, "high": 1.0}  # the back-off's jitter range: [0.5, 1.0] x the base delay
+
+
+def _delete_result(*errors: tuple[str, str, str | None]) -> bytes:
+    """A DeleteObjects reply listing (key, code, message or None) errors."""
+    items = "".join(
+        f"<Error><Key>{key}</Key><Code>{code}</Code>" + (f"<Message>{message}</Message>" if message else "") + "</Error>"
+        for key, code, message in errors
+    )
+    return f'<?xml version="1.0" encoding="UTF-8"?><DeleteResult>{items}</DeleteResult>'.encode()
+
+
 @pytest.fixture
 def client(moto_server):
     """A fresh ckptlib-configured client per test, so hooks never leak between tests."""
@@ -154,6 +186,49 @@ def test_pickles_without_its_client(store):
     clone = pickle.loads(pickle.dumps(store))
     assert clone.uri == store.uri and clone._client is None
     assert (clone.part_size, clone.multipart_threshold) == (store.part_size, store.multipart_threshold)
+
+
+def test_transfer_options_accept_the_ends_of_their_ranges(s3_root, client):
+    """The smallest allowed values (threshold 1 byte, one thread, 1-byte chunks, no read
+    retries) and the largest sizes are accepted, and a storage built with the smallest works."""
+    storage = S3Storage.from_uri(s3_root, client=client, multipart_threshold=1, max_concurrency=1,
+                                 read_chunk_size=1, read_retries=0, part_size=MIN_PART_SIZE)
+    assert storage._options() == {"multipart_threshold": 1, "part_size": MIN_PART_SIZE, "max_concurrency": 1,
+                                  "read_chunk_size": 1, "read_retries": 0}
+    storage.write("x", b"abc")
+    assert storage.read("x") == b"abc" and storage.read("x", 0, 3) == b"abc"
+    with storage.open_writer("y") as stream:
+        stream.write(b"defg")
+    assert storage.read("y", 1, 3) == b"efg"
+    largest = S3Storage("bucket-name", "run", multipart_threshold=MAX_PUT_SIZE, part_size=MAX_PART_SIZE)
+    assert (largest.multipart_threshold, largest.part_size) == (MAX_PUT_SIZE, MAX_PART_SIZE)
+
+
+_COUNTS_MESSAGE = "max_concurrency and read_chunk_size must be >= 1, read_retries >= 0"
+
+
+@pytest.mark.parametrize(
+    "option,value,message",
+    [
+        ("multipart_threshold", 0, f"multipart_threshold must be within [1, {MAX_PUT_SIZE}], got 0"),
+        ("multipart_threshold", MAX_PUT_SIZE + 1,
+         f"multipart_threshold must be within [1, {MAX_PUT_SIZE}], got {MAX_PUT_SIZE + 1}"),
+        ("part_size", MIN_PART_SIZE - 1,
+         f"part_size must be within [{MIN_PART_SIZE}, {MAX_PART_SIZE}] bytes, got {MIN_PART_SIZE - 1}"),
+        ("part_size", MAX_PART_SIZE + 1,
+         f"part_size must be within [{MIN_PART_SIZE}, {MAX_PART_SIZE}] bytes, got {MAX_PART_SIZE + 1}"),
+        ("max_concurrency", 0, _COUNTS_MESSAGE),
+        ("read_chunk_size", 0, _COUNTS_MESSAGE),
+        ("read_retries", -1, _COUNTS_MESSAGE),
+    ],
+    ids=["threshold-0", "threshold-over-max-put", "part-under-min", "part-over-max", "concurrency-0",
+         "chunk-0", "retries-negative"],
+)
+def test_transfer_option_out_of_range_is_refused(option, value, message):
+    """Each option alone, one step outside its range, is refused with a message naming it."""
+    with pytest.raises(ValueError) as info:
+        S3Storage("bucket-name", "run", **{option: value})
+    assert str(info.value) == message
 
 
 # --------------------------------------------------------------------------------------
@@ -227,6 +302,34 @@ def test_list_list_children_and_prefix_isolation(store):
     assert not sibling.exists()
 
 
+def test_exists_from_a_listing_without_key_count(store, client):
+    """exists() trusts the listed objects when a ListObjectsV2 reply has no KeyCount (as some
+    S3-compatible servers send it), and KeyCount when it has no Contents."""
+    listing = (
+        '<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>{b}</Name><Prefix>run/</Prefix>{extra}'
+        "<MaxKeys>1</MaxKeys><IsTruncated>false</IsTruncated></ListBucketResult>"
+    )
+    replies = {
+        "Contents": "<Contents><Key>run/x</Key><Size>1</Size></Contents>",
+        "KeyCount": "<KeyCount>1</KeyCount>",
+    }
+    for extra in replies.values():
+        body = listing.format(b=store.bucket, extra=extra).encode()
+        with Wire(client) as wire:
+            wire.rules.append(lambda op, req, n: _fake_response(req, 200, body) if op == "ListObjectsV2" else None)
+            assert store.exists() is True
+    assert store.exists() is False
+
+
+def test_list_children_skips_names_a_key_cannot_make(moto_server, store):
+    """Keys that other tools may write below the root with an empty, '.' or '..' segment
+    ('run//x', 'run/./x') make no child of that name."""
+    raw = s3_client(moto_server)
+    for key in ("run//x", "run/./x", "run/../x", "run/a/b"):
+        raw.put_object(Bucket=store.bucket, Key=key, Body=b"1")
+    assert store.list_children() == ["a"]
+
+
 def test_list_pagination(s3_root, client, monkeypatch):
     storage = S3Storage.from_uri(s3_root, client=client)
     for i in range(7):
@@ -279,6 +382,43 @@ def test_delete_reports_per_key_errors(store, client):
             store.delete(["a", "b"])
 
 
+def _answer_deletes(client, reply: bytes) -> Wire:
+    """A Wire on `client` that answers every DeleteObjects with `reply` (status 200)."""
+    wire = Wire(client)
+    wire.rules.append(lambda op, req, n: _fake_response(req, 200, reply) if op == "DeleteObjects" else None)
+    return wire
+
+
+def test_delete_reports_every_failure_but_absent_keys(store, client):
+    """Per-key errors of a batch delete are all reported, each as 'key: code message' (the
+    message left out when there is none), wherever an absent key (NoSuchKey) sits among them;
+    a reply whose only errors are absent keys is success."""
+    reply = _delete_result(("run/a", "NoSuchKey", "The specified key does not exist."),
+                           ("run/b", "AccessDenied", "Access Denied"),
+                           ("run/c", "InternalError", None))
+    with _answer_deletes(client, reply):
+        with pytest.raises(StorageError) as info:
+            store.delete(["a", "b", "c"])
+    assert str(info.value) == (
+        f"S3 delete failed for 2 object(s) under {store.uri}: run/b: AccessDenied Access Denied; run/c: InternalError"
+    )
+    with _answer_deletes(client, _delete_result(("run/a", "NoSuchKey", None), ("run/b", "NoSuchKey", None))):
+        store.delete(["a", "b"])
+
+
+@pytest.mark.parametrize("failed", [5, 6])
+def test_delete_failure_message_shows_five_failures_and_the_count(store, client, failed):
+    """The error shows the first five failures; beyond five it adds how many failed in all."""
+    names = [f"f{i}" for i in range(failed)]
+    reply = _delete_result(*((f"run/{name}", "AccessDenied", None) for name in names))
+    with _answer_deletes(client, reply):
+        with pytest.raises(StorageError) as info:
+            store.delete(names)
+    shown = "; ".join(f"run/f{i}: AccessDenied" for i in range(5))
+    more = " ... (6 in all)" if failed == 6 else ""
+    assert str(info.value) == f"S3 delete failed for {failed} object(s) under {store.uri}: {shown}{more}"
+
+
 def test_delete_tree_removes_commit_marker_first_and_pending_uploads(moto_server, store, client):
     names = ["step_1/ckptlib.json", "step_1/.metadata", "step_1/__0_0.distcp", "step_1/__1_0.distcp",
              "step_10/ckptlib.json", "keep.txt"]
@@ -325,6 +465,33 @@ def test_pointer_round_trip(store):
     assert store.read_pointer("latest") == "step_0000000004"
 
 
+def test_pointer_is_read_with_a_plain_get(store, client):
+    """read_pointer reads the whole object without a Range header: there is no range to ask
+    for, and a server may reject an invalid one (RFC 9110) and lose the pointer."""
+    store.set_pointer("latest", "step_0000000003")
+    gets: list[dict] = []
+
+    def record(op, request, n):
+        if op == "GetObject":
+            gets.append(dict(request.headers))
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(record)
+        assert store.read_pointer("latest") == "step_0000000003"
+    assert len(gets) == 1 and "Range" not in gets[0]
+
+
+def test_pointer_that_is_not_utf8_is_a_storage_error(moto_server, store):
+    """A `latest` object holding bytes that are not UTF-8 (written by something else) is a
+    StorageError naming the object, not a UnicodeDecodeError."""
+    s3_client(moto_server).put_object(Bucket=store.bucket, Key="run/latest", Body=b"step_\xff\xfe")
+    with pytest.raises(StorageError) as info:
+        store.read_pointer("latest")
+    assert str(info.value) == f"{store.uri}/latest: pointer object is not UTF-8 text"
+    assert isinstance(info.value.__cause__, UnicodeDecodeError)
+
+
 def test_create_exclusive(store, client):
     from ckptlib.storage.base import SupportsCreateExclusive
 
@@ -349,6 +516,98 @@ def test_create_exclusive(store, client):
     # a retried PUT whose first attempt had succeeded answers 412: still ours (same bytes)
     assert store.create_exclusive("ckptlib.lock", b"token-3") is True
     assert store.create_exclusive("ckptlib.lock", b"token-4") is False
+
+
+@pytest.mark.parametrize("answer", ["PreconditionFailed", "no-body"])
+@pytest.mark.parametrize("there", [b"mine", b"theirs"])
+def test_create_exclusive_taken_answer_compares_the_whole_object(moto_server, store, client, answer, there):
+    """A 412 (with S3's PreconditionFailed body, or bare as a proxy may send it) means the key
+    is taken: the call is ours only if the object holds our bytes. The check reads the whole
+    object with a plain GET: a server may reject an invalid Range (RFC 9110) and disown us."""
+    s3_client(moto_server).put_object(Bucket=store.bucket, Key="run/lock", Body=there)
+    gets: list[dict] = []
+
+    def taken(op, request, n):
+        if op == "GetObject":
+            gets.append(dict(request.headers))
+        if op == "PutObject":
+            body = _error_body("PreconditionFailed", "At least one of the pre-conditions you specified did not hold")
+            return _fake_response(request, 412, body if answer == "PreconditionFailed" else b"")
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(taken)
+        assert store.create_exclusive("lock", b"mine") is (there == b"mine")
+        assert wire.count("PutObject") == 1
+    assert len(gets) == 1 and "Range" not in gets[0]
+    assert store.read("lock") == there
+
+
+def test_create_exclusive_puts_again_when_the_taken_object_vanished(store, client):
+    """A 412 whose object is gone by the time it is read (deleted meanwhile) is not an answer:
+    the conditional PUT is sent again and creates the object."""
+
+    def taken_once(op, request, n):
+        if op == "PutObject" and n == 1:
+            return _fake_response(request, 412, _error_body("PreconditionFailed", "taken"))
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(taken_once)
+        assert store.create_exclusive("lock", b"mine") is True
+        assert [r[0] for r in wire.requests] == ["PutObject", "GetObject", "PutObject"]
+    assert store.read("lock") == b"mine"
+
+
+@pytest.mark.parametrize("answer", ["ConditionalRequestConflict", "OperationAborted", "no-body"])
+def test_create_exclusive_retries_any_409(store, client, monkeypatch, answer):
+    """A 409 means a concurrent conditional write is in flight (ConditionalRequestConflict, or
+    OperationAborted: "a conflicting conditional operation ... try again"): sent again after a
+    back-off, whatever the code."""
+    sleeps = _record_sleeps(monkeypatch, "high")
+
+    def conflict_once(op, request, n):
+        if op == "PutObject" and n == 1:
+            return _fake_response(request, 409, b"" if answer == "no-body" else _error_body(answer, "try again"))
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(conflict_once)
+        assert store.create_exclusive("lock", b"mine") is True
+        assert wire.count("PutObject") == 2
+    assert sleeps == [0.05]
+    assert store.read("lock") == b"mine"
+
+
+@pytest.mark.parametrize("end", ["low", "high"])
+def test_create_exclusive_conflict_back_off_doubles_then_gives_up(store, client, monkeypatch, end):
+    """Conflicts back off 0.05 s x 2**attempt (capped at 2 s) times a jitter in [0.5, 1.0],
+    for 6 attempts; then a StorageError says the writes kept conflicting."""
+    sleeps = _record_sleeps(monkeypatch, end)
+    with Wire(client) as wire:
+        wire.rules.append(lambda op, req, n: _fake_response(req, 409, _error_body("ConditionalRequestConflict", "again")))
+        with pytest.raises(StorageError) as info:
+            store.create_exclusive("lock", b"mine")
+        assert wire.count("PutObject") == 6
+    assert str(info.value) == f"S3 conditional put failed for {store.uri}/lock: kept conflicting with concurrent writers"
+    assert sleeps == pytest.approx([_JITTER[end] * base for base in (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)])
+
+
+def test_create_exclusive_permanent_error_is_raised_at_once(store, client):
+    """An error that is neither 'taken' (412) nor 'conflict' (409), such as AccessDenied, is a
+    StorageError after one PUT: no ownership check, no retry."""
+
+    def deny(op, request, n):
+        if op == "PutObject":
+            return _fake_response(request, 403, _error_body("AccessDenied", "Access Denied"))
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(deny)
+        with pytest.raises(StorageError) as info:
+            store.create_exclusive("lock", b"mine")
+        assert [r[0] for r in wire.requests] == ["PutObject"]
+    assert str(info.value).startswith(f"S3 conditional put failed for {store.uri}/lock: AccessDenied (HTTP 403)")
 
 
 @pytest.mark.parametrize(
@@ -385,6 +644,20 @@ def test_path_traversal_is_rejected(moto_server, store, call):
 
 def _writer_storage(s3_root, client, **kw) -> S3Storage:
     return S3Storage.from_uri(s3_root, client=client, multipart_threshold=5 * MiB, part_size=5 * MiB, **kw)
+
+
+def test_write_is_one_put_up_to_the_single_put_limit(monkeypatch, s3_root, client):
+    """`write` sends one PUT whatever the multipart threshold, up to the largest single PUT;
+    beyond that (5 GiB on S3, made smaller here) it is a multipart upload."""
+    storage = _writer_storage(s3_root, client)
+    monkeypatch.setattr(s3mod, "MAX_PUT_SIZE", 6 * MiB)
+    at_limit, beyond = os.urandom(6 * MiB), os.urandom(6 * MiB + 1)
+    with Wire(client) as wire:
+        storage.write("at-limit.bin", at_limit)
+        assert (wire.count("PutObject"), wire.count("CreateMultipartUpload")) == (1, 0)
+        storage.write("beyond.bin", beyond)
+        assert (wire.count("PutObject"), wire.count("CreateMultipartUpload"), wire.count("UploadPart")) == (1, 1, 2)
+    assert storage.read("at-limit.bin") == at_limit and storage.read("beyond.bin") == beyond
 
 
 def test_small_stream_is_one_put(s3_root, client):
@@ -577,6 +850,129 @@ def test_body_that_breaks_off_is_retried(store, client):
         with pytest.raises(StorageError, match=r"S3 get \(reading the body\) failed for s3://.*/run/x.bin"):
             storage.read("x.bin")
         assert wire.count("GetObject") == 2
+
+
+def _broken_bodies(data: bytes, times: int):
+    """A Wire rule: the first `times` GETs answer 200 with a body that breaks off."""
+    state = {"broken": 0}
+
+    def rule(op, request, n):
+        if op == "GetObject" and state["broken"] < times:
+            state["broken"] += 1
+            return _fake_response(request, 200, data[:10], {"content-length": str(len(data)), "content-type": "binary/octet-stream"})
+        return None
+
+    return rule
+
+
+@pytest.mark.parametrize("end", ["low", "high"])
+def test_broken_body_back_off_doubles_up_to_8_seconds(store, client, monkeypatch, end):
+    """Each retry of a broken-off body waits 0.2 s x 2**retry, capped at 8 s, times a jitter
+    in [0.5, 1.0]; read_retries retries are made, then the read succeeds or fails."""
+    data = os.urandom(1000)
+    store.write("x.bin", data)
+    storage = S3Storage.from_uri(store.uri, client=client, read_retries=6)
+    sleeps = _record_sleeps(monkeypatch, end)
+    with Wire(client) as wire:
+        wire.rules.append(_broken_bodies(data, 6))
+        assert storage.read("x.bin") == data
+        assert wire.count("GetObject") == 7
+    assert sleeps == pytest.approx([_JITTER[end] * base for base in (0.4, 0.8, 1.6, 3.2, 6.4, 8.0)])
+
+
+def test_read_retries_zero_gives_up_on_the_first_broken_body(store, client, monkeypatch):
+    """read_retries=0: a body that breaks off is a StorageError at once, without a wait."""
+    data = os.urandom(1000)
+    store.write("x.bin", data)
+    storage = S3Storage.from_uri(store.uri, client=client, read_retries=0)
+    sleeps = _record_sleeps(monkeypatch, "high")
+    with Wire(client) as wire:
+        wire.rules.append(_broken_bodies(data, 1))
+        with pytest.raises(StorageError, match=r"S3 get \(reading the body\) failed for s3://.*/run/x.bin"):
+            storage.read("x.bin")
+        assert wire.count("GetObject") == 1
+    assert sleeps == []
+
+
+def _invalid_range(size: str) -> bytes:
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidRange</Code>'
+        "<Message>The requested range is not satisfiable</Message><RangeRequested>bytes=5000-5009</RangeRequested>"
+        f"<ActualObjectSize>{size}</ActualObjectSize><RequestId>FAKE</RequestId></Error>"
+    ).encode()
+
+
+@pytest.mark.parametrize("answer", ["InvalidRange", "InvalidRange-size-unreadable", "no-body"])
+def test_416_reads_as_past_the_end(store, client, answer):
+    """A range past the end answered 416, with S3's InvalidRange body (which gives the object
+    size, used if it is a number) or bare, reads as end of object: b"" without a length,
+    EOFError with one."""
+    store.write("x", bytes(1024))
+    reply = {"InvalidRange": _invalid_range("1024"), "InvalidRange-size-unreadable": _invalid_range("n/a"),
+             "no-body": b""}[answer]
+
+    def unsatisfiable(op, request, n):
+        if op == "GetObject":
+            return _fake_response(request, 416, reply)
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(unsatisfiable)
+        assert store.read("x", 5000) == b""
+        with pytest.raises(EOFError) as info:
+            store.read("x", 5000, 10)
+        assert wire.count("GetObject") == 2
+    held = "1024" if answer == "InvalidRange" else "5000"
+    assert str(info.value) == f"{store.uri}/x: wanted 10 bytes at offset 5000, object holds {held}"
+
+
+def test_short_range_whose_content_range_has_no_size(store, client):
+    """A short ranged answer whose Content-Range leaves the size unknown (`bytes a-b/*`, which
+    RFC 9110 allows) gives the size as offset + bytes received, not the answer's length."""
+
+    store.write("x", bytes(1024))
+
+    def unknown_size(op, request, n):
+        if op == "GetObject":
+            return _fake_response(request, 206, bytes(24), {"content-range": "bytes 1000-1023/*"})
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(unknown_size)
+        with pytest.raises(EOFError) as info:
+            store.read("x", 1000, 100)
+    assert str(info.value) == f"{store.uri}/x: wanted 100 bytes at offset 1000, object holds 1024"
+
+
+@pytest.mark.parametrize(
+    "op,call,message",
+    [
+        ("GetObject", lambda s: s.read("x"), "S3 get failed for {uri}/x: ConnectionClosedError: "),
+        ("PutObject", lambda s: s.create_exclusive("lock", b"mine"), "S3 conditional put failed for {uri}/lock: ConnectionClosedError: "),
+        ("HeadObject", lambda s: s.read("x", 0, 0), "S3 head failed for {uri}/x: ConnectionClosedError: "),
+    ],
+    ids=["read", "create-exclusive", "read-nothing"],
+)
+def test_connection_failure_after_the_last_attempt_is_a_storage_error(s3_root, op, call, message):
+    """A connection failure botocore gave up on (here: no retries left) is a StorageError
+    naming the operation, the URI and the botocore error."""
+    from botocore.exceptions import ConnectionClosedError
+
+    client = make_client(max_attempts=1)
+    storage = S3Storage.from_uri(s3_root, client=client)
+    storage.write("x", b"1")
+
+    def close(o, request, n):
+        if o == op:
+            raise ConnectionClosedError(endpoint_url=request.url)
+        return None
+
+    with Wire(client) as wire:
+        wire.rules.append(close)
+        with pytest.raises(StorageError) as info:
+            call(storage)
+        assert wire.count(op) == 1
+    assert str(info.value).startswith(message.format(uri=storage.uri))
 
 
 # --------------------------------------------------------------------------------------
