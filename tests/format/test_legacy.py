@@ -690,6 +690,21 @@ class _Custom:
     pass
 
 
+def test_legacy_pre_zip_torch_save_is_read_into_memory(tmp_path):
+    """torch.save's pre-1.6 format (not a zip archive; still written with
+    `_use_new_zipfile_serialization=False`) cannot be memory-mapped: it is read into memory
+    instead, bit-exact, and the load says so."""
+    path = tmp_path / "old.pt"
+    weight = torch.arange(6.0).reshape(2, 3)
+    torch.save({"model": {"w": weight}, "step": 7}, path, _use_new_zipfile_serialization=False)
+    assert detect_format(str(path)) == "torch_save"
+    model = {"w": torch.zeros(2, 3)}
+    state = {"model": model, "step": 0}
+    result = ckptlib.load(str(path), state)
+    assert torch.equal(model["w"], weight) and state["step"] == 7
+    assert result.notes == [f"{path}: legacy (pre-zip) torch.save format, read into memory (no mmap)"]
+
+
 # --------------------------------------------------------------------------- keys must match, loudly
 
 
