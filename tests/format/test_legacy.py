@@ -32,6 +32,7 @@ from ckptlib.errors import (
     CheckpointNotFoundError,
     MissingKeysError,
     NotACheckpointError,
+    ShapeMismatchError,
     StateError,
     UnsafeCheckpointError,
 )
@@ -261,6 +262,19 @@ def test_pre_24_flattened_objects_merge_back_every_value():
     meta = {"epoch": {"a dict": "where the checkpoint has an int"}, "tag": "wrong"}
     ckptlib.load(fixture_path("dcp_sharded_tensor_torch2.0"), {"meta": meta})
     assert meta == {"epoch": 3, "tag": "golden"}
+
+
+def test_pre_24_keys_still_check_shapes():
+    """Where the pre-2.4 key rules match the checkpoint better (its 'meta' is one item), the
+    state's tensors are still checked against it: a wrong shape is a ShapeMismatchError naming
+    the key, not a load of the wrong tensor."""
+    meta = {"epoch": 0, "tag": ""}
+    with pytest.raises(ShapeMismatchError) as caught:
+        ckptlib.load(fixture_path("dcp_sharded_tensor_torch2.0"),
+                     {"meta": meta, "model": {"head": {"bias": torch.zeros(3)}}}, strict=False)
+    assert caught.value.keys == ["model.head.bias"]
+    assert "model.head.bias: shape (3,) in the state, (2,) in the checkpoint" in str(caught.value)
+    assert meta == {"epoch": 0, "tag": ""}
 
 
 def test_merge_back_keeps_the_callers_objects():
