@@ -255,3 +255,15 @@ def test_tensor_layout_refuses_what_it_cannot_read_directly():
     assert item_encoder.tensor_layout(memoryview(b"")) is None
     blob = _torch_save_bytes(torch.ones(3))
     assert item_encoder.tensor_layout(memoryview(blob[:-30])) is None  # cut off: no end record
+
+
+def test_a_patch_across_captured_pieces_lands_byte_for_byte():
+    """A field patched into the captured archive (a CRC, a record id) may straddle two pieces
+    and start inside the first: each byte lands once, in order, and the pieces' CRCs follow."""
+    pieces = [bytearray(b"aaaa"), bytearray(b"bb"), bytearray(b"cccc")]
+    archive = item_encoder._Archive([memoryview(p) for p in pieces], 10)
+    assert archive.chunk_crc(1) == zlib.crc32(b"bb")
+    archive.patch(3, b"WXYZ")
+    assert [bytes(p) for p in pieces] == [b"aaaW", b"XY", b"Zccc"]
+    assert archive.read(0, 10) == b"aaaWXYZccc"
+    assert archive.chunk_crc(1) == zlib.crc32(b"XY")

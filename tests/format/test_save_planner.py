@@ -147,3 +147,31 @@ def test_a_tensor_not_covered_by_one_ranks_chunks_is_left_to_dcp():
     assert not chunks_tile_exactly(metadata)
     half = [[_shard("w", [0, 0], [2, 4], [4, 4])]]
     assert _outcome(CkptSavePlanner(), _plans(half)) == _outcome(DefaultSavePlanner(), _plans(half))
+
+
+@pytest.mark.parametrize("differs", ["plan-fields", "no-dtensor"])
+def test_plans_are_dcps_own_where_torch_differs(tmp_path, monkeypatch, differs):
+    """Where torch's plan classes have fields ckptlib's codec does not know, or torch has no
+    DTensor, the local save and load plans are DCP's own (`create_default_local_*_plan`), and
+    the checkpoint still round-trips bit-exact."""
+    import ckptlib
+    from ckptlib import compat
+    from ckptlib.format import load_planner, plan_codec, save_planner
+
+    calls = []
+    for module, name in [(save_planner, "create_default_local_save_plan"), (load_planner, "create_default_local_load_plan")]:
+        dcp_plan = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=dcp_plan, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    if differs == "plan-fields":
+        for module in (save_planner, load_planner, plan_codec):
+            monkeypatch.setattr(module, "KNOWN_FIELDS", False)
+    else:
+        monkeypatch.setattr(compat, "dtensor_cls", lambda: None)
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(4, 3)
+    ckptlib.save(tmp_path / "c", {"model": saved, "step": 5})
+    loaded, state = torch.nn.Linear(4, 3), {"step": 0}
+    state["model"] = loaded
+    ckptlib.load(tmp_path / "c", state)
+    assert calls == ["create_default_local_save_plan", "create_default_local_load_plan"]
+    assert torch.equal(loaded.weight, saved.weight) and torch.equal(loaded.bias, saved.bias) and state["step"] == 5

@@ -68,3 +68,23 @@ def test_preparing_a_fresh_target_asks_once_whether_it_exists(tmp_path):
     assert storage.calls[("exists", None)] == 1
     assert storage.calls[("list", None)] == 0
     assert sorted(as_storage(str(tmp_path / "fresh")).list()) == ["ckptlib.pending"]
+
+
+_GAP = 1 << 20  # ranged_io._COALESCE_GAP
+
+
+@pytest.mark.parametrize("spans,max_span,expected", [
+    ([(0, 10), (10, 10), (20, 10)], 20, [(0, 20), (20, 10)]),
+    ([(100, 10), (110, 10), (120, 10)], 20, [(100, 20), (120, 10)]),
+    ([(0, 50), (50, 5)], 20, [(0, 50), (50, 5)]),
+    ([(20, 10), (0, 10)], None, [(0, 30)]),
+    ([(0, 10), (10 + _GAP, 10)], None, [(0, 20 + _GAP)]),
+    ([(0, 10), (11 + _GAP, 10)], None, [(0, 10), (11 + _GAP, 10)]),
+], ids=["at-most-max-span", "at-an-offset", "a-larger-item-alone", "sorted", "gap-at-limit", "gap-past-limit"])
+def test_reads_coalesce_across_small_gaps_up_to_their_span(spans, max_span, expected):
+    """Shard reads are merged into one ranged read across gaps of up to 1 MiB, and never grow
+    past `max_span` bytes (one item larger than that is read alone): the memory a read holds."""
+    from ckptlib.format.ranged_io import _COALESCE_GAP, _coalesce
+
+    assert _COALESCE_GAP == _GAP
+    assert _coalesce(spans, max_span=max_span) == expected
