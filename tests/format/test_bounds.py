@@ -10,7 +10,9 @@ pickle built a 2 GB bytearray; a shape in `.metadata` that disagreed with the st
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import shutil
 import warnings
 import zlib
 
@@ -189,6 +191,26 @@ def test_metadata_shape_that_disagrees_with_the_stored_item(tmp_path, capsys, ki
         ckptlib.load(d, {"w": torch.zeros(declared, dtype=dtype or torch.float32), "b": torch.zeros(3)})
     assert isinstance(info.value, CheckpointCorruptError), repr(info.value)
     assert "__0_0.distcp" in str(info.value) and "w" in str(info.value)
+
+
+def test_a_damaged_file_does_not_stop_the_other_files_items_being_checked(tmp_path):
+    """verify decodes no item of a file it already found damaged (one finding per damage), and
+    still checks every item of the other files against `.metadata`: a two-rank checkpoint with
+    rank 0's file damaged and a dtype `.metadata` misdeclares reports both, each once."""
+    d = tmp_path / "c"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "fixtures", "ckptlib", "ckpt"), d)
+    damaged = bytearray((d / "__0_0.distcp").read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    (d / "__0_0.distcp").write_bytes(bytes(damaged))
+
+    def misdeclare(md):
+        md.state_dict_metadata["model.embed.weight"].properties.dtype = torch.int32
+
+    _rewrite_metadata(d, misdeclare)
+    errors = _errors(d)
+    assert [p.file for p in errors] == ["__0_0.distcp", "__1_0.distcp"], errors
+    assert errors[0].message.startswith("checksum mismatch in item at offset"), errors[0]
+    assert "'model.embed.weight'" in errors[1].message and "dtype int32" in errors[1].message, errors[1]
 
 
 def test_verify_passes_intact_checkpoints_with_many_items(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import struct
 import zipfile
 import zlib
 
@@ -267,3 +268,66 @@ def test_a_patch_across_captured_pieces_lands_byte_for_byte():
     assert [bytes(p) for p in pieces] == [b"aaaW", b"XY", b"Zccc"]
     assert archive.read(0, 10) == b"aaaWXYZccc"
     assert archive.chunk_crc(1) == zlib.crc32(b"XY")
+
+
+def _with_zip64_sizes(archive: bytes, name: str) -> bytes:
+    """`archive` with `name`'s central-directory sizes moved into a zip64 extra field, as a
+    writer records an item of 4 GiB or more (0xFFFFFFFF in the 32-bit fields)."""
+    cd_size, cd_offset = struct.unpack_from("<II", archive, len(archive) - 22 + 12)
+    records, pos = [], cd_offset
+    while pos < cd_offset + cd_size:
+        fixed = bytearray(archive[pos : pos + 46])
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", fixed, 28)
+        rest = archive[pos + 46 : pos + 46 + name_len + extra_len + comment_len]
+        if rest[:name_len].decode() == name:
+            csize, usize = struct.unpack_from("<II", fixed, 20)
+            extra = struct.pack("<HHQQ", 1, 16, usize, csize)
+            struct.pack_into("<IIH", fixed, 20, 0xFFFFFFFF, 0xFFFFFFFF, name_len)
+            struct.pack_into("<H", fixed, 30, extra_len + len(extra))
+            rest = rest[:name_len] + extra + rest[name_len:]
+        records.append(bytes(fixed) + rest)
+        pos += 46 + name_len + extra_len + comment_len
+    directory = b"".join(records)
+    eocd = bytearray(archive[-22:])
+    struct.pack_into("<II", eocd, 12, len(directory), cd_offset)
+    return archive[:cd_offset] + directory + bytes(eocd)
+
+
+def test_zip64_sizes_of_an_item_of_4_gib_are_read_from_their_extra_field():
+    """A tensor of 4 GiB or more has its sizes in the zip64 extra field: the record parser
+    takes them from there (each 32-bit field that says 0xFFFFFFFF, in order) and finds the
+    tensor's bytes, instead of giving up on the fast path."""
+    buf = io.BytesIO()
+    torch.save(torch.arange(40, dtype=torch.int32), buf)
+    archive = buf.getvalue()
+    data_name = [n for n in zipfile.ZipFile(io.BytesIO(archive)).namelist() if "/data/" in n][0]
+    patched = _with_zip64_sizes(archive, data_name)
+
+    def read(pos: int, n: int) -> bytes:
+        return patched[pos : pos + n]
+
+    plain = {e.name: e for e in item_encoder._central_entries(lambda p, n: archive[p : p + n], len(archive))}
+    entries = {e.name: e for e in item_encoder._central_entries(read, len(patched))}
+    assert entries[data_name].size == plain[data_name].size == 160
+    assert entries[data_name].local_at == plain[data_name].local_at
+    record = item_encoder.tensor_data_record(read, len(patched))
+    assert record is not None and record.size == 160
+    assert patched[record.start : record.start + 160] == torch.arange(40, dtype=torch.int32).numpy().tobytes()
+
+
+def test_a_record_name_that_is_not_utf8_leaves_the_item_to_torch_load():
+    """A torch.save archive whose record names do not decode as UTF-8 is not one the fast
+    record parsers know: they give no answer (the reader then decodes the item with
+    torch.load), instead of raising UnicodeDecodeError out of a load."""
+    buf = io.BytesIO()
+    torch.save(torch.arange(4.0), buf)
+    archive = bytearray(buf.getvalue())
+    cd_size, cd_offset = struct.unpack_from("<II", archive, len(archive) - 22 + 12)
+    archive[cd_offset + 46] = 0xFF  # the first byte of the first record's name, in the central directory
+    data = bytes(archive)
+
+    def read(pos: int, n: int) -> bytes:
+        return data[pos : pos + n]
+
+    assert item_encoder.tensor_pickle(read, len(data)) is None
+    assert item_encoder.tensor_data_record(read, len(data)) is None
