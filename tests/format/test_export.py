@@ -117,6 +117,21 @@ def test_sharding_follows_hugging_face_layout(tmp_path, fmt):
     assert record["complete"] is True and record["files"] == result.files
 
 
+def test_a_shard_is_filled_up_to_exactly_the_limit(tmp_path):
+    """Tensors that fill a shard exactly to max_shard_size share it (the limit is inclusive,
+    as Hugging Face's): five 400-byte tensors at 800 bytes a shard make shards of 2, 2, 1."""
+    tensors = {f"layer{i}.weight": torch.full((100,), float(i)) for i in range(5)}
+    ckptlib.save(str(tmp_path / "c"), {"model": tensors})
+    out = tmp_path / "hf"
+    ckptlib.export(str(tmp_path / "c"), str(out), model_only=True, max_shard_size=800)
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(name)
+    assert sorted(sorted(names) for names in by_shard.values()) == [
+        ["layer0.weight", "layer1.weight"], ["layer2.weight", "layer3.weight"], ["layer4.weight"]]
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
 def test_dtype_casts_floating_point_tensors_only(tmp_path, fmt):
     model = {"w": torch.randn(4, 8), "h": torch.randn(3, dtype=torch.float64), "count": torch.arange(6)}

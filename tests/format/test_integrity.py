@@ -552,3 +552,21 @@ def test_verify_inspect_and_lock_on_s3(s3_root, capsys):
     assert sorted(open_storage(root).list()) == [
         "latest", *(f"step_000000000{s}/{n}" for s in (1, 2) for n in (".metadata", "__0_0.distcp", "ckptlib.json"))
     ]
+
+
+@pytest.mark.parametrize("damaged", [20, 21, 30], ids=lambda n: f"{n}-damaged-items")
+def test_verify_shows_twenty_findings_of_a_kind_per_file_then_counts_the_rest(tmp_path, damaged):
+    """A file with many damaged items: verify lists the first 20 findings of each kind for it
+    and then one line counting the rest, so a wrecked file does not bury the other findings."""
+    d = tmp_path / "c"
+    ckptlib.save(d, {f"t{i}": torch.full((64,), float(i)) for i in range(30)})
+    items = json.loads((d / "ckptlib.json").read_text())["files"]["__0_0.distcp"]["items"]
+    data = bytearray((d / "__0_0.distcp").read_bytes())
+    for offset, length, _ in items[:damaged]:
+        data[offset + length - 1] ^= 0xFF  # the last byte of each item: tensor bytes
+    (d / "__0_0.distcp").write_bytes(bytes(data))
+    found = [(p.file, p.kind, p.message) for p in verify(d) if p.file == "__0_0.distcp"]
+    shown = [f for f in found if f[2].startswith("checksum mismatch in item at offset")]
+    assert len(shown) == 20 and all(kind == "corrupt" for _, kind, _ in shown)
+    rest = [f for f in found if f not in shown]
+    assert rest == ([("__0_0.distcp", "corrupt", f"... and {damaged - 20} more problems like these")] if damaged > 20 else [])

@@ -331,3 +331,23 @@ def test_a_record_name_that_is_not_utf8_leaves_the_item_to_torch_load():
 
     assert item_encoder.tensor_pickle(read, len(data)) is None
     assert item_encoder.tensor_data_record(read, len(data)) is None
+
+
+def test_archives_with_and_without_a_zip64_end_record_are_parsed():
+    """torch.save ends its archive with a zip64 end record (and locator); other writers write
+    only the classic one: the record parser reads the directory through either."""
+    buf = io.BytesIO()
+    torch.save(torch.arange(4.0), buf)
+    with_zip64 = buf.getvalue()
+    plain = io.BytesIO()
+    with zipfile.ZipFile(plain, "w", compression=zipfile.ZIP_STORED) as archive:
+        for info in zipfile.ZipFile(io.BytesIO(with_zip64)).infolist():
+            archive.writestr(info.filename, zipfile.ZipFile(io.BytesIO(with_zip64)).read(info))
+    without = plain.getvalue()
+    assert with_zip64[-42:-38] == b"PK\x06\x07" and without[-42:-38] != b"PK\x06\x07"
+
+    def entries(data: bytes) -> list[tuple[str, int]]:
+        return [(e.name, e.size) for e in item_encoder._central_entries(lambda p, n: data[p : p + n], len(data))]
+
+    expected = [(info.filename, info.file_size) for info in zipfile.ZipFile(io.BytesIO(with_zip64)).infolist()]
+    assert entries(with_zip64) == expected and entries(without) == expected

@@ -165,3 +165,14 @@ def test_crafted_index_is_refused(tmp_path, case):
     with pytest.raises(error, match=message) as err:
         open_reader(directory)
     assert "st" in (err.value.path or "")
+
+
+def test_the_shortest_safetensors_file_is_its_8_byte_length():
+    """A safetensors file starts with its header's length in 8 bytes: 8 bytes is the shortest
+    file whose length can be read (an empty header; the parser reports what follows), 7 is too
+    short, named as such."""
+    from ckptlib.format.safetensors_header import header_length
+
+    assert header_length(struct.pack("<Q", 0), "x.safetensors", 8) == 0
+    with pytest.raises(CheckpointCorruptError, match=r"^x\.safetensors: 7 bytes, too short for a safetensors file$"):
+        header_length(struct.pack("<Q", 0)[:7], "x.safetensors", 7)

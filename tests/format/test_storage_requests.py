@@ -80,7 +80,9 @@ _GAP = 1 << 20  # ranged_io._COALESCE_GAP
     ([(20, 10), (0, 10)], None, [(0, 30)]),
     ([(0, 10), (10 + _GAP, 10)], None, [(0, 20 + _GAP)]),
     ([(0, 10), (11 + _GAP, 10)], None, [(0, 10), (11 + _GAP, 10)]),
-], ids=["at-most-max-span", "at-an-offset", "a-larger-item-alone", "sorted", "gap-at-limit", "gap-past-limit"])
+    ([(0, 10), (11 + _GAP, 100), (111 + 2 * _GAP, 5)], None, [(0, 10), (11 + _GAP, 105 + _GAP)]),
+], ids=["at-most-max-span", "at-an-offset", "a-larger-item-alone", "sorted", "gap-at-limit", "gap-past-limit",
+        "gap-after-the-last-span"])
 def test_reads_coalesce_across_small_gaps_up_to_their_span(spans, max_span, expected):
     """Shard reads are merged into one ranged read across gaps of up to 1 MiB, and never grow
     past `max_span` bytes (one item larger than that is read alone): the memory a read holds."""
