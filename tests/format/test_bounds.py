@@ -193,6 +193,19 @@ def test_metadata_shape_that_disagrees_with_the_stored_item(tmp_path, capsys, ki
     assert "__0_0.distcp" in str(info.value) and "w" in str(info.value)
 
 
+def test_a_chunk_that_is_not_a_chunk_is_a_finding(tmp_path):
+    """A crafted `.metadata` whose chunk list holds something without offsets and sizes: verify
+    reports the malformed chunk and load refuses the checkpoint as corrupt, neither raises
+    AttributeError."""
+    d = tmp_path / "c"
+    ckptlib.save(d, {"w": torch.ones(4), "b": torch.ones(3)})
+    _rewrite_metadata(d, lambda md: setattr(md.state_dict_metadata["w"], "chunks", [5]))
+    errors = _errors(d)
+    assert [(p.file, p.message) for p in errors] == [(".metadata", "tensor 'w' has a malformed chunk 5")], errors
+    with pytest.raises(CheckpointCorruptError, match="tensor 'w' has a malformed chunk 5"):
+        ckptlib.load(d, {"w": torch.zeros(4), "b": torch.zeros(3)})
+
+
 def test_a_damaged_file_does_not_stop_the_other_files_items_being_checked(tmp_path):
     """verify decodes no item of a file it already found damaged (one finding per damage), and
     still checks every item of the other files against `.metadata`: a two-rank checkpoint with

@@ -260,7 +260,8 @@ def test_tensor_layout_refuses_what_it_cannot_read_directly():
 
 def test_a_patch_across_captured_pieces_lands_byte_for_byte():
     """A field patched into the captured archive (a CRC, a record id) may straddle two pieces
-    and start inside the first: each byte lands once, in order, and the pieces' CRCs follow."""
+    and start inside the first: each byte lands once, in order, and the CRCs of the pieces and
+    of any range across them follow."""
     pieces = [bytearray(b"aaaa"), bytearray(b"bb"), bytearray(b"cccc")]
     archive = item_encoder._Archive([memoryview(p) for p in pieces], 10)
     assert archive.chunk_crc(1) == zlib.crc32(b"bb")
@@ -268,6 +269,7 @@ def test_a_patch_across_captured_pieces_lands_byte_for_byte():
     assert [bytes(p) for p in pieces] == [b"aaaW", b"XY", b"Zccc"]
     assert archive.read(0, 10) == b"aaaWXYZccc"
     assert archive.chunk_crc(1) == zlib.crc32(b"XY")
+    assert archive.crc(3, 7) == zlib.crc32(b"WXYZ") and archive.crc(0, 10) == zlib.crc32(b"aaaWXYZccc")
 
 
 def _with_zip64_sizes(archive: bytes, name: str) -> bytes:

@@ -139,6 +139,15 @@ def _outcome(planner, plans):
         return type(exc), str(exc)
 
 
+def test_a_tensor_after_an_object_is_still_checked_for_tiling():
+    """Objects and 0-d tensors have no chunks to check; a tensor after them still does: half
+    a tensor's chunks is never taken as surely valid."""
+    step = WriteItem(index=MetadataIndex("step"), type=WriteItemType.BYTE_IO)
+    _, metadata = create_default_global_save_plan(_plans([[step, _shard("w", [0, 0], [2, 4], [4, 4])]]))
+    assert list(metadata.state_dict_metadata) == ["step", "w"]
+    assert not chunks_tile_exactly(metadata)
+
+
 def test_a_tensor_not_covered_by_one_ranks_chunks_is_left_to_dcp():
     """Whether DCP refuses a one-rank plan that covers half a tensor changed between releases
     (torch 2.8 checks the volume for one plan too; newer DCP only across ranks): such a plan is
