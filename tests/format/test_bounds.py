@@ -162,6 +162,42 @@ def test_metadata_pickle_cannot_allocate_from_a_number(tmp_path, capsys, payload
     capsys.readouterr()
 
 
+def test_allocation_scan_refuses_only_counts_given_to_bytes_and_bytearray():
+    """The scan refuses `builtins.bytearray(n)` / `bytes(n)`; other builtins called with a
+    number (a saved `range(5)`, a `slice`) and a global merely named `bytes` elsewhere pass."""
+    from ckptlib.format.safe_pickle import check_no_allocating_calls
+
+    check_no_allocating_calls(pickle.dumps({"r": range(5), "s": slice(2, 9)}, protocol=2), "x")
+    elsewhere = b"\x80\x02cmymodule\nbytes\n\x8a\x05\x00\x00\x00\x80\x00\x85R."  # mymodule.bytes(2**31)
+    check_no_allocating_calls(elsewhere, "x")
+    with pytest.raises(UnsafeCheckpointError, match=r"^x: the pickle builds bytes\(2147483648\) from a number"):
+        check_no_allocating_calls(pickle.dumps(_Allocates(bytes, 2**31), protocol=2), "x")
+
+
+@pytest.mark.parametrize("step,ok", [(2**63 - 1, True), (2**63, False), (-1, False)], ids=["int64-max", "past-int64", "negative"])
+def test_manifest_step_must_be_a_non_negative_int64(tmp_path, step, ok):
+    d = tmp_path / "c"
+    ckptlib.save(d, {"w": torch.ones(4)})
+    _rewrite_manifest(d, lambda doc: doc.__setitem__("step", step))
+    if ok:
+        assert _errors(d) == []
+        ckptlib.load(d, {"w": torch.zeros(4)})
+    else:
+        assert [p.file for p in _errors(d)] == ["ckptlib.json"]
+        with pytest.raises(CheckpointCorruptError, match="ckptlib.json"):
+            ckptlib.load(d, {"w": torch.zeros(4)})
+
+
+@pytest.mark.parametrize("count", [8, 9], ids=["8-files", "9-files"])
+def test_a_refused_deletion_names_eight_foreign_files_then_counts(count):
+    from ckptlib.format.deletion import describe_foreign
+
+    names = [f"notes{i}.txt" for i in range(count)]
+    text = describe_foreign("file:///r/step_1", names)
+    assert ", ".join(names[:8]) in text
+    assert (f"... ({count} in all)" in text) == (count > 8) and "notes8.txt" not in text
+
+
 # --------------------------------------------------------------------------- shapes vs stored items
 
 SIZES = {"small": (3, 4), "large": (512, 1024)}  # large: the zero-copy read path (>= 1 MiB)

@@ -117,6 +117,22 @@ def test_sharding_follows_hugging_face_layout(tmp_path, fmt):
     assert record["complete"] is True and record["files"] == result.files
 
 
+def test_export_of_a_damaged_item_is_the_checksum_error_naming_it(tmp_path):
+    """export streams tensors through DCP's loader: a damaged item comes out as ckptlib's
+    CheckpointCorruptError naming the file and item (unwrapped from DCP's CheckpointException),
+    and nothing is published."""
+    src = tmp_path / "c"
+    ckptlib.save(str(src), {"model": {"w": torch.arange(1000.0)}})
+    (offset, length, _), = json.loads((src / "ckptlib.json").read_text())["files"]["__0_0.distcp"]["items"]
+    data = bytearray((src / "__0_0.distcp").read_bytes())
+    data[offset + length - 1] ^= 0xFF
+    (src / "__0_0.distcp").write_bytes(bytes(data))
+    with pytest.raises(ckptlib.CheckpointCorruptError,
+                       match=rf"__0_0\.distcp: checksum mismatch in item at offset {offset} \(length {length}\)"):
+        ckptlib.export(str(src), str(tmp_path / "hf"), model_only=True)
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+
+
 def test_a_shard_is_filled_up_to_exactly_the_limit(tmp_path):
     """Tensors that fill a shard exactly to max_shard_size share it (the limit is inclusive,
     as Hugging Face's): five 400-byte tensors at 800 bytes a shard make shards of 2, 2, 1."""

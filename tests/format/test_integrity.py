@@ -570,3 +570,13 @@ def test_verify_shows_twenty_findings_of_a_kind_per_file_then_counts_the_rest(tm
     assert len(shown) == 20 and all(kind == "corrupt" for _, kind, _ in shown)
     rest = [f for f in found if f not in shown]
     assert rest == ([("__0_0.distcp", "corrupt", f"... and {damaged - 20} more problems like these")] if damaged > 20 else [])
+
+
+def test_an_object_of_more_than_a_mebibyte_loads_exactly(tmp_path):
+    """A non-tensor value whose pickle is over 1 MiB (a tokenizer's vocabulary, a long list of
+    sample ids) is read whole like any object, not through the tensor path large items take."""
+    ids = list(range(300_000))
+    ckptlib.save(tmp_path / "c", {"data": {"ids": ids, "epoch": 3}, "w": torch.arange(4.0)})
+    state = {"data": {"ids": [], "epoch": 0}, "w": torch.zeros(4)}
+    ckptlib.load(tmp_path / "c", state)
+    assert state["data"] == {"ids": ids, "epoch": 3} and torch.equal(state["w"], torch.arange(4.0))

@@ -176,3 +176,5 @@ def test_the_shortest_safetensors_file_is_its_8_byte_length():
     assert header_length(struct.pack("<Q", 0), "x.safetensors", 8) == 0
     with pytest.raises(CheckpointCorruptError, match=r"^x\.safetensors: 7 bytes, too short for a safetensors file$"):
         header_length(struct.pack("<Q", 0)[:7], "x.safetensors", 7)
+    with pytest.raises(CheckpointCorruptError, match=r"^x\.safetensors: 100 bytes, too short for a safetensors file$"):
+        header_length(struct.pack("<Q", 0)[:7], "x.safetensors", 100)  # the file shrank after its size was read

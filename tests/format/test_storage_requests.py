@@ -90,3 +90,49 @@ def test_reads_coalesce_across_small_gaps_up_to_their_span(spans, max_span, expe
 
     assert _COALESCE_GAP == _GAP
     assert _coalesce(spans, max_span=max_span) == expected
+
+
+def _file_reader(data: bytes, calls: list):
+    def read_into(view: memoryview, offset: int) -> int:
+        calls.append((offset, view.nbytes))
+        got = data[offset : offset + view.nbytes]
+        view[: len(got)] = got
+        return len(got)
+
+    return read_into
+
+
+def test_an_items_tail_is_read_once_and_reads_stay_inside_the_item():
+    """The record parsers read an item's zip directory from its tail: one read of the last 4 KiB
+    up front serves every read inside it (up to its very last byte), a read before it is its
+    own, and a read outside the item is an EOFError, never bytes of the next item."""
+    from ckptlib.format.ranged_io import _TAIL, _cached_tail_reader
+
+    data = bytes(range(256)) * 40  # a 10,240-byte file; the item is [100, 100 + 8000)
+    calls: list = []
+    read = _cached_tail_reader(_file_reader(data, calls), 100, 8000)
+    assert calls == [(100 + 8000 - _TAIL, _TAIL)]
+    assert read(8000 - 10, 10) == data[100 + 7990 : 100 + 8000] and read(8000 - _TAIL, 4) == data[4004 : 4008]
+    assert len(calls) == 1
+    assert read(5, 3) == data[105:108] and calls[-1] == (105, 3)
+    for pos, n in [(7999, 2), (8000, 1), (-1, 1), (0, -1)]:
+        with pytest.raises(EOFError, match=r"lie outside the item \(8000 bytes\)"):
+            read(pos, n)
+
+
+def test_a_verified_read_that_meets_the_end_of_the_file_is_an_eof_error():
+    """Feeding a block check the bytes around a row range stops with EOFError when the file
+    ends early (a read returns nothing), instead of asking again forever."""
+    from ckptlib.format.dcp_reader import CkptReader
+
+    reader = object.__new__(CkptReader)
+    reader.bytes_read = 0
+    fed = []
+
+    class Check:
+        def feed(self, chunk):
+            fed.append(bytes(chunk))
+
+    with pytest.raises(EOFError, match="short read at offset 6"):
+        reader._feed_range(_file_reader(b"abcdef", []), 2, 10, Check(), chunk=3)
+    assert fed == [b"cde", b"f"] and reader.bytes_read == 4
