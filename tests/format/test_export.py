@@ -133,6 +133,21 @@ def test_export_of_a_damaged_item_is_the_checksum_error_naming_it(tmp_path):
     assert not (tmp_path / "hf" / "model.safetensors").exists()
 
 
+def test_only_an_export_is_marked_as_one(tmp_path):
+    """export to a single file marks it as ckptlib's export (what lets a later export replace
+    it); `convert` writes no such mark, so export never takes a converted file as its own."""
+    from ckptlib.convert import convert
+
+    src = str(tmp_path / "c")
+    ckptlib.save(src, {"model": {"w": torch.arange(6.0)}})
+    ckptlib.export(src, str(tmp_path / "exported.safetensors"), model_only=True)
+    convert(src, str(tmp_path / "w.safetensors"), to="safetensors", progress=False)
+    with safe_open(str(tmp_path / "exported.safetensors"), "pt") as f:
+        assert (f.metadata() or {}).get("ckptlib_export") == "1"
+    with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
+        assert "ckptlib_export" not in (f.metadata() or {})
+
+
 def test_a_shard_is_filled_up_to_exactly_the_limit(tmp_path):
     """Tensors that fill a shard exactly to max_shard_size share it (the limit is inclusive,
     as Hugging Face's): five 400-byte tensors at 800 bytes a shard make shards of 2, 2, 1."""

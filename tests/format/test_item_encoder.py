@@ -353,3 +353,23 @@ def test_archives_with_and_without_a_zip64_end_record_are_parsed():
 
     expected = [(info.filename, info.file_size) for info in zipfile.ZipFile(io.BytesIO(with_zip64)).infolist()]
     assert entries(with_zip64) == expected and entries(without) == expected
+
+
+def test_the_record_parser_refuses_what_is_not_a_plain_torch_save_archive():
+    """Only an archive of stored records with intact signatures and one `data.pkl` is parsed
+    for the fast path; anything else is left to torch.load (None), never misread: a central
+    record whose signature is damaged, and an archive without a data.pkl."""
+    buf = io.BytesIO()
+    torch.save(torch.arange(4.0), buf)
+    archive = bytes(buf.getvalue())
+    cd_size, cd_offset = struct.unpack_from("<II", archive, len(archive) - 22 + 12)
+    damaged = bytearray(archive)
+    damaged[cd_offset] ^= 0xFF  # the first central record's signature
+    damaged = bytes(damaged)
+    assert item_encoder.tensor_data_record(lambda p, n: damaged[p : p + n], len(damaged)) is None
+    assert item_encoder.tensor_pickle(lambda p, n: damaged[p : p + n], len(damaged)) is None
+    plain = io.BytesIO()
+    with zipfile.ZipFile(plain, "w", compression=zipfile.ZIP_STORED) as out:
+        out.writestr("archive/data/0", b"\0" * 16)
+    data = plain.getvalue()
+    assert item_encoder.tensor_pickle(lambda p, n: data[p : p + n], len(data)) is None

@@ -184,3 +184,18 @@ def test_plans_are_dcps_own_where_torch_differs(tmp_path, monkeypatch, differs):
     ckptlib.load(tmp_path / "c", state)
     assert calls == ["create_default_local_save_plan", "create_default_local_load_plan"]
     assert torch.equal(loaded.weight, saved.weight) and torch.equal(loaded.bias, saved.bias) and state["step"] == 5
+
+
+def test_a_chunk_of_another_rank_than_its_tensor_is_left_to_dcp():
+    """A chunk whose offsets or sizes have another number of dimensions than its tensor is never
+    taken as surely valid (DCP's own check then decides)."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    def metadata(offsets, sizes):
+        props = TensorProperties(dtype=torch.float32)
+        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+        return Metadata({"w": TensorStorageMetadata(properties=props, size=torch.Size([4, 4]), chunks=[chunk])})
+
+    assert chunks_tile_exactly(metadata([0, 0], [4, 4]))
+    assert not chunks_tile_exactly(metadata([0], [16]))
+    assert not chunks_tile_exactly(metadata([0, 0], [4, 4, 1]))
