@@ -277,6 +277,24 @@ def test_pre_24_keys_still_check_shapes():
     assert meta == {"epoch": 0, "tag": ""}
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
+def test_a_piece_of_a_foreign_tensor_is_cut_in_every_dimension(tmp_path, fmt):
+    """A resharded load asks a foreign source for a box of a tensor (a tensor-parallel column
+    shard, say): the rows come from one read, and every other dimension is cut to the box."""
+    w = torch.arange(2 * 5 * 6, dtype=torch.float32).reshape(2, 5, 6)
+    if fmt == "safetensors":
+        pytest.importorskip("safetensors")
+        path = str(tmp_path / "st")
+        write_safetensors(path, {"w": w})  # read back as model.w
+    else:
+        path = str(tmp_path / "w.pt")
+        torch.save({"model": {"w": w}}, path)
+    reader, _ = open_reader(path)
+    (loc,) = [loc for index, loc in reader.storage_data.items() if index.fqn == "model.w"]
+    piece = reader._piece(loc, torch.Size([1, 2, 3]), torch.Size([1, 2, 3]), "model.w")
+    assert torch.equal(piece, w[1:2, 2:4, 3:6])
+
+
 def test_merge_back_keeps_the_callers_objects():
     """What a load hands back into a dict DCP replaced: nested dicts merged into the caller's
     own dicts and same-shape tensors copied into the caller's tensors (both stay the objects
