@@ -178,3 +178,13 @@ def test_the_shortest_safetensors_file_is_its_8_byte_length():
         header_length(struct.pack("<Q", 0)[:7], "x.safetensors", 7)
     with pytest.raises(CheckpointCorruptError, match=r"^x\.safetensors: 100 bytes, too short for a safetensors file$"):
         header_length(struct.pack("<Q", 0)[:7], "x.safetensors", 100)  # the file shrank after its size was read
+
+
+def test_the_smallest_safetensors_header_is_an_empty_object():
+    """A safetensors file's header is a JSON object of at least 2 bytes (`{}`: no tensors):
+    such a file is still recognised as safetensors, and a 1-byte header is not one."""
+    from ckptlib.format.safetensors import looks_like_safetensors
+
+    empty = struct.pack("<Q", 2) + b"{}"
+    assert looks_like_safetensors(empty, len(empty))
+    assert not looks_like_safetensors(struct.pack("<Q", 1) + b"{", 9)
