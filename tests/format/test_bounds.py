@@ -188,6 +188,15 @@ def test_manifest_step_must_be_a_non_negative_int64(tmp_path, step, ok):
             ckptlib.load(d, {"w": torch.zeros(4)})
 
 
+@pytest.mark.parametrize("crc", [-1, 1 << 32], ids=["negative", "past-32-bits"])
+def test_a_manifest_item_crc_outside_32_bits_is_a_bad_record(tmp_path, crc):
+    d = tmp_path / "c"
+    ckptlib.save(d, {"w": torch.ones(4)})
+    _rewrite_manifest(d, lambda doc: doc["files"]["__0_0.distcp"]["items"][0].__setitem__(2, crc))
+    errors = _errors(d)
+    assert errors and errors[0].file == "ckptlib.json" and "a bad crc32" in errors[0].message, errors
+
+
 @pytest.mark.parametrize("count", [8, 9], ids=["8-files", "9-files"])
 def test_a_refused_deletion_names_eight_foreign_files_then_counts(count):
     from ckptlib.format.deletion import describe_foreign
@@ -290,3 +299,37 @@ def test_object_items_with_real_byte_values_still_load(tmp_path):
     state = {"w": torch.zeros(2), "raw": bytearray(), "b": b""}
     ckptlib.load(d, state)
     assert state["raw"] == bytearray(b"\x00\x01abc") and state["b"] == b"xyz"
+
+
+class _Prints:
+    """Pickles as a call of print (what a crafted item would run if it were unpickled freely)."""
+
+    def __reduce__(self):
+        return print, ("EXECUTED BY VERIFY",)
+
+
+def test_verify_reads_item_headers_without_running_their_pickles(tmp_path, capsys):
+    """verify's check of each item's own header is a weights_only torch.load: a crafted item
+    whose pickle calls a function is a finding, and the function never runs."""
+    import io as _io
+
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+    )
+
+    from ckptlib.compat import storage_info_cls
+    from ckptlib.format.verify import _declared_item_problems
+    from ckptlib.storage import open_storage
+
+    buf = _io.BytesIO()
+    torch.save(_Prints(), buf)
+    (tmp_path / "evil.distcp").write_bytes(buf.getvalue())
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))
+    md = Metadata(
+        {"w": TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size([4]), chunks=[chunk])},
+        storage_data={MetadataIndex("w", torch.Size([0])): storage_info_cls()("evil.distcp", 0, len(buf.getvalue()))},
+    )
+    problems = _declared_item_problems(open_storage(str(tmp_path)), md, set())
+    assert [p.file for p in problems] == ["evil.distcp"]
+    assert "cannot be decoded as a tensor (UnpicklingError" in problems[0].message
+    assert "EXECUTED BY VERIFY" not in capsys.readouterr().out

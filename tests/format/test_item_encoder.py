@@ -270,6 +270,7 @@ def test_a_patch_across_captured_pieces_lands_byte_for_byte():
     assert archive.read(0, 10) == b"aaaWXYZccc"
     assert archive.chunk_crc(1) == zlib.crc32(b"XY")
     assert archive.crc(3, 7) == zlib.crc32(b"WXYZ") and archive.crc(0, 10) == zlib.crc32(b"aaaWXYZccc")
+    assert archive.crc(1, 4) == zlib.crc32(b"aaW") and archive.crc(4, 6) == zlib.crc32(b"XY")
 
 
 def _with_zip64_sizes(archive: bytes, name: str) -> bytes:
@@ -373,3 +374,12 @@ def test_the_record_parser_refuses_what_is_not_a_plain_torch_save_archive():
         out.writestr("archive/data/0", b"\0" * 16)
     data = plain.getvalue()
     assert item_encoder.tensor_pickle(lambda p, n: data[p : p + n], len(data)) is None
+
+
+def test_an_archive_without_a_data_record_has_no_fast_layout():
+    """tensor_layout (the layout of a whole item read into memory) wants exactly one data.pkl
+    and one data record: an archive with only a data.pkl is left to torch.load (None)."""
+    plain = io.BytesIO()
+    with zipfile.ZipFile(plain, "w", compression=zipfile.ZIP_STORED) as out:
+        out.writestr("archive/data.pkl", b"\x80\x02K\x01.")
+    assert item_encoder.tensor_layout(memoryview(plain.getvalue())) is None

@@ -199,3 +199,26 @@ def test_a_chunk_of_another_rank_than_its_tensor_is_left_to_dcp():
     assert chunks_tile_exactly(metadata([0, 0], [4, 4]))
     assert not chunks_tile_exactly(metadata([0], [16]))
     assert not chunks_tile_exactly(metadata([0, 0], [4, 4, 1]))
+
+
+@pytest.mark.parametrize("fields", ["with-modules", "without-modules"])
+def test_the_metadata_marker_is_added_whichever_storage_meta_torch_has(tmp_path, monkeypatch, fields):
+    """The writer tags `.metadata` as ckptlib's through StorageMeta.modules, a field older torch
+    lacks: with it, the marker is appended to what torch put there; without it, it is the one entry."""
+    import dataclasses
+
+    from ckptlib.format import dcp_writer
+    from ckptlib.storage import open_storage
+
+    @dataclasses.dataclass
+    class OldStorageMeta:
+        checkpoint_id: object = None
+        save_id: object = None
+        load_id: object = None
+
+    if fields == "without-modules":
+        monkeypatch.setattr(dcp_writer, "StorageMeta", OldStorageMeta)
+    writer = dcp_writer.CkptWriter.__new__(dcp_writer.CkptWriter)
+    writer.storage = open_storage(str(tmp_path))
+    meta = writer.storage_meta()
+    assert meta.modules == [dcp_writer.METADATA_MARKER]
