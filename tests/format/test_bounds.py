@@ -172,6 +172,8 @@ def test_allocation_scan_refuses_only_counts_given_to_bytes_and_bytearray():
     check_no_allocating_calls(elsewhere, "x")
     with pytest.raises(UnsafeCheckpointError, match=r"^x: the pickle builds bytes\(2147483648\) from a number"):
         check_no_allocating_calls(pickle.dumps(_Allocates(bytes, 2**31), protocol=2), "x")
+    with pytest.raises(UnsafeCheckpointError, match=r"^x: the pickle builds bytearray\(2147483648\) from a number"):
+        check_no_allocating_calls(pickle.dumps(_Allocates(bytearray, 2**31, "ascii"), protocol=2), "x")
 
 
 @pytest.mark.parametrize("step,ok", [(2**63 - 1, True), (2**63, False), (-1, False)], ids=["int64-max", "past-int64", "negative"])
@@ -248,6 +250,22 @@ def test_a_chunk_that_is_not_a_chunk_is_a_finding(tmp_path):
     errors = _errors(d)
     assert [(p.file, p.message) for p in errors] == [(".metadata", "tensor 'w' has a malformed chunk 5")], errors
     with pytest.raises(CheckpointCorruptError, match="tensor 'w' has a malformed chunk 5"):
+        ckptlib.load(d, {"w": torch.zeros(4), "b": torch.zeros(3)})
+
+
+def test_a_chunk_starting_before_its_tensor_is_a_finding(tmp_path):
+    d = tmp_path / "c"
+    ckptlib.save(d, {"w": torch.ones(4), "b": torch.ones(3)})
+
+    def shift(md):
+        (chunk,) = md.state_dict_metadata["w"].chunks
+        chunk.offsets = torch.Size([-1])
+
+    _rewrite_metadata(d, shift)
+    errors = _errors(d)
+    assert [(p.file, p.message) for p in errors][:1] == [
+        (".metadata", "tensor 'w' of shape [4]: chunk at offsets [-1] with sizes [4] lies outside the tensor")], errors
+    with pytest.raises(CheckpointCorruptError, match="'w'"):
         ckptlib.load(d, {"w": torch.zeros(4), "b": torch.zeros(3)})
 
 
