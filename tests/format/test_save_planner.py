@@ -125,8 +125,9 @@ def test_zero_size_chunks_are_left_to_dcp(monkeypatch):
         ([((0, 0), (2, 9)), ((1, 0), (2, 9))], (((0, 0), (2, 9)), ((1, 0), (2, 9)))),
         ([((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (2, 3)), ((2, 2), (2, 4))], (((2, 0), (2, 3)), ((2, 2), (2, 4)))),
         ([((0,), (0,)), ((0,), (4,))], None),  # an empty chunk holds no element
+        ([((0,), (4,)), ((10,), (4,)), ((12,), (4,))], (((10,), (4,)), ((12,), (4,)))),  # ends past 2 x size
     ],
-    ids=["rows-apart", "rows-overlap", "grid-overlap", "empty-chunk"],
+    ids=["rows-apart", "rows-overlap", "grid-overlap", "empty-chunk", "overlap-far-from-zero"],
 )
 def test_find_overlap(chunks, expected):
     assert find_overlap(list(chunks)) == expected
