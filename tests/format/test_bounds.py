@@ -253,6 +253,15 @@ def test_a_chunk_that_is_not_a_chunk_is_a_finding(tmp_path):
         ckptlib.load(d, {"w": torch.zeros(4), "b": torch.zeros(3)})
 
 
+@pytest.mark.parametrize("size", [["x"], [None], 4], ids=["text", "none", "not-a-list"])
+def test_a_tensor_size_that_is_not_numbers_is_a_finding(tmp_path, size):
+    d = tmp_path / "c"
+    ckptlib.save(d, {"w": torch.ones(4)})
+    _rewrite_metadata(d, lambda md: setattr(md.state_dict_metadata["w"], "size", size))
+    errors = _errors(d)
+    assert [(p.file, p.message) for p in errors] == [(".metadata", f"tensor 'w' has an invalid size {size!r}")], errors
+
+
 def test_a_chunk_starting_before_its_tensor_is_a_finding(tmp_path):
     d = tmp_path / "c"
     ckptlib.save(d, {"w": torch.ones(4), "b": torch.ones(3)})

@@ -295,6 +295,18 @@ def test_a_piece_of_a_foreign_tensor_is_cut_in_every_dimension(tmp_path, fmt):
     assert torch.equal(piece, w[1:2, 2:4, 3:6])
 
 
+@pytest.mark.parametrize("field", ["offsets", "global_shape", "local"])
+def test_a_v0_shard_record_missing_a_field_value_is_corrupt(tmp_path, field):
+    """A v0 per-rank record whose offsets, global shape or local tensor is not what it must be
+    (a list of ints, a tensor) is a CheckpointCorruptError naming the file and key."""
+    write_v0(str(tmp_path), {"model": {"w": torch.arange(8.0)}}, 2)
+    doc = torch.load(tmp_path / "rank_1.pt", weights_only=True)
+    doc["tensors"]["model"]["w"][field] = "x"
+    torch.save(doc, tmp_path / "rank_1.pt")
+    with pytest.raises(CheckpointCorruptError, match=r"rank_1\.pt: model\.w: malformed shard record"):
+        open_reader(str(tmp_path))
+
+
 def test_merge_back_keeps_the_callers_objects():
     """What a load hands back into a dict DCP replaced: nested dicts merged into the caller's
     own dicts and same-shape tensors copied into the caller's tensors (both stay the objects
