@@ -383,3 +383,14 @@ def test_an_archive_without_a_data_record_has_no_fast_layout():
     with zipfile.ZipFile(plain, "w", compression=zipfile.ZIP_STORED) as out:
         out.writestr("archive/data.pkl", b"\x80\x02K\x01.")
     assert item_encoder.tensor_layout(memoryview(plain.getvalue())) is None
+
+
+def test_a_tensor_signature_without_a_template_is_written_by_torch_save(monkeypatch):
+    """A small tensor whose torch.save bytes give no fillable template (the encoder cannot
+    reproduce them) is written by torch.save every time, and loads back as itself."""
+    monkeypatch.setattr(item_encoder, "_template_for", lambda *args: None)
+    monkeypatch.setattr(item_encoder, "_templates", {})
+    tensor = torch.arange(5.0)
+    for _ in range(2):  # the first call finds no template, the second finds "none possible"
+        written = bytes(item_encoder.small_item_bytes(tensor))
+        assert torch.equal(torch.load(io.BytesIO(written), weights_only=True), tensor)
