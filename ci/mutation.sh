@@ -15,6 +15,8 @@
 # .venv-mut, made on first use); the tests run on MUTATION_TEST_PYTHON (default .venv/bin/python,
 # the project's venv with the test extra). Spawned ranks import the mutated copy: the rank
 # forkserver inherits the pytest process's sys.path, which starts with the scratch tree.
+# MUTATION_SAMPLE=N (MUTATION_SEED=S) keeps a seeded random sample of N mutants at a session's
+# start: the `format` module (all of ckptlib/format/, ~2,850 mutants) is run that way.
 # It is CPU-heavy and not part of .ci/run: run it under `nice -n 10` on a shared machine.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
