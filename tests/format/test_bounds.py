@@ -199,6 +199,27 @@ def test_a_manifest_item_crc_outside_32_bits_is_a_bad_record(tmp_path, crc):
     assert errors and errors[0].file == "ckptlib.json" and "a bad crc32" in errors[0].message, errors
 
 
+@pytest.mark.parametrize("version", [0, 2, "1"], ids=["zero", "newer", "text"])
+def test_a_manifest_format_version_this_ckptlib_cannot_read_is_refused(tmp_path, version):
+    d = tmp_path / "c"
+    ckptlib.save(d, {"w": torch.ones(4)})
+    _rewrite_manifest(d, lambda doc: doc.__setitem__("format_version", version))
+    with pytest.raises(CheckpointCorruptError, match=rf"manifest format_version {version!r} is not supported \(this ckptlib reads 1\.\.1; upgrade ckptlib\)"):
+        ckptlib.load(d, {"w": torch.zeros(4)})
+
+
+def test_an_item_the_manifest_does_not_record_is_refused(tmp_path):
+    """A shard item `.metadata` points at but the manifest's item list lacks: the load refuses
+    it as corrupt before reading, naming the file, key and offset, instead of reading bytes
+    nothing vouches for."""
+    d = tmp_path / "c"
+    ckptlib.save(d, {"w": torch.ones(4)})
+    _rewrite_manifest(d, lambda doc: doc["files"]["__0_0.distcp"].__setitem__("items", []))
+    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp \(rank 0's shard\): the storage record of 'w' at "
+                                                     r"offset 0 \(length \d+\) matches no item record of the manifest"):
+        ckptlib.load(d, {"w": torch.zeros(4)})
+
+
 @pytest.mark.parametrize("count", [8, 9], ids=["8-files", "9-files"])
 def test_a_refused_deletion_names_eight_foreign_files_then_counts(count):
     from ckptlib.format.deletion import describe_foreign

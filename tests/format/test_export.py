@@ -5,6 +5,7 @@ bounded memory and an overwrite rule that never touches files ckptlib did not wr
 from __future__ import annotations
 
 import json
+import struct
 import logging
 import os
 import subprocess
@@ -146,6 +147,22 @@ def test_only_an_export_is_marked_as_one(tmp_path):
         assert (f.metadata() or {}).get("ckptlib_export") == "1"
     with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
         assert "ckptlib_export" not in (f.metadata() or {})
+
+
+def test_safetensors_tensors_are_aligned_to_their_element_size(tmp_path):
+    """export writes larger elements first (as the safetensors package does), so every tensor's
+    bytes start at a multiple of its element size and readers can map them without a copy."""
+    src = str(tmp_path / "c")
+    ckptlib.save(src, {"model": {"a_mask": torch.ones(3, dtype=torch.bool), "b_half": torch.ones(3, dtype=torch.float16),
+                                 "c_float": torch.ones(3), "d_double": torch.ones(3, dtype=torch.float64)}})
+    ckptlib.export(src, str(tmp_path / "hf"), model_only=True)
+    raw = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    sizes = {"BOOL": 1, "F16": 2, "F32": 4, "F64": 8}
+    starts = {name: entry["data_offsets"][0] for name, entry in header.items() if name != "__metadata__"}
+    assert all(starts[name] % sizes[header[name]["dtype"]] == 0 for name in starts), header
+    assert sorted(starts, key=starts.get) == ["d_double", "c_float", "b_half", "a_mask"]
 
 
 def test_a_shard_is_filled_up_to_exactly_the_limit(tmp_path):

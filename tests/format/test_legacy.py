@@ -734,6 +734,21 @@ class _Custom:
     pass
 
 
+def test_a_torch_save_file_without_a_local_path_is_read_whole_with_its_note(tmp_path):
+    """A torch.save file on storage without a local path (an object store) is read whole into
+    memory: the load notes it when asked for notes, and works the same without."""
+    from ckptlib.format.torch_save import torch_load
+    from ckptlib.storage import open_storage
+
+    torch.save({"w": torch.arange(3.0)}, tmp_path / "w.pt")
+    root = open_storage(str(tmp_path))
+    root.local_path = lambda name: None
+    notes: list[str] = []
+    assert torch.equal(torch_load(root, "w.pt", trusted=False, notes=notes)["w"], torch.arange(3.0))
+    assert notes == [f"{root.uri}/w.pt: not a local file, read whole into memory"]
+    assert torch.equal(torch_load(root, "w.pt", trusted=False)["w"], torch.arange(3.0))
+
+
 def test_legacy_pre_zip_torch_save_is_read_into_memory(tmp_path):
     """torch.save's pre-1.6 format (not a zip archive; still written with
     `_use_new_zipfile_serialization=False`) cannot be memory-mapped: it is read into memory

@@ -257,7 +257,18 @@ def rank_compare_plans(world: int) -> dict:
     dist.all_gather_object(plans, dcp_plan)
     _, metadata = create_default_global_save_plan(compat.dedup_save_plans(plans, False))
     target = _flat(_state(world, load_layout=True, stages=True))
-    ours, dcp_plan = local_load_plan(target, metadata, True), create_default_local_load_plan(target, metadata, True)
+    from ckptlib.format import load_planner
+
+    load_asked = []
+    real_load = load_planner.create_default_local_load_plan
+    load_planner.create_default_local_load_plan = lambda sd, *a: load_asked.extend(sd) or real_load(sd, *a)
+    try:
+        ours = local_load_plan(target, metadata, True)
+    finally:
+        load_planner.create_default_local_load_plan = real_load
+    dcp_plan = create_default_local_load_plan(target, metadata, True)
+    out["load_asked_dcp"] = load_asked
+    out["load_keys"] = list(target)
     out["load_equal"] = ours == dcp_plan and len(ours.items) > len(target)  # resharded: several reads a tensor
     out["load_hints"] = _hints(ours.items) == _hints(dcp_plan.items)
 
@@ -287,6 +298,9 @@ def test_local_plans_equal_dcps_item_for_item(world):
         assert out["save_equal"] and out["save_hints"] and out["load_equal"] and out["load_hints"] and out["lenient"]
         # one DCP call per DTensor signature: "model.b" has "model.a"'s, so its items are a's, renamed
         assert out["asked_dcp"] == [key for key in out["keys"] if key != "model.b" and (rank == 0 or key != "model.stage0")]
+        # the load plan too: "model.b" reuses "model.a"'s read items (same mesh, placements, shape, chunks)
+        assert "model.a" in out["load_asked_dcp"] and "model.b" not in out["load_asked_dcp"]
+        assert set(out["load_asked_dcp"]) <= set(out["load_keys"])
         for case in ("missing", "resized"):
             ours, theirs = out[case]
             assert ours is not None and ours == theirs, (case, ours, theirs)
