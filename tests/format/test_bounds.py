@@ -9,6 +9,7 @@ pickle built a 2 GB bytearray; a shape in `.metadata` that disagreed with the st
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -349,18 +350,9 @@ def test_object_items_with_real_byte_values_still_load(tmp_path):
     assert state["raw"] == bytearray(b"\x00\x01abc") and state["b"] == b"xyz"
 
 
-class _Prints:
-    """Pickles as a call of print (what a crafted item would run if it were unpickled freely)."""
-
-    def __reduce__(self):
-        return print, ("EXECUTED BY VERIFY",)
-
-
 def test_verify_reads_item_headers_without_running_their_pickles(tmp_path, capsys):
     """verify's check of each item's own header is a weights_only torch.load: a crafted item
     whose pickle calls a function is a finding, and the function never runs."""
-    import io as _io
-
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
     )
@@ -369,8 +361,8 @@ def test_verify_reads_item_headers_without_running_their_pickles(tmp_path, capsy
     from ckptlib.format.verify import _declared_item_problems
     from ckptlib.storage import open_storage
 
-    buf = _io.BytesIO()
-    torch.save(_Prints(), buf)
+    buf = io.BytesIO()
+    torch.save(_Allocates(print, "EXECUTED BY VERIFY"), buf)  # what a crafted item would run if unpickled freely
     (tmp_path / "evil.distcp").write_bytes(buf.getvalue())
     chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))
     md = Metadata(

@@ -273,10 +273,15 @@ def test_a_patch_across_captured_pieces_lands_byte_for_byte():
     assert archive.crc(1, 4) == zlib.crc32(b"aaW") and archive.crc(4, 6) == zlib.crc32(b"XY")
 
 
+def _central_directory(archive: bytes) -> tuple[int, int]:
+    """(size, offset) of a zip archive's central directory, from its classic end record."""
+    return struct.unpack_from("<II", archive, len(archive) - 22 + 12)
+
+
 def _with_zip64_sizes(archive: bytes, name: str) -> bytes:
     """`archive` with `name`'s central-directory sizes moved into a zip64 extra field, as a
     writer records an item of 4 GiB or more (0xFFFFFFFF in the 32-bit fields)."""
-    cd_size, cd_offset = struct.unpack_from("<II", archive, len(archive) - 22 + 12)
+    cd_size, cd_offset = _central_directory(archive)
     records, pos = [], cd_offset
     while pos < cd_offset + cd_size:
         fixed = bytearray(archive[pos : pos + 46])
@@ -300,16 +305,12 @@ def test_zip64_sizes_of_an_item_of_4_gib_are_read_from_their_extra_field():
     """A tensor of 4 GiB or more has its sizes in the zip64 extra field: the record parser
     takes them from there (each 32-bit field that says 0xFFFFFFFF, in order) and finds the
     tensor's bytes, instead of giving up on the fast path."""
-    buf = io.BytesIO()
-    torch.save(torch.arange(40, dtype=torch.int32), buf)
-    archive = buf.getvalue()
+    archive = _torch_save_bytes(torch.arange(40, dtype=torch.int32))
     data_name = [n for n in zipfile.ZipFile(io.BytesIO(archive)).namelist() if "/data/" in n][0]
     patched = _with_zip64_sizes(archive, data_name)
+    read = _reader(patched)
 
-    def read(pos: int, n: int) -> bytes:
-        return patched[pos : pos + n]
-
-    plain = {e.name: e for e in item_encoder._central_entries(lambda p, n: archive[p : p + n], len(archive))}
+    plain = {e.name: e for e in item_encoder._central_entries(_reader(archive), len(archive))}
     entries = {e.name: e for e in item_encoder._central_entries(read, len(patched))}
     assert entries[data_name].size == plain[data_name].size == 160
     assert entries[data_name].local_at == plain[data_name].local_at
@@ -322,26 +323,18 @@ def test_a_record_name_that_is_not_utf8_leaves_the_item_to_torch_load():
     """A torch.save archive whose record names do not decode as UTF-8 is not one the fast
     record parsers know: they give no answer (the reader then decodes the item with
     torch.load), instead of raising UnicodeDecodeError out of a load."""
-    buf = io.BytesIO()
-    torch.save(torch.arange(4.0), buf)
-    archive = bytearray(buf.getvalue())
-    cd_size, cd_offset = struct.unpack_from("<II", archive, len(archive) - 22 + 12)
+    archive = bytearray(_torch_save_bytes(torch.arange(4.0)))
+    _, cd_offset = _central_directory(archive)
     archive[cd_offset + 46] = 0xFF  # the first byte of the first record's name, in the central directory
     data = bytes(archive)
-
-    def read(pos: int, n: int) -> bytes:
-        return data[pos : pos + n]
-
-    assert item_encoder.tensor_pickle(read, len(data)) is None
-    assert item_encoder.tensor_data_record(read, len(data)) is None
+    assert item_encoder.tensor_pickle(_reader(data), len(data)) is None
+    assert item_encoder.tensor_data_record(_reader(data), len(data)) is None
 
 
 def test_archives_with_and_without_a_zip64_end_record_are_parsed():
     """torch.save ends its archive with a zip64 end record (and locator); other writers write
     only the classic one: the record parser reads the directory through either."""
-    buf = io.BytesIO()
-    torch.save(torch.arange(4.0), buf)
-    with_zip64 = buf.getvalue()
+    with_zip64 = _torch_save_bytes(torch.arange(4.0))
     plain = io.BytesIO()
     with zipfile.ZipFile(plain, "w", compression=zipfile.ZIP_STORED) as archive:
         for info in zipfile.ZipFile(io.BytesIO(with_zip64)).infolist():
@@ -350,7 +343,7 @@ def test_archives_with_and_without_a_zip64_end_record_are_parsed():
     assert with_zip64[-42:-38] == b"PK\x06\x07" and without[-42:-38] != b"PK\x06\x07"
 
     def entries(data: bytes) -> list[tuple[str, int]]:
-        return [(e.name, e.size) for e in item_encoder._central_entries(lambda p, n: data[p : p + n], len(data))]
+        return [(e.name, e.size) for e in item_encoder._central_entries(_reader(data), len(data))]
 
     expected = [(info.filename, info.file_size) for info in zipfile.ZipFile(io.BytesIO(with_zip64)).infolist()]
     assert entries(with_zip64) == expected and entries(without) == expected
@@ -360,20 +353,18 @@ def test_the_record_parser_refuses_what_is_not_a_plain_torch_save_archive():
     """Only an archive of stored records with intact signatures and one `data.pkl` is parsed
     for the fast path; anything else is left to torch.load (None), never misread: a central
     record whose signature is damaged, and an archive without a data.pkl."""
-    buf = io.BytesIO()
-    torch.save(torch.arange(4.0), buf)
-    archive = bytes(buf.getvalue())
-    cd_size, cd_offset = struct.unpack_from("<II", archive, len(archive) - 22 + 12)
+    archive = _torch_save_bytes(torch.arange(4.0))
+    _, cd_offset = _central_directory(archive)
     damaged = bytearray(archive)
     damaged[cd_offset] ^= 0xFF  # the first central record's signature
     damaged = bytes(damaged)
-    assert item_encoder.tensor_data_record(lambda p, n: damaged[p : p + n], len(damaged)) is None
-    assert item_encoder.tensor_pickle(lambda p, n: damaged[p : p + n], len(damaged)) is None
+    assert item_encoder.tensor_data_record(_reader(damaged), len(damaged)) is None
+    assert item_encoder.tensor_pickle(_reader(damaged), len(damaged)) is None
     plain = io.BytesIO()
     with zipfile.ZipFile(plain, "w", compression=zipfile.ZIP_STORED) as out:
         out.writestr("archive/data/0", b"\0" * 16)
     data = plain.getvalue()
-    assert item_encoder.tensor_pickle(lambda p, n: data[p : p + n], len(data)) is None
+    assert item_encoder.tensor_pickle(_reader(data), len(data)) is None
 
 
 def test_an_archive_without_a_data_record_has_no_fast_layout():
