@@ -362,31 +362,19 @@ def test_delete_batches_and_ignores_absent(s3_root, client, monkeypatch):
     assert storage.list() == {"f4": 1}
 
 
-def test_delete_reports_per_key_errors(store, client):
-    store.write("a", b"1")
-    store.write("b", b"2")
-
-    def deny(op, request, n):
-        if op == "DeleteObjects":
-            body = (
-                b'<?xml version="1.0" encoding="UTF-8"?><DeleteResult>'
-                b"<Error><Key>run/b</Key><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
-                b"</DeleteResult>"
-            )
-            return _fake_response(request, 200, body)
-        return None
-
-    with Wire(client) as wire:
-        wire.rules.append(deny)
-        with pytest.raises(StorageError, match=r"S3 delete failed for 1 object\(s\) under s3://.*/run: run/b: AccessDenied"):
-            store.delete(["a", "b"])
-
-
 def _answer_deletes(client, reply: bytes) -> Wire:
     """A Wire on `client` that answers every DeleteObjects with `reply` (status 200)."""
     wire = Wire(client)
     wire.rules.append(lambda op, req, n: _fake_response(req, 200, reply) if op == "DeleteObjects" else None)
     return wire
+
+
+def test_delete_reports_per_key_errors(store, client):
+    store.write("a", b"1")
+    store.write("b", b"2")
+    with _answer_deletes(client, _delete_result(("run/b", "AccessDenied", "Access Denied"))):
+        with pytest.raises(StorageError, match=r"S3 delete failed for 1 object\(s\) under s3://.*/run: run/b: AccessDenied"):
+            store.delete(["a", "b"])
 
 
 def test_delete_reports_every_failure_but_absent_keys(store, client):
