@@ -148,6 +148,11 @@ def test_zlib_ng_and_zlib_agree():
     assert checksum.crc32_combine(zlib.crc32(data[:1000]), zlib.crc32(data[1000:]), len(data) - 1000) == zlib.crc32(data)
 
 
+def _central_directory(archive: bytes) -> tuple[int, int]:
+    """(size, offset) of a zip archive's central directory, from its classic end record."""
+    return struct.unpack_from("<II", archive, len(archive) - 22 + 12)
+
+
 def _reader(blob: bytes):
     def read(pos, n):
         if pos < 0 or pos + n > len(blob):
@@ -179,6 +184,18 @@ def test_tensor_data_record_refuses_what_it_cannot_read_directly():
     blob = deflated.getvalue()
     assert item_encoder.tensor_data_record(_reader(blob), len(blob)) is None
     assert item_encoder.tensor_data_record(_reader(b"not a zip at all, not at all" * 3), 84) is None
+    # a central record whose signature is damaged: never parsed (tensor_pickle neither)
+    archive = _torch_save_bytes(torch.arange(4.0))
+    damaged = bytearray(archive)
+    damaged[_central_directory(archive)[1]] ^= 0xFF
+    damaged = bytes(damaged)
+    assert item_encoder.tensor_data_record(_reader(damaged), len(damaged)) is None
+    assert item_encoder.tensor_pickle(_reader(damaged), len(damaged)) is None
+    # an archive without a data.pkl has no header to read
+    plain = io.BytesIO()
+    with zipfile.ZipFile(plain, "w", compression=zipfile.ZIP_STORED) as out:
+        out.writestr("archive/data/0", b"\0" * 16)
+    assert item_encoder.tensor_pickle(_reader(plain.getvalue()), len(plain.getvalue())) is None
 
 
 @pytest.mark.parametrize("nbytes", [0, 4, item_encoder.SMALL_ITEM_BYTES - 4, item_encoder.SMALL_ITEM_BYTES],
@@ -273,11 +290,6 @@ def test_a_patch_across_captured_pieces_lands_byte_for_byte():
     assert archive.crc(1, 4) == zlib.crc32(b"aaW") and archive.crc(4, 6) == zlib.crc32(b"XY")
 
 
-def _central_directory(archive: bytes) -> tuple[int, int]:
-    """(size, offset) of a zip archive's central directory, from its classic end record."""
-    return struct.unpack_from("<II", archive, len(archive) - 22 + 12)
-
-
 def _with_zip64_sizes(archive: bytes, name: str) -> bytes:
     """`archive` with `name`'s central-directory sizes moved into a zip64 extra field, as a
     writer records an item of 4 GiB or more (0xFFFFFFFF in the 32-bit fields)."""
@@ -347,24 +359,6 @@ def test_archives_with_and_without_a_zip64_end_record_are_parsed():
 
     expected = [(info.filename, info.file_size) for info in zipfile.ZipFile(io.BytesIO(with_zip64)).infolist()]
     assert entries(with_zip64) == expected and entries(without) == expected
-
-
-def test_the_record_parser_refuses_what_is_not_a_plain_torch_save_archive():
-    """Only an archive of stored records with intact signatures and one `data.pkl` is parsed
-    for the fast path; anything else is left to torch.load (None), never misread: a central
-    record whose signature is damaged, and an archive without a data.pkl."""
-    archive = _torch_save_bytes(torch.arange(4.0))
-    _, cd_offset = _central_directory(archive)
-    damaged = bytearray(archive)
-    damaged[cd_offset] ^= 0xFF  # the first central record's signature
-    damaged = bytes(damaged)
-    assert item_encoder.tensor_data_record(_reader(damaged), len(damaged)) is None
-    assert item_encoder.tensor_pickle(_reader(damaged), len(damaged)) is None
-    plain = io.BytesIO()
-    with zipfile.ZipFile(plain, "w", compression=zipfile.ZIP_STORED) as out:
-        out.writestr("archive/data/0", b"\0" * 16)
-    data = plain.getvalue()
-    assert item_encoder.tensor_pickle(_reader(data), len(data)) is None
 
 
 def test_an_archive_without_a_data_record_has_no_fast_layout():
