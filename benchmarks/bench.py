@@ -94,7 +94,9 @@ def _make_state(size_mib: int, fill: bool = True) -> dict[str, Any]:
             local.uniform_(generator=gen)
         else:
             local.zero_()
-        params[f"t{i}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(rows, COLS), stride=(COLS, 1))
+        params[f"t{i}"] = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=(rows, COLS), stride=(COLS, 1)
+        )
     return {"params": params}
 
 
@@ -245,7 +247,9 @@ def rank_io(root: str, size_mib: int, reps: int, cold: bool, keep: str, do_async
         for mode in modes:
             order = loads[rep % len(loads) :] + loads[: rep % len(loads)]
             for method in order:
-                src = {"ckptlib_verify": "ckptlib", "ckptlib_noverify": "ckptlib", "dcp": "dcp", "torch": "torch"}[method]
+                src = {"ckptlib_verify": "ckptlib", "ckptlib_noverify": "ckptlib", "dcp": "dcp", "torch": "torch"}[
+                    method
+                ]
                 path = f"{base}/{src}"
                 if mode == "warm":
                     _warm(path)
@@ -404,11 +408,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for ws in args.world_sizes:
                 keep = f"{root}/keep-{size}-w{ws}"
                 _log(f"io: {size} MiB at {ws} ranks")
-                out = launch(ws, rank_io, f"{root}/io-{size}-w{ws}", size, args.reps, cold, keep,
-                             not args.no_async, timeout=args.timeout)
+                out = launch(
+                    ws,
+                    rank_io,
+                    f"{root}/io-{size}-w{ws}",
+                    size,
+                    args.reps,
+                    cold,
+                    keep,
+                    not args.no_async,
+                    timeout=args.timeout,
+                )
                 kept[ws] = keep
-                entry = {"size_mib": size, "world": ws, "shard_bytes": out[0]["shard_bytes"],
-                         "ok": all(r["ok"] for r in out), "times": {}}
+                entry = {
+                    "size_mib": size,
+                    "world": ws,
+                    "shard_bytes": out[0]["shard_bytes"],
+                    "ok": all(r["ok"] for r in out),
+                    "times": {},
+                }
                 for key in out[0]["times"]:
                     entry["times"][key] = _max_over_ranks(out, key)
                 entry["async_blocking"] = {
@@ -423,18 +441,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     out = launch(m, rank_reshard, kept, size, args.reps, modes, timeout=args.timeout)
                     for n in args.world_sizes:
                         for verify in modes:
-                            results["reshard"].append({
-                                "size_mib": size, "saved": n, "loaded": m, "verify": verify,
-                                "times": _max_over_ranks(out, f"{n}:{int(verify)}"),
-                            })
+                            results["reshard"].append(
+                                {
+                                    "size_mib": size,
+                                    "saved": n,
+                                    "loaded": m,
+                                    "verify": verify,
+                                    "times": _max_over_ranks(out, f"{n}:{int(verify)}"),
+                                }
+                            )
             if not args.no_rss:
                 for ws in args.world_sizes:
                     _log(f"rss: {size} MiB at {ws} ranks")
                     dcp_path = f"{root}/rss-dcp-{size}-w{ws}"
                     ck_path = f"{root}/rss-ck-{size}-w{ws}"
                     row: dict[str, Any] = {"size_mib": size, "world": ws}
-                    for op, path in (("save_ckptlib", ck_path), ("save_dcp", dcp_path),
-                                     ("load_ckptlib", ck_path), ("load_dcp", dcp_path)):
+                    for op, path in (
+                        ("save_ckptlib", ck_path),
+                        ("save_dcp", dcp_path),
+                        ("load_ckptlib", ck_path),
+                        ("load_dcp", dcp_path),
+                    ):
                         out = launch(ws, rank_rss, op, path, size, timeout=args.timeout)
                         row[op] = max(r["peak"] for r in out)
                         row[f"{op}_baseline"] = max(r["rss_at_start"] for r in out)
@@ -478,18 +505,41 @@ def summarize(results: dict[str, Any], estimator: str = "median") -> dict[str, A
     over the repetitions by `estimator`: "median", or "best" (the fastest repetition: on a
     shared machine, noise only ever adds time, so the best run is the least disturbed)."""
     _median = _ESTIMATORS[estimator]
-    summary: dict[str, Any] = {"save": [], "load": [], "reshard": [], "rss": [], "async": [], "cloud": [], "targets": {}}
+    summary: dict[str, Any] = {
+        "save": [],
+        "load": [],
+        "reshard": [],
+        "rss": [],
+        "async": [],
+        "cloud": [],
+        "targets": {},
+    }
     verdict: dict[str, list] = {
-        k: [] for k in ("save_vs_dcp", "save_vs_raw", "reshard", "reshard_noverify", "checksum", "checksum_cold", "rss",
-                        "async_block", "async_block_bg", "cloud_save")
+        k: []
+        for k in (
+            "save_vs_dcp",
+            "save_vs_raw",
+            "reshard",
+            "reshard_noverify",
+            "checksum",
+            "checksum_cold",
+            "rss",
+            "async_block",
+            "async_block_bg",
+            "cloud_save",
+        )
     }
     for e in results["io"]:
         t = {k: _median(v) for k, v in e["times"].items()}
         size, ws = e["size_mib"], e["world"]
         row = {
-            "size_mib": size, "world": ws, "ok": e["ok"],
-            "ckptlib": _tp(size, t.get("save_ckptlib")), "dcp": _tp(size, t.get("save_dcp")),
-            "raw": _tp(size, t.get("save_raw")), "torch": _tp(size, t.get("save_torch", float("nan"))),
+            "size_mib": size,
+            "world": ws,
+            "ok": e["ok"],
+            "ckptlib": _tp(size, t.get("save_ckptlib")),
+            "dcp": _tp(size, t.get("save_dcp")),
+            "raw": _tp(size, t.get("save_raw")),
+            "torch": _tp(size, t.get("save_torch", float("nan"))),
         }
         row["vs_dcp"] = row["ckptlib"] / row["dcp"]
         row["vs_raw"] = row["ckptlib"] / row["raw"]
@@ -497,8 +547,16 @@ def summarize(results: dict[str, Any], estimator: str = "median") -> dict[str, A
         verdict["save_vs_dcp"].append((row["vs_dcp"], f"{size} MiB, {ws} ranks"))
         verdict["save_vs_raw"].append((row["vs_raw"], f"{size} MiB, {ws} ranks"))
         lrow = {"size_mib": size, "world": ws}
-        for key in ("ckptlib_verify_warm", "ckptlib_noverify_warm", "dcp_warm", "torch_warm",
-                    "ckptlib_verify_cold", "ckptlib_noverify_cold", "dcp_cold", "torch_cold"):
+        for key in (
+            "ckptlib_verify_warm",
+            "ckptlib_noverify_warm",
+            "dcp_warm",
+            "torch_warm",
+            "ckptlib_verify_cold",
+            "ckptlib_noverify_cold",
+            "dcp_cold",
+            "torch_cold",
+        ):
             lrow[key] = _tp(size, t.get(f"load_{key}", float("nan")))
         v, nv = t.get("load_ckptlib_verify_warm"), t.get("load_ckptlib_noverify_warm")
         lrow["checksum_share"] = (v - nv) / v if v and nv else float("nan")
@@ -514,28 +572,48 @@ def summarize(results: dict[str, Any], estimator: str = "median") -> dict[str, A
             steady = _median(e["async_blocking"].get("steady", []))
             bg_block = _median(e["async_blocking"].get("bg_steady", []))
             bg_staged = _median(e["async_blocking"].get("bg_staged", []))
-            arow = {"size_mib": size, "world": ws, "sync_s": sync, "first_block_s": first, "steady_block_s": steady,
-                    "total_s": t["save_async_total"], "first_ratio": first / sync,
-                    "steady_ratio": steady / sync if steady == steady else float("nan"),
-                    "bg_block_s": bg_block, "bg_staged_s": bg_staged, "bg_ratio": bg_block / sync}
+            arow = {
+                "size_mib": size,
+                "world": ws,
+                "sync_s": sync,
+                "first_block_s": first,
+                "steady_block_s": steady,
+                "total_s": t["save_async_total"],
+                "first_ratio": first / sync,
+                "steady_ratio": steady / sync if steady == steady else float("nan"),
+                "bg_block_s": bg_block,
+                "bg_staged_s": bg_staged,
+                "bg_ratio": bg_block / sync,
+            }
             summary["async"].append(arow)
             if size >= 256:
                 use = arow["steady_ratio"] if arow["steady_ratio"] == arow["steady_ratio"] else arow["first_ratio"]
                 verdict["async_block"].append((use, f"{size} MiB, {ws} ranks (steady state)"))
                 if bg_block == bg_block:
                     verdict["async_block_bg"].append((arow["bg_ratio"], f"{size} MiB, {ws} ranks"))
-    same = {(r["size_mib"], r["loaded"], r["verify"]): _median(r["times"]) for r in results["reshard"] if r["saved"] == r["loaded"]}
+    same = {
+        (r["size_mib"], r["loaded"], r["verify"]): _median(r["times"])
+        for r in results["reshard"]
+        if r["saved"] == r["loaded"]
+    }
     for r in results["reshard"]:
         if r["saved"] == r["loaded"]:
             continue
         base = same.get((r["size_mib"], r["loaded"], r["verify"]))
         secs = _median(r["times"])
         ratio = secs / base if base else float("nan")
-        summary["reshard"].append({**{k: r[k] for k in ("size_mib", "saved", "loaded", "verify")},
-                                   "seconds": secs, "same_n_seconds": base, "ratio": ratio})
+        summary["reshard"].append(
+            {
+                **{k: r[k] for k in ("size_mib", "saved", "loaded", "verify")},
+                "seconds": secs,
+                "same_n_seconds": base,
+                "ratio": ratio,
+            }
+        )
         if r["size_mib"] >= 256 or len({x["size_mib"] for x in results["reshard"]}) == 1:
             verdict["reshard" if r["verify"] else "reshard_noverify"].append(
-                (ratio, f"{r['size_mib']} MiB {r['saved']}->{r['loaded']}"))
+                (ratio, f"{r['size_mib']} MiB {r['saved']}->{r['loaded']}")
+            )
     for r in results["rss"]:
         shard = r["shard_bytes"] / MiB
         limit = TARGETS["rss_factor"] * shard + TARGETS["rss_slack_mib"]
@@ -552,11 +630,18 @@ def summarize(results: dict[str, Any], estimator: str = "median") -> dict[str, A
     for r in summary["cloud"]:
         if "skipped" not in r:
             verdict["cloud_save"].append((r["save_ratio"], f"{r['backend']} {r['size_mib']} MiB, {r['world']} ranks"))
-    limits = {"save_vs_dcp": (">=", TARGETS["save_vs_dcp"]), "save_vs_raw": (">=", TARGETS["save_vs_raw"]),
-              "reshard": ("<=", TARGETS["reshard"]), "reshard_noverify": ("<=", TARGETS["reshard"]),
-              "checksum": ("<=", TARGETS["checksum"]), "checksum_cold": ("<=", TARGETS["checksum"]),
-              "rss": ("<=", 1.0), "async_block": ("<=", TARGETS["async_block"]),
-              "async_block_bg": ("<=", TARGETS["async_block"]), "cloud_save": (">=", TARGETS["cloud_save"])}
+    limits = {
+        "save_vs_dcp": (">=", TARGETS["save_vs_dcp"]),
+        "save_vs_raw": (">=", TARGETS["save_vs_raw"]),
+        "reshard": ("<=", TARGETS["reshard"]),
+        "reshard_noverify": ("<=", TARGETS["reshard"]),
+        "checksum": ("<=", TARGETS["checksum"]),
+        "checksum_cold": ("<=", TARGETS["checksum"]),
+        "rss": ("<=", 1.0),
+        "async_block": ("<=", TARGETS["async_block"]),
+        "async_block_bg": ("<=", TARGETS["async_block"]),
+        "cloud_save": (">=", TARGETS["cloud_save"]),
+    }
     for name, values in verdict.items():
         values = [(v, where) for v, where in values if v == v]
         if not values:
@@ -566,8 +651,13 @@ def summarize(results: dict[str, Any], estimator: str = "median") -> dict[str, A
         worst = min(values) if op == ">=" else max(values)
         met = all((v >= limit) if op == ">=" else (v <= limit) for v, _ in values)
         misses = [where for v, where in values if not ((v >= limit) if op == ">=" else (v <= limit))]
-        summary["targets"][name] = {"status": "met" if met else "missed", "worst": worst[0], "where": worst[1],
-                                    "limit": f"{op} {limit}", "misses": misses}
+        summary["targets"][name] = {
+            "status": "met" if met else "missed",
+            "worst": worst[0],
+            "where": worst[1],
+            "limit": f"{op} {limit}",
+            "misses": misses,
+        }
     return summary
 
 
@@ -580,15 +670,20 @@ def markdown(results: dict[str, Any], summary: dict[str, Any], estimator: str = 
     out.append(f"Command: `{results['command']}`  ")
     m = results["machine"]
     how = "medians" if estimator == "median" else "best (fastest) repetition of each"
-    out.append(f"Machine: {m['cpus']} CPUs, Python {m['python']}, torch {m.get('torch')}, CRC-32 via `{m.get('crc32')}`; "
-               f"{results['reps']} repetitions, {how}; loads {'warm and cold' if results['cold_loads'] else 'from the page cache'}.")
+    out.append(
+        f"Machine: {m['cpus']} CPUs, Python {m['python']}, torch {m.get('torch')}, CRC-32 via `{m.get('crc32')}`; "
+        f"{results['reps']} repetitions, {how}; "
+        f"loads {'warm and cold' if results['cold_loads'] else 'from the page cache'}."
+    )
     out.append("")
     out.append("### Save throughput (MiB/s; ratios are ckptlib / baseline)")
     out.append("| state MiB | ranks | ckptlib | raw DCP | raw write+fsync | torch.save | ckptlib/DCP | ckptlib/raw |")
     out.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in summary["save"]:
-        out.append(f"| {r['size_mib']} | {r['world']} | {_f(r['ckptlib'])} | {_f(r['dcp'])} | {_f(r['raw'])} | "
-                   f"{_f(r['torch'])} | {_f(r['vs_dcp'], 2)} | {_f(r['vs_raw'], 2)} |")
+        out.append(
+            f"| {r['size_mib']} | {r['world']} | {_f(r['ckptlib'])} | {_f(r['dcp'])} | {_f(r['raw'])} | "
+            f"{_f(r['torch'])} | {_f(r['vs_dcp'], 2)} | {_f(r['vs_raw'], 2)} |"
+        )
     out.append("")
     out.append("### Load throughput (MiB/s)")
     cold = results["cold_loads"]
@@ -600,11 +695,15 @@ def markdown(results: dict[str, Any], summary: dict[str, Any], estimator: str = 
     out.append(head)
     out.append(sep)
     for r in summary["load"]:
-        line = (f"| {r['size_mib']} | {r['world']} | {_f(r['ckptlib_verify_warm'])} | {_f(r['ckptlib_noverify_warm'])} | "
-                f"{_f(r['dcp_warm'])} | {_f(r['torch_warm'])} | {_f(100 * r['checksum_share'], 1)}% |")
+        line = (
+            f"| {r['size_mib']} | {r['world']} | {_f(r['ckptlib_verify_warm'])} | {_f(r['ckptlib_noverify_warm'])} | "
+            f"{_f(r['dcp_warm'])} | {_f(r['torch_warm'])} | {_f(100 * r['checksum_share'], 1)}% |"
+        )
         if cold:
-            line += (f" {_f(r['ckptlib_verify_cold'])} | {_f(r['ckptlib_noverify_cold'])} | {_f(r['dcp_cold'])} | "
-                     f"{_f(r['torch_cold'])} | {_f(100 * r['checksum_share_cold'], 1)}% |")
+            line += (
+                f" {_f(r['ckptlib_verify_cold'])} | {_f(r['ckptlib_noverify_cold'])} | {_f(r['dcp_cold'])} | "
+                f"{_f(r['torch_cold'])} | {_f(100 * r['checksum_share_cold'], 1)}% |"
+            )
         out.append(line)
     if summary["reshard"]:
         out.append("")
@@ -612,33 +711,44 @@ def markdown(results: dict[str, Any], summary: dict[str, Any], estimator: str = 
         out.append("| state MiB | N → M | verify | seconds | same-N seconds | ratio |")
         out.append("|---:|---|---|---:|---:|---:|")
         for r in summary["reshard"]:
-            out.append(f"| {r['size_mib']} | {r['saved']} → {r['loaded']} | {r['verify']} | {_f(r['seconds'], 3)} | "
-                       f"{_f(r['same_n_seconds'], 3)} | {_f(r['ratio'], 2)} |")
+            out.append(
+                f"| {r['size_mib']} | {r['saved']} → {r['loaded']} | {r['verify']} | {_f(r['seconds'], 3)} | "
+                f"{_f(r['same_n_seconds'], 3)} | {_f(r['ratio'], 2)} |"
+            )
     if summary["rss"]:
         out.append("")
         out.append("### Peak RSS per rank (MiB; fresh rank processes forked from a forkserver that imported torch)")
-        out.append("In brackets: the peak above the rank's RSS once its state (or load template) existed, i.e. "
-                   "what the save or load itself needed.")
+        out.append(
+            "In brackets: the peak above the rank's RSS once its state (or load template) existed, i.e. "
+            "what the save or load itself needed."
+        )
         out.append("")
-        out.append("| state MiB | ranks | shard | load ckptlib | load DCP | limit 1.5×shard+300 | save ckptlib | save DCP |")
+        out.append(
+            "| state MiB | ranks | shard | load ckptlib | load DCP | limit 1.5×shard+300 | save ckptlib | save DCP |"
+        )
         out.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in summary["rss"]:
             out.append(
                 f"| {r['size_mib']} | {r['world']} | {_f(r['shard_mib'])} | {_f(r['load_ckptlib_mib'])} "
                 f"(+{_f(r['load_ckptlib_extra'])}) | {_f(r['load_dcp_mib'])} (+{_f(r['load_dcp_extra'])}) | "
                 f"{_f(r['limit_mib'])} | {_f(r['save_ckptlib_mib'])} (+{_f(r['save_ckptlib_extra'])}) | "
-                f"{_f(r['save_dcp_mib'])} (+{_f(r['save_dcp_extra'])}) |")
+                f"{_f(r['save_dcp_mib'])} (+{_f(r['save_dcp_extra'])}) |"
+            )
     if summary["async"]:
         out.append("")
         out.append("### Async save: time `async_save(...)` blocks the caller")
-        out.append("| state MiB | ranks | sync save s | first async: blocked s | later async: blocked s | async total s "
-                   "| first/sync | later/sync | background staging: blocked s | staged after s | blocked/sync |")
+        out.append(
+            "| state MiB | ranks | sync save s | first async: blocked s | later async: blocked s | async total s "
+            "| first/sync | later/sync | background staging: blocked s | staged after s | blocked/sync |"
+        )
         out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in summary["async"]:
-            out.append(f"| {r['size_mib']} | {r['world']} | {_f(r['sync_s'], 3)} | {_f(r['first_block_s'], 3)} | "
-                       f"{_f(r['steady_block_s'], 3)} | {_f(r['total_s'], 3)} | {_f(r['first_ratio'], 3)} | "
-                       f"{_f(r['steady_ratio'], 3)} | {_f(r['bg_block_s'], 3)} | {_f(r['bg_staged_s'], 3)} | "
-                       f"{_f(r['bg_ratio'], 3)} |")
+            out.append(
+                f"| {r['size_mib']} | {r['world']} | {_f(r['sync_s'], 3)} | {_f(r['first_block_s'], 3)} | "
+                f"{_f(r['steady_block_s'], 3)} | {_f(r['total_s'], 3)} | {_f(r['first_ratio'], 3)} | "
+                f"{_f(r['steady_ratio'], 3)} | {_f(r['bg_block_s'], 3)} | {_f(r['bg_staged_s'], 3)} | "
+                f"{_f(r['bg_ratio'], 3)} |"
+            )
     from benchmarks.cloud import markdown_cloud
 
     out.extend(markdown_cloud(summary.get("cloud", []), _f))
@@ -646,12 +756,18 @@ def markdown(results: dict[str, Any], summary: dict[str, Any], estimator: str = 
     out.append("### Targets")
     out.append("| target | limit | worst | where | status |")
     out.append("|---|---|---:|---|---|")
-    names = {"save_vs_dcp": "save vs raw DCP", "save_vs_raw": "save vs raw parallel write",
-             "reshard": "resharded / same-N load (verify=True)", "reshard_noverify": "resharded / same-N load (verify=False)",
-             "checksum": "checksum share of load (page cache)", "checksum_cold": "checksum share of load (cold cache)",
-             "rss": "load peak RSS / (1.5×shard+300 MiB)", "async_block": "async blocking / sync save (≥256 MiB)",
-             "async_block_bg": "async blocking, background staging / sync save (≥256 MiB)",
-             "cloud_save": "cloud save / the SDK's plain upload"}
+    names = {
+        "save_vs_dcp": "save vs raw DCP",
+        "save_vs_raw": "save vs raw parallel write",
+        "reshard": "resharded / same-N load (verify=True)",
+        "reshard_noverify": "resharded / same-N load (verify=False)",
+        "checksum": "checksum share of load (page cache)",
+        "checksum_cold": "checksum share of load (cold cache)",
+        "rss": "load peak RSS / (1.5×shard+300 MiB)",
+        "async_block": "async blocking / sync save (≥256 MiB)",
+        "async_block_bg": "async blocking, background staging / sync save (≥256 MiB)",
+        "cloud_save": "cloud save / the SDK's plain upload",
+    }
     for key, label in names.items():
         t = summary["targets"].get(key, {"status": "not measured"})
         if t["status"] == "not measured":
@@ -695,14 +811,27 @@ def plot(results: dict[str, Any], summary: dict[str, Any], path: str) -> None:
     for col, size in enumerate(sizes):
         rows = [r for r in summary["save"] if r["size_mib"] == size]
         ws = [r["world"] for r in rows]
-        _panel(axes[0][col], ws, rows, f"save, {size} MiB",
-               (("ckptlib", "ckptlib", "o-"), ("dcp", "raw DCP", "s--"), ("raw", "raw write+fsync", "^:")),
-               ("torch", "torch.save (1 rank)"))
+        _panel(
+            axes[0][col],
+            ws,
+            rows,
+            f"save, {size} MiB",
+            (("ckptlib", "ckptlib", "o-"), ("dcp", "raw DCP", "s--"), ("raw", "raw write+fsync", "^:")),
+            ("torch", "torch.save (1 rank)"),
+        )
         lrows = [r for r in summary["load"] if r["size_mib"] == size]
-        _panel(axes[1][col], ws, lrows, f"load (page cache), {size} MiB",
-               (("ckptlib_verify_warm", "ckptlib (verify)", "o-"), ("ckptlib_noverify_warm", "ckptlib (no verify)", "o:"),
-                ("dcp_warm", "raw DCP", "s--")),
-               ("torch_warm", "torch.load (1 rank)"))
+        _panel(
+            axes[1][col],
+            ws,
+            lrows,
+            f"load (page cache), {size} MiB",
+            (
+                ("ckptlib_verify_warm", "ckptlib (verify)", "o-"),
+                ("ckptlib_noverify_warm", "ckptlib (no verify)", "o:"),
+                ("dcp_warm", "raw DCP", "s--"),
+            ),
+            ("torch_warm", "torch.load (1 rank)"),
+        )
     fig.suptitle("ckptlib vs baselines (2-core box: compare within a panel, not across runs)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -723,12 +852,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", help="state sizes in MiB (default 64 256 1024)")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--reps", type=int, help="repetitions (default 3; --quick: 2)")
-    parser.add_argument("--cloud-sizes", type=int, nargs="+",
-                        help="MiB per state for the cloud backends (default 32 128; --quick: 32)")
-    parser.add_argument("--clouds", nargs="*", choices=("s3", "gcs", "azure"), default=["s3", "gcs", "azure"],
-                        help="cloud backends to compare with their SDKs (default: all three; none: skip)")
     parser.add_argument(
-        "--json", metavar="OUT", nargs="?", const="-",
+        "--cloud-sizes", type=int, nargs="+", help="MiB per state for the cloud backends (default 32 128; --quick: 32)"
+    )
+    parser.add_argument(
+        "--clouds",
+        nargs="*",
+        choices=("s3", "gcs", "azure"),
+        default=["s3", "gcs", "azure"],
+        help="cloud backends to compare with their SDKs (default: all three; none: skip)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="OUT",
+        nargs="?",
+        const="-",
         help="write raw timings and the summary as JSON to OUT, or to stdout without OUT or with '-' "
         "(the tables then go to stderr)",
     )
@@ -742,7 +880,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-async", action="store_true")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch of ranks")
     parser.add_argument(
-        "--estimator", choices=sorted(_ESTIMATORS), default="median",
+        "--estimator",
+        choices=sorted(_ESTIMATORS),
+        default="median",
         help="how repetitions are aggregated: median (default) or best (the fastest run)",
     )
     parser.add_argument(

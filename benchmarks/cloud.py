@@ -30,9 +30,12 @@ def _sdk_transfer(backend: str, container: str, key: str, payload: bytes) -> tup
         from ckptlib.storage import s3 as s3mod
 
         client = boto3.session.Session().client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
-        config = TransferConfig(multipart_threshold=s3mod.DEFAULT_MULTIPART_THRESHOLD,
-                                multipart_chunksize=s3mod.DEFAULT_PART_SIZE,
-                                max_concurrency=s3mod.DEFAULT_MAX_CONCURRENCY)
+        config = TransferConfig(
+            multipart_threshold=s3mod.DEFAULT_MULTIPART_THRESHOLD,
+            multipart_chunksize=s3mod.DEFAULT_PART_SIZE,
+            max_concurrency=s3mod.DEFAULT_MAX_CONCURRENCY,
+        )
+
         def s3_down():
             sink = io.BytesIO()
             client.download_fileobj(container, key, sink, Config=config)
@@ -65,7 +68,6 @@ def _sdk_transfer(backend: str, container: str, key: str, payload: bytes) -> tup
 def rank_cloud(backend: str, env: dict[str, str], container: str, size_mib: int, reps: int) -> dict[str, Any]:
     """In each rank: time ckptlib.save/load and the SDK's upload/download of the same bytes."""
     import ckptlib
-
     from benchmarks.bench import _make_state, _rank, _same, _timed
 
     os.environ.update(env)
@@ -87,7 +89,9 @@ def rank_cloud(backend: str, env: dict[str, str], container: str, size_mib: int,
     upload()
     download()
     for rep in range(reps):
-        uri = f"{backend if backend != 'gcs' else 'gs'}://{container}/{size_mib}/rep{rep}/ckpt".replace("azure://", "az://")
+        uri = f"{backend if backend != 'gcs' else 'gs'}://{container}/{size_mib}/rep{rep}/ckpt".replace(
+            "azure://", "az://"
+        )
         order = ["ckptlib", "sdk"] if rep % 2 == 0 else ["sdk", "ckptlib"]
         for method in order:
             if method == "ckptlib":
@@ -128,7 +132,11 @@ def _server(backend: str):
         raise RuntimeError(f"Azurite is not installed ({em.AZURITE_INSTALL})")
     with em.start_azurite(binary) as endpoint:
         env = {k: v for k, v in em.azure_env(endpoint).items() if v is not None}
-        yield env, (lambda: em.create_azure_container(endpoint, "bench")), (lambda c: em.remove_azure_container(endpoint, c))
+        yield (
+            env,
+            (lambda: em.create_azure_container(endpoint, "bench")),
+            (lambda c: em.remove_azure_container(endpoint, c)),
+        )
 
 
 def run_cloud(args, launch, log) -> list[dict[str, Any]]:
@@ -144,8 +152,13 @@ def run_cloud(args, launch, log) -> list[dict[str, Any]]:
                             out = launch(ws, rank_cloud, backend, env, container, size, args.reps, timeout=args.timeout)
                         finally:
                             remove(container)
-                        row = {"backend": backend, "size_mib": size, "world": ws, "ok": all(r["ok"] for r in out),
-                               "times": {}}
+                        row = {
+                            "backend": backend,
+                            "size_mib": size,
+                            "world": ws,
+                            "ok": all(r["ok"] for r in out),
+                            "times": {},
+                        }
                         for key in out[0]["times"]:
                             columns = [r["times"][key] for r in out]
                             row["times"][key] = [max(vals) for vals in zip(*columns)]
@@ -183,17 +196,22 @@ def summarize_cloud(rows: list[dict[str, Any]], aggregate: Callable[[list[float]
 def markdown_cloud(summary: list[dict[str, Any]], fmt: Callable[..., str]) -> list[str]:
     if not summary:
         return []
-    out = ["", "### Cloud storage (emulators on 127.0.0.1), MiB/s: ckptlib against each SDK's plain transfer",
-           "| backend (SDK, emulator) | state MiB | ranks | ckptlib save | SDK upload | ratio | ckptlib load "
-           "| SDK download | ratio |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "",
+        "### Cloud storage (emulators on 127.0.0.1), MiB/s: ckptlib against each SDK's plain transfer",
+        "| backend (SDK, emulator) | state MiB | ranks | ckptlib save | SDK upload | ratio | ckptlib load "
+        "| SDK download | ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in summary:
         backend = r.get("backend", "s3")
         label = f"{backend} ({SDK_NAME.get(backend, '?')}, {EMULATOR.get(backend, '?')})"
         if "skipped" in r:
             out.append(f"| {label} | skipped: {r['skipped']} ||||||||")
             continue
-        out.append(f"| {label} | {r['size_mib']} | {r['world']} | {fmt(r['save_ckptlib'])} | {fmt(r['save_sdk'])} | "
-                   f"{fmt(r['save_ratio'], 2)} | {fmt(r['load_ckptlib'])} | {fmt(r['load_sdk'])} | "
-                   f"{fmt(r['load_ratio'], 2)} |")
+        out.append(
+            f"| {label} | {r['size_mib']} | {r['world']} | {fmt(r['save_ckptlib'])} | {fmt(r['save_sdk'])} | "
+            f"{fmt(r['save_ratio'], 2)} | {fmt(r['load_ckptlib'])} | {fmt(r['load_sdk'])} | "
+            f"{fmt(r['load_ratio'], 2)} |"
+        )
     return out

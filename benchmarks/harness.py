@@ -63,7 +63,16 @@ def harness_launch(world: int = 4) -> float:
 
 
 def elastic_matrix(k: str | None) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "tests/elastic/test_elastic.py", "-q", "-p", "no:cacheprovider", "--durations=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests/elastic/test_elastic.py",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--durations=0",
+    ]
     if k:
         cmd += ["-k", k]
     t0 = time.perf_counter()
@@ -104,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     spawn.append(fresh_spawn())
     launches.append(harness_launch())
 
-    res = {"fresh_spawn_4_s": spawn, "harness_first_launch_4_s": first, "harness_launch_4_s": launches, "matrix": matrix}
+    res = {
+        "fresh_spawn_4_s": spawn,
+        "harness_first_launch_4_s": first,
+        "harness_launch_4_s": launches,
+        "matrix": matrix,
+    }
     med_spawn, med_launch = statistics.median(spawn), statistics.median(launches)
     lines = [
         "| measurement | seconds |",

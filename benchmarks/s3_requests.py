@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import math
 import os
 import threading
 import urllib.parse
@@ -105,14 +104,14 @@ def _state(tensors: int, global_rows: int, fill: bool) -> dict[str, Any]:
     params = {}
     for i in range(tensors):
         local = torch.full((rows, COLS), float(1000 * i + rank) if fill else 0.0)
-        params[f"t{i}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                                             shape=(global_rows, COLS), stride=(COLS, 1))
+        params[f"t{i}"] = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=(global_rows, COLS), stride=(COLS, 1)
+        )
     return {"params": params}
 
 
 def rank_phase(env: dict[str, str], uri: str, phase: str, tensors: int, global_rows: int, save_world: int) -> bool:
     """In each rank: the save, or the load (then a check of every tensor's sum against the save's)."""
-    import torch
 
     import ckptlib
 
@@ -150,17 +149,35 @@ def measure(pairs=((1, 1), (2, 2), (4, 4), (4, 2), (2, 4)), scenarios=SCENARIOS,
                 saved = counter.take()
                 ok = launch(load_world, rank_phase, *args[:2], "load", *args[3:], timeout=timeout)
                 loaded = counter.take()
-                rows.append({
-                    "scenario": name, "tensors": tensors, "shard_mib": shard_mib, "save_world": save_world,
-                    "load_world": load_world, "ok": all(ok),
-                    "save": {f"{k} {o}": n for (k, o), n in sorted(saved.items())},
-                    "load": {f"{k} {o}": n for (k, o), n in sorted(loaded.items())},
-                })
+                rows.append(
+                    {
+                        "scenario": name,
+                        "tensors": tensors,
+                        "shard_mib": shard_mib,
+                        "save_world": save_world,
+                        "load_world": load_world,
+                        "ok": all(ok),
+                        "save": {f"{k} {o}": n for (k, o), n in sorted(saved.items())},
+                        "load": {f"{k} {o}": n for (k, o), n in sorted(loaded.items())},
+                    }
+                )
     return rows
 
 
-KINDS = ("LIST uploads", "LIST", "HEAD", "GET", "PUT", "multipart create", "multipart part", "multipart complete",
-         "multipart abort", "DELETE batch", "DELETE", "POST")
+KINDS = (
+    "LIST uploads",
+    "LIST",
+    "HEAD",
+    "GET",
+    "PUT",
+    "multipart create",
+    "multipart part",
+    "multipart complete",
+    "multipart abort",
+    "DELETE batch",
+    "DELETE",
+    "POST",
+)
 
 
 def _totals(counts: dict[str, int]) -> dict[str, int]:
@@ -171,8 +188,15 @@ def _totals(counts: dict[str, int]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def formula(save_world: int, load_world: int, shard_bytes: int, *, threshold: int = 16 * MiB,
-            part: int = 16 * MiB, page: int = 1000) -> dict[str, dict[str, int]]:
+def formula(
+    save_world: int,
+    load_world: int,
+    shard_bytes: int,
+    *,
+    threshold: int = 16 * MiB,
+    part: int = 16 * MiB,
+    page: int = 1000,
+) -> dict[str, dict[str, int]]:
     """Requests of one ckptlib.save at `save_world` ranks (each writing `shard_bytes`) and one
     ckptlib.load of it at `load_world` ranks, when every rank reads whole stored items (same
     world size, or small items). Loads that need part of a large stored item instead fetch its
@@ -182,8 +206,9 @@ def formula(save_world: int, load_world: int, shard_bytes: int, *, threshold: in
     parts = -(-shard_bytes // part)
     save = {"LIST": 1 + pages, "PUT": 3 + (0 if multipart else save_world), "DELETE": 1}
     if multipart:
-        save.update({"multipart create": save_world, "multipart part": save_world * parts,
-                     "multipart complete": save_world})
+        save.update(
+            {"multipart create": save_world, "multipart part": save_world * parts, "multipart complete": save_world}
+        )
     load = {"LIST": 2 + 2 * pages, "GET": 2 + max(save_world, load_world)}
     return {"save": dict(sorted(save.items())), "load": dict(sorted(load.items()))}
 
@@ -194,13 +219,27 @@ def rows(worlds: list[int]) -> list[dict]:
     out = []
     for row in measure():
         shard_bytes = row["shard_mib"] * MiB
-        out.append({"s3": "measured", **{k: row[k] for k in ("scenario", "save_world", "load_world", "ok")},
-                    "save": _totals(row["save"]), "load": _totals(row["load"]),
-                    "formula": formula(row["save_world"], row["load_world"], shard_bytes),
-                    "save_by_object": row["save"], "load_by_object": row["load"]})
+        out.append(
+            {
+                "s3": "measured",
+                **{k: row[k] for k in ("scenario", "save_world", "load_world", "ok")},
+                "save": _totals(row["save"]),
+                "load": _totals(row["load"]),
+                "formula": formula(row["save_world"], row["load_world"], shard_bytes),
+                "save_by_object": row["save"],
+                "load_by_object": row["load"],
+            }
+        )
     for world in worlds:
-        out.append({"s3": "formula", "save_world": world, "load_world": world, "shard_mib": 20,
-                    **formula(world, world, 20 * MiB)})
+        out.append(
+            {
+                "s3": "formula",
+                "save_world": world,
+                "load_world": world,
+                "shard_mib": 20,
+                **formula(world, world, 20 * MiB),
+            }
+        )
     return out
 
 

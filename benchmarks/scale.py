@@ -95,7 +95,9 @@ def _plan_and_write_records(world: int, names: list[str]) -> tuple[bytes, bytes,
         items = []
         offset = 0
         for item in plan.items:
-            length = 800 + ROWS_PER_RANK * item.tensor_data.chunk.sizes[1] * 4  # a torch.save archive of the chunk, roughly
+            length = (
+                800 + ROWS_PER_RANK * item.tensor_data.chunk.sizes[1] * 4
+            )  # a torch.save archive of the chunk, roughly
             storage_data[item.index] = storage_info(name, offset, length)
             items.append((offset, length, (rank * 7919 + offset) & 0xFFFFFFFF))
             offset += length
@@ -148,13 +150,18 @@ def _measure_here(world: int, tensors: int, dcp_max_chunks: int) -> dict:
     assert problems == 0, f"{problems} structure problems in the simulated checkpoint"
     reads, load_plan_s = _timed(_load_plan, metadata_blob, names, world - 1)
     return {
-        "world": world, "tensors": tensors, "chunks": world * tensors,
-        "coordinator_plan_s": round(plan_s, 4), "coordinator_peak_mib": round(peak / 2**20, 1),
+        "world": world,
+        "tensors": tensors,
+        "chunks": world * tensors,
+        "coordinator_plan_s": round(plan_s, 4),
+        "coordinator_peak_mib": round(peak / 2**20, 1),
         "global_plan_ckptlib_s": round(plans_s["ckptlib"], 4),
         "global_plan_dcp_s": round(plans_s["dcp"], 4) if "dcp" in plans_s else None,
-        "metadata_bytes": len(metadata_blob), "manifest_bytes": len(manifest_blob),
+        "metadata_bytes": len(metadata_blob),
+        "manifest_bytes": len(manifest_blob),
         "coordinator_open_s": round(open_s, 4),
-        "rank_load_plan_s": round(load_plan_s, 4), "rank_reads": reads,
+        "rank_load_plan_s": round(load_plan_s, 4),
+        "rank_reads": reads,
     }
 
 
@@ -181,17 +188,25 @@ def measure(world: int, tensors: int, dcp_max_chunks: int = 0) -> dict:
 
 
 PANELS = (  # (title, y label, [(key, label)])
-    ("coordinator: save planning", "seconds", [
-        ("coordinator_plan_s", "plan + .metadata + manifest (ckptlib)"),
-        ("global_plan_ckptlib_s", "global plan, CkptSavePlanner"),
-        ("global_plan_dcp_s", "global plan, DCP DefaultSavePlanner"),
-    ]),
+    (
+        "coordinator: save planning",
+        "seconds",
+        [
+            ("coordinator_plan_s", "plan + .metadata + manifest (ckptlib)"),
+            ("global_plan_ckptlib_s", "global plan, CkptSavePlanner"),
+            ("global_plan_dcp_s", "global plan, DCP DefaultSavePlanner"),
+        ],
+    ),
     ("coordinator: peak memory of the save", "MiB", [("coordinator_peak_mib", "peak RSS over start")]),
     ("checkpoint records", "bytes", [("metadata_bytes", ".metadata (pickle)"), ("manifest_bytes", "ckptlib.json")]),
-    ("load", "seconds", [
-        ("coordinator_open_s", "rank 0: parse + check both records"),
-        ("rank_load_plan_s", "one rank: its load plan"),
-    ]),
+    (
+        "load",
+        "seconds",
+        [
+            ("coordinator_open_s", "rank 0: parse + check both records"),
+            ("rank_load_plan_s", "one rank: its load plan"),
+        ],
+    ),
 )
 
 
@@ -214,8 +229,15 @@ def plot(rows: list[dict], path: str) -> None:
                 continue
             for world in worlds:
                 mine = [p for p in points if p[2] == world]
-                ax.plot([p[0] for p in mine], [p[1] for p in mine], "-" + markers[world], color=color, ms=5, lw=0.8,
-                        label=label if world == worlds[0] else None)
+                ax.plot(
+                    [p[0] for p in mine],
+                    [p[1] for p in mine],
+                    "-" + markers[world],
+                    color=color,
+                    ms=5,
+                    lw=0.8,
+                    label=label if world == worlds[0] else None,
+                )
             x0, y0 = points[0][0], points[0][1]
             xs = [x0, rows[-1]["chunks"]]
             ax.plot(xs, [y0, y0 * xs[1] / x0], ":", color=color, lw=1)
@@ -258,11 +280,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ckpt bench scale", description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="8,64,512,4096")
     parser.add_argument("--tensors", default="1000,10000,100000")
-    parser.add_argument("--max-chunks", type=int, default=2_000_000, help="skip cells with more chunks (world x tensors)")
-    parser.add_argument("--dcp-max-chunks", type=int, default=300_000,
-                        help="time DCP's own DefaultSavePlanner only up to this many chunks")
-    parser.add_argument("--s3", action="store_true",
-                        help="also count S3 requests of real saves/loads at 1, 2, 4 ranks (moto) and print the formula")
+    parser.add_argument(
+        "--max-chunks", type=int, default=2_000_000, help="skip cells with more chunks (world x tensors)"
+    )
+    parser.add_argument(
+        "--dcp-max-chunks",
+        type=int,
+        default=300_000,
+        help="time DCP's own DefaultSavePlanner only up to this many chunks",
+    )
+    parser.add_argument(
+        "--s3",
+        action="store_true",
+        help="also count S3 requests of real saves/loads at 1, 2, 4 ranks (moto) and print the formula",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
     parser.add_argument("--from-json", metavar="IN", help="no measuring: read the rows of an earlier --json run")
     parser.add_argument("--plot", metavar="OUT.png", help="write the curves as a PNG (needs matplotlib)")

@@ -70,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tensors={len(tensors)} reps={args.reps}; per item, median (ms):")
     for name, values in times.items():
         print(f"  {name:<34} {statistics.median(values) / len(tensors) * 1e3:.3f}")
-    for op, before, now in (("save", "save: torch.save + CRC (before)", "save: template + CRC (now)"),
-                            ("load", "load: torch.load (before)", "load: directory parse (now)")):
+    for op, before, now in (
+        ("save", "save: torch.save + CRC (before)", "save: template + CRC (now)"),
+        ("load", "load: torch.load (before)", "load: directory parse (now)"),
+    ):
         print(f"{op}: now / before = {statistics.median(times[now]) / statistics.median(times[before]):.2f}")
     return 0
 

@@ -63,8 +63,9 @@ def make_state(tensors: int, fill: bool) -> dict[str, Any]:
                 break
             local_shape = (shape[0] // world, *shape[1:])
             local = torch.rand(local_shape, generator=gen) if fill else torch.zeros(local_shape)
-            tensor = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
-                                        stride=torch.empty(shape, device="meta").stride())
+            tensor = DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride()
+            )
             if kind == "weight":
                 state["model"][name] = tensor
             else:
@@ -148,13 +149,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="ckptlib-bench-tensors-", dir=args.dir)
     import subprocess
 
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.strip()
+    commit = subprocess.run(
+        ["git", "describe", "--always", "--dirty"],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    ).stdout.strip()
     results: dict[str, Any] = {
         "command": "ckpt bench tensors " + " ".join(args.argv),
         "commit": commit or None,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                    "load_average_at_start": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "load_average_at_start": os.getloadavg(),
+        },
         "reps": args.reps,
         "rows": [],
     }
@@ -162,11 +171,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for tensors in args.tensors:
             for world in args.world_sizes:
                 _log(f"{tensors} tensors at {world} ranks")
-                out = launch(world, rank_tensors, f"{root}/t{tensors}-w{world}", tensors, args.reps,
-                             args.ablation, timeout=args.timeout)
-                times = {key: [max(r["times"][key][i] for r in out) for i in range(args.reps)] for key in out[0]["times"]}
-                results["rows"].append({"tensors": tensors, "world": world, "ok": all(r["ok"] for r in out),
-                                        "state_bytes": sum(r["shard_bytes"] for r in out), "times": times})
+                out = launch(
+                    world,
+                    rank_tensors,
+                    f"{root}/t{tensors}-w{world}",
+                    tensors,
+                    args.reps,
+                    args.ablation,
+                    timeout=args.timeout,
+                )
+                times = {
+                    key: [max(r["times"][key][i] for r in out) for i in range(args.reps)] for key in out[0]["times"]
+                }
+                results["rows"].append(
+                    {
+                        "tensors": tensors,
+                        "world": world,
+                        "ok": all(r["ok"] for r in out),
+                        "state_bytes": sum(r["shard_bytes"] for r in out),
+                        "times": times,
+                    }
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results["machine"]["load_average_at_end"] = os.getloadavg()
@@ -180,8 +205,13 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
         t = {key: statistics.median(values) for key, values in row["times"].items()}
         n = row["tensors"]
         limit = TARGET_RATIO_LARGE if n >= LARGE else TARGET_RATIO
-        out = {"tensors": n, "world": row["world"], "state_mib": row["state_bytes"] / (1 << 20), "ok": row["ok"],
-               "limit": limit}
+        out = {
+            "tensors": n,
+            "world": row["world"],
+            "state_mib": row["state_bytes"] / (1 << 20),
+            "ok": row["ok"],
+            "limit": limit,
+        }
         for op in ("save", "load"):
             ours, theirs = t[f"{op}_ckptlib"], t[f"{op}_dcp"]
             out[f"{op}_ckptlib_s"], out[f"{op}_dcp_s"] = ours, theirs
@@ -226,7 +256,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             verdict = ("met" if r[f"{op}_met"] else "missed") + f" (≤ {r['limit']})"
             lines.append(
                 f"| {r['tensors']} | {r['world']} | {r['state_mib']:.1f} | {op} | {r[f'{op}_ckptlib_s']:.3f} "
-                f"| {r[f'{op}_dcp_s']:.3f} | {r[f'{op}_ckptlib_ms_per_tensor']:.3f} | {r[f'{op}_dcp_ms_per_tensor']:.3f} "
+                f"| {r[f'{op}_dcp_s']:.3f} | {r[f'{op}_ckptlib_ms_per_tensor']:.3f} "
+                f"| {r[f'{op}_dcp_ms_per_tensor']:.3f} "
                 f"| {r[f'{op}_ratio']:.2f} | {verdict} | {'yes' if r['ok'] else 'NO'} |"
             )
     return "\n".join(lines)
@@ -235,17 +266,30 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="ckpt bench tensors", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tensors", type=int, nargs="+", default=[16, 1000, 10000],
-                        help="tensor counts of the whole state, optimizer moments included (default 16 1000 10000)")
+    parser.add_argument(
+        "--tensors",
+        type=int,
+        nargs="+",
+        default=[16, 1000, 10000],
+        help="tensor counts of the whole state, optimizer moments included (default 16 1000 10000)",
+    )
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
-    parser.add_argument("--json", metavar="OUT", nargs="?", const="-",
-                        help="write raw timings and the summary as JSON to OUT, or to stdout without OUT "
-                        "(the table then goes to stderr)")
+    parser.add_argument(
+        "--json",
+        metavar="OUT",
+        nargs="?",
+        const="-",
+        help="write raw timings and the summary as JSON to OUT, or to stdout without OUT "
+        "(the table then goes to stderr)",
+    )
     parser.add_argument("--dir", help="scratch directory (default: the system temp dir)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch of ranks")
-    parser.add_argument("--ablation", action="store_true",
-                        help="also time raw DCP with the garbage collector paused and ckptlib with it running")
+    parser.add_argument(
+        "--ablation",
+        action="store_true",
+        help="also time raw DCP with the garbage collector paused and ckptlib with it running",
+    )
     args = parser.parse_args(argv)
     args.argv = argv
     started = time.perf_counter()
@@ -254,8 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(results)
     to_stdout = args.json == "-"
     extra = ablation_markdown(rows)
-    print(markdown(rows) + (f"\n\n{extra}" if extra else "") + f"\n\nWall time of the benchmark: {results['seconds']:.0f} s.",
-          file=sys.stderr if to_stdout else sys.stdout)
+    print(
+        markdown(rows)
+        + (f"\n\n{extra}" if extra else "")
+        + f"\n\nWall time of the benchmark: {results['seconds']:.0f} s.",
+        file=sys.stderr if to_stdout else sys.stdout,
+    )
     if args.json:
         report = {"results": results, "summary": rows}
         if to_stdout:

@@ -129,8 +129,7 @@ def stamp(path: str) -> int:
             suite.insert(0, props)
         for old in [p for p in props if p.get("name", "").startswith(PROP_PREFIX)]:
             props.remove(old)
-        values = {"torch": torch.__version__, "commit": _commit(path),
-                  **{f"probe.{k}": v for k, v in probes.items()}}
+        values = {"torch": torch.__version__, "commit": _commit(path), **{f"probe.{k}": v for k, v in probes.items()}}
         for key, value in values.items():
             text = value if isinstance(value, str) else json.dumps(value)
             ET.SubElement(props, "property", name=PROP_PREFIX + key, value=text)
@@ -145,12 +144,26 @@ def _commit(path: str) -> str:
 
     where = os.path.dirname(os.path.abspath(path))
     try:
-        head = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
         # ci/compat/ itself (the junit file being stamped) does not make the tree under test dirty.
-        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no", "--",
-                                ":/", ":(exclude,top)ci/compat"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(
+            [
+                "git",
+                "-C",
+                where,
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ":/",
+                ":(exclude,top)ci/compat",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
@@ -193,7 +206,7 @@ def read_run(path: str) -> Run:
         for prop in suite.iterfind("properties/property"):
             name = prop.get("name", "")
             if name.startswith(PROP_PREFIX):
-                props[name[len(PROP_PREFIX):]] = prop.get("value", "")
+                props[name[len(PROP_PREFIX) :]] = prop.get("value", "")
         for tc in suite.iter("testcase"):
             module = _module_of(tc.get("classname", ""))
             name = tc.get("name", "")
@@ -304,8 +317,11 @@ def render(all_runs: list[Run]) -> str:
     groups.sort(key=lambda g: (next((i for i, t in enumerate(order) if g.startswith(t)), len(order)), g))
 
     lines = []
-    head = "| test group | " + " | ".join(f"torch {r.torch} ({r.props.get('commit') or 'commit not recorded'})"
-                                         for r in runs) + " |"
+    head = (
+        "| test group | "
+        + " | ".join(f"torch {r.torch} ({r.props.get('commit') or 'commit not recorded'})" for r in runs)
+        + " |"
+    )
     lines += [head, "|" + "---|" * (len(runs) + 1)]
     for group in groups:
         cells = []
@@ -361,7 +377,8 @@ def render(all_runs: list[Run]) -> str:
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     lines.append("")
     sources = ", ".join(
-        f"`{os.path.relpath(r.source)}` ({r.timestamp or 'no timestamp'}, commit {r.props.get('commit') or 'not recorded'}, "
+        f"`{os.path.relpath(r.source)}` ({r.timestamp or 'no timestamp'}, "
+        f"commit {r.props.get('commit') or 'not recorded'}, "
         f"pytest {r.seconds:.0f} s)"
         for r in all_runs
     )
@@ -403,9 +420,12 @@ def render_cross(runs: list[Run]) -> list[str]:
     if not writers:
         return []
     columns = sorted(readers, key=_version_key, reverse=True)
-    lines = ["Cross-minor loads (`tests/format/test_cross_version.py`: a ckptlib checkpoint saved at 2 ranks under the "
-             "row's torch, loaded at 2 and 3 ranks under the column's and compared bit for bit; each test's newest "
-             "result counts, from the suite runs and the cross-version pass; \"ok\" = every load bit-exact):", ""]
+    lines = [
+        "Cross-minor loads (`tests/format/test_cross_version.py`: a ckptlib checkpoint saved at 2 ranks under the "
+        "row's torch, loaded at 2 and 3 ranks under the column's and compared bit for bit; each test's newest "
+        'result counts, from the suite runs and the cross-version pass; "ok" = every load bit-exact):',
+        "",
+    ]
     lines.append("| saved under \\ loaded under | " + " | ".join(f"torch {r}" for r in columns) + " |")
     lines.append("|" + "---|" * (len(columns) + 1))
     for writer in sorted(writers, key=_version_key, reverse=True):
@@ -452,7 +472,7 @@ def write_into(doc_path: str, block: str) -> None:
     new_block = f"{START}\n{block}{END}"
     if START in text and END in text:
         before = text[: text.index(START)]
-        after = text[text.index(END) + len(END):]
+        after = text[text.index(END) + len(END) :]
         text = before + new_block + after
     else:
         text = (text.rstrip() + "\n\n" if text else "") + new_block + "\n"

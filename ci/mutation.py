@@ -25,59 +25,80 @@ from pathlib import Path
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     "storage-local": (
         ["ckptlib/storage/local.py"],
-        ["tests/storage/test_local_storage.py", "tests/storage/test_storage_conformance.py",
-         "tests/manager/test_crash.py::test_durability_order_of_a_save", "tests/format/test_symlinks.py",
-         "tests/format/test_special_files.py", "-m", "not s3 and not gcs and not azure"],
+        [
+            "tests/storage/test_local_storage.py",
+            "tests/storage/test_storage_conformance.py",
+            "tests/manager/test_crash.py::test_durability_order_of_a_save",
+            "tests/format/test_symlinks.py",
+            "tests/format/test_special_files.py",
+            "-m",
+            "not s3 and not gcs and not azure",
+        ],
     ),
     "checkpoint": (
         ["ckptlib/checkpoint.py"],
-        ["tests/api/test_failure_unwrapping.py", "tests/api/test_async_single_process.py", "tests/api/test_api.py",
-         "tests/api/test_load_control.py", "tests/api/test_dtype_cast.py", "tests/api/test_disk_full.py",
-         # the paths only these reach: optimizer hyperparameters a newer torch added, the
-         # pre-2.4 key rules (a torch 2.0 checkpoint), trusted=False, a rank lost mid-save
-         "tests/format/test_cross_version.py::test_hyperparameter_a_newer_torch_added_keeps_the_optimizers_value",
-         "tests/format/test_cross_version.py::test_optimizer_the_checkpoint_lacks_is_still_missing",
-         "tests/format/test_legacy.py::test_pre_24_flattened_objects_load",
-         "tests/format/test_legacy.py::test_pre_24_flattened_objects_merge_back_every_value",
-         "tests/format/test_legacy.py::test_pre_24_keys_still_check_shapes",
-         "tests/format/test_integrity.py::test_opaque_object_needs_trusted",
-         "tests/api/test_rank_loss.py::test_survivors_of_a_rank_dying_mid_save_raise_rank_lost[save2-victim1]",
-         # _agreement: a rank failing between state-dict steps (spawns ranks)
-         "tests/api/test_collective_steps.py"],
+        [
+            "tests/api/test_failure_unwrapping.py",
+            "tests/api/test_async_single_process.py",
+            "tests/api/test_api.py",
+            "tests/api/test_load_control.py",
+            "tests/api/test_dtype_cast.py",
+            "tests/api/test_disk_full.py",
+            # the paths only these reach: optimizer hyperparameters a newer torch added, the
+            # pre-2.4 key rules (a torch 2.0 checkpoint), trusted=False, a rank lost mid-save
+            "tests/format/test_cross_version.py::test_hyperparameter_a_newer_torch_added_keeps_the_optimizers_value",
+            "tests/format/test_cross_version.py::test_optimizer_the_checkpoint_lacks_is_still_missing",
+            "tests/format/test_legacy.py::test_pre_24_flattened_objects_load",
+            "tests/format/test_legacy.py::test_pre_24_flattened_objects_merge_back_every_value",
+            "tests/format/test_legacy.py::test_pre_24_keys_still_check_shapes",
+            "tests/format/test_integrity.py::test_opaque_object_needs_trusted",
+            "tests/api/test_rank_loss.py::test_survivors_of_a_rank_dying_mid_save_raise_rank_lost[save2-victim1]",
+            # _agreement: a rank failing between state-dict steps (spawns ranks)
+            "tests/api/test_collective_steps.py",
+        ],
     ),
     "state": (
         ["ckptlib/state.py"],
-        ["tests/api/test_rank_state.py", "tests/api/test_unpicklable_state.py", "tests/api/test_api.py",
-         # CollectiveSteps: a rank failing between state-dict steps (spawns ranks)
-         "tests/api/test_collective_steps.py",
-         "tests/elastic/test_training_state.py",
-         # a torch 2.0 checkpoint: DCP replaces a nested dict of plain values, _merge_back copies it back
-         "tests/format/test_legacy.py::test_pre_24_flattened_objects_load",
-         "tests/format/test_legacy.py::test_pre_24_flattened_objects_merge_back_every_value",
-         "tests/format/test_legacy.py::test_merge_back_keeps_the_callers_objects",
-         # _hyperparameter_keys: an optimizer hyperparameter the checkpoint's torch did not have
-         "tests/format/test_cross_version.py::test_hyperparameter_a_newer_torch_added_keeps_the_optimizers_value",
-         "tests/format/test_cross_version.py::test_a_param_group_without_its_params_is_missing"],
+        [
+            "tests/api/test_rank_state.py",
+            "tests/api/test_unpicklable_state.py",
+            "tests/api/test_api.py",
+            # CollectiveSteps: a rank failing between state-dict steps (spawns ranks)
+            "tests/api/test_collective_steps.py",
+            "tests/elastic/test_training_state.py",
+            # a torch 2.0 checkpoint: DCP replaces a nested dict of plain values, _merge_back copies it back
+            "tests/format/test_legacy.py::test_pre_24_flattened_objects_load",
+            "tests/format/test_legacy.py::test_pre_24_flattened_objects_merge_back_every_value",
+            "tests/format/test_legacy.py::test_merge_back_keeps_the_callers_objects",
+            # _hyperparameter_keys: an optimizer hyperparameter the checkpoint's torch did not have
+            "tests/format/test_cross_version.py::test_hyperparameter_a_newer_torch_added_keeps_the_optimizers_value",
+            "tests/format/test_cross_version.py::test_a_param_group_without_its_params_is_missing",
+        ],
     ),
     "manager": (
         ["ckptlib/manager.py"],
-        ["tests/manager/test_manager.py", "tests/manager/test_fallbacks.py", "tests/manager/test_overwrite.py",
-         "tests/manager/test_retention.py", "tests/manager/test_crash.py",
-         # the one-process tests of what only they reach: maybe_save and preemption, the
-         # remote_root= dispatch, background_staging's check, initial_load
-         "tests/manager/test_save_policy.py::test_step_policies_save_exactly",
-         "tests/manager/test_save_policy.py::test_force_and_no_second_save_of_a_step",
-         "tests/manager/test_save_policy.py::test_preemption_signal_saves_at_the_next_maybe_save",
-         "tests/manager/test_save_policy.py::test_preemption_chains_to_a_python_handler_and_restores_it",
-         "tests/manager/test_save_policy.py::test_preemption_after_the_step_was_saved_does_not_save_it_again",
-         "tests/manager/test_save_policy.py::test_a_signal_is_handled_once",
-         "tests/manager/test_save_policy.py::test_async_maybe_save_waits_for_the_save_in_flight_only_after_a_signal",
-         "tests/manager/test_tiered.py::test_constructor_dispatch_and_arguments",
-         "tests/api/test_async.py::test_background_staging_needs_async",
-         "tests/api/test_load_control.py::test_initial_load_model_only_then_ignored_once_the_root_has_a_step",
-         "tests/api/test_load_control.py::test_initial_load_with_optimizer_and_after_debris",
-         "tests/api/test_load_control.py::test_initial_load_that_does_not_exist",
-         "tests/api/test_load_control.py::test_initial_load_needs_modules_or_names"],
+        [
+            "tests/manager/test_manager.py",
+            "tests/manager/test_fallbacks.py",
+            "tests/manager/test_overwrite.py",
+            "tests/manager/test_retention.py",
+            "tests/manager/test_crash.py",
+            # the one-process tests of what only they reach: maybe_save and preemption, the
+            # remote_root= dispatch, background_staging's check, initial_load
+            "tests/manager/test_save_policy.py::test_step_policies_save_exactly",
+            "tests/manager/test_save_policy.py::test_force_and_no_second_save_of_a_step",
+            "tests/manager/test_save_policy.py::test_preemption_signal_saves_at_the_next_maybe_save",
+            "tests/manager/test_save_policy.py::test_preemption_chains_to_a_python_handler_and_restores_it",
+            "tests/manager/test_save_policy.py::test_preemption_after_the_step_was_saved_does_not_save_it_again",
+            "tests/manager/test_save_policy.py::test_a_signal_is_handled_once",
+            "tests/manager/test_save_policy.py::test_async_maybe_save_waits_for_the_save_in_flight_only_after_a_signal",
+            "tests/manager/test_tiered.py::test_constructor_dispatch_and_arguments",
+            "tests/api/test_async.py::test_background_staging_needs_async",
+            "tests/api/test_load_control.py::test_initial_load_model_only_then_ignored_once_the_root_has_a_step",
+            "tests/api/test_load_control.py::test_initial_load_with_optimizer_and_after_debris",
+            "tests/api/test_load_control.py::test_initial_load_that_does_not_exist",
+            "tests/api/test_load_control.py::test_initial_load_needs_modules_or_names",
+        ],
     ),
     "storage-s3": (
         ["ckptlib/storage/s3.py"],
@@ -87,20 +108,39 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
 #: format/ is reached through saves, loads, foreign formats, verification and deletion: its
 #: selection is wide (the coverage map then picks each mutant's few tests), without the tests
 #: whose work happens only in rank or CLI processes.
-_FORMAT_TESTS = ["tests/format/test_item_encoder.py", "tests/format/test_save_planner.py",
-                 "tests/format/test_safetensors_headers.py", "tests/format/test_storage_requests.py",
-                 "tests/format/test_special_files.py", "tests/format/test_symlinks.py", "tests/format/test_bounds.py",
-                 "tests/format/test_plan_costs.py", "tests/format/test_integrity.py", "tests/format/test_fuzz_formats.py",
-                 "tests/format/test_blocks.py", "tests/format/test_cross_version.py",
-                 "tests/format/test_damage_kinds.py", "tests/format/test_torch_fixtures.py",
-                 "tests/format/test_export.py", "tests/format/test_legacy.py",
-                 "tests/api/test_api.py", "tests/api/test_load_control.py", "tests/api/test_dtype_cast.py",
-                 "tests/api/test_disk_full.py", "tests/storage/test_local_storage.py",
-                 "tests/manager/test_steps.py", "tests/manager/test_overwrite.py", "tests/manager/test_manager.py",
-                 "tests/manager/test_retention.py", "tests/cli/test_cli.py"]
-_FORMAT_FILES = [f"ckptlib/format/{path.name}"
-                 for path in sorted(Path(__file__).resolve().parent.parent.joinpath("ckptlib", "format").glob("*.py"))
-                 if path.name != "__init__.py"]
+_FORMAT_TESTS = [
+    "tests/format/test_item_encoder.py",
+    "tests/format/test_save_planner.py",
+    "tests/format/test_safetensors_headers.py",
+    "tests/format/test_storage_requests.py",
+    "tests/format/test_special_files.py",
+    "tests/format/test_symlinks.py",
+    "tests/format/test_bounds.py",
+    "tests/format/test_plan_costs.py",
+    "tests/format/test_integrity.py",
+    "tests/format/test_fuzz_formats.py",
+    "tests/format/test_blocks.py",
+    "tests/format/test_cross_version.py",
+    "tests/format/test_damage_kinds.py",
+    "tests/format/test_torch_fixtures.py",
+    "tests/format/test_export.py",
+    "tests/format/test_legacy.py",
+    "tests/api/test_api.py",
+    "tests/api/test_load_control.py",
+    "tests/api/test_dtype_cast.py",
+    "tests/api/test_disk_full.py",
+    "tests/storage/test_local_storage.py",
+    "tests/manager/test_steps.py",
+    "tests/manager/test_overwrite.py",
+    "tests/manager/test_manager.py",
+    "tests/manager/test_retention.py",
+    "tests/cli/test_cli.py",
+]
+_FORMAT_FILES = [
+    f"ckptlib/format/{path.name}"
+    for path in sorted(Path(__file__).resolve().parent.parent.joinpath("ckptlib", "format").glob("*.py"))
+    if path.name != "__init__.py"
+]
 #: The whole of format/ in one session: ~2,850 kept mutants, so run as a random sample (MUTATION_SAMPLE).
 MODULES["format"] = (_FORMAT_FILES, _FORMAT_TESTS)
 for _file in _FORMAT_FILES:
@@ -159,7 +199,7 @@ def _filter(session: Path) -> tuple[int, int]:
     import random
 
     from cosmic_ray.work_db import WorkDB, use_db
-    from cosmic_ray.work_item import WorkResult, WorkerOutcome
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     kept = dropped = 0
     kept_ids = []
@@ -175,8 +215,9 @@ def _filter(session: Path) -> tuple[int, int]:
             if KEPT_OPERATORS.match(mutation.operator_name) and not _inside(start, spans_by_file[path]):
                 kept += 1
                 # job ids are random per `init`: sample by the mutant itself, so a seed rebuilds it
-                kept_ids.append(((path, tuple(mutation.start_pos), mutation.operator_name, mutation.occurrence),
-                                 item.job_id))
+                kept_ids.append(
+                    ((path, tuple(mutation.start_pos), mutation.operator_name, mutation.occurrence), item.job_id)
+                )
                 continue
             dropped += 1
             db.set_result(item.job_id, WorkResult(output="filtered", worker_outcome=WorkerOutcome.SKIPPED))
@@ -185,8 +226,10 @@ def _filter(session: Path) -> tuple[int, int]:
             for _, job_id in kept_ids:
                 if job_id not in sampled:
                     db.set_result(job_id, WorkResult(output=NOT_SAMPLED, worker_outcome=WorkerOutcome.SKIPPED))
-            print(f"{session.stem}: a random sample of {SAMPLE} of the {kept} kept mutants "
-                  f"(MUTATION_SEED={SEED})", flush=True)
+            print(
+                f"{session.stem}: a random sample of {SAMPLE} of the {kept} kept mutants (MUTATION_SEED={SEED})",
+                flush=True,
+            )
     return kept, dropped
 
 
@@ -228,8 +271,22 @@ def coverage(module: str, python: str, out: Path) -> None:
     paths, tests = MODULES[module]
     target = out / f"{module}.coverage.json"
     started = time.monotonic()
-    result = subprocess.run([python, "ci/mutation_runner.py", "coverage", str(target), *paths, "--",
-                             "-q", "-p", "no:cacheprovider", "--timeout", "120", *tests])
+    result = subprocess.run(
+        [
+            python,
+            "ci/mutation_runner.py",
+            "coverage",
+            str(target),
+            *paths,
+            "--",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--timeout",
+            "120",
+            *tests,
+        ]
+    )
     if result.returncode != 0:
         target.unlink(missing_ok=True)
         sys.exit(f"{module}: the unmutated tests fail under coverage, no map written")
@@ -240,8 +297,11 @@ def coverage(module: str, python: str, out: Path) -> None:
         by_line = cov["lines"].get(path, {})
         import_only = sum(1 for ids in by_line.values() if ids == ["<import>"])
         print(f"{path}: {len(by_line)} lines ran, {import_only} only at import time", flush=True)
-    print(f"{module}: {len(cov['durations'])} tests ({len(cov['spawning'])} start processes), "
-          f"{time.monotonic() - started:.0f} s -> {target}", flush=True)
+    print(
+        f"{module}: {len(cov['durations'])} tests ({len(cov['spawning'])} start processes), "
+        f"{time.monotonic() - started:.0f} s -> {target}",
+        flush=True,
+    )
 
 
 def _tests_digest() -> str:
@@ -267,15 +327,21 @@ def _selection(module: str, out: Path) -> list[str]:
         return []
     cov = json.loads(target.read_text())
     if cov.get("tests_sha256") != _tests_digest():
-        print(f"{module}: the coverage map predates the current tests (run `coverage` again); "
-              "every mutant runs the whole selection", flush=True)
+        print(
+            f"{module}: the coverage map predates the current tests (run `coverage` again); "
+            "every mutant runs the whole selection",
+            flush=True,
+        )
         return []
     digests = cov["sha256"]
     pristine = out / f"{module}.pristine"
     for path in MODULES[module][0]:
         if hashlib.sha256(Path(path).read_bytes()).hexdigest() != digests.get(path):
-            print(f"{module}: the coverage map is stale for {path} (run `coverage` again); "
-                  "every mutant runs the whole selection", flush=True)
+            print(
+                f"{module}: the coverage map is stale for {path} (run `coverage` again); "
+                "every mutant runs the whole selection",
+                flush=True,
+            )
             return []
         (pristine / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, pristine / path)
@@ -294,8 +360,11 @@ def run(module: str, python: str, out: Path) -> None:
     try:
         pytest_args = ["-x", "-q", "-p", "no:cacheprovider", "--timeout", "120", *tests]
         baseline_start = time.monotonic()
-        baseline = subprocess.run([sys.executable, "ci/mutation_runner.py", "test", sock, "3600", "--", *pytest_args],
-                                  capture_output=True, text=True)
+        baseline = subprocess.run(
+            [sys.executable, "ci/mutation_runner.py", "test", sock, "3600", "--", *pytest_args],
+            capture_output=True,
+            text=True,
+        )
         baseline_s = time.monotonic() - baseline_start
         if baseline.returncode != 0:
             sys.exit(f"{module}: the unmutated tests fail, no mutation run:\n{baseline.stdout[-3000:]}")
@@ -346,8 +415,7 @@ def report(module: str, out: Path) -> dict:
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
     session = out / f"{module}.sqlite"
-    counts = {"killed": 0, "survived": 0, "timeout": 0, "incompetent": 0, "pending": 0, "skipped": 0,
-              NOT_SAMPLED: 0}
+    counts = {"killed": 0, "survived": 0, "timeout": 0, "incompetent": 0, "pending": 0, "skipped": 0, NOT_SAMPLED: 0}
     survivors = []
     sites = set()  # "path:line:operator" of every mutant in the session, for stale verdicts
     with use_db(str(session), WorkDB.Mode.open) as db:
@@ -394,14 +462,27 @@ def report(module: str, out: Path) -> dict:
         low, high = _wilson(counts["killed"] + counts["timeout"], ran - equivalent)
         score += f" (a random sample: the module's score lies in {low:.1%}-{high:.1%} with 95% confidence)"
     # Verdicts are keyed by line: an edit above a verdict's line moves its mutant away from it.
-    stale = sorted(key for key in verdicts if key.startswith(tuple(f"{p}:" for p in MODULES[module][0]))
-                   and key.split("#")[0] not in sites)
+    stale = sorted(
+        key
+        for key in verdicts
+        if key.startswith(tuple(f"{p}:" for p in MODULES[module][0])) and key.split("#")[0] not in sites
+    )
     if stale:
-        body += ["## Stale verdicts (no mutant of that operator on that line any more: re-key them)", "",
-                 *[f"- `{key}`" for key in stale], ""]
+        body += [
+            "## Stale verdicts (no mutant of that operator on that line any more: re-key them)",
+            "",
+            *[f"- `{key}`" for key in stale],
+            "",
+        ]
         print(f"{module}: {len(stale)} verdicts match no mutant (see {module}.md)", flush=True)
-    lines = [f"# Surviving mutants: {module}", "", f"Counts: {json.dumps(counts)}",
-             f"Score (killed / non-equivalent run): {score}", "", *body]
+    lines = [
+        f"# Surviving mutants: {module}",
+        "",
+        f"Counts: {json.dumps(counts)}",
+        f"Score (killed / non-equivalent run): {score}",
+        "",
+        *body,
+    ]
     (out / f"{module}.md").write_text("\n".join(lines))
     print(f"{module}: {json.dumps(counts)}", flush=True)
     return counts
@@ -426,17 +507,27 @@ def retest(module: str, out: Path) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["run", "report", "retest", "list", "coverage"],
-                        help="run: init (once) and execute the pending mutants, each with the tests that "
-                             "cover its lines when `coverage` made a map for the module (else the whole "
-                             "selection); report: counts and survivors; retest: make the survivors pending "
-                             "again (after new tests); coverage: run the selection once under coverage.py "
-                             "and write <out>/<module>.coverage.json")
+    parser.add_argument(
+        "command",
+        choices=["run", "report", "retest", "list", "coverage"],
+        help="run: init (once) and execute the pending mutants, each with the tests that "
+        "cover its lines when `coverage` made a map for the module (else the whole "
+        "selection); report: counts and survivors; retest: make the survivors pending "
+        "again (after new tests); coverage: run the selection once under coverage.py "
+        "and write <out>/<module>.coverage.json",
+    )
     parser.add_argument("modules", nargs="*", help="names from `list` (default: all)")
-    parser.add_argument("--python", default=os.environ.get("MUTATION_TEST_PYTHON", sys.executable),
-                        help="the interpreter that runs the tests (has torch and the test extra)")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("MUTATION_OUT", "mutation-out")),
-                        help="where the sessions (.sqlite) and survivor reports (.md) go")
+    parser.add_argument(
+        "--python",
+        default=os.environ.get("MUTATION_TEST_PYTHON", sys.executable),
+        help="the interpreter that runs the tests (has torch and the test extra)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("MUTATION_OUT", "mutation-out")),
+        help="where the sessions (.sqlite) and survivor reports (.md) go",
+    )
     args = parser.parse_args(argv)
     if args.command == "list":
         for name, (paths, tests) in MODULES.items():

@@ -25,10 +25,25 @@ import time
 
 #: Imported once by the server; never ckptlib itself (each child imports the file on disk).
 PRELOAD = [
-    "numpy", "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-    "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.nn",
-    "pytest", "_pytest.assertion.rewrite", "_pytest.python", "hypothesis", "xdist", "pytest_timeout", "tqdm",
-    "zlib_ng.zlib_ng", "boto3", "botocore",
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.nn",
+    "pytest",
+    "_pytest.assertion.rewrite",
+    "_pytest.python",
+    "hypothesis",
+    "xdist",
+    "pytest_timeout",
+    "tqdm",
+    "zlib_ng.zlib_ng",
+    "boto3",
+    "botocore",
 ]
 
 
@@ -92,8 +107,14 @@ def _run_child(args: list[str], timeout: float, cwd: str) -> tuple[int, str]:
         return code, log.read()[-20000:]
 
 
-def test(path: str, timeout: float, args: list[str], map_path: str | None = None, pristine: str | None = None,
-         spawning: str = "none") -> int:
+def test(
+    path: str,
+    timeout: float,
+    args: list[str],
+    map_path: str | None = None,
+    pristine: str | None = None,
+    spawning: str = "none",
+) -> int:
     if map_path:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from mutation_select import select
@@ -118,10 +139,10 @@ def coverage(map_path: str, files: list[str], args: list[str]) -> int:
     """Run pytest in this process under coverage.py with one dynamic context per test (its node
     id) and write {"lines": {file: {line: [node ids or "<import>"]}}, "durations": {node id: s},
     "spawning": [node ids that started a process: ranks, CLI runs, os.fork], "sha256": {file: digest}}."""
-    import coverage as coverage_py
     import multiprocessing.process
     import subprocess
 
+    import coverage as coverage_py
     import pytest
 
     paths = {os.path.abspath(f): f for f in files}
@@ -163,7 +184,11 @@ def coverage(map_path: str, files: list[str], args: list[str]) -> int:
         code = int(pytest.main(args, plugins=[Contexts()]))
     finally:
         cov.stop()
-        multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__, os.fork = real_start, real_popen, real_fork
+        multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__, os.fork = (
+            real_start,
+            real_popen,
+            real_fork,
+        )
     data = cov.get_data()
     lines: dict[str, dict[str, list[str]]] = {}
     for measured in data.measured_files():
@@ -174,8 +199,18 @@ def coverage(map_path: str, files: list[str], args: list[str]) -> int:
         lines[name] = {str(n): sorted(IMPORT_TIME if c == "" else c for c in by_line[n]) for n in sorted(by_line)}
     digests = {name: hashlib.sha256(open(abs_path, "rb").read()).hexdigest() for abs_path, name in paths.items()}
     with open(map_path, "w") as f:
-        json.dump({"lines": lines, "durations": durations, "spawning": sorted(spawning), "sha256": digests,
-                   "pytest_args": args, "exit_code": code}, f, indent=0)
+        json.dump(
+            {
+                "lines": lines,
+                "durations": durations,
+                "spawning": sorted(spawning),
+                "sha256": digests,
+                "pytest_args": args,
+                "exit_code": code,
+            },
+            f,
+            indent=0,
+        )
     return code
 
 
@@ -185,10 +220,18 @@ if __name__ == "__main__":
     elif sys.argv[1] == "test":
         separator = sys.argv.index("--")
         options = dict(zip(sys.argv[4:separator:2], sys.argv[5:separator:2]))
-        sys.exit(test(sys.argv[2], float(sys.argv[3]), sys.argv[separator + 1:],
-                      options.get("--map"), options.get("--pristine"), options.get("--spawning", "none")))
+        sys.exit(
+            test(
+                sys.argv[2],
+                float(sys.argv[3]),
+                sys.argv[separator + 1 :],
+                options.get("--map"),
+                options.get("--pristine"),
+                options.get("--spawning", "none"),
+            )
+        )
     elif sys.argv[1] == "coverage":
         separator = sys.argv.index("--")
-        sys.exit(coverage(sys.argv[2], sys.argv[3:separator], sys.argv[separator + 1:]))
+        sys.exit(coverage(sys.argv[2], sys.argv[3:separator], sys.argv[separator + 1 :]))
     else:
         sys.exit(__doc__)

@@ -124,6 +124,7 @@ def select(args: list[str], map_path: str, pristine_dir: str | None, spawning: s
     added = set(cov.get("spawning", [])) - tests if spawning == "add" else set()
     durations = cov.get("durations", {})
     position = {test: n for n, test in enumerate(durations)}  # the order the whole selection runs
+
     # The covering tests in the whole selection's order (its files fastest first; within a file
     # the targeted unit tests tend to come first, and under `pytest -x` that order stops no later
     # than the whole selection would), tests over a second after the rest, fastest first; then the

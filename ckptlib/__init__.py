@@ -1,8 +1,10 @@
 """ckptlib: elastic sharded checkpointing for PyTorch on torch.distributed.checkpoint."""
 
-from .background_save import AsyncSave
 from ._version import __version__
+from .background_save import AsyncSave
 from .checkpoint import LoadResult, SaveResult, async_save, load, save
+from .convert import ConvertResult, convert
+from .data import ElasticDistributedSampler, MergeSamplerProgress
 from .errors import (
     CastWarning,
     CheckpointCorruptError,
@@ -24,23 +26,62 @@ from .errors import (
     UnsupportedError,
     UploadError,
 )
-from .convert import ConvertResult, convert
 from .export import ExportResult, export
 from .manager import CheckpointManager, StaleLockWarning, StalePointerWarning
 from .retention import KeepBest, KeepEvery, KeepLast
 from .save_policy import EveryNSeconds, EveryNSteps, FinalStep
+from .state import KeepExistingRanks, MergingResizePolicy, RankLocal, ResizePolicy, ResizeWarning, RNGState
 from .teardown import exit_barrier
 from .tiered import TieredCheckpointManager
-from .data import ElasticDistributedSampler, MergeSamplerProgress
-from .state import KeepExistingRanks, MergingResizePolicy, RankLocal, ResizePolicy, ResizeWarning, RNGState
 
 __all__ = [
-    "AsyncSave", "async_save", "CastWarning", "DtypeMismatchError", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointIncompleteError",
-    "CheckpointManager", "CheckpointNotFoundError", "ConvertResult", "convert", "ElasticDistributedSampler",
-    "EveryNSeconds", "EveryNSteps",
-    "ExportResult", "export", "FinalStep", "KeepBest", "KeepEvery", "KeepExistingRanks", "KeepLast", "LoadResult",
-    "LockedError", "MergeSamplerProgress", "MergingResizePolicy", "MissingKeysError", "NotACheckpointError",
-    "NotARegularFileError", "OverwriteRefusedError", "RankLostError", "RNGState", "RankLocal", "ResizePolicy",
-    "ResizeWarning", "SaveResult", "ShapeMismatchError", "StaleLockWarning", "StalePointerWarning", "StateError",
-    "StorageError", "TieredCheckpointManager", "UnsafeCheckpointError", "UploadError", "UnsupportedError", "__version__", "exit_barrier", "load", "save",
+    "AsyncSave",
+    "async_save",
+    "CastWarning",
+    "DtypeMismatchError",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointIncompleteError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "ConvertResult",
+    "convert",
+    "ElasticDistributedSampler",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "ExportResult",
+    "export",
+    "FinalStep",
+    "KeepBest",
+    "KeepEvery",
+    "KeepExistingRanks",
+    "KeepLast",
+    "LoadResult",
+    "LockedError",
+    "MergeSamplerProgress",
+    "MergingResizePolicy",
+    "MissingKeysError",
+    "NotACheckpointError",
+    "NotARegularFileError",
+    "OverwriteRefusedError",
+    "RankLostError",
+    "RNGState",
+    "RankLocal",
+    "ResizePolicy",
+    "ResizeWarning",
+    "SaveResult",
+    "ShapeMismatchError",
+    "StaleLockWarning",
+    "StalePointerWarning",
+    "StateError",
+    "StorageError",
+    "TieredCheckpointManager",
+    "UnsafeCheckpointError",
+    "UploadError",
+    "UnsupportedError",
+    "__version__",
+    "exit_barrier",
+    "load",
+    "save",
 ]

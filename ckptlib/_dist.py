@@ -126,8 +126,16 @@ def decide_on_rank0(fn: Callable[[], T], group=None) -> T:
 ROLL_CALL_SECONDS = 5.0
 # What gloo (and the store) say when a peer's process is gone or its socket broke.
 _PEER_LOST_MARKERS = (
-    "connection closed by peer", "connection reset by peer", "broken pipe", "read error", "write error",
-    "connection refused", "socket closed", "no route to host", "timed out", "timeout",
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "read error",
+    "write error",
+    "connection refused",
+    "socket closed",
+    "no route to host",
+    "timed out",
+    "timeout",
 )
 _guards: dict[str, "itertools.count[int]"] = {}
 
@@ -185,12 +193,17 @@ def peer_loss_as_error(what: str, group=None, *, step: int | None = None, path: 
             who = "a peer rank disappeared (the rendezvous store is unreachable as well)"
         elif absent:
             names = ", ".join(map(str, absent))
-            who = (f"rank{'s' if len(absent) > 1 else ''} {names} disappeared (died, or lost its connection: "
-                   f"no answer within {ROLL_CALL_SECONDS:.0f} s)")
+            who = (
+                f"rank{'s' if len(absent) > 1 else ''} {names} disappeared (died, or lost its connection: "
+                f"no answer within {ROLL_CALL_SECONDS:.0f} s)"
+            )
         else:
             who = "a connection between ranks broke, though every rank is still alive"
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[0]
         raise RankLostError(
             f"{what} failed on rank {dist.get_rank()}: {who} ({detail})",
-            ranks=absent or (), step=step, path=path, rank=dist.get_rank(),
+            ranks=absent or (),
+            step=step,
+            path=path,
+            rank=dist.get_rank(),
         ) from exc

@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 
 from . import _dist
-from .teardown import exit_barrier
 from .errors import CheckpointError
+from .teardown import exit_barrier
 
 __all__ = ["AsyncSave", "release_staging"]
 
@@ -301,9 +301,7 @@ def _wait_at_exit() -> None:
     for group in list(_groups):
         try:
             ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-            exit_barrier(
-                timeout_s=60.0, key=f"ckptlib/async_save_exit/{','.join(map(str, ranks))}", group=group
-            )
+            exit_barrier(timeout_s=60.0, key=f"ckptlib/async_save_exit/{','.join(map(str, ranks))}", group=group)
         except Exception as exc:  # noqa: BLE001 - exiting anyway; say why a peer may complain
             import sys
 

@@ -20,12 +20,17 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from . import _dist, background_save, compat
 from .background_save import AsyncSave
 from .errors import (
-    CastWarning, CheckpointError, DtypeMismatchError, MissingKeysError, ShapeMismatchError, stacklevel_outside_ckptlib,
+    CastWarning,
+    CheckpointError,
+    DtypeMismatchError,
+    MissingKeysError,
+    ShapeMismatchError,
+    stacklevel_outside_ckptlib,
 )
 from .format import CheckpointInfo, CkptSavePlanner, CkptWriter, SafeLoadPlanner, prepare_save_target
-from .format.layout import commit_manifest
 from .format.dcp_writer import checkpoint_bytes
 from .format.deletion import remove_failed_save
+from .format.layout import commit_manifest
 from .format.manifest import check_metadata_json, check_metrics
 from .format.source import inspect_checkpoint, open_reader
 from .gc_pause import gc_paused
@@ -34,7 +39,6 @@ from .observe import log_operation, mib_per_s
 from .state import CollectiveSteps, apply_all, to_load_target, to_save_state_dict
 from .steps import check_step
 from .storage import Storage, as_storage
-
 
 T = TypeVar("T")
 
@@ -124,8 +128,14 @@ def save(
             lambda: _check_and_collect(state, step, metadata, metrics, group), group
         )
     result = _write_and_commit(
-        storage, state_dict, group,
-        world=world, step=step, user_metadata=user_metadata, user_metrics=user_metrics, overwrite=overwrite,
+        storage,
+        state_dict,
+        group,
+        world=world,
+        step=step,
+        user_metadata=user_metadata,
+        user_metrics=user_metrics,
+        overwrite=overwrite,
     )
     result.seconds = time.perf_counter() - started
     _log_save(result, rank)
@@ -154,8 +164,14 @@ def async_save(
     lets the device-to-host copy overlap forward and backward on a GPU.
     """
     return start_async_save(
-        uri, state, step=step, metadata=metadata, metrics=metrics, overwrite=overwrite,
-        process_group=process_group, background_staging=background_staging,
+        uri,
+        state,
+        step=step,
+        metadata=metadata,
+        metrics=metrics,
+        overwrite=overwrite,
+        process_group=process_group,
+        background_staging=background_staging,
     )
 
 
@@ -187,8 +203,14 @@ def start_async_save(
 
     def write() -> SaveResult:
         return _write_and_commit(
-            storage, state_dict, bg_group,
-            world=world, step=step, user_metadata=user_metadata, user_metrics=user_metrics, overwrite=overwrite,
+            storage,
+            state_dict,
+            bg_group,
+            world=world,
+            step=step,
+            user_metadata=user_metadata,
+            user_metrics=user_metrics,
+            overwrite=overwrite,
         )
 
     def work() -> SaveResult:
@@ -207,7 +229,11 @@ def start_async_save(
         return result
 
     handle = background_save.AsyncSave(
-        storage.uri, work, blocking_seconds=time.perf_counter() - started, started=started, staged=not background_staging
+        storage.uri,
+        work,
+        blocking_seconds=time.perf_counter() - started,
+        started=started,
+        staged=not background_staging,
     )
     background_save.register(group, handle)
     return handle
@@ -236,8 +262,14 @@ def _check_and_collect(
 
 def _log_save(result: SaveResult, rank: int) -> None:
     log_operation(
-        "save", uri=result.uri, step=result.step, nbytes=result.total_bytes, seconds=result.seconds,
-        world_size=result.world_size, blocked_seconds=result.blocked_seconds, rank=rank,
+        "save",
+        uri=result.uri,
+        step=result.step,
+        nbytes=result.total_bytes,
+        seconds=result.seconds,
+        world_size=result.world_size,
+        blocked_seconds=result.blocked_seconds,
+        rank=rank,
     )
 
 
@@ -287,6 +319,7 @@ def _write_and_commit(
 ) -> SaveResult:
     """Every rank writes its shard through DCP; the coordinator prepares the target before
     any write and commits the manifest after `.metadata`, inside DCP's own collectives."""
+
     def prepare() -> None:
         prepare_save_target(storage, overwrite=overwrite, world_size=world)
 
@@ -328,7 +361,10 @@ def _describe_casts(casts: dict[str, tuple[torch.dtype, torch.dtype]]) -> str:
 
 
 def _check_request(
-    template: dict[str, Any], info: CheckpointInfo, strict: bool, keep_if_absent: frozenset[str] = frozenset(),
+    template: dict[str, Any],
+    info: CheckpointInfo,
+    strict: bool,
+    keep_if_absent: frozenset[str] = frozenset(),
     cast: bool = False,
 ) -> tuple[list[str], list[str], dict[str, tuple[torch.dtype, torch.dtype]]]:
     """Compare the requested keys with the checkpoint; return the missing ones, the absent ones
@@ -370,7 +406,10 @@ def _check_request(
             problems.append(f"{key}: a {type(value).__name__} in the state, a tensor in the checkpoint")
             bad_keys.append(key)
     if problems:
-        problems += [f"{key}: dtype {requested} in the state, {saved} in the checkpoint" for key, (saved, requested) in casts.items()]
+        problems += [
+            f"{key}: dtype {requested} in the state, {saved} in the checkpoint"
+            for key, (saved, requested) in casts.items()
+        ]
         raise ShapeMismatchError(
             f"{info.uri}: state does not match the checkpoint: " + "; ".join(problems[:20]),
             keys=bad_keys + list(casts),
@@ -378,8 +417,7 @@ def _check_request(
         )
     if casts and not cast:
         raise DtypeMismatchError(
-            f"{info.uri}: dtypes differ from the checkpoint ({_describe_casts(casts)}); "
-            "pass cast=True to convert them",
+            f"{info.uri}: dtypes differ from the checkpoint ({_describe_casts(casts)}); pass cast=True to convert them",
             keys=list(casts),
             casts=casts,
             path=info.uri,
@@ -418,14 +456,33 @@ def load(
     storage = as_storage(uri)
     with _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri), gc_paused():
         return _load(
-            storage, state, strict=strict, cast=cast, verify=verify, trusted=trusted, group=process_group,
-            only=only, ignore_keys=ignore_keys, rename=rename, started=started,
+            storage,
+            state,
+            strict=strict,
+            cast=cast,
+            verify=verify,
+            trusted=trusted,
+            group=process_group,
+            only=only,
+            ignore_keys=ignore_keys,
+            rename=rename,
+            started=started,
         )
 
 
 def _load(
-    storage: Storage, state: Mapping[str, Any], *, strict: bool, cast: bool, verify: bool, trusted: bool, group,
-    only: Sequence[str] | None, ignore_keys: Sequence[str] | None, rename: Rename | None, started: float,
+    storage: Storage,
+    state: Mapping[str, Any],
+    *,
+    strict: bool,
+    cast: bool,
+    verify: bool,
+    trusted: bool,
+    group,
+    only: Sequence[str] | None,
+    ignore_keys: Sequence[str] | None,
+    rename: Rename | None,
+    started: float,
 ) -> LoadResult:
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     info = _dist.decide_on_rank0(lambda: inspect_checkpoint(storage, verify=verify, trusted=trusted), group)
@@ -433,7 +490,12 @@ def _load(
 
     plan = _dist.agree(
         lambda: to_load_target(
-            selected, rank=rank, world_size=world, saved_world_size=info.world_size, step=info.step, strict=strict,
+            selected,
+            rank=rank,
+            world_size=world,
+            saved_world_size=info.world_size,
+            step=info.step,
+            strict=strict,
             agree=_agreement(group),
         ),
         group,
@@ -450,7 +512,9 @@ def _load(
         if unsourced and strict:
             raise MissingKeysError(
                 f"{info.uri}: no checkpoint key is renamed to {', '.join(unsourced[:20])} (rename= renamed their "
-                "own names away)", keys=unsourced, path=info.uri,
+                "own names away)",
+                keys=unsourced,
+                path=info.uri,
             )
         request = plan.template if keyed is None else keyed.request
         missing, kept, casts = _check_request(request, info, strict, plan.keep_if_absent, cast)
@@ -476,7 +540,9 @@ def _load(
     try:
         with compat.quiet_single_process():
             dcp.load(
-                plan.template if keyed is None else keyed.request, storage_reader=reader, planner=planner,
+                plan.template if keyed is None else keyed.request,
+                storage_reader=reader,
+                planner=planner,
                 process_group=group,
             )
     except compat.checkpoint_exception_cls() as exc:
@@ -509,7 +575,13 @@ def _load(
         load_world_size=world,
     )
     log_operation(
-        "load", uri=result.uri, step=result.step, nbytes=result.bytes, seconds=result.seconds, world_size=world,
-        saved_world_size=result.world_size, rank=rank,
+        "load",
+        uri=result.uri,
+        step=result.step,
+        nbytes=result.bytes,
+        seconds=result.seconds,
+        world_size=world,
+        saved_world_size=result.world_size,
+        rank=rank,
     )
     return result

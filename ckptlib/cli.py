@@ -38,6 +38,7 @@ def _world_sizes(text: str) -> list[int]:
 
 def _layout_names(text: str) -> list[str]:
     from .testing.layouts import parse_layouts
+
     try:
         return parse_layouts(text)
     except ValueError as exc:
@@ -48,7 +49,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from .testing import validate
 
     if args.layouts and not validate.layouts_fit(args.layouts, args.world_sizes):
-        raise UsageError(f"no world size in {args.world_sizes} suits --layouts (2-D layouts run at even world sizes from 4)")
+        raise UsageError(
+            f"no world size in {args.world_sizes} suits --layouts (2-D layouts run at even world sizes from 4)"
+        )
 
     wrap = args.wrap or validate.default_wrap()
     if validate.under_torchrun():
@@ -110,8 +113,9 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
         try:
             progress = not args.json and _show_progress(args)
             if args.layouts:
-                report = validate.run_layout_pairs(args.root, args.world_sizes, args.layouts, args.optim,
-                                                   pairs=args.pairs, progress=progress)
+                report = validate.run_layout_pairs(
+                    args.root, args.world_sizes, args.layouts, args.optim, pairs=args.pairs, progress=progress
+                )
             else:
                 report = validate.run_pairs(args.root, args.world_sizes, wrap, args.optim, progress=progress)
             exit_barrier()
@@ -141,8 +145,14 @@ def _progress_bar(args: argparse.Namespace, desc: str, total: int | None = None,
 
     scale = unit == "B"
     return tqdm(
-        total=total, desc=desc, unit=unit, unit_scale=scale, unit_divisor=1024 if scale else 1000,
-        disable=not _show_progress(args), leave=False, file=sys.stderr,
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=scale,
+        unit_divisor=1024 if scale else 1000,
+        disable=not _show_progress(args),
+        leave=False,
+        file=sys.stderr,
     )
 
 
@@ -176,6 +186,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary.to_json(), indent=1))
         return EXIT_OK
+
     def show(value):
         return "-" if value is None else value
 
@@ -190,7 +201,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         width = max(len(t["key"]) for t in summary.tensors)
         for t in summary.tensors:
             shape = "(" + ", ".join(map(str, t["shape"])) + ("," if len(t["shape"]) == 1 else "") + ")"
-            print(f"  {t['key']:<{width}}  {shape:<16} {t['dtype']:<10} {t['chunks']} chunk{'s' if t['chunks'] != 1 else ''}")
+            print(
+                f"  {t['key']:<{width}}  {shape:<16} {t['dtype']:<10} "
+                f"{t['chunks']} chunk{'s' if t['chunks'] != 1 else ''}"
+            )
     print(f"objects:       {len(summary.objects)}" + (f" ({', '.join(summary.objects)})" if summary.objects else ""))
     return EXIT_OK
 
@@ -253,7 +267,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
         f"{result.seconds:.2f}s" + (f" ({rate:.1f} MiB/s)" if rate else "")
     )
     if result.skipped:
-        shown = ", ".join(result.skipped[:10]) + (f" ... ({len(result.skipped)} in all)" if len(result.skipped) > 10 else "")
+        shown = ", ".join(result.skipped[:10]) + (
+            f" ... ({len(result.skipped)} in all)" if len(result.skipped) > 10 else ""
+        )
         print(f"not exported: {shown}")
     return EXIT_OK
 
@@ -428,7 +444,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckpt",
-        description="Elastic sharded checkpoints for PyTorch: validate a setup; verify, inspect and manage checkpoints.",
+        description=(
+            "Elastic sharded checkpoints for PyTorch: validate a setup; verify, inspect and manage checkpoints."
+        ),
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -445,16 +463,36 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--world-sizes", type=_world_sizes, default=[1, 2, 3, 4], help="comma-separated (default 1,2,3,4)")
-    p.add_argument("--root", default=None,
-                   help="where to write the test checkpoints: a path, s3://, gs:// or az:// URI (default: a temp dir)")
+    p.add_argument(
+        "--root",
+        default=None,
+        help="where to write the test checkpoints: a path, s3://, gs:// or az:// URI (default: a temp dir)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--wrap", choices=["fsdp2", "ddp", "plain"], default=None, help="model wrapping (default fsdp2 when supported, else ddp)")
-    p.add_argument("--layouts", type=_layout_names, default=None, metavar="LIST", help=(
-        "comma-separated parallelism layouts to save from and load into, e.g. fsdp2,hsdp,tp,fsdp2+tp (choices: "
-        "plain, ddp, fsdp2, hsdp, tp, fsdp2+tp, fsdp1, fsdp1-flat; 2-D layouts run at even world sizes from 4 "
-        "as 2 x N/2). Runs a small transformer; every pair names its save and load layout"))
-    p.add_argument("--pairs", choices=["all", "covering"], default="all", help="with --layouts: every (layout, world "
-                   "size) loaded at every other (all), or one case per (save, load) layout pair (covering)")
+    p.add_argument(
+        "--wrap",
+        choices=["fsdp2", "ddp", "plain"],
+        default=None,
+        help="model wrapping (default fsdp2 when supported, else ddp)",
+    )
+    p.add_argument(
+        "--layouts",
+        type=_layout_names,
+        default=None,
+        metavar="LIST",
+        help=(
+            "comma-separated parallelism layouts to save from and load into, e.g. fsdp2,hsdp,tp,fsdp2+tp (choices: "
+            "plain, ddp, fsdp2, hsdp, tp, fsdp2+tp, fsdp1, fsdp1-flat; 2-D layouts run at even world sizes from 4 "
+            "as 2 x N/2). Runs a small transformer; every pair names its save and load layout"
+        ),
+    )
+    p.add_argument(
+        "--pairs",
+        choices=["all", "covering"],
+        default="all",
+        help="with --layouts: every (layout, world "
+        "size) loaded at every other (all), or one case per (save, load) layout pair (covering)",
+    )
     p.add_argument("--optim", choices=["adam", "adamw", "sgd"], default="adamw")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="process group backend under torchrun")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank fails the run")
@@ -487,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("uri", help="a checkpoint directory: path, file://, s3://, gs:// or az:// URI")
     p.add_argument(
-        "--json", action="store_true",
+        "--json",
+        action="store_true",
         help="print JSON with the keys format, step, world_size, torch_version, total_bytes, tensors "
         "(a list of {key, shape, dtype, chunks})",
     )
@@ -497,7 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
         "ls",
         help="list the steps under a checkpoint root",
         description=(
-            "List steps: committed, incomplete or corrupt (or foreign: only files ckptlib did not write), size, age (since the manifest was written), saved "
+            "List steps: committed, incomplete or corrupt (or foreign: only files ckptlib did not write), size, "
+            "age (since the manifest was written), saved "
             "world size, which is latest, the metrics given to the save, and who holds the root's lock. "
             "--json: root, latest, lock and steps (each with step, name, state, bytes (= size), world_size, "
             "latest, created, age_seconds, metrics)."
@@ -511,7 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
         "gc",
         help="apply retention to a checkpoint root",
         description=(
-            "Apply retention to ROOT and remove incomplete debris (only files ckptlib wrote: a step directory that also holds other files keeps them). A committed "
+            "Apply retention to ROOT and remove incomplete debris (only files ckptlib wrote: a step directory that "
+            "also holds other files keeps them). A committed "
             "step is kept when any rule keeps it: --keep-last N (the N highest steps), --keep-every K (steps that "
             "are multiples of K), --keep-best K:METRIC[:min|max] (the K best by a metric saved with the step; "
             "steps without it are not best; a tie keeps the newer step). The step `latest` names is always kept. "
@@ -520,17 +561,23 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("root", help="a checkpoint root: path, file://, s3://, gs:// or az:// URI")
-    p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep the N highest-numbered committed steps")
+    p.add_argument(
+        "--keep-last", type=int, default=None, metavar="N", help="keep the N highest-numbered committed steps"
+    )
     p.add_argument("--keep", type=int, default=None, metavar="N", help="same as --keep-last N")
     p.add_argument("--keep-every", type=int, default=None, metavar="K", help="keep every step that is a multiple of K")
     p.add_argument(
-        "--keep-best", action="append", default=[], metavar="K:METRIC[:min|max]",
+        "--keep-best",
+        action="append",
+        default=[],
+        metavar="K:METRIC[:min|max]",
         help="keep the K best steps by METRIC (a name without ':', saved with metrics=...; min is best unless :max); "
         "repeatable",
     )
     p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     p.add_argument(
-        "--force", action="store_true",
+        "--force",
+        action="store_true",
         help="first remove the root's lock, whoever holds it (only when that writer is known to be gone)",
     )
     p.add_argument("--no-progress", action="store_true", help=_NO_PROGRESS_HELP)
@@ -550,7 +597,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--to", choices=["dcp", "torch", "safetensors"], default="dcp", help="target format (default dcp)")
     p.add_argument("--force", action="store_true", help="overwrite DST if it exists")
-    p.add_argument("--prefix", default="model", help="state key that holds flat model files / is exported to safetensors (default model)")
+    p.add_argument(
+        "--prefix",
+        default="model",
+        help="state key that holds flat model files / is exported to safetensors (default model)",
+    )
     p.add_argument("--trusted", action="store_true", help="allow arbitrary unpickling of objects in torch.save sources")
     p.add_argument("--no-progress", action="store_true", help=_NO_PROGRESS_HELP)
     p.set_defaults(func=_cmd_convert)
@@ -574,9 +625,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="a checkpoint (path, file://, s3://, gs:// or az:// URI) or a CheckpointManager root")
     p.add_argument("dst", help="a local directory (or one .safetensors/.bin file)")
     p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors", help="default safetensors")
-    p.add_argument("--dtype", default=None, help="cast floating-point tensors, e.g. bfloat16 (integer tensors keep theirs)")
     p.add_argument(
-        "--max-shard-size", default="5GB",
+        "--dtype", default=None, help="cast floating-point tensors, e.g. bfloat16 (integer tensors keep theirs)"
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
         help="largest shard: bytes or 5GB / 500MB / 2GiB as Hugging Face spells it (default 5GB); "
         "a larger tensor gets a shard of its own",
     )
@@ -605,9 +659,11 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="benchmark ckptlib against raw DCP, torch.save, the disk and each cloud SDK (source checkouts)",
         description="Runs benchmarks/bench.py; `ckpt bench --help` lists its options. `ckpt bench scale` runs "
-        "benchmarks/scale.py (planning time and memory, .metadata and manifest sizes at simulated world sizes; no ranks "
+        "benchmarks/scale.py (planning time and memory, .metadata and manifest sizes at simulated world sizes; "
+        "no ranks "
         "spawned; --s3 adds the S3 request counts of real saves and loads on moto). "
-        "`ckpt bench tensors` runs benchmarks/tensors.py (save and load of 16 to 10,000 small tensors against raw DCP).",
+        "`ckpt bench tensors` runs benchmarks/tensors.py "
+        "(save and load of 16 to 10,000 small tensors against raw DCP).",
     )
     return parser
 

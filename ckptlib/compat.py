@@ -168,15 +168,25 @@ def _source_has(module: str, qualname: str, text: str) -> bool:
 
 #: layout -> (where, the code that fails, why): torch gaps that stop a matrix layout on CPU (2.7).
 _LAYOUT_GAPS = {
-    "fsdp2+tp": ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam._init_sharded_param",
-                 "FSDP+TP sharding does not support uneven",
-                 "FSDP2 over tensor parallel refuses a dim 0 that splits unevenly"),
-    "hsdp": ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "foreach_reduce",
-             "op=ReduceOp.AVG if predivide_factor is None",
-             "HSDP all-reduces gradients with ReduceOp.AVG, which gloo lacks"),
-    "fsdp1": ("torch.distributed.checkpoint.state_dict", "_get_model_state_dict", "p.is_meta",
-              "get_model_state_dict asks each FSDP1 ShardedTensor is_meta, which raises 'Only single local shard "
-              "is supported.' on a rank that holds no shard of it"),
+    "fsdp2+tp": (
+        "torch.distributed.fsdp._fully_shard._fsdp_param",
+        "FSDPParam._init_sharded_param",
+        "FSDP+TP sharding does not support uneven",
+        "FSDP2 over tensor parallel refuses a dim 0 that splits unevenly",
+    ),
+    "hsdp": (
+        "torch.distributed.fsdp._fully_shard._fsdp_collectives",
+        "foreach_reduce",
+        "op=ReduceOp.AVG if predivide_factor is None",
+        "HSDP all-reduces gradients with ReduceOp.AVG, which gloo lacks",
+    ),
+    "fsdp1": (
+        "torch.distributed.checkpoint.state_dict",
+        "_get_model_state_dict",
+        "p.is_meta",
+        "get_model_state_dict asks each FSDP1 ShardedTensor is_meta, which raises 'Only single local shard "
+        "is supported.' on a rank that holds no shard of it",
+    ),
 }
 
 
@@ -307,7 +317,7 @@ def current_pickle_module(module: str) -> str:
     when this torch has the latter; any other module name is returned unchanged."""
     for old, new in _RENAMED_DCP_MODULES.items():
         if module == old or module.startswith(old + "."):
-            candidate = new + module[len(old):]
+            candidate = new + module[len(old) :]
             try:
                 found = importlib.util.find_spec(candidate) is not None
             except (ImportError, ValueError):
@@ -518,7 +528,14 @@ class _TensorRefPickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, _TensorRef):
             stride = torch.empty(obj.shape, device="meta").stride()
-            return torch._utils._rebuild_tensor_v2, (obj.storage, 0, obj.shape, stride, False, collections.OrderedDict())
+            return torch._utils._rebuild_tensor_v2, (
+                obj.storage,
+                0,
+                obj.shape,
+                stride,
+                False,
+                collections.OrderedDict(),
+            )
         return NotImplemented
 
 

@@ -19,8 +19,8 @@ import time
 from .errors import CheckpointExistsError, OverwriteRefusedError, StateError, UnsupportedError
 from .format import prepare_save_target
 from .format.deletion import remove_failed_save
-from .format.layout import commit_manifest
 from .format.foreign import DEFAULT_PREFIX, SourceInfo
+from .format.layout import commit_manifest
 from .format.safetensors import safetensors_plan, write_safetensors
 from .format.source import inspect_checkpoint, open_reader
 from .format.streaming import SourceValues, save_dcp_streaming
@@ -160,10 +160,14 @@ def convert(
         elif to == "torch":
             assert dst_path is not None
             if os.path.isdir(dst_path):
-                raise CheckpointExistsError(f"{dst_path} is a directory; converting to torch writes one file", path=dst_path)
+                raise CheckpointExistsError(
+                    f"{dst_path} is a directory; converting to torch writes one file", path=dst_path
+                )
             if os.path.lexists(dst_path):
                 if not force:
-                    raise CheckpointExistsError(f"{dst_path} already exists (pass force=True to overwrite)", path=dst_path)
+                    raise CheckpointExistsError(
+                        f"{dst_path} already exists (pass force=True to overwrite)", path=dst_path
+                    )
                 _check_replaceable_file(dst_path)
             write_torch_save(dst_path, source, on_tensor=tick)
             files = [os.path.basename(dst_path)]
@@ -175,7 +179,9 @@ def convert(
             if single or (os.path.lexists(dst_path) and not os.path.isdir(dst_path)):
                 if os.path.lexists(dst_path):
                     if not force:
-                        raise CheckpointExistsError(f"{dst_path} already exists (pass force=True to overwrite)", path=dst_path)
+                        raise CheckpointExistsError(
+                            f"{dst_path} already exists (pass force=True to overwrite)", path=dst_path
+                        )
                     _check_replaceable_file(dst_path)
                     if not single:
                         os.unlink(dst_path)  # a recognised checkpoint file where the export directory goes
@@ -241,4 +247,3 @@ def _clear_safetensors(path: str) -> None:
 
 
 __all__ = ["ConvertResult", "TARGETS", "convert"]
-

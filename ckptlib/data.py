@@ -59,8 +59,15 @@ class ElasticDistributedSampler(Sampler[int]):
     short on some ranks (no padding, so no sample repeats).
     """
 
-    def __init__(self, dataset: Sized | int, num_replicas: int | None = None, rank: int | None = None,
-                 *, shuffle: bool = True, seed: int = 0):
+    def __init__(
+        self,
+        dataset: Sized | int,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
         from . import _dist
 
         self.length = dataset if isinstance(dataset, int) else len(dataset)
@@ -110,7 +117,7 @@ class _ElasticIterator(Iterator[int]):
         s = self.sampler
         self.consumed = [list(map(int, pair)) for pair in consumed]
         remaining = torch.nonzero(~_mask(self.consumed, s.length)).flatten()
-        self.positions = remaining[s.rank::s.num_replicas].tolist()
+        self.positions = remaining[s.rank :: s.num_replicas].tolist()
         self.yielded = yielded
 
     def __iter__(self) -> "_ElasticIterator":
@@ -125,8 +132,17 @@ class _ElasticIterator(Iterator[int]):
 
     def state_dict(self) -> dict[str, Any]:
         s = self.sampler
-        return {MARKER: 1, "epoch": s.epoch, "seed": s.seed, "shuffle": s.shuffle, "length": s.length,
-                "world": s.num_replicas, "rank": s.rank, "consumed": self.consumed, "yielded": self.yielded}
+        return {
+            MARKER: 1,
+            "epoch": s.epoch,
+            "seed": s.seed,
+            "shuffle": s.shuffle,
+            "length": s.length,
+            "world": s.num_replicas,
+            "rank": s.rank,
+            "consumed": self.consumed,
+            "yielded": self.yielded,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _check_state(state)
@@ -157,8 +173,10 @@ def merge_progress(states: Sequence[dict[str, Any]], rank: int, world_size: int)
     first = states[0]
     saved_world = first["world"]
     if sorted(s["rank"] for s in states) != list(range(saved_world)) or len(states) != saved_world:
-        raise StateError(f"merging sampler progress needs one state from each of {saved_world} saved ranks, "
-                         f"got ranks {[s['rank'] for s in states]}")
+        raise StateError(
+            f"merging sampler progress needs one state from each of {saved_world} saved ranks, "
+            f"got ranks {[s['rank'] for s in states]}"
+        )
     for key in ("epoch", "seed", "shuffle", "length", "world", "consumed"):
         values = {repr(s[key]) for s in states}
         if len(values) > 1:
@@ -167,7 +185,7 @@ def merge_progress(states: Sequence[dict[str, Any]], rank: int, world_size: int)
     consumed = _mask(first["consumed"], length)
     remaining = torch.nonzero(~consumed).flatten()
     for state in states:
-        mine = remaining[state["rank"]::saved_world]
+        mine = remaining[state["rank"] :: saved_world]
         if state["yielded"] > len(mine):
             raise StateError(f"saved rank {state['rank']} yielded {state['yielded']} of its {len(mine)} samples")
         consumed[mine[: state["yielded"]]] = True

@@ -111,8 +111,9 @@ class RankLostError(CheckpointError):
     """A peer rank disappeared (its process died or its connection broke) during a collective
     save or load; `ranks` are those that did not answer, `step` the step being saved or loaded."""
 
-    def __init__(self, message: str, *, ranks=(), step: int | None = None, path: str | None = None,
-                 rank: int | None = None):
+    def __init__(
+        self, message: str, *, ranks=(), step: int | None = None, path: str | None = None, rank: int | None = None
+    ):
         super().__init__(message, path=path, rank=rank)
         self.ranks = list(ranks)
         self.step = step

@@ -42,7 +42,17 @@ EXPORT_RECORD = "ckptlib_export.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _SINGLE_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth")}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 @dataclasses.dataclass
@@ -118,7 +128,9 @@ def _as_callable(key_map: Callable[[str], str | None] | Mapping[str, str] | None
     """A key map given as {old_prefix: new_prefix} (the longest matching prefix wins) as a callable."""
     if key_map is None or callable(key_map):
         return key_map
-    if not isinstance(key_map, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in key_map.items()):
+    if not isinstance(key_map, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in key_map.items()
+    ):
         raise StateError(f"key_map must be a callable or a dict of str prefixes, got {key_map!r}")
     prefixes = sorted(key_map, key=len, reverse=True)
 
@@ -228,7 +240,8 @@ def _check_single_file(path: str, fmt: str, force: bool) -> None:
         return
     if not _single_file_is_export(path, fmt):
         raise CheckpointExistsError(
-            f"{path} exists and is not an export ckptlib wrote; refusing to overwrite it" + (" even with force" if force else ""),
+            f"{path} exists and is not an export ckptlib wrote; refusing to overwrite it"
+            + (" even with force" if force else ""),
             path=path,
         )
     if not force:
@@ -292,7 +305,9 @@ def export(
     if not names:
         shown = ", ".join(source.tensor_keys[:8]) + (" ..." if len(source.tensor_keys) > 8 else "")
         raise StateError(
-            f"{info.uri}: no tensors to export" + (" under 'model'" if model_only else "") + f" (tensors: {shown or 'none'})",
+            f"{info.uri}: no tensors to export"
+            + (" under 'model'" if model_only else "")
+            + f" (tensors: {shown or 'none'})",
             path=info.uri,
         )
     local_src = source_storage.local_path()
@@ -328,7 +343,15 @@ def export(
     total = sum(e.nbytes for e in planned_entries(source, names, cast))
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"export {format}", disable=not progress, leave=False)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"export {format}",
+        disable=not progress,
+        leave=False,
+    )
     write = write_safetensors if format == "safetensors" else write_torch_files
     try:
         files = write(
@@ -365,8 +388,14 @@ def export(
         seconds=seconds,
     )
     log_operation(
-        "export", uri=dst_path, step=info.step, nbytes=total, seconds=seconds, world_size=info.world_size,
-        format=format, src=info.uri,
+        "export",
+        uri=dst_path,
+        step=info.step,
+        nbytes=total,
+        seconds=seconds,
+        world_size=info.world_size,
+        format=format,
+        src=info.uri,
     )
     return result
 

@@ -55,7 +55,8 @@ def select_entries(
     if only is None and not any(_whole_entry_ignored(name, patterns) for name in state):
         return state
     return {
-        name: value for name, value in state.items()
+        name: value
+        for name, value in state.items()
         if (only is None or name in only) and not _whole_entry_ignored(name, patterns)
     }
 
@@ -70,7 +71,7 @@ def _rename_fn(rename: Rename) -> Callable[[str], str]:
     def by_prefix(key: str) -> str:
         for old, new in prefixes:
             if key.startswith(old):
-                return new + key[len(old):]
+                return new + key[len(old) :]
         return key
 
     return by_prefix

@@ -29,16 +29,16 @@ import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 from . import _dist
+from . import save_policy as _save_policy
 from .checkpoint import LoadResult, SaveResult, load, save, start_async_save
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError, stacklevel_outside_ckptlib
 from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
+from .format.deletion import describe_foreign, remove_checkpoint
+from .lock import LOCK_NAME, LockHolder, RootLock, StaleLockWarning
 from .observe import log_operation
 from .preemption import DEFAULT_SIGNALS, PreemptionWatcher, signal_name
 from .retention import KeepLast, RetentionPolicy, StepRecord, to_delete
-from . import save_policy as _save_policy
 from .save_policy import SaveContext, SavePolicy, decide
-from .format.deletion import describe_foreign, remove_checkpoint
-from .lock import LOCK_NAME, LockHolder, RootLock, StaleLockWarning
 from .steps import DELETING_RE, check_step, parse_step, step_dir
 from .storage import Storage, open_storage
 
@@ -206,7 +206,11 @@ class CheckpointManager:
             try:
                 self._lock.release()
             except Exception as exc:  # noqa: BLE001 - reported, never fatal
-                warnings.warn(f"{self._lock.where}: could not remove the lock ({exc})", StaleLockWarning, stacklevel=stacklevel_outside_ckptlib())
+                warnings.warn(
+                    f"{self._lock.where}: could not remove the lock ({exc})",
+                    StaleLockWarning,
+                    stacklevel=stacklevel_outside_ckptlib(),
+                )
 
     def _drop_lock_after_failure(self) -> None:
         if _dist.get_rank(self.process_group) == 0 and not self.hold_lock:
@@ -256,8 +260,9 @@ class CheckpointManager:
             fallback = committed[-1] if committed else None
             return fallback, (
                 f"{self.root_uri}/{LATEST} points to {target!r}, which is not a committed checkpoint; "
-                f"using step {fallback}" if fallback is not None else
-                f"{self.root_uri}/{LATEST} points to {target!r}, which is not a committed checkpoint, "
+                f"using step {fallback}"
+                if fallback is not None
+                else f"{self.root_uri}/{LATEST} points to {target!r}, which is not a committed checkpoint, "
                 "and no committed step exists"
             )
         return (committed[-1] if committed else None), None
@@ -274,7 +279,12 @@ class CheckpointManager:
 
     # -- saving -------------------------------------------------------------------------
     def maybe_save(
-        self, step: int, state: Mapping[str, Any], *, metrics: dict[str, float] | None = None, force: bool = False,
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metrics: dict[str, float] | None = None,
+        force: bool = False,
         metadata: dict[str, Any] | None = None,
     ) -> bool:
         """Save `step` if the save policy says so (rank 0 decides), `force` is true on any rank, or
@@ -291,7 +301,9 @@ class CheckpointManager:
         def ask_policy() -> bool:
             if policy is None:
                 return False
-            return policy.should_save(SaveContext(step, _save_policy.clock(), self._last_save_time, self._last_save_step))
+            return policy.should_save(
+                SaveContext(step, _save_policy.clock(), self._last_save_time, self._last_save_step)
+            )
 
         decision = decide(ask_policy, force=force, signal=watcher and watcher.received, group=self.process_group)
         if decision.preempted:
@@ -309,8 +321,13 @@ class CheckpointManager:
         return True
 
     def save(
-        self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None,
-        metrics: dict[str, float] | None = None, overwrite: bool = False,
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metadata: dict[str, Any] | None = None,
+        metrics: dict[str, float] | None = None,
+        overwrite: bool = False,
     ) -> SaveResult:
         """Save and commit `step`, move `latest` to it, then apply retention. `metrics` (rank 0's
         values) are stored in the manifest for `KeepBest` and listings.
@@ -321,12 +338,17 @@ class CheckpointManager:
         a crash during that save leaves `latest` falling back to the newest other committed step."""
         step = check_step(step)
         self.wait()  # the previous async save: its failure surfaces here, before anything else
-        with _dist.peer_loss_as_error(f"save of step {step} to {self.root_uri}", self.process_group, step=step,
-                                      path=self.path(step)):
+        with _dist.peer_loss_as_error(
+            f"save of step {step} to {self.root_uri}", self.process_group, step=step, path=self.path(step)
+        ):
             return self._save(step, state, metadata, metrics, overwrite)
 
     def _save(
-        self, step: int, state: Mapping[str, Any], metadata: dict[str, Any] | None, metrics: dict[str, float] | None,
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        metadata: dict[str, Any] | None,
+        metrics: dict[str, float] | None,
         overwrite: bool,
     ) -> SaveResult:
         target = self.storage.child(step_dir(step))
@@ -340,7 +362,12 @@ class CheckpointManager:
                 result = self._save_async(step, target, state, metadata, metrics, overwrite=overwrite)
             else:
                 result = save(
-                    target, state, step=step, metadata=metadata, metrics=metrics, overwrite=overwrite,
+                    target,
+                    state,
+                    step=step,
+                    metadata=metadata,
+                    metrics=metrics,
+                    overwrite=overwrite,
                     process_group=self.process_group,
                 )
                 _dist.decide_on_rank0(lambda: self._publish(step), self.process_group)
@@ -362,8 +389,15 @@ class CheckpointManager:
             return result
 
         handle = start_async_save(
-            target, state, step=step, metadata=metadata, metrics=metrics, overwrite=overwrite,
-            process_group=self.process_group, background_staging=self.background_staging, wrap=background,
+            target,
+            state,
+            step=step,
+            metadata=metadata,
+            metrics=metrics,
+            overwrite=overwrite,
+            process_group=self.process_group,
+            background_staging=self.background_staging,
+            wrap=background,
         )
         self._pending = handle
         atexit.register(self._wait_at_exit)
@@ -408,7 +442,8 @@ class CheckpointManager:
         uses_metrics = getattr(self.retention, "uses_metrics", True)
         records = [
             StepRecord(s.step, self._saved_metrics(s.name) if uses_metrics else {})
-            for s in scan if s.state == "committed"
+            for s in scan
+            if s.state == "committed"
         ]
         doomed = {s: step_dir(s) for s in to_delete(self.retention, records, protected)}
         for info in scan:
@@ -467,8 +502,14 @@ class CheckpointManager:
                 finally:
                     self._drop_lock()
             log_operation(
-                "gc", uri=self.root_uri, step=None, nbytes=sum(sizes.get(name, 0) for name in removed),
-                seconds=time.perf_counter() - started, world_size=world, removed=len(removed), dry_run=dry_run,
+                "gc",
+                uri=self.root_uri,
+                step=None,
+                nbytes=sum(sizes.get(name, 0) for name in removed),
+                seconds=time.perf_counter() - started,
+                world_size=world,
+                removed=len(removed),
+                dry_run=dry_run,
             )
             return removed
 
@@ -533,6 +574,14 @@ def remote_root_manager(cls: type) -> type:
 
 
 __all__ = [
-    "CheckpointManager", "ForeignFilesWarning", "KeepLast", "LockHolder", "StaleLockWarning", "StalePointerWarning", "step_dir", "parse_step",
-    "CheckpointError", "LOCK_NAME",
+    "CheckpointManager",
+    "ForeignFilesWarning",
+    "KeepLast",
+    "LockHolder",
+    "StaleLockWarning",
+    "StalePointerWarning",
+    "step_dir",
+    "parse_step",
+    "CheckpointError",
+    "LOCK_NAME",
 ]

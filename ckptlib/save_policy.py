@@ -86,8 +86,10 @@ class EveryNSeconds(_Combinable):
     seconds: float
 
     def __post_init__(self):
-        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)) or not (
-            math.isfinite(self.seconds) and self.seconds > 0
+        if (
+            isinstance(self.seconds, bool)
+            or not isinstance(self.seconds, (int, float))
+            or not (math.isfinite(self.seconds) and self.seconds > 0)
         ):
             raise ValueError(f"EveryNSeconds seconds must be a positive number, got {self.seconds!r}")
 
@@ -179,4 +181,13 @@ def decide(policy_on_rank0: Callable[[], bool], *, force: bool, signal: int | No
 
 
 __all__ = [
-    "Decision", "decide","AnySavePolicy", "AtSteps", "EveryNSeconds", "EveryNSteps", "FinalStep", "SaveContext", "SavePolicy"]
+    "Decision",
+    "decide",
+    "AnySavePolicy",
+    "AtSteps",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "FinalStep",
+    "SaveContext",
+    "SavePolicy",
+]

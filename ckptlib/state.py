@@ -112,7 +112,9 @@ class _RNGs:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         random.setstate(_as_python_state(sd["python"]))
         key = sd["numpy_key"].numpy().astype(np.uint32)
-        np.random.set_state(("MT19937", key, int(sd["numpy_pos"]), int(sd["numpy_has_gauss"]), float(sd["numpy_gauss"])))
+        np.random.set_state(
+            ("MT19937", key, int(sd["numpy_pos"]), int(sd["numpy_has_gauss"]), float(sd["numpy_gauss"]))
+        )
         torch.set_rng_state(sd["torch"])
         if "cuda" in sd and compat.cuda_available():
             torch.cuda.set_rng_state(sd["cuda"])
@@ -252,7 +254,8 @@ def to_save_state_dict(state: Mapping[str, Any], *, rank: int, agree: Agree | No
             out[name] = steps.collective(lambda v=value: get_model_state_dict(v))
         elif isinstance(value, torch.optim.Optimizer):
             out[name] = steps.collective(
-                lambda n=name, v=value: get_optimizer_state_dict(_owner_module(n, v, modules), v))
+                lambda n=name, v=value: get_optimizer_state_dict(_owner_module(n, v, modules), v)
+            )
         elif isinstance(value, RankLocal):
             out[name] = steps.local(lambda v=value: {_rank_key(rank): v.state_dict()})
         elif _is_stateful(value):
@@ -344,8 +347,17 @@ def to_load_target(
                 (lambda o=value, m=owner, n=name: set_optimizer_state_dict(m, o, template[n], options=options), True)
             )
         elif isinstance(value, RankLocal):
-            entry = steps.local(lambda n=name, v=value: _rank_local_entry(
-                n, v, rank=rank, world_size=world_size, saved_world_size=saved_world_size, step=step, template=template))
+            entry = steps.local(
+                lambda n=name, v=value: _rank_local_entry(
+                    n,
+                    v,
+                    rank=rank,
+                    world_size=world_size,
+                    saved_world_size=saved_world_size,
+                    step=step,
+                    template=template,
+                )
+            )
             if entry is not None:
                 applier, note = entry
                 appliers.append((applier, False))
@@ -367,27 +379,42 @@ def to_load_target(
     for note in notes:
         warnings.warn(note, ResizeWarning, stacklevel=stacklevel_outside_ckptlib())
     optimizers = {name for name, value in items if isinstance(value, torch.optim.Optimizer)}
-    return LoadTarget(template=template, appliers=appliers, notes=notes, keep_if_absent=_hyperparameter_keys(template, optimizers))
+    return LoadTarget(
+        template=template, appliers=appliers, notes=notes, keep_if_absent=_hyperparameter_keys(template, optimizers)
+    )
 
 
-def _rank_local_entry(name: str, value: RankLocal, *, rank: int, world_size: int, saved_world_size: int | None,
-                      step: int | None, template: dict[str, Any]) -> tuple[Callable[[], None], str | None]:
+def _rank_local_entry(
+    name: str,
+    value: RankLocal,
+    *,
+    rank: int,
+    world_size: int,
+    saved_world_size: int | None,
+    step: int | None,
+    template: dict[str, Any],
+) -> tuple[Callable[[], None], str | None]:
     """A RankLocal's template (put into `template`), its applier and its resize note."""
     saved = saved_world_size if saved_world_size is not None else world_size
     merge = getattr(value.policy, "merge", None)
     if saved != world_size and callable(merge):
         # One copy per saved rank: a state_dict() may hand out the same object twice.
         template[name] = {_rank_key(r): copy.deepcopy(value.state_dict()) for r in range(saved)}
-        note = (f"state[{name!r}]: saved by {saved} ranks, loading on {world_size}; rank {rank} merges "
-                f"every saved rank's per-rank state ({type(value.policy).__name__})")
-        return (lambda: value.load_state_dict(merge([template[name][_rank_key(r)] for r in range(saved)], rank,
-                                                    world_size))), note
+        note = (
+            f"state[{name!r}]: saved by {saved} ranks, loading on {world_size}; rank {rank} merges "
+            f"every saved rank's per-rank state ({type(value.policy).__name__})"
+        )
+        return (
+            lambda: value.load_state_dict(merge([template[name][_rank_key(r)] for r in range(saved)], rank, world_size))
+        ), note
     source = rank if saved == world_size else value.policy.source_rank(rank, saved, world_size)
     note = None
     if saved != world_size:
         what = f"restores saved rank {source}'s" if source is not None else "starts fresh"
-        note = (f"state[{name!r}]: saved by {saved} ranks, loading on {world_size}; rank {rank} {what} "
-                f"per-rank state ({type(value.policy).__name__})")
+        note = (
+            f"state[{name!r}]: saved by {saved} ranks, loading on {world_size}; rank {rank} {what} "
+            f"per-rank state ({type(value.policy).__name__})"
+        )
     if source is None:
         return (lambda: value.start_fresh(step, rank)), note
     key = _rank_key(source)
@@ -407,8 +434,7 @@ def _hyperparameter_keys(template: dict[str, Any], optimizers: set[str]) -> froz
         return frozenset()
     _, paths = compat.flatten_state_dict({name: template[name] for name in optimizers})
     return frozenset(
-        key for key, path in paths.items()
-        if len(path) == 4 and path[1] == "param_groups" and path[3] != "params"
+        key for key, path in paths.items() if len(path) == 4 and path[1] == "param_groups" and path[3] != "params"
     )
 
 

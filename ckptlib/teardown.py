@@ -8,7 +8,6 @@ from . import compat
 from ._dist import is_distributed
 from .errors import CheckpointError
 
-
 _exit_barriers = 0
 
 

@@ -35,14 +35,19 @@ from typing import Any, Mapping
 from . import _dist
 from .checkpoint import LoadResult, SaveResult, load
 from .errors import (
-    CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, LockedError, StateError, StorageError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    LockedError,
+    StateError,
+    StorageError,
     UploadError,
 )
 from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
 from .format.checksum import crc32
 from .manager import LATEST, CheckpointManager, KeepLast, remote_root_manager, step_dir
-from .steps import check_step
 from .observe import log_operation
+from .steps import check_step
 from .storage import Storage
 
 COPY_CHUNK = 8 << 20  # bytes read from the local file and handed to the remote writer at a time
@@ -88,7 +93,9 @@ def _remote_matches(dst: Storage, name: str, size: int, expected_crc: int) -> bo
 class _Upload:
     """One step's upload, on rank 0, in a background thread (or in the foreground)."""
 
-    def __init__(self, manager: "TieredCheckpointManager", step: int, *, resumed: bool = False, overwrite: bool = False):
+    def __init__(
+        self, manager: "TieredCheckpointManager", step: int, *, resumed: bool = False, overwrite: bool = False
+    ):
         self.manager = manager
         self.step = step
         self.resumed = resumed
@@ -127,12 +134,16 @@ class TieredCheckpointManager(CheckpointManager):
         at once. The other arguments are CheckpointManager's (async_save is not supported:
         the local write is the only blocking part already)."""
         if async_save:
-            raise StateError("async_save=True does not combine with remote_root: the upload already runs in the background")
+            raise StateError(
+                "async_save=True does not combine with remote_root: the upload already runs in the background"
+            )
         if not isinstance(keep_local, int) or isinstance(keep_local, bool) or keep_local < 1:
             raise StateError(f"keep_local must be a positive int, got {keep_local!r}")
         if not isinstance(upload_concurrency, int) or upload_concurrency < 1:
             raise StateError(f"upload_concurrency must be a positive int, got {upload_concurrency!r}")
-        super().__init__(root, retention=KeepLast(keep_local), process_group=process_group, hold_lock=hold_lock, **kwargs)
+        super().__init__(
+            root, retention=KeepLast(keep_local), process_group=process_group, hold_lock=hold_lock, **kwargs
+        )
         self.remote = CheckpointManager(
             remote_root, keep_last=keep_last, retention=retention, process_group=process_group, hold_lock=hold_lock
         )
@@ -178,8 +189,10 @@ class TieredCheckpointManager(CheckpointManager):
                 remote.write(PENDING_NAME, b'{"upload": "in progress"}', durable=False)
                 todo = []
                 for fname, record in sorted(manifest.files.items()):
-                    if resumed and present.get(fname) == record.size and _remote_matches(
-                        remote, fname, record.size, record.crc32
+                    if (
+                        resumed
+                        and present.get(fname) == record.size
+                        and _remote_matches(remote, fname, record.size, record.crc32)
                     ):
                         continue
                     todo.append((fname, record))
@@ -211,8 +224,13 @@ class TieredCheckpointManager(CheckpointManager):
             uri=remote.uri, step=step, world_size=manifest.world_size, total_bytes=manifest.total_bytes, seconds=seconds
         )
         log_operation(
-            "upload", uri=remote.uri, step=step, nbytes=manifest.total_bytes, seconds=seconds,
-            world_size=manifest.world_size, resumed=resumed,
+            "upload",
+            uri=remote.uri,
+            step=step,
+            nbytes=manifest.total_bytes,
+            seconds=seconds,
+            world_size=manifest.world_size,
+            resumed=resumed,
         )
         return result
 
@@ -253,7 +271,9 @@ class TieredCheckpointManager(CheckpointManager):
             return None
         upload.thread.join(timeout)
         if upload.thread.is_alive():
-            raise StorageError(f"upload of step {upload.step} to {self.remote_root_uri} still running after {timeout} s")
+            raise StorageError(
+                f"upload of step {upload.step} to {self.remote_root_uri} still running after {timeout} s"
+            )
         self._upload_in_flight = None
         if upload.error is not None:
             raise upload.error
@@ -282,8 +302,13 @@ class TieredCheckpointManager(CheckpointManager):
 
     # -- saving -------------------------------------------------------------------------
     def save(
-        self, step: int, state: Mapping[str, Any], *, metadata: dict[str, Any] | None = None,
-        metrics: dict[str, float] | None = None, overwrite: bool = False,
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metadata: dict[str, Any] | None = None,
+        metrics: dict[str, float] | None = None,
+        overwrite: bool = False,
     ) -> SaveResult:
         """Save `step` to the local root (the only part that blocks), then upload it in the
         background; the returned SaveResult describes the local copy. Waits for the previous

@@ -59,16 +59,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=2, help="keep the newest N checkpoints")
     # Also spelled --loss-log: torchrun (argparse abbreviations) takes a bare --log after the
     # script name for its own --log-dir/--logs-specs and stops with "ambiguous option".
-    p.add_argument("--log", "--loss-log", dest="log", default=None,
-                   help="append one JSON line per step (rank 0): step, loss, world_size (use --loss-log under torchrun)")
+    p.add_argument(
+        "--log",
+        "--loss-log",
+        dest="log",
+        default=None,
+        help="append one JSON line per step (rank 0): step, loss, world_size (use --loss-log under torchrun)",
+    )
     p.add_argument("--batch", type=int, default=12, help="global batch size (split over the ranks)")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--wrap", choices=["auto", "fsdp2", "ddp"], default="auto",
-                   help="auto: FSDP2 where ckptlib.compat says it runs on this device, else DDP")
+    p.add_argument(
+        "--wrap",
+        choices=["auto", "fsdp2", "ddp"],
+        default="auto",
+        help="auto: FSDP2 where ckptlib.compat says it runs on this device, else DDP",
+    )
     p.add_argument("--backend", default="gloo", help="process group backend when torchrun starts us")
-    p.add_argument("--crash-at-step", type=int, default=None,
-                   help="testing: os._exit(17) on every rank right after the checkpoint of this step")
+    p.add_argument(
+        "--crash-at-step",
+        type=int,
+        default=None,
+        help="testing: os._exit(17) on every rank right after the checkpoint of this step",
+    )
     p.add_argument("--step-delay", type=float, default=0.0, help="testing: sleep this long after each step")
     return p.parse_args(argv)
 
@@ -197,15 +210,19 @@ def run(args) -> int:
             os._exit(17)
         if mgr.preempted:  # every rank saw it in maybe_save, and the step is committed
             if rank == 0:
-                print(f"train.py: {mgr.preemption_signal or 'a preemption signal'} received; saved step {step}, "
-                      "exiting", flush=True)
+                print(
+                    f"train.py: {mgr.preemption_signal or 'a preemption signal'} received; saved step {step}, exiting",
+                    flush=True,
+                )
             mgr.close()
             return 0
         if args.step_delay:
             time.sleep(args.step_delay)
     mgr.close()
     if rank == 0:
-        print(f"train.py: done at step {args.steps}, loss {loss if args.steps > start else float('nan'):.6f}", flush=True)
+        print(
+            f"train.py: done at step {args.steps}, loss {loss if args.steps > start else float('nan'):.6f}", flush=True
+        )
     return 0
 
 

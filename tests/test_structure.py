@@ -80,8 +80,10 @@ def _imports(module: str, path: str) -> set[str]:
                 base_name = ".".join(base + ([node.module] if node.module else []))
             else:
                 base_name = node.module or ""
-            names = [f"{base_name}.{alias.name}" if f"{base_name}.{alias.name}" in MODULES else base_name
-                     for alias in node.names]
+            names = [
+                f"{base_name}.{alias.name}" if f"{base_name}.{alias.name}" in MODULES else base_name
+                for alias in node.names
+            ]
         else:
             continue
         for name in names:
@@ -174,7 +176,7 @@ def test_cycle_finder_sees_function_local_imports(tmp_path):
 
 def test_no_two_modules_share_a_name():
     by_name = collections.defaultdict(list)
-    for module, path in MODULES.items():
+    for path in MODULES.values():
         if not path.endswith("__init__.py"):
             by_name[os.path.basename(path)].append(_rel(path))
     same = {name: paths for name, paths in by_name.items() if len(paths) > 1}
@@ -205,6 +207,7 @@ def _private_torch_uses(path: str) -> list[str]:
             torch_aliases.update(alias.asname or alias.name for alias in node.names)
         elif isinstance(node, ast.Import):
             torch_aliases.update(a.asname for a in node.names if a.asname and a.name.split(".")[0] == "torch")
+
     def torch_object(expr: ast.AST) -> bool:
         """An expression built from a torch name, or a tensor's storage (`t.untyped_storage()`)."""
         for sub in ast.walk(expr):
@@ -262,4 +265,6 @@ def test_storage_imports_nothing_above_it():
     above = {m for m in MODULES if not m.startswith(("ckptlib.storage", "ckptlib.errors"))}
     for module, path in MODULES.items():
         if module.startswith("ckptlib.storage"):
-            assert not (_imports(module, path) & above), f"{_rel(path)} imports {sorted(_imports(module, path) & above)}"
+            assert not (_imports(module, path) & above), (
+                f"{_rel(path)} imports {sorted(_imports(module, path) & above)}"
+            )

@@ -13,15 +13,33 @@ from .dcp_reader import CkptReader
 from .dcp_writer import CkptWriter
 from .layout import CheckpointInfo, classify, commit, open_checkpoint, prepare_save_target, read_metadata, shard_rank
 from .load_planner import SafeLoadPlanner
-from .save_planner import CkptSavePlanner
 from .manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
+from .save_planner import CkptSavePlanner
 from .source import detect_format, inspect_checkpoint, open_reader
 from .structure import Problem
 from .verify import summarize, verify
 
 __all__ = [
-    "CheckpointInfo", "CkptReader", "CkptSavePlanner", "CkptWriter", "FileRecord", "MANIFEST_NAME", "METADATA_NAME",
-    "Manifest", "PENDING_NAME", "SafeLoadPlanner", "classify", "commit", "detect_format", "inspect_checkpoint",
-    "open_checkpoint", "open_reader", "prepare_save_target", "read_metadata", "shard_rank", "Problem",
-    "summarize", "verify",
+    "CheckpointInfo",
+    "CkptReader",
+    "CkptSavePlanner",
+    "CkptWriter",
+    "FileRecord",
+    "MANIFEST_NAME",
+    "METADATA_NAME",
+    "Manifest",
+    "PENDING_NAME",
+    "SafeLoadPlanner",
+    "classify",
+    "commit",
+    "detect_format",
+    "inspect_checkpoint",
+    "open_checkpoint",
+    "open_reader",
+    "prepare_save_target",
+    "read_metadata",
+    "shard_rank",
+    "Problem",
+    "summarize",
+    "verify",
 ]

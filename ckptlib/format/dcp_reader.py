@@ -21,10 +21,10 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
 from .. import compat
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
@@ -163,7 +163,9 @@ class CkptReader(PlannedReader):
             except FileNotFoundError as exc:
                 raise CheckpointCorruptError(f"{where}: shard file is missing{whose(name)}", path=where) from exc
             except EOFError as exc:
-                raise CheckpointCorruptError(f"{where}: shard file is truncated{whose(name)}: {exc}", path=where) from exc
+                raise CheckpointCorruptError(
+                    f"{where}: shard file is truncated{whose(name)}: {exc}", path=where
+                ) from exc
             self.bytes_read += length
             for req, info in by_span[(off, length)]:
                 start = info.offset - off
@@ -197,7 +199,8 @@ class CkptReader(PlannedReader):
                 expected = crcs.get(info.offset)
                 if expected is None or expected[0] != info.length:
                     raise CheckpointCorruptError(
-                        f"{where}: item at offset {info.offset} is not recorded in the manifest{whose(name)}", path=where
+                        f"{where}: item at offset {info.offset} is not recorded in the manifest{whose(name)}",
+                        path=where,
                     )
             try:
                 done = self._read_tensor_direct(read_into, name, req, info, expected, planner)
@@ -328,7 +331,12 @@ class CkptReader(PlannedReader):
             return None
         # The item's own header must say what .metadata says: a transposed shape or another
         # dtype of the same byte size would otherwise read intact bytes as the wrong tensor.
-        if pickled_tensor_header(item_encoder.tensor_pickle(read, info.length)) != (dtype, tuple(sizes), meta.stride(), 0):
+        if pickled_tensor_header(item_encoder.tensor_pickle(read, info.length)) != (
+            dtype,
+            tuple(sizes),
+            meta.stride(),
+            0,
+        ):
             return None  # the caller decodes the header with torch.load and reports the mismatch
         return meta, record.start, record.parsed
 
@@ -391,12 +399,7 @@ class CkptReader(PlannedReader):
             first, count, region = sub.storage_offset(), sub.numel(), sub
         else:  # e.g. a column block: read the stored tensor whole, narrow after
             first, count, region = meta.storage_offset(), meta.numel(), meta
-        if (
-            target.device.type == "cpu"
-            and target.is_contiguous()
-            and target.dtype == meta.dtype
-            and region is sub
-        ):
+        if target.device.type == "cpu" and target.is_contiguous() and target.dtype == meta.dtype and region is sub:
             dest = target
         else:
             dest = torch.empty(region.size(), dtype=meta.dtype)
@@ -404,7 +407,9 @@ class CkptReader(PlannedReader):
         end = begin + count * size
         view = _byte_view(dest)
         check = None if expected is None else self._check_for(name, info, begin, end, expected[1], parsed)
-        if check is not None and not any(lo <= info.offset + begin and info.offset + end <= hi for lo, hi in check.ranges):
+        if check is not None and not any(
+            lo <= info.offset + begin and info.offset + end <= hi for lo, hi in check.ranges
+        ):
             check = _ItemCheck(info.offset, info.length, expected[1])  # (cannot happen: the rows' cover is a range)
         try:
             # Locally, each chunk is checksummed right after it lands, while it is still in
@@ -480,7 +485,11 @@ class CkptReader(PlannedReader):
             strides.insert(0, step)
             step *= n
         nbytes = step * dtype.itemsize
-        if headers[layout.pickle] != (dtype, tuple(sizes), tuple(strides), 0) or layout.data_size != nbytes or not nbytes:
+        if (
+            headers[layout.pickle] != (dtype, tuple(sizes), tuple(strides), 0)
+            or layout.data_size != nbytes
+            or not nbytes
+        ):
             return None
         raw = data[layout.data_start : layout.data_start + nbytes]
         return torch.frombuffer(bytearray(raw) if raw.readonly else raw, dtype=dtype).view(sizes)
@@ -504,8 +513,7 @@ class CkptReader(PlannedReader):
                 tensor = torch.load(_MemReader(data), map_location="cpu", weights_only=True)
         except Exception as exc:
             raise CheckpointCorruptError(
-                f"{where}: cannot decode tensor {req.storage_index.fqn} at offset {info.offset}"
-                f"{whose(name)}: {exc}",
+                f"{where}: cannot decode tensor {req.storage_index.fqn} at offset {info.offset}{whose(name)}: {exc}",
                 path=where,
             ) from exc
         fqn = req.storage_index.fqn

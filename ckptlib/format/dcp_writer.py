@@ -29,10 +29,10 @@ import zlib
 from typing import Any, Callable
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
 from .. import compat
 from ..storage import Storage
@@ -169,7 +169,9 @@ class CkptWriter(StorageWriter):
             file_crc = sink.file_crc
         self.unfinished_shard = None
         if items:
-            record = FileRecord(size=offset, crc32=file_crc, items=items, block_size=sink.block_size, blocks=sink.blocks)
+            record = FileRecord(
+                size=offset, crc32=file_crc, items=items, block_size=sink.block_size, blocks=sink.blocks
+            )
         else:  # a rank with nothing to save still wrote its (empty) shard file
             record = FileRecord(size=0, crc32=0, items=[])
         self.file_records[name] = record
@@ -190,7 +192,9 @@ class CkptWriter(StorageWriter):
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata)
         self.storage.write(METADATA_NAME, blob, durable=False)  # `commit` syncs it with the shards
-        records[METADATA_NAME] = FileRecord(size=len(blob), crc32=zlib.crc32(blob), items=[(0, len(blob), zlib.crc32(blob))])
+        records[METADATA_NAME] = FileRecord(
+            size=len(blob), crc32=zlib.crc32(blob), items=[(0, len(blob), zlib.crc32(blob))]
+        )
         self.file_records = records
         # DCP hands this object (pickled) back to every rank from dcp.save: the checkpoint's
         # size then needs no collective of its own (`checkpoint_bytes`). Set after the blob

@@ -58,7 +58,8 @@ def refuse_foreign(storage: Storage, listing: dict[str, int], action: str, *, ch
     if foreign:
         lead = "" if checkpoint else f"{storage.uri} is not empty and not a ckptlib checkpoint: "
         raise OverwriteRefusedError(
-            f"{lead}{describe_foreign(storage.uri, foreign)}; refusing to {action} (only a checkpoint directory holding "
+            f"{lead}{describe_foreign(storage.uri, foreign)}; refusing to {action} "
+            "(only a checkpoint directory holding "
             "nothing but a checkpoint's own files can be replaced; nothing was touched)",
             path=storage.uri,
         )
@@ -102,4 +103,11 @@ def remove_failed_save(storage: Storage, *, shard: str | None, coordinator: bool
         pass
 
 
-__all__ = ["remove_failed_save", "describe_foreign", "foreign_files", "is_own_file", "refuse_foreign", "remove_checkpoint"]
+__all__ = [
+    "remove_failed_save",
+    "describe_foreign",
+    "foreign_files",
+    "is_own_file",
+    "refuse_foreign",
+    "remove_checkpoint",
+]

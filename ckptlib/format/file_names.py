@@ -14,7 +14,7 @@ def shard_rank(name: str) -> int | None:
 
 
 def whose(name: str | None) -> str:
-    """" (rank 1's shard)" for a DCP shard file name, "" for any other name."""
+    """ " (rank 1's shard)" for a DCP shard file name, "" for any other name."""
     match = _SHARD_RE.match(name or "")
     return f" (rank {int(match.group(1))}'s shard)" if match else ""
 

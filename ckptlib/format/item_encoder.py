@@ -243,7 +243,13 @@ def _records(archive: _Archive) -> list[_Record]:
         elif struct.unpack("<I", archive.read(descriptor, 4))[0] != _DESCRIPTOR_SIG:
             raise _Unsupported(f"{entry.name}: no data descriptor after the data")
         records.append(
-            _Record(entry.name, data_start, entry.size, None if descriptor is None else descriptor + 4, entry.central_at + 16)
+            _Record(
+                entry.name,
+                data_start,
+                entry.size,
+                None if descriptor is None else descriptor + 4,
+                entry.central_at + 16,
+            )
         )
     return records
 
@@ -321,7 +327,7 @@ def tensor_layout(item: memoryview) -> TensorLayout | None:
             return None
         starts = []
         for local_at, n in (pickle_at, data_at):
-            sig, = struct.unpack_from("<I", item, local_at)
+            (sig,) = struct.unpack_from("<I", item, local_at)
             name_len, extra_len = struct.unpack_from("<HH", item, local_at + 26)
             start = local_at + 30 + name_len + extra_len
             if sig != _LOCAL_SIG or start + n > size:
@@ -461,7 +467,11 @@ def _template_for(tensor: torch.Tensor, expected: bytes, data: memoryview) -> _T
         records = []
         data_start = -1
         for record in _records(archive):
-            fields = (record.central_crc_at,) if record.descriptor_crc_at is None else (record.descriptor_crc_at, record.central_crc_at)
+            fields = (
+                (record.central_crc_at,)
+                if record.descriptor_crc_at is None
+                else (record.descriptor_crc_at, record.central_crc_at)
+            )
             if record.name.endswith(_ID_SUFFIX):
                 kind = _ID
             elif "/data/" in record.name and "/." not in record.name:
@@ -470,7 +480,15 @@ def _template_for(tensor: torch.Tensor, expected: bytes, data: memoryview) -> _T
                 kind, data_start = _DATA, record.data_start
             else:
                 kind = _CONSTANT
-            records.append((kind, record.data_start, record.size, archive.crc(record.data_start, record.data_start + record.size), fields))
+            records.append(
+                (
+                    kind,
+                    record.data_start,
+                    record.size,
+                    archive.crc(record.data_start, record.data_start + record.size),
+                    fields,
+                )
+            )
     except (_Unsupported, struct.error, UnicodeDecodeError):
         return None
     if data_start < 0:
@@ -486,8 +504,14 @@ def small_item_bytes(tensor: torch.Tensor) -> memoryview:
     instead (~20 us). `tensor`: contiguous, CPU, owning exactly its bytes."""
     nbytes = tensor.numel() * tensor.element_size()
     plain = (
-        type(tensor) is torch.Tensor and nbytes and tensor.layout == torch.strided and not tensor.requires_grad
-        and not tensor.is_conj() and not tensor.is_neg() and not tensor.is_quantized and not tensor.__dict__
+        type(tensor) is torch.Tensor
+        and nbytes
+        and tensor.layout == torch.strided
+        and not tensor.requires_grad
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and not tensor.is_quantized
+        and not tensor.__dict__
     )
     if not plain:
         return torch_save_bytes(tensor)

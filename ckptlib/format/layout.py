@@ -24,7 +24,6 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .._version import __version__
-
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -39,6 +38,7 @@ from .file_names import describe_file, shard_rank
 from .manifest import MANIFEST_NAME, METADATA_MARKER, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
 from .safe_pickle import safe_loads
 from .structure import structure_problems
+
 
 def is_ckptlib_metadata(metadata: Any) -> bool:
     """Whether `.metadata` was written by ckptlib's CkptWriter (which also writes a manifest)."""
@@ -151,8 +151,12 @@ def classify(storage: Storage, listing: dict[str, int] | None = None) -> str:
 
 def _file_kind(path: str) -> str:
     mode = os.stat(path).st_mode
-    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return "not a regular file or directory"
@@ -221,8 +225,13 @@ def open_checkpoint(storage: Storage, *, verify: bool = True, check_files: bool 
     if errors:
         cls = UnsafeCheckpointError if any(p.kind == "unsafe" for p in errors) else CheckpointCorruptError
         errors.sort(key=lambda p: p.kind != "unsafe")
-        shown = "; ".join(p.text() for p in errors[:5]) + (f" ... ({len(errors)} problems in all)" if len(errors) > 5 else "")
-        raise cls(f"{uri}: {METADATA_NAME} does not match the checkpoint's files: {shown}", path=f"{uri}/{errors[0].file or METADATA_NAME}")
+        shown = "; ".join(p.text() for p in errors[:5]) + (
+            f" ... ({len(errors)} problems in all)" if len(errors) > 5 else ""
+        )
+        raise cls(
+            f"{uri}: {METADATA_NAME} does not match the checkpoint's files: {shown}",
+            path=f"{uri}/{errors[0].file or METADATA_NAME}",
+        )
     return CheckpointInfo(uri=uri, kind="ckptlib" if manifest else "dcp", manifest=manifest, metadata=metadata)
 
 

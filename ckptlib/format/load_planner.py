@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import pickle
 import re
-
 from typing import Any
 
 import torch
@@ -28,7 +27,9 @@ def _read_item_like(template: ReadItem, fqn: str) -> ReadItem:
         {
             **template.__dict__,
             "dest_index": new_dataclass(MetadataIndex, {"fqn": fqn, "offset": dest.offset, "index": dest.index}),
-            "storage_index": new_dataclass(MetadataIndex, {"fqn": fqn, "offset": storage.offset, "index": storage.index}),
+            "storage_index": new_dataclass(
+                MetadataIndex, {"fqn": fqn, "offset": storage.offset, "index": storage.index}
+            ),
         },
     )
 

@@ -44,8 +44,7 @@ def check_name(name: Any, where: str, what: str = "file name") -> str:
     parts = name.split("/")
     if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
         raise UnsafeCheckpointError(
-            f"{where}: {what} {name!r} escapes the checkpoint directory (absolute or '..'); "
-            "refusing to read it",
+            f"{where}: {what} {name!r} escapes the checkpoint directory (absolute or '..'); refusing to read it",
             path=where,
         )
     return name
@@ -99,8 +98,11 @@ class FileRecord:
             block_size = 0 if blocks is None else int(blocks["size"])
             block_crcs = [] if blocks is None else [int(v) for v in blocks["crc32"]]
             record = cls(
-                size=int(data["size"]), crc32=int(data["crc32"]), items=items,  # type: ignore[arg-type]
-                block_size=block_size, blocks=block_crcs,
+                size=int(data["size"]),
+                crc32=int(data["crc32"]),
+                items=items,  # type: ignore[arg-type]
+                block_size=block_size,
+                blocks=block_crcs,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointCorruptError(f"{where}: malformed file record ({exc})", path=where) from exc

@@ -115,7 +115,11 @@ def _encode_write_item(item: Any, properties: list[Any], seen: dict[Any, int]) -
     if index is None or type(data) is not TensorWriteData or type(data.chunk) is not ChunkStorageMetadata:
         return item
     chunk = data.chunk
-    if type(chunk.offsets) is not torch.Size or type(chunk.sizes) is not torch.Size or type(data.size) is not torch.Size:
+    if (
+        type(chunk.offsets) is not torch.Size
+        or type(chunk.sizes) is not torch.Size
+        or type(data.size) is not torch.Size
+    ):
         return item
     key = _properties_key(data.properties)
     slot = seen.get(key)
@@ -220,7 +224,11 @@ def _decode_results(entries: list[Any], info_cls: type | None, attrs: dict[str, 
             fqn, offset, hint, nbytes, info = entry
             entry = new_dataclass(
                 WriteResult,
-                {"index": _index(fqn, offset, hint), "size_in_bytes": nbytes, "storage_data": new_dataclass(info_cls, info)},
+                {
+                    "index": _index(fqn, offset, hint),
+                    "size_in_bytes": nbytes,
+                    "storage_data": new_dataclass(info_cls, info),
+                },
             )
         out.append(entry)
     out.__dict__.update(attrs)

@@ -148,4 +148,6 @@ def safe_loads(data: bytes, where: str) -> Any:
     except UnsafeCheckpointError:
         raise
     except Exception as exc:  # truncated or garbage bytes
-        raise CheckpointCorruptError(f"{where}: cannot read DCP metadata ({type(exc).__name__}: {exc})", path=where) from exc
+        raise CheckpointCorruptError(
+            f"{where}: cannot read DCP metadata ({type(exc).__name__}: {exc})", path=where
+        ) from exc

@@ -112,8 +112,12 @@ def inspect(where_: SourceFiles, uri: str, *, prefix: str | None) -> SourceInfo:
                     file, entry["dtype"], shape, data_start + begin, data_start + end
                 )
     return SourceInfo(
-        uri=uri, kind="safetensors", manifest=None, metadata=new_metadata(sdm, planner_data, storage_data),
-        saved_world_size=None, files=tuple(files),
+        uri=uri,
+        kind="safetensors",
+        manifest=None,
+        metadata=new_metadata(sdm, planner_data, storage_data),
+        saved_world_size=None,
+        files=tuple(files),
     )
 
 
@@ -204,7 +208,8 @@ def write_safetensors(
 
     def write_file(tmp: str, group: list[ShardEntry]) -> None:
         header, _ = _header(
-            [(e.name, safetensors_name(e.dtype), e.shape, e.nbytes) for e in group], {EXPORT_MARK: "1"} if mark else None
+            [(e.name, safetensors_name(e.dtype), e.shape, e.nbytes) for e in group],
+            {EXPORT_MARK: "1"} if mark else None,
         )
         with open(tmp, "wb") as f:
             f.write(header)
@@ -218,5 +223,13 @@ def write_safetensors(
             f.flush()
             os.fsync(f.fileno())
 
-    return write_shards(directory, entries, "model", "safetensors", write_file,
-                        single_file=single_file, max_shard_bytes=max_shard_bytes, on_file=on_file)
+    return write_shards(
+        directory,
+        entries,
+        "model",
+        "safetensors",
+        write_file,
+        single_file=single_file,
+        max_shard_bytes=max_shard_bytes,
+        on_file=on_file,
+    )

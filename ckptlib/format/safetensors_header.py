@@ -32,10 +32,22 @@ MAX_HEADER_BYTES = 100_000_000  # the safetensors library's MAX_HEADER_SIZE
 
 # safetensors dtype name -> (torch dtype attribute, bytes per element)
 DTYPES = {
-    "BOOL": ("bool", 1), "U8": ("uint8", 1), "I8": ("int8", 1), "F8_E5M2": ("float8_e5m2", 1),
-    "F8_E4M3": ("float8_e4m3fn", 1), "I16": ("int16", 2), "U16": ("uint16", 2), "F16": ("float16", 2),
-    "BF16": ("bfloat16", 2), "I32": ("int32", 4), "U32": ("uint32", 4), "F32": ("float32", 4),
-    "F64": ("float64", 8), "I64": ("int64", 8), "U64": ("uint64", 8), "C64": ("complex64", 8),
+    "BOOL": ("bool", 1),
+    "U8": ("uint8", 1),
+    "I8": ("int8", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "I16": ("int16", 2),
+    "U16": ("uint16", 2),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I32": ("int32", 4),
+    "U32": ("uint32", 4),
+    "F32": ("float32", 4),
+    "F64": ("float64", 8),
+    "I64": ("int64", 8),
+    "U64": ("uint64", 8),
+    "C64": ("complex64", 8),
 }
 # Names the safetensors library knows but torch has no dtype for (sub-byte floats).
 _KNOWN_UNSUPPORTED = frozenset({"F4", "F6_E2M3", "F6_E3M2", "F8_E8M0"})
@@ -141,7 +153,9 @@ def validate_header(header: dict, where: str, data_bytes: int) -> dict[str, dict
     for begin, end, key in spans:
         if begin != position:
             if begin > position:
-                why = f"a gap of {begin - position} bytes before it (data_offsets start at {begin}, expected {position})"
+                why = (
+                    f"a gap of {begin - position} bytes before it (data_offsets start at {begin}, expected {position})"
+                )
             else:
                 why = f"it overlaps {previous!r} (data_offsets start at {begin}, before {position})"
             raise CheckpointCorruptError(f"{where}: tensor {key!r}: {why}", path=where)
@@ -190,6 +204,12 @@ def validate_index(index: dict, where: str) -> dict[str, str]:
 
 
 __all__ = [
-    "DTYPES", "MAX_HEADER_BYTES", "header_length", "parse_json_object", "safetensors_dtype", "safetensors_name",
-    "validate_header", "validate_index",
+    "DTYPES",
+    "MAX_HEADER_BYTES",
+    "header_length",
+    "parse_json_object",
+    "safetensors_dtype",
+    "safetensors_name",
+    "validate_header",
+    "validate_index",
 ]

@@ -83,8 +83,15 @@ def local_save_plan(state_dict: dict[str, Any], is_coordinator: bool) -> SavePla
         if type(local) is not torch.Tensor:  # a tensor subclass may plan its own items
             items += compat.create_write_items(fqn, obj)
             continue
-        key = (id(mesh), placements_key(obj.placements), tuple(obj.shape), local.dtype, local.layout, local.requires_grad,
-               local.is_pinned())
+        key = (
+            id(mesh),
+            placements_key(obj.placements),
+            tuple(obj.shape),
+            local.dtype,
+            local.layout,
+            local.requires_grad,
+            local.is_pinned(),
+        )
         template = templates.get(key)
         if template is not None:
             items.append(_item_like(template, fqn))

@@ -265,6 +265,12 @@ def open_reader(
 
 
 __all__ = [
-    "DEFAULT_PREFIX", "FORMATS", "ForeignReader", "SourceInfo", "V0_FORMAT", "detect_format",
-    "inspect_checkpoint", "open_reader",
+    "DEFAULT_PREFIX",
+    "FORMATS",
+    "ForeignReader",
+    "SourceInfo",
+    "V0_FORMAT",
+    "detect_format",
+    "inspect_checkpoint",
+    "open_reader",
 ]

@@ -37,6 +37,7 @@ from ..storage import Storage
 from .dcp_writer import CkptWriter
 from .load_planner import SafeLoadPlanner
 
+
 def _dcp_load(template: dict, reader: StorageReader, planner) -> None:
     with compat.quiet_single_process():
         try:

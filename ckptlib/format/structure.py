@@ -194,15 +194,21 @@ def structure_problems(
             continue
         if getattr(info, "transform_descriptors", None):
             problems.append(
-                Problem(name, f"{what} is stored with DCP extensions {list(info.transform_descriptors)}, "
-                        "which ckptlib does not read", "note")
+                Problem(
+                    name,
+                    f"{what} is stored with DCP extensions {list(info.transform_descriptors)}, "
+                    "which ckptlib does not read",
+                    "note",
+                )
             )
         if items is not None:
             recs = items.get(name)
             if recs is None:
                 if name not in reported_files:
                     reported_files.add(name)
-                    problems.append(Problem(name, ".metadata stores data in it, but the manifest does not list it", "missing"))
+                    problems.append(
+                        Problem(name, ".metadata stores data in it, but the manifest does not list it", "missing")
+                    )
                 continue
             if (off, length) not in recs:
                 problems.append(
@@ -227,7 +233,9 @@ def structure_problems(
         elif isinstance(md, TensorStorageMetadata):
             problems.extend(_chunk_problems(fqn, md, keys, exhaustive))
         else:
-            problems.append(Problem(METADATA_NAME, f"entry {fqn!r} is a {type(md).__name__}, not tensor or object metadata"))
+            problems.append(
+                Problem(METADATA_NAME, f"entry {fqn!r} is a {type(md).__name__}, not tensor or object metadata")
+            )
     orphans = sorted({str(fqn) for fqn, _ in keys if fqn not in sdm})
     if orphans:
         shown = ", ".join(repr(f) for f in orphans[:5]) + (f" ... ({len(orphans)} in all)" if len(orphans) > 5 else "")

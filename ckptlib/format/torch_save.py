@@ -18,7 +18,6 @@ from .. import compat
 from ..errors import CheckpointCorruptError, CheckpointError, NotACheckpointError, UnsafeCheckpointError
 from ..storage import Storage
 from ..storage.local import check_regular
-from .shard_files import EXPORT_MARK, ShardEntry, planned_entries, write_shards
 from .foreign import (
     ObjectLoc,
     SourceFiles,
@@ -28,6 +27,7 @@ from .foreign import (
     new_metadata,
     tensor_metadata,
 )
+from .shard_files import EXPORT_MARK, ShardEntry, planned_entries, write_shards
 
 if TYPE_CHECKING:
     from .streaming import SourceValues
@@ -116,15 +116,19 @@ def inspect(where_: SourceFiles, uri: str, *, prefix: str | None, trusted: bool)
             chunks = [((0,) * value.dim(), tuple(value.shape))] if value.numel() else []
             sdm[fqn] = tensor_metadata(value.dtype, value.shape, chunks)
             for offsets, _ in chunks:
-                storage_data[MetadataIndex(fqn, offsets)] = TensorLoc(name, path[len(base):])
+                storage_data[MetadataIndex(fqn, offsets)] = TensorLoc(name, path[len(base) :])
         else:
             sdm[fqn] = BytesStorageMetadata()
             storage_data[MetadataIndex(fqn)] = ObjectLoc(value)
         planner_data[fqn] = path
     return SourceInfo(
-        uri=uri, kind="torch_save", manifest=None,
+        uri=uri,
+        kind="torch_save",
+        manifest=None,
         metadata=new_metadata(sdm, planner_data, storage_data),
-        saved_world_size=None, files=(name,), notes=notes,
+        saved_world_size=None,
+        files=(name,),
+        notes=notes,
     )
 
 
@@ -163,9 +167,7 @@ def _spill(tensor: torch.Tensor, path: str) -> torch.Tensor:
     return mapped.reshape(tensor.shape)
 
 
-def write_torch_save(
-    path: str, source: SourceValues, *, on_tensor: Callable[[str, int], None] | None = None
-) -> int:
+def write_torch_save(path: str, source: SourceValues, *, on_tensor: Callable[[str, int], None] | None = None) -> int:
     """One torch.save file at `path` (written to a temporary name, then renamed) of the full
     state nested as saved; returns its size."""
     directory = os.path.dirname(os.path.abspath(path)) or "."
@@ -243,5 +245,13 @@ def write_torch_files(
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
 
-    return write_shards(directory, entries, "pytorch_model", "bin", write_file,
-                        single_file=single_file, max_shard_bytes=max_shard_bytes, on_file=on_file)
+    return write_shards(
+        directory,
+        entries,
+        "pytorch_model",
+        "bin",
+        write_file,
+        single_file=single_file,
+        max_shard_bytes=max_shard_bytes,
+        on_file=on_file,
+    )

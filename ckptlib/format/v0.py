@@ -152,15 +152,19 @@ def inspect(where_: SourceFiles, uri: str, *, trusted: bool) -> SourceInfo:
             if not isinstance(local, torch.Tensor) or shape is None or offsets is None:
                 raise CheckpointCorruptError(f"{where}: {fqn}: malformed shard record", path=where)
             check_plain_tensor(local, where, fqn)
-            if local.dim() != len(shape) or len(offsets) != len(shape) or any(
-                o < 0 or o + n > g for o, n, g in zip(offsets, local.shape, shape)
+            if (
+                local.dim() != len(shape)
+                or len(offsets) != len(shape)
+                or any(o < 0 or o + n > g for o, n, g in zip(offsets, local.shape, shape))
             ):
                 raise CheckpointCorruptError(
                     f"{where}: {fqn}: piece of shape {list(local.shape)} at offsets {list(offsets)} does not fit "
                     f"global shape {list(shape)}",
                     path=where,
                 )
-            entry = pieces.setdefault(fqn, {"dtype": local.dtype, "shape": shape, "path": path, "chunks": {}, "src": name})
+            entry = pieces.setdefault(
+                fqn, {"dtype": local.dtype, "shape": shape, "path": path, "chunks": {}, "src": name}
+            )
             if entry["dtype"] != local.dtype or entry["shape"] != shape:
                 raise CheckpointCorruptError(
                     f"{where}: {fqn} is {local.dtype} {list(shape)} here but {entry['dtype']} "
@@ -175,7 +179,9 @@ def inspect(where_: SourceFiles, uri: str, *, trusted: bool) -> SourceInfo:
         if rank == 0:
             objects = doc.get("objects") or {}
             if not isinstance(objects, dict):
-                raise CheckpointCorruptError(f"{where}: objects is a {type(objects).__name__}, not a mapping", path=where)
+                raise CheckpointCorruptError(
+                    f"{where}: objects is a {type(objects).__name__}, not a mapping", path=where
+                )
             rank0_objects = objects
         del doc
 
@@ -191,6 +197,11 @@ def inspect(where_: SourceFiles, uri: str, *, trusted: bool) -> SourceInfo:
             storage_data[MetadataIndex(fqn, offsets)] = loc
     add_objects(rank0_objects, (), sdm, planner_data, storage_data, f"{root.uri}/{found[0]}")
     return SourceInfo(
-        uri=uri, kind="v0", manifest=None, metadata=new_metadata(sdm, planner_data, storage_data),
-        saved_world_size=world, files=tuple(found[r] for r in range(world)), notes=notes,
+        uri=uri,
+        kind="v0",
+        manifest=None,
+        metadata=new_metadata(sdm, planner_data, storage_data),
+        saved_world_size=world,
+        files=tuple(found[r] for r in range(world)),
+        notes=notes,
     )

@@ -49,11 +49,12 @@ READ_CHUNK = 16 << 20
 # At most this many problems are listed per file; the rest are counted in one line.
 MAX_PER_FILE = 20
 
+
 def _message_without_where(exc: CheckpointError, where: str) -> str:
     text = str(exc)
     for prefix in (f"{where}: ", f"{where}:"):
         if text.startswith(prefix):
-            return text[len(prefix):]
+            return text[len(prefix) :]
     return text
 
 
@@ -224,7 +225,9 @@ def verify(
             try:
                 loaded = safe_loads(blob, where)
                 if not isinstance(loaded, Metadata):
-                    raise CheckpointCorruptError(f"{where}: holds {type(loaded).__name__}, not DCP Metadata", path=where)
+                    raise CheckpointCorruptError(
+                        f"{where}: holds {type(loaded).__name__}, not DCP Metadata", path=where
+                    )
                 metadata = loaded
             except CheckpointError as exc:
                 kind = "unsafe" if isinstance(exc, UnsafeCheckpointError) else "corrupt"
@@ -233,7 +236,9 @@ def verify(
     if MANIFEST_NAME not in listing:
         if PENDING_NAME in listing:
             problems.append(
-                Problem(MANIFEST_NAME, f"is missing: a save started here ({PENDING_NAME}) but never committed", "incomplete")
+                Problem(
+                    MANIFEST_NAME, f"is missing: a save started here ({PENDING_NAME}) but never committed", "incomplete"
+                )
             )
         elif metadata is not None and is_ckptlib_metadata(metadata):
             problems.append(
@@ -246,8 +251,12 @@ def verify(
             )
         else:
             problems.append(
-                Problem(None, f"plain DCP checkpoint (no {MANIFEST_NAME}): it carries no checksums to verify; "
-                        "only its structure was checked", "note")
+                Problem(
+                    None,
+                    f"plain DCP checkpoint (no {MANIFEST_NAME}): it carries no checksums to verify; "
+                    "only its structure was checked",
+                    "note",
+                )
             )
 
     if manifest is not None:
@@ -261,7 +270,9 @@ def verify(
                 problems.append(Problem(name, "is missing", "missing"))
             elif listing[name] != record.size:
                 problems.append(
-                    Problem(name, f"has {listing[name]} bytes, the manifest says {record.size} (truncated or overwritten)")
+                    Problem(
+                        name, f"has {listing[name]} bytes, the manifest says {record.size} (truncated or overwritten)"
+                    )
                 )
             else:
                 problems.extend(_checksum_problems(storage, name, record, read_chunk, on_bytes))
@@ -270,8 +281,11 @@ def verify(
                 problems.append(Problem(name, "is not listed in the manifest (not part of the checkpoint)", "note"))
         if PENDING_NAME in listing:
             problems.append(
-                Problem(PENDING_NAME, "was left behind by a commit interrupted after the manifest was written; "
-                        "harmless", "note")
+                Problem(
+                    PENDING_NAME,
+                    "was left behind by a commit interrupted after the manifest was written; harmless",
+                    "note",
+                )
             )
 
     if metadata is not None:
@@ -306,7 +320,10 @@ def _declared_item_problems(storage: Storage, metadata: Metadata, skip: set[str]
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             for chunk in md.chunks:
-                declared[(fqn, tuple(int(o) for o in chunk.offsets))] = (md.properties.dtype, tuple(int(s) for s in chunk.sizes))
+                declared[(fqn, tuple(int(o) for o in chunk.offsets))] = (
+                    md.properties.dtype,
+                    tuple(int(s) for s in chunk.sizes),
+                )
     problems: list[Problem] = []
     for index, info in metadata.storage_data.items():
         key = (index.fqn, tuple(int(o) for o in index.offset)) if index.offset is not None else None
@@ -350,8 +367,10 @@ def _manifest_problems(manifest: Manifest) -> list[Problem]:
         ranks.add(rank)
         if rank >= manifest.world_size:
             problems.append(
-                Problem(MANIFEST_NAME, f"lists {name}, a shard of rank {rank}, but says the world size was "
-                        f"{manifest.world_size}")
+                Problem(
+                    MANIFEST_NAME,
+                    f"lists {name}, a shard of rank {rank}, but says the world size was {manifest.world_size}",
+                )
             )
     # Never range(world_size): a crafted world size (10^12) must not build a set that large.
     present = sum(1 for r in ranks if r < manifest.world_size)
@@ -359,8 +378,11 @@ def _manifest_problems(manifest: Manifest) -> list[Problem]:
         shown = [r for r in range(min(manifest.world_size, len(ranks) + 20)) if r not in ranks][:20]
         more = manifest.world_size - present - len(shown)
         problems.append(
-            Problem(MANIFEST_NAME, f"lists no shard file for rank(s) {', '.join(map(str, shown))}"
-                    f"{f' and {more} more' if more > 0 else ''} of the {manifest.world_size} that saved")
+            Problem(
+                MANIFEST_NAME,
+                f"lists no shard file for rank(s) {', '.join(map(str, shown))}"
+                f"{f' and {more} more' if more > 0 else ''} of the {manifest.world_size} that saved",
+            )
         )
     return problems
 
@@ -391,7 +413,7 @@ class Summary:
 
 def _dtype_name(dtype: Any) -> str:
     text = str(dtype)
-    return text[len("torch."):] if text.startswith("torch.") else text
+    return text[len("torch.") :] if text.startswith("torch.") else text
 
 
 def summarize(storage: Storage | str | os.PathLike) -> Summary:

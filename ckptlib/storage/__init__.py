@@ -17,8 +17,16 @@ from .base import (
 from .local import LocalStorage
 
 __all__ = [
-    "Storage", "SupportsCreateExclusive", "SupportsDirectReads", "SupportsFileRoot", "LocalStorage",
-    "as_storage", "open_storage", "check_relative", "is_remote", "root_is_file",
+    "Storage",
+    "SupportsCreateExclusive",
+    "SupportsDirectReads",
+    "SupportsFileRoot",
+    "LocalStorage",
+    "as_storage",
+    "open_storage",
+    "check_relative",
+    "is_remote",
+    "root_is_file",
 ]
 
 

@@ -28,10 +28,19 @@ from .objects import Exists, ObjectStorage
 TIMEOUTS = {"connection_timeout": 10, "read_timeout": 120}
 _CONTAINER_RE = re.compile(r"^(?=.{3,63}$)[a-z0-9](?:[a-z0-9]|-(?!-))*[a-z0-9]$")
 _ACCOUNT_RE = re.compile(r"^[a-z0-9]{3,24}$")
-_CLIENT_ENV = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT",
-               "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN",
-               "AZURE_STORAGE_BLOB_ENDPOINT", "AZURE_CLIENT_ID", "AZURE_TENANT_ID", "AZURE_CLIENT_SECRET",
-               "AZURE_FEDERATED_TOKEN_FILE")
+_CLIENT_ENV = (
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "AZURE_STORAGE_ACCOUNT_NAME",
+    "AZURE_STORAGE_ACCOUNT",
+    "AZURE_STORAGE_ACCOUNT_KEY",
+    "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_SAS_TOKEN",
+    "AZURE_STORAGE_BLOB_ENDPOINT",
+    "AZURE_CLIENT_ID",
+    "AZURE_TENANT_ID",
+    "AZURE_CLIENT_SECRET",
+    "AZURE_FEDERATED_TOKEN_FILE",
+)
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _HINTS = {
     "AuthenticationFailed": "the account key, SAS token or credential was rejected",
@@ -50,11 +59,15 @@ def parse_uri(uri: str) -> tuple[str, str | None, str]:
     container, _, account = netloc.partition("@")
     account = account.split(".", 1)[0] or None  # container@account.blob.core.windows.net
     if not _CONTAINER_RE.match(container):
-        raise StorageError(f"invalid Azure container name {container!r}: 3-63 lowercase letters, digits and "
-                           "single hyphens, starting and ending with a letter or digit", path=f"az://{netloc}")
+        raise StorageError(
+            f"invalid Azure container name {container!r}: 3-63 lowercase letters, digits and "
+            "single hyphens, starting and ending with a letter or digit",
+            path=f"az://{netloc}",
+        )
     if account is not None and not _ACCOUNT_RE.match(account):
-        raise StorageError(f"invalid Azure storage account name {account!r}: 3-24 lowercase letters and digits",
-                           path=f"az://{netloc}")
+        raise StorageError(
+            f"invalid Azure storage account name {account!r}: 3-24 lowercase letters and digits", path=f"az://{netloc}"
+        )
     prefix = prefix.strip("/")
     if prefix:
         check_relative(prefix, uri)
@@ -67,8 +80,13 @@ _CLIENTS_LOCK = threading.Lock()
 
 def _sdk_options() -> dict[str, Any]:
     mib = 1 << 20
-    return {"retry_total": 0, "max_single_put_size": 256 * mib, "max_single_get_size": 32 * mib,
-            "max_chunk_get_size": 32 * mib, **TIMEOUTS}
+    return {
+        "retry_total": 0,
+        "max_single_put_size": 256 * mib,
+        "max_single_get_size": 32 * mib,
+        "max_chunk_get_size": 32 * mib,
+        **TIMEOUTS,
+    }
 
 
 def default_service(account: str | None = None):
@@ -95,13 +113,17 @@ def _make_service(cls, account: str | None):
         try:
             return cls.from_connection_string(connection, **_sdk_options())
         except ValueError as exc:
-            raise StorageError("AZURE_STORAGE_CONNECTION_STRING is not a valid connection string: "
-                               + objects.scrub(str(exc), [connection])) from None
+            raise StorageError(
+                "AZURE_STORAGE_CONNECTION_STRING is not a valid connection string: "
+                + objects.scrub(str(exc), [connection])
+            ) from None
     account = account or env.get("AZURE_STORAGE_ACCOUNT_NAME") or env.get("AZURE_STORAGE_ACCOUNT")
     if not account:
-        raise StorageError("az:// needs an account: set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME "
-                           "(with AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN or an azure-identity credential), "
-                           "or write az://container@account/prefix")
+        raise StorageError(
+            "az:// needs an account: set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME "
+            "(with AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN or an azure-identity credential), "
+            "or write az://container@account/prefix"
+        )
     endpoint = env.get("AZURE_STORAGE_BLOB_ENDPOINT") or f"https://{account}.blob.core.windows.net"
     key = env.get("AZURE_STORAGE_ACCOUNT_KEY") or env.get("AZURE_STORAGE_KEY")
     sas = env.get("AZURE_STORAGE_SAS_TOKEN")
@@ -113,9 +135,11 @@ def _make_service(cls, account: str | None):
         try:
             from azure.identity import DefaultAzureCredential
         except ImportError as exc:
-            raise StorageError(f"az:// account {account}: no AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, and "
-                               "azure-identity (for DefaultAzureCredential) is not installed: pip install "
-                               "'ckptlib[azure]'") from exc
+            raise StorageError(
+                f"az:// account {account}: no AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, and "
+                "azure-identity (for DefaultAzureCredential) is not installed: pip install "
+                "'ckptlib[azure]'"
+            ) from exc
         credential = DefaultAzureCredential()
     return cls(account_url=endpoint, credential=credential, **_sdk_options())
 
@@ -148,8 +172,9 @@ class AzureClient:
 
         length = None if end is None else end - start + 1
         try:
-            downloader = self._blob(key).download_blob(offset=start if (start or length) else None,
-                                                       length=length, max_concurrency=1)
+            downloader = self._blob(key).download_blob(
+                offset=start if (start or length) else None, length=length, max_concurrency=1
+            )
             return downloader.readall(), downloader.size if end is None else None
         except HttpResponseError as exc:
             if getattr(exc, "status_code", None) == 416:
@@ -166,8 +191,11 @@ class AzureClient:
     def list_prefixes(self, key_prefix: str) -> list[str]:
         from azure.storage.blob import BlobPrefix
 
-        return sorted(item.name for item in self.container.walk_blobs(name_starts_with=key_prefix or None, delimiter="/")
-                      if isinstance(item, BlobPrefix))
+        return sorted(
+            item.name
+            for item in self.container.walk_blobs(name_starts_with=key_prefix or None, delimiter="/")
+            if isinstance(item, BlobPrefix)
+        )
 
     def delete(self, key: str) -> None:
         from azure.core.exceptions import ResourceNotFoundError
@@ -220,8 +248,15 @@ class AzureClient:
 
     def secrets(self) -> Iterable[str]:
         env = os.environ
-        out = [env.get(k, "") for k in ("AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN",
-                                         "AZURE_CLIENT_SECRET")]
+        out = [
+            env.get(k, "")
+            for k in (
+                "AZURE_STORAGE_ACCOUNT_KEY",
+                "AZURE_STORAGE_KEY",
+                "AZURE_STORAGE_SAS_TOKEN",
+                "AZURE_CLIENT_SECRET",
+            )
+        ]
         connection = env.get("AZURE_STORAGE_CONNECTION_STRING", "")
         for part in connection.split(";"):
             name, _, value = part.partition("=")
@@ -256,8 +291,9 @@ class BlockUpload:
 class AzureStorage(ObjectStorage):
     """Objects below `az://container/prefix`."""
 
-    def __init__(self, container: str, prefix: str = "", service: Any = None, *, account: str | None = None,
-                 **options: Any):
+    def __init__(
+        self, container: str, prefix: str = "", service: Any = None, *, account: str | None = None, **options: Any
+    ):
         self._service = service
         self.account = account
         super().__init__("az", container, prefix, **options)

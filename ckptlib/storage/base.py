@@ -10,7 +10,6 @@ from typing import BinaryIO, ContextManager, Iterable, Protocol, runtime_checkab
 
 from ..errors import StorageError
 
-
 # What makes a directory look committed (ckptlib's manifest, then DCP's metadata; the names
 # `ckptlib.format.manifest` gives them). A backend that deletes a tree object by object
 # removes these first, so an interrupted deletion never leaves a committed-looking directory

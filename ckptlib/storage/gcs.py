@@ -29,8 +29,13 @@ log = logging.getLogger(__name__)
 COMPOSE_LIMIT = 32
 TIMEOUT = (10, 120)
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
-_CLIENT_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT",
-               "CLOUDSDK_CONFIG", "GOOGLE_CLOUD_UNIVERSE_DOMAIN")
+_CLIENT_ENV = (
+    "STORAGE_EMULATOR_HOST",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "GOOGLE_CLOUD_PROJECT",
+    "CLOUDSDK_CONFIG",
+    "GOOGLE_CLOUD_UNIVERSE_DOMAIN",
+)
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _HINTS = {401: "the credentials were rejected", 403: "the credentials lack permission for this operation"}
 
@@ -41,8 +46,11 @@ def parse_uri(uri: str) -> tuple[str, str]:
         raise StorageError(f"not a gs:// URI: {uri!r}", path=str(uri))
     bucket, _, prefix = uri[len("gs://") :].partition("/")
     if not _BUCKET_RE.match(bucket) or ".." in bucket:
-        raise StorageError(f"invalid GCS bucket name {bucket!r}: 3-222 characters of lowercase letters, digits, "
-                           "'-', '_' and '.', starting and ending with a letter or digit", path=f"gs://{bucket}")
+        raise StorageError(
+            f"invalid GCS bucket name {bucket!r}: 3-222 characters of lowercase letters, digits, "
+            "'-', '_' and '.', starting and ending with a letter or digit",
+            path=f"gs://{bucket}",
+        )
     prefix = prefix.strip("/")
     if prefix:
         check_relative(prefix, uri)
@@ -96,7 +104,10 @@ class GCSClient:
 
         try:
             self._blob(key).upload_from_string(
-                data, content_type="application/octet-stream", retry=None, timeout=TIMEOUT,
+                data,
+                content_type="application/octet-stream",
+                retry=None,
+                timeout=TIMEOUT,
                 if_generation_match=0 if if_absent else None,
             )
         except gex.PreconditionFailed as exc:
@@ -110,8 +121,9 @@ class GCSClient:
         try:
             if start == 0 and end is None:
                 return self._blob(key).download_as_bytes(retry=None, timeout=TIMEOUT), None
-            return self._blob(key).download_as_bytes(start=start, end=end, retry=None, timeout=TIMEOUT,
-                                                     checksum=None), None
+            return self._blob(key).download_as_bytes(
+                start=start, end=end, retry=None, timeout=TIMEOUT, checksum=None
+            ), None
         except gex.RequestRangeNotSatisfiable:
             return None, None
 
@@ -160,8 +172,15 @@ class GCSClient:
             import requests
             from google.auth import exceptions as gauth
 
-            if isinstance(exc, (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
-                                gauth.TransportError)):
+            if isinstance(
+                exc,
+                (
+                    requests.ConnectionError,
+                    requests.Timeout,
+                    requests.exceptions.ChunkedEncodingError,
+                    gauth.TransportError,
+                ),
+            ):
                 return "transient"
         except ImportError:  # pragma: no cover
             pass
@@ -238,6 +257,7 @@ class ComposedUpload:
         with self._lock:
             made = sorted(self._made)
             self._made.clear()
+
         def delete(key: str) -> None:
             try:
                 self._c.delete(key)

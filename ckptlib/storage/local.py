@@ -251,7 +251,7 @@ class LocalStorage:
         out: dict[str, int] = {}
         if not os.path.isdir(self.root):
             return out
-        for dirpath, dirnames, filenames in os.walk(self.root):
+        for dirpath, _dirnames, filenames in os.walk(self.root):
             rel_dir = os.path.relpath(dirpath, self.root)
             for name in filenames:
                 rel = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
@@ -266,9 +266,7 @@ class LocalStorage:
     def list_children(self) -> list[str]:
         if not os.path.isdir(self.root):
             return []
-        return sorted(
-            e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)
-        )
+        return sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False))
 
     def delete(self, paths: Iterable[str]) -> None:
         for path in paths:

@@ -57,8 +57,9 @@ _SECRET_RES = (
 def scrub(text: str, secrets: Iterable[str] = ()) -> str:
     """`text` with anything that looks like a credential replaced by <redacted>."""
     for pattern in _SECRET_RES:
-        text = pattern.sub(lambda m: m.group(0).split("=", 1)[0] + "=<redacted>" if "=" in m.group(0)
-                           else "<redacted>", text)
+        text = pattern.sub(
+            lambda m: m.group(0).split("=", 1)[0] + "=<redacted>" if "=" in m.group(0) else "<redacted>", text
+        )
     for secret in secrets:
         if secret and len(secret) >= 8:
             text = text.replace(secret, "<redacted>")
@@ -146,8 +147,18 @@ class ObjectStorage(PrefixedObjects):
         self.backoff_cap = backoff_cap
 
     def _options(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("multipart_threshold", "part_size", "max_concurrency",
-                                               "read_chunk_size", "max_attempts", "backoff_base", "backoff_cap")}
+        return {
+            k: getattr(self, k)
+            for k in (
+                "multipart_threshold",
+                "part_size",
+                "max_concurrency",
+                "read_chunk_size",
+                "max_attempts",
+                "backoff_base",
+                "backoff_cap",
+            )
+        }
 
     @property
     def client(self) -> ObjectClient:
@@ -177,8 +188,9 @@ class ObjectStorage(PrefixedObjects):
             text += f" (gave up after {attempts} attempts)"
         return StorageError(scrub(text, client.secrets()), path=where)
 
-    def call(self, op: str, where: str, fn: Callable[[], T], *, passthrough: tuple[str, ...] = (),
-             absent_ok: bool = False) -> T:
+    def call(
+        self, op: str, where: str, fn: Callable[[], T], *, passthrough: tuple[str, ...] = (), absent_ok: bool = False
+    ) -> T:
         """Run `fn` with retries on transient errors. Errors classified in `passthrough`
         ('missing', 'exists', 'range') propagate unchanged for the caller to interpret; a
         missing object is a FileNotFoundError when `absent_ok` (reads), else a StorageError."""
@@ -197,8 +209,15 @@ class ObjectStorage(PrefixedObjects):
                     raise FileNotFoundError(f"{where}: no such object") from exc
                 if kind == "transient" and attempt < self.max_attempts:
                     delay = min(self.backoff_cap, self.backoff_base * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
-                    log.info("%s: %s failed transiently (%s); retry %d/%d in %.2fs", where, op,
-                             type(exc).__name__, attempt, self.max_attempts - 1, delay)
+                    log.info(
+                        "%s: %s failed transiently (%s); retry %d/%d in %.2fs",
+                        where,
+                        op,
+                        type(exc).__name__,
+                        attempt,
+                        self.max_attempts - 1,
+                        delay,
+                    )
                     time.sleep(delay)
                     continue
                 raise self.error(exc, op, where, attempt) from exc
@@ -229,8 +248,12 @@ class ObjectStorage(PrefixedObjects):
         body = bytes(data)
         for _ in range(4):
             try:
-                self.call("conditional put", where, lambda: self.client.put(key, body, if_absent=True),
-                          passthrough=("exists",))
+                self.call(
+                    "conditional put",
+                    where,
+                    lambda: self.client.put(key, body, if_absent=True),
+                    passthrough=("exists",),
+                )
                 return True
             except Exists:
                 pass
@@ -284,8 +307,9 @@ class ObjectStorage(PrefixedObjects):
             return
 
         def delete_one(key: str) -> None:
-            self.call("delete", f"{self.scheme}://{self.container}/{key}", lambda: self.client.delete(key),
-                      absent_ok=True)
+            self.call(
+                "delete", f"{self.scheme}://{self.container}/{key}", lambda: self.client.delete(key), absent_ok=True
+            )
 
         def tolerant(key: str) -> None:
             try:

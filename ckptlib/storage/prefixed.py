@@ -141,6 +141,7 @@ def deletion_phases(keys: list[str]) -> list[list[str]]:
     """`keys` in the batches a tree is deleted in, non-empty, in order: what makes a directory
     look committed first (DELETE_FIRST), so a failure half-way leaves an incomplete-looking
     directory, never a committed one with files missing."""
+
     def rank(key: str) -> int:
         leaf = key.rsplit("/", 1)[-1]
         return DELETE_FIRST.index(leaf) if leaf in DELETE_FIRST else len(DELETE_FIRST)

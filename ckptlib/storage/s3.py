@@ -31,7 +31,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import StorageError
 from .base import check_relative
+from .multipart import MultipartWriter
+from .prefixed import PrefixedObjects, deletion_phases, env_options
 from .s3_client import (  # noqa: F401  (constants and client factories: part of this module's API)
+    _NOT_FOUND_CODES,
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_MULTIPART_THRESHOLD,
     DEFAULT_PART_SIZE,
@@ -41,7 +44,6 @@ from .s3_client import (  # noqa: F401  (constants and client factories: part of
     MAX_PART_SIZE,
     MAX_PUT_SIZE,
     MIN_PART_SIZE,
-    _NOT_FOUND_CODES,
     _botocore_errors,
     _error_code,
     _error_status,
@@ -54,10 +56,7 @@ from .s3_client import (  # noqa: F401  (constants and client factories: part of
     parse_uri,
     validate_bucket,
 )
-from .multipart import MultipartWriter
-from .prefixed import PrefixedObjects, deletion_phases, env_options
 from .s3_writer import s3_writer
-
 
 # The transfer sizes CKPTLIB_S3_<OPTION> may set (retries are botocore's: AWS_MAX_ATTEMPTS).
 _ENV_OPTIONS = ("multipart_threshold", "part_size", "max_concurrency", "read_chunk_size")
@@ -193,7 +192,9 @@ class S3Storage(PrefixedObjects):
                 raise _storage_error(exc, "conditional put", where) from exc
             except bex.BotoCoreError as exc:
                 raise _storage_error(exc, "conditional put", where) from exc
-        raise StorageError(f"S3 conditional put failed for {where}: kept conflicting with concurrent writers", path=where)
+        raise StorageError(
+            f"S3 conditional put failed for {where}: kept conflicting with concurrent writers", path=where
+        )
 
     @contextlib.contextmanager
     def open_writer(self, path: str) -> Iterator[MultipartWriter]:
@@ -246,7 +247,11 @@ class S3Storage(PrefixedObjects):
                     delay = min(8.0, 0.2 * 2**attempt) * random.uniform(0.5, 1.0)
                     log.warning(
                         "%s: response body broke off (%s); retrying GET in %.1fs (%d/%d)",
-                        where, type(exc).__name__, delay, attempt, self.read_retries,
+                        where,
+                        type(exc).__name__,
+                        delay,
+                        attempt,
+                        self.read_retries,
                     )
                     time.sleep(delay)
                     continue
@@ -286,8 +291,9 @@ class S3Storage(PrefixedObjects):
     def delete(self, paths: Iterable[str]) -> None:
         paths = list(dict.fromkeys(paths))
         if len(paths) == 1:  # one object (a commit's pending marker): a plain DELETE, cheaper than a batch
-            self._call("delete", self._where(paths[0]), self.client.delete_object, Bucket=self.bucket,
-                       Key=self._key(paths[0]))
+            self._call(
+                "delete", self._where(paths[0]), self.client.delete_object, Bucket=self.bucket, Key=self._key(paths[0])
+            )
             return
         self._delete_keys([self._key(p) for p in paths])
 
@@ -296,8 +302,11 @@ class S3Storage(PrefixedObjects):
         for i in range(0, len(keys), DELETE_BATCH):
             batch = keys[i : i + DELETE_BATCH]
             response = self._call(
-                "delete", self.uri, self.client.delete_objects,
-                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
+                "delete",
+                self.uri,
+                self.client.delete_objects,
+                Bucket=self.bucket,
+                Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
             )
             for err in response.get("Errors") or ():
                 if err.get("Code") in ("NoSuchKey",):
@@ -305,7 +314,9 @@ class S3Storage(PrefixedObjects):
                 failures.append(f"{err.get('Key')}: {err.get('Code')} {err.get('Message') or ''}".strip())
         if failures:
             shown = "; ".join(failures[:5]) + (f" ... ({len(failures)} in all)" if len(failures) > 5 else "")
-            raise StorageError(_scrub(f"S3 delete failed for {len(failures)} object(s) under {self.uri}: {shown}"), path=self.uri)
+            raise StorageError(
+                _scrub(f"S3 delete failed for {len(failures)} object(s) under {self.uri}: {shown}"), path=self.uri
+            )
 
     def delete_tree(self, name: str = "") -> None:
         target = self.child(name) if name else self
@@ -334,8 +345,13 @@ class S3Storage(PrefixedObjects):
         key = self._key(name)
         check_relative(target, self.uri)
         self._call(
-            "put pointer", self._where(name), self.client.put_object,
-            Bucket=self.bucket, Key=key, Body=target.encode("utf-8"), ContentType="text/plain; charset=utf-8",
+            "put pointer",
+            self._where(name),
+            self.client.put_object,
+            Bucket=self.bucket,
+            Key=key,
+            Body=target.encode("utf-8"),
+            ContentType="text/plain; charset=utf-8",
         )
 
     def read_pointer(self, name: str) -> str | None:

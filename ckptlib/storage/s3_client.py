@@ -14,7 +14,6 @@ from typing import Any
 from ..errors import StorageError
 from .base import check_relative
 
-
 log = logging.getLogger(__name__)
 
 KiB = 1 << 10
@@ -232,7 +231,8 @@ def _retryable_stream_error(exc: BaseException) -> bool:
         TimeoutError,
     )
     try:
-        from urllib3.exceptions import ProtocolError, ReadTimeoutError as U3ReadTimeout
+        from urllib3.exceptions import ProtocolError
+        from urllib3.exceptions import ReadTimeoutError as U3ReadTimeout
 
         transient = transient + (ProtocolError, U3ReadTimeout)
     except ImportError:  # pragma: no cover

@@ -16,9 +16,16 @@ Importing this package does not import torch (torch is imported inside ``launch`
 import importlib
 
 _LAZY = {
-    "LAYOUTS": "layouts", "apply_layout": "layouts", "build_mesh": "layouts", "get_layout": "layouts",
-    "ModelSpec": "layout_matrix", "LayoutCase": "layout_matrix", "save_layout": "layout_matrix",
-    "load_layout": "layout_matrix", "full_product": "layout_matrix", "covering_subset": "layout_matrix",
+    "LAYOUTS": "layouts",
+    "apply_layout": "layouts",
+    "build_mesh": "layouts",
+    "get_layout": "layouts",
+    "ModelSpec": "layout_matrix",
+    "LayoutCase": "layout_matrix",
+    "save_layout": "layout_matrix",
+    "load_layout": "layout_matrix",
+    "full_product": "layout_matrix",
+    "covering_subset": "layout_matrix",
 }
 
 
@@ -26,6 +33,7 @@ def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # This package's public names are the launcher's (its __all__), re-exported as they are.
 from .launcher import *  # noqa: E402,F401,F403

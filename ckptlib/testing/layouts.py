@@ -180,8 +180,13 @@ def apply_layout(
 
         return DistributedDataParallel(model, process_group=group)
     if name in ("fsdp1", "fsdp1-flat"):
-        return _fsdp1(model, group, fsdp_units=_model_hook(model, fsdp_units, "fsdp_units"),
-                      use_orig_params=name == "fsdp1", device=device)
+        return _fsdp1(
+            model,
+            group,
+            fsdp_units=_model_hook(model, fsdp_units, "fsdp_units"),
+            use_orig_params=name == "fsdp1",
+            device=device,
+        )
     if name in ("tp", "fsdp2+tp"):
         from torch.distributed.tensor.parallel import parallelize_module
 

@@ -131,7 +131,9 @@ def differences(expected: Any, actual: Any, path: str = "") -> list[str]:
         if expected.dtype != actual.dtype or expected.shape != actual.shape:
             return [f"{path}: {expected.dtype}{tuple(expected.shape)} vs {actual.dtype}{tuple(actual.shape)}"]
         if not torch.equal(expected, actual):
-            return [f"{path}: values differ (max abs diff {(expected.double() - actual.double()).abs().max().item():.3g})"]
+            return [
+                f"{path}: values differ (max abs diff {(expected.double() - actual.double()).abs().max().item():.3g})"
+            ]
         return []
     if isinstance(expected, dict):
         if not isinstance(actual, dict):

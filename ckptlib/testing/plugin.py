@@ -95,9 +95,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _uses_dist(item: pytest.Item) -> bool:
-    return item.get_closest_marker("world_size") is not None or "dist_run" in getattr(
-        item, "fixturenames", ()
-    )
+    return item.get_closest_marker("world_size") is not None or "dist_run" in getattr(item, "fixturenames", ())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

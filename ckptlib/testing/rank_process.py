@@ -18,7 +18,6 @@ import time
 import traceback
 from typing import Any
 
-
 _READY = b"R"
 _UP_KEY = "ckptlib.testing/up"
 
@@ -90,9 +89,7 @@ class _RewriteFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if fn is None or not os.path.isfile(fn):
             return None
         locations = [os.path.dirname(fn)] if os.path.basename(fn) == "__init__.py" else None
-        return importlib.util.spec_from_file_location(
-            name, fn, loader=self, submodule_search_locations=locations
-        )
+        return importlib.util.spec_from_file_location(name, fn, loader=self, submodule_search_locations=locations)
 
     def create_module(self, spec):
         return None
@@ -161,8 +158,9 @@ def _rank_main(spec: _RankSpec) -> None:
     """Entry point of every rank (runs in the forked child)."""
     global _stack_file
     _set_pdeathsig()
-    threading.Thread(target=_watch_launcher, args=(spec.alive_conn,), daemon=True,
-                     name="ckptlib-launcher-watch").start()
+    threading.Thread(
+        target=_watch_launcher, args=(spec.alive_conn,), daemon=True, name="ckptlib-launcher-watch"
+    ).start()
     for target, fd in ((1, spec.stdout), (2, spec.stderr)):
         if isinstance(fd, int):
             os.dup2(fd, target)
@@ -202,8 +200,7 @@ def _rank_main(spec: _RankSpec) -> None:
             store = dist.TCPStore(spec.store[1], spec.store[2], spec.world_size, False, timeout)
         else:
             store = dist.FileStore(spec.store[1], spec.world_size)
-        dist.init_process_group(spec.backend, store=store, rank=spec.rank,
-                                world_size=spec.world_size, timeout=timeout)
+        dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
         store.set(f"{_UP_KEY}/{spec.rank}", "1")
         checked_in = True
         stage = "running the function"

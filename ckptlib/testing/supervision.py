@@ -54,9 +54,14 @@ class _Rank:
             try:
                 self.outcome = pickle.loads(data)
             except Exception as exc:
-                self.outcome = ("error", type(exc).__name__,
-                                f"the result of rank {self.rank} could not be unpickled in the launcher: {exc}",
-                                traceback.format_exc(), None, time.monotonic())
+                self.outcome = (
+                    "error",
+                    type(exc).__name__,
+                    f"the result of rank {self.rank} could not be unpickled in the launcher: {exc}",
+                    traceback.format_exc(),
+                    None,
+                    time.monotonic(),
+                )
 
     def stack_size(self) -> int:
         try:
@@ -200,14 +205,16 @@ def _supervise(ranks: list[_Rank], timeout: float, grace: float) -> tuple[bool, 
             elif not rk.alive and rk.outcome is None:
                 how = _describe_exit(rk.exitcode)
                 reason = f"exited with {how} without returning a result"
-                rk.failure = RankFailure(rk.rank, "exited", reason,
-                                         RankExited(rk.rank, rk.exitcode, reason), exitcode=rk.exitcode)
+                rk.failure = RankFailure(
+                    rk.rank, "exited", reason, RankExited(rk.rank, rk.exitcode, reason), exitcode=rk.exitcode
+                )
                 died.append(rk)
             elif not rk.alive and rk.exitcode != 0:
                 how = _describe_exit(rk.exitcode)
                 reason = f"returned a result but then exited with {how}"
-                rk.failure = RankFailure(rk.rank, "exited", reason,
-                                         RankExited(rk.rank, rk.exitcode, reason), exitcode=rk.exitcode)
+                rk.failure = RankFailure(
+                    rk.rank, "exited", reason, RankExited(rk.rank, rk.exitcode, reason), exitcode=rk.exitcode
+                )
                 died.append(rk)
             else:
                 continue
@@ -234,14 +241,12 @@ def _mark_first(ranks: list[_Rank]) -> int | None:
     if not failed:
         return None
     causes = [rk for rk in failed if rk.failure.kind in ("error", "exited")]
-    primary = [rk for rk in causes
-               if not (rk.failure.kind == "error" and _SECONDARY.search(rk.failure.message or ""))]
+    primary = [rk for rk in causes if not (rk.failure.kind == "error" and _SECONDARY.search(rk.failure.message or ""))]
     pool = primary or causes or failed
     first = min(pool, key=lambda rk: (rk.fail_time, rk.rank))
     # A dead rank is only noticed here after the fact, while its peers timestamp the
     # errors its death causes themselves: a death seen shortly after wins.
-    deaths = [rk for rk in pool if rk.failure.kind == "exited"
-              and rk.fail_time <= first.fail_time + _DEATH_WINDOW]
+    deaths = [rk for rk in pool if rk.failure.kind == "exited" and rk.fail_time <= first.fail_time + _DEATH_WINDOW]
     if deaths:
         first = min(deaths, key=lambda rk: (rk.fail_time, rk.rank))
     first.failure.first = True

@@ -28,9 +28,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from .. import compat
-from . import layout_matrix
+from . import layout_matrix, matrix
 from . import layouts as lay
-from . import matrix
 from .models import build_transformer, transformer_loss
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -220,8 +219,17 @@ def mixed_precision(seed: int, group=None) -> Parts:
 
 SCENARIOS: dict[str, Callable[..., Parts]] = {
     fn.__name__: fn
-    for fn in (gan, frozen, tied, param_groups, lr_scheduler, grad_scaler, compiled,
-               activation_checkpointing, mixed_precision)
+    for fn in (
+        gan,
+        frozen,
+        tied,
+        param_groups,
+        lr_scheduler,
+        grad_scaler,
+        compiled,
+        activation_checkpointing,
+        mixed_precision,
+    )
 }
 #: Scenarios whose saved FQNs must not carry a wrapper's prefix.
 NO_PREFIX = {"compiled": "_orig_mod.", "activation_checkpointing": "_checkpoint_wrapped_module."}

@@ -196,8 +196,9 @@ def layouts_fit(layouts: list[str], world_sizes: list[int]) -> bool:
     return any(layouts_mod.get_layout(name).supports(n) for name in layouts for n in world_sizes)
 
 
-def run_layout_pairs(root: str, world_sizes: list[int], layouts: list[str], optim: str, *,
-                     pairs: str = "all", progress: bool = True) -> Report | None:
+def run_layout_pairs(
+    root: str, world_sizes: list[int], layouts: list[str], optim: str, *, pairs: str = "all", progress: bool = True
+) -> Report | None:
     """Every (layout A at N) save loaded at every (layout B at M) inside an initialized
     process group (`pairs="covering"`: one case per layout pair); the report on rank 0."""
     rank = dist.get_rank()
@@ -216,8 +217,9 @@ def run_layout_pairs(root: str, world_sizes: list[int], layouts: list[str], opti
         box = [None, None]  # expected state, save error
         if rank < n:
             try:
-                box[0] = layout_matrix.save_layout(uri, layout, optim, group=groups[n],
-                                                   groups_2d=groups_2d.get((layout, n)))
+                box[0] = layout_matrix.save_layout(
+                    uri, layout, optim, group=groups[n], groups_2d=groups_2d.get((layout, n))
+                )
             except Exception as exc:
                 box[1] = f"save at {layout} on {n} ranks failed: {_fail_text(exc)}"
         dist.broadcast_object_list(box, src=0)
@@ -229,8 +231,9 @@ def run_layout_pairs(root: str, world_sizes: list[int], layouts: list[str], opti
             problems: list[str] = [box[1]] if box[1] else []
             if not box[1] and rank < m:
                 try:
-                    problems = layout_matrix.load_layout(uri, target, box[0], optim, group=groups[m],
-                                                         groups_2d=groups_2d.get((target, m)))
+                    problems = layout_matrix.load_layout(
+                        uri, target, box[0], optim, group=groups[m], groups_2d=groups_2d.get((target, m))
+                    )
                 except Exception as exc:
                     problems = [f"load at {target} on {m} ranks failed: {_fail_text(exc)}"]
             merged = _gather_problems(problems, m)
@@ -259,8 +262,15 @@ def default_wrap() -> str:
     return "fsdp2" if compat.fsdp2_cpu_reason() is None else "ddp"
 
 
-def rank_entry(root: str, world_sizes: list[int], wrap: str, optim: str, progress: bool,
-               layouts: list[str] | None = None, pairs: str = "all") -> dict | None:
+def rank_entry(
+    root: str,
+    world_sizes: list[int],
+    wrap: str,
+    optim: str,
+    progress: bool,
+    layouts: list[str] | None = None,
+    pairs: str = "all",
+) -> dict | None:
     """Entry point for launcher ranks (module-level so it pickles by reference)."""
     if layouts:
         report = run_layout_pairs(root, world_sizes, layouts, optim, pairs=pairs, progress=progress)

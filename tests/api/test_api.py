@@ -17,7 +17,6 @@ from torch import nn
 import ckptlib
 from ckptlib.errors import (
     CheckpointCorruptError,
-    CheckpointError,
     CheckpointExistsError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
@@ -165,7 +164,9 @@ def test_errors_nonexistent_and_not_a_checkpoint(tmp_path):
         ckptlib.load(missing, {"w": torch.zeros(1)})
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "notes.txt").write_text("hi")
-    with pytest.raises(NotACheckpointError, match=r"junk is not a checkpoint in any format ckptlib reads .*found: notes.txt"):
+    with pytest.raises(
+        NotACheckpointError, match=r"junk is not a checkpoint in any format ckptlib reads .*found: notes.txt"
+    ):
         ckptlib.load(tmp_path / "junk", {"w": torch.zeros(1)})
     (tmp_path / "empty").mkdir()
     with pytest.raises(NotACheckpointError):
@@ -179,7 +180,9 @@ def test_uncommitted_checkpoint_is_refused(tmp_path):
     ckptlib.save(tmp_path / "c", {"w": torch.ones(3)})
     (tmp_path / "c" / "ckptlib.json").unlink()
     (tmp_path / "c" / "ckptlib.pending").write_text("{}")
-    with pytest.raises(CheckpointIncompleteError, match="uncommitted checkpoint: a save started but never wrote ckptlib.json"):
+    with pytest.raises(
+        CheckpointIncompleteError, match="uncommitted checkpoint: a save started but never wrote ckptlib.json"
+    ):
         ckptlib.load(tmp_path / "c", {"w": torch.zeros(3)})
 
 
@@ -187,7 +190,9 @@ def test_manifest_file_mismatch_is_corrupt(tmp_path):
     ckptlib.save(tmp_path / "c", {"w": torch.ones(3)})
     with open(tmp_path / "c" / "__0_0.distcp", "ab") as f:
         f.write(b"\0")
-    with pytest.raises(CheckpointCorruptError, match=r"__0_0.distcp \(rank 0's shard\) has \d+ bytes, the manifest says \d+"):
+    with pytest.raises(
+        CheckpointCorruptError, match=r"__0_0.distcp \(rank 0's shard\) has \d+ bytes, the manifest says \d+"
+    ):
         ckptlib.load(tmp_path / "c", {"w": torch.zeros(3)})
 
 
@@ -237,7 +242,11 @@ def test_save_replaces_debris_of_crashed_save(tmp_path):
         pytest.param({"a.b": 1}, "state key 'a.b' must be a non-empty string without '.'", id="dot-in-key"),
         pytest.param({"": 1}, "state key '' must be a non-empty string without '.'", id="empty-key"),
         pytest.param({1: 1}, "state key 1 must be a non-empty string without '.'", id="int-key"),
-        pytest.param({"x": {"m": nn.Linear(1, 1)}}, "put modules, optimizers and RankLocal objects at the top level", id="nested-module"),
+        pytest.param(
+            {"x": {"m": nn.Linear(1, 1)}},
+            "put modules, optimizers and RankLocal objects at the top level",
+            id="nested-module",
+        ),
     ],
 )
 def test_bad_state_is_a_state_error(tmp_path, state, message):
@@ -304,8 +313,8 @@ def test_one_rank_shape_mismatch_raises_everywhere(tmp_path, dist_run):
 
 
 def _save_replicated_and_sharded(uri: str):
-    from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     full = torch.arange(30, dtype=torch.float32).reshape(6, 5)

@@ -36,8 +36,8 @@ def _full(seed: int, rows: int = ROWS, cols: int = COLS, dtype=torch.float32) ->
 
 
 def _sharded(full: torch.Tensor, dim: int = 0):
-    from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     return distribute_tensor(full, mesh, [Shard(dim)])
@@ -139,6 +139,7 @@ def _async_with_failing_rank(uri: str, bad_rank: int):
     from ckptlib.storage.local import LocalStorage
 
     if dist.get_rank() == bad_rank:
+
         def broken_writer(self, path):
             raise OSError(28, "No space left on device (injected)")
 
@@ -181,6 +182,7 @@ def _background_staging_fails_on(uri: str, bad_rank: int) -> list[str]:
     from ckptlib import background_save
 
     if dist.get_rank() == bad_rank:
+
         def no_memory(key, value, pool, used):
             raise MemoryError(f"cannot stage {key} (injected)")
 
@@ -272,7 +274,8 @@ _EXIT_SCRIPT = textwrap.dedent(
     if world > 1:
         from torch.distributed.tensor import Shard, distribute_tensor
         from torch.distributed.device_mesh import init_device_mesh
-        state["w"] = distribute_tensor(torch.arange(3_000_000, dtype=torch.float32), init_device_mesh("cpu", (world,)), [Shard(0)])
+        mesh = init_device_mesh("cpu", (world,))
+        state["w"] = distribute_tensor(torch.arange(3_000_000, dtype=torch.float32), mesh, [Shard(0)])
     ckptlib.async_save(sys.argv[1], state, step=9)
     # no wait(): the interpreter exits right away and atexit must let the save commit
     """
@@ -289,7 +292,10 @@ def _gloo_teardown_abort(returncode: int, stderr: str) -> bool:
     return (
         returncode == -signal.SIGABRT
         and _EXIT_HANDLERS_DONE in lines
-        and any("terminate called without an active exception" in line for line in lines[lines.index(_EXIT_HANDLERS_DONE) + 1 :])
+        and any(
+            "terminate called without an active exception" in line
+            for line in lines[lines.index(_EXIT_HANDLERS_DONE) + 1 :]
+        )
     )
 
 
@@ -433,13 +439,15 @@ def test_corruption_in_a_large_item_is_detected(tmp_path, where, reshard):
         from ckptlib.format.source import open_reader
 
         reader, info = open_reader(ckptlib.storage.open_storage(uri), verify=True)
+        from reader_helpers import IntoTensor
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-        from reader_helpers import IntoTensor
 
         md = info.metadata.state_dict_metadata["a"]
-        items = create_read_items_for_chunk_list("a", md, [ChunkStorageMetadata(torch.Size([100, 0]), torch.Size([50, COLS]))])
+        items = create_read_items_for_chunk_list(
+            "a", md, [ChunkStorageMetadata(torch.Size([100, 0]), torch.Size([50, COLS]))]
+        )
         out = torch.zeros(50, COLS)
 
         assert manifest["files"]["__0_0.distcp"]["blocks"]["size"] == 1 << 20

@@ -82,16 +82,23 @@ def _load(uri: str, fail_in: str | None, order: str = "before-fsdp1") -> str:
 
 _BEFORE = "before-fsdp1"
 _BETWEEN = "between-fsdp1-and-its-optimizer"
-_CASES = [("save", "state_dict", _BEFORE), ("load", "state_dict", _BEFORE), ("load", "load_state_dict", _BEFORE),
-          ("save", "stateful.state_dict", _BEFORE), ("load", "stateful.state_dict", _BEFORE),
-          ("load", "stateful.load_state_dict", _BEFORE),
-          # only the optimizer's step (get, or set: its applier) is collective after the failure
-          ("save", "stateful.state_dict", _BETWEEN), ("load", "stateful.state_dict", _BETWEEN),
-          ("load", "stateful.load_state_dict", _BETWEEN)]
+_CASES = [
+    ("save", "state_dict", _BEFORE),
+    ("load", "state_dict", _BEFORE),
+    ("load", "load_state_dict", _BEFORE),
+    ("save", "stateful.state_dict", _BEFORE),
+    ("load", "stateful.state_dict", _BEFORE),
+    ("load", "stateful.load_state_dict", _BEFORE),
+    # only the optimizer's step (get, or set: its applier) is collective after the failure
+    ("save", "stateful.state_dict", _BETWEEN),
+    ("load", "stateful.state_dict", _BETWEEN),
+    ("load", "stateful.load_state_dict", _BETWEEN),
+]
 
 
-@pytest.mark.parametrize("action,fail_in,order", _CASES,
-                         ids=[f"{a}-{f}" + ("" if o == _BEFORE else f"-{o}") for a, f, o in _CASES])
+@pytest.mark.parametrize(
+    "action,fail_in,order", _CASES, ids=[f"{a}-{f}" + ("" if o == _BEFORE else f"-{o}") for a, f, o in _CASES]
+)
 def test_a_rank_failing_before_an_fsdp1_state_dict_fails_every_rank(tmp_path, dist_run, action, fail_in, order):
     uri = str(tmp_path / "ckpt")
     if action == "load":

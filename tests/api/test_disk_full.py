@@ -14,7 +14,6 @@ before that role and not one page more.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import subprocess
@@ -30,7 +29,11 @@ from ckptlib.steps import step_dir
 
 ROLES = ["shard", "metadata", "manifest"]
 # The files that fit when ENOSPC hits each role (the shard role: all but its last page).
-_BEFORE = {"shard": ("ckptlib.pending", "shards"), "metadata": ("ckptlib.pending", "shards"), "manifest": ("ckptlib.pending", "shards", ".metadata")}
+_BEFORE = {
+    "shard": ("ckptlib.pending", "shards"),
+    "metadata": ("ckptlib.pending", "shards"),
+    "manifest": ("ckptlib.pending", "shards", ".metadata"),
+}
 
 
 @pytest.fixture

@@ -83,7 +83,9 @@ def test_same_dtypes_load_without_warning(tmp_path):
 
 def test_shape_and_dtype_difference_is_a_shape_mismatch_even_with_cast(tmp_path):
     _save(tmp_path, torch.float32)
-    with pytest.raises(ShapeMismatchError, match=r"model\.w: shape \(5,\) in the state, \(6,\) in the checkpoint") as info:
+    with pytest.raises(
+        ShapeMismatchError, match=r"model\.w: shape \(5,\) in the state, \(6,\) in the checkpoint"
+    ) as info:
         ckptlib.load(tmp_path / "c", {"model": {"w": torch.zeros(5, dtype=torch.float16)}}, cast=True)
     assert not isinstance(info.value, DtypeMismatchError)
 

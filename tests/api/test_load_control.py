@@ -17,7 +17,12 @@ from torch import nn
 
 import ckptlib
 from ckptlib import (
-    CastWarning, CheckpointManager, CheckpointNotFoundError, MissingKeysError, ShapeMismatchError, StateError,
+    CastWarning,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    MissingKeysError,
+    ShapeMismatchError,
+    StateError,
 )
 from ckptlib.testing.legacy_writers import write_safetensors, write_torch_save
 
@@ -147,8 +152,11 @@ def test_ignored_keys_are_not_missing(tmp_path):
 @pytest.mark.parametrize(
     "rename",
     [
-        {"model.encoder.": "model.backbone.", "optim.state.encoder.": "optim.state.backbone.",
-         "optim.param_groups.encoder.": "optim.param_groups.backbone."},
+        {
+            "model.encoder.": "model.backbone.",
+            "optim.state.encoder.": "optim.state.backbone.",
+            "optim.param_groups.encoder.": "optim.param_groups.backbone.",
+        },
         lambda key: key.replace("encoder.", "backbone."),
     ],
     ids=["prefix-dict", "callable"],
@@ -210,8 +218,11 @@ def test_safetensors_with_rename_and_ignore(tmp_path, shards):
     before = _sd(target)
     optim = torch.optim.AdamW(target.parameters(), lr=0.1)
     result = ckptlib.load(
-        tmp_path / "hf", {"model": target, "optim": optim}, only=("model",),
-        rename={"model.encoder.": "model.backbone."}, ignore_keys=["model.head.bias"],
+        tmp_path / "hf",
+        {"model": target, "optim": optim},
+        only=("model",),
+        rename={"model.encoder.": "model.backbone."},
+        ignore_keys=["model.head.bias"],
     )
     assert result.format == "safetensors"
     want = _as_backbone(_sd(model))
@@ -252,8 +263,13 @@ def _load_renamed_sharded(path: str) -> tuple[dict, dict]:
     model = _fsdp(RenamedNet(9))
     before = _sd(model)
     optim = torch.optim.AdamW(model.parameters(), lr=0.1)
-    ckptlib.load(path, {"model": model, "optim": optim}, only=("model",),
-                 rename={"model.encoder.": "model.backbone."}, ignore_keys=["model.head.*"])
+    ckptlib.load(
+        path,
+        {"model": model, "optim": optim},
+        only=("model",),
+        rename={"model.encoder.": "model.backbone."},
+        ignore_keys=["model.head.*"],
+    )
     return before, _sd(model)
 
 
@@ -414,7 +430,8 @@ def test_cast_warning_names_twenty_then_counts(tmp_path, n):
 
 
 @pytest.mark.parametrize(
-    "requested, lossy", [(torch.float32, False), (torch.int8, False), (torch.complex64, True)],
+    "requested, lossy",
+    [(torch.float32, False), (torch.int8, False), (torch.complex64, True)],
     ids=["to-float", "to-int", "to-complex"],
 )
 def test_cast_from_bool(tmp_path, requested, lossy):

@@ -58,7 +58,12 @@ def test_sync_save_load_log_and_results(tmp_path, caplog):
     assert save_line["seconds"] == saved.seconds and "blocked_seconds" not in save_line
     _check_line(caplog, save_line)
     [load_line] = _ckptlib_records(caplog, "load")
-    assert (load_line["step"], load_line["bytes"], load_line["world_size"], load_line["saved_world_size"]) == (11, size, 1, 1)
+    assert (load_line["step"], load_line["bytes"], load_line["world_size"], load_line["saved_world_size"]) == (
+        11,
+        size,
+        1,
+        1,
+    )
     assert load_line["seconds"] == loaded.seconds
     _check_line(caplog, load_line)
 
@@ -74,7 +79,7 @@ def test_async_save_logs_blocked_and_total(tmp_path, caplog):
     assert line["blocked_seconds"] == result.blocked_seconds == handle.blocking_seconds
     assert 0 <= result.blocked_seconds <= result.seconds == line["seconds"]
     text = [r.getMessage() for r in caplog.records if getattr(r, "ckptlib", None) is line][0]
-    assert f" async blocked_seconds=" in text
+    assert " async blocked_seconds=" in text
     _check_line(caplog, line)
 
 
@@ -86,11 +91,19 @@ def test_gc_logs_what_it_removed(tmp_path, caplog):
     doomed = sum(p.stat().st_size for d in ("step_0000000001", "step_0000000002") for p in (root / d).iterdir())
     seen = []
     with caplog.at_level(logging.INFO, logger="ckptlib"):
-        removed = CheckpointManager(str(root), keep_last=1).gc(on_removed=lambda done, total: seen.append((done, total)))
+        removed = CheckpointManager(str(root), keep_last=1).gc(
+            on_removed=lambda done, total: seen.append((done, total))
+        )
     assert removed == ["step_0000000001", "step_0000000002"]
     assert seen == [(0, 2), (1, 2), (2, 2)]
     [line] = _ckptlib_records(caplog, "gc")
-    assert (line["bytes"], line["removed"], line["dry_run"], line["world_size"], line["step"]) == (doomed, 2, False, 1, None)
+    assert (line["bytes"], line["removed"], line["dry_run"], line["world_size"], line["step"]) == (
+        doomed,
+        2,
+        False,
+        1,
+        None,
+    )
     _check_line(caplog, line)
 
 
@@ -195,7 +208,10 @@ def root_with_steps(tmp_path_factory):
 def _commands(root, tmp) -> dict[str, tuple[list[str], str]]:
     return {
         "verify": (["verify", str(root / "step_0000000003")], "ckpt verify"),
-        "convert": (["convert", str(root / "step_0000000003"), str(tmp / "conv"), "--to", "safetensors"], "-> safetensors"),
+        "convert": (
+            ["convert", str(root / "step_0000000003"), str(tmp / "conv"), "--to", "safetensors"],
+            "-> safetensors",
+        ),
         "export": (["export", str(root), str(tmp / "exp"), "--model-only"], "export safetensors"),
         "gc": (["gc", str(root), "--keep", "2"], "ckpt gc"),
     }

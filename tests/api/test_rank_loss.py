@@ -63,7 +63,9 @@ def _save_and_lose(root: str, victim: int, how: str) -> dict:
 
 
 SAVE_CASES = [
-    (how, world, victim) for how in ("save", "save-async", "manager", "manager-async") for world, victim in ((2, 1), (3, 1))
+    (how, world, victim)
+    for how in ("save", "save-async", "manager", "manager-async")
+    for world, victim in ((2, 1), (3, 1))
 ] + [("manager", 2, 0)]
 
 

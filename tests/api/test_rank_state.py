@@ -88,9 +88,9 @@ def test_shrink_drops_vanished_ranks(tmp_path, dist_run):
     uri = str(tmp_path / "c")
     after_save = dist_run(4, _save, uri)
     loaded = dist_run(2, _load, uri)
-    assert [l[0] for l in loaded] == after_save[:2]
-    assert [l[1] for l in loaded] == [7, 17]
-    assert all("saved by 4 ranks, loading on 2" in l[2][0] for l in loaded)
+    assert [r[0] for r in loaded] == after_save[:2]
+    assert [r[1] for r in loaded] == [7, 17]
+    assert all("saved by 4 ranks, loading on 2" in r[2][0] for r in loaded)
 
 
 class FromRankZero:
@@ -115,7 +115,9 @@ def test_custom_resize_policy(tmp_path, dist_run):
 
 
 def test_rank_local_needs_stateful():
-    with pytest.raises(ckptlib.StateError, match="RankLocal needs an object with state_dict\\(\\)/load_state_dict\\(\\), got int"):
+    with pytest.raises(
+        ckptlib.StateError, match="RankLocal needs an object with state_dict\\(\\)/load_state_dict\\(\\), got int"
+    ):
         ckptlib.RankLocal(3)
 
 
@@ -212,12 +214,16 @@ def test_rng_state_of_a_process_using_cuda_includes_its_generator(monkeypatch):
     assert ckptlib.RNGState().state_dict()["cuda"] is cuda_state
 
 
-@pytest.mark.parametrize("saved,world,sources", [
-    (2, 4, [0, 1, None, None]),  # grow: the new ranks start fresh
-    (4, 2, [0, 1]),  # shrink: ranks 2 and 3 are dropped
-    (3, 3, [0, 1, 2]),
-    (1, 2, [0, None]),
-], ids=["grow2to4", "shrink4to2", "same3", "grow1to2"])
+@pytest.mark.parametrize(
+    "saved,world,sources",
+    [
+        (2, 4, [0, 1, None, None]),  # grow: the new ranks start fresh
+        (4, 2, [0, 1]),  # shrink: ranks 2 and 3 are dropped
+        (3, 3, [0, 1, 2]),
+        (1, 2, [0, None]),
+    ],
+    ids=["grow2to4", "shrink4to2", "same3", "grow1to2"],
+)
 def test_keep_existing_ranks_sources(saved, world, sources):
     policy = ckptlib.KeepExistingRanks()
     assert [policy.source_rank(rank, saved, world) for rank in range(world)] == sources

@@ -25,7 +25,7 @@ def _socket():
 
 
 UNPICKLABLE = {
-    "lambda": lambda: (lambda x: x),
+    "lambda": lambda: lambda x: x,
     "open-file": _open_file,
     "lock": threading.Lock,
     "socket": _socket,
@@ -42,7 +42,9 @@ def _state(bad) -> dict:
 def test_save_refuses_unpicklable_value_before_writing(tmp_path, kind, mode):
     bad = UNPICKLABLE[kind]()
     target = tmp_path / "ckpt"
-    with pytest.raises(ckptlib.StateError, match=r"^state value extra\.callback \(\w+\) cannot be saved: it does not pickle"):
+    with pytest.raises(
+        ckptlib.StateError, match=r"^state value extra\.callback \(\w+\) cannot be saved: it does not pickle"
+    ):
         (ckptlib.async_save if mode == "async" else ckptlib.save)(str(target), _state(bad), step=1)
     assert not target.exists()
     if hasattr(bad, "close"):

@@ -5,12 +5,24 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
+
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--sizes", "1", "--world-sizes", "1", "--reps", "1", "--warm-only",
-        "--no-s3", "--no-rss", "--no-reshard", "--no-async"]
+TINY = [
+    "--sizes",
+    "1",
+    "--world-sizes",
+    "1",
+    "--reps",
+    "1",
+    "--warm-only",
+    "--no-s3",
+    "--no-rss",
+    "--no-reshard",
+    "--no-async",
+]
 
 
 def test_bench_json_without_a_file_goes_to_stdout_alone(tmp_path):
@@ -18,7 +30,10 @@ def test_bench_json_without_a_file_goes_to_stdout_alone(tmp_path):
     tables go to stderr so stdout parses as one JSON document."""
     run = subprocess.run(
         [sys.executable, "-m", "ckptlib.cli", "bench", *TINY, "--dir", str(tmp_path), "--json"],
-        capture_output=True, text=True, cwd=ROOT, timeout=280,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=280,
     )
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)

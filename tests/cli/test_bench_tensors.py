@@ -22,9 +22,27 @@ def test_parameter_shapes_follow_the_transformer_block():
 
 def test_bench_tensors_json_to_stdout_with_every_load_bit_exact(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "ckptlib.cli", "bench", "tensors", "--tensors", "5", "--world-sizes", "1", "2",
-         "--reps", "1", "--dir", str(tmp_path), "--json"],
-        capture_output=True, text=True, cwd=ROOT, timeout=280,
+        [
+            sys.executable,
+            "-m",
+            "ckptlib.cli",
+            "bench",
+            "tensors",
+            "--tensors",
+            "5",
+            "--world-sizes",
+            "1",
+            "2",
+            "--reps",
+            "1",
+            "--dir",
+            str(tmp_path),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=280,
     )
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
@@ -42,9 +60,27 @@ def test_bench_tensors_json_to_stdout_with_every_load_bit_exact(tmp_path):
 
 def test_bench_tensors_ablation_times_both_collector_settings(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "ckptlib.cli", "bench", "tensors", "--tensors", "4", "--world-sizes", "2",
-         "--reps", "1", "--dir", str(tmp_path), "--ablation", "--json"],
-        capture_output=True, text=True, cwd=ROOT, timeout=280,
+        [
+            sys.executable,
+            "-m",
+            "ckptlib.cli",
+            "bench",
+            "tensors",
+            "--tensors",
+            "4",
+            "--world-sizes",
+            "2",
+            "--reps",
+            "1",
+            "--dir",
+            str(tmp_path),
+            "--ablation",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=280,
     )
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
@@ -56,4 +92,3 @@ def test_bench_tensors_ablation_times_both_collector_settings(tmp_path):
     (summary,) = report["summary"]
     assert summary["save_dcp-gc-paused_s"] > 0 and summary["load_ckptlib-gc-on_s"] > 0
     assert "| ckptlib / DCP paused |" in run.stderr
-

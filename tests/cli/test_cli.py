@@ -53,7 +53,9 @@ def test_verify_intact(tmp_path, capsys):
     [
         pytest.param(lambda p: None, "the path does not exist", id="missing"),
         pytest.param(lambda p: p.write_bytes(b"x"), "is a file, not a checkpoint directory", id="a-file"),
-        pytest.param(lambda p: (p.mkdir(), (p / "notes.txt").write_text("hi")), "is not a checkpoint", id="unrelated-files"),
+        pytest.param(
+            lambda p: (p.mkdir(), (p / "notes.txt").write_text("hi")), "is not a checkpoint", id="unrelated-files"
+        ),
     ],
 )
 def test_verify_and_inspect_not_a_checkpoint_exit_2(tmp_path, capsys, make, message):
@@ -133,7 +135,9 @@ def test_inspect_incomplete_is_exit_1(tmp_path, capsys):
     rc, _, err = _ckpt(capsys, "inspect", path)
     assert rc == 1 and "uncommitted checkpoint" in err
     rc, out, _ = _ckpt(capsys, "verify", path)
-    assert rc == 1 and f"{path}/ckptlib.json: is missing: a save started here (ckptlib.pending) but never committed" in out
+    assert (
+        rc == 1 and f"{path}/ckptlib.json: is missing: a save started here (ckptlib.pending) but never committed" in out
+    )
 
 
 # ---------------------------------------------------------------- ls, gc, unlock
@@ -147,7 +151,9 @@ def test_ls_text_and_json(tmp_path, capsys):
     doc = json.loads(out)
     assert doc["root"] == str(root) and doc["latest"] == "step_0000000002" and doc["lock"] is None
     assert [(s["step"], s["state"], s["world_size"], s["latest"]) for s in doc["steps"]] == [
-        (1, "committed", 1, False), (2, "committed", 1, True), (3, "incomplete", None, False)
+        (1, "committed", 1, False),
+        (2, "committed", 1, True),
+        (3, "incomplete", None, False),
     ]
     assert doc["steps"][2]["bytes"] == len(b"partial") + 2
     assert doc["steps"][0]["bytes"] == sum(p.stat().st_size for p in (root / "step_0000000001").iterdir())
@@ -170,7 +176,9 @@ def test_ls_shows_the_lock_and_a_corrupt_manifest(tmp_path, capsys):
         rc, out, _ = _ckpt(capsys, "ls", root)
         assert rc == 0
         assert out.splitlines()[1].split()[:3] == ["1", "corrupt", "-"]
-        assert out.splitlines()[-1].startswith(f"locked by pid {os.getpid()} on host {socket.gethostname()} (this process)")
+        assert out.splitlines()[-1].startswith(
+            f"locked by pid {os.getpid()} on host {socket.gethostname()} (this process)"
+        )
         rc, out, _ = _ckpt(capsys, "ls", "--json", root)
         assert json.loads(out)["lock"]["pid"] == os.getpid()
 
@@ -252,8 +260,20 @@ def test_unlock(tmp_path, capsys):
         ("verify", ["Exit status: 0 intact, 1 damaged, 2 no checkpoint at URI", "CRC-32"]),
         ("inspect", ["format, step, world_size, torch_version, total_bytes, tensors", "no shard is read"]),
         ("ls", ["committed, incomplete or corrupt", "lock"]),
-        ("gc", ["--keep", "--keep-last", "--keep-every", "--keep-best", "K:METRIC[:min|max]", "--dry-run", "--force",
-                "Takes the root's lock", "`latest` names is always kept"]),
+        (
+            "gc",
+            [
+                "--keep",
+                "--keep-last",
+                "--keep-every",
+                "--keep-best",
+                "K:METRIC[:min|max]",
+                "--dry-run",
+                "--force",
+                "Takes the root's lock",
+                "`latest` names is always kept",
+            ],
+        ),
         ("unlock", ["ckptlib.lock"]),
         ("validate", ["--world-sizes"]),
         ("convert", ["--to", "--force", "one tensor at a time"]),
@@ -284,7 +304,9 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
     data[-200] ^= 0xFF
     (path / "__0_0.distcp").write_bytes(bytes(data))
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(ckptlib.__file__)))}
-    done = subprocess.run([sys.executable, "-m", "ckptlib.cli", "verify", str(path)], capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptlib.cli", "verify", str(path)], capture_output=True, text=True, env=env
+    )
     assert done.returncode == 1 and done.stderr == ""
     assert f"{path}/__0_0.distcp (rank 0's shard): checksum mismatch in item at offset" in done.stdout
     assert done.stdout.splitlines()[-1] == f"{path}: DAMAGED, 1 problem"

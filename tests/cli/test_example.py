@@ -80,8 +80,12 @@ def torchrun_env() -> dict[str, str]:
 
 def torchrun(nproc: int, argv: list[str], *launcher_args: str, timeout: float = TORCHRUN_TIMEOUT):
     return subprocess.run(
-        torchrun_cmd(nproc, argv, *launcher_args), env=torchrun_env(), cwd=REPO,
-        capture_output=True, text=True, timeout=timeout,
+        torchrun_cmd(nproc, argv, *launcher_args),
+        env=torchrun_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -181,8 +185,12 @@ def test_sigkill_mid_run_then_resume(reference, tmp_path, dist_run):
     then resume on 2 ranks: uncommitted debris is skipped and the curve is exact."""
     root, log = tmp_path / "ckpt", tmp_path / "loss.jsonl"
     proc = subprocess.Popen(
-        torchrun_cmd(4, args(root, log, 12, "--step-delay", "0.25")), env=torchrun_env(), cwd=REPO,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        torchrun_cmd(4, args(root, log, 12, "--step-delay", "0.25")),
+        env=torchrun_env(),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + TORCHRUN_TIMEOUT
@@ -232,8 +240,13 @@ def test_torchrun_sigterm_saves_the_step_reached_then_resumes_on_2(reference, tm
     stitched loss curve equals the uninterrupted run's."""
     root, log = tmp_path / "ckpt", tmp_path / "loss.jsonl"
     proc = subprocess.Popen(
-        torchrun_cmd(4, args(root, log, 12, "--step-delay", "0.3")), env=torchrun_env(), cwd=REPO,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        torchrun_cmd(4, args(root, log, 12, "--step-delay", "0.3")),
+        env=torchrun_env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         wait_for_steps(proc, log, 4)

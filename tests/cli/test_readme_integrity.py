@@ -34,7 +34,8 @@ def test_readme_load_signature_lists_every_public_keyword():
 def test_readme_names_every_exported_error():
     text = _readme()
     errors = sorted(
-        name for name in ckptlib.__all__
+        name
+        for name in ckptlib.__all__
         if isinstance(getattr(ckptlib, name), type) and issubclass(getattr(ckptlib, name), ckptlib.CheckpointError)
     )
     assert [e for e in errors if f"`{e}`" not in text] == []
@@ -42,11 +43,13 @@ def test_readme_names_every_exported_error():
 
 def test_readme_integrity_section_says_what_is_checked_refused_and_skipped():
     section = _section(_readme(), "Integrity")
-    for phrase in ("What a load (with the default `verify=True`) and `ckpt verify` check:",
-                   "What is refused, whatever `verify` says",
-                   "What `verify=False` skips:"):
+    for phrase in (
+        "What a load (with the default `verify=True`) and `ckpt verify` check:",
+        "What is refused, whatever `verify` says",
+        "What `verify=False` skips:",
+    ):
         assert phrase in section
-    skipped = section[section.index("What `verify=False` skips:"):]
+    skipped = section[section.index("What `verify=False` skips:") :]
     assert "CRC-32 of `.metadata` and of every item or block" in skipped
     for refused in ("pickles that would run code", "escape the checkpoint", "safetensors headers", "cannot be pickled"):
         assert refused in section, refused

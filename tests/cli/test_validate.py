@@ -88,13 +88,29 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="torchrun not installed")
+@pytest.mark.skipif(
+    shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
+    reason="torchrun not installed",
+)
 def test_validate_under_torchrun(tmp_path):
     """What a user runs on a cluster: the launched ranks run every pair through subgroups."""
     torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [
-        torchrun, "--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        "-m", "ckptlib.cli", "validate", "--world-sizes", "1,3", "--root", str(tmp_path), "--json",
+        torchrun,
+        "--nproc-per-node",
+        "3",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "ckptlib.cli",
+        "validate",
+        "--world-sizes",
+        "1,3",
+        "--root",
+        str(tmp_path),
+        "--json",
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]

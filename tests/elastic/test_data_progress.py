@@ -56,8 +56,11 @@ def _flat(per_rank: list[list[int]]) -> list[int]:
     return [i for seen in per_rank for i in seen]
 
 
-@pytest.mark.parametrize(("n", "m", "workers"), [(4, 2, 0), (2, 3, 0), (3, 3, 0), (3, 2, 2)],
-                         ids=["save4-load2", "save2-load3", "save3-load3", "save3-load2-workers2"])
+@pytest.mark.parametrize(
+    ("n", "m", "workers"),
+    [(4, 2, 0), (2, 3, 0), (3, 3, 0), (3, 2, 2)],
+    ids=["save4-load2", "save2-load3", "save3-load3", "save3-load2-workers2"],
+)
 def test_every_sample_once_across_a_resize(n, m, workers, tmp_path, dist_run):
     pytest.importorskip("torchdata.stateful_dataloader")
     uri = str(tmp_path / "ckpt")

@@ -99,7 +99,9 @@ def gpu_load(uri: str, wrap: str, optim: str, expected: dict, steps: int = 2) ->
     model, opt = gpu_setup(wrap, optim, seed=1)
     state = {"model": model, "optim": opt, "step": -1}
     loaded = ckptlib.CheckpointManager(uri).load(state)
-    problems = [] if loaded == steps and state["step"] == steps else [f"step {loaded}/{state['step']}, expected {steps}"]
+    problems = (
+        [] if loaded == steps and state["step"] == steps else [f"step {loaded}/{state['step']}, expected {steps}"]
+    )
     problems += mx.differences(expected, mx.full_state(model, opt), "after-load")
     for name, p in model.named_parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
@@ -134,8 +136,12 @@ def cuda_tensors_round_trip(uri: str) -> list[str]:
     ckptlib.save(uri, state, step=3)
     after_save = torch.rand(4, device=dev)  # what the RNG gives next
     problems = []
-    into_cuda = {"w": torch.zeros(7, 5, device=dev), "h": torch.zeros(3, device=dev, dtype=torch.bfloat16),
-                 "rng": ckptlib.RNGState(), "step": 0}
+    into_cuda = {
+        "w": torch.zeros(7, 5, device=dev),
+        "h": torch.zeros(3, device=dev, dtype=torch.bfloat16),
+        "rng": ckptlib.RNGState(),
+        "step": 0,
+    }
     torch.cuda.manual_seed(999)
     ckptlib.load(uri, into_cuda)
     if not torch.equal(torch.rand(4, device=dev), after_save):
@@ -189,8 +195,7 @@ CROSS = [
 ]
 
 
-@pytest.mark.parametrize("save_dev,save_ws,load_dev,load_ws", CROSS,
-                         ids=[f"{a}{n}-to-{b}{m}" for a, n, b, m in CROSS])
+@pytest.mark.parametrize("save_dev,save_ws,load_dev,load_ws", CROSS, ids=[f"{a}{n}-to-{b}{m}" for a, n, b, m in CROSS])
 def test_cross_device(save_dev, save_ws, load_dev, load_ws, tmp_path, dist_run):
     """Saved by NCCL ranks on GPUs and loaded by gloo ranks on CPU, and the reverse."""
     need_gpus(save_ws if save_dev == "cuda" else load_ws)
@@ -203,4 +208,3 @@ def test_cross_device(save_dev, save_ws, load_dev, load_ws, tmp_path, dist_run):
         expected = dist_run(save_ws, mx.save_side, root, wrap_cpu, "adamw", manager=True, backend="gloo")[0]
         problems = dist_run(load_ws, gpu_load, root, gpu_wrap, "adamw", expected, backend="nccl", env=DETERMINISTIC_ENV)
     assert problems == [[]] * load_ws
-

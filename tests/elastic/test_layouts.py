@@ -22,10 +22,10 @@ import torch
 
 import ckptlib.testing
 from ckptlib import compat
-from ckptlib.testing.launch_errors import RankError
 from ckptlib.testing import layout_matrix as lm
 from ckptlib.testing import layouts as lay
 from ckptlib.testing import validate
+from ckptlib.testing.launch_errors import RankError
 
 pytestmark = [
     pytest.mark.elastic,
@@ -104,8 +104,9 @@ def test_ckpt_validate_layouts_names_both_layouts(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0 and doc["ok"] is True and doc["layouts"] == ["fsdp2+tp", "tp"]
     got = sorted((c["save_layout"], c["save_ws"], c["load_layout"], c["load_ws"]) for c in doc["cells"])
-    want = sorted((c.save_layout, c.save_ws, c.load_layout, c.load_ws)
-                  for c in lm.covering_subset(["fsdp2+tp", "tp"], [2, 4]))
+    want = sorted(
+        (c.save_layout, c.save_ws, c.load_layout, c.load_ws) for c in lm.covering_subset(["fsdp2+tp", "tp"], [2, 4])
+    )
     assert got == want and len(got) == 4
     report = validate.report_from_json(doc)
     table = report.table()
@@ -114,7 +115,10 @@ def test_ckpt_validate_layouts_names_both_layouts(capsys):
 
 
 def test_validate_layouts_table_names_failing_pairs():
-    cells = [validate.Cell(4, 2, True, 0.5, "", "hsdp", "tp"), validate.Cell(4, 4, False, 1.0, "boom", "hsdp", "fsdp2+tp")]
+    cells = [
+        validate.Cell(4, 2, True, 0.5, "", "hsdp", "tp"),
+        validate.Cell(4, 4, False, 1.0, "boom", "hsdp", "fsdp2+tp"),
+    ]
     table = validate.Report("r", "layouts", "adamw", [2, 4], cells, ["hsdp", "tp", "fsdp2+tp"]).table()
     assert table.splitlines()[0].split() == ["save\\load", "tp@2", "fsdp2+tp@4"]
     assert table.splitlines()[1].split() == ["hsdp@4", "pass", "0.5s", "FAIL", "1.0s"]
@@ -166,12 +170,16 @@ def user_fsdp_units(model):
     return [model.up]
 
 
-USER_SPEC = ckptlib.testing.ModelSpec(build=build_user_net, loss=user_loss, tp_plan=user_tp_plan,
-                                      fsdp_units=user_fsdp_units)
+USER_SPEC = ckptlib.testing.ModelSpec(
+    build=build_user_net, loss=user_loss, tp_plan=user_tp_plan, fsdp_units=user_fsdp_units
+)
 
 
-@pytest.mark.parametrize("case", [ckptlib.testing.LayoutCase(2, "tp", 4, "fsdp2+tp"),
-                                  ckptlib.testing.LayoutCase(4, "hsdp", 2, "tp")], ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case",
+    [ckptlib.testing.LayoutCase(2, "tp", 4, "fsdp2+tp"), ckptlib.testing.LayoutCase(4, "hsdp", 2, "tp")],
+    ids=lambda c: c.id,
+)
 def test_users_own_model_over_layout_pairs(case, tmp_path, dist_run):
     """The README's example: dist_run over layout pairs of a model that is not ckptlib's."""
     _skip_unavailable(case.save_layout, case.load_layout)
@@ -196,10 +204,13 @@ def _fsdp1_state_dict_with_a_shardless_rank() -> str:
         return f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
 
 
-@pytest.mark.parametrize("layout,failure", [
-    ("fsdp2+tp", "FSDP+TP sharding does not support uneven sharding"),
-    ("hsdp", "Cannot use ReduceOp.AVG with Gloo"),
-])
+@pytest.mark.parametrize(
+    "layout,failure",
+    [
+        ("fsdp2+tp", "FSDP+TP sharding does not support uneven sharding"),
+        ("hsdp", "Cannot use ReduceOp.AVG with Gloo"),
+    ],
+)
 def test_layout_gap_probe_matches_reality(layout, failure, tmp_path, dist_run):
     """Where compat.layout_gap_reason says a layout cannot run on CPU (torch 2.7), a 4-rank
     save of the matrix model fails with torch's own error; where it can, the matrix runs it."""
@@ -220,4 +231,5 @@ def test_fsdp1_gap_probe_matches_reality(dist_run):
         assert outcomes == ["ok", "ok"]
     else:
         assert outcomes[0] == "ok" and outcomes[1].startswith(
-            "rank 1: NotImplementedError: Only single local shard is supported."), outcomes
+            "rank 1: NotImplementedError: Only single local shard is supported."
+        ), outcomes

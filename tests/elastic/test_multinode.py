@@ -69,7 +69,6 @@ def test_round_trip_on_two_nodes(tmp_path, dist_run, load_nodes, load_ws):
 
 def save_counting_pointer_writes(root: str, steps: int) -> dict:
     """Rank body: save `steps` checkpoints; return this rank's pointer writes and topology."""
-    import torch
 
     import ckptlib
     from ckptlib.storage.local import LocalStorage
@@ -124,8 +123,6 @@ def save_with_node_scratch(root: str, scratch_base: str) -> dict:
     """Rank body: point this rank's temp dir at its node's scratch dir (a node-local disk),
     save per-rank state and a sharded model, then load it back into fresh objects."""
     import tempfile
-
-    import torch
 
     import ckptlib
 
@@ -210,11 +207,34 @@ def test_torchrun_two_nodes_then_resume_on_one(tmp_path, dist_run):
     common = ["--root", str(root), "--save-every", "3"]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES),
-             "--nproc-per-node", str(PER_NODE), "--node-rank", str(node), "--rdzv-backend", "static",
-             "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
-             TRAIN, *common, "--steps", "6", "--loss-log", str(log)],
-            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(NODES),
+                "--nproc-per-node",
+                str(PER_NODE),
+                "--node-rank",
+                str(node),
+                "--rdzv-backend",
+                "static",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--max-restarts",
+                "0",
+                TRAIN,
+                *common,
+                "--steps",
+                "6",
+                "--loss-log",
+                str(log),
+            ],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for node in range(NODES)
     ]
@@ -235,6 +255,8 @@ def test_torchrun_two_nodes_then_resume_on_one(tmp_path, dist_run):
 
     assert dist_run(2, run_example, [*common, "--steps", "9", "--log", str(log)]) == [0, 0]
     ref_log = tmp_path / "ref.jsonl"
-    dist_run(1, run_example, ["--root", str(tmp_path / "ref"), "--save-every", "3", "--steps", "9", "--log", str(ref_log)])
+    dist_run(
+        1, run_example, ["--root", str(tmp_path / "ref"), "--save-every", "3", "--steps", "9", "--log", str(ref_log)]
+    )
     assert losses(log) == losses(ref_log)
     assert sorted(losses(log)) == list(range(1, 10))

@@ -76,8 +76,12 @@ def test_manager_fsdp2_sgd_save3_load2(moto_server, s3_root, dist_run):
     bucket = s3_root.split("/")[2]
     step = "run/step_0000000002"
     assert _keys(moto_server, bucket) == {
-        "run/latest", f"{step}/ckptlib.json", f"{step}/.metadata",
-        f"{step}/__0_0.distcp", f"{step}/__1_0.distcp", f"{step}/__2_0.distcp",
+        "run/latest",
+        f"{step}/ckptlib.json",
+        f"{step}/.metadata",
+        f"{step}/__0_0.distcp",
+        f"{step}/__1_0.distcp",
+        f"{step}/__2_0.distcp",
     }
     results = dist_run(2, _load_counting_gets, s3_root, "fsdp2", "sgd", expected, manager=True, env=env)
     for rank, result in enumerate(results):
@@ -108,7 +112,9 @@ def _manager_save(root: str, step: int, kill_rank: int | None = None):
             return ctx  # not reached
 
         s3mod.S3Storage.open_writer = dying_writer
-    ckptlib.CheckpointManager(root).save(step, {"w": torch.full((8, 4), float(step)), "r": torch.full((2,), float(rank))})
+    ckptlib.CheckpointManager(root).save(
+        step, {"w": torch.full((8, 4), float(step)), "r": torch.full((2,), float(rank))}
+    )
     return step
 
 
@@ -138,5 +144,8 @@ def test_rank_killed_mid_upload_keeps_latest_and_next_save_cleans(moto_server, s
     dist_run(2, _manager_save, s3_root, 3, env=env)
     step_keys = {k for k in _keys(moto_server, bucket) if "step_0000000002" in k}
     assert step_keys == set()
-    assert {k.split("/")[-2] for k in _keys(moto_server, bucket) if "/step_" in k} == {"step_0000000001", "step_0000000003"}
+    assert {k.split("/")[-2] for k in _keys(moto_server, bucket) if "/step_" in k} == {
+        "step_0000000001",
+        "step_0000000003",
+    }
     assert dist_run(2, _manager_load, s3_root, env=env)[0][0] == 3

@@ -14,6 +14,7 @@ import zlib
 
 import pytest
 import torch
+from reader_helpers import IntoTensor
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -22,11 +23,10 @@ import ckptlib
 from ckptlib import cli
 from ckptlib.errors import CheckpointCorruptError
 from ckptlib.format import block_checks, checksum, dcp_reader, dcp_writer, item_encoder
-from ckptlib.format.source import open_reader
 from ckptlib.format.manifest import FileRecord
+from ckptlib.format.source import open_reader
 from ckptlib.storage import open_storage
 from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401  (fixtures)
-from reader_helpers import IntoTensor
 
 pytestmark = pytest.mark.skipif(not checksum.FAST, reason="block checksums need zlib-ng's crc32_combine")
 
@@ -67,7 +67,8 @@ def test_block_crcs_match_the_file(tmp_path, small_blocks, monkeypatch, writer):
 
 
 @pytest.mark.parametrize(
-    "planned, size", [(0, 1 << 20), (1 << 30, 1 << 20), ((1 << 30) + 1, 2 << 20), (1 << 40, 1 << 30)],
+    "planned, size",
+    [(0, 1 << 20), (1 << 30, 1 << 20), ((1 << 30) + 1, 2 << 20), (1 << 40, 1 << 30)],
     ids=["empty", "1GiB", "1GiB+1", "1TiB"],
 )
 def test_block_size_keeps_the_manifest_small(planned, size):
@@ -259,7 +260,9 @@ def test_without_zlib_ng_checksums_are_the_same_minus_blocks(tmp_path, without_z
     assert cli.main(["verify", str(tmp_path / "c")]) == 1
     assert "checksum mismatch in item at offset" in capsys.readouterr().out
     with pytest.raises(CheckpointCorruptError, match="checksum mismatch in item at offset"):
-        ckptlib.load(tmp_path / "c", {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(777, dtype=torch.bfloat16), "n": 0})
+        ckptlib.load(
+            tmp_path / "c", {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(777, dtype=torch.bfloat16), "n": 0}
+        )
 
 
 # --------------------------------------------------------------------------- S3 (moto)
@@ -351,7 +354,10 @@ def test_blocks_verified_once_per_load(tmp_path, small_blocks):
         item = (tmp_path / "c" / entry.relative_path).read_bytes()[entry.offset : entry.offset + entry.length]
         record = item_encoder.tensor_data_record(lambda pos, n: item[pos : pos + n], len(item))
         rows = (record.start + 100 * COLS * 4, record.start + 137 * COLS * 4)
-        blocks = [set(range((entry.offset + lo) // BLOCK, -(-(entry.offset + hi) // BLOCK))) for lo, hi in [rows, *record.parsed]]
+        blocks = [
+            set(range((entry.offset + lo) // BLOCK, -(-(entry.offset + hi) // BLOCK)))
+            for lo, hi in [rows, *record.parsed]
+        ]
         shared = blocks[2] if fqn == "w" else shared & blocks[1]  # w's directory, w2's header
         covered |= set().union(*blocks)
     assert shared  # the case this test is about: the two items share a block

@@ -155,7 +155,12 @@ def test_metadata_pickle_cannot_allocate_from_a_number(tmp_path, capsys, payload
     ckptlib.save(d, {"w": torch.ones(2)})
     (d / ".metadata").write_bytes(blob)
     crc = zlib.crc32(blob)
-    _rewrite_manifest(d, lambda doc: doc["files"].__setitem__(".metadata", {"size": len(blob), "crc32": crc, "items": [[0, len(blob), crc]]}))
+    _rewrite_manifest(
+        d,
+        lambda doc: doc["files"].__setitem__(
+            ".metadata", {"size": len(blob), "crc32": crc, "items": [[0, len(blob), crc]]}
+        ),
+    )
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: refusing to unpickle global __builtin__\.byte"):
         ckptlib.load(d, {"w": torch.zeros(2)})
     assert any(p.kind == "unsafe" for p in verify(d))
@@ -177,7 +182,9 @@ def test_allocation_scan_refuses_only_counts_given_to_bytes_and_bytearray():
         check_no_allocating_calls(pickle.dumps(_Allocates(bytearray, 2**31, "ascii"), protocol=2), "x")
 
 
-@pytest.mark.parametrize("step,ok", [(2**63 - 1, True), (2**63, False), (-1, False)], ids=["int64-max", "past-int64", "negative"])
+@pytest.mark.parametrize(
+    "step,ok", [(2**63 - 1, True), (2**63, False), (-1, False)], ids=["int64-max", "past-int64", "negative"]
+)
 def test_manifest_step_must_be_a_non_negative_int64(tmp_path, step, ok):
     d = tmp_path / "c"
     ckptlib.save(d, {"w": torch.ones(4)})
@@ -205,7 +212,10 @@ def test_a_manifest_format_version_this_ckptlib_cannot_read_is_refused(tmp_path,
     d = tmp_path / "c"
     ckptlib.save(d, {"w": torch.ones(4)})
     _rewrite_manifest(d, lambda doc: doc.__setitem__("format_version", version))
-    with pytest.raises(CheckpointCorruptError, match=rf"manifest format_version {version!r} is not supported \(this ckptlib reads 1\.\.1; upgrade ckptlib\)"):
+    with pytest.raises(
+        CheckpointCorruptError,
+        match=rf"manifest format_version {version!r} is not supported \(this ckptlib reads 1\.\.1; upgrade ckptlib\)",
+    ):
         ckptlib.load(d, {"w": torch.zeros(4)})
 
 
@@ -216,8 +226,11 @@ def test_an_item_the_manifest_does_not_record_is_refused(tmp_path):
     d = tmp_path / "c"
     ckptlib.save(d, {"w": torch.ones(4)})
     _rewrite_manifest(d, lambda doc: doc["files"]["__0_0.distcp"].__setitem__("items", []))
-    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp \(rank 0's shard\): the storage record of 'w' at "
-                                                     r"offset 0 \(length \d+\) matches no item record of the manifest"):
+    with pytest.raises(
+        CheckpointCorruptError,
+        match=r"__0_0\.distcp \(rank 0's shard\): the storage record of 'w' at "
+        r"offset 0 \(length \d+\) matches no item record of the manifest",
+    ):
         ckptlib.load(d, {"w": torch.zeros(4)})
 
 
@@ -295,7 +308,8 @@ def test_a_chunk_starting_before_its_tensor_is_a_finding(tmp_path):
     _rewrite_metadata(d, shift)
     errors = _errors(d)
     assert [(p.file, p.message) for p in errors][:1] == [
-        (".metadata", "tensor 'w' of shape [4]: chunk at offsets [-1] with sizes [4] lies outside the tensor")], errors
+        (".metadata", "tensor 'w' of shape [4]: chunk at offsets [-1] with sizes [4] lies outside the tensor")
+    ], errors
     with pytest.raises(CheckpointCorruptError, match="'w'"):
         ckptlib.load(d, {"w": torch.zeros(4), "b": torch.zeros(3)})
 
@@ -354,7 +368,11 @@ def test_verify_reads_item_headers_without_running_their_pickles(tmp_path, capsy
     """verify's check of each item's own header is a weights_only torch.load: a crafted item
     whose pickle calls a function is a finding, and the function never runs."""
     from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
     )
 
     from ckptlib.compat import storage_info_cls
@@ -366,7 +384,11 @@ def test_verify_reads_item_headers_without_running_their_pickles(tmp_path, capsy
     (tmp_path / "evil.distcp").write_bytes(buf.getvalue())
     chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))
     md = Metadata(
-        {"w": TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size([4]), chunks=[chunk])},
+        {
+            "w": TensorStorageMetadata(
+                properties=TensorProperties(dtype=torch.float32), size=torch.Size([4]), chunks=[chunk]
+            )
+        },
         storage_data={MetadataIndex("w", torch.Size([0])): storage_info_cls()("evil.distcp", 0, len(buf.getvalue()))},
     )
     problems = _declared_item_problems(open_storage(str(tmp_path)), md, set())

@@ -25,9 +25,6 @@ import uuid
 
 import pytest
 import torch
-
-import ckptlib
-from ckptlib.errors import MissingKeysError, UnsupportedError
 from test_legacy import (
     FIXTURE_NAMES,
     FIXTURES,
@@ -40,6 +37,9 @@ from test_legacy import (
     generator,
 )
 
+import ckptlib
+from ckptlib.errors import MissingKeysError, UnsupportedError
+
 pytestmark = pytest.mark.legacy
 
 CROSS_DIR = os.environ.get("CKPTLIB_CROSS_VERSION_DIR") or None
@@ -49,8 +49,11 @@ SAVE_WS = 2
 
 def _sources() -> dict[str, str]:
     """id -> fixture directory (ckpt/, reference.pt, fixture.json) of every other minor's checkpoint."""
-    found = {f"golden-{n.removeprefix('ckptlib_')}": os.path.join(FIXTURES, n)
-             for n in FIXTURE_NAMES if n.startswith("ckptlib_torch")}
+    found = {
+        f"golden-{n.removeprefix('ckptlib_')}": os.path.join(FIXTURES, n)
+        for n in FIXTURE_NAMES
+        if n.startswith("ckptlib_torch")
+    }
     if CROSS_DIR and os.path.isdir(CROSS_DIR):
         for entry in sorted(os.listdir(CROSS_DIR)):
             path = os.path.join(CROSS_DIR, entry)
@@ -86,8 +89,12 @@ def rank_load_dir(directory: str) -> dict:
     except ckptlib.CheckpointError as exc:
         return {"error": type(exc).__name__, "message": str(exc)}
     expected, got = _comparable(_expected(ref, state), _full_state(state))
-    return {"diffs": diff(got, expected), "format": result.format, "world_size": result.world_size,
-            "missing": result.missing_keys}
+    return {
+        "diffs": diff(got, expected),
+        "format": result.format,
+        "world_size": result.world_size,
+        "missing": result.missing_keys,
+    }
 
 
 def rank_write(ckpt: str, out: str) -> None:

@@ -18,8 +18,7 @@ import pytest
 import torch
 
 import ckptlib
-from ckptlib import cli
-from ckptlib import CheckpointCorruptError
+from ckptlib import CheckpointCorruptError, cli
 
 ROWS, COLS = 1100, 1024  # 4.3 MiB of float32: four full 1 MiB blocks and a short last block
 HALF = ROWS // 2

@@ -5,9 +5,9 @@ bounded memory and an overwrite rule that never touches files ckptlib did not wr
 from __future__ import annotations
 
 import json
-import struct
 import logging
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -124,12 +124,14 @@ def test_export_of_a_damaged_item_is_the_checksum_error_naming_it(tmp_path):
     and nothing is published."""
     src = tmp_path / "c"
     ckptlib.save(str(src), {"model": {"w": torch.arange(1000.0)}})
-    (offset, length, _), = json.loads((src / "ckptlib.json").read_text())["files"]["__0_0.distcp"]["items"]
+    ((offset, length, _),) = json.loads((src / "ckptlib.json").read_text())["files"]["__0_0.distcp"]["items"]
     data = bytearray((src / "__0_0.distcp").read_bytes())
     data[offset + length - 1] ^= 0xFF
     (src / "__0_0.distcp").write_bytes(bytes(data))
-    with pytest.raises(ckptlib.CheckpointCorruptError,
-                       match=rf"__0_0\.distcp: checksum mismatch in item at offset {offset} \(length {length}\)"):
+    with pytest.raises(
+        ckptlib.CheckpointCorruptError,
+        match=rf"__0_0\.distcp: checksum mismatch in item at offset {offset} \(length {length}\)",
+    ):
         ckptlib.export(str(src), str(tmp_path / "hf"), model_only=True)
     assert not (tmp_path / "hf" / "model.safetensors").exists()
 
@@ -153,8 +155,17 @@ def test_safetensors_tensors_are_aligned_to_their_element_size(tmp_path):
     """export writes larger elements first (as the safetensors package does), so every tensor's
     bytes start at a multiple of its element size and readers can map them without a copy."""
     src = str(tmp_path / "c")
-    ckptlib.save(src, {"model": {"a_mask": torch.ones(3, dtype=torch.bool), "b_half": torch.ones(3, dtype=torch.float16),
-                                 "c_float": torch.ones(3), "d_double": torch.ones(3, dtype=torch.float64)}})
+    ckptlib.save(
+        src,
+        {
+            "model": {
+                "a_mask": torch.ones(3, dtype=torch.bool),
+                "b_half": torch.ones(3, dtype=torch.float16),
+                "c_float": torch.ones(3),
+                "d_double": torch.ones(3, dtype=torch.float64),
+            }
+        },
+    )
     ckptlib.export(src, str(tmp_path / "hf"), model_only=True)
     raw = (tmp_path / "hf" / "model.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
@@ -177,7 +188,10 @@ def test_a_shard_is_filled_up_to_exactly_the_limit(tmp_path):
     for name, shard in weight_map.items():
         by_shard.setdefault(shard, []).append(name)
     assert sorted(sorted(names) for names in by_shard.values()) == [
-        ["layer0.weight", "layer1.weight"], ["layer2.weight", "layer3.weight"], ["layer4.weight"]]
+        ["layer0.weight", "layer1.weight"],
+        ["layer2.weight", "layer3.weight"],
+        ["layer4.weight"],
+    ]
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
@@ -285,8 +299,16 @@ def test_export_logs_one_info_line(tmp_path, caplog):
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30), ("1.5KB", 1500), ("1000", 1000), (4096, 4096),
-     ("5G", 5 * 10**9), ("10mb", 10**7)],
+    [
+        ("5GB", 5 * 10**9),
+        ("500MB", 500 * 10**6),
+        ("2GiB", 2 * 2**30),
+        ("1.5KB", 1500),
+        ("1000", 1000),
+        (4096, 4096),
+        ("5G", 5 * 10**9),
+        ("10mb", 10**7),
+    ],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
@@ -323,7 +345,9 @@ _MEASURE = textwrap.dedent(
     import resource, sys
     import ckptlib, ckptlib.export, ckptlib.format.streaming, safetensors  # imports before the baseline
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    ckptlib.export(sys.argv[1], sys.argv[2], format=sys.argv[3], dtype=sys.argv[4] or None, max_shard_size="100MB", model_only=True)
+    ckptlib.export(
+        sys.argv[1], sys.argv[2], format=sys.argv[3], dtype=sys.argv[4] or None, max_shard_size="100MB", model_only=True
+    )
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print((after - before) * 1024)  # ru_maxrss is in KiB on Linux
     """

@@ -60,8 +60,11 @@ def _reference() -> dict:
 
 def _empty() -> dict:
     return {
-        "w": torch.zeros(3, 4), "i": torch.zeros(5, dtype=torch.int64), "big": torch.zeros(300, 1000),
-        "h": torch.zeros(7, dtype=torch.bfloat16), "extra": {"n": 0, "s": ""},
+        "w": torch.zeros(3, 4),
+        "i": torch.zeros(5, dtype=torch.int64),
+        "big": torch.zeros(300, 1000),
+        "h": torch.zeros(7, dtype=torch.bfloat16),
+        "extra": {"n": 0, "s": ""},
     }
 
 
@@ -108,9 +111,7 @@ def _assert_checkpoint_error(what: str, outcome, mutation: str) -> None:
 
 def _same_layout(state: dict) -> bool:
     empty = _empty()
-    return all(
-        state[k].shape == empty[k].shape and state[k].dtype == empty[k].dtype for k in ("w", "i", "big", "h")
-    )
+    return all(state[k].shape == empty[k].shape and state[k].dtype == empty[k].dtype for k in ("w", "i", "big", "h"))
 
 
 def _bit_exact(state: dict) -> bool:
@@ -140,8 +141,28 @@ def _copy(base, name: str) -> str:
 
 # --------------------------------------------------------------------------- JSON mutations
 
-ODD_VALUES = [None, True, -1, 0, 1, 2**31, 2**63, 10**12, -(10**12), 1.5, float("nan"), "", "x", "../x", "/etc/passwd",
-              [], [0], [0, 0, 0], {}, {"x": 1}]
+ODD_VALUES = [
+    None,
+    True,
+    -1,
+    0,
+    1,
+    2**31,
+    2**63,
+    10**12,
+    -(10**12),
+    1.5,
+    float("nan"),
+    "",
+    "x",
+    "../x",
+    "/etc/passwd",
+    [],
+    [0],
+    [0, 0, 0],
+    {},
+    {"x": 1},
+]
 
 
 def _json_paths(doc, prefix=()):
@@ -203,12 +224,12 @@ def _resign_file(path: str, name: str) -> None:
     items = []
     for item in record.get("items", []):
         off, length = item[0], item[1]
-        items.append([off, length, zlib.crc32(data[off:off + length])])
+        items.append([off, length, zlib.crc32(data[off : off + length])])
     record["items"] = items
     blocks = record.get("blocks")
     if isinstance(blocks, dict) and blocks.get("size"):
         size = blocks["size"]
-        blocks["crc32"] = [zlib.crc32(data[i:i + size]) for i in range(0, len(data), size)]
+        blocks["crc32"] = [zlib.crc32(data[i : i + size]) for i in range(0, len(data), size)]
     _write_manifest(path, doc, resign=True)
 
 
@@ -229,8 +250,10 @@ def test_fuzz_manifest(base, data):
 def _mutate_metadata(data, metadata):
     metadata = copy.deepcopy(metadata)
     sdm, storage = metadata.state_dict_metadata, metadata.storage_data
-    target = data.draw(st.sampled_from(["size", "chunk", "dtype", "drop-entry", "storage", "drop-storage", "swap"]),
-                       label="metadata target")
+    target = data.draw(
+        st.sampled_from(["size", "chunk", "dtype", "drop-entry", "storage", "drop-storage", "swap"]),
+        label="metadata target",
+    )
     tensors = sorted(k for k, v in sdm.items() if hasattr(v, "chunks"))
     number = st.sampled_from([0, 1, 2, 3, 5, 299, 300, 301, 1000, 10**7, -1])
     if target in ("size", "chunk", "dtype"):
@@ -306,8 +329,12 @@ def _positions(blob: bytes, magic: bytes) -> list[int]:
     return found
 
 
-ZIP_RECORDS = {"local-header": (b"PK\x03\x04", 30), "central-directory": (b"PK\x01\x02", 46),
-               "end-of-central-directory": (b"PK\x05\x06", 22), "zip64-end": (b"PK\x06\x06", 56)}
+ZIP_RECORDS = {
+    "local-header": (b"PK\x03\x04", 30),
+    "central-directory": (b"PK\x01\x02", 46),
+    "end-of-central-directory": (b"PK\x05\x06", 22),
+    "zip64-end": (b"PK\x06\x06", 56),
+}
 
 
 @FUZZ
@@ -344,7 +371,7 @@ def _st_parts(path: str) -> tuple[dict, bytes]:
     with open(path, "rb") as f:
         blob = f.read()
     (n,) = struct.unpack("<Q", blob[:8])
-    return json.loads(blob[8:8 + n]), blob[8 + n:]
+    return json.loads(blob[8 : 8 + n]), blob[8 + n :]
 
 
 @FUZZ

@@ -148,33 +148,53 @@ def _damage_manifest(path):
 
 CORRUPTIONS = [
     pytest.param(
-        _flip_bit, CheckpointCorruptError, r"__0_0\.distcp: checksum mismatch in item at offset \d+ \(length \d+\) \(rank 0's shard\)",
-        r"__0_0\.distcp \(rank 0's shard\): checksum mismatch in item at offset \d+", id="bit-flip-in-shard",
+        _flip_bit,
+        CheckpointCorruptError,
+        r"__0_0\.distcp: checksum mismatch in item at offset \d+ \(length \d+\) \(rank 0's shard\)",
+        r"__0_0\.distcp \(rank 0's shard\): checksum mismatch in item at offset \d+",
+        id="bit-flip-in-shard",
     ),
     pytest.param(
-        _truncate, CheckpointCorruptError, r"__0_0\.distcp \(rank 0's shard\) has \d+ bytes, the manifest says \d+",
-        r"__0_0\.distcp \(rank 0's shard\): has \d+ bytes, the manifest says \d+", id="truncated-shard",
+        _truncate,
+        CheckpointCorruptError,
+        r"__0_0\.distcp \(rank 0's shard\) has \d+ bytes, the manifest says \d+",
+        r"__0_0\.distcp \(rank 0's shard\): has \d+ bytes, the manifest says \d+",
+        id="truncated-shard",
     ),
     pytest.param(
-        _delete_shard, CheckpointCorruptError, r"__0_0\.distcp \(rank 0's shard\) is missing",
-        r"__0_0\.distcp \(rank 0's shard\): is missing", id="deleted-shard",
+        _delete_shard,
+        CheckpointCorruptError,
+        r"__0_0\.distcp \(rank 0's shard\) is missing",
+        r"__0_0\.distcp \(rank 0's shard\): is missing",
+        id="deleted-shard",
     ),
     pytest.param(
-        _delete_manifest, CheckpointCorruptError,
+        _delete_manifest,
+        CheckpointCorruptError,
         r"ckptlib\.json is missing: \.metadata says ckptlib wrote this checkpoint.*refusing to load it as plain DCP",
-        r"ckptlib\.json: is missing: \.metadata says ckptlib wrote this checkpoint", id="deleted-manifest",
+        r"ckptlib\.json: is missing: \.metadata says ckptlib wrote this checkpoint",
+        id="deleted-manifest",
     ),
     pytest.param(
-        _garbage_metadata, CheckpointCorruptError, r"/\.metadata: checksum mismatch",
-        r"/\.metadata: checksum mismatch", id="garbage-metadata",
+        _garbage_metadata,
+        CheckpointCorruptError,
+        r"/\.metadata: checksum mismatch",
+        r"/\.metadata: checksum mismatch",
+        id="garbage-metadata",
     ),
     pytest.param(
-        _garbage_metadata_no_manifest, CheckpointCorruptError, r"/\.metadata: cannot read DCP metadata",
-        r"/\.metadata: cannot read DCP metadata", id="garbage-metadata-no-manifest",
+        _garbage_metadata_no_manifest,
+        CheckpointCorruptError,
+        r"/\.metadata: cannot read DCP metadata",
+        r"/\.metadata: cannot read DCP metadata",
+        id="garbage-metadata-no-manifest",
     ),
     pytest.param(
-        _damage_manifest, CheckpointCorruptError, r"ckptlib\.json: manifest checksum mismatch",
-        r"ckptlib\.json: manifest checksum mismatch", id="edited-manifest",
+        _damage_manifest,
+        CheckpointCorruptError,
+        r"ckptlib\.json: manifest checksum mismatch",
+        r"ckptlib\.json: manifest checksum mismatch",
+        id="edited-manifest",
     ),
 ]
 
@@ -218,7 +238,10 @@ def test_empty_directory(tmp_path, capsys):
         ckptlib.load(tmp_path / "empty", _target())
     rc, out, err = _ckpt_cli(capsys, "verify", str(tmp_path / "empty"))
     assert rc == 2 and out == ""
-    assert err.strip() == f"ckpt verify: error: {tmp_path / 'empty'} is not a checkpoint: no ckptlib.json and no DCP .metadata in it"
+    assert (
+        err.strip()
+        == f"ckpt verify: error: {tmp_path / 'empty'} is not a checkpoint: no ckptlib.json and no DCP .metadata in it"
+    )
     rc, _, err = _ckpt_cli(capsys, "verify", str(tmp_path / "absent"))
     assert rc == 2 and "the path does not exist" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(CheckpointNotFoundError):
@@ -243,7 +266,8 @@ def test_plain_dcp_still_reads_marked_metadata_and_verify_notes_no_checksums(tmp
     rc, out, _ = _ckpt_cli(capsys, "verify", plain)
     assert rc == 0
     assert out.splitlines() == [
-        f"note: {plain}: plain DCP checkpoint (no ckptlib.json): it carries no checksums to verify; only its structure was checked",
+        f"note: {plain}: plain DCP checkpoint (no ckptlib.json): it carries no checksums to verify; "
+        "only its structure was checked",
         f"{plain}: OK",
     ]
     os.unlink(os.path.join(plain, "__0_0.distcp"))
@@ -276,8 +300,10 @@ def _two_chunk_tensor(path):
         old = MetadataIndex("b", (0, 0))
         info = md.storage_data[old]
         meta = md.state_dict_metadata["b"]
-        meta.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 5])),
-                       ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 5]))]
+        meta.chunks = [
+            ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 5])),
+            ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 5])),
+        ]
         md.storage_data[MetadataIndex("b", (2, 0))] = info
 
     _edit_metadata(path, edit)
@@ -296,7 +322,9 @@ def test_gap_in_chunks_is_refused(tmp_path, capsys):
         "(a gap: part of the tensor was never saved)"
     ]
     target = _target()
-    with pytest.raises(CheckpointCorruptError, match=r"tensor 'b' of shape \[4, 5\]: the saved chunks cover 15 of its 20"):
+    with pytest.raises(
+        CheckpointCorruptError, match=r"tensor 'b' of shape \[4, 5\]: the saved chunks cover 15 of its 20"
+    ):
         ckptlib.load(path, target)
     _assert_no_wrong_values(target)
 
@@ -311,9 +339,12 @@ def test_overlapping_chunks_are_refused(tmp_path):
     _edit_metadata(path, edit)
     problems = [p.text() for p in verify(path) if p.is_error]
     assert problems == [
-        ".metadata: tensor 'b' of shape [4, 5]: chunks at offsets [0, 0] (sizes [4, 5]) and [2, 1] (sizes [2, 2]) overlap"
+        ".metadata: tensor 'b' of shape [4, 5]: chunks at offsets [0, 0] (sizes [4, 5]) "
+        "and [2, 1] (sizes [2, 2]) overlap"
     ]
-    with pytest.raises(CheckpointCorruptError, match=r"tensor 'b' of shape \[4, 5\]: the saved chunks hold 24 elements for 20"):
+    with pytest.raises(
+        CheckpointCorruptError, match=r"tensor 'b' of shape \[4, 5\]: the saved chunks hold 24 elements for 20"
+    ):
         ckptlib.load(path, _target())
 
 
@@ -335,19 +366,28 @@ def test_storage_record_past_end_of_file(tmp_path):
 
 
 def _meta(size, chunks):
-    md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size),
-                               [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
+    md = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size(size),
+        [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks],
+    )
     # Each record holds 1 KiB (what the file below holds): enough bytes for every chunk here.
-    storage = {MetadataIndex("t", o): type("Info", (), {"relative_path": "__0_0.distcp", "offset": 0, "length": 1024})()
-               for o, _ in chunks}
+    storage = {
+        MetadataIndex("t", o): type("Info", (), {"relative_path": "__0_0.distcp", "offset": 0, "length": 1024})()
+        for o, _ in chunks
+    }
     return Metadata(state_dict_metadata={"t": md}, storage_data=storage)
 
 
 @pytest.mark.parametrize(
     "size, chunks, expected",
     [
-        pytest.param((3, 65), [((0, 0), (1, 65)), ((1, 0), (1, 65)), ((2, 0), (1, 65)), ((3, 0), (0, 65))], None,
-                     id="zero-size-chunk-on-4-ranks"),
+        pytest.param(
+            (3, 65),
+            [((0, 0), (1, 65)), ((1, 0), (1, 65)), ((2, 0), (1, 65)), ((3, 0), (0, 65))],
+            None,
+            id="zero-size-chunk-on-4-ranks",
+        ),
         pytest.param((6, 5), [((0, 0), (6, 2)), ((0, 2), (6, 3))], None, id="column-sharded"),
         pytest.param((4, 4), [((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 2)), ((2, 2), (2, 2))], None, id="grid"),
         pytest.param((), [((), ())], None, id="scalar"),
@@ -447,7 +487,9 @@ def test_path_traversal_in_manifest(tmp_path, capsys):
         doc["files"]["../secret"] = {"size": 10, "crc32": zlib.crc32(b"x" * 10), "items": []}
 
     _rewrite_manifest(path, edit)
-    with pytest.raises(UnsafeCheckpointError, match=r"ckptlib\.json: manifest file name '\.\./secret' escapes the checkpoint directory"):
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"ckptlib\.json: manifest file name '\.\./secret' escapes the checkpoint directory"
+    ):
         ckptlib.load(path, _target())
     rc, out, _ = _ckpt_cli(capsys, "verify", path)
     assert rc == 1 and f"{path}/ckptlib.json: manifest file name '../secret' escapes the checkpoint directory" in out
@@ -550,7 +592,8 @@ def test_verify_inspect_and_lock_on_s3(s3_root, capsys):
             ckptlib.CheckpointManager(root).save(2, {"w": torch.ones(2)})
     ckptlib.CheckpointManager(root).save(2, {"w": torch.ones(2)})
     assert sorted(open_storage(root).list()) == [
-        "latest", *(f"step_000000000{s}/{n}" for s in (1, 2) for n in (".metadata", "__0_0.distcp", "ckptlib.json"))
+        "latest",
+        *(f"step_000000000{s}/{n}" for s in (1, 2) for n in (".metadata", "__0_0.distcp", "ckptlib.json")),
     ]
 
 
@@ -569,7 +612,9 @@ def test_verify_shows_twenty_findings_of_a_kind_per_file_then_counts_the_rest(tm
     shown = [f for f in found if f[2].startswith("checksum mismatch in item at offset")]
     assert len(shown) == 20 and all(kind == "corrupt" for _, kind, _ in shown)
     rest = [f for f in found if f not in shown]
-    assert rest == ([("__0_0.distcp", "corrupt", f"... and {damaged - 20} more problems like these")] if damaged > 20 else [])
+    assert rest == (
+        [("__0_0.distcp", "corrupt", f"... and {damaged - 20} more problems like these")] if damaged > 20 else []
+    )
 
 
 def test_an_object_of_more_than_a_mebibyte_loads_exactly(tmp_path):

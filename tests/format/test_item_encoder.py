@@ -30,7 +30,17 @@ pytestmark = pytest.mark.skipif(not checksum.FAST, reason="zlib-ng is not instal
 def test_fast_path_is_on():
     assert item_encoder.fast_path_reason() is None
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int64, torch.bool, torch.complex64]
+
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int8,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+]
 SHAPES = {"scalar": (), "empty": (0,), "empty2d": (0, 5), "small": (7, 3), "view-sized": (300, 257), "1d": (100_003,)}
 
 
@@ -145,7 +155,9 @@ def test_fast_and_fallback_writers_write_identical_shards(tmp_path, monkeypatch)
 def test_zlib_ng_and_zlib_agree():
     data = os.urandom(1 << 20)
     assert checksum.crc32(data) == zlib.crc32(data)
-    assert checksum.crc32_combine(zlib.crc32(data[:1000]), zlib.crc32(data[1000:]), len(data) - 1000) == zlib.crc32(data)
+    assert checksum.crc32_combine(zlib.crc32(data[:1000]), zlib.crc32(data[1000:]), len(data) - 1000) == zlib.crc32(
+        data
+    )
 
 
 def _central_directory(archive: bytes) -> tuple[int, int]:
@@ -198,8 +210,11 @@ def test_tensor_data_record_refuses_what_it_cannot_read_directly():
     assert item_encoder.tensor_pickle(_reader(plain.getvalue()), len(plain.getvalue())) is None
 
 
-@pytest.mark.parametrize("nbytes", [0, 4, item_encoder.SMALL_ITEM_BYTES - 4, item_encoder.SMALL_ITEM_BYTES],
-                         ids=["empty", "tiny", "just-small", "threshold"])
+@pytest.mark.parametrize(
+    "nbytes",
+    [0, 4, item_encoder.SMALL_ITEM_BYTES - 4, item_encoder.SMALL_ITEM_BYTES],
+    ids=["empty", "tiny", "just-small", "threshold"],
+)
 def test_small_and_encoded_items_are_torch_save_bytes(tmp_path, monkeypatch, nbytes):
     """Items either side of the small-item threshold are torch.save's exact bytes, with the
     item CRCs of those bytes, and the encoder runs only for the large ones."""

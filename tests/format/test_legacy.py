@@ -22,6 +22,7 @@ import sys
 
 import pytest
 import torch
+from reader_helpers import IntoTensor
 
 import ckptlib
 import ckptlib.checkpoint
@@ -30,7 +31,6 @@ from ckptlib.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
     CheckpointNotFoundError,
-    MissingKeysError,
     NotACheckpointError,
     ShapeMismatchError,
     StateError,
@@ -46,7 +46,6 @@ from ckptlib.format.source import (
 )
 from ckptlib.state import _merge_back
 from ckptlib.testing.legacy_writers import uneven_bounds, write_safetensors, write_v0
-from reader_helpers import IntoTensor
 
 pytestmark = pytest.mark.legacy
 
@@ -56,7 +55,6 @@ FIXTURE_NAMES = sorted(
     name for name in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, name, "fixture.json"))
 )
 WORLD_SIZES = (1, 2, 3, 4)
-
 
 
 def fixture_info(name: str) -> dict:
@@ -270,8 +268,11 @@ def test_pre_24_keys_still_check_shapes():
     the key, not a load of the wrong tensor."""
     meta = {"epoch": 0, "tag": ""}
     with pytest.raises(ShapeMismatchError) as caught:
-        ckptlib.load(fixture_path("dcp_sharded_tensor_torch2.0"),
-                     {"meta": meta, "model": {"head": {"bias": torch.zeros(3)}}}, strict=False)
+        ckptlib.load(
+            fixture_path("dcp_sharded_tensor_torch2.0"),
+            {"meta": meta, "model": {"head": {"bias": torch.zeros(3)}}},
+            strict=False,
+        )
     assert caught.value.keys == ["model.head.bias"]
     assert "model.head.bias: shape (3,) in the state, (2,) in the checkpoint" in str(caught.value)
     assert meta == {"epoch": 0, "tag": ""}
@@ -313,8 +314,13 @@ def test_merge_back_keeps_the_callers_objects():
     the caller holds); anything else, a tensor of another shape included, replaced."""
     inner, weight, other = {"kept": 1, "old": 2}, torch.zeros(3), torch.zeros(2)
     dst = {"inner": inner, "weight": weight, "other": other, "number": torch.ones(1), "plain": {"a": 1}}
-    src = {"inner": {"old": 20, "new": 30}, "weight": torch.arange(3.0), "other": torch.arange(4.0),
-           "number": 5, "plain": 7}
+    src = {
+        "inner": {"old": 20, "new": 30},
+        "weight": torch.arange(3.0),
+        "other": torch.arange(4.0),
+        "number": 5,
+        "plain": 7,
+    }
     _merge_back(dst, src)
     assert dst["inner"] is inner and inner == {"kept": 1, "old": 20, "new": 30}
     assert dst["weight"] is weight and torch.equal(weight, torch.arange(3.0))
@@ -713,7 +719,10 @@ def test_safetensors_truncated_or_lying_header(tmp_path):
     write_safetensors(str(st), {"w": torch.arange(6.0)})
     data = (st / "model.safetensors").read_bytes()
     (st / "model.safetensors").write_bytes(data[:-4])
-    with pytest.raises(CheckpointCorruptError, match=r"model\.safetensors: tensor 'w': data_offsets end at 24, past the 20-byte data section"):
+    with pytest.raises(
+        CheckpointCorruptError,
+        match=r"model\.safetensors: tensor 'w': data_offsets end at 24, past the 20-byte data section",
+    ):
         open_reader(str(st))
     (st / "model.safetensors").write_bytes(b"\xff" * 8 + b"{}")
     with pytest.raises(CheckpointCorruptError, match="header length"):

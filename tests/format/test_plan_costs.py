@@ -88,7 +88,9 @@ def test_save_plan_round_trips_to_equal_dcp_objects():
     assert [type(i) for i in sent.items] == [WriteItem] * 5 + [_OwnWriteItem]
     first = sent.items[0]
     assert type(first.index.offset) is torch.Size and type(first.tensor_data.chunk.sizes) is torch.Size
-    assert type(first.tensor_data.properties) is TensorProperties and first.tensor_data.properties.dtype == torch.float32
+    assert (
+        type(first.tensor_data.properties) is TensorProperties and first.tensor_data.properties.dtype == torch.float32
+    )
     assert sent.items[2].tensor_data.properties == TensorProperties(dtype=torch.bfloat16, requires_grad=True)
 
 
@@ -135,7 +137,11 @@ def test_write_results_round_trip_with_the_shard_record():
     info = compat.storage_info_cls()
     results = plan_codec.WriteResults()
     results.info_cls = info
-    results.append(WriteResult(index=MetadataIndex("a", torch.Size([0]), 3), size_in_bytes=10, storage_data=info("__0_0.distcp", 0, 10)))
+    results.append(
+        WriteResult(
+            index=MetadataIndex("a", torch.Size([0]), 3), size_in_bytes=10, storage_data=info("__0_0.distcp", 0, 10)
+        )
+    )
     results.append(WriteResult(index=MetadataIndex("o"), size_in_bytes=4, storage_data={"not": "a storage info"}))
     results.shard = ("__0_0.distcp", FileRecord(size=14, crc32=5, items=[(0, 10, 1), (10, 4, 2)]))
     sent = _round_trip(results)
@@ -150,7 +156,12 @@ def test_write_results_round_trip_with_the_shard_record():
 def _layouts() -> dict[str, list[SavePlan]]:
     rows = [SavePlan([_shard("w", [r * 2, 0], [2, 5], [8, 5]), _shard("v", [r], [1], [4])]) for r in range(4)]
     byte = WriteItem(index=MetadataIndex("step"), type=WriteItemType.BYTE_IO)
-    mixed = [SavePlan([_shard("g", [0, 3 * r], [2, 3], [2, 6]), byte]) if r == 0 else SavePlan([_shard("g", [0, 3 * r], [2, 3], [2, 6])]) for r in range(2)]
+    mixed = [
+        SavePlan([_shard("g", [0, 3 * r], [2, 3], [2, 6]), byte])
+        if r == 0
+        else SavePlan([_shard("g", [0, 3 * r], [2, 3], [2, 6])])
+        for r in range(2)
+    ]
     return {"rows": rows, "bytes-on-one-rank": mixed, "empty": [SavePlan([]), SavePlan([])]}
 
 
@@ -163,8 +174,11 @@ def test_global_plan_equals_dcps(name, monkeypatch):
     plans = _layouts()[name]
     expected_plans, expected_md = create_default_global_save_plan(plans)
     handed_back = []
-    monkeypatch.setattr(save_planner, "create_default_global_save_plan",
-                        lambda *args: handed_back.append(args) or create_default_global_save_plan(*args))
+    monkeypatch.setattr(
+        save_planner,
+        "create_default_global_save_plan",
+        lambda *args: handed_back.append(args) or create_default_global_save_plan(*args),
+    )
     got_plans, got_md = global_save_plan(plans)
     assert handed_back == []
     assert got_plans == expected_plans and got_md == expected_md
@@ -226,9 +240,14 @@ def _strided(full: torch.Tensor, grid):
     tp = grid.size(1)
     rank = grid.get_local_rank(1)
     rows = full.shape[0] // tp
-    return DTensor.from_local(full[rank * rows : (rank + 1) * rows].contiguous(), grid,
-                              [_StridedShard(0, split_factor=tp), Shard(0)], run_check=False,
-                              shape=full.shape, stride=full.stride())
+    return DTensor.from_local(
+        full[rank * rows : (rank + 1) * rows].contiguous(),
+        grid,
+        [_StridedShard(0, split_factor=tp), Shard(0)],
+        run_check=False,
+        shape=full.shape,
+        stride=full.stride(),
+    )
 
 
 def _flat(state: dict) -> dict:
@@ -280,15 +299,26 @@ def rank_compare_plans(world: int) -> dict:
         return None
 
     missing = {**target, "model.extra": target["model.a"]}
-    out["missing"] = (errors(local_load_plan, missing, metadata, True), errors(create_default_local_load_plan, missing, metadata, True))
-    out["lenient"] = local_load_plan(missing, metadata, False) == create_default_local_load_plan(missing, metadata, False)
+    out["missing"] = (
+        errors(local_load_plan, missing, metadata, True),
+        errors(create_default_local_load_plan, missing, metadata, True),
+    )
+    out["lenient"] = local_load_plan(missing, metadata, False) == create_default_local_load_plan(
+        missing, metadata, False
+    )
     resized = {**target, "model.c": _flat(_state(world))["model.a"]}
-    out["resized"] = (errors(local_load_plan, resized, metadata, True), errors(create_default_local_load_plan, resized, metadata, True))
+    out["resized"] = (
+        errors(local_load_plan, resized, metadata, True),
+        errors(create_default_local_load_plan, resized, metadata, True),
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     partial = DTensor.from_local(torch.ones(2), init_device_mesh("cpu", (world,)), [Partial()])
-    out["partial"] = (errors(local_save_plan, {"p": partial}, True), errors(create_default_local_save_plan, {"p": partial}, True))
+    out["partial"] = (
+        errors(local_save_plan, {"p": partial}, True),
+        errors(create_default_local_save_plan, {"p": partial}, True),
+    )
     return out
 
 
@@ -297,7 +327,9 @@ def test_local_plans_equal_dcps_item_for_item(world):
     for rank, out in enumerate(launch(world, rank_compare_plans, world)):
         assert out["save_equal"] and out["save_hints"] and out["load_equal"] and out["load_hints"] and out["lenient"]
         # one DCP call per DTensor signature: "model.b" has "model.a"'s, so its items are a's, renamed
-        assert out["asked_dcp"] == [key for key in out["keys"] if key != "model.b" and (rank == 0 or key != "model.stage0")]
+        assert out["asked_dcp"] == [
+            key for key in out["keys"] if key != "model.b" and (rank == 0 or key != "model.stage0")
+        ]
         # the load plan too: "model.b" reuses "model.a"'s read items (same mesh, placements, shape, chunks)
         assert "model.a" in out["load_asked_dcp"] and "model.b" not in out["load_asked_dcp"]
         assert set(out["load_asked_dcp"]) <= set(out["load_keys"])
@@ -334,7 +366,10 @@ def test_metadata_stays_a_plain_dcp_pickle_and_every_rank_gets_the_size(tmp_path
         blob = f.read()
     assert b"plan_codec" not in blob and b"dcp_writer" not in blob and b"_SavedMetadata" not in blob
     metadata = FileSystemReader(path).read_metadata()
-    assert type(metadata) is Metadata and type(metadata.storage_data[MetadataIndex("model.a", [0, 0])]) is compat.storage_info_cls()
+    assert (
+        type(metadata) is Metadata
+        and type(metadata.storage_data[MetadataIndex("model.a", [0, 0])]) is compat.storage_info_cls()
+    )
 
 
 # --------------------------------------------------------------------------- the collector

@@ -35,37 +35,84 @@ def entry(**changes):
 
 # name -> (header, data section, raw header bytes or None, message regex after "model.safetensors: ")
 CRAFTED = {
-    "offsets-strings": ({"w": entry(data_offsets=["0", "24"])}, DATA24, None,
-                        r"tensor 'w': data_offsets \['0', '24'\] is not two non-negative integers"),
-    "offsets-floats": ({"w": entry(data_offsets=[0.0, 24.0])}, DATA24, None,
-                       r"tensor 'w': data_offsets \[0.0, 24.0\] is not two non-negative integers"),
+    "offsets-strings": (
+        {"w": entry(data_offsets=["0", "24"])},
+        DATA24,
+        None,
+        r"tensor 'w': data_offsets \['0', '24'\] is not two non-negative integers",
+    ),
+    "offsets-floats": (
+        {"w": entry(data_offsets=[0.0, 24.0])},
+        DATA24,
+        None,
+        r"tensor 'w': data_offsets \[0.0, 24.0\] is not two non-negative integers",
+    ),
     "offsets-three": ({"w": entry(data_offsets=[0, 12, 24])}, DATA24, None, r"tensor 'w': data_offsets \[0, 12, 24\]"),
     "offsets-negative": ({"w": entry(data_offsets=[-4, 20])}, DATA24, None, r"tensor 'w': data_offsets \[-4, 20\]"),
-    "offsets-reversed": ({"w": entry(shape=[0], data_offsets=[24, 0])}, DATA24, None,
-                         r"tensor 'w': data_offsets \[24, 0\] end before they begin"),
+    "offsets-reversed": (
+        {"w": entry(shape=[0], data_offsets=[24, 0])},
+        DATA24,
+        None,
+        r"tensor 'w': data_offsets \[24, 0\] end before they begin",
+    ),
     "offsets-missing": ({"w": {"dtype": "F32", "shape": [6]}}, DATA24, None, r"tensor 'w': entry lacks data_offsets"),
     "dtype-list": ({"w": entry(dtype=["F32"])}, DATA24, None, r"tensor 'w': dtype \['F32'\] is not a string"),
     "dtype-unknown": ({"w": entry(dtype="F33")}, DATA24, None, r"tensor 'w': unknown dtype 'F33'"),
-    "shape-negative": ({"w": entry(shape=[-6])}, DATA24, None, r"tensor 'w': shape \[-6\] is not a list of non-negative"),
+    "shape-negative": (
+        {"w": entry(shape=[-6])},
+        DATA24,
+        None,
+        r"tensor 'w': shape \[-6\] is not a list of non-negative",
+    ),
     "shape-float": ({"w": entry(shape=[6.0])}, DATA24, None, r"tensor 'w': shape \[6.0\] is not a list"),
     "shape-fractional": ({"w": entry(shape=[1.5, 4])}, DATA24, None, r"tensor 'w': shape \[1.5, 4\] is not a list"),
     "shape-bool": ({"w": entry(shape=[True, 6])}, DATA24, None, r"tensor 'w': shape \[True, 6\] is not a list"),
     "shape-not-list": ({"w": entry(shape=6)}, DATA24, None, r"tensor 'w': shape 6 is not a list"),
-    "size-mismatch": ({"w": entry(shape=[5])}, DATA24, None,
-                      r"tensor 'w': data_offsets \[0, 24\] hold 24 bytes, but F32 \[5\] needs 20"),
+    "size-mismatch": (
+        {"w": entry(shape=[5])},
+        DATA24,
+        None,
+        r"tensor 'w': data_offsets \[0, 24\] hold 24 bytes, but F32 \[5\] needs 20",
+    ),
     "entry-not-object": ({"w": 5}, DATA24, None, r"tensor 'w': entry is a int, not an object"),
-    "overlap": ({"a": F32x6, "b": entry(shape=[3], data_offsets=[12, 24])}, DATA24, None,
-                r"tensor 'b': it overlaps 'a'"),
-    "gap": ({"a": F32x6, "b": entry(shape=[3], data_offsets=[28, 40])}, DATA24 + bytes(16), None,
-            r"tensor 'b': a gap of 4 bytes before it"),
+    "overlap": (
+        {"a": F32x6, "b": entry(shape=[3], data_offsets=[12, 24])},
+        DATA24,
+        None,
+        r"tensor 'b': it overlaps 'a'",
+    ),
+    "gap": (
+        {"a": F32x6, "b": entry(shape=[3], data_offsets=[28, 40])},
+        DATA24 + bytes(16),
+        None,
+        r"tensor 'b': a gap of 4 bytes before it",
+    ),
     "not-from-zero": ({"w": entry(data_offsets=[4, 28])}, bytes(4) + DATA24, None, r"tensor 'w': a gap of 4 bytes"),
-    "trailing-bytes": ({"w": F32x6}, DATA24 + bytes(8), None, r"8 bytes of the data section after tensor 'w' belong to no tensor"),
-    "truncated": ({"w": F32x6}, DATA24[:20], None, r"tensor 'w': data_offsets end at 24, past the 20-byte data section"),
-    "duplicate-key": (None, DATA24, b'{"w": {"dtype": "F32", "shape": [6], "data_offsets": [0, 24]}, '
-                                      b'"w": {"dtype": "F32", "shape": [6], "data_offsets": [0, 24]}}',
-                      r"safetensors header has the key 'w' twice"),
-    "metadata-not-strings": ({"__metadata__": {"format": 1}, "w": F32x6}, DATA24, None,
-                             r"__metadata__ must map strings to strings"),
+    "trailing-bytes": (
+        {"w": F32x6},
+        DATA24 + bytes(8),
+        None,
+        r"8 bytes of the data section after tensor 'w' belong to no tensor",
+    ),
+    "truncated": (
+        {"w": F32x6},
+        DATA24[:20],
+        None,
+        r"tensor 'w': data_offsets end at 24, past the 20-byte data section",
+    ),
+    "duplicate-key": (
+        None,
+        DATA24,
+        b'{"w": {"dtype": "F32", "shape": [6], "data_offsets": [0, 24]}, '
+        b'"w": {"dtype": "F32", "shape": [6], "data_offsets": [0, 24]}}',
+        r"safetensors header has the key 'w' twice",
+    ),
+    "metadata-not-strings": (
+        {"__metadata__": {"format": 1}, "w": F32x6},
+        DATA24,
+        None,
+        r"__metadata__ must map strings to strings",
+    ),
     "metadata-not-object": ({"__metadata__": ["pt"], "w": F32x6}, DATA24, None, r"__metadata__ must map strings"),
     "header-list": (None, DATA24, b"[1, 2]", r"safetensors header is not a JSON object"),
     "header-not-json": (None, DATA24, b"{not json", r"unreadable safetensors header"),
@@ -107,7 +154,10 @@ def test_cli_inspect_and_verify_name_a_safetensors_directory_as_no_checkpoint(tm
     rc = cli.main([command, str(tmp_path / "st")])
     err = capsys.readouterr().err
     assert rc == cli.EXIT_USAGE, err
-    assert err.strip() == f"ckpt {command}: error: {tmp_path / 'st'} is not a checkpoint: no ckptlib.json and no DCP .metadata in it"
+    assert (
+        err.strip()
+        == f"ckpt {command}: error: {tmp_path / 'st'} is not a checkpoint: no ckptlib.json and no DCP .metadata in it"
+    )
 
 
 def test_header_length_over_the_library_limit(tmp_path):
@@ -118,10 +168,16 @@ def test_header_length_over_the_library_limit(tmp_path):
 
 
 def test_zero_sized_tensors_and_metadata_are_valid(tmp_path):
-    header = {"__metadata__": {"format": "pt"}, "empty": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]},
-              "w": F32x6, "also_empty": {"dtype": "I64", "shape": [2, 0], "data_offsets": [24, 24]}}
+    header = {
+        "__metadata__": {"format": "pt"},
+        "empty": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]},
+        "w": F32x6,
+        "also_empty": {"dtype": "I64", "shape": [2, 0], "data_offsets": [24, 24]},
+    }
     path = write_st(tmp_path / "model.safetensors", header)
-    state = {"model": {"w": torch.zeros(6), "empty": torch.ones(0, 3), "also_empty": torch.ones(2, 0, dtype=torch.int64)}}
+    state = {
+        "model": {"w": torch.zeros(6), "empty": torch.ones(0, 3), "also_empty": torch.ones(2, 0, dtype=torch.int64)}
+    }
     ckptlib.load(path, state)
     assert torch.equal(state["model"]["w"], torch.arange(6.0))
     assert state["model"]["empty"].shape == (0, 3)
@@ -146,11 +202,19 @@ INDEXES = {
     "file-empty": ({"w": ""}, None, CheckpointCorruptError, r"weight_map\['w'\] is '', not a file name"),
     "file-escapes": ({"w": "../model.safetensors"}, None, UnsafeCheckpointError, r"\.\./model\.safetensors"),
     "file-absent": ({"w": "nope.safetensors"}, None, CheckpointCorruptError, r"nope\.safetensors is missing"),
-    "duplicate-key": (None, b'{"weight_map": {"w": "a.safetensors", "w": "a.safetensors"}}', CheckpointCorruptError,
-                      r"has the key 'w' twice"),
+    "duplicate-key": (
+        None,
+        b'{"weight_map": {"w": "a.safetensors", "w": "a.safetensors"}}',
+        CheckpointCorruptError,
+        r"has the key 'w' twice",
+    ),
     "not-json": (None, b"weight_map", CheckpointCorruptError, r"unreadable safetensors index"),
-    "key-not-in-file": ({"w": "a.safetensors", "v": "a.safetensors"}, None, CheckpointCorruptError,
-                        r"a\.safetensors: lacks v"),
+    "key-not-in-file": (
+        {"w": "a.safetensors", "v": "a.safetensors"},
+        None,
+        CheckpointCorruptError,
+        r"a\.safetensors: lacks v",
+    ),
 }
 
 

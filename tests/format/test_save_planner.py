@@ -19,7 +19,9 @@ def _shard(fqn: str, offsets, sizes, size) -> WriteItem:
     return WriteItem(
         index=MetadataIndex(fqn, chunk.offsets),
         type=WriteItemType.SHARD,
-        tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size(size)),
+        tensor_data=TensorWriteData(
+            chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size(size)
+        ),
     )
 
 
@@ -28,7 +30,9 @@ def _replicated(fqn: str, size) -> WriteItem:
     return WriteItem(
         index=MetadataIndex(fqn, chunk.offsets),
         type=WriteItemType.TENSOR,
-        tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size(size)),
+        tensor_data=TensorWriteData(
+            chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size(size)
+        ),
     )
 
 
@@ -60,9 +64,7 @@ VALID = {
     "rows-tall": _rows(8, 100, 3),
     "columns": [[_shard("c", [0, 5 * r], [7, 5], [7, 20])] for r in range(4)],
     "grid-2x3": _grid(2, 3),
-    "replicated-and-bytes": _merge(
-        _rows(4, 2, 16), [[_replicated("bias", [16]), _bytes("epoch")] for _ in range(4)]
-    ),
+    "replicated-and-bytes": _merge(_rows(4, 2, 16), [[_replicated("bias", [16]), _bytes("epoch")] for _ in range(4)]),
     "scalar": [[_replicated("lr", [])] for _ in range(2)],
     "many-tensors": _merge(*(_rows(4, 1, 9, fqn=f"layer{i}.w") for i in range(20))),
 }
@@ -123,7 +125,10 @@ def test_zero_size_chunks_are_left_to_dcp(monkeypatch):
     [
         ([((0, 0), (2, 9)), ((2, 0), (2, 9))], None),
         ([((0, 0), (2, 9)), ((1, 0), (2, 9))], (((0, 0), (2, 9)), ((1, 0), (2, 9)))),
-        ([((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (2, 3)), ((2, 2), (2, 4))], (((2, 0), (2, 3)), ((2, 2), (2, 4)))),
+        (
+            [((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (2, 3)), ((2, 2), (2, 4))],
+            (((2, 0), (2, 3)), ((2, 2), (2, 4))),
+        ),
         ([((0,), (0,)), ((0,), (4,))], None),  # an empty chunk holds no element
         ([((0,), (4,)), ((10,), (4,)), ((12,), (4,))], (((10,), (4,)), ((12,), (4,)))),  # ends past 2 x size
     ],
@@ -169,7 +174,10 @@ def test_plans_are_dcps_own_where_torch_differs(tmp_path, monkeypatch, differs):
     from ckptlib.format import load_planner, plan_codec, save_planner
 
     calls = []
-    for module, name in [(save_planner, "create_default_local_save_plan"), (load_planner, "create_default_local_load_plan")]:
+    for module, name in [
+        (save_planner, "create_default_local_save_plan"),
+        (load_planner, "create_default_local_load_plan"),
+    ]:
         dcp_plan = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=dcp_plan, _n=name, **k: calls.append(_n) or _f(*a, **k))
     if differs == "plan-fields":

@@ -56,9 +56,10 @@ def test_metadata_of_another_size_than_recorded_is_still_refused(tmp_path, chang
     path.write_bytes(blob + b"x" if change == "grown" else blob[:-1])
     with pytest.raises(CheckpointCorruptError, match="files do not match the manifest"):
         open_checkpoint(as_storage(uri))
-    with pytest.raises(CheckpointCorruptError, match=r"checksum mismatch \(size %d vs %d" % (
-        len(blob) + (1 if change == "grown" else -1), len(blob)
-    )):
+    with pytest.raises(
+        CheckpointCorruptError,
+        match=r"checksum mismatch \(size %d vs %d" % (len(blob) + (1 if change == "grown" else -1), len(blob)),
+    ):
         open_checkpoint(as_storage(uri), check_files=False)
 
 
@@ -73,16 +74,27 @@ def test_preparing_a_fresh_target_asks_once_whether_it_exists(tmp_path):
 _GAP = 1 << 20  # ranged_io._COALESCE_GAP
 
 
-@pytest.mark.parametrize("spans,max_span,expected", [
-    ([(0, 10), (10, 10), (20, 10)], 20, [(0, 20), (20, 10)]),
-    ([(100, 10), (110, 10), (120, 10)], 20, [(100, 20), (120, 10)]),
-    ([(0, 50), (50, 5)], 20, [(0, 50), (50, 5)]),
-    ([(20, 10), (0, 10)], None, [(0, 30)]),
-    ([(0, 10), (10 + _GAP, 10)], None, [(0, 20 + _GAP)]),
-    ([(0, 10), (11 + _GAP, 10)], None, [(0, 10), (11 + _GAP, 10)]),
-    ([(0, 10), (11 + _GAP, 100), (111 + 2 * _GAP, 5)], None, [(0, 10), (11 + _GAP, 105 + _GAP)]),
-], ids=["at-most-max-span", "at-an-offset", "a-larger-item-alone", "sorted", "gap-at-limit", "gap-past-limit",
-        "gap-after-the-last-span"])
+@pytest.mark.parametrize(
+    "spans,max_span,expected",
+    [
+        ([(0, 10), (10, 10), (20, 10)], 20, [(0, 20), (20, 10)]),
+        ([(100, 10), (110, 10), (120, 10)], 20, [(100, 20), (120, 10)]),
+        ([(0, 50), (50, 5)], 20, [(0, 50), (50, 5)]),
+        ([(20, 10), (0, 10)], None, [(0, 30)]),
+        ([(0, 10), (10 + _GAP, 10)], None, [(0, 20 + _GAP)]),
+        ([(0, 10), (11 + _GAP, 10)], None, [(0, 10), (11 + _GAP, 10)]),
+        ([(0, 10), (11 + _GAP, 100), (111 + 2 * _GAP, 5)], None, [(0, 10), (11 + _GAP, 105 + _GAP)]),
+    ],
+    ids=[
+        "at-most-max-span",
+        "at-an-offset",
+        "a-larger-item-alone",
+        "sorted",
+        "gap-at-limit",
+        "gap-past-limit",
+        "gap-after-the-last-span",
+    ],
+)
 def test_reads_coalesce_across_small_gaps_up_to_their_span(spans, max_span, expected):
     """Shard reads are merged into one ranged read across gaps of up to 1 MiB, and never grow
     past `max_span` bytes (one item larger than that is read alone): the memory a read holds."""
@@ -112,7 +124,7 @@ def test_an_items_tail_is_read_once_and_reads_stay_inside_the_item():
     calls: list = []
     read = _cached_tail_reader(_file_reader(data, calls), 100, 8000)
     assert calls == [(100 + 8000 - _TAIL, _TAIL)]
-    assert read(8000 - 10, 10) == data[100 + 7990 : 100 + 8000] and read(8000 - _TAIL, 4) == data[4004 : 4008]
+    assert read(8000 - 10, 10) == data[100 + 7990 : 100 + 8000] and read(8000 - _TAIL, 4) == data[4004:4008]
     assert len(calls) == 1
     assert read(5, 3) == data[105:108] and calls[-1] == (105, 3)
     for pos, n in [(7999, 2), (8000, 1), (-1, 1), (0, -1)]:

@@ -17,11 +17,6 @@ import pickletools
 
 import pytest
 import torch
-
-import ckptlib
-from ckptlib import cli, compat
-from ckptlib.errors import UnsafeCheckpointError
-from ckptlib.format.safe_pickle import safe_loads
 from test_legacy import (
     FIXTURE_NAMES,
     _check_ranks,
@@ -33,6 +28,11 @@ from test_legacy import (
     rank_load_and_compare,
     reference,
 )
+
+import ckptlib
+from ckptlib import cli, compat
+from ckptlib.errors import UnsafeCheckpointError
+from ckptlib.format.safe_pickle import safe_loads
 
 pytestmark = pytest.mark.legacy
 
@@ -89,7 +89,10 @@ def test_inspect_reports_what_the_torch_saved(name, capsys):
     assert set(listed) == set(expected)
     for key, tensor in expected.items():
         entry = listed[key]
-        assert (tuple(entry["shape"]), entry["dtype"]) == (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")), key
+        assert (tuple(entry["shape"]), entry["dtype"]) == (
+            tuple(tensor.shape),
+            str(tensor.dtype).removeprefix("torch."),
+        ), key
         assert entry["chunks"] == (info["saved_world_size"] if tensor.dim() else 1), (key, entry)
     rc, out, err = _ckpt(capsys, "verify", path)
     assert rc == 0 and out.splitlines()[-1] == f"{path}: OK", out + err
@@ -130,7 +133,10 @@ def test_old_module_names_map_onto_todays():
     assert compat.current_pickle_module("torch.distributed._shard.checkpoint.no_such_module") == (
         "torch.distributed._shard.checkpoint.no_such_module"
     )
-    assert compat.current_pickle_module("torch.distributed._shard.checkpointing") == "torch.distributed._shard.checkpointing"
+    assert (
+        compat.current_pickle_module("torch.distributed._shard.checkpointing")
+        == "torch.distributed._shard.checkpointing"
+    )
     assert compat.current_pickle_module("collections") == "collections"
 
 
@@ -168,7 +174,10 @@ def test_old_module_names_still_admit_only_classes(tmp_path):
 def test_torch_113_per_item_files_load_in_one_process():
     """1.13's writer made one .distcp file per item (dozens for this small state)."""
     path = fixture_path("dcp_sharded_tensor_torch1.13")
-    assert len([f for f in os.listdir(path) if f.endswith(".distcp")]) > 2 * fixture_info("dcp_sharded_tensor_torch1.13")["saved_world_size"]
+    assert (
+        len([f for f in os.listdir(path) if f.endswith(".distcp")])
+        > 2 * fixture_info("dcp_sharded_tensor_torch1.13")["saved_world_size"]
+    )
     ref = reference("dcp_sharded_tensor_torch1.13")
     state = {"extra": {k: torch.zeros_like(v) for k, v in ref["extra"].items()}, "meta": {"epoch": -1, "tag": "wrong"}}
     result = ckptlib.load(path, state)

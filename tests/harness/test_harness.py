@@ -110,9 +110,10 @@ def _allreduce_rank():
         "world_size": dist.get_world_size(),
         "sum": int(t.item()),
         "backend": dist.get_backend(),
-        "env": {k: os.environ.get(k) for k in (
-            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-            "MASTER_ADDR")},
+        "env": {
+            k: os.environ.get(k)
+            for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")
+        },
     }
 
 
@@ -241,8 +242,12 @@ def test_results_in_rank_order(world_size):
         assert r["sum"] == world_size * (world_size - 1) // 2
         assert r["backend"] == "gloo"
         assert r["env"] == {
-            "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
         }
 
 
@@ -270,7 +275,11 @@ def test_env_reaches_every_rank(monkeypatch):
     monkeypatch.setenv("CKPT_HARNESS_PARENT", "from-parent")  # set after the forkserver started
     monkeypatch.setenv("CKPT_HARNESS_DROPPED", "x")
     results = launch(
-        3, _read_env, "CKPT_HARNESS_VAR", "CKPT_HARNESS_PARENT", "CKPT_HARNESS_DROPPED",
+        3,
+        _read_env,
+        "CKPT_HARNESS_VAR",
+        "CKPT_HARNESS_PARENT",
+        "CKPT_HARNESS_DROPPED",
         env={"CKPT_HARNESS_VAR": "http://127.0.0.1:5000", "CKPT_HARNESS_DROPPED": None},
     )
     assert results == [["http://127.0.0.1:5000", "from-parent", None]] * 3
@@ -426,7 +435,8 @@ def test_keyboard_interrupt_kills_the_ranks():
 
 def test_ranks_die_with_the_launching_process(tmp_path):
     script = tmp_path / "launcher_script.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {REPO!r})
         from ckptlib.testing import launch, launcher
@@ -439,13 +449,12 @@ def test_ranks_die_with_the_launching_process(tmp_path):
 
         if __name__ == "__main__":
             launch(2, body, {str(tmp_path)!r}, timeout=120, rendezvous="file")
-    """))
+    """)
+    )
     proc = subprocess.Popen([sys.executable, str(script)], cwd=str(tmp_path))
     try:
         deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("rank*"))) < 2 or any(
-            not p.read_text() for p in tmp_path.glob("rank*")
-        ):
+        while len(list(tmp_path.glob("rank*"))) < 2 or any(not p.read_text() for p in tmp_path.glob("rank*")):
             assert proc.poll() is None, "launcher script ended early"
             assert time.monotonic() < deadline, "ranks did not start"
             time.sleep(0.1)
@@ -531,7 +540,8 @@ class TestWorldSizeInClass:
 
 def test_plugin_reports_rank_failures(pytester):
     pytester.makeconftest('pytest_plugins = ["ckptlib.testing.plugin"]\n')
-    pytester.makepyfile(test_inner_fail="""
+    pytester.makepyfile(
+        test_inner_fail="""
         import pytest, torch.distributed as dist
 
         @pytest.mark.world_size(2)
@@ -541,7 +551,8 @@ def test_plugin_reports_rank_failures(pytester):
         @pytest.mark.world_size(2)
         def test_unpicklable_argument(request):
             pass
-    """)
+    """
+    )
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(failed=2)
     out = result.stdout.str()
@@ -554,7 +565,8 @@ def test_plugin_nccl_backend_skips_without_gpus(pytester):
     if gpu_skip_reason(2, "nccl") is None:
         pytest.skip("this machine has GPUs: the skip path cannot be checked")
     pytester.makeconftest('pytest_plugins = ["ckptlib.testing.plugin"]\n')
-    pytester.makepyfile(test_inner_nccl="""
+    pytester.makepyfile(
+        test_inner_nccl="""
         import pytest
 
         def _body():
@@ -573,7 +585,8 @@ def test_plugin_nccl_backend_skips_without_gpus(pytester):
 
         def test_plain():
             pass
-    """)
+    """
+    )
     result = pytester.runpytest("-p", "no:cacheprovider", "--backend", "nccl", "-rs")
     result.assert_outcomes(passed=1, skipped=3)
     assert "CUDA" in result.stdout.str()
@@ -581,7 +594,8 @@ def test_plugin_nccl_backend_skips_without_gpus(pytester):
 
 def test_plugin_registers_markers_and_timeout(pytester):
     pytester.makeconftest('pytest_plugins = ["ckptlib.testing.plugin"]\n')
-    pytester.makepyfile(test_inner_timeout="""
+    pytester.makepyfile(
+        test_inner_timeout="""
         import pytest
         from ckptlib.testing.plugin import launch_timeout
 
@@ -605,7 +619,8 @@ def test_plugin_registers_markers_and_timeout(pytester):
         def test_dist_timeout_caps(request):
             request.config.option.ckptlib_dist_timeout = 7.5
             assert launch_timeout(request.node) == 7.5
-    """)
+    """
+    )
     result = pytester.runpytest("-p", "no:cacheprovider", "--strict-markers")
     result.assert_outcomes(passed=4)
 
@@ -627,8 +642,11 @@ def _exit_barriers(skip_rank: int | None) -> str:
 
 def test_public_exit_barrier(dist_run):
     assert dist_run(3, _exit_barriers, None) == ["passed"] * 3
-    assert dist_run(3, _exit_barriers, 1) == ["exit barrier: only 2 of 3 ranks arrived in 1s", "skipped",
-                                              "exit barrier: only 2 of 3 ranks arrived in 1s"]
+    assert dist_run(3, _exit_barriers, 1) == [
+        "exit barrier: only 2 of 3 ranks arrived in 1s",
+        "skipped",
+        "exit barrier: only 2 of 3 ranks arrived in 1s",
+    ]
 
 
 def test_exit_barrier_without_a_group_is_a_no_op():

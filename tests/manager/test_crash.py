@@ -263,8 +263,9 @@ def test_second_concurrent_writer_gets_locked_error(tmp_path, monkeypatch):
         thread.join(30)
     assert not errors
     message = str(info.value)
-    assert message.startswith(f"{root} is locked by another writer: pid {os.getpid()} on host {socket.gethostname()} "
-                              "(this process), since ")
+    assert message.startswith(
+        f"{root} is locked by another writer: pid {os.getpid()} on host {socket.gethostname()} (this process), since "
+    )
     assert f"(lock file {root}/{LOCK_NAME})" in message and "break_lock()" in message
     assert info.value.path == str(root) and info.value.holder["pid"] == os.getpid()
 
@@ -475,7 +476,10 @@ def test_a_failed_save_releases_the_lock_unless_held(tmp_path, monkeypatch, wher
     with pytest.raises(ckptlib.StorageError) as info:
         mgr.save(2, {"w": _full(2), "b": _bias(2), "step": 2})
         mgr.wait()
-    assert str(info.value) == {"write": "rank 0: ", "pointer": ""}[where] + f"No space left on device (injected in {where})"
+    assert (
+        str(info.value)
+        == {"write": "rank 0: ", "pointer": ""}[where] + f"No space left on device (injected in {where})"
+    )
     monkeypatch.undo()
     assert mgr.wait() is None
     assert os.readlink(root / "latest") == "step_0000000001"

@@ -46,8 +46,12 @@ CASES = {
     # latest names an uncommitted step that is also the newest: the newest committed one is used
     "uncommitted-newest": ([2, 4, 6], lambda root: _uncommit(root, 6), "step_0000000006", 4),
     # latest names an uncommitted step in the middle: still the newest *committed* step, not the one before it
-    "uncommitted-middle": ([2, 4, 6], lambda root: (_uncommit(root, 4), _point(root, "step_0000000004")),
-                           "step_0000000004", 6),
+    "uncommitted-middle": (
+        [2, 4, 6],
+        lambda root: (_uncommit(root, 4), _point(root, "step_0000000004")),
+        "step_0000000004",
+        6,
+    ),
     # latest names a step directory that does not exist at all
     "missing-target": ([3, 5], lambda root: _point(root, "step_0000000009"), "step_0000000009", 5),
     # latest names something that is not a step directory
@@ -62,8 +66,7 @@ def test_stale_pointer_warns_and_names_the_step_it_uses(tmp_path, case):
     _saved(root, steps)
     damage(root)
     mgr = CheckpointManager(root)
-    message = (f"{root}/latest points to {target!r}, which is not a committed checkpoint; "
-               f"using step {expected}")
+    message = f"{root}/latest points to {target!r}, which is not a committed checkpoint; using step {expected}"
     with pytest.warns(StalePointerWarning) as record:
         assert mgr.latest() == expected
     assert [str(w.message) for w in record] == [message]
@@ -81,8 +84,7 @@ def test_stale_pointer_with_nothing_committed_warns_and_loads_nothing(tmp_path):
     with pytest.warns(StalePointerWarning) as record:
         assert mgr.latest() is None
     assert [str(w.message) for w in record] == [
-        f"{root}/latest points to 'step_0000000007', which is not a committed checkpoint, "
-        "and no committed step exists"
+        f"{root}/latest points to 'step_0000000007', which is not a committed checkpoint, and no committed step exists"
     ]
 
 
@@ -103,14 +105,17 @@ def test_v0_sets_of_more_than_ten_ranks_load_in_rank_order(tmp_path, world_size)
     """rank_10.pt must be rank 10, not the third file in name order: every rank holds a
     different, uneven slice, so any misordering moves rows."""
     g = torch.Generator().manual_seed(world_size)
-    ref = {"model": {"w": torch.randn(3 * world_size + 5, 4, generator=g),
-                     "b": torch.arange(2 * world_size + 1, dtype=torch.int64)},
-           "epoch": 3}
+    ref = {
+        "model": {
+            "w": torch.randn(3 * world_size + 5, 4, generator=g),
+            "b": torch.arange(2 * world_size + 1, dtype=torch.int64),
+        },
+        "epoch": 3,
+    }
     path = str(tmp_path / "v0")
     names = write_v0(path, ref, world_size)
     assert sorted(names) != names  # the name order really differs from the rank order
-    state = {"model": {"w": torch.zeros_like(ref["model"]["w"]), "b": torch.zeros_like(ref["model"]["b"])},
-             "epoch": 0}
+    state = {"model": {"w": torch.zeros_like(ref["model"]["w"]), "b": torch.zeros_like(ref["model"]["b"])}, "epoch": 0}
     result = ckptlib.load(path, state)
     assert result.format == "v0" and result.world_size == world_size
     assert torch.equal(state["model"]["w"], ref["model"]["w"])

@@ -97,7 +97,9 @@ def test_stale_pointer_falls_back_with_warning(tmp_path):
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))
     (root / "step_0000000002" / "ckptlib.json").unlink()
-    with pytest.warns(StalePointerWarning, match="points to 'step_0000000002', which is not a committed checkpoint; using step 1"):
+    with pytest.warns(
+        StalePointerWarning, match="points to 'step_0000000002', which is not a committed checkpoint; using step 1"
+    ):
         got, state = _load_w(mgr)
     assert got == 1 and torch.equal(state["w"], torch.ones(3))
 
@@ -274,8 +276,17 @@ def _stale_lock_of_an_exited_process(root):
 
     root.mkdir(parents=True)
     pid = os.getpid() + 1_000_000  # above pid_max: no process has it
-    (root / LOCK_NAME).write_text(json.dumps({"format": "ckptlib-lock", "host": socket.gethostname(), "pid": pid,
-                                              "token": "t", "created": "2024-01-01T00:00:00+00:00"}))
+    (root / LOCK_NAME).write_text(
+        json.dumps(
+            {
+                "format": "ckptlib-lock",
+                "host": socket.gethostname(),
+                "pid": pid,
+                "token": "t",
+                "created": "2024-01-01T00:00:00+00:00",
+            }
+        )
+    )
     return CheckpointManager(root)
 
 
@@ -287,26 +298,66 @@ def _bf16_step_1(root):
 
 # (how the root is prepared, the call that warns, the warning and its message)
 WARNING_CASES = {
-    "stale-pointer-latest": (_stale_pointer, lambda mgr: functools.partial(mgr.latest), StalePointerWarning,
-                             "which is not a committed checkpoint; using step 3"),
-    "stale-pointer-load": (_stale_pointer, lambda mgr: functools.partial(mgr.load, _state(0)), StalePointerWarning,
-                           "which is not a committed checkpoint; using step 3"),
-    "replace-save": (_unpublished_step_6, lambda mgr: functools.partial(mgr.save, 6, _state(66)), StalePointerWarning,
-                     "step_0000000006 is committed but latest names 'step_0000000003'"),
-    "replace-maybe-save": (_unpublished_step_6, lambda mgr: functools.partial(mgr.maybe_save, 6, _state(66), force=True),
-                           StalePointerWarning, "step_0000000006 is committed but latest names 'step_0000000003'"),
-    "foreign-files-save": (_users_file_in_step_1, lambda mgr: functools.partial(mgr.save, 2, _state(2)),
-                           ForeignFilesWarning, "eval.txt"),
-    "foreign-files-gc": (_users_file_in_step_1_then_step_2, lambda mgr: functools.partial(mgr.gc), ForeignFilesWarning,
-                         "eval.txt"),
-    "lock-not-removed-save": (_lock_cannot_be_removed, lambda mgr: functools.partial(mgr.save, 1, _state(1)),
-                              StaleLockWarning, "could not remove the lock"),
-    "lock-not-removed-gc": (_lock_cannot_be_removed, lambda mgr: functools.partial(mgr.gc), StaleLockWarning,
-                            "could not remove the lock"),
-    "stale-lock-save": (_stale_lock_of_an_exited_process, lambda mgr: functools.partial(mgr.save, 1, _state(1)),
-                        StaleLockWarning, "removing a stale lock left by pid"),
-    "cast-load": (_bf16_step_1, lambda mgr: functools.partial(mgr.load, _state(0), cast=True), ckptlib.CastWarning,
-                  "converted to the dtypes the state asked for: w saved as"),
+    "stale-pointer-latest": (
+        _stale_pointer,
+        lambda mgr: functools.partial(mgr.latest),
+        StalePointerWarning,
+        "which is not a committed checkpoint; using step 3",
+    ),
+    "stale-pointer-load": (
+        _stale_pointer,
+        lambda mgr: functools.partial(mgr.load, _state(0)),
+        StalePointerWarning,
+        "which is not a committed checkpoint; using step 3",
+    ),
+    "replace-save": (
+        _unpublished_step_6,
+        lambda mgr: functools.partial(mgr.save, 6, _state(66)),
+        StalePointerWarning,
+        "step_0000000006 is committed but latest names 'step_0000000003'",
+    ),
+    "replace-maybe-save": (
+        _unpublished_step_6,
+        lambda mgr: functools.partial(mgr.maybe_save, 6, _state(66), force=True),
+        StalePointerWarning,
+        "step_0000000006 is committed but latest names 'step_0000000003'",
+    ),
+    "foreign-files-save": (
+        _users_file_in_step_1,
+        lambda mgr: functools.partial(mgr.save, 2, _state(2)),
+        ForeignFilesWarning,
+        "eval.txt",
+    ),
+    "foreign-files-gc": (
+        _users_file_in_step_1_then_step_2,
+        lambda mgr: functools.partial(mgr.gc),
+        ForeignFilesWarning,
+        "eval.txt",
+    ),
+    "lock-not-removed-save": (
+        _lock_cannot_be_removed,
+        lambda mgr: functools.partial(mgr.save, 1, _state(1)),
+        StaleLockWarning,
+        "could not remove the lock",
+    ),
+    "lock-not-removed-gc": (
+        _lock_cannot_be_removed,
+        lambda mgr: functools.partial(mgr.gc),
+        StaleLockWarning,
+        "could not remove the lock",
+    ),
+    "stale-lock-save": (
+        _stale_lock_of_an_exited_process,
+        lambda mgr: functools.partial(mgr.save, 1, _state(1)),
+        StaleLockWarning,
+        "removing a stale lock left by pid",
+    ),
+    "cast-load": (
+        _bf16_step_1,
+        lambda mgr: functools.partial(mgr.load, _state(0), cast=True),
+        ckptlib.CastWarning,
+        "converted to the dtypes the state asked for: w saved as",
+    ),
 }
 
 

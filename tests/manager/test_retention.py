@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import ckptlib
-from ckptlib import CheckpointManager, KeepBest, KeepEvery, KeepLast, StalePointerWarning, StateError
-from ckptlib import cli
+from ckptlib import CheckpointManager, KeepBest, KeepEvery, KeepLast, StalePointerWarning, StateError, cli
 from ckptlib.retention import AnyOf, StepRecord, to_delete
 from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401
 
@@ -70,7 +69,16 @@ def test_keep_last_policy_object_equals_shorthand(tmp_path, n):
         (KeepLast(1) | KeepBest(1, "acc", mode="max"), {7, 10}),
         (KeepEvery(4) | KeepBest(1, "loss") | KeepLast(2), {0, 4, 8, 9, 10}),
     ],
-    ids=["last2", "every4", "best2-loss-min", "best1-loss-tie", "best2-loss-max", "last1|every5", "last1|best1-acc-max", "every4|best1|last2"],
+    ids=[
+        "last2",
+        "every4",
+        "best2-loss-min",
+        "best1-loss-tie",
+        "best2-loss-max",
+        "last1|every5",
+        "last1|best1-acc-max",
+        "every4|best1|last2",
+    ],
 )
 def test_policy_keeps(policy, expected):
     losses = {0: 5.0, 1: 4.0, 2: 3.0, 3: 1.0, 4: 7.0, 5: 7.0, 6: 2.0, 7: 2.5, 8: 9.0, 9: 1.0, 10: None}
@@ -106,8 +114,14 @@ def test_combination_flattens_and_validates():
     assert not (KeepLast(1) | KeepEvery(2)).uses_metrics
     with pytest.raises(TypeError):
         KeepLast(1) | 3
-    for bad in (lambda: KeepLast(0), lambda: KeepEvery(0), lambda: KeepBest(0, "x"), lambda: KeepBest(1, ""),
-                lambda: KeepBest(1, "x", mode="median"), lambda: KeepLast(True)):
+    for bad in (
+        lambda: KeepLast(0),
+        lambda: KeepEvery(0),
+        lambda: KeepBest(0, "x"),
+        lambda: KeepBest(1, ""),
+        lambda: KeepBest(1, "x", mode="median"),
+        lambda: KeepLast(True),
+    ):
         with pytest.raises(ValueError):
             bad()
 
@@ -217,7 +231,9 @@ def test_rollback_keeps_latest_and_replaces_abandoned_steps(tmp_path):
     expected = {4: [3, 4, 6], 5: [3, 5, 6], 6: [3, 6], 7: [3, 6, 7]}
     for k, dirs in expected.items():
         if k == 6:  # the abandoned step 6 is committed: replaced
-            with pytest.warns(StalePointerWarning, match="step_0000000006 is committed but latest names 'step_0000000005'"):
+            with pytest.warns(
+                StalePointerWarning, match="step_0000000006 is committed but latest names 'step_0000000005'"
+            ):
                 resumed.save(k, _state(100 + k))
         else:
             resumed.save(k, _state(100 + k))
@@ -280,7 +296,16 @@ def _metric_root(root) -> None:
         (["--keep-last", "1", "--keep-every", "30", "--keep-best", "2:loss:min"], [20, 30, 40, 60, 80]),
         (["--keep-best", "3:missing"], [80]),
     ],
-    ids=["keep2", "last3", "every40", "best2-loss", "best1-acc-max", "best-min+max", "last1+every30+best2", "absent-metric"],
+    ids=[
+        "keep2",
+        "last3",
+        "every40",
+        "best2-loss",
+        "best1-acc-max",
+        "best-min+max",
+        "last1+every30+best2",
+        "absent-metric",
+    ],
 )
 def test_gc_rules(tmp_path, capsys, flags, kept):
     root = tmp_path / "run"

@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 
 import ckptlib
-from ckptlib import CheckpointManager, EveryNSeconds, EveryNSteps, FinalStep, StateError
-from ckptlib import save_policy
+from ckptlib import CheckpointManager, EveryNSeconds, EveryNSteps, FinalStep, StateError, save_policy
 from ckptlib.save_policy import AnySavePolicy, AtSteps, SaveContext
 
 
@@ -101,8 +100,14 @@ def test_force_and_no_second_save_of_a_step(tmp_path):
 
 
 def test_policy_validation():
-    for bad in (lambda: EveryNSteps(0), lambda: EveryNSeconds(0), lambda: EveryNSeconds(float("inf")),
-                lambda: FinalStep(0), lambda: AtSteps(-1), lambda: EveryNSteps(True)):
+    for bad in (
+        lambda: EveryNSteps(0),
+        lambda: EveryNSeconds(0),
+        lambda: EveryNSeconds(float("inf")),
+        lambda: FinalStep(0),
+        lambda: AtSteps(-1),
+        lambda: EveryNSteps(True),
+    ):
         with pytest.raises(ValueError):
             bad()
     with pytest.raises(TypeError):
@@ -260,8 +265,13 @@ def test_time_policy_follows_rank0s_clock(tmp_path, dist_run):
 
 def _preempt_one_rank(root: str, signalled_rank: int, at_step: int, async_save: bool):
     rank = dist.get_rank()
-    mgr = CheckpointManager(root, save_policy=EveryNSteps(4), save_on_preemption=True,
-                            preemption_signals=[signal.SIGTERM], async_save=async_save)
+    mgr = CheckpointManager(
+        root,
+        save_policy=EveryNSteps(4),
+        save_on_preemption=True,
+        preemption_signals=[signal.SIGTERM],
+        async_save=async_save,
+    )
     saved = []
     w = torch.zeros(3)
     step = 0
@@ -303,7 +313,7 @@ def test_a_signal_on_one_rank_makes_every_rank_save(tmp_path, dist_run, signalle
     root = str(tmp_path / "run")
     results = dist_run(3, _preempt_one_rank, root, signalled_rank, 6, async_save)
     expected_signal = "SIGTERM"
-    for rank, (saved, stopped_at, preempted, sig) in enumerate(results):
+    for saved, stopped_at, preempted, sig in results:
         assert saved == [4, 6] and stopped_at == 6 and preempted
         assert sig == expected_signal  # every rank knows which signal it was
     assert _dirs(root) == [4, 6] and os.readlink(os.path.join(root, "latest")) == "step_0000000006"

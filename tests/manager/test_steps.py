@@ -33,15 +33,25 @@ def test_step_dir_round_trips(step):
 
 
 @pytest.mark.parametrize(
-    "name", ["step_1", "step_00000000001", "step_009999999999", "step_9223372036854775808", "step_-000000001",
-             "step_0000000001.tmp", "xstep_0000000001", "step_99999999999999999999"],
+    "name",
+    [
+        "step_1",
+        "step_00000000001",
+        "step_009999999999",
+        "step_9223372036854775808",
+        "step_-000000001",
+        "step_0000000001.tmp",
+        "xstep_0000000001",
+        "step_99999999999999999999",
+    ],
 )
 def test_names_that_are_not_step_directories(name):
     assert parse_step(name) is None
 
 
 @pytest.mark.parametrize(
-    "bad", [-1, True, False, 1.0, 2.5, "3", b"3", None, INT64_MAX + 1, 10**30, np.float64(3.0)],
+    "bad",
+    [-1, True, False, 1.0, 2.5, "3", b"3", None, INT64_MAX + 1, 10**30, np.float64(3.0)],
     ids=lambda v: f"{type(v).__name__}-{v!r}"[:40],
 )
 def test_bad_steps_are_state_errors(tmp_path, bad):

@@ -218,7 +218,9 @@ def test_killed_mid_upload_then_the_next_start_resumes(tmp_path, remote):
     local = str(tmp_path / "local")
     proc = subprocess.Popen(
         [sys.executable, "-c", _CRASHING_CHILD, local, remote, os.path.dirname(os.path.abspath(__file__))],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])),
     )
     try:

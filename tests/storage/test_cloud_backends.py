@@ -20,8 +20,10 @@ from ckptlib.testing.emulators import azure_root, azurite_server, gcs_root, gcs_
 from ckptlib.testing.faultproxy import FaultProxy
 
 MiB = 1 << 20
-CLOUDS = [pytest.param("gcs", id="gcs", marks=pytest.mark.gcs),
-          pytest.param("azure", id="azure", marks=pytest.mark.azure)]
+CLOUDS = [
+    pytest.param("gcs", id="gcs", marks=pytest.mark.gcs),
+    pytest.param("azure", id="azure", marks=pytest.mark.azure),
+]
 
 
 @pytest.fixture(params=CLOUDS)
@@ -189,6 +191,7 @@ def test_elastic_save_n_load_m(cloud, server, root, dist_run, save_ws, load_ws, 
 
 # -- faults ------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def proxy(cloud, server, monkeypatch):
     """A FaultProxy in front of the emulator, with this process's client pointed at it and
@@ -257,6 +260,7 @@ def test_permanent_failure_keeps_latest(cloud, root, proxy, monkeypatch, fault):
 
 # -- credentials and missing containers ----------------------------------------------------------
 
+
 def test_missing_bucket_or_container_is_a_storage_error(cloud, server):
     uri = "gs://no-such-bucket-ckptlib/run" if cloud == "gcs" else "az://no-such-container-ckptlib/run"
     with pytest.raises(StorageError) as info:
@@ -267,8 +271,9 @@ def test_missing_bucket_or_container_is_a_storage_error(cloud, server):
 @pytest.mark.azure
 def test_azure_wrong_key_is_a_storage_error_without_the_key(azurite_server, azure_root, monkeypatch):
     wrong = "A" * 43 + "Q==" + "B" * 40
-    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING",
-                       em.azure_connection_string(azurite_server).replace(em.AZURITE_KEY, wrong))
+    monkeypatch.setenv(
+        "AZURE_STORAGE_CONNECTION_STRING", em.azure_connection_string(azurite_server).replace(em.AZURITE_KEY, wrong)
+    )
     with pytest.raises(StorageError) as info:
         open_storage(azure_root).write("x", b"1")
     message = str(info.value)

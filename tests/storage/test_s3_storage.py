@@ -128,7 +128,9 @@ _JITTER = {"low": 0.5, "high": 1.0}  # the back-off's jitter range: [0.5, 1.0] x
 def _delete_result(*errors: tuple[str, str, str | None]) -> bytes:
     """A DeleteObjects reply listing (key, code, message or None) errors."""
     items = "".join(
-        f"<Error><Key>{key}</Key><Code>{code}</Code>" + (f"<Message>{message}</Message>" if message else "") + "</Error>"
+        f"<Error><Key>{key}</Key><Code>{code}</Code>"
+        + (f"<Message>{message}</Message>" if message else "")
+        + "</Error>"
         for key, code, message in errors
     )
     return f'<?xml version="1.0" encoding="UTF-8"?><DeleteResult>{items}</DeleteResult>'.encode()
@@ -173,8 +175,16 @@ def test_uri_parsing_and_open_storage(moto_server):
     assert (storage.bucket, storage.prefix, storage.uri) == ("my.bucket-1", "ckpt", "s3://my.bucket-1/ckpt")
     assert storage.child("step_1").uri == "s3://my.bucket-1/ckpt/step_1"
     assert storage.local_path() is None and storage.local_path("x") is None
-    for bad in ("s3://", "s3://ab/x", "s3://Upper/x", "s3://under_score/x", "s3://-dash/x", "s3://a..b/x",
-                "s3://192.168.1.1/x", "s3://" + "a" * 64 + "/x"):
+    for bad in (
+        "s3://",
+        "s3://ab/x",
+        "s3://Upper/x",
+        "s3://under_score/x",
+        "s3://-dash/x",
+        "s3://a..b/x",
+        "s3://192.168.1.1/x",
+        "s3://" + "a" * 64 + "/x",
+    ):
         with pytest.raises(StorageError, match="invalid S3 bucket name"):
             S3Storage.from_uri(bad)
     for bad in ("s3://bucket/../x", "s3://bucket/a//b", "s3://bucket/a/./b"):
@@ -191,10 +201,22 @@ def test_pickles_without_its_client(store):
 def test_transfer_options_accept_the_ends_of_their_ranges(s3_root, client):
     """The smallest allowed values (threshold 1 byte, one thread, 1-byte chunks, no read
     retries) and the largest sizes are accepted, and a storage built with the smallest works."""
-    storage = S3Storage.from_uri(s3_root, client=client, multipart_threshold=1, max_concurrency=1,
-                                 read_chunk_size=1, read_retries=0, part_size=MIN_PART_SIZE)
-    assert storage._options() == {"multipart_threshold": 1, "part_size": MIN_PART_SIZE, "max_concurrency": 1,
-                                  "read_chunk_size": 1, "read_retries": 0}
+    storage = S3Storage.from_uri(
+        s3_root,
+        client=client,
+        multipart_threshold=1,
+        max_concurrency=1,
+        read_chunk_size=1,
+        read_retries=0,
+        part_size=MIN_PART_SIZE,
+    )
+    assert storage._options() == {
+        "multipart_threshold": 1,
+        "part_size": MIN_PART_SIZE,
+        "max_concurrency": 1,
+        "read_chunk_size": 1,
+        "read_retries": 0,
+    }
     storage.write("x", b"abc")
     assert storage.read("x") == b"abc" and storage.read("x", 0, 3) == b"abc"
     with storage.open_writer("y") as stream:
@@ -211,18 +233,34 @@ _COUNTS_MESSAGE = "max_concurrency and read_chunk_size must be >= 1, read_retrie
     "option,value,message",
     [
         ("multipart_threshold", 0, f"multipart_threshold must be within [1, {MAX_PUT_SIZE}], got 0"),
-        ("multipart_threshold", MAX_PUT_SIZE + 1,
-         f"multipart_threshold must be within [1, {MAX_PUT_SIZE}], got {MAX_PUT_SIZE + 1}"),
-        ("part_size", MIN_PART_SIZE - 1,
-         f"part_size must be within [{MIN_PART_SIZE}, {MAX_PART_SIZE}] bytes, got {MIN_PART_SIZE - 1}"),
-        ("part_size", MAX_PART_SIZE + 1,
-         f"part_size must be within [{MIN_PART_SIZE}, {MAX_PART_SIZE}] bytes, got {MAX_PART_SIZE + 1}"),
+        (
+            "multipart_threshold",
+            MAX_PUT_SIZE + 1,
+            f"multipart_threshold must be within [1, {MAX_PUT_SIZE}], got {MAX_PUT_SIZE + 1}",
+        ),
+        (
+            "part_size",
+            MIN_PART_SIZE - 1,
+            f"part_size must be within [{MIN_PART_SIZE}, {MAX_PART_SIZE}] bytes, got {MIN_PART_SIZE - 1}",
+        ),
+        (
+            "part_size",
+            MAX_PART_SIZE + 1,
+            f"part_size must be within [{MIN_PART_SIZE}, {MAX_PART_SIZE}] bytes, got {MAX_PART_SIZE + 1}",
+        ),
         ("max_concurrency", 0, _COUNTS_MESSAGE),
         ("read_chunk_size", 0, _COUNTS_MESSAGE),
         ("read_retries", -1, _COUNTS_MESSAGE),
     ],
-    ids=["threshold-0", "threshold-over-max-put", "part-under-min", "part-over-max", "concurrency-0",
-         "chunk-0", "retries-negative"],
+    ids=[
+        "threshold-0",
+        "threshold-over-max-put",
+        "part-under-min",
+        "part-over-max",
+        "concurrency-0",
+        "chunk-0",
+        "retries-negative",
+    ],
 )
 def test_transfer_option_out_of_range_is_refused(option, value, message):
     """Each option alone, one step outside its range, is refused with a message naming it."""
@@ -373,7 +411,9 @@ def test_delete_reports_per_key_errors(store, client):
     store.write("a", b"1")
     store.write("b", b"2")
     with _answer_deletes(client, _delete_result(("run/b", "AccessDenied", "Access Denied"))):
-        with pytest.raises(StorageError, match=r"S3 delete failed for 1 object\(s\) under s3://.*/run: run/b: AccessDenied"):
+        with pytest.raises(
+            StorageError, match=r"S3 delete failed for 1 object\(s\) under s3://.*/run: run/b: AccessDenied"
+        ):
             store.delete(["a", "b"])
 
 
@@ -381,9 +421,11 @@ def test_delete_reports_every_failure_but_absent_keys(store, client):
     """Per-key errors of a batch delete are all reported, each as 'key: code message' (the
     message left out when there is none), wherever an absent key (NoSuchKey) sits among them;
     a reply whose only errors are absent keys is success."""
-    reply = _delete_result(("run/a", "NoSuchKey", "The specified key does not exist."),
-                           ("run/b", "AccessDenied", "Access Denied"),
-                           ("run/c", "InternalError", None))
+    reply = _delete_result(
+        ("run/a", "NoSuchKey", "The specified key does not exist."),
+        ("run/b", "AccessDenied", "Access Denied"),
+        ("run/c", "InternalError", None),
+    )
     with _answer_deletes(client, reply):
         with pytest.raises(StorageError) as info:
             store.delete(["a", "b", "c"])
@@ -408,8 +450,14 @@ def test_delete_failure_message_shows_five_failures_and_the_count(store, client,
 
 
 def test_delete_tree_removes_commit_marker_first_and_pending_uploads(moto_server, store, client):
-    names = ["step_1/ckptlib.json", "step_1/.metadata", "step_1/__0_0.distcp", "step_1/__1_0.distcp",
-             "step_10/ckptlib.json", "keep.txt"]
+    names = [
+        "step_1/ckptlib.json",
+        "step_1/.metadata",
+        "step_1/__0_0.distcp",
+        "step_1/__1_0.distcp",
+        "step_10/ckptlib.json",
+        "keep.txt",
+    ]
     for name in names:
         store.write(name, b"data")
     # debris of a crashed writer: a multipart upload that was never completed
@@ -573,11 +621,15 @@ def test_create_exclusive_conflict_back_off_doubles_then_gives_up(store, client,
     for 6 attempts; then a StorageError says the writes kept conflicting."""
     sleeps = _record_sleeps(monkeypatch, end)
     with Wire(client) as wire:
-        wire.rules.append(lambda op, req, n: _fake_response(req, 409, _error_body("ConditionalRequestConflict", "again")))
+        wire.rules.append(
+            lambda op, req, n: _fake_response(req, 409, _error_body("ConditionalRequestConflict", "again"))
+        )
         with pytest.raises(StorageError) as info:
             store.create_exclusive("lock", b"mine")
         assert wire.count("PutObject") == 6
-    assert str(info.value) == f"S3 conditional put failed for {store.uri}/lock: kept conflicting with concurrent writers"
+    assert (
+        str(info.value) == f"S3 conditional put failed for {store.uri}/lock: kept conflicting with concurrent writers"
+    )
     assert sleeps == pytest.approx([_JITTER[end] * base for base in (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)])
 
 
@@ -734,7 +786,9 @@ def test_lost_complete_response(moto_server, s3_root, client, meanwhile):
             with storage.open_writer("obj.bin") as stream:
                 stream.write(data)
         else:
-            with pytest.raises(StorageError, match=r"S3 complete multipart upload failed for s3://.*/run/obj.bin: NoSuchUpload"):
+            with pytest.raises(
+                StorageError, match=r"S3 complete multipart upload failed for s3://.*/run/obj.bin: NoSuchUpload"
+            ):
                 with storage.open_writer("obj.bin") as stream:
                     stream.write(data)
         assert wire.count("CompleteMultipartUpload") == 2 and wire.count("HeadObject") == 1
@@ -791,16 +845,25 @@ def test_missing_bucket_is_a_storage_error_without_credentials(moto_server, monk
 def test_invalid_key_id_and_access_denied_messages(store, client):
     def deny(op, request, n):
         if op == "ListObjectsV2":
-            return _fake_response(request, 403, _error_body("InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist in our records."))
+            return _fake_response(
+                request,
+                403,
+                _error_body("InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist in our records."),
+            )
         if op == "GetObject":
             return _fake_response(request, 403, _error_body("AccessDenied", "Access Denied"))
         return None
 
     with Wire(client) as wire:
         wire.rules.append(deny)
-        with pytest.raises(StorageError, match=r"S3 list failed for s3://.*/run: InvalidAccessKeyId \(HTTP 403\).*access key id is not valid"):
+        with pytest.raises(
+            StorageError,
+            match=r"S3 list failed for s3://.*/run: InvalidAccessKeyId \(HTTP 403\).*access key id is not valid",
+        ):
             store.list()
-        with pytest.raises(StorageError, match=r"S3 get failed for s3://.*/run/x: AccessDenied \(HTTP 403\).*lack permission"):
+        with pytest.raises(
+            StorageError, match=r"S3 get failed for s3://.*/run/x: AccessDenied \(HTTP 403\).*lack permission"
+        ):
             store.read("x")
         assert wire.count("GetObject") == 1  # permanent: not retried
 
@@ -809,8 +872,12 @@ def test_retries_exhausted_is_a_storage_error(s3_root):
     client = make_client(max_attempts=2)
     storage = S3Storage.from_uri(s3_root, client=client)
     with Wire(client) as wire:
-        wire.rules.append(lambda op, req, n: _fake_response(req, 503, _error_body("SlowDown", "Please reduce your request rate.")))
-        with pytest.raises(StorageError, match=r"S3 put failed for s3://.*/run/x: SlowDown \(HTTP 503\).*gave up after 2 attempts"):
+        wire.rules.append(
+            lambda op, req, n: _fake_response(req, 503, _error_body("SlowDown", "Please reduce your request rate."))
+        )
+        with pytest.raises(
+            StorageError, match=r"S3 put failed for s3://.*/run/x: SlowDown \(HTTP 503\).*gave up after 2 attempts"
+        ):
             storage.write("x", b"1")
         assert wire.count("PutObject") == 2
 
@@ -824,7 +891,9 @@ def test_body_that_breaks_off_is_retried(store, client):
         if op == "GetObject" and state["broken"] < 2:
             state["broken"] += 1
             # claims 100,000 bytes, delivers 10: the body read fails after botocore returned
-            return _fake_response(request, 200, data[:10], {"content-length": str(len(data)), "content-type": "binary/octet-stream"})
+            return _fake_response(
+                request, 200, data[:10], {"content-length": str(len(data)), "content-type": "binary/octet-stream"}
+            )
         return None
 
     with Wire(client) as wire:
@@ -847,7 +916,9 @@ def _broken_bodies(data: bytes, times: int):
     def rule(op, request, n):
         if op == "GetObject" and state["broken"] < times:
             state["broken"] += 1
-            return _fake_response(request, 200, data[:10], {"content-length": str(len(data)), "content-type": "binary/octet-stream"})
+            return _fake_response(
+                request, 200, data[:10], {"content-length": str(len(data)), "content-type": "binary/octet-stream"}
+            )
         return None
 
     return rule
@@ -896,8 +967,11 @@ def test_416_reads_as_past_the_end(store, client, answer):
     size, used if it is a number) or bare, reads as end of object: b"" without a length,
     EOFError with one."""
     store.write("x", bytes(1024))
-    reply = {"InvalidRange": _invalid_range("1024"), "InvalidRange-size-unreadable": _invalid_range("n/a"),
-             "no-body": b""}[answer]
+    reply = {
+        "InvalidRange": _invalid_range("1024"),
+        "InvalidRange-size-unreadable": _invalid_range("n/a"),
+        "no-body": b"",
+    }[answer]
 
     def unsatisfiable(op, request, n):
         if op == "GetObject":
@@ -936,7 +1010,11 @@ def test_short_range_whose_content_range_has_no_size(store, client):
     "op,call,message",
     [
         ("GetObject", lambda s: s.read("x"), "S3 get failed for {uri}/x: ConnectionClosedError: "),
-        ("PutObject", lambda s: s.create_exclusive("lock", b"mine"), "S3 conditional put failed for {uri}/lock: ConnectionClosedError: "),
+        (
+            "PutObject",
+            lambda s: s.create_exclusive("lock", b"mine"),
+            "S3 conditional put failed for {uri}/lock: ConnectionClosedError: ",
+        ),
         ("HeadObject", lambda s: s.read("x", 0, 0), "S3 head failed for {uri}/x: ConnectionClosedError: "),
     ],
     ids=["read", "create-exclusive", "read-nothing"],
@@ -1125,4 +1203,8 @@ def test_permanent_403_on_manifest_keeps_previous_latest(moto_server, s3_root):
     # the failed step is debris: the next save's retention removes it
     manager.save(3, {"model": model, "optim": opt})
     bucket = s3_root.split("/")[2]
-    assert {k.split("/")[1] for k in _bucket_keys(moto_server, bucket)} == {"latest", "step_0000000001", "step_0000000003"}
+    assert {k.split("/")[1] for k in _bucket_keys(moto_server, bucket)} == {
+        "latest",
+        "step_0000000001",
+        "step_0000000003",
+    }

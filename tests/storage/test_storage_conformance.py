@@ -93,8 +93,12 @@ def test_empty_object(store):
 
 def test_missing_object_is_file_not_found(store):
     store.write("present", b"x")
-    for call in (lambda: store.read("absent"), lambda: store.read("absent", 0, 4), lambda: store.read("absent", 0, 0),
-                 lambda: store.read("dir/absent", 3)):
+    for call in (
+        lambda: store.read("absent"),
+        lambda: store.read("absent", 0, 4),
+        lambda: store.read("absent", 0, 0),
+        lambda: store.read("dir/absent", 3),
+    ):
         with pytest.raises(FileNotFoundError):
             call()
 
@@ -237,8 +241,12 @@ def test_exception_in_stream_writer_leaves_no_object(store, written):
 
 @pytest.mark.parametrize("path", ["../x", "/abs", "a//b", "a/./b", "a/../../b", ""])
 def test_paths_that_escape_the_root_are_rejected(store, path):
-    for call in (lambda: store.write(path, b"x"), lambda: store.read(path), lambda: store.child(path),
-                 lambda: store.set_pointer(path, "t")):
+    for call in (
+        lambda: store.write(path, b"x"),
+        lambda: store.read(path),
+        lambda: store.child(path),
+        lambda: store.set_pointer(path, "t"),
+    ):
         with pytest.raises(StorageError):
             call()
 
