@@ -371,7 +371,7 @@ def _log(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ckptlib.testing.launcher import launch
+    from ckptlib.testing import launch
 
     cold = (not args.quick) and (not args.warm_only) and _can_drop_caches()
     root = tempfile.mkdtemp(prefix="ckptlib-bench-", dir=args.dir)

@@ -63,8 +63,8 @@ def _ckptlib(uri: str, data: bytes):
 
 
 def run(size_mib: int, reps: int) -> dict:
-    from ckptlib.testing import emulators as em
-    from ckptlib.testing.s3_server import create_bucket, s3_client, start_moto_server
+    from ckptlib.testing.fakes import emulators as em
+    from ckptlib.testing.fakes.s3_server import create_bucket, s3_client, start_moto_server
 
     data = os.urandom(size_mib * MiB)
     results: dict[str, dict] = {}

@@ -144,7 +144,7 @@ def _log(msg: str) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from ckptlib.testing.launcher import launch
+    from ckptlib.testing import launch
 
     root = tempfile.mkdtemp(prefix="ckptlib-bench-tensors-", dir=args.dir)
     import subprocess

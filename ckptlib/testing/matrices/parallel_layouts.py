@@ -16,7 +16,7 @@ makes its mesh. Models say what to shard: ``fsdp_units`` (submodules that get th
 FSDP unit) and ``tp_plan`` (a ``parallelize_module`` plan) are taken from the arguments or,
 if absent, from methods of the same names on the model; ``after_tp`` (e.g. re-tie weights
 that the plan replaced) from the argument or the model's ``retie()`` (as
-``ckptlib.testing.models.TinyTransformer`` has).
+``ckptlib.testing.matrices.models.TinyTransformer`` has).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import compat
+from ... import compat
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .. import compat
+from ... import compat
 
 WRAPPINGS = ("fsdp2", "ddp", "plain")
 OPTIMIZERS = ("adam", "adamw", "sgd")
