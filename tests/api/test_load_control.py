@@ -24,7 +24,7 @@ from ckptlib import (
     ShapeMismatchError,
     StateError,
 )
-from ckptlib.testing.legacy_writers import write_safetensors, write_torch_save
+from ckptlib.testing.fakes.legacy_writers import write_safetensors, write_torch_save
 
 
 class Net(nn.Module):

@@ -14,10 +14,9 @@ import ckptlib
 from ckptlib import compat
 from ckptlib.errors import CheckpointError, StorageError
 from ckptlib.storage import is_remote, open_storage
-from ckptlib.testing import emulators as em
-from ckptlib.testing import matrix as mx
-from ckptlib.testing.emulators import azure_root, azurite_server, gcs_root, gcs_server  # noqa: F401
-from ckptlib.testing.faultproxy import FaultProxy
+from ckptlib.testing.fakes import emulators as em
+from ckptlib.testing.fakes.faultproxy import FaultProxy
+from ckptlib.testing.matrices import matrix as mx
 
 MiB = 1 << 20
 CLOUDS = [

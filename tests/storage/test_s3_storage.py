@@ -20,7 +20,7 @@ from ckptlib.errors import CheckpointError, StorageError
 from ckptlib.storage import open_storage
 from ckptlib.storage import s3 as s3mod
 from ckptlib.storage.s3 import MAX_PART_SIZE, MAX_PUT_SIZE, MIN_PART_SIZE, S3Storage, make_client, parse_uri
-from ckptlib.testing.s3_server import moto_server, s3_client, s3_root  # noqa: F401
+from ckptlib.testing.fakes.s3_server import s3_client
 
 pytestmark = pytest.mark.s3
 

@@ -17,8 +17,6 @@ import pytest
 from ckptlib.errors import StorageError
 from ckptlib.storage import LocalStorage, open_storage
 from ckptlib.storage.base import Storage, SupportsCreateExclusive
-from ckptlib.testing.emulators import azure_root, azurite_server, gcs_root, gcs_server  # noqa: F401
-from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401
 
 MiB = 1 << 20
 BACKENDS = [
