@@ -5,7 +5,9 @@ clients built from the environment the fixtures set, in this process and in rank
 from __future__ import annotations
 
 import os
+import re
 import socket
+import textwrap
 import uuid
 
 import pytest
@@ -166,3 +168,28 @@ def test_emulator_ports_are_free_ports_on_loopback():
     port = em.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # free: nothing holds it
+
+
+def _readme_examples() -> list[str]:
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    start = text.index("\n## The test harness (also for your own suites)\n")
+    section = text[start : text.index("\n## ", start + 1)]
+    return [textwrap.dedent(block) for block in re.findall(r"```python\n(.*?)```", section, re.DOTALL)]
+
+
+@pytest.mark.s3
+@pytest.mark.gcs
+@pytest.mark.azure
+def test_the_readme_examples_run(pytester):
+    examples = _readme_examples()
+    assert len(examples) == 4 and all(e.startswith("def test_") for e in examples)
+    pytester.makeconftest('pytest_plugins = ["ckptlib.testing.plugin"]\n')
+    imports = [
+        "import os",
+        "import boto3",
+        "from azure.storage.blob import BlobServiceClient",
+        "from google.cloud import storage",
+    ]
+    pytester.makepyfile(test_readme="\n".join(imports) + "\n\n\n" + "\n\n".join(examples))
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=4)
