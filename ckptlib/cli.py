@@ -330,27 +330,19 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _run_bench(bench_args: list[str]) -> int:
-    """benchmarks/bench.py lives next to the package in a source checkout, not in the wheel."""
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not os.path.isfile(os.path.join(root, "benchmarks", "bench.py")):
-        print(f"ckpt bench: error: needs a source checkout (no benchmarks/bench.py under {root})", file=sys.stderr)
-        return EXIT_USAGE
-    if root not in sys.path:
-        sys.path.insert(0, root)  # before the rank forkserver starts, so the ranks can import it too
+    """`ckpt bench [scale | tensors] ARGS...`: the benchmarks of ckptlib.bench (in every install)."""
     with report_stdout():
         if bench_args[:1] == ["scale"]:
-            from benchmarks import scale
+            from .bench import scale
 
             return scale.main(bench_args[1:])
         if bench_args[:1] == ["tensors"]:
-            from benchmarks import tensors
+            from .bench import tensor_counts
 
-            return tensors.main(bench_args[1:])
-        from benchmarks import bench
+            return tensor_counts.main(bench_args[1:])
+        from .bench import throughput
 
-        return bench.main(bench_args)
+        return throughput.main(bench_args)
 
 
 @contextlib.contextmanager
@@ -653,17 +645,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("root", help="a checkpoint root: path, file://, s3://, gs:// or az:// URI")
     p.set_defaults(func=_cmd_unlock)
 
-    # Listed for `ckpt --help`; main() hands everything after `bench` to benchmarks/bench.py
+    # Listed for `ckpt --help`; main() hands everything after `bench` to ckptlib.bench
     # (argparse's REMAINDER would refuse a first argument that starts with "--").
     sub.add_parser(
         "bench",
-        help="benchmark ckptlib against raw DCP, torch.save, the disk and each cloud SDK (source checkouts)",
-        description="Runs benchmarks/bench.py; `ckpt bench --help` lists its options. `ckpt bench scale` runs "
-        "benchmarks/scale.py (planning time and memory, .metadata and manifest sizes at simulated world sizes; "
-        "no ranks "
-        "spawned; --s3 adds the S3 request counts of real saves and loads on moto). "
-        "`ckpt bench tensors` runs benchmarks/tensors.py "
-        "(save and load of 16 to 10,000 small tensors against raw DCP).",
+        help="benchmark ckptlib against raw DCP, torch.save, the disk and each cloud SDK",
+        description="Runs ckptlib.bench.throughput; `ckpt bench --help` lists its options. `ckpt bench scale` "
+        "(planning time and memory, .metadata and manifest sizes at simulated world sizes; no ranks spawned; --s3 "
+        "adds the S3 request counts of real saves and loads on moto). `ckpt bench tensors` (save and load of 16 to "
+        "10,000 small tensors against raw DCP).",
     )
     return parser
 
