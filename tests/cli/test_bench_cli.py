@@ -79,7 +79,7 @@ def test_the_benchmarks_ship_in_the_wheel():
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     packages = find_packages(str(ROOT), include=config["include"])
-    assert "ckptlib.bench" in packages
+    assert {"ckptlib.bench", "ckptlib.cli"} <= set(packages)
     assert not [p for p in (ROOT / "benchmarks").rglob("*.py")]
     assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["ckpt"] == "ckptlib.cli:main"
 
