@@ -8,7 +8,7 @@ tensors, interleaved in one process:
   (`item_encoder.tensor_layout`), its header checked (`pickled_tensor_header`, cached per
   header as the reader does) and a tensor over its bytes, as `CkptReader._decode_plain` does (now).
 
-Run: python -m benchmarks.small_items [--layers 100] [--reps 5]
+Run: python -m ckptlib.bench.small_items [--layers 100] [--reps 5]
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from ckptlib.format import item_encoder
-from ckptlib.format.checksum import crc32
-from ckptlib.format.item_header import pickled_tensor_header
+from ..format import item_encoder
+from ..format.checksum import crc32
+from ..format.item_header import pickled_tensor_header
 
 
 def transformer_tensors(layers: int, hidden: int = 64) -> list[torch.Tensor]:
@@ -45,7 +45,7 @@ def _decode(blob: memoryview, headers: dict) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.small_items", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ckptlib.bench.small_items", description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=100)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
