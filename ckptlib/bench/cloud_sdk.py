@@ -55,11 +55,11 @@ def _sdk_transfer(backend: str, container: str, key: str, payload: bytes) -> tup
         return (lambda: blob.upload_from_string(payload)), gcs_down
     from azure.storage.blob import BlobServiceClient
 
-    from ..storage import objects
+    from ..storage.azure import DEFAULTS
 
     service = BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"])
     blob = service.get_blob_client(container, key)
-    threads = objects.DEFAULT_MAX_CONCURRENCY
+    threads = DEFAULTS.max_concurrency
 
     def az_down():
         assert len(blob.download_blob(max_concurrency=threads).readall()) == len(payload)
