@@ -2,7 +2,7 @@
 and verifies every item a rank reads against the manifest.
 
 Errors name the file and, for shard files, the rank that wrote it; DCP adds the rank that
-failed to read it (`compat.dcp_failures`).
+failed to read it (`_torch.dcp_shims.dcp_failures`).
 
 Performance (see docs/benchmarks.md): `CkptReader._read_tensor_direct` reads a tensor
 item's data record straight into the destination tensor and checksums it there; a
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import compat
+from .._torch import serialization
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
 from ..storage import Storage, SupportsDirectReads
 from ..storage.local import open_regular
@@ -376,7 +376,7 @@ class CkptReader(PlannedReader):
                     return False
                 meta = torch.load(_Window(fd, info.offset, info.length), map_location="meta", weights_only=True)
                 # torch.load parsed the whole archive: only the item's CRC verifies that
-                layout = meta, compat.meta_storage_offset(meta), [(0, info.length)]
+                layout = meta, serialization.meta_storage_offset(meta), [(0, info.length)]
             meta, record, parsed = layout
             declared = self._chunk_sizes(req.storage_index.fqn, req.storage_index.offset)
             if (

@@ -3,9 +3,9 @@
 DCP stores every tensor as a torch.save zip archive. torch's zip writer computes a CRC-32
 of each record (at ~4 GiB/s on the dev box: as long as writing the bytes to the page cache),
 and the manifest needs the item's CRC on top. Here torch writes the archive with its CRC
-pass off (`compat.torch_save_without_zip_crc`), and the zip CRCs (data descriptors, central
-directory) and the serialization id torch derives from them are filled in from one zlib-ng
-pass that also yields the item's CRC.
+pass off (`_torch.serialization.torch_save_without_zip_crc`), and the zip CRCs (data
+descriptors, central directory) and the serialization id torch derives from them are filled
+in from one zlib-ng pass that also yields the item's CRC.
 
 The bytes are identical to torch.save's. `fast_path_reason` checks that once per process
 against torch.save itself; if anything differs (another torch, another zip layout) the
@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .. import compat
+from .._torch import serialization
 from .checksum import FAST, crc32, crc32_combine
 
 # Tensors of fewer bytes than this are written as torch.save's bytes from one in-memory buffer
@@ -377,7 +377,7 @@ def _fill_crcs(archive: _Archive) -> None:
 
 def _encode(tensor: torch.Tensor, base: int = 0, block_size: int = 0) -> EncodedItem | None:
     capture = _Capture(tensor, base, block_size)
-    if not compat.torch_save_without_zip_crc(tensor, capture):
+    if not serialization.torch_save_without_zip_crc(tensor, capture):
         return None
     archive = _Archive(capture.chunks, capture.size)
     try:

@@ -32,7 +32,7 @@ Each rank reads only the chunks its plan names: ``torch.save`` and v0 files are 
 ``torch.load(mmap=True, weights_only=True)`` (pages are touched only where a rank copies),
 safetensors shards with ranged reads of just the rows a rank needs.
 
-Keys: sources are flattened with DCP's own rules (``compat.flatten_state_dict``) and the
+Keys: sources are flattened with DCP's own rules (``_torch.dcp_shims.flatten_state_dict``) and the
 original nesting is kept in ``Metadata.planner_data``, exactly like a DCP save, so a
 nested state loads by the same keys, and conversions can rebuild the nesting.
 """

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ckptlib
-from ckptlib import compat
+from ckptlib._torch import serialization
 from ckptlib.format import checksum, item_encoder
 from ckptlib.format.layout import read_manifest
 from ckptlib.storage import open_storage
@@ -99,7 +99,7 @@ def test_unrecognised_archive_falls_back(monkeypatch):
         buffer.write(data.getvalue())
         return True
 
-    monkeypatch.setattr(compat, "torch_save_without_zip_crc", compressed_archive)
+    monkeypatch.setattr(serialization, "torch_save_without_zip_crc", compressed_archive)
     assert item_encoder._encode(torch.ones(3)) is None
 
 
