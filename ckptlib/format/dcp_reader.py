@@ -30,7 +30,7 @@ from .._torch import serialization
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
 from ..storage import Storage, SupportsDirectReads
 from ..storage.local import open_regular
-from . import item_encoder, plan_codec
+from . import plan_codec, zip_directory
 from .block_checks import _CRC_CHUNK, _BlockCheck, _ItemCheck
 from .checksum import crc32
 from .file_names import whose
@@ -325,13 +325,13 @@ class CkptReader(PlannedReader):
             return None
         dtype, sizes = found
         read = _cached_tail_reader(read_into, info.offset, info.length)
-        record = item_encoder.tensor_data_record(read, info.length)
+        record = zip_directory.tensor_data_record(read, info.length)
         meta = torch.empty(sizes, dtype=dtype, device="meta")
         if record is None or record.size != meta.numel() * meta.element_size():
             return None
         # The item's own header must say what .metadata says: a transposed shape or another
         # dtype of the same byte size would otherwise read intact bytes as the wrong tensor.
-        if pickled_tensor_header(item_encoder.tensor_pickle(read, info.length)) != (
+        if pickled_tensor_header(zip_directory.tensor_pickle(read, info.length)) != (
             dtype,
             tuple(sizes),
             meta.stride(),
@@ -474,7 +474,7 @@ class CkptReader(PlannedReader):
         if declared is None or sys.byteorder != "little":  # torch.save writes native order; ours is little-endian
             return None
         dtype, sizes = declared
-        layout = item_encoder.tensor_layout(data)
+        layout = zip_directory.tensor_layout(data)
         if layout is None:
             return None
         headers = self.__dict__.setdefault("_headers", {})

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from .._torch import dcp_shims, probes
 from ..errors import UnsafeCheckpointError
-from . import item_encoder
+from . import zip_directory
 from .plan_codec import KNOWN_FIELDS, new_dataclass, placements_key
 from .safe_pickle import check_no_allocating_calls
 
@@ -88,7 +88,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         if self.trusted:
             return super().load_bytes(read_item, value)
         data = value.getvalue()
-        header = item_encoder.tensor_pickle(lambda pos, n: data[pos : pos + n], len(data), limit=len(data))
+        header = zip_directory.tensor_pickle(lambda pos, n: data[pos : pos + n], len(data), limit=len(data))
         if header is not None:
             check_no_allocating_calls(header, f"object {read_item.dest_index.fqn!r}")
         try:
