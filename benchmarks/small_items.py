@@ -6,7 +6,8 @@ tensors, interleaved in one process:
   single-pass encoder of large items is shown too;
 - load: torch.load of the item's bytes (before) against one parse of its zip directory
   (`zip_directory.tensor_layout`), its header checked (`pickled_tensor_header`, cached per
-  header as the reader does) and a tensor over its bytes, as `CkptReader._decode_plain` does (now).
+  header as the reader does) and a tensor over its bytes, as `DeclaredChunks.decode_plain`
+  does (now).
 
 Run: python -m benchmarks.small_items [--layers 100] [--reps 5]
 """

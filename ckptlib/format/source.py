@@ -56,9 +56,10 @@ from ..errors import (
 )
 from ..storage import LocalStorage, Storage, as_storage, root_is_file
 from . import safetensors, torch_save, v0
-from .dcp_reader import CkptReader, PlannedReader
+from .dcp_reader import CkptReader
 from .foreign import DEFAULT_PREFIX, SourceFiles, SourceInfo, TensorLoc, file_head, file_size
 from .layout import CheckpointInfo, classify, not_a_checkpoint_error, open_checkpoint
+from .planned_reader import PlannedReader
 from .safetensors import SAFETENSORS_FILE, SAFETENSORS_INDEX, looks_like_safetensors
 from .torch_save import TORCH_SAVE_SUFFIXES, looks_like_torch_save
 from .v0 import V0_FORMAT, V0_RE, v0_rank
