@@ -20,7 +20,7 @@ import os
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckptlib")
-MAX_LINES = 650
+MAX_LINES = 500
 TORCH_PRIVATE = "ckptlib/_torch/"
 
 
