@@ -7,7 +7,8 @@
 - no two modules with the same file name (``convert.py`` twice made "which convert?" a question);
 - private torch names (``torch._x`` attributes, also through names imported from torch;
   ``from torch... import _x``; ``torch._x`` modules; ``getattr(obj, "_x")`` on a torch object or
-  a tensor's storage) only in ``ckptlib/compat.py``, the one place that knows torch internals.
+  a tensor's storage) only in ``ckptlib/_torch/``, the one package that knows torch internals;
+- no ckptlib module imports ``ckptlib.compat`` (deprecated: it only re-exports ``_torch`` for users).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import os
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckptlib")
-MAX_LINES = 650
-COMPAT = "ckptlib/compat.py"
+MAX_LINES = 500
+TORCH_PRIVATE = "ckptlib/_torch/"
 
 
 def _modules() -> dict[str, str]:
@@ -130,7 +131,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_package_found():
-    assert {"ckptlib", "ckptlib.checkpoint", "ckptlib.compat", "ckptlib.format", "ckptlib.storage"} <= set(MODULES)
+    assert {"ckptlib", "ckptlib.checkpoint", "ckptlib._torch", "ckptlib.format", "ckptlib.storage"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -241,15 +242,21 @@ def _private_torch_uses(path: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("module", sorted(m for m, p in MODULES.items() if _rel(p) != COMPAT))
-def test_private_torch_names_only_in_compat(module):
+@pytest.mark.parametrize("module", sorted(m for m, p in MODULES.items() if not _rel(p).startswith(TORCH_PRIVATE)))
+def test_private_torch_names_only_in_torch_package(module):
     uses = _private_torch_uses(MODULES[module])
-    assert not uses, f"{_rel(MODULES[module])} touches private torch names (move them to {COMPAT}): {uses}"
+    assert not uses, f"{_rel(MODULES[module])} touches private torch names (move them to {TORCH_PRIVATE}): {uses}"
 
 
-def test_private_torch_finder_is_not_vacuous():
-    uses = _private_torch_uses(MODULES["ckptlib.compat"])
-    assert uses, "compat.py is where torch's private names live; the finder should see some"
+@pytest.mark.parametrize("module", ["ckptlib._torch.dcp_shims", "ckptlib._torch.serialization"])
+def test_private_torch_finder_is_not_vacuous(module):
+    uses = _private_torch_uses(MODULES[module])
+    assert uses, f"{_rel(MODULES[module])} is where torch's private names live; the finder should see some"
+
+
+def test_nothing_imports_the_deprecated_compat_module():
+    importers = sorted(m for m, p in MODULES.items() if "ckptlib.compat" in _imports(m, p))
+    assert not importers, f"{importers} import ckptlib.compat (deprecated): import from ckptlib._torch instead"
 
 
 def test_storage_deletes_the_commit_markers_first():

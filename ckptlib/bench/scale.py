@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .. import compat
+from .._torch import dcp_shims
 from ..format.manifest import FileRecord, Manifest
 from ..format.safe_pickle import safe_loads
 from ..format.save_planner import CkptSavePlanner
@@ -93,7 +93,7 @@ def _plan_and_write_records(world: int, names: list[str]) -> tuple[bytes, bytes,
     global_plans, metadata = CkptSavePlanner().create_global_plan(plans)
     global_plan_s = time.perf_counter() - start
     del plans
-    storage_info = compat.storage_info_cls()
+    storage_info = dcp_shims.storage_info_cls()
     storage_data = {}
     files = {}
     for rank, plan in enumerate(global_plans):

@@ -5,8 +5,9 @@ tensors, interleaved in one process:
   the template per signature (`item_encoder.small_item_bytes`) + one CRC-32 (now); the
   single-pass encoder of large items is shown too;
 - load: torch.load of the item's bytes (before) against one parse of its zip directory
-  (`item_encoder.tensor_layout`), its header checked (`pickled_tensor_header`, cached per
-  header as the reader does) and a tensor over its bytes, as `CkptReader._decode_plain` does (now).
+  (`zip_directory.tensor_layout`), its header checked (`pickled_tensor_header`, cached per
+  header as the reader does) and a tensor over its bytes, as `DeclaredChunks.decode_plain`
+  does (now).
 
 Run: python -m ckptlib.bench.small_items [--layers 100] [--reps 5]
 """
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from ..format import item_encoder
+from ..format import item_encoder, zip_directory
 from ..format.checksum import crc32
 from ..format.item_header import pickled_tensor_header
 
@@ -37,7 +38,7 @@ def transformer_tensors(layers: int, hidden: int = 64) -> list[torch.Tensor]:
 
 
 def _decode(blob: memoryview, headers: dict) -> torch.Tensor:
-    layout = item_encoder.tensor_layout(blob)
+    layout = zip_directory.tensor_layout(blob)
     if layout.pickle not in headers:
         headers[layout.pickle] = pickled_tensor_header(layout.pickle)
     dtype, shape, _, _ = headers[layout.pickle]

@@ -26,6 +26,7 @@ from reader_helpers import IntoTensor
 
 import ckptlib
 import ckptlib.checkpoint
+from ckptlib._torch import dcp_shims, parallel
 from ckptlib.convert import convert
 from ckptlib.errors import (
     CheckpointCorruptError,
@@ -135,8 +136,8 @@ def _build_state(ref: dict, world_size: int, seed: int = 99) -> dict:
             for p in model.parameters():
                 p.uniform_(-7, 7)
             model.counter.fill_(-1)
-        if mesh is not None and ckptlib.compat.fsdp2_cpu_reason() is None:
-            fully_shard = ckptlib.compat.fully_shard_fn()
+        if mesh is not None and parallel.fsdp2_cpu_reason() is None:
+            fully_shard = parallel.fully_shard_fn()
             for layer in (model.embed, model.proj, model.norm, model.head):
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
@@ -363,8 +364,8 @@ def test_v0_loads_single_process_in_any_layout(tmp_path):
         got = convert(path, str(tmp_path / f"{variant}.pt"), to="torch", progress=False)
         assert got.src_format == "v0"
         loaded = torch.load(tmp_path / f"{variant}.pt", weights_only=True)
-        flat_loaded = ckptlib.compat.flatten_state_dict(loaded)[0]
-        assert diff(flat_loaded, ckptlib.compat.flatten_state_dict(ref)[0]) == [], variant
+        flat_loaded = dcp_shims.flatten_state_dict(loaded)[0]
+        assert diff(flat_loaded, dcp_shims.flatten_state_dict(ref)[0]) == [], variant
         if variant == "flat":
             assert "model.proj.weight" in loaded  # nesting comes out as written: flat keys stay flat
         else:

@@ -15,7 +15,7 @@ import torch
 from storage_helpers import LABELS, Faults, permanent_error
 
 import ckptlib
-from ckptlib import compat
+from ckptlib._torch import parallel
 from ckptlib.errors import CheckpointError, StorageError
 from ckptlib.storage import is_remote, open_storage
 from ckptlib.testing import emulators as em
@@ -198,8 +198,8 @@ ELASTIC = [
 @pytest.mark.parametrize("cloud", GCS_AZURE)
 @pytest.mark.parametrize("save_ws,load_ws,wrap,optim,manager", ELASTIC)
 def test_elastic_save_n_load_m(cloud, server, root, dist_run, save_ws, load_ws, wrap, optim, manager):
-    if wrap == "fsdp2" and compat.fsdp2_cpu_reason():
-        pytest.skip(compat.fsdp2_cpu_reason())
+    if wrap == "fsdp2" and parallel.fsdp2_cpu_reason():
+        pytest.skip(parallel.fsdp2_cpu_reason())
     env = env_for(cloud, server)
     expected = dist_run(save_ws, mx.save_side, root, wrap, optim, manager=manager, env=env)[0]
     prefix = root.split("/", 3)[3] + ("/step_0000000002" if manager else "")
