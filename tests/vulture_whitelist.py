@@ -38,9 +38,8 @@ WHITELIST = (
     "last_save_step",
     # read by google-cloud-storage when it composes the object (storage/gcs.py)
     "content_type",
-    # unused: removed in the storage consolidation (storage/objects.py, storage/s3_client.py)
-    "upload_part_key",
-    "KiB",
+    # argparse.HelpFormatter's hook, overridden to keep paragraphs and "- " items (cli/usage.py)
+    "_split_lines",
     # unused: removed in the testing split (testing/layouts.py)
     "CPU_LAYOUTS",
 )
