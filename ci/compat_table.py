@@ -6,7 +6,7 @@ ci/compat/junit-<env>.xml). Two subcommands:
 
   python ci/compat_table.py stamp ci/compat/junit-torch29.xml
       run with the *tested* env's python (tox's commands_post does it): records
-      torch.__version__, ckptlib.compat.describe() and the git commit of the tree under
+      torch.__version__, ckptlib._torch.report.describe() and the git commit of the tree under
       test as <properties> of the XML, so the file says which torch and code produced it.
 
   python ci/compat_table.py render [--write docs/compat.md] ci/compat [more.xml ...]
@@ -114,9 +114,9 @@ def stamp(path: str) -> int:
     import torch  # the env under test
 
     try:
-        from ckptlib import compat
+        from ckptlib._torch.report import describe
 
-        probes = compat.describe()
+        probes = describe()
     except Exception as exc:  # noqa: BLE001 - still record the torch version
         probes = {"describe_error": f"{type(exc).__name__}: {exc}"}
     tree = ET.parse(path)
@@ -368,7 +368,7 @@ def render(all_runs: list[Run]) -> str:
     for run in sorted(all_runs, key=lambda r: r.timestamp):
         newest[run.torch] = run
     probed = sorted(newest.values(), key=lambda r: _version_key(r.torch), reverse=True)
-    lines.append("Feature probes (`ckptlib.compat.describe()` in each env; the newest run of each torch):")
+    lines.append("Feature probes (`ckptlib._torch.report.describe()` in each env; the newest run of each torch):")
     lines.append("")
     lines.append("| probe | " + " | ".join(f"torch {r.torch}" for r in probed) + " |")
     lines.append("|" + "---|" * (len(probed) + 1))

@@ -100,9 +100,33 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "tests/api/test_load_control.py::test_initial_load_needs_modules_or_names",
         ],
     ),
+    # S3 is one client under the shared object-store layer: its own modules, with the S3 tests,
+    # the conformance suite's S3 cases and the scrubber's.
     "storage-s3": (
-        ["ckptlib/storage/s3.py"],
-        ["tests/storage/test_s3_storage.py", "tests/storage/test_storage_conformance.py", "-k", "s3 or S3"],
+        ["ckptlib/storage/s3.py", "ckptlib/storage/s3_client.py"],
+        [
+            "tests/storage/test_s3_storage.py",
+            "tests/storage/test_storage_conformance.py",
+            "tests/storage/test_scrub.py",
+            "-k",
+            "s3 or S3",
+        ],
+    ),
+    # The layer every object store shares (retries, multipart, reads, settings, scrubber), through
+    # the conformance suite on all three emulators and the scrubber's tests.
+    "storage-objects": (
+        [
+            "ckptlib/storage/objects.py",
+            "ckptlib/storage/prefixed.py",
+            "ckptlib/storage/multipart.py",
+            "ckptlib/storage/transfer.py",
+            "ckptlib/storage/scrub.py",
+        ],
+        [
+            "tests/storage/test_storage_conformance.py",
+            "tests/storage/test_scrub.py",
+            "tests/storage/test_s3_storage.py",
+        ],
     ),
 }
 #: format/ is reached through saves, loads, foreign formats, verification and deletion: its

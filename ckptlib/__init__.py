@@ -85,3 +85,12 @@ __all__ = [
     "load",
     "save",
 ]
+
+
+def __getattr__(name: str):
+    """`ckptlib.compat` (deprecated, see its docstring) loads on first use: nothing in the package imports it."""
+    if name == "compat":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.compat")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

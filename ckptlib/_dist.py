@@ -156,10 +156,10 @@ def _roll_call(group, key: str, wait_s: float) -> list[int] | None:
     """Global ranks of `group` that did not check in under `key` in the rendezvous store within
     `wait_s` seconds (survivors of the same broken collective all check in); None when the
     store itself is unreachable (its host is gone too)."""
-    from . import compat
+    from ._torch import c10d
 
     try:
-        store = compat.default_store()
+        store = c10d.default_store()
         ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
         store.set(f"{key}/{dist.get_rank()}", "1")
         deadline = time.monotonic() + wait_s

@@ -250,9 +250,9 @@ def _stage(obj: Any, path: str, pool: dict[str, torch.Tensor], used: dict[str, t
 
 
 def _dtensor_cls():
-    from . import compat
+    from ._torch import probes
 
-    return compat.dtensor_cls()
+    return probes.dtensor_cls()
 
 
 def stage(state_dict: dict[str, Any], group=None) -> dict[str, Any]:

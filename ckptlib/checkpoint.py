@@ -17,7 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from . import _dist, background_save, compat
+from . import _dist, background_save
+from ._torch import dcp_shims
 from .background_save import AsyncSave
 from .errors import (
     CastWarning,
@@ -89,7 +90,7 @@ class LoadResult:
 
 def _unwrap_dcp_error(exc: BaseException) -> CheckpointError:
     """Turn DCP's CheckpointException (failures gathered from all ranks) into a ckptlib error."""
-    failures = compat.dcp_failures(exc)
+    failures = dcp_shims.dcp_failures(exc)
     for rank, inner in failures:
         if isinstance(inner, CheckpointError):
             if inner.rank is None:  # raised on that rank (a decision for every rank has its rank set)
@@ -329,7 +330,7 @@ def _write_and_commit(
     writer = CkptWriter(storage, prepare=_on_coordinator(prepare), commit=_on_coordinator(commit_files))
     with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
         try:
-            with compat.quiet_single_process(), gc_paused():
+            with dcp_shims.quiet_single_process(), gc_paused():
                 metadata = dcp.save(state_dict, storage_writer=writer, planner=CkptSavePlanner(), process_group=group)
         except BaseException as exc:
             # Every rank removes what this save wrote (a full disk must not stay full; the next
@@ -337,7 +338,7 @@ def _write_and_commit(
             remove_failed_save(
                 storage, shard=writer.unfinished_shard, coordinator=writer.is_coordinator, prepared=writer.prepared
             )
-            if isinstance(exc, compat.checkpoint_exception_cls()):
+            if isinstance(exc, dcp_shims.checkpoint_exception_cls()):
                 raise _unwrap_dcp_error(exc) from exc
             raise
     return SaveResult(uri=storage.uri, step=step, world_size=world, total_bytes=checkpoint_bytes(metadata))
@@ -371,10 +372,10 @@ def _check_request(
     the state keeps its own value for (`LoadTarget.keep_if_absent`), and the dtype conversions
     the load will make ({key: (saved, requested)}, only with `cast`)."""
     saved = info.metadata.state_dict_metadata
-    flat = compat.flatten_state_dict(template)[0]
+    flat = dcp_shims.flatten_state_dict(template)[0]
     missing = sorted(k for k in flat if k not in saved)
     if missing:  # a checkpoint from torch <= 2.3 keys nested plain values differently
-        old_flat = compat.flatten_state_dict_pre_2_4(template)[0]
+        old_flat = dcp_shims.flatten_state_dict_pre_2_4(template)[0]
         old_missing = sorted(k for k in old_flat if k not in saved)
         if len(old_missing) < len(missing):
             flat, missing = old_flat, old_missing
@@ -538,14 +539,14 @@ def _load(
     # Every other key was checked above, so a partial load skips only the kept ones.
     planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict or bool(kept))
     try:
-        with compat.quiet_single_process():
+        with dcp_shims.quiet_single_process():
             dcp.load(
                 plan.template if keyed is None else keyed.request,
                 storage_reader=reader,
                 planner=planner,
                 process_group=group,
             )
-    except compat.checkpoint_exception_cls() as exc:
+    except dcp_shims.checkpoint_exception_cls() as exc:
         raise _unwrap_dcp_error(exc) from exc
 
     def give_back() -> None:

@@ -124,7 +124,7 @@ class UploadError(StorageError):
 
 
 class UnsupportedError(CheckpointError):
-    """The installed torch lacks a feature this call needs (see ckptlib.compat)."""
+    """The installed torch lacks a feature this call needs (see ckptlib._torch)."""
 
 
 class LockedError(CheckpointError):

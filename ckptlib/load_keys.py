@@ -21,7 +21,7 @@ import dataclasses
 import fnmatch
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from . import compat
+from ._torch import dcp_shims
 from .errors import StateError
 
 Rename = Mapping[str, str] | Callable[[str], str]
@@ -93,7 +93,7 @@ class KeyRequest:
         for ckpt_key, path in self.origin.items():
             value = self.request[ckpt_key]
             if value is not flat_before[ckpt_key]:
-                compat.set_element(self.template, path, value)
+                dcp_shims.set_element(self.template, path, value)
 
     def __post_init__(self):
         self._values = dict(self.request)
@@ -108,7 +108,7 @@ def build_request(
 ) -> KeyRequest:
     """Flatten `template`, drop ignored keys and translate state keys to checkpoint keys."""
     patterns = _patterns(ignore_keys)
-    flat, mapping = compat.flatten_state_dict(template)
+    flat, mapping = dcp_shims.flatten_state_dict(template)
     to_ckpt: dict[str, str] = {}
     if rename is not None:
         fn = _rename_fn(rename)

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from . import compat
+from ._torch import dcp_shims, probes
 from .errors import StateError, stacklevel_outside_ckptlib
 
 
@@ -105,7 +105,7 @@ class _RNGs:
             "numpy_gauss": float(gauss),
             "torch": torch.get_rng_state(),
         }
-        if compat.cuda_available() and torch.cuda.is_initialized():
+        if probes.cuda_available() and torch.cuda.is_initialized():
             sd["cuda"] = torch.cuda.get_rng_state()
         return sd
 
@@ -116,7 +116,7 @@ class _RNGs:
             ("MT19937", key, int(sd["numpy_pos"]), int(sd["numpy_has_gauss"]), float(sd["numpy_gauss"]))
         )
         torch.set_rng_state(sd["torch"])
-        if "cuda" in sd and compat.cuda_available():
+        if "cuda" in sd and probes.cuda_available():
             torch.cuda.set_rng_state(sd["cuda"])
 
 
@@ -432,7 +432,7 @@ def _hyperparameter_keys(template: dict[str, Any], optimizers: set[str]) -> froz
     """Flat keys of the optimizers' param-group hyperparameters (not their `params` lists)."""
     if not optimizers:
         return frozenset()
-    _, paths = compat.flatten_state_dict({name: template[name] for name in optimizers})
+    _, paths = dcp_shims.flatten_state_dict({name: template[name] for name in optimizers})
     return frozenset(
         key for key, path in paths.items() if len(path) == 4 and path[1] == "param_groups" and path[3] != "params"
     )

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from . import compat
 from ._dist import is_distributed
+from ._torch import c10d
 from .errors import CheckpointError
 
 _exit_barriers = 0
@@ -30,7 +30,7 @@ def exit_barrier(timeout_s: float = 300.0, key: str | None = None, group=None) -
     if key is None:
         _exit_barriers += 1
         key = f"ckptlib/exit_barrier/{_exit_barriers}"
-    store = compat.default_store()
+    store = c10d.default_store()
     world = dist.get_world_size(group)
 
     def wait_for(name: str, what: str) -> None:

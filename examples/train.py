@@ -18,7 +18,7 @@ all-reduce, whose summation order depends on the world size. FSDP2 shards parame
 AdamW state (what ckptlib checkpoints and reshards); the layers' input widths are
 multiples of 32 so every shard is a whole number of SIMD blocks and the elementwise
 optimizer math runs through the same kernel path for every element at every world size.
-Where ckptlib.compat says FSDP2 cannot run on CPU (torch 2.6) the model is wrapped in DDP
+Where ckptlib._torch.parallel says FSDP2 cannot run on CPU (torch 2.6) the model is wrapped in DDP
 (replicated) instead; the gradient is computed the same way.
 """
 
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ckptlib
-from ckptlib import compat
+from ckptlib._torch import parallel
 
 IN_DIM, HIDDEN, OUT_DIM = 64, 96, 8  # input widths 64 and 96: multiples of 32 (see above)
 
@@ -73,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--wrap",
         choices=["auto", "fsdp2", "ddp"],
         default="auto",
-        help="auto: FSDP2 where ckptlib.compat says it runs on this device, else DDP",
+        help="auto: FSDP2 where ckptlib._torch.parallel says it runs on this device, else DDP",
     )
     p.add_argument("--backend", default="gloo", help="process group backend when torchrun starts us")
     p.add_argument(
@@ -99,10 +99,10 @@ def build(args, rank: int, world: int):
     model = Net()  # same init on every rank
     wrap = args.wrap
     if wrap == "auto":
-        wrap = "fsdp2" if compat.fsdp2_cpu_reason() is None else "ddp"
+        wrap = "fsdp2" if parallel.fsdp2_cpu_reason() is None else "ddp"
     if wrap == "fsdp2":
-        fully_shard = compat.require_fsdp2_cpu()  # UnsupportedError with the reason on torch 2.6
-        mesh = compat.init_device_mesh_fn()("cpu", (world,))
+        fully_shard = parallel.require_fsdp2_cpu()  # UnsupportedError with the reason on torch 2.6
+        mesh = parallel.init_device_mesh_fn()("cpu", (world,))
         fully_shard(model.inp, mesh=mesh)
         fully_shard(model.out, mesh=mesh)
         model = fully_shard(model, mesh=mesh)
@@ -160,7 +160,7 @@ def train_step(model, optim, replica: Net, step: int, args, rank: int, world: in
     for name, p in model.named_parameters():
         g_full = pieces[name.removeprefix("module.")].view(p.shape)
         if hasattr(p, "device_mesh"):  # an FSDP2 DTensor shard: take this rank's piece
-            dtensor = compat.dtensor_api()
+            dtensor = parallel.dtensor_api()
             p.grad = dtensor.distribute_tensor(g_full, p.device_mesh, p.placements)
         else:
             p.grad = g_full.clone()

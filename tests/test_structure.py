@@ -7,7 +7,8 @@
 - no two modules with the same file name (``convert.py`` twice made "which convert?" a question);
 - private torch names (``torch._x`` attributes, also through names imported from torch;
   ``from torch... import _x``; ``torch._x`` modules; ``getattr(obj, "_x")`` on a torch object or
-  a tensor's storage) only in ``ckptlib/compat.py``, the one place that knows torch internals.
+  a tensor's storage) only in ``ckptlib/_torch/``, the one package that knows torch internals;
+- no ckptlib module imports ``ckptlib.compat`` (deprecated: it only re-exports ``_torch`` for users).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import os
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckptlib")
-MAX_LINES = 650
-COMPAT = "ckptlib/compat.py"
+MAX_LINES = 500
+TORCH_PRIVATE = "ckptlib/_torch/"
 
 
 def _modules() -> dict[str, str]:
@@ -130,7 +131,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_package_found():
-    assert {"ckptlib", "ckptlib.checkpoint", "ckptlib.compat", "ckptlib.format", "ckptlib.storage"} <= set(MODULES)
+    assert {"ckptlib", "ckptlib.checkpoint", "ckptlib._torch", "ckptlib.format", "ckptlib.storage"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -241,15 +242,21 @@ def _private_torch_uses(path: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("module", sorted(m for m, p in MODULES.items() if _rel(p) != COMPAT))
-def test_private_torch_names_only_in_compat(module):
+@pytest.mark.parametrize("module", sorted(m for m, p in MODULES.items() if not _rel(p).startswith(TORCH_PRIVATE)))
+def test_private_torch_names_only_in_torch_package(module):
     uses = _private_torch_uses(MODULES[module])
-    assert not uses, f"{_rel(MODULES[module])} touches private torch names (move them to {COMPAT}): {uses}"
+    assert not uses, f"{_rel(MODULES[module])} touches private torch names (move them to {TORCH_PRIVATE}): {uses}"
 
 
-def test_private_torch_finder_is_not_vacuous():
-    uses = _private_torch_uses(MODULES["ckptlib.compat"])
-    assert uses, "compat.py is where torch's private names live; the finder should see some"
+@pytest.mark.parametrize("module", ["ckptlib._torch.dcp_shims", "ckptlib._torch.serialization"])
+def test_private_torch_finder_is_not_vacuous(module):
+    uses = _private_torch_uses(MODULES[module])
+    assert uses, f"{_rel(MODULES[module])} is where torch's private names live; the finder should see some"
+
+
+def test_nothing_imports_the_deprecated_compat_module():
+    importers = sorted(m for m, p in MODULES.items() if "ckptlib.compat" in _imports(m, p))
+    assert not importers, f"{importers} import ckptlib.compat (deprecated): import from ckptlib._torch instead"
 
 
 def test_storage_deletes_the_commit_markers_first():
@@ -268,3 +275,140 @@ def test_storage_imports_nothing_above_it():
             assert not (_imports(module, path) & above), (
                 f"{_rel(path)} imports {sorted(_imports(module, path) & above)}"
             )
+
+
+# ---------------------------------------------------------------- no import cycle anywhere in the repository
+
+REPO = os.path.dirname(ROOT)
+#: Directories that hold no project code (virtualenvs, build output, caches, installed tools).
+_NOT_CODE = {"build", "dist", "node_modules", "__pycache__"}
+
+
+def _repo_files(repo: str) -> list[str]:
+    """Every .py file of the repository (relative, '/'-separated): ckptlib, benchmarks, ci,
+    examples, tests and anything else, except hidden, build and egg-info directories."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(repo):
+        dirnames[:] = sorted(
+            d for d in dirnames if not d.startswith(".") and d not in _NOT_CODE and not d.endswith(".egg-info")
+        )
+        found += [os.path.relpath(os.path.join(dirpath, f), repo).replace(os.sep, "/") for f in filenames]
+    return sorted(f for f in found if f.endswith(".py"))
+
+
+def _dotted(rel: str, repo: str) -> str | None:
+    """The module name a file is imported by as part of a package (its directory and every one
+    above it up to the repository root hold an __init__.py), else None."""
+    parts = rel[: -len(".py")].split("/")
+    for depth in range(1, len(parts)):
+        if not os.path.isfile(os.path.join(repo, *parts[:depth], "__init__.py")):
+            return None
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _repo_import_graph(repo: str) -> dict[str, set[str]]:
+    """{file: the repository files it imports}, counting function-local imports and leaving out
+    those under `if TYPE_CHECKING:`. A dotted name resolves to a package module (ckptlib.x,
+    relative imports too); a plain name also to a script beside the importer (sys.path[0] of a
+    script) or, for a file under tests/, to the one file of that name anywhere under tests/
+    (pytest puts every test directory on sys.path, and tests/conftest.py tests/ itself)."""
+    files = _repo_files(repo)
+    by_name = {name: rel for rel in files if (name := _dotted(rel, repo)) is not None}
+    test_files = collections.defaultdict(list)
+    for rel in files:
+        if rel.startswith("tests/"):
+            test_files[os.path.basename(rel)[: -len(".py")]].append(rel)
+
+    def resolve(name: str, importer: str) -> str | None:
+        if name in by_name:
+            return by_name[name]
+        if "." in name:
+            return None
+        here = os.path.dirname(importer)
+        beside = f"{here}/{name}.py" if here else f"{name}.py"
+        if beside in files:
+            return beside
+        if importer.startswith("tests/") and len(test_files[name]) == 1:
+            return test_files[name][0]
+        return None
+
+    graph: dict[str, set[str]] = {}
+    for rel in files:
+        own = _dotted(rel, repo)
+        package = (own if rel.endswith("__init__.py") else own.rpartition(".")[0]) if own else ""
+        with open(os.path.join(repo, rel)) as f:
+            tree = ast.parse(f.read(), rel)
+        names: list[str] = []
+        for node in _executed_nodes(tree):
+            if isinstance(node, ast.Import):
+                names += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if package else []
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                names += [f"{module}.{alias.name}" if module else alias.name for alias in node.names]
+        targets = set()
+        for name in names:
+            while name:
+                target = resolve(name, rel)
+                if target is not None:
+                    targets.add(target)
+                    break
+                name = name.rpartition(".")[0]
+        graph[rel] = targets - {rel}
+    return graph
+
+
+def _cycle_report(graph: dict[str, set[str]]) -> list[str]:
+    """One line per cycle: the imports that close it."""
+    lines = []
+    for component in _cycles(graph):
+        members = set(component)
+        lines.append("; ".join(sorted(f"{a} -> {b}" for a in component for b in graph[a] if b in members)))
+    return lines
+
+
+def test_no_import_cycle_anywhere_in_the_repository():
+    """The package, benchmarks, ci/, examples/ and tests/ (test modules importing each other
+    count): no file reaches itself through imports."""
+    graph = _repo_import_graph(REPO)
+    assert {"ckptlib/cli/__init__.py", "ckptlib/bench/throughput.py", "tests/test_structure.py"} <= set(graph)
+    cycles = _cycle_report(graph)
+    assert not cycles, "import cycles in the repository:\n" + "\n".join(cycles)
+
+
+def test_repository_cycle_finder_sees_every_kind_of_import(tmp_path):
+    """The repository rule is not vacuous: a package cycle closed by a relative, function-local
+    import, two test modules importing each other, and a test importing a helper at tests/ that
+    imports it back are all found; an import under TYPE_CHECKING, a name that is no file of the
+    repository and a test helper seen from outside tests/ are not edges."""
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "sub" / "__init__.py").write_text("from .. import top\n")
+    (tmp_path / "pkg" / "top.py").write_text("import torch\n\ndef f():\n    from .sub import leaf\n")
+    (tmp_path / "pkg" / "sub" / "leaf.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import top\n"
+    )
+    (tmp_path / "tests" / "room").mkdir(parents=True)
+    (tmp_path / "tests" / "helpers.py").write_text("import test_c\n")
+    (tmp_path / "tests" / "room" / "test_a.py").write_text("from test_b import x\nimport pkg.sub.leaf\n")
+    (tmp_path / "tests" / "room" / "test_b.py").write_text("def g():\n    import test_a\n")
+    (tmp_path / "tests" / "room" / "test_c.py").write_text("from helpers import y\n")
+    (tmp_path / "ci").mkdir()
+    (tmp_path / "ci" / "tool.py").write_text("import helpers\nimport pkg\n")
+    graph = _repo_import_graph(str(tmp_path))
+    assert graph["pkg/top.py"] == {"pkg/sub/leaf.py"}
+    assert graph["pkg/sub/__init__.py"] == {"pkg/top.py"}
+    assert graph["pkg/sub/leaf.py"] == set()
+    assert graph["tests/room/test_a.py"] == {"tests/room/test_b.py", "pkg/sub/leaf.py"}
+    assert graph["tests/room/test_c.py"] == {"tests/helpers.py"}
+    assert graph["ci/tool.py"] == {"pkg/__init__.py"}  # tests/helpers.py is not on a script's path in ci/
+    assert graph["tests/helpers.py"] == {"tests/room/test_c.py"}
+    assert sorted(_cycles(graph)) == [
+        ["tests/helpers.py", "tests/room/test_c.py"],
+        ["tests/room/test_a.py", "tests/room/test_b.py"],
+    ]
+    (tmp_path / "pkg" / "sub" / "leaf.py").write_text("def h():\n    from .. import top\n")
+    assert ["pkg/sub/leaf.py", "pkg/top.py"] in _cycles(_repo_import_graph(str(tmp_path)))

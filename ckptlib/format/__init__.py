@@ -1,12 +1,15 @@
 """What checkpoint bytes mean: DCP's layout plus the ckptlib manifest, and foreign formats.
 
 - native: `dcp_writer`/`dcp_reader` (DCP's file layout over a Storage, item and block
-  checksums from `block_checks`, ranged reads from `ranged_io`), `manifest`, `layout`
-  (what a directory is; commit), `structure` (consistency of `.metadata`), `verify`,
-  `save_planner`/`load_planner` (DCP's planners, made linear at scale and safe to unpickle);
-- foreign: `torch_save`, `v0`, `safetensors` (each format's reader and writer), sharing
-  `foreign`; `source` is the one entry point that detects a source and opens a reader for
-  native and foreign checkpoints alike; `streaming` converts between them tensor by tensor.
+  checksums from `block_checks`, ranged reads from `ranged_io`; tensor items written by
+  `item_encoder` and decoded by `item_decoder`, both through `zip_directory`; `planned_reader`
+  is the base of every reader), `manifest`, `layout` (what a directory is; commit),
+  `structure` (consistency of `.metadata`), `verify`, `save_planner`/`load_planner` (DCP's
+  planners, made linear at scale and safe to unpickle);
+- foreign: `torch_save` (streaming its archives through `torch_archive`), `v0`, `safetensors`
+  (each format's reader and writer), sharing `foreign`; `source` is the one entry point that
+  detects a source and opens a reader for native and foreign checkpoints alike; `streaming`
+  converts between them tensor by tensor.
 """
 
 from .dcp_reader import CkptReader

@@ -2,14 +2,14 @@
 and verifies every item a rank reads against the manifest.
 
 Errors name the file and, for shard files, the rank that wrote it; DCP adds the rank that
-failed to read it (`compat.dcp_failures`).
+failed to read it (`_torch.dcp_shims.dcp_failures`).
 
 Performance (see docs/benchmarks.md): `CkptReader._read_tensor_direct` reads a tensor
 item's data record straight into the destination tensor and checksums it there; a
 resharded load reads only the rows it needs (verified: rounded out to the file's checksum
 blocks, plus the blocks of the zip records that located them). Smaller items are read whole
 and, when their own header says what `.metadata` declares, decoded from one parse of their
-zip directory instead of torch.load (`_decode_plain`).
+zip directory instead of torch.load (`item_decoder`).
 """
 
 from __future__ import annotations
@@ -21,26 +21,24 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
-from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import compat
+from .._torch import serialization
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
 from ..storage import Storage, SupportsDirectReads
 from ..storage.local import open_regular
-from . import item_encoder, plan_codec
 from .block_checks import _CRC_CHUNK, _BlockCheck, _ItemCheck
 from .checksum import crc32
 from .file_names import whose
-from .item_header import pickled_tensor_header
+from .item_decoder import DeclaredChunks
 from .manifest import METADATA_NAME, Manifest, check_name
+from .planned_reader import PlannedReader
 from .ranged_io import (
     _MAX_SPAN,
     ReadInto,
     _byte_view,
-    _cached_tail_reader,
     _coalesce,
     _coalesce_ranges,
     _MemReader,
@@ -75,41 +73,12 @@ def _resolve_target(planner: LoadPlanner, req, stored: torch.Tensor, where: str)
     return target
 
 
-class PlannedReader(StorageReader):
-    """A StorageReader whose DCP metadata is known before the load starts (read once on rank 0
-    and broadcast): the planning hooks pass plans through; subclasses implement read_data."""
-
-    def __init__(self, metadata: Metadata):
-        super().__init__()
-        self.metadata = metadata
-        self.storage_data: dict[MetadataIndex, Any] = metadata.storage_data
-        self.bytes_read = 0
-
-    def reset(self, checkpoint_id=None) -> None:
-        pass
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        return self.metadata
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
-        self.storage_data = metadata.storage_data
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan_codec.compact_load_plan(plan)  # gathered and scattered by DCP: pickled compactly
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return [plan_codec.compact_load_plan(plan) for plan in plans]
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return True
-
-
 class CkptReader(PlannedReader):
     """Reads exactly the byte ranges this rank's load plan needs and verifies their CRCs."""
 
     def __init__(self, storage: Storage, metadata: Metadata, manifest: Manifest | None, *, verify: bool = True):
         super().__init__(metadata)
+        self.chunks = DeclaredChunks(metadata)  # what .metadata declares, and decodings that rely on it
         self.storage = storage
         self.manifest = manifest
         self.verify = verify and manifest is not None
@@ -178,7 +147,7 @@ class CkptReader(PlannedReader):
         """Whether a large tensor request needs only part of its stored chunk (a resharded load)."""
         if req.type == LoadItemType.BYTE_IO or info.length < _DIRECT_MIN:
             return False
-        found = self._chunk_sizes(req.storage_index.fqn, req.storage_index.offset)
+        found = self.chunks.declared(req.storage_index.fqn, req.storage_index.offset)
         return found is not None and tuple(req.lengths) != tuple(found[1])
 
     def _read_remote(self, name: str, reqs: list[Any], crcs, planner: LoadPlanner) -> None:
@@ -295,51 +264,6 @@ class CkptReader(PlannedReader):
                 return _BlockCheck(ranges, bs, record.blocks, record.size)
         return _ItemCheck(info.offset, info.length, item_crc)
 
-    def _chunk_sizes(self, fqn: str, offsets) -> tuple[torch.dtype, tuple[int, ...]] | None:
-        """dtype and size of the stored chunk of `fqn` at `offsets`, from `.metadata`."""
-        cache = self.__dict__.setdefault("_chunks", {})
-        if fqn not in cache:
-            md = self.metadata.state_dict_metadata.get(fqn)
-            chunks = getattr(md, "chunks", None)
-            if chunks is None:
-                cache[fqn] = None
-            else:
-                cache[fqn] = (md.properties.dtype, {tuple(c.offsets): tuple(c.sizes) for c in chunks})
-        found = cache[fqn]
-        if found is None:
-            return None
-        sizes = found[1].get(tuple(offsets))
-        return None if sizes is None else (found[0], sizes)
-
-    def _ckptlib_layout(self, read_into: ReadInto, info, req) -> tuple[torch.Tensor, int, list] | None:
-        """(meta tensor, offset of its data record in the item, the item ranges whose bytes
-        said so) without unpickling anything.
-
-        CkptWriter saves every tensor item contiguous and with its own storage, so shape and
-        dtype are those of the chunk in `.metadata`, and the data is the item's only
-        `*/data/<key>` zip record, which must be stored uncompressed and exactly that large.
-        Anything else: None, and the caller decodes the item's header with torch.load (a
-        metadata-only load costs ~1 ms an item, this two reads and ~30 us)."""
-        found = self._chunk_sizes(req.storage_index.fqn, req.storage_index.offset)
-        if found is None:
-            return None
-        dtype, sizes = found
-        read = _cached_tail_reader(read_into, info.offset, info.length)
-        record = item_encoder.tensor_data_record(read, info.length)
-        meta = torch.empty(sizes, dtype=dtype, device="meta")
-        if record is None or record.size != meta.numel() * meta.element_size():
-            return None
-        # The item's own header must say what .metadata says: a transposed shape or another
-        # dtype of the same byte size would otherwise read intact bytes as the wrong tensor.
-        if pickled_tensor_header(item_encoder.tensor_pickle(read, info.length)) != (
-            dtype,
-            tuple(sizes),
-            meta.stride(),
-            0,
-        ):
-            return None  # the caller decodes the header with torch.load and reports the mismatch
-        return meta, record.start, record.parsed
-
     def _read_local_tensor(self, fd: int, name: str, req, info, expected, planner: LoadPlanner) -> bool:
         """Read one tensor item of a local shard file without intermediate copies (see
         `_read_tensor_direct`), decoding a non-ckptlib item's header with a metadata-only
@@ -370,15 +294,15 @@ class CkptReader(PlannedReader):
         generic path (which reports what is wrong with it)."""
         where = f"{self.storage.uri}/{name}"
         try:
-            layout = self._ckptlib_layout(read_into, info, req) if self.manifest is not None else None
+            layout = self.chunks.ckptlib_layout(read_into, info, req) if self.manifest is not None else None
             if layout is None:
                 if fd is None:
                     return False
                 meta = torch.load(_Window(fd, info.offset, info.length), map_location="meta", weights_only=True)
                 # torch.load parsed the whole archive: only the item's CRC verifies that
-                layout = meta, compat.meta_storage_offset(meta), [(0, info.length)]
+                layout = meta, serialization.meta_storage_offset(meta), [(0, info.length)]
             meta, record, parsed = layout
-            declared = self._chunk_sizes(req.storage_index.fqn, req.storage_index.offset)
+            declared = self.chunks.declared(req.storage_index.fqn, req.storage_index.offset)
             if (
                 (declared is not None and (tuple(meta.shape) != declared[1] or meta.dtype != declared[0]))
                 or type(meta) not in (torch.Tensor, torch.nn.Parameter)
@@ -465,35 +389,6 @@ class CkptReader(PlannedReader):
         planner.commit_tensor(req, target)
         return True
 
-    def _decode_plain(self, req, data: memoryview) -> torch.Tensor | None:
-        """The stored chunk of a whole in-memory item as a tensor over its bytes, without
-        torch.load, when the item is a plain contiguous tensor whose own header says what
-        `.metadata` declares; None otherwise (torch.load then decodes it, or reports it).
-        torch.load costs ~1 ms an item: most of the time of a load of small tensors."""
-        declared = self._chunk_sizes(req.storage_index.fqn, req.storage_index.offset)
-        if declared is None or sys.byteorder != "little":  # torch.save writes native order; ours is little-endian
-            return None
-        dtype, sizes = declared
-        layout = item_encoder.tensor_layout(data)
-        if layout is None:
-            return None
-        headers = self.__dict__.setdefault("_headers", {})
-        if layout.pickle not in headers:
-            headers[layout.pickle] = pickled_tensor_header(layout.pickle)
-        strides, step = [], 1
-        for n in reversed(sizes):
-            strides.insert(0, step)
-            step *= n
-        nbytes = step * dtype.itemsize
-        if (
-            headers[layout.pickle] != (dtype, tuple(sizes), tuple(strides), 0)
-            or layout.data_size != nbytes
-            or not nbytes
-        ):
-            return None
-        raw = data[layout.data_start : layout.data_start + nbytes]
-        return torch.frombuffer(bytearray(raw) if raw.readonly else raw, dtype=dtype).view(sizes)
-
     def _apply(self, name: str, req, info, data: memoryview, planner: LoadPlanner) -> None:
         """Hand one verified item (its bytes in memory) to the planner."""
         where = f"{self.storage.uri}/{name}"
@@ -508,7 +403,7 @@ class CkptReader(PlannedReader):
                 raise
             return
         try:
-            tensor = self._decode_plain(req, data)
+            tensor = self.chunks.decode_plain(req, data)
             if tensor is None:
                 tensor = torch.load(_MemReader(data), map_location="cpu", weights_only=True)
         except Exception as exc:
@@ -517,7 +412,7 @@ class CkptReader(PlannedReader):
                 path=where,
             ) from exc
         fqn = req.storage_index.fqn
-        declared = self._chunk_sizes(fqn, req.storage_index.offset)
+        declared = self.chunks.declared(fqn, req.storage_index.offset)
         stored = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else None
         if stored is None or (declared is not None and stored != (declared[1], declared[0])):
             what = f"shape {stored[0]} and dtype {stored[1]}" if stored else f"a {type(tensor).__name__}"

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import compat
+from .._torch import dcp_shims
 from ..storage import Storage
 from . import item_encoder, plan_codec
 from .block_checks import _CrcSink, block_size_for
@@ -126,7 +126,7 @@ class CkptWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         name = _shard_file_name(plan.storage_data)
-        storage_info = compat.storage_info_cls()
+        storage_info = dcp_shims.storage_info_cls()
         results = plan_codec.WriteResults()
         results.info_cls = storage_info
         items: list[tuple[int, int, int]] = []

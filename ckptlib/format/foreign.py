@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .. import compat
+from .._torch import dcp_shims, probes
 from ..errors import CheckpointCorruptError, UnsupportedError
 from ..storage import Storage
 from .layout import CheckpointInfo
@@ -108,7 +108,7 @@ def new_metadata(sdm: dict, planner_data: dict, storage_data: dict) -> Metadata:
 
 
 def check_plain_tensor(value: torch.Tensor, where: str, fqn: str) -> None:
-    dtensor = compat.dtensor_cls()
+    dtensor = probes.dtensor_cls()
     if (dtensor is not None and isinstance(value, dtensor)) or value.layout != torch.strided:
         raise UnsupportedError(
             f"{where}: {fqn} is a {type(value).__name__} with layout {value.layout}; only plain dense "
@@ -119,7 +119,7 @@ def check_plain_tensor(value: torch.Tensor, where: str, fqn: str) -> None:
 
 def add_objects(objects: dict, prefix_path: tuple, sdm: dict, planner_data: dict, storage_data: dict, where: str):
     """Flatten a tree of plain values with DCP's rules and record every leaf as a bytes item."""
-    flat, mappings = compat.flatten_state_dict(objects)
+    flat, mappings = dcp_shims.flatten_state_dict(objects)
     for fqn, value in flat.items():
         full = ".".join(map(str, prefix_path + (fqn,))) if prefix_path else fqn
         if isinstance(value, torch.Tensor):

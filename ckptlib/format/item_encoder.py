@@ -3,9 +3,9 @@
 DCP stores every tensor as a torch.save zip archive. torch's zip writer computes a CRC-32
 of each record (at ~4 GiB/s on the dev box: as long as writing the bytes to the page cache),
 and the manifest needs the item's CRC on top. Here torch writes the archive with its CRC
-pass off (`compat.torch_save_without_zip_crc`), and the zip CRCs (data descriptors, central
-directory) and the serialization id torch derives from them are filled in from one zlib-ng
-pass that also yields the item's CRC.
+pass off (`_torch.serialization.torch_save_without_zip_crc`), and the zip CRCs (data
+descriptors, central directory; located by `zip_directory`) and the serialization id torch
+derives from them are filled in from one zlib-ng pass that also yields the item's CRC.
 
 The bytes are identical to torch.save's. `fast_path_reason` checks that once per process
 against torch.save itself; if anything differs (another torch, another zip layout) the
@@ -18,13 +18,14 @@ import dataclasses
 import functools
 import io
 import struct
-from typing import Callable
 
 import numpy as np
 import torch
 
-from .. import compat
+from .._torch import serialization
+from . import zip_directory
 from .checksum import FAST, crc32, crc32_combine
+from .zip_directory import UnsupportedArchive
 
 # Tensors of fewer bytes than this are written as torch.save's bytes from one in-memory buffer
 # (one write, one CRC pass over it): the encoder's Python work per zip record costs more than
@@ -35,21 +36,9 @@ SMALL_ITEM_BYTES = 1 << 18
 # larger ones that lie inside the tensor's memory are kept as views of it (no copy).
 _COPY_BELOW = 1 << 16
 
-_LOCAL_SIG = 0x04034B50
-_CENTRAL_SIG = 0x02014B50
-_DESCRIPTOR_SIG = 0x08074B50
-_EOCD_SIG = 0x06054B50
-_ZIP64_LOCATOR_SIG = 0x07064B50
-_ZIP64_EOCD_SIG = 0x06064B50
-_ZIP64_EXTRA = 0x0001
-_U32_MAX = 0xFFFFFFFF
 _U64_MASK = (1 << 64) - 1
 _ID_SUFFIX = "/.data/serialization_id"
 _ID_DIGITS = 20  # torch writes the combined record CRC hash as 20 zero-padded digits
-
-
-class _Unsupported(Exception):
-    """The archive is not laid out as this encoder expects; use plain torch.save."""
 
 
 @dataclasses.dataclass
@@ -116,7 +105,7 @@ class _Archive:
     def _pieces(self, start: int, end: int):
         """(chunk index, begin, stop) within each chunk covering [start, end)."""
         if start < 0 or end > self.size or start > end:
-            raise _Unsupported(f"range {start}..{end} outside the archive ({self.size} bytes)")
+            raise UnsupportedArchive(f"range {start}..{end} outside the archive ({self.size} bytes)")
         for i, (first, chunk) in enumerate(zip(self.starts, self.chunks)):
             last = first + chunk.nbytes
             if last <= start or chunk.nbytes == 0:
@@ -133,7 +122,7 @@ class _Archive:
         for i, a, b in self._pieces(start, start + len(data)):
             chunk = self.chunks[i]
             if chunk.readonly:
-                raise _Unsupported("a patched field lies in the tensor's own memory")
+                raise UnsupportedArchive("a patched field lies in the tensor's own memory")
             chunk[a:b] = data[done : done + b - a]
             done += b - a
             self._chunk_crc.pop(i, None)
@@ -153,204 +142,6 @@ class _Archive:
         return total
 
 
-def _zip64_values(extra: bytes, wanted: int) -> list[int]:
-    pos = 0
-    while pos + 4 <= len(extra):
-        tag, length = struct.unpack_from("<HH", extra, pos)
-        if tag == _ZIP64_EXTRA:
-            return list(struct.unpack_from(f"<{wanted}Q", extra, pos + 4)) if wanted * 8 <= length else []
-        pos += 4 + length
-    return []
-
-
-@dataclasses.dataclass
-class _Record:
-    name: str
-    data_start: int
-    size: int
-    descriptor_crc_at: int | None
-    central_crc_at: int
-
-
-@dataclasses.dataclass
-class _Entry:
-    """A central-directory entry: enough to find the record's local header and data."""
-
-    name: str
-    flags: int
-    size: int
-    local_at: int
-    central_at: int
-
-
-def _central_entries(read: Callable[[int, int], bytes], size: int) -> list[_Entry]:
-    """Every entry of the zip archive of `size` bytes that `read(pos, n)` reads."""
-    eocd = size - 22
-    sig, _, _, _, count, _, cd_offset, _ = struct.unpack("<IHHHHIIH", read(eocd, 22))
-    if sig != _EOCD_SIG:
-        raise _Unsupported("no end-of-central-directory record at the end")
-    if size >= 42 and struct.unpack("<I", read(eocd - 20, 4))[0] == _ZIP64_LOCATOR_SIG:
-        _, _, zip64_at, _ = struct.unpack("<IIQI", read(eocd - 20, 20))
-        fields = struct.unpack("<IQHHIIQQQQ", read(zip64_at, 56))
-        if fields[0] != _ZIP64_EOCD_SIG:
-            raise _Unsupported("bad zip64 end-of-central-directory record")
-        count, cd_offset = fields[7], fields[9]
-    entries = []
-    pos = cd_offset
-    for _ in range(count):
-        head = read(pos, 46)
-        (sig, _, _, flags, method, _, _, _, csize, usize, name_len, extra_len, comment_len, _, _, _, local_at) = (
-            struct.unpack("<IHHHHHHIIIHHHHHII", head)
-        )
-        if sig != _CENTRAL_SIG or method != 0:
-            raise _Unsupported("a record that is not stored uncompressed")
-        name = read(pos + 46, name_len).decode("utf-8")
-        extra = read(pos + 46 + name_len, extra_len)
-        big = [v for v in (usize, csize, local_at) if v == _U32_MAX]
-        if big:
-            values = _zip64_values(extra, len(big))
-            if len(values) != len(big):
-                raise _Unsupported(f"{name}: zip64 sizes missing")
-            it = iter(values)
-            usize = next(it) if usize == _U32_MAX else usize
-            csize = next(it) if csize == _U32_MAX else csize
-            local_at = next(it) if local_at == _U32_MAX else local_at
-        if csize != usize:
-            raise _Unsupported(f"{name}: compressed")
-        entries.append(_Entry(name, flags, usize, local_at, pos))
-        pos += 46 + name_len + extra_len + comment_len
-    return entries
-
-
-def _data_start(read: Callable[[int, int], bytes], entry: _Entry) -> int:
-    local = read(entry.local_at, 30)
-    if struct.unpack_from("<I", local)[0] != _LOCAL_SIG:
-        raise _Unsupported(f"{entry.name}: no local header at {entry.local_at}")
-    local_name_len, local_extra_len = struct.unpack_from("<HH", local, 26)
-    return entry.local_at + 30 + local_name_len + local_extra_len
-
-
-def _records(archive: _Archive) -> list[_Record]:
-    """Every record of the archive, from its central directory."""
-    records = []
-    for entry in _central_entries(archive.read, archive.size):
-        data_start = _data_start(archive.read, entry)
-        descriptor: int | None = data_start + entry.size
-        if not entry.flags & 0x8:  # no data descriptor: only empty records (their CRC, 0, is already right)
-            if entry.size:
-                raise _Unsupported(f"{entry.name}: data without a data descriptor")
-            descriptor = None
-        elif struct.unpack("<I", archive.read(descriptor, 4))[0] != _DESCRIPTOR_SIG:
-            raise _Unsupported(f"{entry.name}: no data descriptor after the data")
-        records.append(
-            _Record(
-                entry.name,
-                data_start,
-                entry.size,
-                None if descriptor is None else descriptor + 4,
-                entry.central_at + 16,
-            )
-        )
-    return records
-
-
-@dataclasses.dataclass
-class DataRecord:
-    """Where a tensor item's raw bytes lie, and which bytes said so."""
-
-    start: int  # offset of the data in the archive
-    size: int
-    # (start, end) ranges of the archive whose bytes located the data (the record's local
-    # header; the central directory and end records): a reader that verifies only part of
-    # the archive must verify these too, or a damaged header could shift what it reads.
-    parsed: list[tuple[int, int]]
-
-
-def tensor_data_record(read: Callable[[int, int], bytes], size: int) -> DataRecord | None:
-    """The one tensor data record (`*/data/<key>`) of a torch.save archive of `size` bytes
-    read by `read(pos, n)`; None if it has not exactly one, stored uncompressed (the reader
-    then decodes the item with torch.load)."""
-    try:
-        parsed_from = [size]
-
-        def tracked(pos: int, n: int) -> bytes:
-            parsed_from[0] = min(parsed_from[0], pos)
-            return read(pos, n)
-
-        entries = [e for e in _central_entries(tracked, size) if "/data/" in e.name and "/." not in e.name]
-        if len(entries) != 1:
-            return None
-        start = _data_start(read, entries[0])
-        return DataRecord(start, entries[0].size, [(entries[0].local_at, start), (parsed_from[0], size)])
-    except (_Unsupported, struct.error, UnicodeDecodeError, EOFError):
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorLayout:
-    """Where a whole torch.save'd tensor item held in memory keeps its header and its data."""
-
-    pickle: bytes  # the `*/data.pkl` record: dtype, shape, strides (see item_header)
-    data_start: int  # offset of the one `*/data/<key>` record's bytes in the item
-    data_size: int
-
-
-def tensor_layout(item: memoryview) -> TensorLayout | None:
-    """The layout of a whole torch.save archive in memory from one pass over its central
-    directory (no torch.load: that costs ~1 ms an item, most of a load of small tensors);
-    None unless it has exactly one data.pkl and one tensor data record, both stored
-    uncompressed, and no zip64 fields (small items have none: the generic path reads those)."""
-    size = item.nbytes
-    try:
-        sig, _, _, _, count, _, cd_offset, _ = struct.unpack_from("<IHHHHIIH", item, size - 22)
-        if sig != _EOCD_SIG or cd_offset == _U32_MAX or size < 22:
-            return None
-        pickle_at = data_at = None
-        pos = cd_offset
-        for _ in range(count):
-            (sig, _, _, _, method, _, _, _, csize, usize, name_len, extra_len, comment_len, _, _, _, local_at) = (
-                struct.unpack_from("<IHHHHHHIIIHHHHHII", item, pos)
-            )
-            if sig != _CENTRAL_SIG or method != 0 or csize != usize or _U32_MAX in (usize, local_at):
-                return None
-            name = item[pos + 46 : pos + 46 + name_len].tobytes()
-            if name.endswith(b"/data.pkl"):
-                if pickle_at is not None:
-                    return None
-                pickle_at = (local_at, usize)
-            elif b"/data/" in name and b"/." not in name:
-                if data_at is not None:
-                    return None
-                data_at = (local_at, usize)
-            pos += 46 + name_len + extra_len + comment_len
-        if pickle_at is None or data_at is None or pickle_at[1] > 1 << 16:
-            return None
-        starts = []
-        for local_at, n in (pickle_at, data_at):
-            (sig,) = struct.unpack_from("<I", item, local_at)
-            name_len, extra_len = struct.unpack_from("<HH", item, local_at + 26)
-            start = local_at + 30 + name_len + extra_len
-            if sig != _LOCAL_SIG or start + n > size:
-                return None
-            starts.append(start)
-        return TensorLayout(item[starts[0] : starts[0] + pickle_at[1]].tobytes(), starts[1], data_at[1])
-    except struct.error:
-        return None
-
-
-def tensor_pickle(read: Callable[[int, int], bytes], size: int, limit: int = 1 << 16) -> bytes | None:
-    """The bytes of the `*/data.pkl` record of a torch.save archive (what says the tensor's
-    dtype, shape and strides), or None when there is no such record, it is not stored
-    uncompressed or it is larger than `limit` (a single tensor's is a few hundred bytes)."""
-    try:
-        entries = [e for e in _central_entries(read, size) if e.name.endswith("/data.pkl")]
-        if len(entries) != 1 or entries[0].size > limit:
-            return None
-        return read(_data_start(read, entries[0]), entries[0].size)
-    except (_Unsupported, struct.error, UnicodeDecodeError, EOFError):
-        return None
-
-
 def _hash_combine(seed: int, value: int) -> int:
     """c10::hash_combine on 64-bit size_t: how torch folds record CRCs into the id."""
     return (seed ^ ((value + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & _U64_MASK)) & _U64_MASK
@@ -358,11 +149,11 @@ def _hash_combine(seed: int, value: int) -> int:
 
 def _fill_crcs(archive: _Archive) -> None:
     combined = 0
-    for record in _records(archive):
+    for record in zip_directory.records(archive.read, archive.size):
         if record.name.endswith(_ID_SUFFIX):
             digits = archive.read(record.data_start, record.size)
             if len(digits) < _ID_DIGITS or not digits.isdigit():
-                raise _Unsupported(f"{record.name}: not a string of digits")
+                raise UnsupportedArchive(f"{record.name}: not a string of digits")
             archive.patch(record.data_start + record.size - _ID_DIGITS, f"{combined:0{_ID_DIGITS}d}".encode())
             value = archive.crc(record.data_start, record.data_start + record.size)
         else:
@@ -377,12 +168,12 @@ def _fill_crcs(archive: _Archive) -> None:
 
 def _encode(tensor: torch.Tensor, base: int = 0, block_size: int = 0) -> EncodedItem | None:
     capture = _Capture(tensor, base, block_size)
-    if not compat.torch_save_without_zip_crc(tensor, capture):
+    if not serialization.torch_save_without_zip_crc(tensor, capture):
         return None
     archive = _Archive(capture.chunks, capture.size)
     try:
         _fill_crcs(archive)
-    except (_Unsupported, struct.error, UnicodeDecodeError):
+    except (UnsupportedArchive, struct.error, UnicodeDecodeError):
         return None
     crcs = [archive.chunk_crc(i) for i in range(len(archive.chunks))]
     return EncodedItem(chunks=archive.chunks, crcs=crcs, size=archive.size, crc=archive.crc(0, archive.size))
@@ -466,7 +257,7 @@ def _template_for(tensor: torch.Tensor, expected: bytes, data: memoryview) -> _T
     try:
         records = []
         data_start = -1
-        for record in _records(archive):
+        for record in zip_directory.records(archive.read, archive.size):
             fields = (
                 (record.central_crc_at,)
                 if record.descriptor_crc_at is None
@@ -489,7 +280,7 @@ def _template_for(tensor: torch.Tensor, expected: bytes, data: memoryview) -> _T
                     fields,
                 )
             )
-    except (_Unsupported, struct.error, UnicodeDecodeError):
+    except (UnsupportedArchive, struct.error, UnicodeDecodeError):
         return None
     if data_start < 0:
         return None

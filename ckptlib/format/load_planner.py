@@ -12,9 +12,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, cre
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-from .. import compat
+from .._torch import dcp_shims, probes
 from ..errors import UnsafeCheckpointError
-from . import item_encoder
+from . import zip_directory
 from .plan_codec import KNOWN_FIELDS, new_dataclass, placements_key
 from .safe_pickle import check_no_allocating_calls
 
@@ -39,7 +39,7 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool
     mesh, placements and shape whose saved chunks are the same reuse its read items (DCP's
     per-tensor shard arithmetic was a third of a 10,000-tensor load). Every other value, and
     every error, is DCP's own, key by key."""
-    dtensor = compat.dtensor_cls()
+    dtensor = probes.dtensor_cls()
     if not KNOWN_FIELDS or dtensor is None:
         return create_default_local_load_plan(state_dict, metadata, strict)
     stored = metadata.state_dict_metadata
@@ -88,7 +88,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         if self.trusted:
             return super().load_bytes(read_item, value)
         data = value.getvalue()
-        header = item_encoder.tensor_pickle(lambda pos, n: data[pos : pos + n], len(data), limit=len(data))
+        header = zip_directory.tensor_pickle(lambda pos, n: data[pos : pos + n], len(data), limit=len(data))
         if header is not None:
             check_no_allocating_calls(header, f"object {read_item.dest_index.fqn!r}")
         try:
@@ -107,6 +107,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 "loading refuses; pass trusted=True only if you trust this checkpoint's author"
             ) from exc
         if self.flatten_state_dict:
-            compat.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            dcp_shims.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj

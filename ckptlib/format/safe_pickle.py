@@ -3,7 +3,7 @@
 Only DCP's own metadata classes, torch dtypes/Size/layouts/memory formats and a few
 builtins may be named by the pickle; any other global raises UnsafeCheckpointError
 before anything is called. Classes pickled under torch 1.13's module names
-(`torch.distributed._shard.checkpoint.*`) are rebuilt as today's (`compat.current_pickle_module`).
+(`torch.distributed._shard.checkpoint.*`) are rebuilt as today's (`_torch.dcp_shims.current_pickle_module`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import compat
+from .._torch import dcp_shims
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
 
 # Modules whose *classes* (types only, never functions) may be rebuilt.
@@ -58,7 +58,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         # torch 1.13 pickled DCP's classes under torch.distributed._shard.checkpoint.*: rebuild
         # them as today's classes, or DCP rejects them as foreign types.
-        module = compat.current_pickle_module(module)
+        module = dcp_shims.current_pickle_module(module)
         if module == "torch":
             found = _torch_global(name)
             if found is not None:

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from .. import compat
+from .._torch import dcp_shims, probes
 from .plan_codec import KNOWN_FIELDS, new_dataclass, placements_key, write_item_fields
 from .structure import find_overlap
 
@@ -66,7 +66,7 @@ def _item_like(template: WriteItem, fqn: str) -> WriteItem:
 
 def local_save_plan(state_dict: dict[str, Any], is_coordinator: bool) -> SavePlan:
     """DCP's `create_default_local_save_plan`, with one DCP call per DTensor signature."""
-    dtensor = compat.dtensor_cls()
+    dtensor = probes.dtensor_cls()
     if not KNOWN_FIELDS or dtensor is None:
         return create_default_local_save_plan(state_dict, is_coordinator)
     templates: dict[Any, WriteItem] = {}
@@ -74,14 +74,14 @@ def local_save_plan(state_dict: dict[str, Any], is_coordinator: bool) -> SavePla
     items: list[WriteItem] = []
     for fqn, obj in state_dict.items():
         if type(obj) is not dtensor:
-            items += compat.create_write_items(fqn, obj)
+            items += dcp_shims.create_write_items(fqn, obj)
             continue
         mesh = obj.device_mesh
         if in_mesh.setdefault(id(mesh), mesh.get_coordinate() is not None) is False:
             continue
         local = obj.to_local()
         if type(local) is not torch.Tensor:  # a tensor subclass may plan its own items
-            items += compat.create_write_items(fqn, obj)
+            items += dcp_shims.create_write_items(fqn, obj)
             continue
         key = (
             id(mesh),
@@ -96,7 +96,7 @@ def local_save_plan(state_dict: dict[str, Any], is_coordinator: bool) -> SavePla
         if template is not None:
             items.append(_item_like(template, fqn))
             continue
-        made = compat.create_write_items(fqn, obj)
+        made = dcp_shims.create_write_items(fqn, obj)
         if len(made) == 1 and type(made[0]) is WriteItem and type(made[0].tensor_data) is TensorWriteData:
             templates[key] = made[0]
         items += made
@@ -174,7 +174,7 @@ class CkptSavePlanner(DefaultSavePlanner):
         return plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        deduped = compat.dedup_save_plans(all_plans, getattr(self, "dedup_save_to_lowest_rank", False))
+        deduped = dcp_shims.dedup_save_plans(all_plans, getattr(self, "dedup_save_to_lowest_rank", False))
         global_plan, metadata = global_save_plan(deduped)
         if self.flatten_state_dict:
             merged = dict(ChainMap(*[plan.planner_data for plan in global_plan]))

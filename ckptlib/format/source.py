@@ -32,7 +32,7 @@ Each rank reads only the chunks its plan names: ``torch.save`` and v0 files are 
 ``torch.load(mmap=True, weights_only=True)`` (pages are touched only where a rank copies),
 safetensors shards with ranged reads of just the rows a rank needs.
 
-Keys: sources are flattened with DCP's own rules (``compat.flatten_state_dict``) and the
+Keys: sources are flattened with DCP's own rules (``_torch.dcp_shims.flatten_state_dict``) and the
 original nesting is kept in ``Metadata.planner_data``, exactly like a DCP save, so a
 nested state loads by the same keys, and conversions can rebuild the nesting.
 """
@@ -56,9 +56,10 @@ from ..errors import (
 )
 from ..storage import LocalStorage, Storage, as_storage, root_is_file
 from . import safetensors, torch_save, v0
-from .dcp_reader import CkptReader, PlannedReader
+from .dcp_reader import CkptReader
 from .foreign import DEFAULT_PREFIX, SourceFiles, SourceInfo, TensorLoc, file_head, file_size
 from .layout import CheckpointInfo, classify, not_a_checkpoint_error, open_checkpoint
+from .planned_reader import PlannedReader
 from .safetensors import SAFETENSORS_FILE, SAFETENSORS_INDEX, looks_like_safetensors
 from .torch_save import TORCH_SAVE_SUFFIXES, looks_like_torch_save
 from .v0 import V0_FORMAT, V0_RE, v0_rank

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader
 
-from .. import compat
+from .._torch import dcp_shims
 from ..errors import CheckpointError
 from ..storage import Storage
 from .dcp_writer import CkptWriter
@@ -39,11 +39,11 @@ from .load_planner import SafeLoadPlanner
 
 
 def _dcp_load(template: dict, reader: StorageReader, planner) -> None:
-    with compat.quiet_single_process():
+    with dcp_shims.quiet_single_process():
         try:
-            compat.dcp_load_no_dist(template, storage_reader=reader, planner=planner)
-        except compat.checkpoint_exception_cls() as exc:
-            for _, inner in compat.dcp_failures(exc):
+            dcp_shims.dcp_load_no_dist(template, storage_reader=reader, planner=planner)
+        except dcp_shims.checkpoint_exception_cls() as exc:
+            for _, inner in dcp_shims.dcp_failures(exc):
                 if isinstance(inner, CheckpointError):
                     raise inner from exc
             raise
@@ -100,7 +100,7 @@ class SourceValues:
         """Put flat-keyed values back at their original nesting (from Metadata.planner_data)."""
         root: dict[str, Any] = {}
         for fqn, value in leaves.items():
-            compat.set_element(root, self.paths[fqn], value)
+            dcp_shims.set_element(root, self.paths[fqn], value)
         return root
 
 
@@ -139,7 +139,7 @@ def save_dcp_streaming(
         leaves[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta")
     leaves.update(source.objects())
     state = source.nested(leaves)
-    _, mappings = compat.flatten_state_dict(state)
+    _, mappings = dcp_shims.flatten_state_dict(state)
     by_path = {source.paths[k]: k for k in source.tensor_keys}
 
     def fetch(new_fqn: str) -> torch.Tensor:
@@ -150,8 +150,8 @@ def save_dcp_streaming(
         return tensor
 
     writer = CkptWriter(storage)
-    with compat.quiet_single_process():
-        compat.dcp_save_no_dist(state, storage_writer=writer, planner=_StreamingSavePlanner(fetch))
+    with dcp_shims.quiet_single_process():
+        dcp_shims.dcp_save_no_dist(state, storage_writer=writer, planner=_StreamingSavePlanner(fetch))
     return writer
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from .. import compat
+from .._torch import dcp_shims
 from ..errors import CheckpointCorruptError, CheckpointError, NotACheckpointError, UnsafeCheckpointError
 from ..storage import Storage
 from ..storage.local import check_regular
@@ -28,6 +28,7 @@ from .foreign import (
     tensor_metadata,
 )
 from .shard_files import EXPORT_MARK, ShardEntry, planned_entries, write_shards
+from .torch_archive import TorchArchiveWriter, streaming_torch_save_reason
 
 if TYPE_CHECKING:
     from .streaming import SourceValues
@@ -108,7 +109,7 @@ def inspect(where_: SourceFiles, uri: str, *, prefix: str | None, trusted: bool)
     sdm: dict = {}
     planner_data: dict = {}
     storage_data: dict = {}
-    flat, mappings = compat.flatten_state_dict({prefix: obj} if base else obj)
+    flat, mappings = dcp_shims.flatten_state_dict({prefix: obj} if base else obj)
     for fqn, value in flat.items():
         path = tuple(mappings[fqn])
         if isinstance(value, torch.Tensor):
@@ -197,8 +198,8 @@ def write_torch_save(path: str, source: SourceValues, *, on_tensor: Callable[[st
 
 def _write_torch_archive(path: str, source: SourceValues, group: list[ShardEntry], on_tensor, mark: bool) -> None:
     """One torch.save file of the flat dict {name: tensor} for `group`, one tensor in memory."""
-    if compat.streaming_torch_save_reason() is None:
-        writer = compat.TorchArchiveWriter(path, [(e.name, e.dtype, e.shape) for e in group])
+    if streaming_torch_save_reason() is None:
+        writer = TorchArchiveWriter(path, [(e.name, e.dtype, e.shape) for e in group])
         if mark:
             writer.add_record(EXPORT_MARK, "1")
         for e in group:

@@ -21,9 +21,26 @@ import threading
 from typing import Any, Iterable
 
 from ..errors import StorageError
-from . import objects
 from .base import check_relative
-from .objects import Exists, ObjectStorage
+from .objects import Exists, ObjectStorage, new_token
+from .scrub import guard_loggers, scrub
+from .transfer import MiB, Transfer, env_options
+
+#: Azure's defaults. One request up to 64 MiB (the SDK's own max_single_put_size default):
+#: below it a round of staged blocks only adds requests. Beyond it, 16 MiB blocks, doubling
+#: past 5,000 so a stream fits Azure's 50,000 blocks of at most 4,000 MiB. A single Put Blob is
+#: kept to 256 MiB (the service takes 5,000 MiB): a larger `write` goes as blocks, each retried
+#: alone, instead of one request re-sent whole. The rest is every backend's.
+DEFAULTS = Transfer(
+    multipart_threshold=64 * MiB,
+    part_size=16 * MiB,
+    max_concurrency=8,
+    read_chunk_size=32 * MiB,
+    max_attempts=8,
+    max_part_size=4000 * MiB,
+    max_parts=50_000,
+    max_put_size=256 * MiB,
+)
 
 TIMEOUTS = {"connection_timeout": 10, "read_timeout": 120}
 _CONTAINER_RE = re.compile(r"^(?=.{3,63}$)[a-z0-9](?:[a-z0-9]|-(?!-))*[a-z0-9]$")
@@ -79,12 +96,13 @@ _CLIENTS_LOCK = threading.Lock()
 
 
 def _sdk_options() -> dict[str, Any]:
-    mib = 1 << 20
+    """The SDK's own retries off (ObjectStorage.call retries), and its single requests as large
+    as ckptlib's: it never splits a put or a get into its own unretried chunks."""
     return {
         "retry_total": 0,
-        "max_single_put_size": 256 * mib,
-        "max_single_get_size": 32 * mib,
-        "max_chunk_get_size": 32 * mib,
+        "max_single_put_size": DEFAULTS.max_put_size,
+        "max_single_get_size": DEFAULTS.read_chunk_size,
+        "max_chunk_get_size": DEFAULTS.read_chunk_size,
         **TIMEOUTS,
     }
 
@@ -114,8 +132,7 @@ def _make_service(cls, account: str | None):
             return cls.from_connection_string(connection, **_sdk_options())
         except ValueError as exc:
             raise StorageError(
-                "AZURE_STORAGE_CONNECTION_STRING is not a valid connection string: "
-                + objects.scrub(str(exc), [connection])
+                "AZURE_STORAGE_CONNECTION_STRING is not a valid connection string: " + scrub(str(exc), [connection])
             ) from None
     account = account or env.get("AZURE_STORAGE_ACCOUNT_NAME") or env.get("AZURE_STORAGE_ACCOUNT")
     if not account:
@@ -149,21 +166,25 @@ class AzureClient:
 
     scheme = "az"
     label = "Azure Blob"
+    delete_batch = 1
 
     def __init__(self, service: Any, container: str):
-        self.service = service
+        self.sdk = service
         self.container = service.get_container_client(container)
+        guard_loggers(("azure", "urllib3", "requests"))
 
     def _blob(self, key: str):
         return self.container.get_blob_client(key)
 
-    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+    def put(self, key: str, data: bytes, *, if_absent: bool = False, content_type: str | None = None) -> None:
         from azure.core.exceptions import ResourceExistsError, ResourceModifiedError
+        from azure.storage.blob import ContentSettings
 
+        settings = ContentSettings(content_type=content_type) if content_type else None
         try:
-            self._blob(key).upload_blob(data, overwrite=not if_absent, max_concurrency=1)
+            self._blob(key).upload_blob(data, overwrite=not if_absent, max_concurrency=1, content_settings=settings)
         except (ResourceExistsError, ResourceModifiedError) as exc:
-            if if_absent and self.classify(exc) == "exists":
+            if if_absent and self._error_code(exc) in ("BlobAlreadyExists", "ConditionNotMet", ""):
                 raise Exists(key) from exc
             raise
 
@@ -184,9 +205,13 @@ class AzureClient:
     def size(self, key: str) -> int:
         return int(self._blob(key).get_blob_properties().size)
 
-    def list(self, key_prefix: str, limit: int | None = None) -> list[tuple[str, int]]:
-        blobs = self.container.list_blobs(name_starts_with=key_prefix or None, results_per_page=limit)
-        return [(b.name, int(b.size or 0)) for b in (itertools.islice(blobs, limit) if limit else blobs)]
+    def has_objects(self, key_prefix: str) -> bool:
+        blobs = self.container.list_blobs(name_starts_with=key_prefix or None, results_per_page=1)
+        return any(True for _ in itertools.islice(blobs, 1))
+
+    def list(self, key_prefix: str) -> list[tuple[str, int]]:
+        blobs = self.container.list_blobs(name_starts_with=key_prefix or None)
+        return [(b.name, int(b.size or 0)) for b in blobs]
 
     def list_prefixes(self, key_prefix: str) -> list[str]:
         from azure.storage.blob import BlobPrefix
@@ -197,17 +222,22 @@ class AzureClient:
             if isinstance(item, BlobPrefix)
         )
 
-    def delete(self, key: str) -> None:
+    def delete(self, keys: list[str]) -> list[tuple[str, str]]:
         from azure.core.exceptions import ResourceNotFoundError
 
-        try:
-            self._blob(key).delete_blob()
-        except ResourceNotFoundError as exc:
-            if self._error_code(exc) == "ContainerNotFound":
-                raise
+        for key in keys:
+            try:
+                self._blob(key).delete_blob()
+            except ResourceNotFoundError as exc:
+                if self._error_code(exc) == "ContainerNotFound":
+                    raise
+        return []
 
     def start_upload(self, key: str) -> "BlockUpload":
         return BlockUpload(self._blob(key))
+
+    def abort_uploads(self, key_prefix: str) -> None:
+        """Nothing to do: uncommitted blocks create no blob and Azure discards them within a week."""
 
     @staticmethod
     def _error_code(exc: BaseException) -> str:
@@ -219,10 +249,6 @@ class AzureClient:
         code = self._error_code(exc)
         if isinstance(exc, aex.ResourceNotFoundError):
             return "permanent" if code == "ContainerNotFound" else "missing"
-        if isinstance(exc, (aex.ResourceExistsError, aex.ResourceModifiedError)):
-            return "exists" if code in ("BlobAlreadyExists", "ConditionNotMet", "") else "permanent"
-        if isinstance(exc, aex.HttpResponseError) and getattr(exc, "status_code", None) == 416:
-            return "range"
         if isinstance(exc, aex.ClientAuthenticationError):
             return "permanent"
         if isinstance(exc, (aex.ServiceRequestError, aex.ServiceResponseError, aex.IncompleteReadError)):
@@ -247,24 +273,10 @@ class AzureClient:
         return text
 
     def secrets(self) -> Iterable[str]:
-        env = os.environ
-        out = [
-            env.get(k, "")
-            for k in (
-                "AZURE_STORAGE_ACCOUNT_KEY",
-                "AZURE_STORAGE_KEY",
-                "AZURE_STORAGE_SAS_TOKEN",
-                "AZURE_CLIENT_SECRET",
-            )
-        ]
-        connection = env.get("AZURE_STORAGE_CONNECTION_STRING", "")
-        for part in connection.split(";"):
-            name, _, value = part.partition("=")
-            if name.strip() in ("AccountKey", "SharedAccessSignature"):
-                out.append(value)
-        credential = getattr(self.service, "credential", None)
-        out.append(getattr(credential, "account_key", "") or "")
-        return [s for s in out if s]
+        """The service client's own account key (the environment's are scrubbed anyway)."""
+        credential = getattr(self.sdk, "credential", None)
+        key = getattr(credential, "account_key", None)
+        return [key] if isinstance(key, str) and key else []
 
 
 class BlockUpload:
@@ -272,7 +284,7 @@ class BlockUpload:
 
     def __init__(self, blob: Any):
         self._blob = blob
-        self._token = objects.new_token()
+        self._token = new_token()
 
     def put_part(self, number: int, data: bytes) -> str:
         block_id = base64.b64encode(f"{self._token}-{number:06d}".encode()).decode("ascii")
@@ -289,38 +301,31 @@ class BlockUpload:
 
 
 class AzureStorage(ObjectStorage):
-    """Objects below `az://container/prefix`."""
+    """Objects below `az://container[@account]/prefix` through a BlobServiceClient (`service`;
+    default: the process's shared one for the current environment and account)."""
+
+    DEFAULTS = DEFAULTS
 
     def __init__(
         self, container: str, prefix: str = "", service: Any = None, *, account: str | None = None, **options: Any
     ):
-        self._service = service
+        self._sdk = service
         self.account = account
         super().__init__("az", container, prefix, **options)
-        if account:
-            self.uri = self.uri.replace(f"az://{container}", f"az://{container}@{account}", 1)
 
-    def child(self, name: str) -> "AzureStorage":
-        clone = super().child(name)
-        if self.account:
-            clone.uri = clone.uri.replace(f"az://{self.container}", f"az://{self.container}@{self.account}", 1)
-        return clone
+    def _base_uri(self) -> str:
+        return f"az://{self.container}@{self.account}" if self.account else f"az://{self.container}"
 
-    def _new_client(self) -> AzureClient:
-        service = self._service if self._service is not None else default_service(self.account)
+    def _new_api(self) -> AzureClient:
+        service = self._sdk if self._sdk is not None else default_service(self.account)
         return AzureClient(service, self.container)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_service"] = None
-        return state
 
     @classmethod
     def from_uri(cls, uri: str, service: Any = None, **options: Any) -> "AzureStorage":
-        """`az://container[@account]/prefix`; transfer sizes may also come from CKPTLIB_AZ_PART_SIZE and
-        kin (objects.env_options); explicit keyword arguments win."""
+        """`az://container[@account]/prefix`; transfer settings may also come from CKPTLIB_AZ_PART_SIZE
+        and kin (transfer.env_options); explicit keyword arguments win."""
         container, account, prefix = parse_uri(uri)
-        return cls(container, prefix, service, account=account, **{**objects.env_options("az"), **options})
+        return cls(container, prefix, service, account=account, **{**env_options("az"), **options})
 
 
-__all__ = ["AzureStorage", "AzureClient", "parse_uri", "default_service"]
+__all__ = ["AzureStorage", "AzureClient", "DEFAULTS", "parse_uri", "default_service"]

@@ -1,7 +1,9 @@
 """The storage seam: where checkpoint bytes live, independent of what they mean.
 
-A `Storage` is rooted at a directory (local) or a key prefix (S3). Paths passed to it
-are relative, '/'-separated, and never escape the root.
+A `Storage` is rooted at a local directory (`local.LocalStorage`) or at a key prefix in an
+object store: S3, GCS or Azure Blob, each an `ObjectClient` under the one shared
+implementation (`objects.ObjectStorage`). Paths passed to it are relative, '/'-separated, and
+never escape the root. Optional capabilities are the `Supports*` protocols below.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class Storage(Protocol):
         """Before something that refers to them is published: make `paths` durable, bytes
         and names, and of `names_only` (objects whose bytes their writer already made
         durable, `open_writer`) the names (local: fsync each of `paths`, then each directory
-        involved once; S3: nothing to do, a completed upload is durable)."""
+        involved once; object stores: nothing to do, a completed upload is durable)."""
 
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         """Bytes [offset, offset+length) of an object; FileNotFoundError if it is absent."""
@@ -77,8 +79,10 @@ class SupportsCreateExclusive(Protocol):
     without it still satisfy the protocol; without it the lock is best effort.
 
     Local: link(2) of a fully written temporary file (O_CREAT|O_EXCL where links are not
-    supported). S3: PutObject with `If-None-Match: *` (HTTP 412 PreconditionFailed means the
-    object exists: return False; 409 ConditionalRequestConflict: retry).
+    supported). Object stores: a conditional put (S3: `If-None-Match: *`, where HTTP 412 means
+    the object exists and 409 ConditionalRequestConflict is retried; GCS: `ifGenerationMatch=0`;
+    Azure: `If-None-Match: *`); an object already there holding exactly `data` is this call's
+    own (a retried put whose first answer was lost).
     """
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
@@ -123,3 +127,12 @@ def check_relative(path: str, root_uri: str) -> str:
     if any(p in ("", ".", "..") for p in parts):
         raise StorageError(f"path {path!r} escapes the checkpoint root {root_uri}", path=root_uri)
     return path
+
+
+def check_list_prefix(prefix: str, root_uri: str) -> None:
+    """A list prefix may end mid-name ('__0', 'step_') or with '/', but never climbs out."""
+    if prefix.startswith("/") or "\\" in prefix:
+        raise StorageError(f"list prefix {prefix!r} escapes the checkpoint root {root_uri}", path=root_uri)
+    parts = prefix.split("/")
+    if any(p in (".", "..") for p in parts) or any(p == "" for p in parts[:-1]):
+        raise StorageError(f"list prefix {prefix!r} escapes the checkpoint root {root_uri}", path=root_uri)

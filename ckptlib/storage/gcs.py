@@ -13,18 +13,30 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import logging
 import os
 import re
 import threading
 from typing import Any, Iterable
 
 from ..errors import StorageError
-from . import objects
 from .base import check_relative
-from .objects import Exists, ObjectStorage
+from .objects import UPLOAD_PART_MARK, Exists, ObjectStorage, new_token
+from .scrub import guard_loggers, logger
+from .transfer import MiB, Transfer, env_options
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
+
+#: GCS's defaults. One request up to 64 MiB (google-cloud-storage itself sends an upload of any
+#: size as one request): GCS has no native multipart, so each part is a temporary object to
+#: upload, compose and delete, requests a smaller object does not need. Beyond it, 16 MiB
+#: parts; no part limit (composed 32 at a time, in rounds). The rest is every backend's.
+DEFAULTS = Transfer(
+    multipart_threshold=64 * MiB,
+    part_size=16 * MiB,
+    max_concurrency=8,
+    read_chunk_size=32 * MiB,
+    max_attempts=8,
+)
 
 COMPOSE_LIMIT = 32
 TIMEOUT = (10, 120)
@@ -91,21 +103,23 @@ class GCSClient:
 
     scheme = "gs"
     label = "GCS"
+    delete_batch = 1
 
     def __init__(self, client: Any, bucket: str):
         self.sdk = client
         self.bucket = client.bucket(bucket)
+        guard_loggers(("google", "urllib3", "requests"))
 
     def _blob(self, key: str):
         return self.bucket.blob(key)
 
-    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+    def put(self, key: str, data: bytes, *, if_absent: bool = False, content_type: str | None = None) -> None:
         from google.api_core import exceptions as gex
 
         try:
             self._blob(key).upload_from_string(
                 data,
-                content_type="application/octet-stream",
+                content_type=content_type or "application/octet-stream",
                 retry=None,
                 timeout=TIMEOUT,
                 if_generation_match=0 if if_absent else None,
@@ -133,8 +147,12 @@ class GCSClient:
             raise FileNotFoundError(key)
         return int(blob.size or 0)
 
-    def list(self, key_prefix: str, limit: int | None = None) -> list[tuple[str, int]]:
-        blobs = self.sdk.list_blobs(self.bucket, prefix=key_prefix, max_results=limit, retry=None, timeout=TIMEOUT)
+    def has_objects(self, key_prefix: str) -> bool:
+        blobs = self.sdk.list_blobs(self.bucket, prefix=key_prefix, max_results=1, retry=None, timeout=TIMEOUT)
+        return any(True for _ in blobs)
+
+    def list(self, key_prefix: str) -> list[tuple[str, int]]:
+        blobs = self.sdk.list_blobs(self.bucket, prefix=key_prefix, retry=None, timeout=TIMEOUT)
         return [(b.name, int(b.size or 0)) for b in blobs]
 
     def list_prefixes(self, key_prefix: str) -> list[str]:
@@ -143,26 +161,27 @@ class GCSClient:
             pass
         return sorted(iterator.prefixes)
 
-    def delete(self, key: str) -> None:
+    def delete(self, keys: list[str]) -> list[tuple[str, str]]:
         from google.api_core import exceptions as gex
 
-        try:
-            self._blob(key).delete(retry=None, timeout=TIMEOUT)
-        except gex.NotFound:
-            pass
+        for key in keys:
+            try:
+                self._blob(key).delete(retry=None, timeout=TIMEOUT)
+            except gex.NotFound:
+                pass
+        return []
 
     def start_upload(self, key: str) -> "ComposedUpload":
         return ComposedUpload(self, key)
+
+    def abort_uploads(self, key_prefix: str) -> None:
+        """Nothing to do: a crashed writer's parts are objects, which delete_tree deletes."""
 
     def classify(self, exc: BaseException) -> str:
         from google.api_core import exceptions as gex
 
         if isinstance(exc, gex.NotFound):
             return "missing"
-        if isinstance(exc, gex.PreconditionFailed):
-            return "exists"
-        if isinstance(exc, gex.RequestRangeNotSatisfiable):
-            return "range"
         code = getattr(exc, "code", None)
         if isinstance(exc, gex.GoogleAPICallError) and code in _TRANSIENT_STATUS:
             return "transient"
@@ -209,8 +228,9 @@ class GCSClient:
         return text
 
     def secrets(self) -> Iterable[str]:
-        token = getattr(getattr(self.sdk, "_credentials", None), "token", None)
-        return [token] if isinstance(token, str) else []
+        credentials = getattr(self.sdk, "_credentials", None)
+        values = [getattr(credentials, name, None) for name in ("token", "refresh_token", "client_secret")]
+        return [v for v in values if isinstance(v, str)]
 
 
 class ComposedUpload:
@@ -219,12 +239,12 @@ class ComposedUpload:
     def __init__(self, client: GCSClient, key: str):
         self._c = client
         self._key = key
-        self._token = objects.new_token()
+        self._token = new_token()
         self._made: set[str] = set()  # every temporary object this upload may have created
         self._lock = threading.Lock()
 
     def _temp(self, name: str) -> str:
-        key = f"{self._key}{objects.UPLOAD_PART_MARK}{self._token}-{name}"
+        key = f"{self._key}{UPLOAD_PART_MARK}{self._token}-{name}"
         with self._lock:
             self._made.add(key)
         return key
@@ -260,7 +280,7 @@ class ComposedUpload:
 
         def delete(key: str) -> None:
             try:
-                self._c.delete(key)
+                self._c.delete([key])
             except Exception as exc:  # noqa: BLE001 - leftovers are hidden from list() and removed by delete_tree
                 log.debug("could not delete temporary part %s: %s", key, type(exc).__name__)
 
@@ -272,27 +292,25 @@ class ComposedUpload:
 
 
 class GCSStorage(ObjectStorage):
-    """Objects below `gs://bucket/prefix`."""
+    """Objects below `gs://bucket/prefix` through a google.cloud.storage.Client (`client`;
+    default: the process's shared one for the current environment)."""
+
+    DEFAULTS = DEFAULTS
 
     def __init__(self, bucket: str, prefix: str = "", client: Any = None, **options: Any):
         parse_uri(f"gs://{bucket}")
         self._sdk = client
         super().__init__("gs", bucket, prefix, **options)
 
-    def _new_client(self) -> GCSClient:
+    def _new_api(self) -> GCSClient:
         return GCSClient(self._sdk if self._sdk is not None else default_client(), self.container)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_sdk"] = None
-        return state
 
     @classmethod
     def from_uri(cls, uri: str, client: Any = None, **options: Any) -> "GCSStorage":
-        """`gs://bucket/prefix`; transfer sizes may also come from CKPTLIB_GS_PART_SIZE and kin
-        (objects.env_options); explicit keyword arguments win."""
+        """`gs://bucket/prefix`; transfer settings may also come from CKPTLIB_GS_PART_SIZE and kin
+        (transfer.env_options); explicit keyword arguments win."""
         bucket, prefix = parse_uri(uri)
-        return cls(bucket, prefix, client, **{**objects.env_options("gs"), **options})
+        return cls(bucket, prefix, client, **{**env_options("gs"), **options})
 
 
-__all__ = ["GCSStorage", "GCSClient", "parse_uri", "default_client"]
+__all__ = ["GCSStorage", "GCSClient", "DEFAULTS", "parse_uri", "default_client"]

@@ -11,7 +11,7 @@ import uuid
 from typing import BinaryIO, Iterable, Iterator
 
 from ..errors import NotARegularFileError, StorageError
-from .base import check_relative
+from .base import check_list_prefix, check_relative
 
 
 def _fsync_dir(path: str) -> None:
@@ -248,6 +248,7 @@ class LocalStorage:
         return data
 
     def list(self, prefix: str = "") -> dict[str, int]:
+        check_list_prefix(prefix, self.uri)
         out: dict[str, int] = {}
         if not os.path.isdir(self.root):
             return out
@@ -269,9 +270,9 @@ class LocalStorage:
         return sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False))
 
     def delete(self, paths: Iterable[str]) -> None:
-        for path in paths:
+        for full in [self._path(path) for path in paths]:  # every path checked before anything is deleted
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path(path))
+                os.unlink(full)
 
     def delete_tree(self, name: str = "") -> None:
         target = self._path(name) if name else self.root

@@ -1,21 +1,23 @@
-"""The streamed multipart writer every object-store backend uses (`ObjectStorage` for GCS and
-Azure, `S3Storage`): a write-only stream that buffers up to the multipart threshold (then one
-put), else uploads parts in a bounded pool while the caller keeps writing, and commits them in
-one call; an exception aborts. What differs per backend sits behind `UploadTarget`."""
+"""The streamed multipart writer of every object-store backend (`ObjectStorage.open_writer`: S3,
+GCS, Azure): a write-only stream that buffers up to the multipart threshold (then one put),
+else uploads parts in a bounded pool while the caller keeps writing, and commits them in one
+call; an exception aborts. What differs per backend is the client's `Upload`; every request
+goes through `ObjectStorage.call` (the shared retries)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import io
-import logging
 import threading
-from typing import Any, Callable, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import StorageError
+from .scrub import logger
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from .objects import ObjectStorage
 
-T = TypeVar("T")
+log = logger(__name__)
 
 
 class Upload(Protocol):
@@ -31,39 +33,13 @@ class Upload(Protocol):
         """Forget the parts (best effort); no object appears."""
 
 
-class UploadTarget(Protocol):
-    """A backend as `MultipartWriter` sees it: transfer sizes, how one request runs and how its
-    failures are named, and the two ways an object is uploaded."""
-
-    scheme: str  # names the upload threads
-    stream_label: str  # "object stream", "S3 object stream": for messages
-    multipart_threshold: int
-    max_concurrency: int
-    max_parts: int | None  # None: no limit
-
-    def part_size(self, number: int) -> int:
-        """The size of part `number` (every part but the last has exactly this size)."""
-
-    def call(self, op: str, where: str, fn: Callable[[], T]) -> T:
-        """Run one request; a failure is a StorageError naming `op` and `where` (a StorageError
-        raised by `fn` passes unchanged)."""
-
-    def error(self, exc: BaseException, op: str, where: str) -> StorageError:
-        """`exc` as a StorageError naming `op` and `where`."""
-
-    def put(self, key: str, where: str, data: bytes) -> None:
-        """The whole object in one request (below the threshold)."""
-
-    def start_upload(self, key: str, where: str) -> Upload:
-        """Begin a multipart upload of `key`; nothing is visible until it completes."""
-
-
 class MultipartWriter(io.RawIOBase):
     """Write-only stream: buffers up to the threshold, then uploads parts in the background."""
 
-    def __init__(self, target: UploadTarget, key: str, where: str):
+    def __init__(self, target: "ObjectStorage", key: str, where: str):
         super().__init__()
         self._t = target
+        self._label = target.api.label
         self._key = key
         self._where = where
         self._buf = bytearray()
@@ -93,11 +69,11 @@ class MultipartWriter(io.RawIOBase):
         return self._written
 
     def fileno(self) -> int:
-        raise io.UnsupportedOperation(f"{self._where} is an {self._t.stream_label}: no file descriptor")
+        raise io.UnsupportedOperation(f"{self._where} is a {self._label} object stream: no file descriptor")
 
     def write(self, b) -> int:
         if self._done:
-            raise ValueError(f"write to a finished {self._t.stream_label} ({self._where})")
+            raise ValueError(f"write to a finished {self._label} object stream ({self._where})")
         self._raise_part_error()
         mv = memoryview(b)
         if mv.ndim != 1 or mv.itemsize != 1:
@@ -105,7 +81,7 @@ class MultipartWriter(io.RawIOBase):
         n = len(mv)
         pos = 0
         while pos < n:
-            target = self._t.multipart_threshold if self._upload is None else self._t.part_size(self._next_part)
+            target = self._t.multipart_threshold if self._upload is None else self._t.part_size_of(self._next_part)
             take = min(target - len(self._buf), n - pos)
             if take <= 0:  # a threshold below the part size with a part pending
                 take = n - pos
@@ -114,8 +90,8 @@ class MultipartWriter(io.RawIOBase):
             if len(self._buf) >= target:
                 if self._upload is None:
                     self._start()
-                while len(self._buf) >= self._t.part_size(self._next_part):
-                    size = self._t.part_size(self._next_part)
+                while len(self._buf) >= self._t.part_size_of(self._next_part):
+                    size = self._t.part_size_of(self._next_part)
                     with memoryview(self._buf) as view, view[:size] as piece:
                         part = bytes(piece)  # one copy; the views are released before the resize
                     del self._buf[:size]
@@ -125,14 +101,15 @@ class MultipartWriter(io.RawIOBase):
 
     # multipart machinery ----------------------------------------------------------------
     def _start(self) -> None:
-        self._upload = self._t.start_upload(self._key, self._where)
+        api = self._t.api
+        self._upload = self._t.call("start upload", self._where, lambda: api.start_upload(self._key))
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=self._t.max_concurrency, thread_name_prefix=f"ckptlib-{self._t.scheme}-upload"
         )
 
     def _submit(self, data: bytes) -> None:
         number = self._next_part
-        max_parts = self._t.max_parts
+        max_parts = self._t.DEFAULTS.max_parts
         if max_parts is not None and number > max_parts:
             raise StorageError(f"{self._where}: object needs more than {max_parts} parts", path=self._where)
         self._next_part += 1
@@ -177,8 +154,9 @@ class MultipartWriter(io.RawIOBase):
         if self._upload is None:
             data = bytes(self._buf)
             self._buf = bytearray()
+            api = self._t.api
             try:
-                self._t.put(self._key, self._where, data)
+                self._t.call("put", self._where, lambda: api.put(self._key, data))
             finally:
                 self._shutdown()
             return

@@ -1,16 +1,11 @@
-"""What the object-store backends (`S3Storage`; `ObjectStorage` for GCS and Azure) share above
-their own requests: keys below a prefix, ranged reads split into parallel GETs, listing, the
-order a tree is deleted in, and transfer sizes from the environment."""
+"""The key-space half of `ObjectStorage` (objects.py), above its requests: keys below a prefix,
+ranged reads split into parallel GETs, listing, and the order a tree is deleted in."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 
-from ..errors import StorageError
-from .base import DELETE_FIRST, check_relative
-
-TRANSFER_OPTIONS = ("multipart_threshold", "part_size", "max_concurrency", "read_chunk_size", "max_attempts")
+from .base import DELETE_FIRST, check_list_prefix, check_relative
 
 
 class PrefixedObjects:
@@ -85,12 +80,14 @@ class PrefixedObjects:
         out = bytearray(length)
         chunk = self.read_chunk_size
         spans = [(a, min(chunk, length - a)) for a in range(0, length, chunk)]
-        short: list[int | None] = []
+        # Chunks that came back short, as the object size each implies: the size the service
+        # reported, else where the chunk's bytes ended (the smallest such end is the size).
+        short: list[int] = []
 
         def fetch(rel: int, n: int) -> None:
             data, total = self._get(key, where, offset + rel, offset + rel + n - 1)
             if data is None or len(data) != n:
-                short.append(total)
+                short.append(total if total is not None else offset + rel + len(data or b""))
                 return
             out[rel : rel + n] = data
 
@@ -105,9 +102,7 @@ class PrefixedObjects:
                     fut.cancel()
                 raise
         if short:
-            sizes = [s for s in short if s is not None]
-            held = min(sizes) if sizes else "fewer bytes"
-            raise EOFError(f"{where}: wanted {length} bytes at offset {offset}, object holds {held}")
+            raise EOFError(f"{where}: wanted {length} bytes at offset {offset}, object holds {min(short)}")
         return out
 
     # -- listing -------------------------------------------------------------------------
@@ -128,15 +123,6 @@ class PrefixedObjects:
         return out
 
 
-def check_list_prefix(prefix: str, root_uri: str) -> None:
-    """A list prefix may end mid-name ('__0', 'step_') or with '/', but never climbs out."""
-    if prefix.startswith("/") or "\\" in prefix:
-        raise StorageError(f"list prefix {prefix!r} escapes the checkpoint root {root_uri}", path=root_uri)
-    parts = prefix.split("/")
-    if any(p in (".", "..") for p in parts) or any(p == "" for p in parts[:-1]):
-        raise StorageError(f"list prefix {prefix!r} escapes the checkpoint root {root_uri}", path=root_uri)
-
-
 def deletion_phases(keys: list[str]) -> list[list[str]]:
     """`keys` in the batches a tree is deleted in, non-empty, in order: what makes a directory
     look committed first (DELETE_FIRST), so a failure half-way leaves an incomplete-looking
@@ -148,17 +134,3 @@ def deletion_phases(keys: list[str]) -> list[list[str]]:
 
     phases = [[k for k in keys if rank(k) == phase] for phase in range(len(DELETE_FIRST) + 1)]
     return [batch for batch in phases if batch]
-
-
-def env_options(scheme: str, options: tuple[str, ...] = TRANSFER_OPTIONS) -> dict[str, int]:
-    """Transfer sizes from CKPTLIB_<SCHEME>_<OPTION> (e.g. CKPTLIB_GS_PART_SIZE), for each of `options`."""
-    out = {}
-    for option in options:
-        name = f"CKPTLIB_{scheme.upper()}_{option.upper()}"
-        raw = os.environ.get(name)
-        if raw:
-            try:
-                out[option] = int(raw)
-            except ValueError:
-                raise StorageError(f"{name}={raw!r} is not an integer") from None
-    return out

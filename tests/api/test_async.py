@@ -339,10 +339,10 @@ def _async_fsdp2_round(uri: str) -> dict:
 
 
 def test_async_fsdp2_save_at_4_load_at_2(tmp_path, dist_run):
-    from ckptlib import compat
+    from ckptlib._torch import parallel
 
-    if compat.fsdp2_cpu_reason():
-        pytest.skip(compat.fsdp2_cpu_reason())
+    if parallel.fsdp2_cpu_reason():
+        pytest.skip(parallel.fsdp2_cpu_reason())
     uri = str(tmp_path / "ckpt")
     expected = dist_run(4, _async_fsdp2_round, uri)[0]
     assert dist_run(2, mx.load_side, uri, "fsdp2", "adamw", expected) == [[], []]

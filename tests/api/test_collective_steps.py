@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import ckptlib
-from ckptlib import compat
+from ckptlib._torch import parallel
 from ckptlib.format import MANIFEST_NAME
 
-pytestmark = pytest.mark.skipif(compat.fsdp1_cpu_reason() is not None, reason=str(compat.fsdp1_cpu_reason()))
+pytestmark = pytest.mark.skipif(parallel.fsdp1_cpu_reason() is not None, reason=str(parallel.fsdp1_cpu_reason()))
 
 
 def _fail(*_args, **_kwargs):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import ckptlib
 from ckptlib import CheckpointError, StorageError
+from ckptlib._torch import dcp_shims
 from ckptlib.format import MANIFEST_NAME
 from ckptlib.storage.local import LocalStorage
 
@@ -54,7 +55,7 @@ def test_any_other_error_in_a_shard_write_becomes_a_checkpoint_error_naming_rank
     assert type(caught.value) is CheckpointError
     assert str(caught.value) == "rank 0: RuntimeError: boom"
     assert caught.value.rank == 0
-    assert isinstance(caught.value.__cause__, ckptlib.compat.checkpoint_exception_cls())
+    assert isinstance(caught.value.__cause__, dcp_shims.checkpoint_exception_cls())
 
 
 def test_an_error_in_a_shard_read_names_the_rank(tmp_path):

@@ -24,6 +24,7 @@ from ckptlib import (
     ShapeMismatchError,
     StateError,
 )
+from ckptlib._torch import parallel
 from ckptlib.testing.fakes.legacy_writers import write_safetensors, write_torch_save
 
 
@@ -243,8 +244,8 @@ def test_torch_save_file_model_only(tmp_path):
 
 
 def _fsdp(model: nn.Module) -> nn.Module:
-    fully_shard = ckptlib.compat.require_fsdp2_cpu()
-    mesh = ckptlib.compat.init_device_mesh_fn()("cpu", (dist.get_world_size(),))
+    fully_shard = parallel.require_fsdp2_cpu()
+    mesh = parallel.init_device_mesh_fn()("cpu", (dist.get_world_size(),))
     for child in model.children():
         fully_shard(child, mesh=mesh)
     return fully_shard(model, mesh=mesh)
@@ -274,8 +275,8 @@ def _load_renamed_sharded(path: str) -> tuple[dict, dict]:
 
 
 def test_resharded_load_with_rename_ignore_and_only(tmp_path, dist_run):
-    if ckptlib.compat.fsdp2_cpu_reason() is not None:
-        pytest.skip(ckptlib.compat.fsdp2_cpu_reason())
+    if parallel.fsdp2_cpu_reason() is not None:
+        pytest.skip(parallel.fsdp2_cpu_reason())
     path = str(tmp_path / "c")
     saved = dist_run(2, _save_sharded, path)[0]
     results = dist_run(3, _load_renamed_sharded, path)
@@ -346,8 +347,8 @@ def _initial_from_safetensors(root: str, hf: str):
 
 
 def test_initial_load_safetensors_at_2_ranks(tmp_path, dist_run):
-    if ckptlib.compat.fsdp2_cpu_reason() is not None:
-        pytest.skip(ckptlib.compat.fsdp2_cpu_reason())
+    if parallel.fsdp2_cpu_reason() is not None:
+        pytest.skip(parallel.fsdp2_cpu_reason())
     model, _ = _trained()
     write_safetensors(str(tmp_path / "hf"), model.state_dict(), shards=2)
     results = dist_run(2, _initial_from_safetensors, str(tmp_path / "run"), str(tmp_path / "hf"))

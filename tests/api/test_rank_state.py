@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ckptlib
+from ckptlib._torch import probes
 from ckptlib.state import derived_seed
 
 
@@ -187,7 +188,7 @@ def test_rng_state_saved_without_cuda_loads_where_cuda_is_available(tmp_path, mo
     ckptlib.save(tmp_path / "c", {"rng": ckptlib.RNGState()})
     expected = torch.rand(3)
     set_calls = []
-    monkeypatch.setattr(ckptlib.compat, "cuda_available", lambda: True)
+    monkeypatch.setattr(probes, "cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *args, **kwargs: set_calls.append(args))
     torch.manual_seed(0)
     ckptlib.load(tmp_path / "c", {"rng": ckptlib.RNGState()})
@@ -198,7 +199,7 @@ def test_rng_state_does_not_start_cuda_to_save_it(monkeypatch):
     """Where CUDA is available but this process never used it, saving the RNG state neither
     initialises CUDA nor records a CUDA generator state."""
     calls = []
-    monkeypatch.setattr(ckptlib.compat, "cuda_available", lambda: True)
+    monkeypatch.setattr(probes, "cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *args, **kwargs: calls.append(args) or torch.zeros(1))
     sd = ckptlib.RNGState().state_dict()
@@ -208,7 +209,7 @@ def test_rng_state_does_not_start_cuda_to_save_it(monkeypatch):
 def test_rng_state_of_a_process_using_cuda_includes_its_generator(monkeypatch):
     """Where this process has used CUDA, its device generator's state is saved with the rest."""
     cuda_state = torch.arange(4, dtype=torch.uint8)
-    monkeypatch.setattr(ckptlib.compat, "cuda_available", lambda: True)
+    monkeypatch.setattr(probes, "cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *args, **kwargs: cuda_state)
     assert ckptlib.RNGState().state_dict()["cuda"] is cuda_state

@@ -70,3 +70,30 @@ def test_bench_keeps_what_c_code_and_ranks_print_to_fd_1_off_stdout():
     assert run.returncode == 0, run.stderr
     assert run.stdout == '{"report": 1}\nafter\nfd 1 again\n'
     assert "raw fd 1 noise" in run.stderr and "child noise" in run.stderr
+
+
+def test_the_benchmarks_ship_in_the_wheel():
+    """`ckpt bench` runs from any install: its code is a subpackage the wheel's package list
+    takes (pyproject's packages.find), and no benchmark Python is left outside the package."""
+    from setuptools import find_packages
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = find_packages(str(ROOT), include=config["include"])
+    assert {"ckptlib.bench", "ckptlib.cli"} <= set(packages)
+    assert not [p for p in (ROOT / "benchmarks").rglob("*.py")]
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["ckpt"] == "ckptlib.cli:main"
+
+
+def test_bench_runs_outside_the_source_tree(tmp_path):
+    """No sys.path trick or path relative to the checkout: `ckpt bench scale` from another
+    working directory, with the interpreter's own path only."""
+    run = subprocess.run(
+        [sys.executable, "-m", "ckptlib.cli", "bench", "scale", "--worlds", "2", "--tensors", "3", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    (row,) = [json.loads(line) for line in run.stdout.splitlines()]
+    assert (row["world"], row["tensors"], row["chunks"], row["rank_reads"]) == (2, 3, 6, 3)

@@ -1,4 +1,4 @@
-"""benchmarks/scale.py at tiny sizes, so the scale benchmark cannot rot (no timings asserted)."""
+"""`ckpt bench scale` (ckptlib/bench/scale.py) at tiny sizes, so it cannot rot (no timings asserted)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pickle
 
 import pytest
 
-from benchmarks import scale
 from ckptlib import cli
+from ckptlib.bench import s3_requests, scale
 from ckptlib.format.manifest import Manifest
 
 
@@ -74,8 +74,6 @@ def test_rows_read_back_into_a_table_and_a_plot(tmp_path, capsys):
     ids=["list", "list-probe", "get", "head", "put", "mp-create", "mp-part", "mp-complete", "delete", "delete-batch"],
 )
 def test_s3_requests_are_classified(method, path, query, expected):
-    from benchmarks import s3_requests
-
     assert s3_requests._classify({"REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": query}) == expected
 
 
@@ -85,8 +83,6 @@ def test_s3_requests_are_classified(method, path, query, expected):
     ids=["small-shards", "multipart", "one-list-page", "two-list-pages"],
 )
 def test_s3_formula(save_world, shard_mib, save_lists, puts, parts):
-    from benchmarks import s3_requests
-
     counts = s3_requests.formula(save_world, save_world, shard_mib * s3_requests.MiB)
     assert counts["save"]["LIST"] == save_lists
     assert counts["save"]["PUT"] == puts

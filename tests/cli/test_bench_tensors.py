@@ -7,14 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks import tensors
+from ckptlib.bench import tensor_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_parameter_shapes_follow_the_transformer_block():
-    shapes = tensors.parameter_shapes(20)
-    h = tensors.HIDDEN
+    shapes = tensor_counts.parameter_shapes(20)
+    h = tensor_counts.HIDDEN
     assert shapes[:7] == [(h, h)] * 4 + [(2 * h, h), (h, 2 * h), (2 * h, h)]
     assert shapes[7:18] == [(h,)] * 11
     assert shapes[18:] == [(h, h)] * 2  # the next block starts over

@@ -288,11 +288,55 @@ def test_help_texts(capsys, command, phrases):
         assert phrase in out, phrase
 
 
+EXIT_STATUS = {
+    "validate": "Exit status: 0 every pair passed; 1 a pair failed",
+    "verify": "Exit status: 0 intact, 1 damaged, 2 no checkpoint at URI",
+    "inspect": "Exit status: 0 described; 1 the manifest or .metadata is damaged or unsafe; 2 no checkpoint",
+    "ls": "Exit status: 0 listed; 1 a storage error; 2 no such checkpoint root",
+    "gc": "Exit status: 0 done; 1 the root is locked",
+    "convert": "Exit status: 0 converted; 1 DST already holds a checkpoint (without --force)",
+    "export": "Exit status: 0 exported; 1 DST exists (without --force)",
+    "unlock": "Exit status: 0 removed or not locked",
+}
+
+
+@pytest.mark.parametrize("command", sorted(EXIT_STATUS))
+def test_every_command_help_gives_its_exit_status(capsys, command):
+    """Each `ckpt COMMAND --help` keeps its paragraphs (the layout argparse would flatten) and
+    ends its description with the exit status; no option name is broken across lines."""
+    with pytest.raises(SystemExit) as info:
+        cli.main([command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert EXIT_STATUS[command] in " ".join(out.split())
+    description = out.split("\n\n")[1:-1]
+    assert len(description) >= 2, out
+    assert not [line for line in out.splitlines() if line.rstrip().endswith("--keep-") or line.endswith("-")]
+
+
+def test_validate_pairs_help_says_what_each_choice_runs(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["validate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        "every (layout, world size) saved and loaded at every other (all, default), or one case per "
+        "(save layout, load layout) pair with world sizes rotated (covering)"
+    ) in out
+
+
+def test_top_level_help_gives_uris_and_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "s3://bucket/prefix, gs://bucket/prefix or az://container/prefix" in out
+    assert "Exit status: 0 success; 1 a check failed" in out and "130 interrupted" in out
+
+
 def test_top_level_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     out = capsys.readouterr().out
-    for command in ("validate", "verify", "inspect", "ls", "gc", "unlock", "convert"):
+    for command in ("validate", "verify", "inspect", "ls", "gc", "unlock", "convert", "export", "bench"):
         assert f"    {command}" in out
 
 

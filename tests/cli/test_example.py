@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from ckptlib import compat
+from ckptlib._torch import parallel
 from ckptlib.testing import RankExited
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -279,10 +279,10 @@ def fsdp2_step() -> str:
     import torch.distributed as dist
 
     try:
-        fully_shard = compat.fully_shard_fn()
+        fully_shard = parallel.fully_shard_fn()
         if fully_shard is None:
             return "no fully_shard"
-        mesh = compat.init_device_mesh_fn()("cpu", (dist.get_world_size(),))
+        mesh = parallel.init_device_mesh_fn()("cpu", (dist.get_world_size(),))
         model = fully_shard(torch.nn.Linear(8, 4), mesh=mesh)
         model(torch.randn(2, 8)).sum().backward()
         return "ok"
@@ -291,13 +291,13 @@ def fsdp2_step() -> str:
 
 
 def test_fsdp2_probe_matches_reality(dist_run):
-    """compat.fsdp2_cpu_reason() (which picks FSDP2 or the DDP fallback) predicts whether
+    """parallel.fsdp2_cpu_reason() (which picks FSDP2 or the DDP fallback) predicts whether
     FSDP2 actually trains on CPU with this torch: on 2.6 it must fail with record_event."""
     outcomes = dist_run(2, fsdp2_step)
-    reason = compat.fsdp2_cpu_reason()
+    reason = parallel.fsdp2_cpu_reason()
     if reason is None:
         assert outcomes == ["ok", "ok"]
     else:
         assert all(o != "ok" for o in outcomes), f"probe says unsupported ({reason}) but FSDP2 trained"
-        if compat.fully_shard_fn() is not None:
+        if parallel.fully_shard_fn() is not None:
             assert any("record_event" in o for o in outcomes), outcomes

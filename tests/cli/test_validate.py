@@ -68,6 +68,15 @@ def test_bad_world_sizes_are_usage_errors(capsys):
     assert info.value.code == 2
 
 
+def test_layouts_no_world_size_suits_names_the_layouts(capsys):
+    """The message names what was asked for, and nothing starts (no ranks are launched)."""
+    assert cli.main(["validate", "--layouts", "hsdp,fsdp2+tp", "--world-sizes", "1,2,3"]) == 2
+    assert capsys.readouterr().err == (
+        "ckpt validate: error: no world size in [1, 2, 3] suits --layouts hsdp,fsdp2+tp "
+        "(2-D layouts run at even world sizes from 4)\n"
+    )
+
+
 @pytest.mark.s3
 def test_validate_on_s3(s3_root, moto_server, capsys, monkeypatch):
     for key, value in s3_env(moto_server).items():

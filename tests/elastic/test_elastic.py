@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckptlib import compat
+from ckptlib._torch import parallel
 from ckptlib.testing.matrices import matrix as mx
 
 pytestmark = pytest.mark.elastic
@@ -20,8 +20,8 @@ CASES = [mx.Case(n, m, w, o) for w in mx.WRAPPINGS for o in mx.OPTIMIZERS for n 
 
 
 def _skip_unsupported(wrap: str) -> None:
-    if wrap == "fsdp2" and compat.fsdp2_cpu_reason():
-        pytest.skip(compat.fsdp2_cpu_reason())
+    if wrap == "fsdp2" and parallel.fsdp2_cpu_reason():
+        pytest.skip(parallel.fsdp2_cpu_reason())
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckptlib import compat
+from ckptlib._torch import parallel
 from ckptlib.errors import UnsupportedError
 from ckptlib.testing import gpu_skip_reason
 from ckptlib.testing.matrices import matrix as mx
@@ -34,7 +34,7 @@ def need_gpus(n: int) -> None:
 
 
 def cpu_wrap() -> str:
-    return "fsdp2" if compat.fsdp2_cpu_reason() is None else "ddp"
+    return "fsdp2" if parallel.fsdp2_cpu_reason() is None else "ddp"
 
 
 # --------------------------------------------------------------------------- rank bodies
@@ -54,10 +54,10 @@ def gpu_setup(wrap: str, optim: str, seed: int):
     torch.use_deterministic_algorithms(True)
     model = mx.build_model(seed).to(_device())
     if wrap == "fsdp2":
-        fully_shard = compat.fully_shard_fn()
+        fully_shard = parallel.fully_shard_fn()
         if fully_shard is None:
             raise UnsupportedError(f"torch {torch.__version__} has no FSDP2")
-        mesh = compat.init_device_mesh_fn()("cuda", (dist.get_world_size(),))
+        mesh = parallel.init_device_mesh_fn()("cuda", (dist.get_world_size(),))
         for layer in (model.inp, model.norm, model.out):
             fully_shard(layer, mesh=mesh)
         model = fully_shard(model, mesh=mesh)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import ckptlib.testing
-from ckptlib import compat
+from ckptlib._torch import parallel
 from ckptlib.testing import RankError
 from ckptlib.testing.matrices import layout_matrix as lm
 from ckptlib.testing.matrices import parallel_layouts as lay
@@ -212,10 +212,10 @@ def _fsdp1_state_dict_with_a_shardless_rank() -> str:
     ],
 )
 def test_layout_gap_probe_matches_reality(layout, failure, tmp_path, dist_run):
-    """Where compat.layout_gap_reason says a layout cannot run on CPU (torch 2.7), a 4-rank
+    """Where parallel.layout_gap_reason says a layout cannot run on CPU (torch 2.7), a 4-rank
     save of the matrix model fails with torch's own error; where it can, the matrix runs it."""
-    other = compat.fsdp2_reason("cpu")
-    if other or compat.layout_gap_reason(layout) is None:
+    other = parallel.fsdp2_reason("cpu")
+    if other or parallel.layout_gap_reason(layout) is None:
         pytest.skip(other or f"{layout} runs on this torch: test_save_layout_load_layout covers it")
     with pytest.raises(RankError, match=re.escape(failure)):
         dist_run(4, lm.save_layout, str(tmp_path / "ckpt"), layout)
@@ -224,10 +224,10 @@ def test_layout_gap_probe_matches_reality(layout, failure, tmp_path, dist_run):
 def test_fsdp1_gap_probe_matches_reality(dist_run):
     """The FSDP1 gap (DCP asks a shardless rank's ShardedTensor is_meta, which raises) is
     probed exactly where it exists."""
-    if compat.fsdp1_cpu_reason():
-        pytest.skip(compat.fsdp1_cpu_reason())
+    if parallel.fsdp1_cpu_reason():
+        pytest.skip(parallel.fsdp1_cpu_reason())
     outcomes = dist_run(2, _fsdp1_state_dict_with_a_shardless_rank)
-    if compat.layout_gap_reason("fsdp1") is None:
+    if parallel.layout_gap_reason("fsdp1") is None:
         assert outcomes == ["ok", "ok"]
     else:
         assert outcomes[0] == "ok" and outcomes[1].startswith(

@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-from ckptlib import compat
+from ckptlib._torch import parallel
 from ckptlib.testing.matrices import matrix as mx
 
 NODES, PER_NODE = 2, 2
@@ -34,7 +34,7 @@ WORLD = NODES * PER_NODE
 
 
 def default_wrap() -> str:
-    return "fsdp2" if compat.fsdp2_cpu_reason() is None else "ddp"
+    return "fsdp2" if parallel.fsdp2_cpu_reason() is None else "ddp"
 
 
 def topology() -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckptlib import compat
+from ckptlib._torch import parallel
 from ckptlib.testing.fakes.s3_server import s3_client, s3_env
 from ckptlib.testing.matrices import matrix as mx
 
@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.s3, pytest.mark.elastic]
 
 
 def _skip_without_fsdp2() -> None:
-    if compat.fsdp2_cpu_reason():
-        pytest.skip(compat.fsdp2_cpu_reason())
+    if parallel.fsdp2_cpu_reason():
+        pytest.skip(parallel.fsdp2_cpu_reason())
 
 
 def _load_counting_gets(uri: str, wrap: str, optim: str, expected: dict, manager: bool = False) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckptlib import compat
+from ckptlib._torch import parallel
 from ckptlib.testing.matrices import training_states as ts
 
 pytestmark = [
@@ -30,8 +30,8 @@ CASES = [
 
 @pytest.mark.parametrize(("name", "n", "m"), [pytest.param(*c, id=f"save{c[1]}-load{c[2]}-{c[0]}") for c in CASES])
 def test_training_state_survives_a_resize(name: str, n: int, m: int, tmp_path, dist_run):
-    if name != "grad_scaler" and compat.fsdp2_cpu_reason():
-        pytest.skip(compat.fsdp2_cpu_reason())
+    if name != "grad_scaler" and parallel.fsdp2_cpu_reason():
+        pytest.skip(parallel.fsdp2_cpu_reason())
     uri = str(tmp_path / name)
     expected = dist_run(n, ts.save_scenario, uri, name)[0]
     problems = dist_run(m, ts.load_scenario, uri, name, expected)

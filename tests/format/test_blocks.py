@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 import ckptlib
 from ckptlib import cli
 from ckptlib.errors import CheckpointCorruptError
-from ckptlib.format import block_checks, checksum, dcp_reader, dcp_writer, item_encoder
+from ckptlib.format import block_checks, checksum, dcp_reader, dcp_writer, item_encoder, zip_directory
 from ckptlib.format.manifest import FileRecord
 from ckptlib.format.source import open_reader
 from ckptlib.storage import open_storage
@@ -100,7 +100,7 @@ def _verified_bytes(path, info, first: int, count: int) -> int:
     end (the bytes that located the rows), each rounded out to blocks, overlaps once."""
     (entry,) = [v for k, v in info.metadata.storage_data.items() if k.fqn == "w"]
     item = (path / entry.relative_path).read_bytes()[entry.offset : entry.offset + entry.length]
-    record = item_encoder.tensor_data_record(lambda pos, n: item[pos : pos + n], len(item))
+    record = zip_directory.tensor_data_record(lambda pos, n: item[pos : pos + n], len(item))
     rows = (record.start + first * COLS * 4, record.start + (first + count) * COLS * 4)
     covered: set[int] = set()
     for lo, hi in [rows, *record.parsed]:
@@ -125,7 +125,7 @@ def test_damage_to_the_header_that_locates_the_rows_is_refused(tmp_path, small_b
     (entry,) = [v for k, v in info.metadata.storage_data.items() if k.fqn == "w"]
     path = tmp_path / "c" / "__0_0.distcp"
     item = path.read_bytes()[entry.offset : entry.offset + entry.length]
-    record = item_encoder.tensor_data_record(lambda pos, n: item[pos : pos + n], len(item))
+    record = zip_directory.tensor_data_record(lambda pos, n: item[pos : pos + n], len(item))
     local_at = record.parsed[0][0]
     extra_len_at = entry.offset + local_at + 28
     _flip(path, extra_len_at)  # 62 -> 126: still 64-byte aligned, still inside the item
@@ -351,7 +351,7 @@ def test_blocks_verified_once_per_load(tmp_path, small_blocks):
     for fqn in ("w", "w2"):
         (entry,) = [v for k, v in info.metadata.storage_data.items() if k.fqn == fqn]
         item = (tmp_path / "c" / entry.relative_path).read_bytes()[entry.offset : entry.offset + entry.length]
-        record = item_encoder.tensor_data_record(lambda pos, n: item[pos : pos + n], len(item))
+        record = zip_directory.tensor_data_record(lambda pos, n: item[pos : pos + n], len(item))
         rows = (record.start + 100 * COLS * 4, record.start + 137 * COLS * 4)
         blocks = [
             set(range((entry.offset + lo) // BLOCK, -(-(entry.offset + hi) // BLOCK)))

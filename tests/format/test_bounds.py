@@ -375,7 +375,7 @@ def test_verify_reads_item_headers_without_running_their_pickles(tmp_path, capsy
         TensorStorageMetadata,
     )
 
-    from ckptlib.compat import storage_info_cls
+    from ckptlib._torch.dcp_shims import storage_info_cls
     from ckptlib.format.verify import _declared_item_problems
     from ckptlib.storage import open_storage
 

@@ -1,4 +1,5 @@
-"""The writer's item encoder: torch.save's exact bytes with one CRC pass (format/item_encoder.py).
+"""The writer's item encoder: torch.save's exact bytes with one CRC pass (format/item_encoder.py), and
+the zip records it and the reader locate (format/zip_directory.py).
 
 Every case compares against torch.save itself, byte for byte, and against zlib's CRC-32;
 the fallback (plain torch.save) must write identical shard files.
@@ -18,8 +19,8 @@ import pytest
 import torch
 
 import ckptlib
-from ckptlib import compat
-from ckptlib.format import checksum, item_encoder
+from ckptlib._torch import serialization
+from ckptlib.format import checksum, item_encoder, zip_directory
 from ckptlib.format.layout import read_manifest
 from ckptlib.storage import open_storage
 
@@ -99,7 +100,7 @@ def test_unrecognised_archive_falls_back(monkeypatch):
         buffer.write(data.getvalue())
         return True
 
-    monkeypatch.setattr(compat, "torch_save_without_zip_crc", compressed_archive)
+    monkeypatch.setattr(serialization, "torch_save_without_zip_crc", compressed_archive)
     assert item_encoder._encode(torch.ones(3)) is None
 
 
@@ -178,7 +179,7 @@ def _reader(blob: bytes):
 def test_tensor_data_record_finds_the_raw_bytes(shape):
     tensor = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
     blob = _torch_save_bytes(tensor)
-    record = item_encoder.tensor_data_record(_reader(blob), len(blob))
+    record = zip_directory.tensor_data_record(_reader(blob), len(blob))
     assert record.size == tensor.numel() * 4
     assert blob[record.start : record.start + record.size] == tensor.numpy().tobytes()
     # what located the data: the record's local header, and everything from the central directory on
@@ -189,25 +190,25 @@ def test_tensor_data_record_finds_the_raw_bytes(shape):
 
 def test_tensor_data_record_refuses_what_it_cannot_read_directly():
     two = _torch_save_bytes({"a": torch.ones(3), "b": torch.zeros(2)})  # two data records
-    assert item_encoder.tensor_data_record(_reader(two), len(two)) is None
+    assert zip_directory.tensor_data_record(_reader(two), len(two)) is None
     deflated = io.BytesIO()
     with zipfile.ZipFile(deflated, "w", compression=zipfile.ZIP_DEFLATED) as archive:
         archive.writestr("archive/data/0", b"\0" * 400)
     blob = deflated.getvalue()
-    assert item_encoder.tensor_data_record(_reader(blob), len(blob)) is None
-    assert item_encoder.tensor_data_record(_reader(b"not a zip at all, not at all" * 3), 84) is None
+    assert zip_directory.tensor_data_record(_reader(blob), len(blob)) is None
+    assert zip_directory.tensor_data_record(_reader(b"not a zip at all, not at all" * 3), 84) is None
     # a central record whose signature is damaged: never parsed (tensor_pickle neither)
     archive = _torch_save_bytes(torch.arange(4.0))
     damaged = bytearray(archive)
     damaged[_central_directory(archive)[1]] ^= 0xFF
     damaged = bytes(damaged)
-    assert item_encoder.tensor_data_record(_reader(damaged), len(damaged)) is None
-    assert item_encoder.tensor_pickle(_reader(damaged), len(damaged)) is None
+    assert zip_directory.tensor_data_record(_reader(damaged), len(damaged)) is None
+    assert zip_directory.tensor_pickle(_reader(damaged), len(damaged)) is None
     # an archive without a data.pkl has no header to read
     plain = io.BytesIO()
     with zipfile.ZipFile(plain, "w", compression=zipfile.ZIP_STORED) as out:
         out.writestr("archive/data/0", b"\0" * 16)
-    assert item_encoder.tensor_pickle(_reader(plain.getvalue()), len(plain.getvalue())) is None
+    assert zip_directory.tensor_pickle(_reader(plain.getvalue()), len(plain.getvalue())) is None
 
 
 @pytest.mark.parametrize(
@@ -271,23 +272,23 @@ def test_tensor_layout_of_an_item_in_memory(shape):
 
     tensor = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
     blob = _torch_save_bytes(tensor)
-    layout = item_encoder.tensor_layout(memoryview(blob))
+    layout = zip_directory.tensor_layout(memoryview(blob))
     assert blob[layout.data_start : layout.data_start + layout.data_size] == tensor.numpy().tobytes()
     assert pickled_tensor_header(layout.pickle) == (torch.float32, shape, tensor.stride(), 0)
 
 
 def test_tensor_layout_refuses_what_it_cannot_read_directly():
     two = _torch_save_bytes({"a": torch.ones(3), "b": torch.zeros(2)})  # two data records
-    assert item_encoder.tensor_layout(memoryview(two)) is None
+    assert zip_directory.tensor_layout(memoryview(two)) is None
     deflated = io.BytesIO()
     with zipfile.ZipFile(deflated, "w", compression=zipfile.ZIP_DEFLATED) as archive:
         archive.writestr("archive/data.pkl", b"\0" * 40)
         archive.writestr("archive/data/0", b"\0" * 400)
-    assert item_encoder.tensor_layout(memoryview(deflated.getvalue())) is None
-    assert item_encoder.tensor_layout(memoryview(b"not a zip at all, not at all" * 3)) is None
-    assert item_encoder.tensor_layout(memoryview(b"")) is None
+    assert zip_directory.tensor_layout(memoryview(deflated.getvalue())) is None
+    assert zip_directory.tensor_layout(memoryview(b"not a zip at all, not at all" * 3)) is None
+    assert zip_directory.tensor_layout(memoryview(b"")) is None
     blob = _torch_save_bytes(torch.ones(3))
-    assert item_encoder.tensor_layout(memoryview(blob[:-30])) is None  # cut off: no end record
+    assert zip_directory.tensor_layout(memoryview(blob[:-30])) is None  # cut off: no end record
 
 
 def test_a_patch_across_captured_pieces_lands_byte_for_byte():
@@ -337,11 +338,11 @@ def test_zip64_sizes_of_an_item_of_4_gib_are_read_from_their_extra_field():
     patched = _with_zip64_sizes(archive, data_name)
     read = _reader(patched)
 
-    plain = {e.name: e for e in item_encoder._central_entries(_reader(archive), len(archive))}
-    entries = {e.name: e for e in item_encoder._central_entries(read, len(patched))}
+    plain = {e.name: e for e in zip_directory.central_entries(_reader(archive), len(archive))}
+    entries = {e.name: e for e in zip_directory.central_entries(read, len(patched))}
     assert entries[data_name].size == plain[data_name].size == 160
     assert entries[data_name].local_at == plain[data_name].local_at
-    record = item_encoder.tensor_data_record(read, len(patched))
+    record = zip_directory.tensor_data_record(read, len(patched))
     assert record is not None and record.size == 160
     assert patched[record.start : record.start + 160] == torch.arange(40, dtype=torch.int32).numpy().tobytes()
 
@@ -354,8 +355,8 @@ def test_a_record_name_that_is_not_utf8_leaves_the_item_to_torch_load():
     _, cd_offset = _central_directory(archive)
     archive[cd_offset + 46] = 0xFF  # the first byte of the first record's name, in the central directory
     data = bytes(archive)
-    assert item_encoder.tensor_pickle(_reader(data), len(data)) is None
-    assert item_encoder.tensor_data_record(_reader(data), len(data)) is None
+    assert zip_directory.tensor_pickle(_reader(data), len(data)) is None
+    assert zip_directory.tensor_data_record(_reader(data), len(data)) is None
 
 
 def test_archives_with_and_without_a_zip64_end_record_are_parsed():
@@ -370,7 +371,7 @@ def test_archives_with_and_without_a_zip64_end_record_are_parsed():
     assert with_zip64[-42:-38] == b"PK\x06\x07" and without[-42:-38] != b"PK\x06\x07"
 
     def entries(data: bytes) -> list[tuple[str, int]]:
-        return [(e.name, e.size) for e in item_encoder._central_entries(_reader(data), len(data))]
+        return [(e.name, e.size) for e in zip_directory.central_entries(_reader(data), len(data))]
 
     expected = [(info.filename, info.file_size) for info in zipfile.ZipFile(io.BytesIO(with_zip64)).infolist()]
     assert entries(with_zip64) == expected and entries(without) == expected
@@ -382,7 +383,7 @@ def test_an_archive_without_a_data_record_has_no_fast_layout():
     plain = io.BytesIO()
     with zipfile.ZipFile(plain, "w", compression=zipfile.ZIP_STORED) as out:
         out.writestr("archive/data.pkl", b"\x80\x02K\x01.")
-    assert item_encoder.tensor_layout(memoryview(plain.getvalue())) is None
+    assert zip_directory.tensor_layout(memoryview(plain.getvalue())) is None
 
 
 def test_a_tensor_signature_without_a_template_is_written_by_torch_save(monkeypatch):

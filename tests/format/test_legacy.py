@@ -35,6 +35,7 @@ from helpers.readers import IntoTensor
 
 import ckptlib
 import ckptlib.checkpoint
+from ckptlib._torch import dcp_shims
 from ckptlib.convert import convert
 from ckptlib.errors import (
     CheckpointCorruptError,
@@ -195,8 +196,8 @@ def test_v0_loads_single_process_in_any_layout(tmp_path):
         got = convert(path, str(tmp_path / f"{variant}.pt"), to="torch", progress=False)
         assert got.src_format == "v0"
         loaded = torch.load(tmp_path / f"{variant}.pt", weights_only=True)
-        flat_loaded = ckptlib.compat.flatten_state_dict(loaded)[0]
-        assert diff(flat_loaded, ckptlib.compat.flatten_state_dict(ref)[0]) == [], variant
+        flat_loaded = dcp_shims.flatten_state_dict(loaded)[0]
+        assert diff(flat_loaded, dcp_shims.flatten_state_dict(ref)[0]) == [], variant
         if variant == "flat":
             assert "model.proj.weight" in loaded  # nesting comes out as written: flat keys stay flat
         else:

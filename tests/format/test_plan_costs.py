@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 import ckptlib
-from ckptlib import compat
+from ckptlib._torch import dcp_shims
 from ckptlib.format import plan_codec
 from ckptlib.format.load_planner import local_load_plan
 from ckptlib.format.manifest import FileRecord
@@ -134,7 +134,7 @@ def test_load_plan_round_trips_to_equal_dcp_objects():
 
 
 def test_write_results_round_trip_with_the_shard_record():
-    info = compat.storage_info_cls()
+    info = dcp_shims.storage_info_cls()
     results = plan_codec.WriteResults()
     results.info_cls = info
     results.append(
@@ -263,18 +263,18 @@ def rank_compare_plans(world: int) -> dict:
     rank = dist.get_rank()
     flat = _flat(_state(world, stages=True))
     asked = []
-    real = compat.create_write_items
-    compat.create_write_items = lambda fqn, obj: asked.append(fqn) or real(fqn, obj)
+    real = dcp_shims.create_write_items
+    dcp_shims.create_write_items = lambda fqn, obj: asked.append(fqn) or real(fqn, obj)
     try:
         ours = local_save_plan(flat, rank == 0)
     finally:
-        compat.create_write_items = real
+        dcp_shims.create_write_items = real
     dcp_plan = create_default_local_save_plan(flat, rank == 0)
     out = {"asked_dcp": asked, "keys": list(flat)}
     out.update(save_equal=ours == dcp_plan, save_hints=_hints(ours.items) == _hints(dcp_plan.items))
     plans = [None] * world
     dist.all_gather_object(plans, dcp_plan)
-    _, metadata = create_default_global_save_plan(compat.dedup_save_plans(plans, False))
+    _, metadata = create_default_global_save_plan(dcp_shims.dedup_save_plans(plans, False))
     target = _flat(_state(world, load_layout=True, stages=True))
     from ckptlib.format import load_planner
 
@@ -368,7 +368,7 @@ def test_metadata_stays_a_plain_dcp_pickle_and_every_rank_gets_the_size(tmp_path
     metadata = FileSystemReader(path).read_metadata()
     assert (
         type(metadata) is Metadata
-        and type(metadata.storage_data[MetadataIndex("model.a", [0, 0])]) is compat.storage_info_cls()
+        and type(metadata.storage_data[MetadataIndex("model.a", [0, 0])]) is dcp_shims.storage_info_cls()
     )
 
 

@@ -170,7 +170,7 @@ def test_plans_are_dcps_own_where_torch_differs(tmp_path, monkeypatch, differs):
     DTensor, the local save and load plans are DCP's own (`create_default_local_*_plan`), and
     the checkpoint still round-trips bit-exact."""
     import ckptlib
-    from ckptlib import compat
+    from ckptlib._torch import probes
     from ckptlib.format import load_planner, plan_codec, save_planner
 
     calls = []
@@ -184,7 +184,7 @@ def test_plans_are_dcps_own_where_torch_differs(tmp_path, monkeypatch, differs):
         for module in (save_planner, load_planner, plan_codec):
             monkeypatch.setattr(module, "KNOWN_FIELDS", False)
     else:
-        monkeypatch.setattr(compat, "dtensor_cls", lambda: None)
+        monkeypatch.setattr(probes, "dtensor_cls", lambda: None)
     torch.manual_seed(0)
     saved = torch.nn.Linear(4, 3)
     ckptlib.save(tmp_path / "c", {"model": saved, "step": 5})

@@ -1,6 +1,6 @@
 """Storage calls of opening a checkpoint and preparing a save target: each is a request on
 object stores, and `.metadata` grows as ranks x tensors, so it is read once, not twice.
-(The S3 request counts of whole saves and loads: `python -m benchmarks.s3_requests`.)"""
+(The S3 request counts of whole saves and loads: `python -m ckptlib.bench.s3_requests`.)"""
 
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ from helpers.golden import (
 )
 
 import ckptlib
-from ckptlib import cli, compat
+from ckptlib import cli
+from ckptlib._torch import dcp_shims
 from ckptlib.errors import UnsafeCheckpointError
 from ckptlib.format.safe_pickle import safe_loads
 
@@ -126,18 +127,18 @@ OLD_METADATA = "torch.distributed._shard.checkpoint.metadata"
 
 
 def test_old_module_names_map_onto_todays():
-    assert compat.current_pickle_module(OLD_METADATA) == "torch.distributed.checkpoint.metadata"
-    assert compat.current_pickle_module("torch.distributed._shard.checkpoint.filesystem") == (
+    assert dcp_shims.current_pickle_module(OLD_METADATA) == "torch.distributed.checkpoint.metadata"
+    assert dcp_shims.current_pickle_module("torch.distributed._shard.checkpoint.filesystem") == (
         "torch.distributed.checkpoint.filesystem"
     )
-    assert compat.current_pickle_module("torch.distributed._shard.checkpoint.no_such_module") == (
+    assert dcp_shims.current_pickle_module("torch.distributed._shard.checkpoint.no_such_module") == (
         "torch.distributed._shard.checkpoint.no_such_module"
     )
     assert (
-        compat.current_pickle_module("torch.distributed._shard.checkpointing")
+        dcp_shims.current_pickle_module("torch.distributed._shard.checkpointing")
         == "torch.distributed._shard.checkpointing"
     )
-    assert compat.current_pickle_module("collections") == "collections"
+    assert dcp_shims.current_pickle_module("collections") == "collections"
 
 
 def test_torch_113_metadata_unpickles_as_todays_classes():

@@ -14,6 +14,7 @@ import sys
 import torch
 
 import ckptlib
+from ckptlib._torch import parallel
 from ckptlib.testing import launch
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
@@ -96,8 +97,8 @@ def build_state(ref: dict, world_size: int, seed: int = 99) -> dict:
             for p in model.parameters():
                 p.uniform_(-7, 7)
             model.counter.fill_(-1)
-        if mesh is not None and ckptlib.compat.fsdp2_cpu_reason() is None:
-            fully_shard = ckptlib.compat.fully_shard_fn()
+        if mesh is not None and parallel.fsdp2_cpu_reason() is None:
+            fully_shard = parallel.fully_shard_fn()
             for layer in (model.embed, model.proj, model.norm, model.head):
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)

@@ -1,6 +1,9 @@
-"""gs:// and az:// end to end, on fake-gcs-server and Azurite started by the tests: save/load,
-CheckpointManager retention and `latest`, save-at-N/load-at-M, the CLI, and faults (503
-bursts, the server stopping mid-upload) injected by a proxy between ckptlib and the emulator.
+"""s3://, gs:// and az:// end to end, on moto, fake-gcs-server and Azurite started by the tests:
+save/load, CheckpointManager retention and `latest`, save-at-N/load-at-M, the CLI, and faults
+(503 bursts, the server stopping mid-upload) injected by a proxy between ckptlib and the
+emulator, or a permanent error on one object injected at the client (helpers.storage.Faults).
+S3's save-at-N/load-at-M and `ckpt validate` cases are in tests/elastic/test_s3_elastic.py and
+tests/cli/.
 """
 
 from __future__ import annotations
@@ -9,20 +12,25 @@ import json
 
 import pytest
 import torch
+from helpers.storage import LABELS, Faults, permanent_error
 
 import ckptlib
-from ckptlib import compat
+from ckptlib._torch import parallel
 from ckptlib.errors import CheckpointError, StorageError
 from ckptlib.storage import is_remote, open_storage
 from ckptlib.testing.fakes import emulators as em
 from ckptlib.testing.fakes.faultproxy import FaultProxy
+from ckptlib.testing.fakes.s3_server import s3_env
 from ckptlib.testing.matrices import matrix as mx
 
 MiB = 1 << 20
-CLOUDS = [
+GCS_AZURE = [
     pytest.param("gcs", id="gcs", marks=pytest.mark.gcs),
     pytest.param("azure", id="azure", marks=pytest.mark.azure),
 ]
+CLOUDS = [pytest.param("s3", id="s3", marks=pytest.mark.s3), *GCS_AZURE]
+_SERVERS = {"s3": "moto_server", "gcs": "gcs_server", "azure": "azurite_server"}
+_ROOTS = {"s3": "s3_root", "gcs": "gcs_root", "azure": "azure_root"}
 
 
 @pytest.fixture(params=CLOUDS)
@@ -32,20 +40,25 @@ def cloud(request) -> str:
 
 @pytest.fixture
 def server(cloud, request) -> str:
-    return request.getfixturevalue("gcs_server" if cloud == "gcs" else "azurite_server")
+    return request.getfixturevalue(_SERVERS[cloud])
 
 
 @pytest.fixture
 def root(cloud, request) -> str:
-    return request.getfixturevalue("gcs_root" if cloud == "gcs" else "azure_root")
+    return request.getfixturevalue(_ROOTS[cloud])
 
 
 def env_for(cloud: str, endpoint: str) -> dict[str, str | None]:
-    return em.gcs_env(endpoint) if cloud == "gcs" else em.azure_env(endpoint)
+    return {"s3": s3_env, "gcs": em.gcs_env, "azure": em.azure_env}[cloud](endpoint)
 
 
 def scheme(cloud: str) -> str:
-    return "GS" if cloud == "gcs" else "AZ"
+    return {"s3": "S3", "gcs": "GS", "azure": "AZ"}[cloud]
+
+
+def part_size(cloud: str) -> int:
+    """The smallest part the tests use: 1 MiB, or S3's smallest allowed (5 MiB)."""
+    return 5 * MiB if cloud == "s3" else MiB
 
 
 def keys(root: str) -> set[str]:
@@ -67,11 +80,13 @@ def assert_equal(a: dict, b: dict) -> None:
 
 
 def test_uris(cloud):
-    assert is_remote("gs://b/x") and is_remote("az://c/x") and not is_remote("/tmp/x")
-    good = "gs://my-bucket/a/b/" if cloud == "gcs" else "az://my-container/a/b/"
+    assert is_remote("s3://b/x") and is_remote("gs://b/x") and is_remote("az://c/x") and not is_remote("/tmp/x")
+    good = {"s3": "s3://my-bucket/a/b/", "gcs": "gs://my-bucket/a/b/", "azure": "az://my-container/a/b/"}[cloud]
     storage = open_storage(good)
     assert storage.uri == good.rstrip("/") and storage.prefix == "a/b"
-    bad = "gs://Bad_Bucket!/x" if cloud == "gcs" else "az://Bad--Container/x"
+    assert storage.child("step_1").uri == good + "step_1"
+    assert storage.local_path() is None and storage.local_path("x") is None
+    bad = {"s3": "s3://Bad_Bucket!/x", "gcs": "gs://Bad_Bucket!/x", "azure": "az://Bad--Container/x"}[cloud]
     with pytest.raises(StorageError, match="invalid"):
         open_storage(bad)
     with pytest.raises(StorageError, match="escapes"):
@@ -93,11 +108,14 @@ def test_save_load_round_trip_bit_exact(root):
 
 
 def test_multipart_shard_round_trips(root, cloud, monkeypatch):
-    monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_MULTIPART_THRESHOLD", str(MiB))
-    monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_PART_SIZE", str(MiB))
-    monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_READ_CHUNK_SIZE", str(MiB // 2))
-    state = tensors(1, n=3 * MiB // 4 + 5)  # a 3 MiB shard: 4 parts
+    part = part_size(cloud)
+    monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_MULTIPART_THRESHOLD", str(part))
+    monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_PART_SIZE", str(part))
+    monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_READ_CHUNK_SIZE", str(part // 2))
+    state = tensors(1, n=3 * part // 4 + 5)  # a shard of 3 parts and a bit: 4 parts
+    faults = Faults.install(monkeypatch, open_storage(root))
     ckptlib.save(root, state)
+    assert faults.count("start_upload") == 1 and faults.count("put_part") == 4 and faults.count("complete") == 1
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     ckptlib.load(root, out)
     assert_equal(out, state)
@@ -154,6 +172,7 @@ def test_cli_commands_take_cloud_uris(root, capsys):
     assert ckptlib.CheckpointManager(root).steps() == [2]
 
 
+@pytest.mark.parametrize("cloud", GCS_AZURE)
 def test_ckpt_validate_root_on_the_cloud(root, capsys):
     """`ckpt validate --root gs://... / az://...`: every pair passes and the run's checkpoints are removed."""
     from ckptlib.cli import main
@@ -175,10 +194,11 @@ ELASTIC = [
 
 
 @pytest.mark.elastic
+@pytest.mark.parametrize("cloud", GCS_AZURE)
 @pytest.mark.parametrize("save_ws,load_ws,wrap,optim,manager", ELASTIC)
 def test_elastic_save_n_load_m(cloud, server, root, dist_run, save_ws, load_ws, wrap, optim, manager):
-    if wrap == "fsdp2" and compat.fsdp2_cpu_reason():
-        pytest.skip(compat.fsdp2_cpu_reason())
+    if wrap == "fsdp2" and parallel.fsdp2_cpu_reason():
+        pytest.skip(parallel.fsdp2_cpu_reason())
     env = env_for(cloud, server)
     expected = dist_run(save_ws, mx.save_side, root, wrap, optim, manager=manager, env=env)[0]
     prefix = root.split("/", 3)[3] + ("/step_0000000002" if manager else "")
@@ -203,7 +223,7 @@ def proxy(cloud, server, monkeypatch):
             else:
                 monkeypatch.setenv(name, value)
         for option in ("MULTIPART_THRESHOLD", "PART_SIZE"):
-            monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_{option}", str(MiB))
+            monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_{option}", str(part_size(cloud)))
         yield p
 
 
@@ -255,6 +275,30 @@ def test_permanent_failure_keeps_latest(cloud, root, proxy, monkeypatch, fault):
     reopened.save(3, tensors(3, n=MiB))
     assert reopened.steps() == [1, 3]
     assert not any("step_0000000002" in k or ".ckptlib-part-" in k for k in keys(root))
+
+
+def test_permanent_error_on_the_manifest_keeps_latest(cloud, root, monkeypatch):
+    """A 403 on the manifest's upload is not retried; the save fails naming that object, the
+    previous step stays `latest` and loads, and the next save's retention removes the debris."""
+    manager = ckptlib.CheckpointManager(root, keep_last=2)
+    manager.save(1, tensors(1))
+    faults = Faults.install(monkeypatch, manager.storage)
+    faults.fail("put", lambda: permanent_error(cloud), when=lambda key, n: key.endswith("/ckptlib.json"))
+    with pytest.raises(CheckpointError) as info:
+        manager.save(2, tensors(2))
+    assert isinstance(info.value, StorageError)
+    assert str(info.value).startswith(f"{LABELS[cloud]} put failed for {root}/step_0000000002/ckptlib.json: ")
+    assert len(faults.injected) == 1 and faults.count("put") >= 3  # the shard and .metadata went up first
+    assert manager.storage.read_pointer("latest") == "step_0000000001"
+    assert manager.latest() == 1 and manager.steps() == [1]
+    out = {k: torch.zeros_like(v) for k, v in tensors(0).items()}
+    assert manager.load(out) == 1
+    assert_equal(out, tensors(1))
+    faults.rules.clear()
+    manager.save(3, tensors(3))
+    prefix = root.split("/", 3)[3]
+    assert {k.split("/")[1] for k in keys(root)} == {"latest", "step_0000000001", "step_0000000003"}
+    assert all(k.startswith(prefix + "/") for k in keys(root))
 
 
 # -- credentials and missing containers ----------------------------------------------------------

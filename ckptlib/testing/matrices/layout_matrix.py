@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ... import compat
+from ..._torch import parallel
 from . import matrix
 from . import parallel_layouts as lay
 from .models import build_transformer, transformer_loss
@@ -227,7 +227,7 @@ def local_indices(spec: ModelSpec, layout: str, optim: str, *, group=None, group
 
 
 def set_full_model(model: nn.Module, full: dict[str, Any], indices: dict[str, torch.Tensor] | None = None) -> None:
-    """DTensor layouts are cut locally (by `indices`, else `compat.distribute_locally`); others
+    """DTensor layouts are cut locally (by `indices`, else `parallel.distribute_locally`); others
     (plain, DDP, FSDP1's ShardedTensors) go through DCP's full-state setter."""
     msd = get_model_state_dict(model)
     if any(_is_sharded_tensor(v) for v in msd.values()):
@@ -252,7 +252,7 @@ def _is_sharded_tensor(value: Any) -> bool:
 def _like(template: Any, full: Any, indices: dict[str, torch.Tensor], path: tuple = ()) -> Any:
     """`full` with each tensor placed like the template's tensor at the same key: a DTensor
     below a parameter's FQN in `indices` (a model's key, an optimizer's "state" key) is cut by
-    those indices, any other by `compat.distribute_locally`."""
+    those indices, any other by `parallel.distribute_locally`."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(full, dict):
@@ -263,7 +263,7 @@ def _like(template: Any, full: Any, indices: dict[str, torch.Tensor], path: tupl
             return full.clone()
         fqn = next((key for key in reversed(path) if key in indices), None)
         if fqn is None or full.shape != template.shape:
-            return compat.distribute_locally(full.clone(), template.device_mesh, template.placements)
+            return parallel.distribute_locally(full.clone(), template.device_mesh, template.placements)
         index = indices[fqn]
         local = full.reshape(-1)[index.reshape(-1)].view(index.shape).clone()
         return DTensor.from_local(

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ... import compat
+from ..._torch import parallel
 
 WRAPPINGS = ("fsdp2", "ddp", "plain")
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -69,7 +69,7 @@ def wrap_model(model: nn.Module, wrap: str, group=None) -> nn.Module:
 
         return DistributedDataParallel(model, process_group=group)
     if wrap == "fsdp2":
-        fully_shard = compat.require_fsdp2_cpu()
+        fully_shard = parallel.require_fsdp2_cpu()
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
         if group is None:

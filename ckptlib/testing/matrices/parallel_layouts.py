@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ... import compat
+from ..._torch import parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +51,11 @@ class ParallelLayout:
 
     def unavailable_reason(self, device: str = "cpu") -> str | None:
         """Why this torch cannot run the layout on `device`, or None."""
-        gap = compat.layout_gap_reason(self.name) if device == "cpu" else None
+        gap = parallel.layout_gap_reason(self.name) if device == "cpu" else None
         if self.name in ("fsdp2", "hsdp", "fsdp2+tp"):
-            return compat.fsdp2_reason(device) or gap
+            return parallel.fsdp2_reason(device) or gap
         if self.name in ("fsdp1", "fsdp1-flat") and device == "cpu":
-            return compat.fsdp1_cpu_reason() or gap
+            return parallel.fsdp1_cpu_reason() or gap
         return None
 
 
@@ -72,8 +72,6 @@ LAYOUTS: dict[str, ParallelLayout] = {
         ParallelLayout("fsdp1-flat", 0, (1, 2, 3, 4)),
     )
 }
-#: The layouts of the CPU matrix (FSDP1 runs on CPU only where torch allows it).
-CPU_LAYOUTS = ("plain", "ddp", "fsdp2", "hsdp", "tp", "fsdp2+tp")
 
 
 def __getattr__(name: str):
@@ -215,7 +213,7 @@ def apply_layout(
         if name == "tp":
             return model
         mesh = mesh["dp"]
-    fully_shard = compat.require_fsdp2_cpu() if device == "cpu" else compat.fully_shard_fn()
+    fully_shard = parallel.require_fsdp2_cpu() if device == "cpu" else parallel.fully_shard_fn()
     kwargs = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
@@ -228,7 +226,7 @@ def _fsdp1(model: nn.Module, group, *, fsdp_units, use_orig_params: bool, device
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    reason = compat.fsdp1_cpu_reason() if device == "cpu" else None
+    reason = parallel.fsdp1_cpu_reason() if device == "cpu" else None
     if reason:
         raise RuntimeError(reason)
     units = {type(unit) for unit in (fsdp_units or ())}

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from ... import compat
+from ..._torch import parallel
 from . import layout_matrix, matrix
 from . import parallel_layouts as lay
 from .models import build_transformer, transformer_loss
@@ -203,7 +203,7 @@ def compiled(seed: int, group=None) -> Parts:
 
 def activation_checkpointing(seed: int, group=None) -> Parts:
     model = build_transformer(seed)
-    wrap = compat.checkpoint_wrapper_fn()
+    wrap = parallel.checkpoint_wrapper_fn()
     model.blocks = nn.ModuleList(wrap(block) for block in model.blocks)
     model = _fsdp2(model, group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -257,9 +257,9 @@ def _cleanup(base: str) -> None:
 
 
 def default_wrap() -> str:
-    from ... import compat
+    from ..._torch import parallel
 
-    return "fsdp2" if compat.fsdp2_cpu_reason() is None else "ddp"
+    return "fsdp2" if parallel.fsdp2_cpu_reason() is None else "ddp"
 
 
 def rank_entry(

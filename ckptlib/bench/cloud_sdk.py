@@ -16,6 +16,8 @@ import io
 import os
 from typing import Any, Callable
 
+from .rank_ops import make_state, rank_world, same_values, timed
+
 BACKENDS = ("s3", "gcs", "azure")
 SDK_NAME = {"s3": "boto3", "gcs": "google-cloud-storage", "azure": "azure-storage-blob"}
 EMULATOR = {"s3": "moto", "gcs": "fake-gcs-server", "azure": "Azurite"}
@@ -27,7 +29,7 @@ def _sdk_transfer(backend: str, container: str, key: str, payload: bytes) -> tup
         import boto3
         from boto3.s3.transfer import TransferConfig
 
-        from ckptlib.storage import s3 as s3mod
+        from ..storage import s3 as s3mod
 
         client = boto3.session.Session().client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
         config = TransferConfig(
@@ -53,11 +55,11 @@ def _sdk_transfer(backend: str, container: str, key: str, payload: bytes) -> tup
         return (lambda: blob.upload_from_string(payload)), gcs_down
     from azure.storage.blob import BlobServiceClient
 
-    from ckptlib.storage import objects
+    from ..storage.azure import DEFAULTS
 
     service = BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"])
     blob = service.get_blob_client(container, key)
-    threads = objects.DEFAULT_MAX_CONCURRENCY
+    threads = DEFAULTS.max_concurrency
 
     def az_down():
         assert len(blob.download_blob(max_concurrency=threads).readall()) == len(payload)
@@ -68,12 +70,11 @@ def _sdk_transfer(backend: str, container: str, key: str, payload: bytes) -> tup
 def rank_cloud(backend: str, env: dict[str, str], container: str, size_mib: int, reps: int) -> dict[str, Any]:
     """In each rank: time ckptlib.save/load and the SDK's upload/download of the same bytes."""
     import ckptlib
-    from benchmarks.bench import _make_state, _rank, _same, _timed
 
     os.environ.update(env)
-    rank, world = _rank()
-    state = _make_state(size_mib)
-    template = _make_state(size_mib, fill=False)
+    rank, world = rank_world()
+    state = make_state(size_mib)
+    template = make_state(size_mib, fill=False)
     payload = bytearray()
     for t in state["params"].values():
         payload += memoryview(t.to_local().numpy()).cast("B")
@@ -95,15 +96,15 @@ def rank_cloud(backend: str, env: dict[str, str], container: str, size_mib: int,
         order = ["ckptlib", "sdk"] if rep % 2 == 0 else ["sdk", "ckptlib"]
         for method in order:
             if method == "ckptlib":
-                times.setdefault("save_ckptlib", []).append(_timed(lambda: ckptlib.save(uri, state)))
+                times.setdefault("save_ckptlib", []).append(timed(lambda: ckptlib.save(uri, state)))
             else:
-                times.setdefault("save_sdk", []).append(_timed(upload))
+                times.setdefault("save_sdk", []).append(timed(upload))
         for method in order:
             if method == "ckptlib":
-                times.setdefault("load_ckptlib", []).append(_timed(lambda: ckptlib.load(uri, template)))
-                ok = ok and _same(state, template)
+                times.setdefault("load_ckptlib", []).append(timed(lambda: ckptlib.load(uri, template)))
+                ok = ok and same_values(state, template)
             else:
-                times.setdefault("load_sdk", []).append(_timed(download))
+                times.setdefault("load_sdk", []).append(timed(download))
     return {"rank": rank, "world": world, "times": times, "ok": ok, "shard_bytes": len(payload)}
 
 
@@ -111,13 +112,13 @@ def rank_cloud(backend: str, env: dict[str, str], container: str, size_mib: int,
 def _server(backend: str):
     """(env for the ranks, make_container, remove_container) for the backend's emulator."""
     if backend == "s3":
-        from ckptlib.testing.fakes.s3_server import create_bucket, remove_bucket, s3_env, start_moto_server
+        from ..testing.fakes.s3_server import create_bucket, remove_bucket, s3_env, start_moto_server
 
         with start_moto_server() as endpoint:
             env = {k: v for k, v in s3_env(endpoint).items() if v is not None}
             yield env, (lambda: create_bucket(endpoint, "bench")), (lambda b: remove_bucket(endpoint, b))
         return
-    from ckptlib.testing.fakes import emulators as em
+    from ..testing.fakes import emulators as em
 
     if backend == "gcs":
         binary = em.gcs_binary()

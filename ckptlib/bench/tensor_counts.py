@@ -1,4 +1,4 @@
-"""Save and load time per tensor count (issue 13): ckptlib against raw DCP, side by side in one run.
+"""Save and load time per tensor count: ckptlib against raw DCP, side by side in one run.
 
 A transformer-shaped state: the parameters of `layers` blocks (four hidden x hidden attention
 matrices, three MLP matrices, eleven norm/bias vectors; hidden 80, so ~14 KiB a tensor on
@@ -8,13 +8,17 @@ ckptlib.save and dcp.save (FileSystemWriter) alternate in a rotating order, then
 ckptlib.load (verify=True) and dcp.load (FileSystemReader) from the page cache; every load is
 into a zeroed template and checked bit-exact against the saved state (exit code 1 otherwise).
 
-Run: ckpt bench tensors (or python -m benchmarks.tensors) [--tensors 16 1000 10000]
-     [--world-sizes 1 2 4] [--reps 3] [--json [OUT]] [--dir DIR] [--ablation]
+Run: ckpt bench tensors [--tensors 16 1000 10000] [--world-sizes 1 2 4] [--reps 3]
+                        [--json [OUT]] [--dir DIR] [--ablation]
+
 --ablation adds two more methods to every repetition, to show what the garbage-collector pause
 is worth on each side: raw DCP inside `ckptlib.gc_pause.gc_paused` ("dcp-gc-paused"), and
 ckptlib with its pause replaced by a no-op ("ckptlib-gc-on").
 Every number is the slowest rank's wall time (barriers around each timed call), median over
 the repetitions; "ms/tensor" is that time divided by the tensor count of the whole state.
+Scratch checkpoints go to a temporary directory (--dir) that is removed at the end.
+
+Exit status: 0 when every load was bit-exact, 1 when one was not, 2 usage error.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from . import help_description
+from .rank_ops import barrier, rank_world, remove_tree, settle, timed, warm
 
 HIDDEN = 80
 TARGET_RATIO = 1.0  # ckptlib time <= 1.0x raw DCP's at every tensor count ...
@@ -83,7 +90,7 @@ def _method_context(method: str):
     import contextlib
     from unittest import mock
 
-    from ckptlib.gc_pause import gc_paused
+    from ..gc_pause import gc_paused
 
     if method == "dcp-gc-paused":
         return gc_paused()
@@ -98,9 +105,8 @@ def rank_tensors(root: str, tensors: int, reps: int, ablation: bool = False) -> 
     import torch.distributed.checkpoint as dcp
 
     import ckptlib
-    from benchmarks.bench import _barrier, _rank, _rm, _settle, _timed, _warm
 
-    rank, _ = _rank()
+    rank, _ = rank_world()
     state = make_state(tensors, fill=True)
     template = make_state(tensors, fill=False)
     times: dict[str, list[float]] = {}
@@ -111,30 +117,43 @@ def rank_tensors(root: str, tensors: int, reps: int, ablation: bool = False) -> 
         order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
         for method in order:
             path = f"{base}/{method}"
-            _settle()
+            settle()
             with _method_context(method):
                 if method.startswith("ckptlib"):
-                    seconds = _timed(lambda: ckptlib.save(path, state))
+                    seconds = timed(lambda: ckptlib.save(path, state))
                 else:
-                    seconds = _timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(path)))
+                    seconds = timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(path)))
             times.setdefault(f"save_{method}", []).append(seconds)
         for method in order:
             path = f"{base}/{method}"
             with torch.no_grad():
                 for t in _leaves(template):
                     t.to_local().zero_()
-            _warm(path)
+            warm(path)
             with _method_context(method):
                 if method.startswith("ckptlib"):
-                    seconds = _timed(lambda: ckptlib.load(path, template))
+                    seconds = timed(lambda: ckptlib.load(path, template))
                 else:
-                    seconds = _timed(lambda: dcp.load(template, storage_reader=dcp.FileSystemReader(path)))
+                    seconds = timed(lambda: dcp.load(template, storage_reader=dcp.FileSystemReader(path)))
             times.setdefault(f"load_{method}", []).append(seconds)
             ok = ok and all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(_leaves(state), _leaves(template)))
-        _rm(base)
-    _barrier()
+        remove_tree(base)
+    barrier()
     shard = sum(t.to_local().numel() * t.to_local().element_size() for t in _leaves(state))
     return {"rank": rank, "times": times, "ok": ok, "shard_bytes": shard}
+
+
+def _source_commit() -> str:
+    """`git describe` of the source checkout ckptlib runs from ("" for an installed wheel)."""
+    import subprocess
+
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        return subprocess.run(
+            ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=checkout
+        ).stdout.strip()
+    except OSError:  # no git here
+        return ""
 
 
 def _log(msg: str) -> None:
@@ -144,17 +163,10 @@ def _log(msg: str) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from ckptlib.testing import launch
+    from ..testing import launch
 
     root = tempfile.mkdtemp(prefix="ckptlib-bench-tensors-", dir=args.dir)
-    import subprocess
-
-    commit = subprocess.run(
-        ["git", "describe", "--always", "--dirty"],
-        capture_output=True,
-        text=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    ).stdout.strip()
+    commit = _source_commit()
     results: dict[str, Any] = {
         "command": "ckpt bench tensors " + " ".join(args.argv),
         "commit": commit or None,
@@ -265,7 +277,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="ckpt bench tensors", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="ckpt bench tensors",
+        description=help_description(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--tensors",
         type=int,
@@ -273,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[16, 1000, 10000],
         help="tensor counts of the whole state, optimizer moments included (default 16 1000 10000)",
     )
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4], help="ranks (default 1 2 4)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
     parser.add_argument(
         "--json",
@@ -316,5 +332,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.exit(main())

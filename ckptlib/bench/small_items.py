@@ -5,10 +5,11 @@ tensors, interleaved in one process:
   the template per signature (`item_encoder.small_item_bytes`) + one CRC-32 (now); the
   single-pass encoder of large items is shown too;
 - load: torch.load of the item's bytes (before) against one parse of its zip directory
-  (`item_encoder.tensor_layout`), its header checked (`pickled_tensor_header`, cached per
-  header as the reader does) and a tensor over its bytes, as `CkptReader._decode_plain` does (now).
+  (`zip_directory.tensor_layout`), its header checked (`pickled_tensor_header`, cached per
+  header as the reader does) and a tensor over its bytes, as `DeclaredChunks.decode_plain`
+  does (now).
 
-Run: python -m benchmarks.small_items [--layers 100] [--reps 5]
+Run: python -m ckptlib.bench.small_items [--layers 100] [--reps 5]
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import time
 
 import torch
 
-from ckptlib.format import item_encoder
-from ckptlib.format.checksum import crc32
-from ckptlib.format.item_header import pickled_tensor_header
+from ..format import item_encoder, zip_directory
+from ..format.checksum import crc32
+from ..format.item_header import pickled_tensor_header
 
 
 def transformer_tensors(layers: int, hidden: int = 64) -> list[torch.Tensor]:
@@ -37,7 +38,7 @@ def transformer_tensors(layers: int, hidden: int = 64) -> list[torch.Tensor]:
 
 
 def _decode(blob: memoryview, headers: dict) -> torch.Tensor:
-    layout = item_encoder.tensor_layout(blob)
+    layout = zip_directory.tensor_layout(blob)
     if layout.pickle not in headers:
         headers[layout.pickle] = pickled_tensor_header(layout.pickle)
     dtype, shape, _, _ = headers[layout.pickle]
@@ -45,7 +46,7 @@ def _decode(blob: memoryview, headers: dict) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.small_items", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ckptlib.bench.small_items", description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=100)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Coordinator-side cost of a checkpoint at simulated scale, without spawning ranks (issue 13).
+"""Coordinator-side cost of a checkpoint at simulated scale, without spawning ranks.
 
 For each (world size, tensor count) it builds what the save and load of a transformer-shaped
 state row-sharded over every rank would build: each rank's SavePlan (one chunk per tensor;
@@ -13,14 +13,19 @@ child, whose peak RSS over its starting RSS is the coordinator's memory.
 
 With --s3 it also counts the S3 requests (LIST, HEAD, GET, PUT, multipart) of a real
 `ckptlib.save` and `ckptlib.load` of a small state at 1, 2 and 4 ranks against a moto
-server, and prints them next to the formula (`benchmarks.s3_requests`) for every world size.
+server, and prints them next to the formula (`ckptlib.bench.s3_requests`) for every world size.
 
-Run: ckpt bench scale (or python -m benchmarks.scale) [--worlds 8,64,512,4096] [--tensors 1000,10000,100000]
-                                [--max-chunks N] [--dcp-max-chunks N] [--s3] [--json]
-                                [--from-json IN] [--plot OUT.png] [--markdown OUT.md]
+Run: ckpt bench scale [--worlds 8,64,512,4096] [--tensors 1000,10000,100000]
+                      [--max-chunks N] [--dcp-max-chunks N] [--s3] [--json]
+                      [--from-json IN] [--plot OUT.png] [--markdown OUT.md]
+
 Cells with more than --max-chunks chunks (world x tensors) are skipped (reported as such);
 DCP's planner is timed only up to --dcp-max-chunks (its overlap check is quadratic in the
 world size for wide tensors).
+
+Prints one line per cell as it is measured (key=value pairs, or one JSON object with --json);
+--markdown and --plot write the grid as a table and as log-log curves.
+Exit status: 0 (a cell that could not be measured says why in its row), 2 usage error.
 """
 
 from __future__ import annotations
@@ -39,11 +44,12 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ckptlib import compat
-from ckptlib.format.manifest import FileRecord, Manifest
-from ckptlib.format.safe_pickle import safe_loads
-from ckptlib.format.save_planner import CkptSavePlanner
-from ckptlib.format.structure import structure_problems
+from .._torch import dcp_shims
+from ..format.manifest import FileRecord, Manifest
+from ..format.safe_pickle import safe_loads
+from ..format.save_planner import CkptSavePlanner
+from ..format.structure import structure_problems
+from . import help_description
 
 ROWS_PER_RANK, TALL_COLS = 4, 64  # tall tensors: (world * 4, 64); wide ones: (world * 4, world * 16)
 
@@ -87,7 +93,7 @@ def _plan_and_write_records(world: int, names: list[str]) -> tuple[bytes, bytes,
     global_plans, metadata = CkptSavePlanner().create_global_plan(plans)
     global_plan_s = time.perf_counter() - start
     del plans
-    storage_info = compat.storage_info_cls()
+    storage_info = dcp_shims.storage_info_cls()
     storage_data = {}
     files = {}
     for rank, plan in enumerate(global_plans):
@@ -277,9 +283,15 @@ def markdown(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ckpt bench scale", description=__doc__.splitlines()[0])
-    parser.add_argument("--worlds", default="8,64,512,4096")
-    parser.add_argument("--tensors", default="1000,10000,100000")
+    parser = argparse.ArgumentParser(
+        prog="ckpt bench scale",
+        description=help_description(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--worlds", default="8,64,512,4096", help="comma-separated world sizes (default 8,64,512,4096)")
+    parser.add_argument(
+        "--tensors", default="1000,10000,100000", help="comma-separated tensor counts (default 1000,10000,100000)"
+    )
     parser.add_argument(
         "--max-chunks", type=int, default=2_000_000, help="skip cells with more chunks (world x tensors)"
     )
@@ -317,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     emit(measure(world, tensors, args.dcp_max_chunks))
         if args.s3:
-            from benchmarks import s3_requests
+            from . import s3_requests
 
             for row in s3_requests.rows(worlds):
                 emit(row)

@@ -1,7 +1,7 @@
 """Which client for which cloud: the official SDKs against obstore (Rust object_store), on the
 emulators the tests use, side by side in one run (docs/storage.md records the results).
 
-    python benchmarks/storage_clients.py --size 64 --reps 3
+    python -m ckptlib.bench.storage_clients --size 64 --reps 3
 
 For each cloud it uploads and downloads the same random bytes with: ckptlib's storage
 (open_writer / read), the SDK's own plain transfer (boto3 upload_fileobj / download_fileobj;
@@ -16,12 +16,9 @@ import io
 import json
 import os
 import statistics
-import sys
 import threading
 import time
 import traceback
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MiB = 1 << 20
 
@@ -48,7 +45,7 @@ def _timed(fn, reps: int) -> tuple[float, int]:
 
 
 def _ckptlib(uri: str, data: bytes):
-    from ckptlib.storage import open_storage
+    from ..storage import open_storage
 
     storage = open_storage(uri)
 
@@ -63,8 +60,8 @@ def _ckptlib(uri: str, data: bytes):
 
 
 def run(size_mib: int, reps: int) -> dict:
-    from ckptlib.testing.fakes import emulators as em
-    from ckptlib.testing.fakes.s3_server import create_bucket, s3_client, start_moto_server
+    from ..testing.fakes import emulators as em
+    from ..testing.fakes.s3_server import create_bucket, s3_client, start_moto_server
 
     data = os.urandom(size_mib * MiB)
     results: dict[str, dict] = {}
@@ -88,7 +85,7 @@ def run(size_mib: int, reps: int) -> dict:
     with start_moto_server() as endpoint:
         from boto3.s3.transfer import TransferConfig
 
-        from ckptlib.storage import s3 as s3mod
+        from ..storage import s3 as s3mod
 
         bucket = create_bucket(endpoint)
         client = s3_client(endpoint)

@@ -6,7 +6,7 @@ HEAD, GET, PUT, multipart create/part/complete, DELETE, ...) and the object it n
 file, `.metadata`, manifest, pending marker). Each save and each load runs in its own
 `ckptlib.testing.launch`, so the counts of one phase are exactly that phase's requests.
 
-    python -m benchmarks.s3_requests            # measured at 1, 2, 4 ranks next to `formula`, then
+    python -m ckptlib.bench.s3_requests         # measured at 1, 2, 4 ranks next to `formula`, then
                                                 # the formula at 8..4,096 ranks
     ckpt bench scale --s3                       # the same, after the planning grid
 """
@@ -131,8 +131,8 @@ def rank_phase(env: dict[str, str], uri: str, phase: str, tensors: int, global_r
 
 def measure(pairs=((1, 1), (2, 2), (4, 4), (4, 2), (2, 4)), scenarios=SCENARIOS, timeout: float = 300) -> list[dict]:
     """Counted requests of each (save world N, load world M) and scenario."""
-    from ckptlib.testing import launch
-    from ckptlib.testing.fakes.s3_server import create_bucket, s3_env
+    from ..testing import launch
+    from ..testing.fakes.s3_server import create_bucket, s3_env
 
     rows = []
     with counting_moto_server() as (endpoint, counter):

@@ -1,6 +1,6 @@
 """How fast is the distributed test harness? The CPU elastic matrix against a fresh-spawn baseline.
 
-    python benchmarks/harness.py [--json OUT] [--no-matrix] [-k EXPR]
+    python -m ckptlib.bench.launch_speed [--json OUT] [--no-matrix] [-k EXPR]
 
 In one run, alternating:
 - fresh spawn: `torch.multiprocessing.start_processes(..., start_method="spawn")` of 4 ranks
@@ -8,7 +8,8 @@ In one run, alternating:
 - harness launch: the same body through `ckptlib.testing.launch` (forkserver with preloads),
   first launch (starts the forkserver) and later ones;
 - the whole CPU elastic matrix: `pytest tests/elastic/test_elastic.py` in a subprocess, its wall
-  time, its case count and the per-case call times (`--durations=0`).
+  time, its case count and the per-case call times (`--durations=0`); it needs a source checkout
+  (the tests are not in the wheel), --no-matrix skips it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The source checkout this ckptlib runs from (its tests/ hold the elastic matrix).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MATRIX = "tests/elastic/test_elastic.py"
 
 
 def _body() -> float:
@@ -55,7 +58,7 @@ def fresh_spawn(world: int = 4) -> float:
 
 
 def harness_launch(world: int = 4) -> float:
-    from ckptlib.testing import launch
+    from ..testing import launch
 
     t0 = time.perf_counter()
     launch(world, _body)
@@ -67,7 +70,7 @@ def elastic_matrix(k: str | None) -> dict:
         sys.executable,
         "-m",
         "pytest",
-        "tests/elastic/test_elastic.py",
+        MATRIX,
         "-q",
         "-p",
         "no:cacheprovider",
@@ -97,11 +100,13 @@ def elastic_matrix(k: str | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="harness", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", metavar="OUT")
-    parser.add_argument("--no-matrix", action="store_true")
+    parser = argparse.ArgumentParser(prog="python -m ckptlib.bench.launch_speed", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="OUT", help="also write the raw timings as JSON to OUT")
+    parser.add_argument("--no-matrix", action="store_true", help="only the spawn and launch timings")
     parser.add_argument("-k", help="pytest -k expression for the matrix (default: all of it)")
     args = parser.parse_args(argv)
+    if not args.no_matrix and not os.path.isfile(os.path.join(ROOT, MATRIX)):
+        parser.error(f"the elastic matrix needs a source checkout (no {MATRIX} under {ROOT}); --no-matrix skips it")
 
     spawn, launches = [], []
     spawn.append(fresh_spawn())
@@ -147,5 +152,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     sys.exit(main())

@@ -1,1 +1,0 @@
-"""Benchmarks (not installed with ckptlib): `python benchmarks/bench.py --help`."""

@@ -1,0 +1,22 @@
+"""The benchmarks behind `ckpt bench`, shipped with ckptlib so they run from any install.
+
+- `ckpt bench` (`throughput`): save, load, resharded load, peak RSS, async save and the cloud
+  backends against raw DCP, torch.save, the disk and each SDK, side by side in one run. Its
+  rank bodies: `local_io`, `reshard_load`, `cloud_sdk` (on the helpers in `rank_ops`); its
+  report: `throughput_summary`, `throughput_plot`.
+- `ckpt bench tensors` (`tensor_counts`): save and load time per tensor count against raw DCP.
+- `ckpt bench scale` (`scale`, with `s3_requests`): coordinator planning time and memory and
+  record sizes at simulated world sizes; S3 request counts of real saves and loads.
+- `python -m ckptlib.bench.launch_speed` (the distributed test harness against fresh spawns;
+  needs a source checkout), `python -m ckptlib.bench.small_items` (per-item cost of small
+  tensors), `python -m ckptlib.bench.s3_requests`, `python -m ckptlib.bench.storage_clients`
+  (the cloud SDKs against obstore).
+
+Nothing here is imported by the library itself.
+"""
+
+
+def help_description(doc: str) -> str:
+    """A benchmark module's docstring as its `--help` description: every paragraph except the
+    one that starts with "Run:" (argparse prints the usage itself)."""
+    return "\n\n".join(p for p in doc.strip().split("\n\n") if not p.startswith("Run:"))

@@ -1,0 +1,281 @@
+"""`ckpt bench`: ckptlib against raw DCP, torch.save, the disk and the cloud SDKs, side by side in one run.
+
+Run: ckpt bench [--quick] [--json [OUT]] [--plot OUT.png] [--sizes 64 256 1024] ...
+
+What is measured (every number is the median over repetitions, or the fastest one with
+--estimator best; ckptlib and its baselines alternate inside each repetition, in a rotating
+order, so machine noise hits all of them):
+
+- save: ckptlib.save, dcp.save (FileSystemWriter, its defaults: one file per rank, fsync)
+  and a raw parallel write of the same bytes (one file per rank, write + fsync: the disk's
+  limit), at each world size, for a DTensor state sharded (Shard(0)) over the ranks;
+  torch.save of the full state on one rank (world size 1 rows).
+- load: ckptlib.load with verify=True and verify=False (the difference is the checksum
+  cost), dcp.load (FileSystemReader), torch.load (world size 1). Warm: every file of the
+  checkpoint is read once before the timed load, so all loads come from the page cache.
+  Cold (when /proc/sys/vm/drop_caches is writable and not --quick): the page cache is
+  dropped before the timed load.
+- resharded load: the checkpoint saved at N ranks loaded at M, against the one saved at M.
+- peak RSS per rank: ru_maxrss of fresh rank processes that only load (or only save), next
+  to the rank's shard size; the ranks are forked from a forkserver that imported torch, so
+  the baseline (~the forkserver's RSS) is reported too.
+- async save: how long `ckptlib.async_save(...)` blocks (first save of a process:
+  staging buffers are allocated; later saves reuse them) against a synchronous save; and
+  with `background_staging=True`, how long it blocks and when `wait_staged()` returns.
+- cloud storage (S3 on moto, GCS on fake-gcs-server, Azure on Azurite, all on 127.0.0.1):
+  ckptlib save/load against each SDK's own plain upload/download of the same bytes per rank.
+
+Throughput is state bytes / wall time of the slowest rank (barriers around every timed op;
+every timed save starts after an untimed `os.sync()`, so it waits for its own writeback only).
+Scratch checkpoints go to a temporary directory (--dir) that is removed at the end.
+
+Exit status: 0 when every load returned exactly the values saved, 1 when one did not (timings
+and missed targets never change it), 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+from . import help_description
+from .cloud_sdk import run_cloud
+from .local_io import rank_io, rank_rss
+from .reshard_load import rank_reshard
+from .throughput_summary import ESTIMATORS, TARGETS, markdown, summarize
+
+
+def _max_over_ranks(per_rank: list[dict[str, Any]], key: str) -> list[float]:
+    """Per repetition, the slowest rank (they are equal up to the barrier's skew)."""
+    columns = [r["times"].get(key, []) for r in per_rank]
+    return [max(vals) for vals in zip(*columns)] if all(columns) else []
+
+
+def _can_drop_caches() -> bool:
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ..testing import launch
+
+    cold = (not args.quick) and (not args.warm_only) and _can_drop_caches()
+    root = tempfile.mkdtemp(prefix="ckptlib-bench-", dir=args.dir)
+    results: dict[str, Any] = {
+        "command": "ckpt bench " + " ".join(args.argv),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "sizes_mib": args.sizes,
+        "world_sizes": args.world_sizes,
+        "reps": args.reps,
+        "cold_loads": cold,
+        "io": [],
+        "reshard": [],
+        "rss": [],
+        "cloud": [],
+        "notes": [],
+    }
+    if not cold:
+        results["notes"].append(
+            "loads are from the page cache only" + ("" if _can_drop_caches() else " (cannot drop caches here)")
+        )
+    try:
+        import torch
+
+        results["machine"]["torch"] = torch.__version__
+        from ..format import checksum
+
+        results["machine"]["crc32"] = getattr(checksum.crc32, "__module__", "zlib") or "zlib"
+        for size in args.sizes:
+            kept: dict[int, str] = {}
+            for ws in args.world_sizes:
+                keep = f"{root}/keep-{size}-w{ws}"
+                _log(f"io: {size} MiB at {ws} ranks")
+                out = launch(
+                    ws,
+                    rank_io,
+                    f"{root}/io-{size}-w{ws}",
+                    size,
+                    args.reps,
+                    cold,
+                    keep,
+                    not args.no_async,
+                    timeout=args.timeout,
+                )
+                kept[ws] = keep
+                entry = {
+                    "size_mib": size,
+                    "world": ws,
+                    "shard_bytes": out[0]["shard_bytes"],
+                    "ok": all(r["ok"] for r in out),
+                    "times": {},
+                }
+                for key in out[0]["times"]:
+                    entry["times"][key] = _max_over_ranks(out, key)
+                entry["async_blocking"] = {
+                    k: [max(r["async_blocking"][k][i] for r in out) for i in range(len(out[0]["async_blocking"][k]))]
+                    for k in out[0]["async_blocking"]
+                }
+                results["io"].append(entry)
+            if not args.no_reshard and len(args.world_sizes) > 1:
+                for m in args.world_sizes:
+                    _log(f"reshard: {size} MiB into {m} ranks")
+                    modes = [True] if args.quick else [True, False]
+                    out = launch(m, rank_reshard, kept, size, args.reps, modes, timeout=args.timeout)
+                    for n in args.world_sizes:
+                        for verify in modes:
+                            results["reshard"].append(
+                                {
+                                    "size_mib": size,
+                                    "saved": n,
+                                    "loaded": m,
+                                    "verify": verify,
+                                    "times": _max_over_ranks(out, f"{n}:{int(verify)}"),
+                                }
+                            )
+            if not args.no_rss:
+                for ws in args.world_sizes:
+                    _log(f"rss: {size} MiB at {ws} ranks")
+                    dcp_path = f"{root}/rss-dcp-{size}-w{ws}"
+                    ck_path = f"{root}/rss-ck-{size}-w{ws}"
+                    row: dict[str, Any] = {"size_mib": size, "world": ws}
+                    for op, path in (
+                        ("save_ckptlib", ck_path),
+                        ("save_dcp", dcp_path),
+                        ("load_ckptlib", ck_path),
+                        ("load_dcp", dcp_path),
+                    ):
+                        out = launch(ws, rank_rss, op, path, size, timeout=args.timeout)
+                        row[op] = max(r["peak"] for r in out)
+                        row[f"{op}_baseline"] = max(r["rss_at_start"] for r in out)
+                        row[f"{op}_extra"] = max(r["peak"] - r["rss_with_state"] for r in out)
+                        row["shard_bytes"] = max(r["shard_bytes"] for r in out)
+                    results["rss"].append(row)
+                    shutil.rmtree(dcp_path, ignore_errors=True)
+                    shutil.rmtree(ck_path, ignore_errors=True)
+            for path in kept.values():
+                shutil.rmtree(path, ignore_errors=True)
+        if args.clouds:
+            results["cloud"] = run_cloud(args, launch, _log)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
+def _report(text: str, markdown_path: str | None, stream=None) -> None:
+    print(text, file=stream or sys.stdout)
+    if markdown_path:
+        with open(markdown_path, "w") as f:
+            f.write(text + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="ckpt bench",
+        description=help_description(__doc__).removeprefix("`ckpt bench`: "),
+        epilog="The other benchmarks: ckpt bench scale --help (coordinator cost at simulated world sizes), "
+        "ckpt bench tensors --help (time per tensor count).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="64 MiB only, 2 repetitions, no cold loads (< 2 minutes)")
+    parser.add_argument("--sizes", type=int, nargs="+", help="state sizes in MiB (default 64 256 1024)")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4], help="ranks (default 1 2 4)")
+    parser.add_argument("--reps", type=int, help="repetitions (default 3; --quick: 2)")
+    parser.add_argument(
+        "--cloud-sizes", type=int, nargs="+", help="MiB per state for the cloud backends (default 32 128; --quick: 32)"
+    )
+    parser.add_argument(
+        "--clouds",
+        nargs="*",
+        choices=("s3", "gcs", "azure"),
+        default=["s3", "gcs", "azure"],
+        help="cloud backends to compare with their SDKs (default: all three; none: skip)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="OUT",
+        nargs="?",
+        const="-",
+        help="write raw timings and the summary as JSON to OUT, or to stdout without OUT or with '-' "
+        "(the tables then go to stderr)",
+    )
+    parser.add_argument("--plot", metavar="OUT.png", help="write a PNG plot (needs matplotlib)")
+    parser.add_argument("--markdown", metavar="OUT.md", help="also write the tables to this file")
+    parser.add_argument("--dir", help="scratch directory (default: the system temp dir)")
+    parser.add_argument("--warm-only", action="store_true", help="no cold (dropped page cache) loads")
+    parser.add_argument("--no-s3", action="store_true", help="same as --clouds with nothing")
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS launches")
+    parser.add_argument("--no-reshard", action="store_true", help="skip the resharded loads")
+    parser.add_argument("--no-async", action="store_true", help="skip the async saves")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch of ranks")
+    parser.add_argument(
+        "--estimator",
+        choices=sorted(ESTIMATORS),
+        default="median",
+        help="how repetitions are aggregated: median (default) or best (the fastest run)",
+    )
+    parser.add_argument(
+        "--from-json", metavar="IN", help="do not run: summarize the raw timings of an earlier --json output"
+    )
+    args = parser.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            results = json.load(f)["results"]
+        summary = summarize(results, args.estimator)
+        _report(markdown(results, summary, args.estimator) + f"\n\n(Summarized from {args.from_json}.)", args.markdown)
+        return 0
+    args.argv = argv
+    if args.sizes is None:
+        args.sizes = [64] if args.quick else [64, 256, 1024]
+    if args.reps is None:
+        args.reps = 2 if args.quick else 3
+    if args.cloud_sizes is None:
+        args.cloud_sizes = [32] if args.quick else [32, 128]
+    if args.no_s3:
+        args.clouds = []
+    started = time.perf_counter()
+    results = run(args)
+    results["seconds"] = time.perf_counter() - started
+    summary = summarize(results, args.estimator)
+    json_to_stdout = args.json == "-"
+    _report(
+        markdown(results, summary, args.estimator) + f"\n\nWall time of the benchmark: {results['seconds']:.0f} s.",
+        args.markdown,
+        sys.stderr if json_to_stdout else None,
+    )
+    if args.json:
+        report = {"results": results, "summary": summary, "targets": TARGETS}
+        if json_to_stdout:
+            json.dump(report, sys.stdout, indent=1, default=str)
+            sys.stdout.write("\n")
+        else:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+    if args.plot:
+        try:
+            from .throughput_plot import plot
+
+            plot(results, summary, args.plot)
+        except ImportError as exc:
+            print(f"no plot: {exc} (pip install matplotlib)", file=sys.stderr)
+    ok = all(e["ok"] for e in results["io"]) and all(r.get("ok", True) for r in results["cloud"])
+    return 0 if ok else 1

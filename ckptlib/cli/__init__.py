@@ -1,0 +1,47 @@
+"""The `ckpt` command: validate a cluster/storage pair, check and describe checkpoints, and
+operate on checkpoint roots.
+
+Exit codes: 0 success, 1 a check failed (validation failure, damaged checkpoint, a locked
+root, a storage error), 2 usage errors or a path that is not what the command needs (no
+checkpoint there). User errors print one line, never a traceback.
+
+One module per command family: `validate_cmd` (validate), `inspect_cmds` (verify, inspect,
+ls), `gc_cmds` (gc, unlock), `convert_cmds` (convert, export), `bench_cmd` (bench, which runs
+`ckptlib.bench`); `parser` assembles them and `usage` holds what they share.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from .bench_cmd import report_stdout, run_bench
+from .parser import build_parser
+from .usage import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `ckpt ARGV...` and return its exit code (`ckpt = "ckptlib.cli:main"`)."""
+    from ..errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return run_bench(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (UsageError, CheckpointNotFoundError, NotACheckpointError) as exc:
+        print(f"ckpt {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except CheckpointError as exc:
+        print(f"ckpt {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    except OSError as exc:  # e.g. permission denied reading a file
+        print(f"ckpt {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+__all__ = ["main", "build_parser", "report_stdout", "EXIT_OK", "EXIT_FAIL", "EXIT_USAGE"]

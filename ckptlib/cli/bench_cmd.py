@@ -1,0 +1,79 @@
+"""`ckpt bench`: hands its arguments to the benchmarks in `ckptlib.bench`, with stdout kept for
+their report."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Iterator
+
+from .usage import add_command
+
+DESCRIPTION = """
+Benchmarks that measure ckptlib side by side with its baselines in one run; every one has its
+own options (`ckpt bench --help`, `ckpt bench scale --help`, `ckpt bench tensors --help`):
+
+- ckpt bench [--quick] [--json [OUT]] [--plot OUT.png] ...: save, load (page cache and cold),
+  resharded load, peak RSS per rank, async save and the cloud backends (on emulators on
+  127.0.0.1) of ckptlib against raw DCP, torch.save, a raw parallel write and each cloud SDK.
+- ckpt bench scale [--s3]: planning time and memory, .metadata and manifest sizes at simulated
+  world sizes; no ranks spawned; --s3 adds the S3 request counts of real saves and loads on moto.
+- ckpt bench tensors: save and load of 16 to 10,000 small tensors against raw DCP.
+
+Scratch checkpoints go to a temporary directory that is removed. The tables go to stdout
+(with --json and no file: the JSON report to stdout, the tables to stderr).
+
+Exit status: 0, or 1 when a load did not return exactly the values saved; 2 usage error.
+"""
+
+
+def add_parser(commands) -> None:
+    # Listed for `ckpt --help`; main() hands everything after `bench` to `run_bench`
+    # (argparse's REMAINDER would refuse a first argument that starts with "--").
+    add_command(
+        commands,
+        "bench",
+        help="benchmark ckptlib against raw DCP, torch.save, the disk and each cloud SDK",
+        description=DESCRIPTION,
+    )
+
+
+def run_bench(bench_args: list[str]) -> int:
+    """`ckpt bench [scale | tensors] ARGS...`: the benchmark's own exit code."""
+    with report_stdout():
+        if bench_args[:1] == ["scale"]:
+            from ..bench import scale
+
+            return scale.main(bench_args[1:])
+        if bench_args[:1] == ["tensors"]:
+            from ..bench import tensor_counts
+
+            return tensor_counts.main(bench_args[1:])
+        from ..bench import throughput
+
+        return throughput.main(bench_args)
+
+
+@contextlib.contextmanager
+def report_stdout() -> Iterator[None]:
+    """fd 1 points at stderr inside (ranks inherit it: gloo's C++ side prints "connected"
+    lines to stdout on some torch versions), while Python's sys.stdout keeps the real stdout
+    for the report, so `--json` output parses."""
+    sys.stdout.flush()
+    try:
+        on_fd1 = sys.stdout.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # captured or replaced: it does not write to fd 1
+        on_fd1 = False
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    previous = sys.stdout
+    if on_fd1:
+        sys.stdout = os.fdopen(saved, "w", closefd=False)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = previous
+        os.dup2(saved, 1)
+        os.close(saved)

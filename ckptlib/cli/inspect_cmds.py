@@ -1,0 +1,198 @@
+"""`ckpt verify`, `ckpt inspect`, `ckpt ls`: the commands that read checkpoints and roots and
+change nothing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..listing import age_seconds, human_age, human_bytes, metric_text
+from .usage import (
+    CHECKPOINT_URI_HELP,
+    EXIT_FAIL,
+    EXIT_OK,
+    ROOT_URI_HELP,
+    UsageError,
+    add_command,
+    add_no_progress,
+    open_uri,
+    progress_bar,
+)
+
+VERIFY_DESCRIPTION = """
+Read every file of one checkpoint and check it: the manifest, each file's size and CRC-32
+(whole file and every item), that every tensor's saved chunks cover it exactly, that every
+storage record lies inside the directory and its file, and that each tensor item holds the
+shape and dtype .metadata declares for it. .metadata is unpickled with an allowlist only. A
+plain DCP checkpoint has no checksums: its structure is checked. Reads only; changes nothing.
+
+Prints one line per problem, naming the file (notes, such as a file the manifest does not
+list, are printed too but are not damage), then "URI: OK" or "URI: DAMAGED, N problems".
+
+Exit status: 0 intact, 1 damaged, 2 no checkpoint at URI.
+"""
+
+INSPECT_DESCRIPTION = """
+Show a checkpoint's format (ckptlib or dcp), step, saved world size, torch version, total bytes
+and every tensor's key, shape, dtype and number of saved chunks, and the keys of its non-tensor
+objects, from its manifest and .metadata (no shard is read; use `ckpt verify` to check the
+data). Other formats (torch.save, safetensors, v0 files) are read by `ckpt convert` and
+`ckpt export`.
+
+Exit status: 0 described; 1 the manifest or .metadata is damaged or unsafe; 2 no checkpoint
+at URI.
+"""
+
+LS_DESCRIPTION = """
+List the steps under a checkpoint root (a CheckpointManager's directory): committed, incomplete
+or corrupt (incomplete: a save that has not committed, in progress or crashed; corrupt: an
+unreadable manifest), or foreign (only files ckptlib did not write, e.g. a plain DCP checkpoint
+put there; gc never touches these); size, age (since the manifest was written), saved world
+size, which is latest (*), the metrics given to the save, and who holds the root's lock. Reads
+only; changes nothing.
+
+--json: root, latest, lock and steps (each with step, name, state, bytes (= size), world_size,
+latest, created, age_seconds, metrics).
+
+Exit status: 0 listed; 1 a storage error; 2 no such checkpoint root.
+"""
+
+
+def add_parsers(commands) -> None:
+    p = add_command(
+        commands,
+        "verify",
+        help="check a checkpoint's files against its manifest and its metadata",
+        description=VERIFY_DESCRIPTION,
+    )
+    p.add_argument("uri", help=CHECKPOINT_URI_HELP)
+    add_no_progress(p)
+    p.set_defaults(func=run_verify)
+
+    p = add_command(
+        commands,
+        "inspect",
+        help="describe a checkpoint: format, step, world size, tensors",
+        description=INSPECT_DESCRIPTION,
+    )
+    p.add_argument("uri", help=CHECKPOINT_URI_HELP)
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON with the keys format, step, world_size, torch_version, total_bytes, tensors "
+        "(a list of {key, shape, dtype, chunks})",
+    )
+    p.set_defaults(func=run_inspect)
+
+    p = add_command(commands, "ls", help="list the steps under a checkpoint root", description=LS_DESCRIPTION)
+    p.add_argument("root", help=ROOT_URI_HELP)
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
+    p.set_defaults(func=run_ls)
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from ..format.verify import verify
+
+    storage = open_uri(args.uri)
+    bar = progress_bar(args, "ckpt verify")
+
+    def start(total: int) -> None:
+        bar.reset(total=total)
+
+    try:
+        problems = verify(storage, on_start=start, on_bytes=bar.update)
+    finally:
+        bar.close()
+    errors = [p for p in problems if p.is_error]
+    for p in problems:
+        print(p.line(storage.uri))
+    if errors:
+        print(f"{storage.uri}: DAMAGED, {len(errors)} problem{'s' if len(errors) != 1 else ''}")
+        return EXIT_FAIL
+    print(f"{storage.uri}: OK")
+    return EXIT_OK
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from ..format.verify import summarize
+
+    summary = summarize(open_uri(args.uri))
+    if args.json:
+        print(json.dumps(summary.to_json(), indent=1))
+        return EXIT_OK
+
+    def show(value):
+        return "-" if value is None else value
+
+    print(f"checkpoint:    {summary.uri}")
+    print(f"format:        {summary.format}")
+    print(f"step:          {show(summary.step)}")
+    print(f"world size:    {show(summary.world_size)}")
+    print(f"torch version: {show(summary.torch_version)}")
+    print(f"total bytes:   {summary.total_bytes}")
+    print(f"tensors:       {len(summary.tensors)}")
+    if summary.tensors:
+        width = max(len(t["key"]) for t in summary.tensors)
+        for t in summary.tensors:
+            shape = "(" + ", ".join(map(str, t["shape"])) + ("," if len(t["shape"]) == 1 else "") + ")"
+            print(
+                f"  {t['key']:<{width}}  {shape:<16} {t['dtype']:<10} "
+                f"{t['chunks']} chunk{'s' if t['chunks'] != 1 else ''}"
+            )
+    print(f"objects:       {len(summary.objects)}" + (f" ({', '.join(summary.objects)})" if summary.objects else ""))
+    return EXIT_OK
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    from ..errors import CheckpointError
+    from ..format import MANIFEST_NAME, Manifest
+    from ..manager import LATEST, CheckpointManager, step_dir
+
+    mgr = CheckpointManager(args.root)
+    if not mgr.storage.exists():
+        raise UsageError(f"{args.root}: no such checkpoint root")
+    pointer = mgr.storage.read_pointer(LATEST)
+    holder = mgr.lock_holder()
+    rows = []
+    for info in mgr._scan():
+        child = mgr.storage.child(info.name)
+        row = {
+            "step": info.step,
+            "name": info.name,
+            "state": info.state,
+            "bytes": sum(info.files.values()),
+            "size": sum(info.files.values()),
+            "world_size": None,
+            "latest": pointer == step_dir(info.step),
+            "created": None,
+            "age_seconds": None,
+            "metrics": {},
+        }
+        if info.state == "committed":
+            try:
+                manifest = Manifest.from_bytes(child.read(MANIFEST_NAME), f"{child.uri}/{MANIFEST_NAME}")
+            except CheckpointError:
+                row["state"] = "corrupt"
+            else:
+                row["world_size"] = manifest.world_size
+                row["created"] = manifest.created or None
+                age = age_seconds(manifest.created)
+                row["age_seconds"] = None if age is None else round(age, 3)
+                row["metrics"] = dict(getattr(manifest, "metrics", None) or {})
+        rows.append(row)
+    if args.json:
+        lock = holder.to_json() if holder is not None else None
+        print(json.dumps({"root": args.root, "latest": pointer, "lock": lock, "steps": rows}, indent=1))
+        return EXIT_OK
+    print(f"{'step':>10}  {'state':<10} {'world':>5} {'size':>10} {'age':>6}  latest  metrics")
+    for r in rows:
+        ws = "-" if r["world_size"] is None else str(r["world_size"])
+        metrics = " ".join(f"{k}={metric_text(v)}" for k, v in sorted(r["metrics"].items()))
+        line = (
+            f"{r['step']:>10}  {r['state']:<10} {ws:>5} {human_bytes(r['bytes']):>10} {human_age(r['age_seconds']):>6}"
+            f"  {'*' if r['latest'] else '':<6}  {metrics}"
+        )
+        print(line.rstrip())
+    if holder is not None:
+        print(f"locked by {holder.describe()}")
+    return EXIT_OK

@@ -1,0 +1,34 @@
+"""`ckpt`'s argument parser: the top level, and each command family's subcommands."""
+
+from __future__ import annotations
+
+import argparse
+
+from . import bench_cmd, convert_cmds, gc_cmds, inspect_cmds, validate_cmd
+from .usage import HelpFormatter
+
+DESCRIPTION = "Elastic sharded checkpoints for PyTorch: validate a setup; verify, inspect and manage checkpoints."
+
+EPILOG = """
+A URI is a local path, file:///path, s3://bucket/prefix, gs://bucket/prefix or
+az://container/prefix (the clouds need ckptlib[s3], ckptlib[gcs] or ckptlib[azure]). A
+checkpoint is one saved directory; a checkpoint root is a CheckpointManager's directory of
+step directories.
+
+Exit status: 0 success; 1 a check failed (a failing validate pair, a damaged checkpoint, a root
+locked by another writer, a storage or I/O error); 2 a usage error or a path that is not what
+the command needs (no checkpoint there); 130 interrupted. Errors are one line on stderr
+("ckpt COMMAND: error: ..."), never a traceback. `ckpt COMMAND --help` describes each command.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ckpt", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    validate_cmd.add_parser(commands)
+    inspect_cmds.add_parsers(commands)
+    gc_cmds.add_gc_parser(commands)
+    convert_cmds.add_parsers(commands)
+    gc_cmds.add_unlock_parser(commands)
+    bench_cmd.add_parser(commands)
+    return parser

@@ -1,0 +1,200 @@
+"""`ckpt validate`: the save-at-N / load-at-M round trip on the user's storage and cluster, run
+by local ranks or under torchrun (the pairs themselves are `ckptlib.testing.matrices.validate`'s)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from .usage import EXIT_FAIL, EXIT_OK, UsageError, add_command, add_no_progress, show_progress
+
+DESCRIPTION = """
+Run the save-at-N/load-at-M round trip (train, save, load, compare bit-exactly, train one more
+step against a never-checkpointed run) for every pair of world sizes. Without torchrun it
+starts max(world sizes) local gloo ranks on a temporary directory (or --root). Under torchrun
+it uses the launched ranks and --root (a shared path, s3://, gs:// or az:// URI every rank can
+reach); each pair runs on a subgroup of the first N (or M) launched ranks, so no world size may
+exceed the ranks launched.
+
+With --layouts, the pairs are (layout A at N ranks) saved and (layout B at M ranks) loaded,
+e.g. a run trained with FSDP2 x TP resuming with FSDP2 on fewer ranks; a small transformer
+is trained, and every pair names its save and load layout.
+
+Writes the test checkpoints under --root, in a directory ckpt-validate-<id> of its own, and
+removes that directory at the end. Prints the matrix (rows: saved at N; columns: loaded at M;
+pass/FAIL and seconds per cell, then each failing pair's reason) and "all pairs passed" or
+"SOME PAIRS FAILED"; --json prints the report as JSON instead (ok, root, wrap, optim,
+world_sizes, layouts, cells). Under torchrun only rank 0 prints.
+
+Exit status: 0 every pair passed; 1 a pair failed, a rank crashed, or the local run outlasted
+--timeout (the reason goes to stderr); 2 usage error.
+"""
+
+
+def _world_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"world sizes must be positive integers, got {text!r}")
+    return sorted(set(sizes))
+
+
+def _layout_names(text: str) -> list[str]:
+    from ..testing.matrices.parallel_layouts import parse_layouts
+
+    try:
+        return parse_layouts(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_parser(commands) -> None:
+    p = add_command(
+        commands,
+        "validate",
+        help="save at N ranks and load at M ranks for every pair; print the pass/fail matrix",
+        description=DESCRIPTION,
+    )
+    p.add_argument(
+        "--world-sizes",
+        type=_world_sizes,
+        default=[1, 2, 3, 4],
+        help="comma-separated world sizes to save and load at (default 1,2,3,4)",
+    )
+    p.add_argument(
+        "--root",
+        default=None,
+        help="where to write the test checkpoints: a path, s3://, gs:// or az:// URI (default: a temp dir; "
+        "required under torchrun)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--wrap",
+        choices=["fsdp2", "ddp", "plain"],
+        default=None,
+        help="model wrapping (default fsdp2 when supported, else ddp); not used with --layouts",
+    )
+    p.add_argument(
+        "--layouts",
+        type=_layout_names,
+        default=None,
+        metavar="LIST",
+        help=(
+            "comma-separated parallelism layouts to save from and load into, e.g. fsdp2,hsdp,tp,fsdp2+tp (choices: "
+            "plain, ddp, fsdp2, hsdp, tp, fsdp2+tp, fsdp1, fsdp1-flat; 2-D layouts run at even world sizes from 4 "
+            "as 2 x N/2). Runs a small transformer; every pair names its save and load layout"
+        ),
+    )
+    p.add_argument(
+        "--pairs",
+        choices=["all", "covering"],
+        default="all",
+        help="with --layouts: every (layout, world size) saved and loaded at every other (all, default), or one "
+        "case per (save layout, load layout) pair with world sizes rotated (covering)",
+    )
+    p.add_argument(
+        "--optim", choices=["adam", "adamw", "sgd"], default="adamw", help="the test model's optimizer (default adamw)"
+    )
+    p.add_argument(
+        "--backend",
+        choices=["gloo", "nccl"],
+        default="gloo",
+        help="process group backend under torchrun (local ranks always use gloo)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds the whole local run may take before its ranks are stopped and it fails (default 600; "
+        "not used under torchrun)",
+    )
+    add_no_progress(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..testing.matrices import validate
+
+    if args.layouts and not validate.layouts_fit(args.layouts, args.world_sizes):
+        raise UsageError(
+            f"no world size in {args.world_sizes} suits --layouts {','.join(args.layouts)} "
+            "(2-D layouts run at even world sizes from 4)"
+        )
+
+    wrap = args.wrap or validate.default_wrap()
+    if validate.under_torchrun():
+        report = _validate_under_torchrun(args, wrap)
+        if report is None:  # not rank 0
+            return EXIT_OK
+    else:
+        from ..testing.harness.launcher import RankError, launch
+
+        root = args.root
+        with tempfile.TemporaryDirectory(prefix="ckpt-validate-") as tmp:
+            root = root or tmp
+            try:
+                results = launch(
+                    max(args.world_sizes),
+                    validate.rank_entry,
+                    root,
+                    args.world_sizes,
+                    wrap,
+                    args.optim,
+                    not args.json and show_progress(args),
+                    args.layouts,
+                    args.pairs,
+                    timeout=args.timeout,
+                )
+            except RankError as exc:
+                # A rank crashed or hung inside a pair: the group cannot go on to the next pair.
+                print(f"ckpt validate: FAILED, a rank stopped the run:\n{exc}", file=sys.stderr)
+                return EXIT_FAIL
+        report = validate.report_from_json(results[0])
+        if not args.root:
+            report.root = "(temporary directory on local disk)"
+    if args.json:
+        print(validate.dumps(report))
+    else:
+        what = f"layouts={','.join(report.layouts)}" if report.layouts else f"wrap={report.wrap}"
+        print(f"ckpt validate: root={report.root} {what} optim={report.optim} backend={args.backend}")
+        print(report.table())
+        print("all pairs passed" if report.ok else "SOME PAIRS FAILED")
+    return EXIT_OK if report.ok else EXIT_FAIL
+
+
+def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
+    import torch.distributed as dist
+
+    from ..testing.matrices import validate
+
+    if not args.root:
+        raise UsageError("under torchrun, --root is required (a path, s3://, gs:// or az:// URI every rank can reach)")
+    from ..teardown import exit_barrier
+
+    # gloo's C++ side prints "[Gloo] Rank ... connected" lines to stdout on some torch
+    # versions; keep stdout for the report (JSON must parse) by pointing fd 1 at stderr.
+    sys.stdout.flush()
+    saved_stdout = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        dist.init_process_group(args.backend)
+        try:
+            progress = not args.json and show_progress(args)
+            if args.layouts:
+                report = validate.run_layout_pairs(
+                    args.root, args.world_sizes, args.layouts, args.optim, pairs=args.pairs, progress=progress
+                )
+            else:
+                report = validate.run_pairs(args.root, args.world_sizes, wrap, args.optim, progress=progress)
+            exit_barrier()
+            return report
+        finally:
+            dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved_stdout, 1)
+        os.close(saved_stdout)

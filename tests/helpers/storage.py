@@ -1,0 +1,173 @@
+"""Test helpers for the object-store backends: every request an `ObjectStorage` makes, recorded
+and, on demand, failed, at the seam every backend shares (its `ObjectClient`), with each SDK's
+own exceptions; and the shared back-off's sleeps recorded instead of slept.
+
+    faults = Faults.install(monkeypatch, store)     # every client of that backend class, from now on
+    faults.fail("put", permanent_error(backend), when=lambda key, n: key.endswith("/ckptlib.json"))
+    ...
+    faults.count("put_part")
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from typing import Any, Callable
+
+from ckptlib.storage import objects
+
+#: How each backend names itself in messages.
+LABELS = {"s3": "S3", "gcs": "GCS", "azure": "Azure Blob"}
+
+#: The client's requests (and an upload's), as `Faults` names them.
+REQUESTS = ("put", "get", "size", "has_objects", "list", "list_prefixes", "delete", "start_upload", "abort_uploads")
+UPLOAD_REQUESTS = ("put_part", "complete", "abort")
+
+
+def transient_error() -> Exception:
+    """A connection reset: every backend classifies it as transient."""
+    return ConnectionResetError("connection reset by peer (injected)")
+
+
+def permanent_error(backend: str) -> Exception:
+    """A 403 in the backend's SDK's own exception type: permanent everywhere."""
+    if backend == "s3":
+        from botocore.exceptions import ClientError
+
+        reply = {
+            "Error": {"Code": "AccessDenied", "Message": "Access Denied"},
+            "ResponseMetadata": {"HTTPStatusCode": 403},
+        }
+        return ClientError(reply, "Injected")
+    if backend == "gcs":
+        from google.api_core.exceptions import Forbidden
+
+        return Forbidden("Access denied (injected)")
+    from azure.core.exceptions import ClientAuthenticationError
+
+    return ClientAuthenticationError(message="Server failed to authenticate the request (injected)")
+
+
+class Faults:
+    """Records the requests of every client of one `ObjectStorage` class and raises injected
+    errors for those a rule picks. `calls` holds (request, key) in order; the key is the first
+    argument (a key, a key prefix, a list of keys for delete, the part number for put_part), for
+    get all three: (key, start, end). A retried request is recorded once per try."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.rules: list[tuple[str, Callable[[Any, int], bool], Callable[[], BaseException]]] = []
+        self.injected: list[tuple[str, Any]] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def install(cls, monkeypatch, storage: objects.ObjectStorage) -> "Faults":
+        """Wrap every client `type(storage)` makes from now on (and `storage`'s own)."""
+        faults = cls()
+        backend = type(storage)
+        original = backend._new_api
+        monkeypatch.setattr(backend, "_new_api", lambda self: _Client(original(self), faults))
+        storage._api = None
+        return faults
+
+    def fail(self, request: str, error: BaseException | Callable[[], BaseException], when=None, times=None) -> None:
+        """Raise `error` (or what it makes) for `request`s where `when(key, n)` holds (n: that
+        request's count so far, from 1; default: always), at most `times` times. Request "*":
+        any request, n counting all of them. The request is failed before it is sent."""
+        left = [times]
+
+        def pick(key: Any, n: int) -> bool:
+            if left[0] is not None and left[0] <= 0:
+                return False
+            if when is not None and not when(key, n):
+                return False
+            if left[0] is not None:
+                left[0] -= 1
+            return True
+
+        make = error if callable(error) and not isinstance(error, BaseException) else (lambda: error)
+        self.rules.append((request, pick, make))
+
+    def count(self, request: str) -> int:
+        return sum(1 for name, _ in self.calls if name == request)
+
+    def keys(self, request: str) -> list[Any]:
+        return [key for name, key in self.calls if name == request]
+
+    def names(self) -> list[str]:
+        """The requests in order, a request's tries one after another counted once (an
+        emulator that drops a connection under load makes a retry the test did not ask for)."""
+        out: list[tuple[str, Any]] = []
+        for call in self.calls:
+            if not out or out[-1] != call:
+                out.append(call)
+        return [name for name, _ in out]
+
+    def _record(self, request: str, key: Any) -> None:
+        with self._lock:
+            self.calls.append((request, key))
+            n = self.count(request)
+            for name, pick, make in self.rules:
+                if name in ("*", request) and pick(key, len(self.calls) if name == "*" else n):
+                    self.injected.append((request, key))
+                    raise make()
+
+
+class _Client:
+    """An ObjectClient that records each request in `Faults` before passing it on."""
+
+    def __init__(self, real: Any, faults: Faults):
+        self._real = real
+        self._faults = faults
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._real, name)
+        if name not in REQUESTS:
+            return attr
+
+        def request(*args, **kwargs):
+            self._faults._record(name, tuple(args) if name == "get" else args[0] if args else None)
+            result = attr(*args, **kwargs)
+            return _Upload(result, self._faults) if name == "start_upload" else result
+
+        return request
+
+
+class _Upload:
+    def __init__(self, real: Any, faults: Faults):
+        self._real = real
+        self._faults = faults
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._real, name)
+        if name not in UPLOAD_REQUESTS:
+            return attr
+
+        def request(*args, **kwargs):
+            self._faults._record(name, args[0] if name == "put_part" else None)
+            return attr(*args, **kwargs)
+
+        return request
+
+
+class JitterAt:
+    """Stands in for `random` in ckptlib.storage.objects: uniform() returns the low or the high
+    end of its range, so back-off delays are exact and a test sees the range's ends."""
+
+    def __init__(self, end: str):
+        self.end = end
+
+    def uniform(self, a: float, b: float) -> float:
+        return min(a, b) if self.end == "low" else max(a, b)
+
+
+#: The back-off's jitter range: [0.5, 1.0] x the base delay.
+JITTER = {"low": 0.5, "high": 1.0}
+
+
+def record_sleeps(monkeypatch, end: str = "high") -> list[float]:
+    """The shared back-off's sleeps, recorded instead of slept, with the jitter at `end`."""
+    sleeps: list[float] = []
+    monkeypatch.setattr(objects, "time", types.SimpleNamespace(sleep=sleeps.append))
+    monkeypatch.setattr(objects, "random", JitterAt(end))
+    return sleeps
