@@ -12,21 +12,20 @@ import pytest
 import torch
 
 import ckptlib
-from ckptlib import CheckpointExistsError
-from ckptlib import checkpoint as checkpoint_module
+from ckptlib import CheckpointExistsError, saving
 
 
 def _hold_background_writes(monkeypatch) -> threading.Event:
     """Background writes wait for the returned event; writes in the caller's thread do not."""
     gate = threading.Event()
-    original = checkpoint_module._write_and_commit
+    original = saving._write
 
     def held(*args, **kwargs):
         if threading.current_thread() is not threading.main_thread():
             assert gate.wait(60), "the test never released the background write"
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_module, "_write_and_commit", held)
+    monkeypatch.setattr(saving, "_write", held)
     return gate
 
 
