@@ -110,6 +110,7 @@ class SaveTransaction:
         self.prepared = False
         self.unfinished_shard: str | None = None
         self.total_bytes: int | None = None
+        self.files: list[str] = []  # the files the manifest lists (on the coordinator, once committed)
 
     # -- the steps CkptWriter takes ----------------------------------------------------
     def prepare(self) -> None:
@@ -138,6 +139,7 @@ class SaveTransaction:
                 metadata=self.metadata,
                 metrics=self.metrics,
             )
+        self.files = sorted(files)
         self.total_bytes = sum(record.size for record in files.values())
         receipt(metadata, SaveReceipt(self.total_bytes))
         if self.after_commit is not None:
