@@ -133,7 +133,7 @@ def _carrying(held: list[BaseException], group):
     return carried
 
 
-def _check_request(
+def _prepare_request(
     state: Mapping[str, Any],
     info: CheckpointInfo,
     *,
@@ -201,7 +201,7 @@ def _load(
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     info = _dist.decide_on_rank0(lambda: inspect_checkpoint(storage, verify=verify, trusted=trusted), group)
     request = _dist.agree(
-        lambda: _check_request(
+        lambda: _prepare_request(
             state,
             info,
             rank=rank,

@@ -313,9 +313,8 @@ class CheckpointManager:
             replace = None if overwrite else _dist.decide_on_rank0(lambda: self._replaceable(step), self.process_group)
             if replace:
                 warnings.warn(replace, StalePointerWarning, stacklevel=stacklevel_outside_ckptlib())
-            # The save's transaction publishes the step (on rank 0, right after its commit, in
-            # the save's last collective round) and releases the lock if the save fails; with
-            # async_save=True both happen in the background.
+            # The save's transaction publishes the step (rank 0, once it committed) and releases
+            # the lock if the save fails; with async_save=True both happen in the background.
             result = transact(
                 target,
                 state,

@@ -3,7 +3,8 @@
 A policy sees every committed step with the metrics it was saved with and returns the steps
 it keeps; policies combine with `|` (a step is kept if any policy keeps it). Whatever a
 policy says, the manager never deletes the step `latest` names nor a save in flight: those
-are protected outside the policies (see `CheckpointManager._collect`).
+are protected outside the policies (see `ckptlib.collection`). Policies combine through
+`ckptlib.policy`, as save policies do.
 
     KeepLast(3) | KeepEvery(1000) | KeepBest(2, "val_loss", mode="min")
 

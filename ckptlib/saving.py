@@ -238,7 +238,7 @@ def _write(transaction: SaveTransaction, state_dict: dict[str, Any], group) -> S
             return dcp.save(state_dict, storage_writer=writer, planner=CkptSavePlanner(), process_group=group)
 
     with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
-        total_bytes = transaction.run(save)
+        total_bytes = transaction.run(save, group)
     return SaveResult(uri=storage.uri, step=step, world_size=transaction.world_size, total_bytes=total_bytes)
 
 

@@ -2,11 +2,13 @@
 
 - native: `dcp_writer`/`dcp_reader` (DCP's file layout over a Storage, item and block
   checksums from `block_checks`, ranged reads from `ranged_io`), `manifest`, `layout`
-  (what a directory is; commit), `structure` (consistency of `.metadata`), `verify`,
-  `save_planner`/`load_planner` (DCP's planners, made linear at scale and safe to unpickle);
+  (what a directory is; commit), `transaction` (one save: prepare, write, commit, clean up),
+  `structure` (consistency of `.metadata`), `verify`, `save_planner`/`load_planner` (DCP's
+  planners, made linear at scale and safe to unpickle);
 - foreign: `torch_save`, `v0`, `safetensors` (each format's reader and writer), sharing
   `foreign`; `source` is the one entry point that detects a source and opens a reader for
-  native and foreign checkpoints alike; `streaming` converts between them tensor by tensor.
+  native and foreign checkpoints alike; `streaming` converts between them tensor by tensor,
+  and `output` is the one writer path of convert and export.
 """
 
 from .dcp_reader import CkptReader

@@ -10,8 +10,10 @@ manager, `convert --to dcp`). It runs inside DCP's own collective rounds, throug
 - `open_shard(name)`: every rank writes its shard file through it (a shard it started and
   did not finish is known, for the cleanup);
 - `commit(files)`: on the coordinator, in DCP's final round, after `.metadata`: the manifest
-  is written last (`layout.commit_manifest`), then the `after_commit` hook runs (the
-  manager moves `latest` and applies retention there);
+  is written last (`layout.commit_manifest`);
+- then the `after_commit` hook runs on rank 0 once every rank returned from DCP, its outcome
+  shared with every rank (`_dist.decide_on_rank0`): the manager moves `latest` and applies
+  retention there;
 - `abort()`: on every rank after a failure: what this save wrote is removed (a full disk
   does not stay full), a committed checkpoint never; then the `on_failure` hook runs.
 
@@ -78,9 +80,9 @@ class SaveTransaction:
     """A save of `world_size` ranks into `storage`, committed with a manifest (`step`, user
     `metadata` and `metrics`) or not at all. `overwrite`: replace a committed checkpoint there.
 
-    Hooks: `after_commit()` runs on the coordinator once the manifest is written, inside DCP's
-    final round (its errors reach every rank; the checkpoint stays committed); `on_failure()`
-    runs on every rank after a failed save was cleaned up.
+    Hooks: `after_commit()` runs on rank 0 once the save committed (its errors reach every
+    rank; the checkpoint stays committed); `on_failure()` runs on every rank after a failed
+    save was cleaned up, or after `after_commit` failed.
     """
 
     def __init__(
@@ -142,15 +144,13 @@ class SaveTransaction:
         self.files = sorted(files)
         self.total_bytes = sum(record.size for record in files.values())
         receipt(metadata, SaveReceipt(self.total_bytes))
-        if self.after_commit is not None:
-            with _on_coordinator():
-                self.after_commit()
 
     # -- running it ---------------------------------------------------------------------
-    def run(self, save: Callable[[Any], Metadata]) -> int | None:
-        """Run `save(writer)` (a `dcp.save` through a CkptWriter of this transaction) and
-        return the committed checkpoint's size; after a failure, `abort()` on this rank and
-        raise it (DCP's gathered failures as the ckptlib error they carry)."""
+    def run(self, save: Callable[[Any], Metadata], group=None) -> int | None:
+        """Run `save(writer)` (a `dcp.save` on `group` through a CkptWriter of this
+        transaction), then `after_commit`; return the committed checkpoint's size. After a
+        failure, `abort()` on this rank and raise it (DCP's gathered failures as the ckptlib
+        error they carry)."""
         from .dcp_writer import CkptWriter
 
         try:
@@ -163,6 +163,13 @@ class SaveTransaction:
         if self.total_bytes is None:  # not the coordinator: the receipt it broadcast
             received = getattr(metadata, "storage_data", None)
             self.total_bytes = received.total_bytes if isinstance(received, SaveReceipt) else None
+        if self.after_commit is not None:
+            try:
+                _dist.decide_on_rank0(self.after_commit, group)
+            except BaseException:
+                if self.on_failure is not None:
+                    self.on_failure()
+                raise
         return self.total_bytes
 
     def abort(self) -> None:
