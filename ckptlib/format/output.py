@@ -44,7 +44,7 @@ from .transaction import SaveTransaction
 FORMATS = ("dcp", "torch-state", "torch", "safetensors")
 EXPORT_RECORD = "ckptlib_export.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-SINGLE_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth"), "torch-state": ("",)}
+SINGLE_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth")}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "B": 1,

@@ -2,7 +2,8 @@
 
 `SaveTransaction` is what every native save goes through (`ckptlib.save`, `async_save`, the
 manager, `convert --to dcp`). It runs inside DCP's own collective rounds, through the
-`CkptWriter` it hands to `dcp.save`, so it costs no collective of its own:
+`CkptWriter` it hands to `dcp.save`, so preparing and committing cost no collective of their
+own:
 
 - `prepare()`: on the coordinator, in DCP's planning round, before any rank writes: the
   target is made ready (`layout.prepare_save_target`: debris removed, an overwrite checked,
@@ -21,7 +22,7 @@ Errors raised on the coordinator reach every rank through DCP (`_on_coordinator`
 portable); `run` turns DCP's gathered CheckpointException back into the ckptlib error
 (`unwrap_dcp_error`). The checkpoint's size reaches every rank in the Metadata DCP
 broadcasts back after the commit: once `.metadata` is written, the coordinator leaves only a
-`SaveReceipt` in it (`receipt`), so that broadcast is not every tensor's chunks again.
+`SaveReceipt` in it (`_leave_receipt`), so that broadcast is not every tensor's chunks again.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from .. import _dist, compat
 from ..errors import CheckpointError
 from ..storage import Storage
+from .dcp_writer import CkptWriter
 from .deletion import remove_failed_save
 from .layout import commit_manifest, prepare_save_target
 from .manifest import FileRecord
@@ -130,8 +132,8 @@ class SaveTransaction:
         self.unfinished_shard = None
 
     def commit(self, files: dict[str, FileRecord], metadata: Metadata) -> None:
-        """Coordinator, after `.metadata` is written: the manifest last, then `after_commit`.
-        `metadata` (what DCP broadcasts back to every rank) becomes this save's receipt."""
+        """Coordinator, after `.metadata` is written: the manifest, last. `metadata` (what DCP
+        broadcasts back to every rank) then becomes this save's receipt."""
         with _on_coordinator():
             commit_manifest(
                 self.storage,
@@ -143,7 +145,7 @@ class SaveTransaction:
             )
         self.files = sorted(files)
         self.total_bytes = sum(record.size for record in files.values())
-        receipt(metadata, SaveReceipt(self.total_bytes))
+        _leave_receipt(metadata, SaveReceipt(self.total_bytes))
 
     # -- running it ---------------------------------------------------------------------
     def run(self, save: Callable[[Any], Metadata], group=None) -> int | None:
@@ -151,8 +153,6 @@ class SaveTransaction:
         transaction), then `after_commit`; return the committed checkpoint's size. After a
         failure, `abort()` on this rank and raise it (DCP's gathered failures as the ckptlib
         error they carry)."""
-        from .dcp_writer import CkptWriter
-
         try:
             metadata = save(CkptWriter(self.storage, transaction=self))
         except BaseException as exc:
@@ -182,7 +182,7 @@ class SaveTransaction:
             self.on_failure()
 
 
-def receipt(metadata: Metadata, what: SaveReceipt) -> None:
+def _leave_receipt(metadata: Metadata, what: SaveReceipt) -> None:
     """Leave only `what` in the Metadata of a save whose `.metadata` is written: DCP returns
     this object from `dcp.save` on every rank, pickled, and nothing else reads it."""
     metadata.state_dict_metadata = {}
