@@ -104,6 +104,11 @@ def agree(fn: Callable[[], T], group=None) -> T:
     return result
 
 
+def agreement(group=None) -> Callable[[Callable[[], Any]], Any] | None:
+    """`agree` on `group` as a callable (for `state.CollectiveSteps`); None in a single process."""
+    return (lambda fn: agree(fn, group)) if is_distributed() else None
+
+
 def decide_on_rank0(fn: Callable[[], T], group=None) -> T:
     """Run `fn` on group rank 0 only and hand its result (or its error) to every rank."""
     if not is_distributed():

@@ -8,51 +8,41 @@ Any source ckptlib reads (ckptlib or plain DCP at any saved world size, torch.sa
 v0 per-rank files, safetensors; a CheckpointManager root exports its `latest` step), in one
 process, one tensor in memory at a time: peak memory is about the largest tensor plus a
 few tens of MiB, never the checkpoint (the writers live with their readers in
-`ckptlib.format.safetensors` and `ckptlib.format.torch_save`).
+`ckptlib.format.safetensors` and `ckptlib.format.torch_save`; `ckptlib.format.output` is the
+one writer path `export` and `convert` share).
 
 A directory export records what it wrote in `ckptlib_export.json`, written before the first
 weight file and completed after the last: `force=True` replaces only an export ckptlib
-wrote (it removes exactly the files that record lists), never a directory of other files.
+wrote (it removes exactly the files that record lists), never a directory of other files;
+a single file only when it carries ckptlib's mark. A failed export removes what it wrote.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import re
-import struct
 import time
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 
-from .errors import CheckpointExistsError, CheckpointNotFoundError, NotACheckpointError, StateError, UnsupportedError
+from .errors import CheckpointNotFoundError, NotACheckpointError, StateError, UnsupportedError
 from .format.foreign import DEFAULT_PREFIX
-from .format.safetensors import write_safetensors
-from .format.shard_files import EXPORT_MARK, planned_entries
+from .format.output import (
+    DEFAULT_MAX_SHARD_SIZE,
+    EXPORT_RECORD,
+    overlaps,
+    parse_size,
+    progress_bar,
+    write_output,
+)
+from .format.shard_files import planned_entries
 from .format.source import inspect_checkpoint, open_reader
 from .format.streaming import SourceValues
-from .format.torch_save import write_torch_files
 from .observe import log_operation
 from .storage import Storage, as_storage, is_remote, root_is_file
 
 FORMATS = ("safetensors", "torch")
-EXPORT_RECORD = "ckptlib_export.json"
-DEFAULT_MAX_SHARD_SIZE = "5GB"
-_SINGLE_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth")}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 
 
 @dataclasses.dataclass
@@ -76,22 +66,6 @@ class ExportResult:
     @property
     def mib_per_s(self) -> float | None:
         return self.bytes / (1 << 20) / self.seconds if self.seconds > 0 else None
-
-
-def parse_size(value: int | str | None) -> int | None:
-    """Hugging Face's shard sizes: an int (bytes) or "5GB" (10**9), "500MB", "2GiB" (2**30)."""
-    if value is None or isinstance(value, int) and not isinstance(value, bool):
-        if value is not None and value < 1:
-            raise ValueError(f"max shard size must be positive, got {value}")
-        return value
-    match = _SIZE_RE.match(str(value))
-    if not match:
-        raise ValueError(f"max shard size must be bytes or like '5GB', '500MB', '2GiB'; got {value!r}")
-    unit = (match.group(2) or "B").upper()
-    size = int(float(match.group(1)) * _UNITS[unit if unit.endswith("B") else unit + "B"])
-    if size < 1:
-        raise ValueError(f"max shard size must be positive, got {value!r}")
-    return size
 
 
 def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
@@ -168,86 +142,6 @@ def _names(
     return names, skipped
 
 
-def _read_record(directory: str) -> dict[str, Any] | None:
-    try:
-        with open(os.path.join(directory, EXPORT_RECORD), encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != "ckptlib-export" or not isinstance(doc.get("files"), list):
-        return None
-    return doc
-
-
-def _write_record(directory: str, doc: dict[str, Any]) -> None:
-    final = os.path.join(directory, EXPORT_RECORD)
-    with open(final + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(final + ".tmp", final)
-
-
-def _clear_directory(path: str, force: bool) -> None:
-    """Make `path` an empty or absent directory to export into, or refuse."""
-    if os.path.isfile(path):
-        raise CheckpointExistsError(f"{path} is a file; exporting writes a directory there", path=path)
-    if not os.path.isdir(path) or not os.listdir(path):
-        return
-    record = _read_record(path)
-    if record is None:
-        raise CheckpointExistsError(
-            f"{path} exists and is not an export ckptlib wrote (no {EXPORT_RECORD}); refusing to write into it"
-            + (" even with force" if force else "")
-            + ": choose an empty or new directory",
-            path=path,
-        )
-    if not force:
-        raise CheckpointExistsError(
-            f"{path} already holds an export (pass force=True, or --force, to replace it)", path=path
-        )
-    for name in record["files"]:
-        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-            raise CheckpointExistsError(f"{path}/{EXPORT_RECORD} lists an unsafe file name {name!r}", path=path)
-        try:
-            os.unlink(os.path.join(path, name))
-        except FileNotFoundError:
-            pass
-    os.unlink(os.path.join(path, EXPORT_RECORD))
-
-
-def _single_file_is_export(path: str, fmt: str) -> bool:
-    """Whether the file at `path` is a single-file export ckptlib wrote (its embedded mark)."""
-    try:
-        if fmt == "safetensors":
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(min(n, 1 << 24)))
-            return header.get("__metadata__", {}).get(EXPORT_MARK) is not None
-        import zipfile
-
-        with zipfile.ZipFile(path) as archive:
-            return any(n.endswith("/" + EXPORT_MARK) for n in archive.namelist())
-    except Exception:  # noqa: BLE001 - anything unreadable is not ours
-        return False
-
-
-def _check_single_file(path: str, fmt: str, force: bool) -> None:
-    if os.path.isdir(path):
-        raise CheckpointExistsError(f"{path} is a directory; a {fmt} file name was given", path=path)
-    if not os.path.exists(path):
-        return
-    if not _single_file_is_export(path, fmt):
-        raise CheckpointExistsError(
-            f"{path} exists and is not an export ckptlib wrote; refusing to overwrite it"
-            + (" even with force" if force else ""),
-            path=path,
-        )
-    if not force:
-        raise CheckpointExistsError(f"{path} already exists (pass force=True, or --force, to overwrite)", path=path)
-
-
 def export(
     src: str | os.PathLike | Storage,
     dst: str | os.PathLike,
@@ -295,7 +189,6 @@ def export(
     if is_remote(dst) or str(dst).startswith("file://"):
         raise UnsupportedError(f"export writes a local directory or file; {dst} is not a local path")
     dst_path = os.fspath(dst)
-    single = dst_path.endswith(_SINGLE_SUFFIXES[format])
 
     source_storage = _source_storage(src, step)
     info = inspect_checkpoint(source_storage, verify=verify, trusted=trusted)
@@ -310,68 +203,32 @@ def export(
             + f" (tensors: {shown or 'none'})",
             path=info.uri,
         )
-    local_src = source_storage.local_path()
-    if local_src is not None:
-        a, b = os.path.realpath(local_src), os.path.realpath(dst_path)
-        if a == b or b.startswith(a + os.sep) or a.startswith(b + os.sep):
-            raise StateError(f"refusing to export {info.uri} into or over itself ({dst_path})", path=dst_path)
+    if overlaps(source_storage, dst_path):
+        raise StateError(f"refusing to export {info.uri} into or over itself ({dst_path})", path=dst_path)
 
-    if single:
-        _check_single_file(dst_path, format, force)
-        directory = os.path.dirname(os.path.abspath(dst_path))
-    else:
-        _clear_directory(dst_path, force)
-        directory = dst_path
-    os.makedirs(directory, exist_ok=True)
-    record: dict[str, Any] = {
-        "format": "ckptlib-export",
-        "version": 1,
-        "complete": False,
-        "source": info.uri,
-        "step": info.step,
-        "export_format": format,
-        "dtype": None if cast is None else str(cast).removeprefix("torch."),
-        "model_only": model_only,
-        "files": [],
-    }
-
-    def on_file(name: str) -> None:
-        if not single:
-            record["files"].append(name)
-            _write_record(directory, record)
-
+    dtype_name = None if cast is None else str(cast).removeprefix("torch.")
     total = sum(e.nbytes for e in planned_entries(source, names, cast))
-    from tqdm.auto import tqdm
-
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc=f"export {format}",
-        disable=not progress,
-        leave=False,
-    )
-    write = write_safetensors if format == "safetensors" else write_torch_files
+    bar = progress_bar(total, f"export {format}", progress)
     try:
-        files = write(
-            directory,
+        files = write_output(
             source,
-            names,
-            single_file=os.path.basename(dst_path) if single else None,
-            max_shard_bytes=None if single else shard_bytes,
+            dst_path,
+            format=format,
+            names=names,
             dtype=cast,
+            max_shard_bytes=shard_bytes,
+            force=force,
             on_tensor=lambda _fqn, nbytes: bar.update(nbytes),
-            on_file=on_file,
-            mark=single,
+            record={
+                "source": info.uri,
+                "step": info.step,
+                "export_format": format,
+                "dtype": dtype_name,
+                "model_only": model_only,
+            },
         )
     finally:
         bar.close()
-    if not single:
-        record["complete"] = True
-        record["files"] = files
-        record["total_size"] = total
-        _write_record(directory, record)
     seconds = time.perf_counter() - started
     result = ExportResult(
         src=info.uri,
@@ -380,7 +237,7 @@ def export(
         format=format,
         step=info.step,
         world_size=info.world_size,
-        dtype=record["dtype"],
+        dtype=dtype_name,
         tensors=len(names),
         bytes=total,
         files=files,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import os
 import time
 import warnings
@@ -30,36 +29,18 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from . import _dist
 from . import save_policy as _save_policy
-from .checkpoint import LoadResult, SaveResult, load, save, start_async_save
+from .collection import ForeignFilesWarning, collect
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError, stacklevel_outside_ckptlib
-from .format import MANIFEST_NAME, PENDING_NAME, Manifest, classify
-from .format.deletion import describe_foreign, remove_checkpoint
+from .loading import LoadResult, load
 from .lock import LOCK_NAME, LockHolder, RootLock, StaleLockWarning
 from .observe import log_operation
 from .preemption import DEFAULT_SIGNALS, PreemptionWatcher, signal_name
-from .retention import KeepLast, RetentionPolicy, StepRecord, to_delete
+from .retention import KeepLast, RetentionPolicy
+from .root_scan import LATEST, StalePointerWarning, StepInfo, committed_steps, replace_reason, resolve_latest, scan
 from .save_policy import SaveContext, SavePolicy, decide
-from .steps import DELETING_RE, check_step, parse_step, step_dir
+from .saving import SaveResult, transact
+from .steps import check_step, parse_step, step_dir
 from .storage import Storage, open_storage
-
-LATEST = "latest"
-
-
-class StalePointerWarning(UserWarning):
-    """The `latest` pointer named a step that is missing or uncommitted."""
-
-
-class ForeignFilesWarning(UserWarning):
-    """Retention or gc removed a step's checkpoint files but left files ckptlib did not write
-    (and their directory) in place."""
-
-
-@dataclasses.dataclass
-class StepInfo:
-    step: int
-    name: str
-    state: str  # committed | incomplete | foreign
-    files: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
 
 
 class CheckpointManager:
@@ -130,6 +111,7 @@ class CheckpointManager:
         self.initial_load = None if initial_load is None else os.fspath(initial_load)
         self.initial_load_only = None if initial_load_only is None else tuple(initial_load_only)
         self.initial_loaded = False  # True after load() read initial_load (the root had no step)
+        self.last_load: LoadResult | None = None  # what the last load() restored (None: nothing to resume)
         self.preempted = False  # set by maybe_save once a preemption signal reached any rank
         self.preemption_signal: str | None = None  # its name ("SIGTERM"), the same on every rank
         self._watcher = PreemptionWatcher(preemption_signals) if save_on_preemption else None
@@ -231,41 +213,15 @@ class CheckpointManager:
 
     # -- reading the root -------------------------------------------------------------
     def _scan(self) -> list[StepInfo]:
-        out = []
-        for name in self.storage.list_children():
-            step = parse_step(name)
-            if step is None:
-                continue
-            child = self.storage.child(name)
-            files = child.list()
-            kind = classify(child, files)
-            # "foreign": files ckptlib did not write (or a plain DCP checkpoint someone put
-            # there); never debris, never deleted.
-            state = {"committed": "committed", "other": "foreign", "dcp": "foreign"}.get(kind, "incomplete")
-            out.append(StepInfo(step, name, state, files))
-        return sorted(out, key=lambda s: s.step)
+        return scan(self.storage)
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
-        return [s.step for s in self._scan() if s.state == "committed"]
+        return committed_steps(self.storage)
 
     def _resolve_latest(self) -> tuple[int | None, str | None]:
         """(step, warning) for the newest usable checkpoint: the pointer if it is valid."""
-        target = self.storage.read_pointer(LATEST)
-        committed = self.steps()
-        if target is not None:
-            step = parse_step(target)
-            if step is not None and step in committed:
-                return step, None
-            fallback = committed[-1] if committed else None
-            return fallback, (
-                f"{self.root_uri}/{LATEST} points to {target!r}, which is not a committed checkpoint; "
-                f"using step {fallback}"
-                if fallback is not None
-                else f"{self.root_uri}/{LATEST} points to {target!r}, which is not a committed checkpoint, "
-                "and no committed step exists"
-            )
-        return (committed[-1] if committed else None), None
+        return resolve_latest(self.storage, self.root_uri)
 
     def latest(self) -> int | None:
         """The step `load()` would resume from, or None when the root has no checkpoint."""
@@ -357,70 +313,32 @@ class CheckpointManager:
             replace = None if overwrite else _dist.decide_on_rank0(lambda: self._replaceable(step), self.process_group)
             if replace:
                 warnings.warn(replace, StalePointerWarning, stacklevel=stacklevel_outside_ckptlib())
-            overwrite = overwrite or bool(replace)
-            if self.async_save:
-                result = self._save_async(step, target, state, metadata, metrics, overwrite=overwrite)
-            else:
-                result = save(
-                    target,
-                    state,
-                    step=step,
-                    metadata=metadata,
-                    metrics=metrics,
-                    overwrite=overwrite,
-                    process_group=self.process_group,
-                )
-                _dist.decide_on_rank0(lambda: self._publish(step), self.process_group)
+            # The save's transaction publishes the step (rank 0, once it committed) and releases
+            # the lock if the save fails; with async_save=True both happen in the background.
+            result = transact(
+                target,
+                state,
+                step=step,
+                metadata=metadata,
+                metrics=metrics,
+                overwrite=overwrite or bool(replace),
+                group=self.process_group,
+                asynchronous=self.async_save,
+                background_staging=self.background_staging,
+                after_commit=lambda: self._publish(step),
+                on_failure=self._drop_lock_after_failure,
+            )
         except BaseException:
             self._drop_lock_after_failure()
             raise
+        if self.async_save:
+            self._pending = result
+            atexit.register(self._wait_at_exit)
         self._last_save_step, self._last_save_time = step, _save_policy.clock()
         return result
 
-    def _save_async(self, step: int, target: Storage, state: Mapping[str, Any], metadata, metrics, *, overwrite: bool):
-        def background(run, group):
-            # In the background thread: collectives only on `group` (the dedicated one).
-            try:
-                result = run()
-                _dist.decide_on_rank0(lambda: self._publish(step), group)
-            except BaseException:
-                self._drop_lock_after_failure()
-                raise
-            return result
-
-        handle = start_async_save(
-            target,
-            state,
-            step=step,
-            metadata=metadata,
-            metrics=metrics,
-            overwrite=overwrite,
-            process_group=self.process_group,
-            background_staging=self.background_staging,
-            wrap=background,
-        )
-        self._pending = handle
-        atexit.register(self._wait_at_exit)
-        return handle
-
     def _replaceable(self, step: int) -> str | None:
-        """Why a committed `step` that `latest` does not name may be overwritten, or None.
-
-        It is a step the run never resumed from: committed just before a crash that came
-        before the pointer moved, or left by a run that was rolled back to an older step.
-        Refusing would leave the resumed run unable to save this step again. The step that
-        `latest` names is never overwritten.
-        """
-        name = step_dir(step)
-        if classify(self.storage.child(name)) != "committed":
-            return None
-        pointer = self.storage.read_pointer(LATEST)
-        if pointer == name:
-            return None
-        return (
-            f"{self.root_uri}/{name} is committed but {LATEST} names {pointer!r}: it was never resumed from "
-            "(a crash before the pointer moved, or a rollback); replacing it"
-        )
+        return replace_reason(self.storage, self.root_uri, step)
 
     def _publish(self, step: int) -> None:
         try:
@@ -434,52 +352,11 @@ class CheckpointManager:
         self._drop_lock()
 
     def _collect(self, protect: set[int], dry_run: bool = False, on_removed=None) -> list[str]:
-        """Retention and debris removal; never removes what `latest` names or `protect`.
-        `on_removed(done, total)` follows the deletions (a progress bar)."""
-        scan = self._scan()
-        pointed = parse_step(self.storage.read_pointer(LATEST) or "")
-        protected = set(protect) | ({pointed} if pointed is not None else set())
-        uses_metrics = getattr(self.retention, "uses_metrics", True)
-        records = [
-            StepRecord(s.step, self._saved_metrics(s.name) if uses_metrics else {})
-            for s in scan
-            if s.state == "committed"
-        ]
-        doomed = {s: step_dir(s) for s in to_delete(self.retention, records, protected)}
-        for info in scan:
-            if info.state == "incomplete" and info.step not in protected:
-                doomed[info.step] = info.name
-        leftovers = [n for n in self.storage.list_children() if DELETING_RE.match(n)]
-        if not dry_run:
-            kept: dict[str, list[str]] = {}
-            total = len(doomed) + len(leftovers)
-            if on_removed is not None:
-                on_removed(0, total)
-            for done, name in enumerate([*doomed.values(), *leftovers], 1):  # leftovers: a deletion that crashed
-                foreign = remove_checkpoint(self.storage.child(name))
-                if foreign:
-                    kept[name] = foreign
-                if on_removed is not None:
-                    on_removed(done, total)
-            for info in scan:  # a commit that crashed between writing the manifest and this
-                if info.state == "committed" and info.step not in doomed and PENDING_NAME in info.files:
-                    self.storage.child(info.name).delete([PENDING_NAME])
-            for name, foreign in kept.items():
-                warnings.warn(
-                    f"{describe_foreign(f'{self.root_uri}/{name}', foreign)}; removed the checkpoint's own files and "
-                    "left the directory with those in place",
-                    ForeignFilesWarning,
-                    stacklevel=stacklevel_outside_ckptlib(),
-                )
-        return sorted(doomed.values()) + sorted(leftovers)
-
-    def _saved_metrics(self, name: str) -> dict[str, Any]:
-        """The metrics in a step's manifest; {} when it has none or cannot be read (never fatal)."""
-        where = f"{self.storage.uri.rstrip('/')}/{name}/{MANIFEST_NAME}"
-        try:
-            return dict(Manifest.from_bytes(self.storage.child(name).read(MANIFEST_NAME), where).metrics)
-        except (CheckpointError, OSError):
-            return {}
+        """Retention and debris removal (`ckptlib.collection`); never removes what `latest`
+        names or `protect`."""
+        return collect(
+            self.storage, self.root_uri, self.retention, protect=protect, dry_run=dry_run, on_removed=on_removed
+        )
 
     def gc(self, *, dry_run: bool = False, on_removed=None) -> list[str]:
         """Apply retention and remove debris now; returns the step directories (to be) removed.
@@ -519,15 +396,27 @@ class CheckpointManager:
     def load(self, state: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> int | None:
         """Load `step` (None: the newest committed) into `state` and return the step resumed
         from: None when there is nothing to resume, 0 after an `initial_load` (train from step
-        0). Takes `load`'s options (`strict`, `only`, `ignore_keys`, `rename`...)."""
-        result = self.load_result(state, step, **kwargs)
+        0). Takes `load`'s options (`strict`, `only`, `ignore_keys`, `rename`...). The whole
+        LoadResult is `last_load` afterwards (its `uri` names the initial_load checkpoint when
+        that was loaded)."""
+        result = self._load_checkpoint(state, step, kwargs)
+        self.last_load = result
         if result is None:
             return None
         return 0 if self.initial_loaded else result.step
 
     def load_result(self, state: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> LoadResult | None:
-        """Like `load`, returning the whole LoadResult (its `uri` names the initial_load
-        checkpoint when that was loaded)."""
+        """Deprecated: `load(state, ...)`, then `last_load`."""
+        warnings.warn(
+            "CheckpointManager.load_result() is deprecated; call manager.load(state) and read manager.last_load",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.load(state, step, **kwargs)
+        return self.last_load
+
+    def _load_checkpoint(self, state: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> LoadResult | None:
+        """The load behind `load`: the LoadResult, or None when there is nothing to resume."""
         if step is None:
             step = self.latest()
             if step is None:
@@ -577,6 +466,8 @@ __all__ = [
     "CheckpointManager",
     "ForeignFilesWarning",
     "KeepLast",
+    "LATEST",
+    "StepInfo",
     "LockHolder",
     "StaleLockWarning",
     "StalePointerWarning",

@@ -3,7 +3,8 @@
 A policy sees every committed step with the metrics it was saved with and returns the steps
 it keeps; policies combine with `|` (a step is kept if any policy keeps it). Whatever a
 policy says, the manager never deletes the step `latest` names nor a save in flight: those
-are protected outside the policies (see `CheckpointManager._collect`).
+are protected outside the policies (see `ckptlib.collection`). Policies combine through
+`ckptlib.policy`, as save policies do.
 
     KeepLast(3) | KeepEvery(1000) | KeepBest(2, "val_loss", mode="min")
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+from .policy import AnyOfPolicies, Combinable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,18 +41,24 @@ class RetentionPolicy(Protocol):
         skips reading the steps' manifests (one read per step on S3)."""
 
 
-class _Combinable:
-    uses_metrics = False
+@dataclasses.dataclass(frozen=True)
+class AnyOf(AnyOfPolicies):
+    """Keep a step if any of `policies` keeps it (what `a | b` builds)."""
 
-    def __or__(self, other: Any) -> "AnyOf":
-        if not isinstance(other, RetentionPolicy):
-            return NotImplemented
-        return AnyOf((self, other))
+    policies: tuple
+    member = RetentionPolicy
+    what = "retention policy"
 
-    def __ror__(self, other: Any) -> "AnyOf":
-        if not isinstance(other, RetentionPolicy):
-            return NotImplemented
-        return AnyOf((other, self))
+    @property
+    def uses_metrics(self) -> bool:
+        # A policy without the attribute may read metrics (the manager's default too).
+        return any(getattr(p, "uses_metrics", True) for p in self.policies)
+
+    def keep(self, records: Sequence[StepRecord]) -> set[int]:
+        kept: set[int] = set()
+        for p in self.policies:
+            kept |= set(p.keep(records))
+        return kept
 
 
 def _positive(value: Any, what: str, allow_none: bool = False) -> None:
@@ -60,10 +69,11 @@ def _positive(value: Any, what: str, allow_none: bool = False) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class KeepLast(_Combinable):
+class KeepLast(Combinable, any_of=AnyOf):
     """Keep the `n` highest-numbered committed steps (None keeps all)."""
 
     n: int | None = None
+    uses_metrics = False
 
     def __post_init__(self):
         _positive(self.n, "KeepLast n (keep_last)", allow_none=True)
@@ -74,10 +84,11 @@ class KeepLast(_Combinable):
 
 
 @dataclasses.dataclass(frozen=True)
-class KeepEvery(_Combinable):
+class KeepEvery(Combinable, any_of=AnyOf):
     """Keep milestones: every step that is a multiple of `k` (step 0 included)."""
 
     k: int
+    uses_metrics = False
 
     def __post_init__(self):
         _positive(self.k, "KeepEvery k")
@@ -96,7 +107,7 @@ def metric_value(record: StepRecord, metric: str) -> float | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class KeepBest(_Combinable):
+class KeepBest(Combinable, any_of=AnyOf):
     """Keep the `k` steps with the best value of `metric` (`mode="min"`: lowest is best).
 
     Steps saved without the metric (or with a NaN/infinite value) are never "best": this
@@ -121,32 +132,6 @@ class KeepBest(_Combinable):
         sign = 1.0 if self.mode == "min" else -1.0
         scored.sort(key=lambda vs: (sign * vs[0], -vs[1]))  # best first; a tie: newer first
         return {step for _, step in scored[: self.k]}
-
-
-@dataclasses.dataclass(frozen=True)
-class AnyOf(_Combinable):
-    """Keep a step if any of `policies` keeps it (what `a | b` builds)."""
-
-    policies: tuple
-
-    def __post_init__(self):
-        flat: list = []
-        for p in self.policies:
-            if not isinstance(p, RetentionPolicy):
-                raise TypeError(f"not a retention policy: {p!r}")
-            flat.extend(p.policies if isinstance(p, AnyOf) else (p,))
-        object.__setattr__(self, "policies", tuple(flat))
-
-    @property
-    def uses_metrics(self) -> bool:  # type: ignore[override]
-        # A policy without the attribute may read metrics (the manager's default too).
-        return any(getattr(p, "uses_metrics", True) for p in self.policies)
-
-    def keep(self, records: Sequence[StepRecord]) -> set[int]:
-        kept: set[int] = set()
-        for p in self.policies:
-            kept |= set(p.keep(records))
-        return kept
 
 
 def to_delete(policy: RetentionPolicy, records: Iterable[StepRecord], protected: Iterable[int]) -> list[int]:

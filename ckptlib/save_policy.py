@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from . import _dist
 from .errors import CheckpointError
+from .policy import AnyOfPolicies, Combinable
 
 
 def clock() -> float:
@@ -48,16 +49,17 @@ class SavePolicy(Protocol):
         """Whether to save at `context.step`."""
 
 
-class _Combinable:
-    def __or__(self, other: Any) -> "AnySavePolicy":
-        if not isinstance(other, SavePolicy):
-            return NotImplemented
-        return AnySavePolicy((self, other))
+@dataclasses.dataclass(frozen=True)
+class AnySavePolicy(AnyOfPolicies):
+    """Save when any of `policies` says so (what `a | b` builds)."""
 
-    def __ror__(self, other: Any) -> "AnySavePolicy":
-        if not isinstance(other, SavePolicy):
-            return NotImplemented
-        return AnySavePolicy((other, self))
+    policies: tuple
+    member = SavePolicy
+    what = "save policy"
+
+    def should_save(self, context: SaveContext) -> bool:
+        # Every policy is asked (no short cut), so stateful user policies see every step.
+        return any([bool(p.should_save(context)) for p in self.policies])
 
 
 def _positive_int(value: Any, what: str) -> None:
@@ -66,7 +68,7 @@ def _positive_int(value: Any, what: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class EveryNSteps(_Combinable):
+class EveryNSteps(Combinable, any_of=AnySavePolicy):
     """Save at every step that is a multiple of `n`."""
 
     n: int
@@ -79,7 +81,7 @@ class EveryNSteps(_Combinable):
 
 
 @dataclasses.dataclass(frozen=True)
-class EveryNSeconds(_Combinable):
+class EveryNSeconds(Combinable, any_of=AnySavePolicy):
     """Save once `seconds` of wall time (rank 0's monotonic clock) passed since the last save
     (or since the manager was created)."""
 
@@ -98,7 +100,7 @@ class EveryNSeconds(_Combinable):
 
 
 @dataclasses.dataclass(frozen=True)
-class FinalStep(_Combinable):
+class FinalStep(Combinable, any_of=AnySavePolicy):
     """Save at the last step of training, `total_steps` (and at any step past it)."""
 
     total_steps: int
@@ -111,7 +113,7 @@ class FinalStep(_Combinable):
 
 
 @dataclasses.dataclass(frozen=True)
-class AtSteps(_Combinable):
+class AtSteps(Combinable, any_of=AnySavePolicy):
     """Save at the listed steps."""
 
     steps: frozenset
@@ -124,25 +126,6 @@ class AtSteps(_Combinable):
 
     def should_save(self, context: SaveContext) -> bool:
         return context.step in self.steps
-
-
-@dataclasses.dataclass(frozen=True)
-class AnySavePolicy(_Combinable):
-    """Save when any of `policies` says so (what `a | b` builds)."""
-
-    policies: tuple
-
-    def __post_init__(self):
-        flat: list = []
-        for p in self.policies:
-            if not isinstance(p, SavePolicy):
-                raise TypeError(f"not a save policy: {p!r}")
-            flat.extend(p.policies if isinstance(p, AnySavePolicy) else (p,))
-        object.__setattr__(self, "policies", tuple(flat))
-
-    def should_save(self, context: SaveContext) -> bool:
-        # Every policy is asked (no short cut), so stateful user policies see every step.
-        return any([bool(p.should_save(context)) for p in self.policies])
 
 
 @dataclasses.dataclass(frozen=True)

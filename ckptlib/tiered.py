@@ -361,7 +361,7 @@ class TieredCheckpointManager(CheckpointManager):
             path=self.remote.path(step),
         )
 
-    def load_result(self, state: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> LoadResult | None:
+    def _load_checkpoint(self, state: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> LoadResult | None:
         """Load `step` (None: the remote latest) from the local copy when it is the same
         checkpoint, else from the remote root. First finishes an upload a crash interrupted."""
         if step is not None:

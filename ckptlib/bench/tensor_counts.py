@@ -95,7 +95,10 @@ def _method_context(method: str):
     if method == "dcp-gc-paused":
         return gc_paused()
     if method == "ckptlib-gc-on":
-        return mock.patch("ckptlib.checkpoint.gc_paused", contextlib.nullcontext)
+        stack = contextlib.ExitStack()
+        for module in ("ckptlib.saving", "ckptlib.loading"):
+            stack.enter_context(mock.patch(f"{module}.gc_paused", contextlib.nullcontext))
+        return stack
     return contextlib.nullcontext()
 
 

@@ -4,12 +4,13 @@
   checksums from `block_checks`, ranged reads from `ranged_io`; tensor items written by
   `item_encoder` and decoded by `item_decoder`, both through `zip_directory`; `planned_reader`
   is the base of every reader), `manifest`, `layout` (what a directory is; commit),
-  `structure` (consistency of `.metadata`), `verify`, `save_planner`/`load_planner` (DCP's
-  planners, made linear at scale and safe to unpickle);
+  `transaction` (one save: prepare, write, commit, clean up), `structure` (consistency of
+  `.metadata`), `verify`, `save_planner`/`load_planner` (DCP's planners, made linear at scale
+  and safe to unpickle);
 - foreign: `torch_save` (streaming its archives through `torch_archive`), `v0`, `safetensors`
   (each format's reader and writer), sharing `foreign`; `source` is the one entry point that
   detects a source and opens a reader for native and foreign checkpoints alike; `streaming`
-  converts between them tensor by tensor.
+  converts between them tensor by tensor, and `output` is the one writer path of convert and export.
 """
 
 from .dcp_reader import CkptReader

@@ -26,7 +26,7 @@ import io
 import math
 import pickle
 import zlib
-from typing import Any, Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -39,6 +39,9 @@ from ..storage import Storage
 from . import item_encoder, plan_codec
 from .block_checks import _CrcSink, block_size_for
 from .manifest import METADATA_MARKER, METADATA_NAME, FileRecord
+
+if TYPE_CHECKING:
+    from .transaction import SaveTransaction
 
 
 def _shard_file_name(prefix: str) -> str:
@@ -54,71 +57,34 @@ def _tensor_for_save(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-_TOTAL_BYTES_ATTR = "_ckptlib_total_bytes"
-
-
-def checkpoint_bytes(metadata: Metadata) -> int | None:
-    """The committed checkpoint's size (every file), from the Metadata dcp.save returned."""
-    return getattr(metadata, _TOTAL_BYTES_ATTR, None)
-
-
-def _saved_receipt(total_bytes: int | None) -> Metadata:
-    """What the other ranks receive of the saved Metadata (see `_SavedMetadata`)."""
-    receipt = Metadata(state_dict_metadata={})
-    setattr(receipt, _TOTAL_BYTES_ATTR, total_bytes)
-    return receipt
-
-
-class _SavedMetadata(Metadata):
-    """The coordinator's Metadata once `.metadata` is written. DCP broadcasts it to every rank
-    as dcp.save's return value, of which ckptlib reads only the size (`checkpoint_bytes`):
-    it pickles as that alone, not as every tensor's chunks again."""
-
-    def __reduce__(self):
-        return _saved_receipt, (checkpoint_bytes(self),)
-
-
 class CkptWriter(StorageWriter):
-    """Writes one shard file per rank through `storage` and records item checksums.
-
-    `prepare()` runs on the coordinator before any rank writes (inside DCP's planning round),
-    `commit(file_records)` on the coordinator after `.metadata` is written (inside DCP's final
-    round), so neither costs a collective of its own; DCP raises their errors on every rank.
-    After `finish`, the coordinator's `file_records` holds every file of the checkpoint.
+    """Writes one shard file per rank through `storage` and records item checksums, for a
+    `SaveTransaction` (`format.transaction`), which owns the save: the writer calls its
+    `prepare()` on the coordinator before any rank writes (inside DCP's planning round), opens
+    every shard through it, and calls its `commit(file_records, metadata)` on the coordinator
+    after `.metadata` is written (inside DCP's final round), so neither costs a collective of
+    its own; DCP raises their errors on every rank. After `finish`, the coordinator's
+    `file_records` holds every file of the checkpoint.
     """
 
-    def __init__(
-        self,
-        storage: Storage,
-        *,
-        prepare: Callable[[], None] | None = None,
-        commit: Callable[[dict[str, FileRecord]], Any] | None = None,
-    ):
+    def __init__(self, storage: Storage, *, transaction: SaveTransaction):
         super().__init__()
         self.storage = storage
+        self.transaction = transaction
         self.is_coordinator = False
         self.file_records: dict[str, FileRecord] = {}
-        self._prepare = prepare
-        self._commit = commit
-        # For the cleanup of a failed save (`deletion.remove_failed_save`): whether the
-        # coordinator prepared the target, and the shard file this rank started but did not
-        # finish (None once it is complete).
-        self.prepared = False
-        self.unfinished_shard: str | None = None
 
     def reset(self, checkpoint_id=None) -> None:
         self.file_records = {}
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
-        self.is_coordinator = is_coordinator
+        self.is_coordinator = self.transaction.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan_codec.compact_save_plan(plan)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if self._prepare is not None:
-            self._prepare()
-        self.prepared = True
+        self.transaction.prepare()
         return [
             dataclasses.replace(plan_codec.compact_save_plan(plan), storage_data=f"__{i}_")
             for i, plan in enumerate(plans)
@@ -139,8 +105,7 @@ class CkptWriter(StorageWriter):
             for wi in ordered
             if wi.tensor_data is not None
         )
-        self.unfinished_shard = name
-        with self.storage.open_writer(name) as stream:
+        with self.transaction.open_shard(name) as stream:
             sink = _CrcSink(stream, block_size_for(planned))
             for item in ordered:
                 data = planner.resolve_data(item)
@@ -167,7 +132,6 @@ class CkptWriter(StorageWriter):
                 offset = sink.pos
             sink.end_file()
             file_crc = sink.file_crc
-        self.unfinished_shard = None
         if items:
             record = FileRecord(
                 size=offset, crc32=file_crc, items=items, block_size=sink.block_size, blocks=sink.blocks
@@ -196,14 +160,7 @@ class CkptWriter(StorageWriter):
             size=len(blob), crc32=zlib.crc32(blob), items=[(0, len(blob), zlib.crc32(blob))]
         )
         self.file_records = records
-        # DCP hands this object (pickled) back to every rank from dcp.save: the checkpoint's
-        # size then needs no collective of its own (`checkpoint_bytes`). Set after the blob
-        # was written, so it is not in `.metadata`.
-        setattr(metadata, _TOTAL_BYTES_ATTR, sum(r.size for r in records.values()))
-        if type(metadata) is Metadata:
-            metadata.__class__ = _SavedMetadata
-        if self._commit is not None:
-            self._commit(records)
+        self.transaction.commit(records, metadata)
 
     def storage_meta(self) -> StorageMeta | None:
         meta = StorageMeta(checkpoint_id=self.storage.uri)

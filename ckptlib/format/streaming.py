@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from .._torch import dcp_shims
 from ..errors import CheckpointError
-from ..storage import Storage
 from .dcp_writer import CkptWriter
 from .load_planner import SafeLoadPlanner
 
@@ -125,13 +124,13 @@ class _StreamingSavePlanner(DefaultSavePlanner):
 
 
 def save_dcp_streaming(
-    storage: Storage, source: SourceValues, *, on_tensor: Callable[[str, int], None] | None = None
-) -> CkptWriter:
-    """Write `source` as a DCP checkpoint (one rank) through CkptWriter, one tensor in memory at a time.
+    writer: CkptWriter, source: SourceValues, *, on_tensor: Callable[[str, int], None] | None = None
+) -> Metadata:
+    """Write `source` as a DCP checkpoint (one rank) through `writer` (its SaveTransaction
+    prepares the target and commits the manifest), one tensor in memory at a time.
 
     Keys are re-flattened with this torch's rules from the source's nesting, so an old
-    (pre-2.4) checkpoint comes out with current keys. Returns the writer, whose
-    `file_records` the caller commits in a manifest.
+    (pre-2.4) checkpoint comes out with current keys. Returns what `dcp.save` returns.
     """
     leaves: dict[str, Any] = {}
     for fqn in source.tensor_keys:
@@ -149,10 +148,8 @@ def save_dcp_streaming(
             on_tensor(fqn, tensor.numel() * tensor.element_size())
         return tensor
 
-    writer = CkptWriter(storage)
     with dcp_shims.quiet_single_process():
-        dcp_shims.dcp_save_no_dist(state, storage_writer=writer, planner=_StreamingSavePlanner(fetch))
-    return writer
+        return dcp_shims.dcp_save_no_dist(state, storage_writer=writer, planner=_StreamingSavePlanner(fetch))
 
 
 def iter_tensors(source: SourceValues) -> Iterator[tuple[str, torch.Tensor]]:

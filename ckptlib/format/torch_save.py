@@ -42,19 +42,6 @@ def looks_like_torch_save(head: bytes) -> bool:
     return head.startswith(_ZIP_MAGIC) or head.startswith(_LEGACY_TORCH_MAGIC)
 
 
-def looks_like_checkpoint_file(path: str) -> bool:
-    """Whether the local regular file at `path` starts like a torch.save or safetensors file."""
-    from .safetensors import looks_like_safetensors
-
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(24)
-    except OSError:
-        return False
-    return looks_like_torch_save(head) or looks_like_safetensors(head, size)
-
-
 def torch_load(root: Storage, name: str, *, trusted: bool, notes: list[str] | None = None) -> Any:
     """torch.load a file memory-mapped (local) or from its bytes (remote), weights_only unless trusted."""
     where = f"{root.uri}/{name}"

@@ -12,21 +12,20 @@ import pytest
 import torch
 
 import ckptlib
-from ckptlib import CheckpointExistsError
-from ckptlib import checkpoint as checkpoint_module
+from ckptlib import CheckpointExistsError, saving
 
 
 def _hold_background_writes(monkeypatch) -> threading.Event:
     """Background writes wait for the returned event; writes in the caller's thread do not."""
     gate = threading.Event()
-    original = checkpoint_module._write_and_commit
+    original = saving._write
 
     def held(*args, **kwargs):
         if threading.current_thread() is not threading.main_thread():
             assert gate.wait(60), "the test never released the background write"
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_module, "_write_and_commit", held)
+    monkeypatch.setattr(saving, "_write", held)
     return gate
 
 
@@ -86,3 +85,12 @@ def test_async_save_refuses_to_overwrite_committed(tmp_path):
     assert _load(tmp_path / "c", 2)["w"].tolist() == [1.0, 1.0]
     ckptlib.async_save(tmp_path / "c", {"w": torch.full((2,), 5.0)}, overwrite=True).wait(timeout=60)
     assert _load(tmp_path / "c", 2)["w"].tolist() == [5.0, 5.0]
+
+
+def test_start_async_save_is_a_deprecated_alias_of_async_save(tmp_path):
+    from ckptlib.checkpoint import start_async_save
+
+    with pytest.warns(DeprecationWarning, match="start_async_save is deprecated; call ckptlib.async_save"):
+        handle = start_async_save(tmp_path / "a", {"w": torch.ones(2)}, step=1)
+    assert handle.wait(timeout=60).step == 1
+    assert _load(tmp_path / "a", 2)["w"].tolist() == [1.0, 1.0]

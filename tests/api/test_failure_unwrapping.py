@@ -15,7 +15,7 @@ import torch.distributed as dist
 import ckptlib
 from ckptlib import CheckpointError, StorageError
 from ckptlib._torch import dcp_shims
-from ckptlib.format import MANIFEST_NAME
+from ckptlib.format import MANIFEST_NAME, transaction
 from ckptlib.storage.local import LocalStorage
 
 
@@ -76,13 +76,13 @@ def _save_with_a_commit_that_fails(uri: str):
     def commit_manifest(*args, **kwargs):
         raise LocalFailure("the manifest write failed")
 
-    ckptlib.checkpoint.commit_manifest = commit_manifest  # this rank's process only
+    transaction.commit_manifest = commit_manifest  # this rank's process only
     ckptlib.save(uri, {"w": torch.full((4,), float(dist.get_rank()))})
 
 
 def test_a_coordinator_failure_of_any_type_reaches_every_rank(tmp_path, dist_run):
     """The coordinator turns its failure into a CheckpointError that DCP can send to every
-    rank (`checkpoint._on_coordinator`); the raw error would break DCP's broadcast."""
+    rank (`format.transaction._on_coordinator`); the raw error would break DCP's broadcast."""
     uri = str(tmp_path / "c")
     results = dist_run(2, _save_with_a_commit_that_fails, uri, return_exceptions=True, timeout=90)
     assert [type(r) for r in results] == [CheckpointError] * 2, results

@@ -298,7 +298,9 @@ def test_initial_load_model_only_then_ignored_once_the_root_has_a_step(full_ckpt
     mgr = CheckpointManager(root, initial_load=path)
     assert mgr.load(state) == 0 and mgr.initial_loaded
     assert _equal(_sd(model), saved) and optim.state_dict()["state"] == {} and state["epoch"] == -1
-    assert mgr.load_result(state).uri == str(path)
+    assert mgr.last_load.uri == str(path) and mgr.last_load.step == 5  # the LoadResult of that load
+    with pytest.warns(DeprecationWarning, match=r"load_result\(\) is deprecated"):
+        assert mgr.load_result(state).uri == str(path)  # the old name, one more release
     model(torch.randn(2, 8)).sum().backward()
     optim.step()
     mgr.save(1, state)

@@ -117,6 +117,58 @@ def test_sharding_follows_hugging_face_layout(tmp_path, fmt):
     assert record["complete"] is True and record["files"] == result.files
 
 
+@pytest.mark.parametrize("size", [1000, "1KB"], ids=["bytes", "string"])
+def test_convert_shards_through_the_same_writer_as_export(tmp_path, size):
+    """convert --to safetensors and export write through one writer path: the same knob
+    (max_shard_size, bytes or "1KB"), the same shards and index byte for byte; the old
+    `max_shard_bytes` still works, with a DeprecationWarning."""
+    from ckptlib.convert import convert
+
+    tensors = {f"layer{i}.weight": torch.full((100,), float(i)) for i in range(5)}  # 400 bytes each
+    ckptlib.save(str(tmp_path / "c"), {"model": tensors, "optim": {"lr": torch.tensor(0.1)}})
+    exported, converted, old = (str(tmp_path / name) for name in ("exported", "converted", "old"))
+    result = ckptlib.export(str(tmp_path / "c"), exported, model_only=True, max_shard_size=size)
+    done = convert(str(tmp_path / "c"), converted, to="safetensors", max_shard_size=size)
+    assert done.files == result.files and len(result.files) == 4  # 3 shards and the index
+    for name in result.files:
+        assert open(os.path.join(exported, name), "rb").read() == open(os.path.join(converted, name), "rb").read()
+    record = json.loads(open(os.path.join(converted, EXPORT_RECORD)).read())
+    assert record["complete"] is True and record["files"] == result.files and record["export_format"] == "safetensors"
+    with pytest.warns(DeprecationWarning, match=r"max_shard_bytes=\) is deprecated"):
+        assert convert(str(tmp_path / "c"), old, to="safetensors", max_shard_bytes=1000).files == result.files
+    one = convert(str(tmp_path / "c"), str(tmp_path / "default"), to="safetensors")  # 5GB, as export's default
+    assert one.files == ["model.safetensors"]
+
+
+def _damage_item(src, fqn: str) -> None:
+    """Flip the last byte of `fqn`'s item in its shard file (its checksum no longer matches)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    info = FileSystemReader(str(src)).read_metadata().storage_data[MetadataIndex(fqn, [0])]
+    path = src / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset + info.length - 1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_a_failed_export_removes_what_it_wrote(tmp_path, fmt):
+    """A failure after some shards were written (a damaged item in the last one) removes those
+    shards and the record: a new directory goes, an existing one keeps only the user's files."""
+    src = tmp_path / "c"
+    ckptlib.save(str(src), {"model": {f"t{i}": torch.full((100,), float(i)) for i in range(4)}})
+    out = tmp_path / "hf"
+    ckptlib.export(str(src), str(out), format=fmt, model_only=True, max_shard_size=500)
+    (out / "config.json").write_text("{}")
+    _damage_item(src, "model.t3")
+    for target, force in ((tmp_path / "new", False), (out, True)):
+        with pytest.raises(ckptlib.CheckpointCorruptError, match="checksum mismatch"):
+            ckptlib.export(str(src), str(target), format=fmt, model_only=True, max_shard_size=500, force=force)
+    assert not (tmp_path / "new").exists()
+    assert sorted(os.listdir(out)) == ["config.json"]  # the old export was replaced, the new one failed
+
+
 def test_export_of_a_damaged_item_is_the_checksum_error_naming_it(tmp_path):
     """export streams tensors through DCP's loader: a damaged item comes out as ckptlib's
     CheckpointCorruptError naming the file and item (unwrapped from DCP's CheckpointException),
@@ -135,19 +187,45 @@ def test_export_of_a_damaged_item_is_the_checksum_error_naming_it(tmp_path):
     assert not (tmp_path / "hf" / "model.safetensors").exists()
 
 
-def test_only_an_export_is_marked_as_one(tmp_path):
-    """export to a single file marks it as ckptlib's export (what lets a later export replace
-    it); `convert` writes no such mark, so export never takes a converted file as its own."""
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_convert_and_export_mark_their_single_files_and_replace_only_those(tmp_path, fmt):
+    """export and convert write one file through one writer path, marked as ckptlib's (what
+    lets a later export or convert with force replace it); a file of the same kind written by
+    anyone else carries no mark and is never replaced, force or not."""
+    from safetensors.torch import save_file
+
     from ckptlib.convert import convert
+    from ckptlib.errors import OverwriteRefusedError
 
     src = str(tmp_path / "c")
     ckptlib.save(src, {"model": {"w": torch.arange(6.0)}})
-    ckptlib.export(src, str(tmp_path / "exported.safetensors"), model_only=True)
-    convert(src, str(tmp_path / "w.safetensors"), to="safetensors", progress=False)
-    with safe_open(str(tmp_path / "exported.safetensors"), "pt") as f:
-        assert (f.metadata() or {}).get("ckptlib_export") == "1"
-    with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
-        assert "ckptlib_export" not in (f.metadata() or {})
+    suffix = ".safetensors" if fmt == "safetensors" else ".pt"
+    exported, converted, theirs = (str(tmp_path / f"{name}{suffix}") for name in ("exported", "converted", "theirs"))
+    ckptlib.export(src, exported, format=fmt, model_only=True)
+    convert(src, converted, to=fmt)
+    if fmt == "safetensors":
+        save_file({"w": torch.zeros(6)}, theirs)
+        for path in (exported, converted):
+            with safe_open(path, "pt") as f:
+                assert (f.metadata() or {}).get("ckptlib_export") == "1"
+        assert torch.equal(st.load_file(converted)["w"], torch.arange(6.0))
+    else:
+        torch.save({"model": {"w": torch.zeros(6)}}, theirs)
+        assert torch.equal(torch.load(converted, weights_only=True)["model"]["w"], torch.arange(6.0))
+        assert torch.equal(torch.load(converted, mmap=True, weights_only=True)["model"]["w"], torch.arange(6.0))
+    # either writer replaces the other's file with force, never without
+    with pytest.raises(CheckpointExistsError, match="already exists .*force"):
+        convert(src, exported, to=fmt)
+    convert(src, exported, to=fmt, force=True)
+    ckptlib.export(src, converted, format=fmt, model_only=True, force=True)
+    before = open(theirs, "rb").read()
+    with pytest.raises(
+        OverwriteRefusedError, match="not an export ckptlib wrote; refusing to overwrite it even with force"
+    ):
+        convert(src, theirs, to=fmt, force=True)
+    with pytest.raises(OverwriteRefusedError, match="not an export ckptlib wrote"):
+        ckptlib.export(src, theirs, format=fmt, model_only=True, force=True)
+    assert open(theirs, "rb").read() == before
 
 
 def test_safetensors_tensors_are_aligned_to_their_element_size(tmp_path):

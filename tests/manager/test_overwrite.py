@@ -168,11 +168,11 @@ def test_convert_force_replaces_a_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("to", ["torch", "safetensors"])
-def test_convert_force_refuses_to_overwrite_an_unrecognised_file(tmp_path, to):
+def test_convert_force_refuses_to_overwrite_a_file_ckptlib_did_not_write(tmp_path, to):
     src = _torch_file(tmp_path)
     victim = tmp_path / ("essay.safetensors" if to == "safetensors" else "essay.pt")
     victim.write_text("not a checkpoint, a user's file")
-    with pytest.raises(OverwriteRefusedError, match="not a checkpoint file"):
+    with pytest.raises(OverwriteRefusedError, match="not an export ckptlib wrote; refusing to overwrite it even with"):
         ckptlib.convert(src, victim, to=to, force=True, progress=False)
     assert victim.read_text() == "not a checkpoint, a user's file"
     plain = tmp_path / "notes"
@@ -182,12 +182,22 @@ def test_convert_force_refuses_to_overwrite_an_unrecognised_file(tmp_path, to):
     assert plain.read_text() == "mine"
 
 
-def test_convert_force_replaces_a_torch_file(tmp_path):
+def test_convert_force_replaces_only_a_torch_file_ckptlib_wrote(tmp_path):
+    """One force rule for convert and export: a torch.save file someone else wrote (even a
+    checkpoint) is refused; one that convert wrote (it carries ckptlib's mark) is replaced."""
     src = tmp_path / "src"
     ckptlib.save(src, {"model": {"w": torch.full((4,), 5.0)}})
-    dst = _torch_file(tmp_path)
-    ckptlib.convert(src, dst, to="torch", force=True, progress=False)
-    assert torch.equal(torch.load(dst)["model"]["w"], torch.full((4,), 5.0))
+    theirs = _torch_file(tmp_path)
+    before = theirs.read_bytes()
+    with pytest.raises(OverwriteRefusedError, match="not an export ckptlib wrote"):
+        ckptlib.convert(src, theirs, to="torch", force=True, progress=False)
+    assert theirs.read_bytes() == before
+    ours = tmp_path / "ours.pt"
+    ckptlib.convert(_torch_file(tmp_path), ours, to="torch", progress=False)
+    with pytest.raises(CheckpointExistsError, match="already exists .*force"):
+        ckptlib.convert(src, ours, to="torch", progress=False)
+    ckptlib.convert(src, ours, to="torch", force=True, progress=False)
+    assert torch.equal(torch.load(ours)["model"]["w"], torch.full((4,), 5.0))
 
 
 def test_convert_force_to_a_safetensors_directory_keeps_other_files(tmp_path):
@@ -198,12 +208,20 @@ def test_convert_force_to_a_safetensors_directory_keeps_other_files(tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text('{"hidden": 4}')
-    (hf / "adapter.bin").write_bytes(b"\x00" * 8)
     save_file({"old": torch.zeros(2)}, str(hf / "model.safetensors"))
-    ckptlib.convert(src, hf, to="safetensors", force=True, progress=False)
-    assert sorted(os.listdir(hf)) == ["adapter.bin", "config.json", "model.safetensors"]
-    assert (hf / "config.json").read_text() == '{"hidden": 4}'
-    assert torch.equal(load_file(str(hf / "model.safetensors"))["w"], torch.full((4,), 5.0))
+    before = _tree(hf)
+    with pytest.raises(OverwriteRefusedError, match="not an export ckptlib wrote"):  # not ours: untouched
+        ckptlib.convert(src, hf, to="safetensors", force=True, progress=False)
+    assert _tree(hf) == before
+
+    out = tmp_path / "out"
+    ckptlib.convert(_torch_file(tmp_path), out, to="safetensors", progress=False)
+    (out / "config.json").write_text('{"hidden": 4}')  # the user adds a config next to the weights
+    (out / "adapter.bin").write_bytes(b"\x00" * 8)
+    ckptlib.convert(src, out, to="safetensors", force=True, progress=False)
+    assert sorted(os.listdir(out)) == ["adapter.bin", "ckptlib_export.json", "config.json", "model.safetensors"]
+    assert (out / "config.json").read_text() == '{"hidden": 4}'
+    assert torch.equal(load_file(str(out / "model.safetensors"))["w"], torch.full((4,), 5.0))
 
 
 # --------------------------------------------------------------------------- retention, gc, debris

@@ -97,20 +97,21 @@ def test_load_prefers_the_local_copy_only_when_it_is_the_same(tmp_path, remote):
     mgr.save(2, _state(2))
     mgr.wait()
     state = _fresh()
-    result = mgr.load_result(state)
+    assert mgr.load(state) == 2
+    result = mgr.last_load
     assert result.uri == f"{local}/step_0000000002" and result.step == 2
     _assert_state(state, 2)
 
     # A different checkpoint under the same step name locally: the remote copy is read.
     ckptlib.save(f"{local}/step_0000000002", _state(99), step=2, overwrite=True)
     state = _fresh()
-    result = mgr.load_result(state)
-    assert result.uri == f"{remote.rstrip('/')}/step_0000000002"
+    assert mgr.load(state) == 2
+    assert mgr.last_load.uri == f"{remote.rstrip('/')}/step_0000000002"
     _assert_state(state, 2)
 
     # Step 1 exists only remotely (keep_local=1): read from the remote root.
     state = _fresh()
-    assert mgr.load_result(state, step=1).uri == f"{remote.rstrip('/')}/step_0000000001"
+    assert mgr.load(state, step=1) == 1 and mgr.last_load.uri == f"{remote.rstrip('/')}/step_0000000001"
     _assert_state(state, 1)
     mgr.close()
 
@@ -253,7 +254,8 @@ def _ranks_save(local: str, remote: str) -> list:
         mgr.save(step, state)
     mgr.wait()
     loaded = {"w": torch.zeros(5), "step": -1}
-    where = mgr.load_result(loaded).uri
+    mgr.load(loaded)
+    where = mgr.last_load.uri
     mgr.close()
     return [where, loaded["step"], loaded["w"].tolist()]
 

@@ -1,0 +1,282 @@
+"""`load`: fill a state from any checkpoint ckptlib reads, at any world size.
+
+Collective, in three steps: rank 0 inspects the checkpoint and broadcasts what it found;
+every rank then computes its own checks (the entries to load, the state dicts to load into,
+the keys, shapes and dtypes against the checkpoint's) and the ranks agree once on the
+outcome, so a failure on any rank is raised on every rank, never a hang; then DCP loads and
+the state's `load_state_dict`s apply the values (agreeing again before any step that may run
+collectives of its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import warnings
+from typing import Any, Mapping, Sequence
+
+import torch.distributed.checkpoint as dcp
+
+from . import _dist
+from ._torch import dcp_shims
+from .errors import CastWarning, MissingKeysError, stacklevel_outside_ckptlib
+from .format import CheckpointInfo, SafeLoadPlanner
+from .format.source import inspect_checkpoint, open_reader
+from .format.transaction import unwrap_dcp_error
+from .gc_pause import gc_paused
+from .load_checks import check_request, checkpoint_size, describe_casts
+from .load_keys import KeyRequest, Rename, build_request, select_entries
+from .observe import log_operation, mib_per_s
+from .state import CollectiveSteps, LoadTarget, apply_all, to_load_target
+from .storage import Storage, as_storage
+
+
+@dataclasses.dataclass
+class LoadResult:
+    """What a load restored: the checkpoint's step, saved world size, user metadata, and the
+    keys a non-strict load skipped because the checkpoint lacks them."""
+
+    uri: str
+    step: int | None
+    world_size: int | None  # the world size that saved it
+    metadata: dict[str, Any]
+    format: str
+    missing_keys: list[str]
+    notes: list[str]
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    bytes: int | None = None  # the checkpoint's size (its files; tensor bytes for foreign formats)
+    seconds: float = 0.0
+    load_world_size: int = 1  # the world size that loaded it
+
+    @property
+    def mib_per_s(self) -> float | None:
+        return mib_per_s(self.bytes, self.seconds)
+
+
+def load(
+    uri: str | os.PathLike | Storage,
+    state: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    cast: bool = False,
+    verify: bool = True,
+    trusted: bool = False,
+    process_group=None,
+    only: Sequence[str] | None = None,
+    ignore_keys: Sequence[str] | None = None,
+    rename: Rename | None = None,
+) -> LoadResult:
+    """Load a checkpoint into `state` in place, at any world size; return what was loaded.
+
+    `strict`: keys the state asks for but the checkpoint lacks are errors; with strict=False
+    they are skipped and listed in `LoadResult.missing_keys`. Keys in the checkpoint that the
+    state does not ask for are never an error. Shape differences are always errors.
+    `cast`: a tensor whose dtype differs from the checkpoint's is a DtypeMismatchError
+    (strict or not) unless cast=True, which converts it and warns (CastWarning) with the keys.
+    `verify`: check every byte read against the manifest's checksums (see README, Integrity).
+
+    Load control (see `ckptlib.load_keys`): `only=("model",)` loads just those top-level
+    entries of `state` (a model-only load of a full checkpoint); `ignore_keys` (globs on the
+    state's flattened keys) are neither loaded nor missing; `rename` maps checkpoint keys
+    to state keys (`{old_prefix: new_prefix}` or a callable).
+    """
+    started = time.perf_counter()
+    storage = as_storage(uri)
+    with _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri), gc_paused():
+        return _load(
+            storage,
+            state,
+            strict=strict,
+            cast=cast,
+            verify=verify,
+            trusted=trusted,
+            group=process_group,
+            only=only,
+            ignore_keys=ignore_keys,
+            rename=rename,
+            started=started,
+        )
+
+
+@dataclasses.dataclass
+class _Request:
+    """One rank's load, checked: the state entries it fills, the template DCP loads into (and
+    how to hand the values back), and what the checks found."""
+
+    selected: Mapping[str, Any]
+    target: LoadTarget
+    keyed: KeyRequest | None  # with ignore_keys or rename: the flat request in checkpoint keys
+    missing: list[str]
+    kept: list[str]  # absent optimizer hyperparameters the state keeps (LoadTarget.keep_if_absent)
+    casts: dict
+
+    @property
+    def template(self) -> dict[str, Any]:
+        return self.target.template if self.keyed is None else self.keyed.request
+
+
+def _carrying(held: list[BaseException], group):
+    """`_dist.agreement(group)` whose next round also raises `held` (a failure before the state's
+    collective steps), so a rank that failed there never leaves the others in them alone."""
+    agree = _dist.agreement(group)
+    if agree is None:
+        return None
+
+    def carried(fn):
+        def run():
+            if held:
+                raise held.pop()
+            return fn()
+
+        return agree(run)
+
+    return carried
+
+
+def _prepare_request(
+    state: Mapping[str, Any],
+    info: CheckpointInfo,
+    *,
+    rank: int,
+    world: int,
+    strict: bool,
+    cast: bool,
+    only: Sequence[str] | None,
+    ignore_keys: Sequence[str] | None,
+    rename: Rename | None,
+    group,
+) -> _Request:
+    """Every check of a load on this rank, computed locally; the caller agrees on the outcome
+    in one round. Building the state dicts (`to_load_target`) agrees as its collective steps
+    require; its first agreement also carries a failure of `select_entries` before it (every
+    rank then raises there, in the same round)."""
+    held: list[BaseException] = []
+    try:
+        selected = select_entries(state, only, ignore_keys)
+    except Exception as exc:  # noqa: BLE001 - raised by the next agreement, on every rank
+        if not _dist.is_distributed():
+            raise
+        held.append(exc)
+        selected = {}
+    target = to_load_target(
+        selected,
+        rank=rank,
+        world_size=world,
+        saved_world_size=info.world_size,
+        step=info.step,
+        strict=strict,
+        agree=_carrying(held, group),
+    )
+    keyed = None
+    if ignore_keys is not None or rename is not None:
+        saved_keys = list(info.metadata.state_dict_metadata)
+        keyed = build_request(target.template, saved_keys, ignore_keys=ignore_keys, rename=rename)
+    unsourced = keyed.unsourced if keyed is not None else []
+    if unsourced and strict:
+        raise MissingKeysError(
+            f"{info.uri}: no checkpoint key is renamed to {', '.join(unsourced[:20])} (rename= renamed their "
+            "own names away)",
+            keys=unsourced,
+            path=info.uri,
+        )
+    request = target.template if keyed is None else keyed.request
+    missing, kept, casts = check_request(request, info, strict, target.keep_if_absent, cast)
+    return _Request(selected, target, keyed, sorted(missing + unsourced), kept, casts)
+
+
+def _load(
+    storage: Storage,
+    state: Mapping[str, Any],
+    *,
+    strict: bool,
+    cast: bool,
+    verify: bool,
+    trusted: bool,
+    group,
+    only: Sequence[str] | None,
+    ignore_keys: Sequence[str] | None,
+    rename: Rename | None,
+    started: float,
+) -> LoadResult:
+    rank, world = _dist.get_rank(group), _dist.get_world_size(group)
+    info = _dist.decide_on_rank0(lambda: inspect_checkpoint(storage, verify=verify, trusted=trusted), group)
+    request = _dist.agree(
+        lambda: _prepare_request(
+            state,
+            info,
+            rank=rank,
+            world=world,
+            strict=strict,
+            cast=cast,
+            only=only,
+            ignore_keys=ignore_keys,
+            rename=rename,
+            group=group,
+        ),
+        group,
+    )
+    if request.casts:
+        warnings.warn(
+            f"{storage.uri}: converted to the dtypes the state asked for: {describe_casts(request.casts)}",
+            CastWarning,
+            stacklevel=stacklevel_outside_ckptlib(),
+        )
+    notes = list(request.target.notes)
+    if request.kept:
+        notes.append(
+            f"the checkpoint lacks optimizer hyperparameters {', '.join(request.kept)} (the torch that saved it did "
+            "not have them); the optimizers keep their own values"
+        )
+
+    reader, _ = open_reader(storage, info=info, verify=verify, trusted=trusted)
+    # Every other key was checked above, so a partial load skips only the kept ones.
+    planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict or bool(request.kept))
+    try:
+        with dcp_shims.quiet_single_process():
+            dcp.load(request.template, storage_reader=reader, planner=planner, process_group=group)
+    except dcp_shims.checkpoint_exception_cls() as exc:
+        raise unwrap_dcp_error(exc) from exc
+
+    selected = request.selected
+
+    def give_back() -> None:
+        if selected is not state:  # plain values replaced in the selection go back to the caller's mapping
+            for name, value in selected.items():
+                if state[name] is not value:
+                    state[name] = value  # type: ignore[index]
+
+    # ends in an agreement (give_back is a local step): raises on every rank or on none
+    steps = CollectiveSteps(_dist.agreement(group))
+    if request.keyed is not None:
+        steps.local(request.keyed.copy_back)
+    apply_all(request.target, steps)
+    steps.local(give_back)
+    steps.finish()
+    result = LoadResult(
+        uri=storage.uri,
+        step=info.step,
+        world_size=info.world_size,
+        metadata=dict(info.manifest.metadata) if info.manifest else {},
+        format=info.kind,
+        missing_keys=request.missing,
+        notes=notes + list(getattr(info, "notes", []) or []),
+        metrics=dict(info.manifest.metrics) if info.manifest else {},
+        bytes=checkpoint_size(info),
+        seconds=time.perf_counter() - started,
+        load_world_size=world,
+    )
+    log_operation(
+        "load",
+        uri=result.uri,
+        step=result.step,
+        nbytes=result.bytes,
+        seconds=result.seconds,
+        world_size=world,
+        saved_world_size=result.world_size,
+        rank=rank,
+    )
+    return result
+
+
+__all__ = ["LoadResult", "load"]

@@ -1,0 +1,94 @@
+"""What a CheckpointManager root holds: its step directories, what each one is, and the step
+the `latest` pointer names (falling back to the newest committed step when it is stale).
+
+The pointer is written once, by rank 0, only after the step committed, and read by all
+ranks; never one pointer per rank (per-rank pointers went stale after a resize in
+mosaicml/composer#2409).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .format import classify
+from .steps import parse_step, step_dir
+from .storage import Storage
+
+LATEST = "latest"
+
+
+class StalePointerWarning(UserWarning):
+    """The `latest` pointer named a step that is missing or uncommitted."""
+
+
+@dataclasses.dataclass
+class StepInfo:
+    step: int
+    name: str
+    state: str  # committed | incomplete | foreign
+    files: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
+
+
+def scan(storage: Storage) -> list[StepInfo]:
+    """Every step directory of the root at `storage`, oldest first, with its files and state:
+    "committed", "incomplete" (debris of a save or deletion that never finished), or
+    "foreign" (files ckptlib did not write, or a plain DCP checkpoint someone put there:
+    never debris, never deleted)."""
+    out = []
+    for name in storage.list_children():
+        step = parse_step(name)
+        if step is None:
+            continue
+        child = storage.child(name)
+        files = child.list()
+        kind = classify(child, files)
+        state = {"committed": "committed", "other": "foreign", "dcp": "foreign"}.get(kind, "incomplete")
+        out.append(StepInfo(step, name, state, files))
+    return sorted(out, key=lambda s: s.step)
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    """Committed steps, oldest first."""
+    return [s.step for s in scan(storage) if s.state == "committed"]
+
+
+def resolve_latest(storage: Storage, root_uri: str) -> tuple[int | None, str | None]:
+    """(step, warning) for the newest usable checkpoint: the pointer's if it is committed,
+    else the newest committed step with a warning that says why."""
+    target = storage.read_pointer(LATEST)
+    committed = committed_steps(storage)
+    if target is not None:
+        step = parse_step(target)
+        if step is not None and step in committed:
+            return step, None
+        fallback = committed[-1] if committed else None
+        return fallback, (
+            f"{root_uri}/{LATEST} points to {target!r}, which is not a committed checkpoint; using step {fallback}"
+            if fallback is not None
+            else f"{root_uri}/{LATEST} points to {target!r}, which is not a committed checkpoint, "
+            "and no committed step exists"
+        )
+    return (committed[-1] if committed else None), None
+
+
+def replace_reason(storage: Storage, root_uri: str, step: int) -> str | None:
+    """Why a committed `step` that `latest` does not name may be overwritten, or None.
+
+    It is a step the run never resumed from: committed just before a crash that came
+    before the pointer moved, or left by a run that was rolled back to an older step.
+    Refusing would leave the resumed run unable to save this step again. The step that
+    `latest` names is never overwritten.
+    """
+    name = step_dir(step)
+    if classify(storage.child(name)) != "committed":
+        return None
+    pointer = storage.read_pointer(LATEST)
+    if pointer == name:
+        return None
+    return (
+        f"{root_uri}/{name} is committed but {LATEST} names {pointer!r}: it was never resumed from "
+        "(a crash before the pointer moved, or a rollback); replacing it"
+    )
+
+
+__all__ = ["LATEST", "StalePointerWarning", "StepInfo", "committed_steps", "replace_reason", "resolve_latest", "scan"]
