@@ -1,7 +1,7 @@
 """The repository is formatted and linted by ruff, configured in pyproject.toml ([tool.ruff]):
 `ruff format` and `ruff check` run here, so a change that is not formatted or lints badly fails
 the suite, not a separate CI step. vulture runs here too: ckptlib/ holds no dead code (names
-only torch, pickle, pytest... call are listed in tests/vulture_whitelist.py)."""
+only torch, pickle, pytest... call are listed in tests/helpers/vulture_whitelist.py)."""
 
 from __future__ import annotations
 
@@ -61,19 +61,19 @@ def dead_code(package: str, used_from: list[str], ignore_names: tuple[str, ...] 
 
 
 def test_no_dead_code():
-    from vulture_whitelist import WHITELIST
+    from helpers.vulture_whitelist import WHITELIST
 
     found = dead_code(os.path.join(REPO, "ckptlib"), [os.path.join(REPO, p) for p in USED_FROM], WHITELIST)
     assert not found, (
         "unused code in ckptlib/ (delete it; a name only torch, pickle, pytest... calls goes in "
-        "tests/vulture_whitelist.py):\n" + "\n".join(item.get_report() for item in found)
+        "tests/helpers/vulture_whitelist.py):\n" + "\n".join(item.get_report() for item in found)
     )
 
 
 def test_dead_code_check_finds_an_unused_function(tmp_path):
     """The check is not vacuous: a function nothing calls is reported, one that is called is
     not, and the whitelist does not hide it."""
-    from vulture_whitelist import WHITELIST
+    from helpers.vulture_whitelist import WHITELIST
 
     package = tmp_path / "pkg"
     package.mkdir()

@@ -112,13 +112,13 @@ def rank_cloud(backend: str, env: dict[str, str], container: str, size_mib: int,
 def _server(backend: str):
     """(env for the ranks, make_container, remove_container) for the backend's emulator."""
     if backend == "s3":
-        from ..testing.s3_server import create_bucket, remove_bucket, s3_env, start_moto_server
+        from ..testing.fakes.s3_server import create_bucket, remove_bucket, s3_env, start_moto_server
 
         with start_moto_server() as endpoint:
             env = {k: v for k, v in s3_env(endpoint).items() if v is not None}
             yield env, (lambda: create_bucket(endpoint, "bench")), (lambda b: remove_bucket(endpoint, b))
         return
-    from ..testing import emulators as em
+    from ..testing.fakes import emulators as em
 
     if backend == "gcs":
         binary = em.gcs_binary()

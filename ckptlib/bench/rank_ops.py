@@ -1,6 +1,6 @@
 """What every benchmark rank does around a timed operation: the sharded state it saves, barriers
 around the clock, page-cache control and clean-up. Used inside ranks started by
-`ckptlib.testing.launcher.launch` (a gloo group is initialised)."""
+`ckptlib.testing.launch` (a gloo group is initialised)."""
 
 from __future__ import annotations
 

@@ -60,8 +60,8 @@ def _ckptlib(uri: str, data: bytes):
 
 
 def run(size_mib: int, reps: int) -> dict:
-    from ..testing import emulators as em
-    from ..testing.s3_server import create_bucket, s3_client, start_moto_server
+    from ..testing.fakes import emulators as em
+    from ..testing.fakes.s3_server import create_bucket, s3_client, start_moto_server
 
     data = os.urandom(size_mib * MiB)
     results: dict[str, dict] = {}

@@ -166,7 +166,7 @@ def _log(msg: str) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from ..testing.launcher import launch
+    from ..testing import launch
 
     root = tempfile.mkdtemp(prefix="ckptlib-bench-tensors-", dir=args.dir)
     commit = _source_commit()

@@ -72,7 +72,7 @@ def _log(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ..testing.launcher import launch
+    from ..testing import launch
 
     cold = (not args.quick) and (not args.warm_only) and _can_drop_caches()
     root = tempfile.mkdtemp(prefix="ckptlib-bench-", dir=args.dir)

@@ -1,5 +1,5 @@
 """`ckpt validate`: the save-at-N / load-at-M round trip on the user's storage and cluster, run
-by local ranks or under torchrun (the pairs themselves are `ckptlib.testing.validate`'s)."""
+by local ranks or under torchrun (the pairs themselves are `ckptlib.testing.matrices.validate`'s)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _world_sizes(text: str) -> list[int]:
 
 
 def _layout_names(text: str) -> list[str]:
-    from ..testing.layouts import parse_layouts
+    from ..testing.matrices.parallel_layouts import parse_layouts
 
     try:
         return parse_layouts(text)
@@ -117,7 +117,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..testing import validate
+    from ..testing.matrices import validate
 
     if args.layouts and not validate.layouts_fit(args.layouts, args.world_sizes):
         raise UsageError(
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         if report is None:  # not rank 0
             return EXIT_OK
     else:
-        from ..testing.launcher import RankError, launch
+        from ..testing.harness.launcher import RankError, launch
 
         root = args.root
         with tempfile.TemporaryDirectory(prefix="ckpt-validate-") as tmp:
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
 def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
     import torch.distributed as dist
 
-    from ..testing import validate
+    from ..testing.matrices import validate
 
     if not args.root:
         raise UsageError("under torchrun, --root is required (a path, s3://, gs:// or az:// URI every rank can reach)")

@@ -1,40 +1,63 @@
 """Test harness for ckptlib and its users: run a function in N ranks of a fresh process group.
 
-- :func:`launch` (``ckptlib.testing.launcher``) runs ``fn`` on ``world_size`` processes
-  forked from a forkserver that imported torch once, and returns the per-rank results.
-- ``ckptlib.testing.plugin`` is a pytest plugin (``pytest_plugins = ["ckptlib.testing.plugin"]``)
-  with the ``dist_run`` fixture, the ``@pytest.mark.world_size(n)`` marker and ``--backend``.
+Three rooms:
 
-- Layout builders (imported on first use, they import torch): ``LAYOUTS``, ``apply_layout``,
-  ``build_mesh`` (``ckptlib.testing.layouts``) and the layout round trip ``ModelSpec``,
-  ``LayoutCase``, ``save_layout``, ``load_layout``, ``full_product``, ``covering_subset``
-  (``ckptlib.testing.layout_matrix``): run ``dist_run`` over layout pairs of your own model.
+- ``harness/``: :func:`launch` (``ckptlib.testing.harness.launcher``) runs ``fn`` on
+  ``world_size`` processes forked from a forkserver that imported torch once, and returns the
+  per-rank results; its names are re-exported here.
+- ``matrices/``: the proof behind the tests and ``ckpt validate``. Layout builders
+  (imported on first use, they import torch): ``LAYOUTS``, ``ParallelLayout``, ``apply_layout``,
+  ``build_mesh``, ``get_layout`` (``ckptlib.testing.matrices.parallel_layouts``) and the layout
+  round trip ``ModelSpec``, ``LayoutCase``, ``save_layout``, ``load_layout``, ``full_product``,
+  ``covering_subset`` (``ckptlib.testing.matrices.layout_matrix``): run ``dist_run`` over
+  layout pairs of your own model.
+- ``fakes/``: S3, GCS and Azure emulators on 127.0.0.1, a fault-injecting proxy, writers of
+  legacy formats.
 
-Importing this package does not import torch (torch is imported inside ``launch``).
+``ckptlib.testing.plugin`` is the pytest plugin (``pytest_plugins = ["ckptlib.testing.plugin"]``):
+the ``dist_run`` fixture, the ``@pytest.mark.world_size(n)`` marker, ``--backend``, and the fakes
+as fixtures (``s3_root``, ``gcs_root``, ``azure_root``, ``fault_proxy``, ...).
+
+The module paths from before the split (``ckptlib.testing.launcher``, ``.layouts``, ``.matrix``,
+``.s3_server``...) still import, with a DeprecationWarning (``_moved``). Importing this package
+does not import torch (torch is imported inside ``launch``).
 """
 
 import importlib
+import sys
+
+from . import _moved
+
+_moved.install()
 
 _LAZY = {
-    "LAYOUTS": "layouts",
-    "apply_layout": "layouts",
-    "build_mesh": "layouts",
-    "get_layout": "layouts",
-    "ModelSpec": "layout_matrix",
-    "LayoutCase": "layout_matrix",
-    "save_layout": "layout_matrix",
-    "load_layout": "layout_matrix",
-    "full_product": "layout_matrix",
-    "covering_subset": "layout_matrix",
+    "LAYOUTS": "matrices.parallel_layouts",
+    "ParallelLayout": "matrices.parallel_layouts",
+    "apply_layout": "matrices.parallel_layouts",
+    "build_mesh": "matrices.parallel_layouts",
+    "get_layout": "matrices.parallel_layouts",
+    "ModelSpec": "matrices.layout_matrix",
+    "LayoutCase": "matrices.layout_matrix",
+    "save_layout": "matrices.layout_matrix",
+    "load_layout": "matrices.layout_matrix",
+    "full_product": "matrices.layout_matrix",
+    "covering_subset": "matrices.layout_matrix",
 }
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _moved.MOVED:  # `ckptlib.testing.matrix` as an attribute, or `from ckptlib.testing import matrix`
+        old = f"{__name__}.{name}"
+        if old not in sys.modules:
+            new = _moved.new_name(old)
+            _moved.warn_moved(old, new)
+            sys.modules[old] = importlib.import_module(new)
+        return sys.modules[old]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # This package's public names are the launcher's (its __all__), re-exported as they are.
-from .launcher import *  # noqa: E402,F401,F403
-from .launcher import __all__  # noqa: E402,F401
+from .harness.launcher import *  # noqa: E402,F401,F403
+from .harness.launcher import __all__  # noqa: E402,F401

@@ -25,7 +25,7 @@ from ckptlib.errors import (
     ShapeMismatchError,
     StateError,
 )
-from ckptlib.testing import matrix as mx
+from ckptlib.testing.matrices import matrix as mx
 
 
 def _model(seed: int = 0) -> nn.Module:

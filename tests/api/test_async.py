@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import ckptlib
 from ckptlib.format import MANIFEST_NAME
-from ckptlib.testing import matrix as mx
+from ckptlib.testing.matrices import matrix as mx
 
 ROWS, COLS = 4099, 300  # 4.9 MB of float32: every shard above the 1 MiB fast-path threshold, uneven over 2-4 ranks
 
@@ -439,7 +439,7 @@ def test_corruption_in_a_large_item_is_detected(tmp_path, where, reshard):
         from ckptlib.format.source import open_reader
 
         reader, info = open_reader(ckptlib.storage.open_storage(uri), verify=True)
-        from reader_helpers import IntoTensor
+        from helpers.readers import IntoTensor
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list

@@ -25,7 +25,7 @@ from ckptlib import (
     StateError,
 )
 from ckptlib._torch import parallel
-from ckptlib.testing.legacy_writers import write_safetensors, write_torch_save
+from ckptlib.testing.fakes.legacy_writers import write_safetensors, write_torch_save
 
 
 class Net(nn.Module):

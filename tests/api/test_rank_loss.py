@@ -16,7 +16,7 @@ import ckptlib
 from ckptlib import CheckpointManager, RankLostError
 from ckptlib.format import MANIFEST_NAME
 from ckptlib.manager import step_dir
-from ckptlib.testing.launcher import RankExited
+from ckptlib.testing import RankExited
 
 EXIT_CODE = 7
 

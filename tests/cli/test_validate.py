@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from ckptlib import cli
-from ckptlib.testing.s3_server import moto_server, s3_env, s3_root  # noqa: F401 (fixtures)
-from ckptlib.testing.validate import Cell, Report
+from ckptlib.testing.fakes.s3_server import s3_env
+from ckptlib.testing.matrices.validate import Cell, Report
 
 
 def _run(capsys, *argv):
@@ -78,7 +78,7 @@ def test_layouts_no_world_size_suits_names_the_layouts(capsys):
 
 
 @pytest.mark.s3
-def test_validate_on_s3(s3_root, moto_server, capsys, monkeypatch):  # noqa: F811
+def test_validate_on_s3(s3_root, moto_server, capsys, monkeypatch):
     for key, value in s3_env(moto_server).items():
         if value is None:
             monkeypatch.delenv(key, raising=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from ckptlib._torch import parallel
-from ckptlib.testing import matrix as mx
+from ckptlib.testing.matrices import matrix as mx
 
 pytestmark = pytest.mark.elastic
 

@@ -19,7 +19,7 @@ import pytest
 from ckptlib._torch import parallel
 from ckptlib.errors import UnsupportedError
 from ckptlib.testing import gpu_skip_reason
-from ckptlib.testing import matrix as mx
+from ckptlib.testing.matrices import matrix as mx
 
 pytestmark = pytest.mark.gpu
 

@@ -2,7 +2,7 @@
 
 Layouts: plain, ddp, fsdp2, hsdp (2x2), tp, fsdp2+tp (2x2), fsdp1 (use_orig_params=True)
 and fsdp1-flat (use_orig_params=False), of a small transformer with a tied head, uneven
-shards and a zero-size shard (`ckptlib.testing.models`). Each case asserts the full model
+shards and a zero-size shard (`ckptlib.testing.matrices.models`). Each case asserts the full model
 and optimizer state after the load equals the saved state bit-exactly, the tie survives,
 and one more step equals a never-checkpointed run.
 
@@ -22,10 +22,10 @@ import torch
 
 import ckptlib.testing
 from ckptlib._torch import parallel
-from ckptlib.testing import layout_matrix as lm
-from ckptlib.testing import layouts as lay
-from ckptlib.testing import validate
-from ckptlib.testing.launch_errors import RankError
+from ckptlib.testing import RankError
+from ckptlib.testing.matrices import layout_matrix as lm
+from ckptlib.testing.matrices import parallel_layouts as lay
+from ckptlib.testing.matrices import validate
 
 pytestmark = [
     pytest.mark.elastic,

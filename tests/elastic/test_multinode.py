@@ -27,7 +27,7 @@ import sys
 import pytest
 
 from ckptlib._torch import parallel
-from ckptlib.testing import matrix as mx
+from ckptlib.testing.matrices import matrix as mx
 
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE

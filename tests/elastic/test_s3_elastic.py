@@ -3,7 +3,7 @@
 Every rank is a separate process, so the server is reached over loopback with the endpoint and
 fake credentials passed as environment variables (an in-process mock_aws would not cross the
 process boundary). Each case checks the loaded state bit-exactly and one training step after
-the load against a run that never saw a checkpoint (ckptlib.testing.matrix.load_side).
+the load against a run that never saw a checkpoint (ckptlib.testing.matrices.matrix.load_side).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from ckptlib._torch import parallel
-from ckptlib.testing import matrix as mx
-from ckptlib.testing.s3_server import moto_server, s3_client, s3_env, s3_root  # noqa: F401
+from ckptlib.testing.fakes.s3_server import s3_client, s3_env
+from ckptlib.testing.matrices import matrix as mx
 
 pytestmark = [pytest.mark.s3, pytest.mark.elastic]
 
@@ -131,7 +131,7 @@ def _manager_load(root: str):
 def test_rank_killed_mid_upload_keeps_latest_and_next_save_cleans(moto_server, s3_root, dist_run):
     """A rank dies while uploading its shard: `latest` still names the previous step, which
     loads; the next save removes the debris (exact key set)."""
-    from ckptlib.testing.launcher import RankError
+    from ckptlib.testing import RankError
 
     env = s3_env(moto_server)
     bucket, prefix = s3_root.split("/")[2], "/".join(s3_root.split("/")[3:])

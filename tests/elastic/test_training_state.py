@@ -1,12 +1,12 @@
 """Training states across a resize: saved at N ranks, loaded at M, bit-exact, then one more
-step equal to a run that never checkpointed (`ckptlib.testing.training_states`)."""
+step equal to a run that never checkpointed (`ckptlib.testing.matrices.training_states`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from ckptlib._torch import parallel
-from ckptlib.testing import training_states as ts
+from ckptlib.testing.matrices import training_states as ts
 
 pytestmark = [
     pytest.mark.elastic,

@@ -14,7 +14,7 @@ import zlib
 
 import pytest
 import torch
-from reader_helpers import IntoTensor
+from helpers.readers import IntoTensor
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -26,7 +26,6 @@ from ckptlib.format import block_checks, checksum, dcp_reader, dcp_writer, item_
 from ckptlib.format.manifest import FileRecord
 from ckptlib.format.source import open_reader
 from ckptlib.storage import open_storage
-from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.skipif(not checksum.FAST, reason="block checksums need zlib-ng's crc32_combine")
 

@@ -25,16 +25,16 @@ import uuid
 
 import pytest
 import torch
-from test_legacy import (
+from helpers.golden import (
     FIXTURE_NAMES,
     FIXTURES,
-    _build_state,
-    _comparable,
-    _expected,
-    _full_state,
-    _launch,
+    build_state,
+    comparable,
     diff,
+    expected_state,
+    full_state,
     generator,
+    launch_ranks,
 )
 
 import ckptlib
@@ -81,14 +81,14 @@ def rank_load_dir(directory: str) -> dict:
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     ref = _reference(directory)
-    state = _build_state(ref, world)
+    state = build_state(ref, world)
     try:
         result = ckptlib.load(os.path.join(directory, _info(directory)["checkpoint"]), state)
     except UnsupportedError as exc:
         return {"unsupported": str(exc)}
     except ckptlib.CheckpointError as exc:
         return {"error": type(exc).__name__, "message": str(exc)}
-    expected, got = _comparable(_expected(ref, state), _full_state(state))
+    expected, got = comparable(expected_state(ref, state), full_state(state))
     return {
         "diffs": diff(got, expected),
         "format": result.format,
@@ -108,7 +108,7 @@ def _write(target: str) -> None:
     staging = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
     os.makedirs(staging)
     try:
-        _launch(SAVE_WS, rank_write, os.path.join(staging, "ckpt"), staging)
+        launch_ranks(SAVE_WS, rank_write, os.path.join(staging, "ckpt"), staging)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(staging, target)
     finally:
@@ -137,14 +137,16 @@ def test_write_for_other_minors(tmp_path):
     info = _info(target)
     assert info["torch_version"] == torch.__version__ and info["saved_world_size"] == SAVE_WS
     assert json.load(open(os.path.join(target, "ckpt", "ckptlib.json")))["torch_version"] == torch.__version__
-    _assert_loaded(_launch(3, rank_load_dir, target), f"{THIS_MINOR} itself")
+    _assert_loaded(launch_ranks(3, rank_load_dir, target), f"{THIS_MINOR} itself")
 
 
 @pytest.mark.parametrize("world_size", [SAVE_WS, 3], ids=lambda w: f"load-ws{w}")
 @pytest.mark.parametrize("source", sorted(SOURCES))
 def test_load_checkpoint_from_other_minor(source, world_size):
     directory = SOURCES[source]
-    _assert_loaded(_launch(world_size, rank_load_dir, directory), f"{source} ({_info(directory)['torch_version']})")
+    _assert_loaded(
+        launch_ranks(world_size, rank_load_dir, directory), f"{source} ({_info(directory)['torch_version']})"
+    )
 
 
 def test_golden_checkpoints_from_several_minors():

@@ -19,8 +19,7 @@ import ckptlib
 from ckptlib.cli import main as cli_main
 from ckptlib.errors import CheckpointExistsError, StateError
 from ckptlib.export import EXPORT_RECORD, parse_size
-from ckptlib.testing.matrix import save_side
-from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401
+from ckptlib.testing.matrices.matrix import save_side
 
 st = pytest.importorskip("safetensors.torch")
 from safetensors import safe_open  # noqa: E402

@@ -34,7 +34,6 @@ from ckptlib.errors import (
 from ckptlib.format import classify
 from ckptlib.format.verify import Problem, structure_problems, verify
 from ckptlib.storage import open_storage
-from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401  (fixtures)
 
 SENTINEL = -7.0
 

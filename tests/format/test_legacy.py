@@ -12,21 +12,30 @@ compared with its reference.pt, bit for bit: "it loaded" is not enough (DeepSpee
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import os
 import pickle
 import shutil
-import sys
 
 import pytest
 import torch
-from reader_helpers import IntoTensor
+from helpers.golden import (
+    FIXTURE_NAMES,
+    FIXTURES,
+    check_ranks,
+    diff,
+    fixture_info,
+    fixture_path,
+    generator,
+    launch_ranks,
+    rank_load_and_compare,
+    reference,
+)
+from helpers.readers import IntoTensor
 
 import ckptlib
 import ckptlib.checkpoint
-from ckptlib._torch import dcp_shims, parallel
+from ckptlib._torch import dcp_shims
 from ckptlib.convert import convert
 from ckptlib.errors import (
     CheckpointCorruptError,
@@ -46,188 +55,11 @@ from ckptlib.format.source import (
     open_reader,
 )
 from ckptlib.state import _merge_back
-from ckptlib.testing.legacy_writers import uneven_bounds, write_safetensors, write_v0
+from ckptlib.testing.fakes.legacy_writers import uneven_bounds, write_safetensors, write_v0
 
 pytestmark = pytest.mark.legacy
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURES = os.path.join(os.path.dirname(HERE), "fixtures")
-FIXTURE_NAMES = sorted(
-    name for name in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, name, "fixture.json"))
-)
 WORLD_SIZES = (1, 2, 3, 4)
-
-
-def fixture_info(name: str) -> dict:
-    with open(os.path.join(FIXTURES, name, "fixture.json")) as f:
-        return json.load(f)
-
-
-def fixture_path(name: str) -> str:
-    return os.path.join(FIXTURES, name, fixture_info(name)["checkpoint"])
-
-
-@functools.lru_cache(maxsize=None)
-def reference(name: str) -> dict:
-    return torch.load(os.path.join(FIXTURES, name, "reference.pt"), weights_only=True)
-
-
-@functools.lru_cache(maxsize=None)
-def generator():
-    """tests/fixtures/generate.py as a module (FixtureModel, make_optim)."""
-    spec = importlib.util.spec_from_file_location("ckptlib_fixture_generate", os.path.join(FIXTURES, "generate.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-# --------------------------------------------------------------------------- comparing
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def diff(actual, expected, path: str = "") -> list[str]:
-    """Every difference between two nested states; tensors must match dtype, shape and bits."""
-    if isinstance(expected, dict):
-        if not isinstance(actual, dict):
-            return [f"{path}: {type(actual).__name__}, expected a dict"]
-        out = [f"{path}.{k}: missing" for k in expected if k not in actual]
-        out += [f"{path}.{k}: unexpected" for k in actual if k not in expected]
-        for k in expected:
-            if k in actual:
-                out += diff(actual[k], expected[k], f"{path}.{k}")
-        return out
-    if isinstance(expected, (list, tuple)):
-        if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
-            return [f"{path}: {actual!r} != {expected!r}"]
-        return [d for i, (a, e) in enumerate(zip(actual, expected)) for d in diff(a, e, f"{path}.{i}")]
-    if isinstance(expected, torch.Tensor):
-        if not isinstance(actual, torch.Tensor):
-            return [f"{path}: {type(actual).__name__}, expected a tensor"]
-        if actual.dtype != expected.dtype or actual.shape != expected.shape:
-            return [f"{path}: {actual.dtype} {tuple(actual.shape)}, expected {expected.dtype} {tuple(expected.shape)}"]
-        return [] if torch.equal(_bits(actual), _bits(expected)) else [f"{path}: values differ"]
-    return [] if actual == expected else [f"{path}: {actual!r} != {expected!r}"]
-
-
-# --------------------------------------------------------------------------- loading in ranks
-
-
-def _load(path: str, state: dict, **kwargs):
-    return ckptlib.load(path, state, **kwargs)
-
-
-def _build_state(ref: dict, world_size: int, seed: int = 99) -> dict:
-    """A state shaped like the fixture's, initialised differently, sharded when world_size > 1."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    gen = generator()
-    torch.manual_seed(seed)
-    state: dict = {}
-    mesh = init_device_mesh("cpu", (world_size,)) if world_size > 1 and dist.is_initialized() else None
-    if "model" in ref:
-        model = gen.FixtureModel()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.uniform_(-7, 7)
-            model.counter.fill_(-1)
-        if mesh is not None and parallel.fsdp2_cpu_reason() is None:
-            fully_shard = parallel.fully_shard_fn()
-            for layer in (model.embed, model.proj, model.norm, model.head):
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        state["model"] = model
-        if "optim" in ref:
-            state["optim"] = gen.make_optim(model)
-    if "extra" in ref:
-        state["extra"] = {}
-        for k, v in ref["extra"].items():
-            wrong = torch.full_like(v, 3)
-            state["extra"][k] = distribute_tensor(wrong, mesh, [Shard(0)]) if mesh is not None and v.dim() else wrong
-    if "meta" in ref:
-        state["meta"] = {"epoch": -1, "tag": "wrong"}
-    return state
-
-
-def _full_state(state: dict) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    opts = StateDictOptions(full_state_dict=True)
-    out: dict = {}
-    if "model" in state:
-        out["model"] = get_model_state_dict(state["model"], options=opts)
-    if "optim" in state:
-        out["optim"] = get_optimizer_state_dict(state["model"], state["optim"], options=opts)
-    if "extra" in state:
-        out["extra"] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state["extra"].items()}
-    if "meta" in state:
-        out["meta"] = dict(state["meta"])
-    return out
-
-
-def _expected(ref: dict, state_keys) -> dict:
-    """The reference restricted to what the state can hold (a model ignores extra tensors)."""
-    gen = generator()
-    out = {k: v for k, v in ref.items() if k in state_keys}
-    if "model" in out:
-        keys = set(gen.FixtureModel().state_dict())
-        out["model"] = {k: v for k, v in out["model"].items() if k in keys}
-    return out
-
-
-def _comparable(expected: dict, got: dict) -> tuple[dict, dict]:
-    """Optimizer hyperparameters compared on the names both sides have: a fixture from a newer
-    torch carries e.g. AdamW's `decoupled_weight_decay`, which torch 2.6 lacks (ckptlib does not
-    load a hyperparameter the optimizer lacks), and an optimizer from a newer torch fills in
-    defaults for names an older torch (1.13) never saved. Every value both have must match."""
-    groups_exp = expected.get("optim", {}).get("param_groups")
-    groups_got = got.get("optim", {}).get("param_groups")
-    if not groups_exp or not groups_got or len(groups_exp) != len(groups_got):
-        return expected, got
-    common = [set(ge) & set(ga) for ge, ga in zip(groups_exp, groups_got)]
-    trim = lambda groups: [{k: v for k, v in g.items() if k in keys} for g, keys in zip(groups, common)]  # noqa: E731
-    return (
-        {**expected, "optim": {**expected["optim"], "param_groups": trim(groups_exp)}},
-        {**got, "optim": {**got["optim"], "param_groups": trim(groups_got)}},
-    )
-
-
-def rank_load_and_compare(name: str, path: str | None = None, drop: tuple = ()) -> dict:
-    """Runs on every rank: build the state, load the fixture (or `path`), return what differs."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    ref = {k: v for k, v in reference(name).items() if k not in drop}
-    state = _build_state(ref, world)
-    try:
-        result = _load(path or fixture_path(name), state)
-    except ckptlib.CheckpointError as exc:
-        return {"error": type(exc).__name__, "message": str(exc)}
-    expected, got = _comparable(_expected(ref, state), _full_state(state))
-    return {
-        "diffs": diff(got, expected),
-        "format": result.format,
-        "world_size": result.world_size,
-        "missing": result.missing_keys,
-    }
-
-
-def _launch(world_size: int, fn, *args):
-    from ckptlib.testing.launcher import launch
-
-    return launch(world_size, fn, *args, timeout=240)
-
-
-def _check_ranks(results: list, name: str) -> None:
-    errors = [r for r in results if "error" in r]
-    assert not errors, (name, errors[0])
-    for rank, r in enumerate(results):
-        assert r["diffs"] == [], f"rank {rank}: {r['diffs'][:10]}"
 
 
 # --------------------------------------------------------------------------- the matrix
@@ -236,8 +68,8 @@ def _check_ranks(results: list, name: str) -> None:
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda w: f"load-ws{w}")
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_fixture_loads_bit_exact(name, world_size):
-    results = _launch(world_size, rank_load_and_compare, name)
-    _check_ranks(results, name)
+    results = launch_ranks(world_size, rank_load_and_compare, name)
+    check_ranks(results, name)
     info = fixture_info(name)
     assert {r["format"] for r in results} == {info["format"]}
     assert {r["world_size"] for r in results} == {info["saved_world_size"]}
@@ -247,8 +79,8 @@ def test_fixture_loads_bit_exact(name, world_size):
 def test_pre_24_flattened_objects_load():
     """torch 2.0 saved {'meta': {...}} as one bytes item 'meta'; DCP reads it with its pre-2.4
     fallback, and so does ckptlib.load (pytorch/pytorch#133923)."""
-    results = _launch(2, rank_load_and_compare, "dcp_sharded_tensor_torch2.0")
-    _check_ranks(results, "dcp_sharded_tensor_torch2.0")
+    results = launch_ranks(2, rank_load_and_compare, "dcp_sharded_tensor_torch2.0")
+    check_ranks(results, "dcp_sharded_tensor_torch2.0")
     assert all(r["diffs"] == [] for r in results)
 
 
@@ -542,8 +374,8 @@ def test_converted_checkpoint_loads_sharded(tmp_path):
     dst = str(tmp_path / "from-v0")
     result = convert(fixture_path("v0_ws3"), dst, to="dcp", progress=False)
     assert result.src_format == "v0" and detect_format(dst) == "ckptlib"
-    results = _launch(2, rank_load_and_compare, "v0_ws3", dst)
-    _check_ranks(results, "converted v0")
+    results = launch_ranks(2, rank_load_and_compare, "v0_ws3", dst)
+    check_ranks(results, "converted v0")
     assert {r["format"] for r in results} == {"ckptlib"}
 
 
@@ -552,8 +384,8 @@ def test_convert_upgrades_pre_24_keys(tmp_path):
     is keyed by current rules and needs no pre-2.4 fallback."""
     dst = str(tmp_path / "upgraded")
     convert(fixture_path("dcp_sharded_tensor_torch2.0"), dst, progress=False)
-    results = _launch(2, rank_load_and_compare, "dcp_sharded_tensor_torch2.0", dst)
-    _check_ranks(results, "upgraded 2.0")
+    results = launch_ranks(2, rank_load_and_compare, "dcp_sharded_tensor_torch2.0", dst)
+    check_ranks(results, "upgraded 2.0")
 
 
 def test_convert_to_safetensors_is_readable_by_the_safetensors_package(tmp_path):
@@ -784,7 +616,7 @@ def test_renamed_keys_fail_loudly(tmp_path):
     renamed = {**ref, "model": {k.replace("proj.", "proj_"): v for k, v in ref["model"].items()}}
     path = str(tmp_path / "renamed.pt")
     torch.save(renamed, path)
-    results = _launch(2, rank_load_and_compare, "torch_save", path)
+    results = launch_ranks(2, rank_load_and_compare, "torch_save", path)
     assert all(r.get("error") == "MissingKeysError" for r in results), results
     assert "model.proj.weight" in results[0]["message"] and "model.proj.bias" in results[0]["message"]
 
@@ -794,7 +626,7 @@ def test_hf_style_prefixed_safetensors_fail_loudly(tmp_path):
     pytest.importorskip("safetensors")
     st = str(tmp_path / "hf")
     write_safetensors(st, {f"model.{k}": v for k, v in reference("safetensors_single")["model"].items()})
-    results = _launch(1, rank_load_and_compare, "safetensors_single", st)
+    results = launch_ranks(1, rank_load_and_compare, "safetensors_single", st)
     assert results[0].get("error") == "MissingKeysError", results
     assert "model.embed.weight" in results[0]["message"]
 
@@ -807,6 +639,6 @@ def test_raw_optimizer_state_dict_fails_loudly(tmp_path):
     gen.train(model, optim)
     path = str(tmp_path / "raw.pt")
     torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, path)
-    results = _launch(1, rank_load_and_compare, "torch_save", path, ("extra", "meta"))
+    results = launch_ranks(1, rank_load_and_compare, "torch_save", path, ("extra", "meta"))
     assert results[0].get("error") == "MissingKeysError", results
     assert "optim.state.embed.weight" in results[0]["message"]

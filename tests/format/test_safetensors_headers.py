@@ -266,7 +266,7 @@ def test_every_safetensors_dtype_reads_back_bit_exact(tmp_path, name):
     torch share, reads back bit-exact through ckptlib's own parser (whole and in a row piece)."""
     pytest.importorskip("safetensors")
     from ckptlib.format.safetensors_header import DTYPES
-    from ckptlib.testing.legacy_writers import write_safetensors
+    from ckptlib.testing.fakes.legacy_writers import write_safetensors
 
     dtype = getattr(torch, DTYPES[name][0])
     raw = torch.arange(24, dtype=torch.uint8).repeat(DTYPES[name][1]).reshape(6, 4 * DTYPES[name][1])

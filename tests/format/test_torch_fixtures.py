@@ -17,14 +17,14 @@ import pickletools
 
 import pytest
 import torch
-from test_legacy import (
+from helpers.golden import (
     FIXTURE_NAMES,
-    _check_ranks,
-    _launch,
+    check_ranks,
     diff,
     fixture_info,
     fixture_path,
     generator,
+    launch_ranks,
     rank_load_and_compare,
     reference,
 )
@@ -115,8 +115,8 @@ def test_ckpt_convert_keeps_every_bit(name, to, tmp_path, capsys):
         return
     rc, out, err = _ckpt(capsys, "inspect", "--json", dst)
     assert rc == 0 and json.loads(out)["format"] == "ckptlib"
-    results = _launch(3, rank_load_and_compare, name, str(dst))
-    _check_ranks(results, f"{name} converted")
+    results = launch_ranks(3, rank_load_and_compare, name, str(dst))
+    check_ranks(results, f"{name} converted")
     assert {r["format"] for r in results} == {"ckptlib"}
 
 

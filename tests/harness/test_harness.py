@@ -1,4 +1,4 @@
-"""Tests of the distributed test harness: ckptlib.testing.launcher and its pytest plugin.
+"""Tests of the distributed test harness: ckptlib.testing.harness.launcher and its pytest plugin.
 
 The rank bodies are module-level functions (they are pickled by reference and imported in
 every rank).  No test asserts on timing.
@@ -439,7 +439,8 @@ def test_ranks_die_with_the_launching_process(tmp_path):
         textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {REPO!r})
-        from ckptlib.testing import launch, launcher
+        from ckptlib.testing import launch
+        from ckptlib.testing.harness import launcher
         launcher._preload[:] = ["torch", "torch.distributed"]  # a lighter forkserver
 
         def body(out):

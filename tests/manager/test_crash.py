@@ -30,7 +30,7 @@ from ckptlib.format import classify
 from ckptlib.format.verify import verify
 from ckptlib.lock import LOCK_NAME, StaleLockWarning, _process_start
 from ckptlib.storage import open_storage
-from ckptlib.testing.launcher import RankExited
+from ckptlib.testing import RankExited
 
 
 def _full(step: int) -> torch.Tensor:
@@ -497,7 +497,7 @@ def test_a_failed_save_releases_the_lock_unless_held(tmp_path, monkeypatch, wher
 
 
 def test_a_lock_that_cannot_be_removed_after_a_save_only_warns(tmp_path, monkeypatch):
-    from manager_helpers import refuse_lock_deletion
+    from helpers.manager import refuse_lock_deletion
 
     root = tmp_path / "run"
     refuse_lock_deletion(monkeypatch)

@@ -13,7 +13,7 @@ import torch
 
 import ckptlib
 from ckptlib import CheckpointManager, StalePointerWarning
-from ckptlib.testing.legacy_writers import write_v0
+from ckptlib.testing.fakes.legacy_writers import write_v0
 
 
 def _state(value: float) -> dict:

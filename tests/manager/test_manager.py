@@ -262,7 +262,7 @@ def _users_file_in_step_1_then_step_2(root):
 
 
 def _lock_cannot_be_removed(root, monkeypatch):
-    from manager_helpers import refuse_lock_deletion
+    from helpers.manager import refuse_lock_deletion
 
     refuse_lock_deletion(monkeypatch)
     return CheckpointManager(root)

@@ -18,7 +18,7 @@ import ckptlib
 from ckptlib import CheckpointExistsError, CheckpointManager, NotACheckpointError, OverwriteRefusedError, cli
 from ckptlib.manager import ForeignFilesWarning
 from ckptlib.steps import step_dir
-from ckptlib.testing.s3_server import moto_server, s3_client, s3_env, s3_root  # noqa: F401
+from ckptlib.testing.fakes.s3_server import s3_client, s3_env
 
 
 def _tree(root) -> dict[str, bytes]:

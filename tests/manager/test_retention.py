@@ -17,7 +17,6 @@ import torch
 import ckptlib
 from ckptlib import CheckpointManager, KeepBest, KeepEvery, KeepLast, StalePointerWarning, StateError, cli
 from ckptlib.retention import AnyOf, StepRecord, to_delete
-from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401
 
 
 def _dirs(root) -> list[int]:

@@ -16,6 +16,7 @@ import textwrap
 
 import pytest
 import torch
+from helpers.manager import step_state as _state
 
 import ckptlib
 import ckptlib.tiered as tiered
@@ -24,7 +25,6 @@ from ckptlib.format import MANIFEST_NAME, classify
 from ckptlib.format.verify import verify
 from ckptlib.manager import CheckpointManager
 from ckptlib.storage import open_storage
-from ckptlib.testing.s3_server import moto_server, s3_env, s3_root  # noqa: F401
 from ckptlib.tiered import TieredCheckpointManager, UploadError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,11 +35,6 @@ def remote(request, tmp_path) -> str:
     if request.param == "local":
         return str(tmp_path / "remote")
     return request.getfixturevalue("s3_root")
-
-
-def _state(step: int) -> dict:
-    gen = torch.Generator().manual_seed(step)
-    return {"model": {"w": torch.randn(64, 33, generator=gen), "b": torch.randn(7, generator=gen)}, "step": step}
 
 
 def _children(uri: str) -> list[str]:
@@ -192,7 +187,7 @@ _CRASHING_CHILD = textwrap.dedent(
     import os, sys, time, torch
     sys.path.insert(0, sys.argv[3])
     import ckptlib, ckptlib.tiered as tiered
-    from test_tiered import _state
+    from helpers.manager import step_state
 
     real_copy = tiered._copy_file
 
@@ -206,9 +201,9 @@ _CRASHING_CHILD = textwrap.dedent(
 
     tiered._copy_file = slow_copy
     mgr = ckptlib.CheckpointManager(sys.argv[1], remote_root=sys.argv[2], keep_local=1, upload_concurrency=1)
-    mgr.save(1, _state(1))
+    mgr.save(1, step_state(1))
     mgr.wait()
-    mgr.save(2, _state(2))
+    mgr.save(2, step_state(2))
     print("SAVED", flush=True)
     time.sleep(600)
     """
@@ -218,7 +213,7 @@ _CRASHING_CHILD = textwrap.dedent(
 def test_killed_mid_upload_then_the_next_start_resumes(tmp_path, remote):
     local = str(tmp_path / "local")
     proc = subprocess.Popen(
-        [sys.executable, "-c", _CRASHING_CHILD, local, remote, os.path.dirname(os.path.abspath(__file__))],
+        [sys.executable, "-c", _CRASHING_CHILD, local, remote, os.path.join(REPO, "tests")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

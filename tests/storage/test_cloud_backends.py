@@ -1,7 +1,7 @@
 """s3://, gs:// and az:// end to end, on moto, fake-gcs-server and Azurite started by the tests:
 save/load, CheckpointManager retention and `latest`, save-at-N/load-at-M, the CLI, and faults
 (503 bursts, the server stopping mid-upload) injected by a proxy between ckptlib and the
-emulator, or a permanent error on one object injected at the client (storage_helpers.Faults).
+emulator, or a permanent error on one object injected at the client (helpers.storage.Faults).
 S3's save-at-N/load-at-M and `ckpt validate` cases are in tests/elastic/test_s3_elastic.py and
 tests/cli/.
 """
@@ -12,17 +12,16 @@ import json
 
 import pytest
 import torch
-from storage_helpers import LABELS, Faults, permanent_error
+from helpers.storage import LABELS, Faults, permanent_error
 
 import ckptlib
 from ckptlib._torch import parallel
 from ckptlib.errors import CheckpointError, StorageError
 from ckptlib.storage import is_remote, open_storage
-from ckptlib.testing import emulators as em
-from ckptlib.testing import matrix as mx
-from ckptlib.testing.emulators import azure_root, azurite_server, gcs_root, gcs_server  # noqa: F401
-from ckptlib.testing.faultproxy import FaultProxy
-from ckptlib.testing.s3_server import moto_server, s3_env, s3_root  # noqa: F401
+from ckptlib.testing.fakes import emulators as em
+from ckptlib.testing.fakes.faultproxy import FaultProxy
+from ckptlib.testing.fakes.s3_server import s3_env
+from ckptlib.testing.matrices import matrix as mx
 
 MiB = 1 << 20
 GCS_AZURE = [

@@ -15,14 +15,14 @@ import uuid
 
 import pytest
 import torch
-from storage_helpers import record_sleeps
+from helpers.storage import record_sleeps
 
 import ckptlib
 from ckptlib.errors import CheckpointError, StorageError
 from ckptlib.storage import open_storage
 from ckptlib.storage.s3 import MAX_PART_SIZE, MAX_PUT_SIZE, MIN_PART_SIZE, S3Storage, make_client, parse_uri
 from ckptlib.storage.s3_client import S3Client
-from ckptlib.testing.s3_server import moto_server, s3_client, s3_root  # noqa: F401
+from ckptlib.testing.fakes.s3_server import s3_client
 
 pytestmark = pytest.mark.s3
 

@@ -11,14 +11,14 @@ import socket
 from urllib.parse import quote
 
 import pytest
-from storage_helpers import LABELS, Faults, record_sleeps
+from helpers.storage import LABELS, Faults, record_sleeps
 
 from ckptlib.errors import StorageError
 from ckptlib.storage import open_storage
 from ckptlib.storage.scrub import REDACTED, guard_loggers, logger, scrub, scrub_exception
-from ckptlib.testing import emulators as em
-from ckptlib.testing.emulators import environ
-from ckptlib.testing.s3_server import s3_env
+from ckptlib.testing.fakes import emulators as em
+from ckptlib.testing.fakes.emulators import environ
+from ckptlib.testing.fakes.s3_server import s3_env
 
 AZURE_KEY = "Zm9vYmFyYmF6cXV4" * 5 + "YWJjZG=="  # 88 characters of base64: the shape of an account key
 PRIVATE_KEY = "-----BEGIN PRIVATE KEY-----\\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\\n-----END PRIVATE KEY-----\\n"

@@ -2,7 +2,7 @@
 (moto), GCS (fake-gcs-server) and Azure Blob (Azurite), each on a real server on 127.0.0.1.
 The second half is what every object store does the same way (they share one implementation,
 `ckptlib.storage.objects`): its requests, retries and back-off, transfer settings and errors,
-observed and failed at the client seam each backend provides (storage_helpers.Faults).
+observed and failed at the client seam each backend provides (helpers.storage.Faults).
 
 Remote backends run with small transfer sizes (5 MiB parts, 1 MiB read chunks) so multipart
 uploads and parallel ranged reads happen at test sizes.
@@ -18,15 +18,13 @@ import threading
 
 import pytest
 import torch
-from storage_helpers import JITTER, LABELS, Faults, permanent_error, record_sleeps, transient_error
+from helpers.storage import JITTER, LABELS, Faults, permanent_error, record_sleeps, transient_error
 
 import ckptlib
 from ckptlib.errors import StorageError
 from ckptlib.storage import LocalStorage, open_storage
 from ckptlib.storage.base import Storage, SupportsCreateExclusive
 from ckptlib.storage.objects import Exists
-from ckptlib.testing.emulators import azure_root, azurite_server, gcs_root, gcs_server  # noqa: F401
-from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401
 
 MiB = 1 << 20
 REMOTE = [

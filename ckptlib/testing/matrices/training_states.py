@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from .._torch import parallel
+from ..._torch import parallel
 from . import layout_matrix, matrix
-from . import layouts as lay
+from . import parallel_layouts as lay
 from .models import build_transformer, transformer_loss
 
 FULL = StateDictOptions(full_state_dict=True)

@@ -1,6 +1,8 @@
-"""Helpers shared by the manager tests."""
+"""Helpers shared by the manager tests (test_manager, test_crash, test_tiered and its child process)."""
 
 from __future__ import annotations
+
+import torch
 
 
 def refuse_lock_deletion(monkeypatch) -> None:
@@ -16,3 +18,9 @@ def refuse_lock_deletion(monkeypatch) -> None:
         return real_delete(self, names)
 
     monkeypatch.setattr(LocalStorage, "delete", delete)
+
+
+def step_state(step: int) -> dict:
+    """A small state whose values are a function of `step` (another step, other values)."""
+    gen = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(64, 33, generator=gen), "b": torch.randn(7, generator=gen)}, "step": step}

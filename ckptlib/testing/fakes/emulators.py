@@ -1,8 +1,6 @@
 """Cloud storage emulators on 127.0.0.1 for tests: fake-gcs-server (GCS) and Azurite (Azure Blob).
 
-In a test module::
-
-    from ckptlib.testing.emulators import gcs_server, gcs_root, azurite_server, azure_root  # noqa: F401
+The fixtures come with the plugin (``pytest_plugins = ["ckptlib.testing.plugin"]``)::
 
     def test_roundtrip(gcs_root):          # "gs://<fresh bucket>/run"
         ckptlib.save(gcs_root, state)
@@ -65,7 +63,7 @@ __all__ = [
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 AZURITE_VERSION = "3.35.0"
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 AZURITE_DIR = os.path.join(_REPO, ".ci", "azurite")
 AZURITE_INSTALL = f"npm install --prefix {os.path.relpath(AZURITE_DIR)} azurite@{AZURITE_VERSION}"
 GCS_INSTALL = (

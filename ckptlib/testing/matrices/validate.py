@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import layout_matrix, matrix
-from . import layouts as layouts_mod
+from . import parallel_layouts as layouts_mod
 
 
 @dataclasses.dataclass
@@ -247,8 +247,8 @@ def run_layout_pairs(
 
 def _cleanup(base: str) -> None:
     """Remove the run's checkpoints; a failure here must not hide the report."""
-    from ..errors import CheckpointError
-    from ..storage import open_storage
+    from ...errors import CheckpointError
+    from ...storage import open_storage
 
     try:
         open_storage(base).delete_tree()
@@ -257,7 +257,7 @@ def _cleanup(base: str) -> None:
 
 
 def default_wrap() -> str:
-    from .._torch import parallel
+    from ..._torch import parallel
 
     return "fsdp2" if parallel.fsdp2_cpu_reason() is None else "ddp"
 

@@ -23,15 +23,16 @@ WHITELIST = (
     "readable",
     "seekable",
     "writable",
-    # importlib's loader protocol (testing/rank_process.py)
+    # importlib's loader protocol (testing/harness/rank_process.py, testing/_moved.py)
     "create_module",
-    # torch.nn.Module.__call__ runs forward (testing/models.py, matrix.py)
+    # torch.nn.Module.__call__ runs forward (testing/matrices/models.py, matrix.py)
     "forward",
-    # a module's __getattr__ (PEP 562: testing/__init__.py's lazy names)
+    # a module's __getattr__ (PEP 562: testing/__init__.py's lazy names and old paths, testing/plugin.py,
+    # testing/matrices/parallel_layouts.py)
     "__getattr__",
     # the parameter of __exit__(self, *exc_info) (manager.py)
     "exc_info",
-    # pytest's hooks and a hook parameter its hookspec names (testing/plugin.py)
+    # pytest's hooks and a hook parameter its hookspec names (testing/harness/dist_plugin.py)
     "pytest_*",
     "nextitem",
     # SaveContext's field for users' own save policies (save_policy.py)
@@ -40,6 +41,4 @@ WHITELIST = (
     "content_type",
     # argparse.HelpFormatter's hook, overridden to keep paragraphs and "- " items (cli/usage.py)
     "_split_lines",
-    # unused: removed in the testing split (testing/layouts.py)
-    "CPU_LAYOUTS",
 )

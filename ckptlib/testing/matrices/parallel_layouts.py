@@ -1,4 +1,5 @@
-"""Parallelism layouts a checkpoint is saved from and loaded into, for any model.
+"""Parallelism layouts a checkpoint is saved from and loaded into, for any model (a
+``ParallelLayout``; ``ckptlib.format.layout`` is another thing: what a checkpoint directory holds).
 
 A layout is how a model's parameters are spread over ranks:
 
@@ -16,23 +17,24 @@ makes its mesh. Models say what to shard: ``fsdp_units`` (submodules that get th
 FSDP unit) and ``tp_plan`` (a ``parallelize_module`` plan) are taken from the arguments or,
 if absent, from methods of the same names on the model; ``after_tp`` (e.g. re-tie weights
 that the plan replaced) from the argument or the model's ``retie()`` (as
-``ckptlib.testing.models.TinyTransformer`` has).
+``ckptlib.testing.matrices.models.TinyTransformer`` has).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._torch import parallel
+from ..._torch import parallel
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class ParallelLayout:
     name: str
     mesh_dims: int  # 0: no mesh (plain, ddp, fsdp1), 1 or 2
     matrix_sizes: tuple[int, ...]  # world sizes in the test matrix
@@ -57,24 +59,34 @@ class Layout:
         return None
 
 
-LAYOUTS: dict[str, Layout] = {
+LAYOUTS: dict[str, ParallelLayout] = {
     layout.name: layout
     for layout in (
-        Layout("plain", 0, (1, 2, 3, 4)),
-        Layout("ddp", 0, (1, 2, 3, 4)),
-        Layout("fsdp2", 1, (1, 2, 3, 4), ("shard",)),
-        Layout("hsdp", 2, (4,), ("replicate", "shard")),
-        Layout("tp", 1, (1, 2, 3, 4), ("tp",)),
-        Layout("fsdp2+tp", 2, (4,), ("dp", "tp")),
-        Layout("fsdp1", 0, (1, 2, 3, 4)),
-        Layout("fsdp1-flat", 0, (1, 2, 3, 4)),
+        ParallelLayout("plain", 0, (1, 2, 3, 4)),
+        ParallelLayout("ddp", 0, (1, 2, 3, 4)),
+        ParallelLayout("fsdp2", 1, (1, 2, 3, 4), ("shard",)),
+        ParallelLayout("hsdp", 2, (4,), ("replicate", "shard")),
+        ParallelLayout("tp", 1, (1, 2, 3, 4), ("tp",)),
+        ParallelLayout("fsdp2+tp", 2, (4,), ("dp", "tp")),
+        ParallelLayout("fsdp1", 0, (1, 2, 3, 4)),
+        ParallelLayout("fsdp1-flat", 0, (1, 2, 3, 4)),
     )
 }
-#: The layouts of the CPU matrix (FSDP1 runs on CPU only where torch allows it).
-CPU_LAYOUTS = ("plain", "ddp", "fsdp2", "hsdp", "tp", "fsdp2+tp")
 
 
-def get_layout(name: str) -> Layout:
+def __getattr__(name: str):
+    if name == "Layout":  # its name until the module was layouts.py beside format/layout.py
+        warnings.warn(
+            f"{__name__}.Layout is now ParallelLayout; the old name is deprecated and will be removed in the next "
+            "release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return ParallelLayout
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def get_layout(name: str) -> ParallelLayout:
     try:
         return LAYOUTS[name]
     except KeyError:
@@ -121,7 +133,7 @@ def mesh_groups(world_sizes: Iterable[int], layouts: Iterable[str]) -> dict[tupl
     return out
 
 
-def build_mesh(layout: str | Layout, *, group=None, groups_2d=None, device: str = "cpu"):
+def build_mesh(layout: str | ParallelLayout, *, group=None, groups_2d=None, device: str = "cpu"):
     """The device mesh of `layout` over `group` (default: the whole world), or None.
 
     A 2-D mesh on a proper subgroup needs `groups_2d` from :func:`mesh_groups`.
@@ -157,7 +169,7 @@ def _model_hook(model: nn.Module, given: Any, name: str) -> Any:
 
 def apply_layout(
     model: nn.Module,
-    layout: str | Layout,
+    layout: str | ParallelLayout,
     mesh=None,
     *,
     group=None,

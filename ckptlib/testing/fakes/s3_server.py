@@ -1,8 +1,6 @@
 """A moto S3 server on 127.0.0.1 for tests: pytest fixtures and the helpers behind them.
 
-In a test module::
-
-    from ckptlib.testing.s3_server import moto_server, s3_root  # noqa: F401
+The fixtures come with the plugin (``pytest_plugins = ["ckptlib.testing.plugin"]``)::
 
     def test_roundtrip(s3_root):          # "s3://<fresh bucket>/run"
         ckptlib.save(s3_root, state)

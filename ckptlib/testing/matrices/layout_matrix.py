@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .._torch import parallel
-from . import layouts as lay
+from ..._torch import parallel
 from . import matrix
+from . import parallel_layouts as lay
 from .models import build_transformer, transformer_loss
 
 

@@ -16,7 +16,7 @@ DEFAULT_PRELOAD = (
     "torch.distributed",
     "torch.distributed.checkpoint",
     "numpy",
-    "ckptlib.testing.rank_process",
+    "ckptlib.testing.harness.rank_process",
 )
 
 _lock = threading.Lock()

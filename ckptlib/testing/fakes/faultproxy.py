@@ -68,12 +68,18 @@ class FaultProxy:
             self._fail = 0
 
     def close(self) -> None:
+        """Stop listening (the port refuses connections from here on) and drop every connection."""
         self._closed = True
         self._go_down()
+        try:  # wakes the accept loop: while it waits in accept(), close() alone leaves the port listening
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self._listener.close()
         except OSError:
             pass
+        self._thread.join(5)
 
     def __enter__(self) -> "FaultProxy":
         return self
