@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from . import _dist
 from ._torch import dcp_shims
-from .errors import CopiesExhaustedError
+from .errors import CopiesExhaustedError, CopyFallbackWarning, stacklevel_outside_ckptlib
 from .format.transaction import unwrap_dcp_error
 
 _groups: dict[Any, Any] = {}  # caller's group (WORLD for the default one) -> its exchange group
@@ -136,23 +136,31 @@ def load_failure(exc: BaseException):
     return unwrap_dcp_error(exc)
 
 
-def exclude_failed(reader: Any, exc: BaseException) -> bool:
+def exclude_failed(reader: Any, exc: BaseException, world: int) -> bool:
     """After a failed load given copies: when every failure is copies found bad (or a rank they
     left unserved) and some are new, exclude them on this rank's reader (every rank sees the
     same failures, so every rank excludes the same) and say the load may run again."""
-    if reader.plain:
+    if reader.plain or world == 1:  # one copy for all, or no other rank: nothing else to try
         return False
-    failures = [f for _, f in dcp_shims.dcp_failures(exc)]
-    exhausted = [f for f in failures if isinstance(f, CopiesExhaustedError) and getattr(f, "failed_copies", None)]
-    if not exhausted or any(f not in exhausted and not getattr(f, "secondary", False) for f in failures):
+    failures = dcp_shims.dcp_failures(exc)
+    exhausted = [
+        (rank, f) for rank, f in failures if isinstance(f, CopiesExhaustedError) and getattr(f, "failed_copies", None)
+    ]
+    if not exhausted or len(exhausted) + sum(bool(getattr(f, "secondary", 0)) for _, f in failures) < len(failures):
         return False
-    new = {tuple(pair) for f in exhausted for pair in f.failed_copies} - set(reader.excluded)
+    new = {tuple(pair) for _, f in exhausted for pair in f.failed_copies} - set(reader.excluded)
     if not new:
         return False
     reader.excluded = frozenset(reader.excluded) | new
-    for f in exhausted:
+    for _, f in exhausted:
         seen = reader.tried.setdefault(f.file, [])
         seen.extend(entry for entry in f.tried if entry not in seen)
+    shown = "; ".join(f"rank {rank}: {f.message}" for rank, f in exhausted)
+    warnings.warn(
+        f"{reader.storage.uri}: {shown}; loading again, reading those files from other ranks' copies",
+        CopyFallbackWarning,
+        stacklevel=stacklevel_outside_ckptlib(),
+    )
     return True
 
 

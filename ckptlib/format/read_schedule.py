@@ -14,11 +14,13 @@ The rules:
 - An item is read where it is needed (each requesting rank reads what it asks for, e.g. only
   the rows of a resharded load) when every requester can read its file and together they ask
   for no more bytes than the item holds (no duplication: a reshard's disjoint rows).
-- Otherwise it is shared. Its reader is the requester with the fewest bytes to read so far
-  (ties: the lower rank), among the requesters that can read its file; when none can, the
-  least-loaded rank that can; when no rank can, `NoCopyError` (or, when copies of the file
-  failed, `CopiesExhaustedError` naming them) for every rank. Items are placed largest
-  first, so the bytes spread evenly over the readers.
+- Otherwise it is shared. Shared items go in *runs*: neighbours in one file with the same
+  eligible readers, up to 1/world of the shared bytes each, so that a reader reads a few
+  contiguous ranges (few GETs on an object store, no bytes between them). A run's reader is
+  the requester with the fewest bytes to read so far (ties: the lower rank), among the
+  requesters that can read its file; when none can, the least-loaded rank that can; when no
+  rank can, `NoCopyError` (or, when copies of the file failed, `CopiesExhaustedError` naming
+  them) for every rank. Runs are placed largest first, so the bytes spread evenly.
 - Shared items go in rounds: a rank holds at most `round_bytes` of shared items (read or
   received) at a time, except an item larger than that, which travels in a round where its
   ranks hold nothing else.
@@ -28,7 +30,9 @@ The rules:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
 from collections import defaultdict
 from typing import Any, Callable, Mapping, Sequence
@@ -82,6 +86,7 @@ class RankRole:
     shared: frozenset[ItemKey]  # items this rank needs that reach it through a round
     bytes_needed: int
     labels: tuple[str, ...] = ()  # every rank's copy labels, in one order (the accounting's)
+    tight: frozenset[str] = frozenset()  # files whose gaps between this rank's items others read
 
 
 @dataclasses.dataclass
@@ -95,6 +100,7 @@ class ReadSchedule:
     receivers: dict[ItemKey, tuple[int, ...]]
     rounds: list[list[ItemKey]]
     bytes_needed: int  # the distinct items any rank asks for, each counted once
+    tight: list[frozenset[str]] = dataclasses.field(default_factory=list)  # per rank (`_tight`)
 
     def storage_bytes(self) -> list[int]:
         """The bytes each rank reads from storage (direct reads by the bytes asked for: a
@@ -120,7 +126,8 @@ class ReadSchedule:
                     shared.add(key)
             if part.reads or part.recvs:
                 rounds.append(part)
-        return RankRole(rounds, frozenset(shared), self.bytes_needed, labels)
+        tight = self.tight[rank] if self.tight else frozenset()
+        return RankRole(rounds, frozenset(shared), self.bytes_needed, labels, tight)
 
 
 def _no_reader(name: str, ranks: list[int], tried: Mapping[str, Sequence[tuple]]) -> Exception:
@@ -179,15 +186,66 @@ def schedule_reads(
     load = [sum(d.values()) for d in direct]
     readers: dict[ItemKey, int] = {}
     receivers: dict[ItemKey, tuple[int, ...]] = {}
-    shared.sort(key=lambda entry: (-entry[0][2], entry[0]))
-    for key, who, able in shared:
+    runs = _runs(shared, min(round_bytes, -(-sum(key[2] for key, _, _ in shared) // max(world, 1))))
+    runs.sort(key=lambda run: (-sum(key[2] for key, _, _ in run), run[0][0]))
+    for run in runs:
+        able = run[0][2]
         reader = min(able, key=lambda rank: (load[rank], rank))
-        load[reader] += key[2] - direct[reader].pop(key, 0)  # (read_once=False: it reads the item once, whole)
-        readers[key] = reader
-        receivers[key] = tuple(rank for rank in who if rank != reader)
-    rounds = _rounds([(key, readers[key], receivers[key]) for key, _, _ in shared], round_bytes)
+        for key, who, _ in run:
+            load[reader] += key[2] - direct[reader].pop(key, 0)  # (read_once=False: it reads the item once, whole)
+            readers[key] = reader
+            receivers[key] = tuple(rank for rank in who if rank != reader)
+    rounds = _rounds([(key, readers[key], receivers[key]) for run in runs for key, _, _ in run], round_bytes)
     needed = sum(key[2] for key in wanted)
-    return ReadSchedule(world, direct, readers, receivers, rounds, needed)
+    return ReadSchedule(world, direct, readers, receivers, rounds, needed, _tight(direct, readers))
+
+
+def _tight(direct: list[dict[ItemKey, int]], readers: dict[ItemKey, int]) -> list[frozenset[str]]:
+    """Per rank, the files in which another rank reads items lying between this rank's own
+    direct reads: there a rank must not read through the gaps between its items (an object
+    store's coalesced GETs do, to save requests), or those bytes come from storage twice."""
+    by_file: dict[str, list[tuple[int, int]]] = defaultdict(list)  # file -> (offset, reading rank)
+    for rank, items in enumerate(direct):
+        for key in items:
+            by_file[key[0]].append((key[1], rank))
+    for key, rank in readers.items():
+        by_file[key[0]].append((key[1], rank))
+    for reads in by_file.values():
+        reads.sort()
+    tight: list[set[str]] = [set() for _ in direct]
+    for rank, items in enumerate(direct):
+        extents: dict[str, list[int]] = {}
+        for name, offset, _ in items:
+            lo_hi = extents.setdefault(name, [offset, offset])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], offset), max(lo_hi[1], offset)
+        for name, (lo, hi) in extents.items():
+            reads = by_file[name]
+            start = bisect.bisect_left(reads, (lo, -1))
+            for offset, reader in itertools.islice(reads, start, None):
+                if offset > hi:
+                    break
+                if reader != rank:
+                    tight[rank].add(name)
+                    break
+    return [frozenset(t) for t in tight]
+
+
+def _runs(shared: list[tuple[ItemKey, list[int], list[int]]], target: int) -> list[list[tuple]]:
+    """Shared items as runs of neighbours in one file with the same eligible readers, each of
+    at most `target` bytes (an item larger than that alone): one reader reads a run, so on an
+    object store its items come in a few ranged GETs rather than one each, or whole spans."""
+    runs: list[list[tuple]] = []
+    size = 0
+    for entry in sorted(shared, key=lambda e: (e[0][0], e[0][1])):
+        key = entry[0]
+        last = runs[-1][-1] if runs else None
+        if last is not None and last[0][0] == key[0] and last[2] == entry[2] and size + key[2] <= target:
+            runs[-1].append(entry)
+            size += key[2]
+        else:
+            runs.append([entry])
+            size = key[2]
+    return runs
 
 
 def _rounds(items: list[tuple[ItemKey, int, tuple[int, ...]]], cap: int) -> list[list[ItemKey]]:
