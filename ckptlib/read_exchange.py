@@ -59,14 +59,12 @@ def _as_tensor(data: memoryview) -> torch.Tensor:
 
 class GlooTransport:
     """`shared_reads.Transport` over point-to-point messages on `exchange_group(group)`; ranks
-    are `group`'s (DCP's), mapped to the exchange group's."""
+    are `group`'s (DCP's), sent to by their global ranks (which every torch takes)."""
 
     def __init__(self, xgroup, group=None):
         self.group = xgroup
         size = dist.get_world_size(group)
-        self._peer = [
-            dist.get_group_rank(xgroup, r if group is None else dist.get_global_rank(group, r)) for r in range(size)
-        ]
+        self._peer = [r if group is None else dist.get_global_rank(group, r) for r in range(size)]  # global ranks
         self._sent: dict[int, int] = defaultdict(int)  # peer -> messages sent to it (their tags)
         self._received: dict[int, int] = defaultdict(int)
 
@@ -84,13 +82,13 @@ class GlooTransport:
         for dst, items in outgoing.items():
             flags = torch.tensor([0 if data is None else 1 for data, _ in items], dtype=torch.uint8)
             keep.append(flags)
-            works.append(dist.isend(flags, group=self.group, group_dst=self._peer[dst], tag=self._tag(self._sent, dst)))
+            works.append(dist.isend(flags, group=self.group, dst=self._peer[dst], tag=self._tag(self._sent, dst)))
             for data, length in items:
                 tag = self._tag(self._sent, dst)
                 if length:
                     tensor = torch.empty(length, dtype=torch.uint8) if data is None else _as_tensor(data)
                     keep.append(tensor)
-                    works.append(dist.isend(tensor, group=self.group, group_dst=self._peer[dst], tag=tag))
+                    works.append(dist.isend(tensor, group=self.group, dst=self._peer[dst], tag=tag))
         incoming: dict[int, list[int]] = defaultdict(list)
         for index, (src, _) in enumerate(recvs):
             incoming[src].append(index)
@@ -99,14 +97,12 @@ class GlooTransport:
         for src, indices in incoming.items():
             flags_from[src] = torch.empty(len(indices), dtype=torch.uint8)
             peer = self._peer[src]
-            works.append(
-                dist.irecv(flags_from[src], group=self.group, group_src=peer, tag=self._tag(self._received, src))
-            )
+            works.append(dist.irecv(flags_from[src], group=self.group, src=peer, tag=self._tag(self._received, src)))
             for index in indices:
                 tag = self._tag(self._received, src)
                 if buffers[index]:
                     target = torch.frombuffer(buffers[index], dtype=torch.uint8)
-                    works.append(dist.irecv(target, group=self.group, group_src=peer, tag=tag))
+                    works.append(dist.irecv(target, group=self.group, src=peer, tag=tag))
         for work in works:
             work.wait()
         del keep

@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import CopiesExhaustedError, CopiesMissingError, NoCopyError
 from .file_names import describe_file
+from .item_decoder import DeclaredChunks
 
 ItemKey = tuple[str, int, int]  # a stored item: (file, offset, length)
 
@@ -274,15 +275,14 @@ def _rounds(items: list[tuple[ItemKey, int, tuple[int, ...]]], cap: int) -> list
     return rounds
 
 
-def plan_roles(
-    plans: Sequence[Any], storage_data: Mapping[Any, Any], declared: Callable, tried: Mapping[str, Sequence[tuple]]
-) -> list[RankRole]:
-    """The coordinator's step: every rank's local load plan (items, and `LocalReads` as its
-    storage_data) -> each rank's `RankRole`. `declared(fqn, offsets)`: a stored chunk's (dtype,
-    sizes) from `.metadata`."""
-    infos = [p.storage_data if isinstance(p.storage_data, LocalReads) else LocalReads() for p in plans]
-    requests = []
-    for plan, info in zip(plans, infos):
+def requests_from_plans(
+    plans: Sequence[Any], storage_data: Mapping[Any, Any], declared: Callable, readable: Sequence[Any] | None = None
+) -> list[RankRequests]:
+    """Every rank's `RankRequests` from its local load plan: the stored item of each read item
+    (`.metadata`'s `storage_data`) and the bytes it asks for (`declared(fqn, offsets)`: a
+    stored chunk's (dtype, sizes)); `readable`: per rank, the files it can read (None: all)."""
+    out = []
+    for rank, plan in enumerate(plans):
         items: dict[ItemKey, int] = {}
         for req in plan.items:
             record = storage_data[req.storage_index]
@@ -291,7 +291,32 @@ def plan_roles(
             whole, itemsize = (None, 1) if chunk is None else (chunk[1], chunk[0].itemsize)
             nbytes = requested_bytes(req.lengths, whole, record.length, itemsize)
             items[key] = min(record.length, items.get(key, 0) + nbytes)
-        requests.append(RankRequests(items, info.readable))
+        out.append(RankRequests(items, None if readable is None else readable[rank]))
+    return out
+
+
+def predict_reads(
+    plans: Sequence[Any],
+    metadata: Any,
+    *,
+    readable: Sequence[frozenset[str] | None] | None = None,
+    read_once: bool = True,
+    round_bytes: int = ROUND_BYTES,
+) -> ReadSchedule:
+    """What a load would read, without loading (for `ckpt plan`): `plans` are each rank's
+    local DCP load plans (e.g. made by the load planner for simulated ranks), `metadata` the
+    checkpoint's `.metadata`, `readable` the files each rank can read (None: every file)."""
+    requests = requests_from_plans(plans, metadata.storage_data, DeclaredChunks(metadata).declared, readable)
+    return schedule_reads(requests, read_once=read_once and len(plans) > 1, round_bytes=round_bytes)
+
+
+def plan_roles(
+    plans: Sequence[Any], storage_data: Mapping[Any, Any], declared: Callable, tried: Mapping[str, Sequence[tuple]]
+) -> list[RankRole]:
+    """The coordinator's step: every rank's local load plan (items, and `LocalReads` as its
+    storage_data) -> each rank's `RankRole`."""
+    infos = [p.storage_data if isinstance(p.storage_data, LocalReads) else LocalReads() for p in plans]
+    requests = requests_from_plans(plans, storage_data, declared, [info.readable for info in infos])
     read_once = len(plans) > 1 and all(i.read_once and i.can_exchange for i in infos)
     schedule = schedule_reads(requests, read_once=read_once, tried=tried)
     labels = tuple(sorted({label for info in infos for label in info.labels}))
