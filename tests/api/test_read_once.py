@@ -20,7 +20,7 @@ MIB = 1 << 20
 
 def _state(fill: float) -> dict:
     return {
-        "model": {f"w{i}": torch.full((64 + i, 1024), fill + i) for i in range(6)},
+        "model": {f"w{i}": torch.full((256 + i, 1024), fill + i) for i in range(8)},
         "extra": {"names": ["a", "b"], "lr": 0.5 + fill},
         "step": 7,
     }
@@ -49,7 +49,7 @@ def test_replicated_state_is_read_once(tmp_path, dist_run):
     once = dist_run(4, _load_and_report, path, {}, timeout=120)
     every = dist_run(4, _load_and_report, path, {"read_once": False}, timeout=120)
     needed = once[0]["needed"]
-    assert needed > 6 * 64 * 1024 * 4
+    assert needed > 8 * 256 * 1024 * 4
     for results in (once, every):
         assert all(r["exact"] for r in results)
         assert [r["by_rank"] for r in results] == [[r["read"] for r in results]] * 4  # every rank has the list
@@ -129,7 +129,7 @@ def test_read_once_with_load_options(tmp_path, dist_run, case):
     needed = results[0]["needed"]
     assert needed <= results[0]["sum"] <= 1.1 * needed and all(r["received"] > 0 for r in results)
     if case == "only":  # just the model's tensors
-        assert needed < sum(64 + i for i in range(6)) * 1024 * 4 * 1.05
+        assert needed < sum(256 + i for i in range(8)) * 1024 * 4 * 1.05
 
 
 def _sampler_loader(world: int | None = None, rank: int | None = None):

@@ -35,15 +35,25 @@ def test_replicated_items_are_read_once_spread_by_bytes():
     assert plan.direct == [{}, {}, {}, {}]
 
 
-def test_many_small_items_make_one_contiguous_range_per_reader():
-    keys = [("__0_0.distcp", i * 1000, 1000) for i in range(400)] + [
-        ("__1_0.distcp", i * 1000, 1000) for i in range(400)
-    ]
+def test_many_small_items_make_one_contiguous_block_per_reader():
+    """8 ranks, 800 items of 40 KB in two files: each rank reads one range of 100 adjacent
+    items (one block: one read, one message per receiver), not 100 scattered ones."""
+    size = 40_000
+    keys = [(f"__{f}_0.distcp", i * size, size) for f in (0, 1) for i in range(400)]
     plan = schedule_reads([RankRequests(_items(*keys)) for _ in range(8)])
-    assert plan.storage_bytes() == [100_000] * 8
-    for rank in range(8):
-        mine = sorted(k for k, r in plan.readers.items() if r == rank)
-        assert len({k[0] for k in mine}) == 1 and mine[-1][1] - mine[0][1] == 99 * 1000  # one file, one range
+    assert plan.storage_bytes() == [100 * size] * 8
+    blocks = [block for blocks in plan.rounds for block in blocks]
+    assert len(blocks) == 8 and sorted(block[0] for block in blocks) == list(range(8))
+    for reader, receivers, items in blocks:
+        assert len(items) == 100 and items[-1][1] - items[0][1] == 99 * size
+        assert receivers == tuple(r for r in range(8) if r != reader)
+
+
+def test_a_small_checkpoint_is_not_cut_into_world_times_world_messages():
+    """At 64 ranks and 400 KB to share, one rank reads it all (MIN_RUN): 63 messages, not 64 x 63."""
+    keys = [("__0_0.distcp", i * 1000, 1000) for i in range(400)]
+    plan = schedule_reads([RankRequests(_items(*keys)) for _ in range(64)])
+    assert [len(blocks) for blocks in plan.rounds] == [1] and sum(plan.storage_bytes()) == 400_000
 
 
 def test_disjoint_reads_of_one_item_stay_where_they_are():
@@ -105,15 +115,18 @@ def test_no_copy_anywhere_is_named():
 
 
 def test_rounds_bound_what_a_rank_holds():
-    keys = [("__0_0.distcp", i, 3 * MIB) for i in range(6)] + [("__0_0.distcp", 99, 20 * MIB)]
+    keys = [("__0_0.distcp", i * 3 * MIB, 3 * MIB) for i in range(6)] + [("__1_0.distcp", 0, 20 * MIB)]
     plan = schedule_reads([RankRequests(_items(*keys)) for _ in range(2)], round_bytes=8 * MIB)
-    assert plan.rounds[0] == [keys[-1]]  # larger than a round: alone
-    for items in plan.rounds[1:]:
-        assert sum(k[2] for k in items) <= 8 * MIB
-    assert sorted(k for r in plan.rounds for k in r) == sorted(keys)
+    assert [block[2] for block in plan.rounds[0]] == [(keys[-1],)]  # larger than a round: alone
+    for blocks in plan.rounds[1:]:
+        held = [0, 0]
+        for reader, receivers, items in blocks:
+            for rank in (reader, *receivers):
+                held[rank] += sum(k[2] for k in items)
+        assert max(held) <= 8 * MIB
+    assert sorted(k for blocks in plan.rounds for block in blocks for k in block[2]) == sorted(keys)
+    roles = plan.roles()
     for rank in range(2):
-        role = plan.role(rank)
-        assert role.shared == frozenset(keys)
-        for part in role.rounds:
-            assert all(src == 1 - rank for _, src in part.recvs)
-            assert [k for k, _ in part.sends] == part.reads
+        assert roles[rank].shared == frozenset(keys)
+        for part in roles[rank].rounds:
+            assert all(block[0] == rank for block in part.out) and all(block[0] == 1 - rank for block in part.into)
