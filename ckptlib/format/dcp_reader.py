@@ -362,15 +362,20 @@ class CkptReader(DirectReads, PlannedReader):
         shared = role.shared if role is not None else frozenset()
         by_file: dict[str, list[Any]] = defaultdict(list)
         wanted: dict[read_schedule.ItemKey, list[Any]] = defaultdict(list)
+        held: list[BaseException] = []  # raised after the shared reads: no peer is left waiting
         for req in plan.items:
-            info = self.storage_data[req.storage_index]
-            if getattr(info, "transform_descriptors", None):
-                raise CheckpointCorruptError(
-                    f"{self.storage.uri}/{info.relative_path}: stored with DCP extensions "
-                    f"{list(info.transform_descriptors)}, which ckptlib does not read",
-                    path=self.storage.uri,
-                )
-            name = check_name(info.relative_path, f"{self.storage.uri}/{METADATA_NAME}", "storage record")
+            try:
+                info = self.storage_data[req.storage_index]
+                if getattr(info, "transform_descriptors", None):
+                    raise CheckpointCorruptError(
+                        f"{self.storage.uri}/{info.relative_path}: stored with DCP extensions "
+                        f"{list(info.transform_descriptors)}, which ckptlib does not read",
+                        path=self.storage.uri,
+                    )
+                name = check_name(info.relative_path, f"{self.storage.uri}/{METADATA_NAME}", "storage record")
+            except Exception as exc:  # noqa: BLE001 - held, see above
+                held.append(exc)
+                continue
             key = (name, info.offset, info.length)
             if key in shared:
                 wanted[key].append((req, info))
@@ -387,6 +392,8 @@ class CkptReader(DirectReads, PlannedReader):
                         path=self.storage.uri,
                     )
                 shared_reads.read_shared(self, role, wanted, planner, self.exchange)
+            if held:
+                raise held[0]
             for name, reqs in by_file.items():
                 self._read_file(name, reqs, planner)
         finally:

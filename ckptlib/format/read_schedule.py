@@ -39,7 +39,7 @@ import math
 from collections import defaultdict
 from typing import Any, Callable, Mapping, Sequence
 
-from ..errors import CopiesExhaustedError, CopiesMissingError, NoCopyError
+from ..errors import CheckpointError, CopiesExhaustedError, CopiesMissingError, NoCopyError
 from .file_names import describe_file
 from .item_decoder import DeclaredChunks
 
@@ -153,6 +153,17 @@ class ReadSchedule:
         ]
 
 
+def _duplicated(who: list[tuple[int, int]], length: int) -> bool:
+    """Whether the requesters together ask for more bytes than the item holds (stops early:
+    two whole-item requests are enough)."""
+    total = 0
+    for _, nbytes in who:
+        total += nbytes
+        if total > length:
+            return True
+    return False
+
+
 def _no_reader(name: str, ranks: list[int], tried: Mapping[str, Sequence[tuple]]) -> Exception:
     who = ", ".join(map(str, ranks[:16])) + (f" ... ({len(ranks)} ranks)" if len(ranks) > 16 else "")
     failed = list(tried.get(name, ()))
@@ -183,16 +194,25 @@ def schedule_reads(
     """The reads of a load whose rank r asks for `requests[r]` (see the module). `tried`: the
     copies of each file already found bad ((label, uri, problem), for the error)."""
     world = len(requests)
-    wanted: dict[ItemKey, list[tuple[int, int]]] = defaultdict(list)
+    first: dict[ItemKey, int] = {}  # item -> its first requester (most items have one: a shard)
+    more: dict[ItemKey, list[tuple[int, int]]] = {}  # item -> every requester, when several
     for rank, req in enumerate(requests):
-        for key, nbytes in req.items.items():
-            wanted[key].append((rank, nbytes))
+        for key in req.items:
+            found = first.setdefault(key, rank)
+            if found != rank:
+                more.setdefault(key, [(found, requests[found].items[key])]).append((rank, req.items[key]))
     direct: list[dict[ItemKey, int]] = [{} for _ in range(world)]
     shared: list[tuple[ItemKey, list[int], list[int]]] = []  # (item, requesters, eligible readers)
-    for key, who in wanted.items():
+    for key, rank in first.items():
         name = key[0]
+        if key not in more:
+            readable = requests[rank].readable
+            if readable is None or name in readable:
+                direct[rank][key] = requests[rank].items[key]
+                continue
+        who = more.get(key) or [(rank, requests[rank].items[key])]
         able = [rank for rank, _ in who if requests[rank].can_read(name)]
-        if len(able) == len(who) and (not read_once or len(who) == 1 or sum(n for _, n in who) <= key[2]):
+        if len(able) == len(who) and (not read_once or not _duplicated(who, key[2])):
             for rank, nbytes in who:
                 direct[rank][key] = nbytes
             continue
@@ -223,7 +243,7 @@ def schedule_reads(
             receivers[key] = dsts
         blocks += _blocks(reader, dsts, [key for key, _, _ in run])
     rounds = _rounds(blocks, round_bytes)
-    needed = sum(key[2] for key in wanted)
+    needed = sum(key[2] for key in first)
     return ReadSchedule(world, direct, readers, receivers, rounds, needed, _tight(direct, readers))
 
 
@@ -364,6 +384,12 @@ def plan_roles(
     requests = requests_from_plans(plans, storage_data, declared, [info.readable for info in infos])
     read_once = len(plans) > 1 and all(i.read_once and i.can_exchange for i in infos)
     schedule = schedule_reads(requests, read_once=read_once, tried=tried)
+    unable = [rank for rank, info in enumerate(infos) if not info.can_exchange]
+    if schedule.rounds and unable:
+        raise CheckpointError(
+            f"this load must send items between ranks (some rank has no copy of a file), but rank {unable[0]} "
+            "cannot: load through ckptlib.load, which gives every rank the exchange"
+        )
     return schedule.roles(tuple(sorted({label for info in infos for label in info.labels})))
 
 

@@ -86,16 +86,19 @@ def read_shared(
                 held.append(None)
         sends = [(dst, data, block_span(block)[2]) for block, data in zip(part.out, held) for dst in block[1]]
         got = transport.run_round(sends, [(block[0], block_span(block)[2]) for block in part.into])
-        for block, data in zip(part.out, held):
-            if data is not None:
-                _apply(reader, block, data, wanted, planner, errors, check=False)
-        held.clear()
-        for block, data in zip(part.into, got):
-            if data is None:
-                errors.append(_unserved(reader, block))
-                continue
-            reader.bytes_received += len(data)
-            _apply(reader, block, data, wanted, planner, errors, check=True)
+        try:
+            for block, data in zip(part.out, held):
+                if data is not None:
+                    _apply(reader, block, data, wanted, planner, errors, check=False)
+            held.clear()
+            for block, data in zip(part.into, got):
+                if data is None:
+                    errors.append(_unserved(reader, block))
+                    continue
+                reader.bytes_received += len(data)
+                _apply(reader, block, data, wanted, planner, errors, check=True)
+        except Exception as exc:  # noqa: BLE001 - held: the next rounds still run
+            errors.append(exc)
         del got
     if errors:
         raise next((e for e in errors if not getattr(e, "secondary", False)), errors[0])

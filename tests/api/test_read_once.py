@@ -201,3 +201,26 @@ def test_read_once_on_a_subgroup(tmp_path, dist_run):
     for r in results[1:]:
         assert r["exact"] and r["ranks"] == 3 and r["received"] > 0, r
         assert r["needed"] <= r["sum"] <= 1.1 * r["needed"]
+
+
+def _load_expecting_failure(path: str) -> tuple:
+    try:
+        ckptlib.load(path, _state(-1.0))
+    except ckptlib.CheckpointError as exc:
+        return type(exc).__name__, str(exc)
+    return ("ok",)
+
+
+def test_a_damaged_shared_item_fails_every_rank_with_the_readers_error(tmp_path, dist_run):
+    """One rank reads a damaged item for all: every rank raises its checksum error (not "the
+    rank that reads it for me could not"), and nobody waits for a message that never comes."""
+    path = str(tmp_path / "c")
+    ckptlib.save(path, _state(0.0))
+    shard = os.path.join(path, "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        f.write(b"\xff\x00\xff\x00")
+    outcomes = dist_run(4, _load_expecting_failure, path, timeout=120)
+    assert len(set(outcomes)) == 1, outcomes
+    kind, text = outcomes[0]
+    assert kind == "CheckpointCorruptError" and "__0_0.distcp: checksum mismatch in item at offset" in text, text
