@@ -343,9 +343,9 @@ class CkptReader(DirectReads, PlannedReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         names = {info.relative_path for info in self.metadata.storage_data.values()}
-        readable = None if self.copies.covers_all(self.excluded) else self.copies.readable(names, self.excluded)
+        costs, default = self.copies.access(names, self.excluded)
         plan.storage_data = read_schedule.LocalReads(
-            readable, self.copies.labels, self.read_once, self.exchange is not None
+            costs, default, self.copies.labels, self.read_once, self.exchange is not None
         )
         return super().prepare_local_plan(plan)
 

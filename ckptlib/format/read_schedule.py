@@ -11,23 +11,28 @@ raw bytes to the other ranks that need it (`shared_reads`, over `ckptlib.read_ex
 
 The rules:
 
+- Each rank says how far its nearest copy of each file is (`RankRequests.cost`: a node's local
+  root is nearer than a peer's replica, which is nearer than the remote; `copies.COSTS`).
+  Every item is read from the nearest copy any rank holds.
 - An item is read where it is needed (each requesting rank reads what it asks for, e.g. only
-  the rows of a resharded load) when every requester can read its file and together they ask
-  for no more bytes than the item holds (no duplication: a reshard's disjoint rows).
+  the rows of a resharded load) when every requester holds the nearest copy of its file and
+  together they ask for no more bytes than the item holds (no duplication: a reshard's
+  disjoint rows).
 - Otherwise it is shared. Shared items go in *runs*: neighbours in one file with the same
   requesters and eligible readers, up to 1/world of the shared bytes each (at least
   `MIN_RUN`, at most `round_bytes`), so that a reader reads a few contiguous ranges (few GETs
   on an object store, no bytes between them) and sends a few large messages, one per *block*
-  of adjacent items, not one per item. A run's reader is
-  the requester with the fewest bytes to read so far (ties: the lower rank), among the
-  requesters that can read its file; when none can, the least-loaded rank that can; when no
-  rank can, `NoCopyError` (or, when copies of the file failed, `CopiesExhaustedError` naming
-  them) for every rank. Runs are placed largest first, so the bytes spread evenly.
+  of adjacent items, not one per item. A run's reader is the requester with the fewest bytes
+  to read so far (ties: the lower rank), among the requesters holding the nearest copy; when
+  none does, the least-loaded rank that does; when no rank has a copy, `NoCopyError` (or,
+  when copies of the file failed, `CopiesExhaustedError` naming them) for every rank. Runs
+  are placed largest first, so the bytes spread evenly.
 - Blocks go in rounds: a rank holds at most `round_bytes` of them (read or received) at a
   time, except an item larger than that, which travels in a round where its ranks hold
   nothing else.
 - With `read_once=False` (or when some rank cannot exchange) every requester reads for itself
-  (plain DCP's behaviour) and only items a requester cannot read are shared.
+  from its own nearest copy (plain DCP's behaviour) and only items a requester has no copy of
+  are shared.
 """
 
 from __future__ import annotations
@@ -53,10 +58,12 @@ MIN_RUN = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class LocalReads:
-    """What a rank's local load plan tells the coordinator besides its items: the files it can
-    read (None: every file), its copies' labels, and whether it takes part in shared reads."""
+    """What a rank's local load plan tells the coordinator besides its items: the copies it can
+    read (`Copies.access`: per-file costs and a default), their labels, and whether it takes
+    part in shared reads."""
 
-    readable: frozenset[str] | None = None
+    costs: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    default_cost: int | None = 0
     labels: tuple[str, ...] = ()
     read_once: bool = True
     can_exchange: bool = False
@@ -65,13 +72,52 @@ class LocalReads:
 @dataclasses.dataclass(frozen=True)
 class RankRequests:
     """One rank's part of a load: the bytes it asks for of each stored item (an item's length
-    when it needs all of it), and the files it can read (None: every file)."""
+    when it needs all of it), and how far its nearest copy of each file is: `costs[file]`, else
+    `default_cost` (None: it has no copy of the other files)."""
 
     items: Mapping[ItemKey, int]
-    readable: frozenset[str] | None = None
+    costs: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    default_cost: int | None = 0
 
-    def can_read(self, name: str) -> bool:
-        return self.readable is None or name in self.readable
+    @classmethod
+    def reading(cls, items: Mapping[ItemKey, int], readable: frozenset[str] | None) -> "RankRequests":
+        """A rank that can read `readable` (None: every file), all at one cost."""
+        return cls(items) if readable is None else cls(items, dict.fromkeys(readable, 0), None)
+
+    def cost(self, name: str) -> int | None:
+        """How far this rank's nearest copy of file `name` is; None: it has none."""
+        return self.costs.get(name, self.default_cost)
+
+
+class _Nearest:
+    """The nearest copy of each file over all ranks, and the ranks that hold it (computed from
+    the ranks' costs and defaults, without visiting every (rank, file) pair)."""
+
+    def __init__(self, requests: Sequence[RankRequests]):
+        self.requests = requests
+        defaults = [r.default_cost for r in requests if r.default_cost is not None]
+        self.default = min(defaults) if defaults else None
+        self.explicit: dict[str, int] = {}
+        for req in requests:
+            for name, cost in req.costs.items():
+                if cost < self.explicit.get(name, cost + 1):
+                    self.explicit[name] = cost
+        self._holders: dict[str, list[int]] = {}
+
+    def cost(self, name: str) -> int | None:
+        found = self.explicit.get(name)
+        if self.default is None:
+            return found
+        return self.default if found is None else min(found, self.default)
+
+    def holders(self, name: str) -> list[int]:
+        """The ranks with a copy of `name` at its nearest cost."""
+        if name not in self._holders:
+            best = self.cost(name)
+            self._holders[name] = [
+                r for r, req in enumerate(self.requests) if best is not None and req.cost(name) == best
+            ]
+        return self._holders[name]
 
 
 # A block: adjacent shared items of one file, read whole by one rank and sent to the same ranks
@@ -203,29 +249,31 @@ def schedule_reads(
                 more.setdefault(key, [(found, requests[found].items[key])]).append((rank, req.items[key]))
     direct: list[dict[ItemKey, int]] = [{} for _ in range(world)]
     shared: list[tuple[ItemKey, list[int], list[int]]] = []  # (item, requesters, eligible readers)
+    nearest = _Nearest(requests)
     for key, rank in first.items():
         name = key[0]
-        if key not in more:
-            readable = requests[rank].readable
-            if readable is None or name in readable:
-                direct[rank][key] = requests[rank].items[key]
-                continue
-        who = more.get(key) or [(rank, requests[rank].items[key])]
-        able = [rank for rank, _ in who if requests[rank].can_read(name)]
-        if len(able) == len(who) and (not read_once or not _duplicated(who, key[2])):
-            for rank, nbytes in who:
-                direct[rank][key] = nbytes
+        best = nearest.cost(name)
+        if key not in more and best is not None and requests[rank].cost(name) == best:
+            direct[rank][key] = requests[rank].items[key]  # the common case: one requester, nearest
             continue
-        if not able:
-            able = [rank for rank in range(world) if requests[rank].can_read(name)]
-            if not able:
-                raise _no_reader(name, sorted(rank for rank, _ in who), tried or {})
-        if not read_once:  # only those that cannot read it are served
-            for rank, nbytes in who:
-                if requests[rank].can_read(name):
-                    direct[rank][key] = nbytes
-            who = [(rank, n) for rank, n in who if not requests[rank].can_read(name)]
-        shared.append((key, [rank for rank, _ in who], able))
+        who = more.get(key) or [(rank, requests[rank].items[key])]
+        if best is None:
+            raise _no_reader(name, sorted(r for r, _ in who), tried or {})
+        if not read_once:  # each requester with a copy reads its own; only the others are served
+            for r, nbytes in who:
+                if requests[r].cost(name) is not None:
+                    direct[r][key] = nbytes
+            who = [(r, n) for r, n in who if requests[r].cost(name) is None]
+            if not who:
+                continue
+            shared.append((key, [r for r, _ in who], nearest.holders(name)))
+            continue
+        able = [r for r, _ in who if requests[r].cost(name) == best]  # requesters holding the nearest copy
+        if len(able) == len(who) and not _duplicated(who, key[2]):
+            for r, nbytes in who:
+                direct[r][key] = nbytes
+            continue
+        shared.append((key, [r for r, _ in who], able or nearest.holders(name)))
     load = [sum(d.values()) for d in direct]
     readers: dict[ItemKey, int] = {}
     receivers: dict[ItemKey, tuple[int, ...]] = {}
@@ -341,11 +389,12 @@ def _rounds(blocks: list[Block], cap: int) -> list[list[Block]]:
 
 
 def requests_from_plans(
-    plans: Sequence[Any], storage_data: Mapping[Any, Any], declared: Callable, readable: Sequence[Any] | None = None
+    plans: Sequence[Any], storage_data: Mapping[Any, Any], declared: Callable, access: Sequence[Any] | None = None
 ) -> list[RankRequests]:
     """Every rank's `RankRequests` from its local load plan: the stored item of each read item
     (`.metadata`'s `storage_data`) and the bytes it asks for (`declared(fqn, offsets)`: a
-    stored chunk's (dtype, sizes)); `readable`: per rank, the files it can read (None: all)."""
+    stored chunk's (dtype, sizes)); `access`: per rank, (costs, default cost) of its copies
+    (`Copies.access`; None: every rank reads every file at one cost)."""
     out = []
     for rank, plan in enumerate(plans):
         items: dict[ItemKey, int] = {}
@@ -356,7 +405,8 @@ def requests_from_plans(
             whole, itemsize = (None, 1) if chunk is None else (chunk[1], chunk[0].itemsize)
             nbytes = requested_bytes(req.lengths, whole, record.length, itemsize)
             items[key] = min(record.length, items.get(key, 0) + nbytes)
-        out.append(RankRequests(items, None if readable is None else readable[rank]))
+        costs, default = ({}, 0) if access is None else access[rank]
+        out.append(RankRequests(items, costs, default))
     return out
 
 
@@ -364,14 +414,19 @@ def predict_reads(
     plans: Sequence[Any],
     metadata: Any,
     *,
-    readable: Sequence[frozenset[str] | None] | None = None,
+    copies: Sequence[Any] | None = None,
     read_once: bool = True,
     round_bytes: int = ROUND_BYTES,
 ) -> ReadSchedule:
     """What a load would read, without loading (for `ckpt plan`): `plans` are each rank's
     local DCP load plans (e.g. made by the load planner for simulated ranks), `metadata` the
-    checkpoint's `.metadata`, `readable` the files each rank can read (None: every file)."""
-    requests = requests_from_plans(plans, metadata.storage_data, DeclaredChunks(metadata).declared, readable)
+    checkpoint's `.metadata`, `copies` each rank's `format.copies.Copies` (None: every rank
+    reads every file from one place, a plain load)."""
+    access = None
+    if copies is not None:
+        names = {record.relative_path for record in metadata.storage_data.values()}
+        access = [c.access(names) for c in copies]
+    requests = requests_from_plans(plans, metadata.storage_data, DeclaredChunks(metadata).declared, access)
     return schedule_reads(requests, read_once=read_once and len(plans) > 1, round_bytes=round_bytes)
 
 
@@ -381,7 +436,7 @@ def plan_roles(
     """The coordinator's step: every rank's local load plan (items, and `LocalReads` as its
     storage_data) -> each rank's `RankRole`."""
     infos = [p.storage_data if isinstance(p.storage_data, LocalReads) else LocalReads() for p in plans]
-    requests = requests_from_plans(plans, storage_data, declared, [info.readable for info in infos])
+    requests = requests_from_plans(plans, storage_data, declared, [(i.costs, i.default_cost) for i in infos])
     read_once = len(plans) > 1 and all(i.read_once and i.can_exchange for i in infos)
     schedule = schedule_reads(requests, read_once=read_once, tried=tried)
     unable = [rank for rank, info in enumerate(infos) if not info.can_exchange]

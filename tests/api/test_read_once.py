@@ -224,3 +224,17 @@ def test_a_damaged_shared_item_fails_every_rank_with_the_readers_error(tmp_path,
     assert len(set(outcomes)) == 1, outcomes
     kind, text = outcomes[0]
     assert kind == "CheckpointCorruptError" and "__0_0.distcp: checksum mismatch in item at offset" in text, text
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_plain_dcp_checkpoint_is_read_once_too(tmp_path, dist_run):
+    """Written by torch's own dcp.save (no manifest, no checksums): still each item once."""
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "c")
+    state = _state(0.0)
+    dcp.save({"model": state["model"], "extra": state["extra"], "step": 7}, storage_writer=dcp.FileSystemWriter(path))
+    results = dist_run(4, _load_and_report, path, {}, timeout=120)
+    assert all(r["exact"] for r in results)
+    needed = results[0]["needed"]
+    assert needed <= sum(results[0]["by_rank"]) <= 1.1 * needed and all(r["received"] > 0 for r in results)

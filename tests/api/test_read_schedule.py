@@ -85,7 +85,7 @@ def test_a_rank_without_a_copy_receives_from_one_with_it():
     them from node 0, even with read_once off."""
     a, b = ("__0_0.distcp", 0, MIB), ("__1_0.distcp", 0, 2 * MIB)
     node0, node1 = frozenset({"__0_0.distcp"}), frozenset({"__1_0.distcp"})
-    requests = [RankRequests({a: MIB, b: 2 * MIB}, readable) for readable in (node0, node0, node1, node1)]
+    requests = [RankRequests.reading({a: MIB, b: 2 * MIB}, readable) for readable in (node0, node0, node1, node1)]
     for read_once in (True, False):
         plan = schedule_reads(requests, read_once=read_once)
         assert plan.readers[a] in (0, 1) and plan.readers[b] in (2, 3), read_once
@@ -93,7 +93,7 @@ def test_a_rank_without_a_copy_receives_from_one_with_it():
         assert sorted(plan.receivers[a]) == sorted(expected - {plan.readers[a]})
         assert sum(plan.storage_bytes()) == (3 * MIB if read_once else 6 * MIB)  # each node reads its own
     # a file nobody requesting it can read is read by any rank that can
-    plan = schedule_reads([RankRequests({a: MIB}, node1), RankRequests({}, node0)])
+    plan = schedule_reads([RankRequests.reading({a: MIB}, node1), RankRequests.reading({}, node0)])
     assert plan.readers == {a: 1} and plan.receivers == {a: (0,)} and plan.storage_bytes() == [0, MIB]
 
 
@@ -101,7 +101,7 @@ def test_no_copy_anywhere_is_named():
     a = ("__0_0.distcp", 0, MIB)
     none = frozenset()
     with pytest.raises(NoCopyError, match=r"no rank of this load has a copy of __0_0.distcp \(rank 0's shard\)"):
-        schedule_reads([RankRequests({a: MIB}, none), RankRequests({a: MIB}, none)])
+        schedule_reads([RankRequests.reading({a: MIB}, none), RankRequests.reading({a: MIB}, none)])
     tried = {
         "__0_0.distcp": [
             ("local", "/n0/__0_0.distcp", "checksum mismatch"),
@@ -109,9 +109,11 @@ def test_no_copy_anywhere_is_named():
         ]
     }
     with pytest.raises(CopiesExhaustedError, match="every copy of __0_0.distcp .* local /n0/__0_0.distcp: checksum"):
-        schedule_reads([RankRequests({a: MIB}, none)], tried=tried)
+        schedule_reads([RankRequests.reading({a: MIB}, none)], tried=tried)
     with pytest.raises(CopiesMissingError):
-        schedule_reads([RankRequests({a: MIB}, none)], tried={"__0_0.distcp": [("remote", "s3://b/x", "missing")]})
+        schedule_reads(
+            [RankRequests.reading({a: MIB}, none)], tried={"__0_0.distcp": [("remote", "s3://b/x", "missing")]}
+        )
 
 
 def test_rounds_bound_what_a_rank_holds():
@@ -130,3 +132,19 @@ def test_rounds_bound_what_a_rank_holds():
         assert roles[rank].shared == frozenset(keys)
         for part in roles[rank].rounds:
             assert all(block[0] == rank for block in part.out) and all(block[0] == 1 - rank for block in part.into)
+
+
+def test_every_item_comes_from_the_nearest_copy_any_rank_holds():
+    """Two nodes, each holding its own file locally (cost 0), every rank also the remote (cost
+    2): items are read on the node that holds them, never from the remote, even an item only
+    a rank of the other node needs; a file no node holds comes from the remote, read once."""
+    a, b, c = ("__0_0.distcp", 0, 2 * MIB), ("__2_0.distcp", 0, 2 * MIB), ("__9_0.distcp", 0, MIB)
+    only = ("__0_0.distcp", 2 * MIB, MIB)  # rank 3 alone needs it (a resize)
+    node0, node1 = {"__0_0.distcp": 0}, {"__2_0.distcp": 0}
+    requests = [RankRequests({a: 2 * MIB, b: 2 * MIB, c: MIB}, costs, 2) for costs in (node0, node0, node1, node1)]
+    requests[3] = RankRequests({**requests[3].items, only: MIB}, node1, 2)
+    plan = schedule_reads(requests)
+    assert plan.readers[a] in (0, 1) and plan.readers[b] in (2, 3)
+    assert plan.readers[only] in (0, 1) and plan.receivers[only] == (3,)
+    assert plan.direct == [{}, {}, {}, {}] and len(plan.receivers[c]) == 3
+    assert sum(plan.storage_bytes()) == plan.bytes_needed == 6 * MIB
