@@ -14,9 +14,9 @@ segment's memfd), attached to its length with SCM_RIGHTS.
 - child -> parent: ("ready", pid) once, then one ("ok", FileRecord) or ("error", exception)
   per write.
 
-Lifetime: the child ignores the signals a job scheduler sends a whole job (SIGINT, SIGTERM,
-SIGUSR1, SIGHUP: the training process decides what they mean, and may still need the writer
-for its last save), and exits as soon as its parent process is gone (a pidfd, or polling the
+Lifetime: the child ignores the signals a job scheduler sends a whole job (`IGNORED_SIGNALS`:
+the training process decides what they mean, and may still need the writer for its last
+save), and exits as soon as its parent process is gone (a pidfd, or polling the
 parent pid where pidfds are missing), when the socket closes, or when asked to.
 """
 
@@ -26,7 +26,6 @@ import mmap
 import os
 import pickle
 import select
-import signal
 import socket
 import struct
 import sys
@@ -35,7 +34,9 @@ from typing import Any
 
 _HEADER = struct.Struct("<Q")
 _MAX_FDS = 4
-_IGNORED_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
+# Ignored from the child's first line on (`writer_process` starts it so): the training process
+# decides what they mean, and its last save may still need the writer.
+IGNORED_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
 
 
 # --------------------------------------------------------------------------- messages
@@ -77,12 +78,6 @@ def recv(sock: socket.socket) -> tuple[Any, list[int]] | None:
 
 
 # --------------------------------------------------------------------------- the child
-
-
-def _ignore_signals() -> None:
-    for name in _IGNORED_SIGNALS:
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -158,7 +153,6 @@ def _portable(exc: BaseException) -> BaseException:
 
 def main(fd: int, parent_pid: int) -> None:
     """The writer process's loop (see the module docstring)."""
-    _ignore_signals()
     _watch_parent(parent_pid)
     sock = socket.socket(fileno=fd)
     import torch  # noqa: F401 - paid once, before "ready"

@@ -128,9 +128,14 @@ class WriterProcess:
 
     def _spawn(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The signals a scheduler sends a whole job are ignored before anything is imported.
         code = (
-            "import sys; sys.path[:0] = __import__('json').loads(sys.argv[1]); "
-            "from ckptlib.writer_child import main; main(int(sys.argv[2]), int(sys.argv[3]))"
+            "import signal, sys\n"
+            f"for name in {writer_child.IGNORED_SIGNALS!r}:\n"
+            "    if hasattr(signal, name): signal.signal(getattr(signal, name), signal.SIG_IGN)\n"
+            "sys.path[:0] = __import__('json').loads(sys.argv[1])\n"
+            "from ckptlib.writer_child import main\n"
+            "main(int(sys.argv[2]), int(sys.argv[3]))\n"
         )
         path = json.dumps([p for p in sys.path if p])
         try:
