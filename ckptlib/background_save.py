@@ -58,7 +58,7 @@ __all__ = ["AsyncSave", "release_staging"]
 _lock = threading.Lock()
 _groups: dict[Any, Any] = {}  # caller's group (None: default) -> dedicated gloo group
 _inflight: dict[Any, "AsyncSave"] = {}  # caller's group -> the save in flight on it
-_staging: dict[Any, "StagingPool"] = {}  # caller's group -> staged buffers by key path
+_staging: dict[Any, "StagingPool"] = {}  # (caller's group, shared) -> staged buffers by key path
 _all: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()
 
 
@@ -323,10 +323,10 @@ def _dtensor_cls():
 def stage(state_dict: dict[str, Any], group=None, arena=None) -> dict[str, Any]:
     """A CPU snapshot of `state_dict` (DTensors stay DTensors over the same mesh), in buffers
     kept for the next save of `group`; in `arena`'s shared memory when one is given."""
-    key = _group_key(group)
+    key = (_group_key(group), arena is not None)  # a pool per group and async_mode
     with _lock:
         pool = _staging.pop(key, None)
-    if pool is None or pool.arena is not arena:  # first save, or another async_mode: fresh buffers
+    if pool is None or pool.arena is not arena:  # first save, or a new writer process: fresh buffers
         if pool is not None:
             pool.release_unused(StagingPool())
         pool = StagingPool(arena)

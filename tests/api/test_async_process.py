@@ -123,7 +123,7 @@ def test_many_saves_reuse_the_staging_memory_and_the_writer(tmp_path):
     ckptlib.async_save(tmp_path / "0", state, async_mode="process").wait(timeout=120)
     writer = writer_process.current()
     segments = dict(writer.arena.segments)
-    pool = background_save._staging[None]
+    pool = background_save._staging[(None, True)]
     addresses = {key: buf.data_ptr() for key, buf in pool.items()}
     in_arena = {key for key, buf in pool.items() if writer.arena.locate(buf) is not None}
     assert in_arena == set(pool) - {".empty"}  # every buffer with bytes is shared memory
@@ -131,7 +131,7 @@ def test_many_saves_reuse_the_staging_memory_and_the_writer(tmp_path):
         with torch.no_grad():
             state["big"].fill_(n)
         ckptlib.async_save(tmp_path / str(n), state, step=n, async_mode="process").wait(timeout=60)
-        pool = background_save._staging[None]
+        pool = background_save._staging[(None, True)]
         assert {key: buf.data_ptr() for key, buf in pool.items()} == addresses  # the same buffers
         assert writer.arena.segments == segments and writer.arena.live_buffers() == len(in_arena)
     assert writer_process.current() is writer and writer.starts == 1

@@ -18,6 +18,7 @@ from helpers.writer_faults import FaultyShards
 
 import ckptlib
 from ckptlib import CheckpointManager, EveryNSteps, background_save, staging_arena, writer_process
+from ckptlib._torch import host_memory
 from ckptlib.format import MANIFEST_NAME
 from ckptlib.manager import step_dir
 from ckptlib.testing.matrices import matrix as mx
@@ -97,12 +98,17 @@ def _save_then_train(uri: str) -> dict:
     result = handle.wait(timeout=120)
     pid = writer_process.current().pid
     background_save.release_staging()
-    return {"step": result.step, "writer": pid != os.getpid(), "sum": flag.item(), "leaks": _leaks()}
+    # what staging uses for a GPU mesh's DTensor, checked here on a CPU mesh: the same DTensor
+    over = host_memory.dtensor_over(state["w"].to_local().clone(), state["w"])
+    same = over.placements == state["w"].placements and torch.equal(over.full_tensor(), state["w"].full_tensor())
+    out = {"step": result.step, "writer": pid != os.getpid(), "sum": flag.item(), "leaks": _leaks()}
+    return {**out, "dtensor_over": same and over.device_mesh == state["w"].device_mesh}
 
 
 def test_dtensor_state_saved_at_2_in_process_mode_loads_at_3(tmp_path, dist_run):
     uri = str(tmp_path / "ckpt")
-    assert dist_run(2, _save_then_train, uri) == [{"step": 7, "writer": True, "sum": 2.0, "leaks": []}] * 2
+    want = {"step": 7, "writer": True, "sum": 2.0, "leaks": [], "dtensor_over": True}
+    assert dist_run(2, _save_then_train, uri) == [want] * 2
     assert dist_run(3, _load_and_check, uri, 7) == [[], [], []]
 
 
