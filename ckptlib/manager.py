@@ -100,8 +100,10 @@ class CheckpointManager:
         names the state entries to take from it."""
         if background_staging and not async_save:
             raise StateError("background_staging=True needs async_save=True")
-        if async_mode not in ("thread", "process") or (async_mode == "process" and not async_save):
-            raise StateError(f"async_mode must be 'thread' or 'process' (with async_save=True), got {async_mode!r}")
+        if async_mode not in ("thread", "process"):
+            raise StateError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
+        if async_mode == "process" and not async_save:
+            raise StateError("async_mode='process' needs async_save=True")
         if keep_last is not None and retention is not None:
             raise StateError("pass keep_last or retention, not both (combine policies with |)")
         if save_policy is not None and not isinstance(save_policy, SavePolicy):

@@ -112,7 +112,11 @@ class WriterProcess:
 
     # -- the process ----------------------------------------------------------------------
     def start(self) -> None:
-        """Start the process unless it runs (its previous one having died between saves)."""
+        """Start the process unless it runs (its previous one having died between saves).
+        A running one is seen without waiting for a write in flight (another group's save)."""
+        process = self.process
+        if process is not None and process.poll() is None:
+            return
         with self._lock:
             if self.process is not None and self.process.poll() is None:
                 return

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -22,6 +23,7 @@ from helpers.writer_faults import BLOCKED_SUFFIX, FaultyShards
 import ckptlib
 from ckptlib import StorageError, WriterProcessError, background_save, staging_arena, writer_process
 from ckptlib.format import MANIFEST_NAME
+from ckptlib.storage.local import LocalStorage
 
 pytestmark = pytest.mark.skipif(
     staging_arena.unavailable_reason() is not None, reason=str(staging_arena.unavailable_reason())
@@ -180,6 +182,30 @@ def test_background_staging_in_process_mode(tmp_path):
 def test_unknown_async_mode_is_refused():
     with pytest.raises(ckptlib.StateError, match="async_mode must be 'thread' or 'process', got 'fork'"):
         ckptlib.async_save("/nonexistent/never", {"w": torch.ones(1)}, async_mode="fork")
+
+
+def test_the_manager_checks_async_mode(tmp_path):
+    with pytest.raises(ckptlib.StateError, match="async_mode must be 'thread' or 'process', got 'fork'"):
+        ckptlib.CheckpointManager(tmp_path, async_save=True, async_mode="fork")
+    with pytest.raises(ckptlib.StateError, match=r"^async_mode='process' needs async_save=True$"):
+        ckptlib.CheckpointManager(tmp_path, async_mode="process")
+
+
+class _UnpicklableStorage(LocalStorage):
+    """A storage the writer process cannot receive (it holds a lock)."""
+
+    def __init__(self, root: str):
+        super().__init__(root)
+        self.guard = threading.Lock()
+
+
+def test_a_storage_that_cannot_be_pickled_is_written_in_the_background_thread(tmp_path):
+    with pytest.warns(RuntimeWarning, match=r"_UnpicklableStorage .* cannot be sent to the writer process"):
+        handle = ckptlib.async_save(_UnpicklableStorage(str(tmp_path / "a")), _state(4), step=4, async_mode="process")
+        result = handle.wait(timeout=120)
+    assert result.step == 4
+    ckptlib.save(tmp_path / "sync", _state(4), step=4)
+    assert _shard_bytes(tmp_path / "a") == _shard_bytes(tmp_path / "sync")
 
 
 def test_without_memfd_process_mode_falls_back_to_a_thread(tmp_path, monkeypatch):
