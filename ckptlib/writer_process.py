@@ -103,6 +103,7 @@ class WriterProcess:
         self.process: subprocess.Popen | None = None
         self.pid: int | None = None
         self.starts = 0  # how many writer processes this one has started
+        self.bytes_sent_whole = 0  # tensor bytes that were not in shared memory and went through the socket
         self._sock: socket.socket | None = None
         self._ready = False
         self._lock = threading.Lock()  # one request at a time (saves of several groups share it)
@@ -224,6 +225,8 @@ class WriterProcess:
         """Encode and write shard `name` in the writer process (see dcp_writer.ShardBackend)."""
         storage = transaction.storage
         try:
+            if type(storage).__module__ == "__main__":  # the writer process does not run the caller's script
+                raise TypeError("its class is defined in __main__")
             sent_storage = pickle.dumps(storage)
         except Exception as exc:  # noqa: BLE001 - a storage that cannot travel is written here
             _warn_once(
@@ -250,6 +253,7 @@ class WriterProcess:
         if tensor.numel() == 0:
             return ("tensor", tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), b"")
         raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        self.bytes_sent_whole += len(raw)
         return ("tensor", tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), raw)
 
     def _request(self, storage: bytes, name: str, planned_bytes: int, items: list[tuple], where: str) -> FileRecord:

@@ -118,6 +118,7 @@ def test_process_mode_writes_the_bytes_a_synchronous_save_writes(tmp_path):
     assert ckptlib.format.verify(str(tmp_path / "async")) == []
     writer = writer_process.current()
     assert writer is not None and writer.pid != os.getpid() and not _gone(writer.pid, within=0)
+    assert writer.bytes_sent_whole == 0  # every tensor was read from the shared staging memory
 
 
 def test_many_saves_reuse_the_staging_memory_and_the_writer(tmp_path):
@@ -359,3 +360,38 @@ def test_the_writer_exits_when_its_parent_dies(tmp_path, how):
     finally:
         parent.kill()
         parent.wait()
+
+
+_EXIT_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, ckptlib
+    from ckptlib import writer_process
+    ckptlib.async_save(sys.argv[1], {"w": torch.arange(1 << 20, dtype=torch.float32)}, step=5, async_mode="process")
+    print(writer_process.current().pid, flush=True)
+    # no wait(): interpreter exit waits for the save, then stops the writer
+    """
+)
+
+
+def test_exit_without_wait_commits_and_stops_the_writer(tmp_path):
+    script = tmp_path / "exit_early.py"
+    script.write_text(_EXIT_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=280
+    )
+    assert run.returncode == 0, run.stderr
+    assert _gone(int(run.stdout.strip()), within=30)
+    got = {"w": torch.zeros(1 << 20)}
+    assert ckptlib.load(tmp_path / "ckpt", got).step == 5
+    assert torch.equal(got["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_staged_in_pinned_shared_memory(tmp_path):
+    state = {"w": torch.randn(1024, 257, device="cuda"), "b": torch.arange(33, device="cuda")}
+    ckptlib.async_save(tmp_path / "a", state, step=1, async_mode="process").wait(timeout=120)
+    arena = writer_process.current().arena
+    assert arena.segments and all(segment.pinned for segment in arena.segments.values())
+    got = {"w": torch.zeros(1024, 257), "b": torch.zeros(33, dtype=torch.int64)}
+    ckptlib.load(tmp_path / "a", got)
+    assert torch.equal(got["w"], state["w"].cpu()) and torch.equal(got["b"], state["b"].cpu())

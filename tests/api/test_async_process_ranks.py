@@ -97,17 +97,24 @@ def _save_then_train(uri: str) -> dict:
     dist.all_reduce(flag)  # the default group stays the caller's
     result = handle.wait(timeout=120)
     pid = writer_process.current().pid
+    sent_whole = writer_process.current().bytes_sent_whole  # 0: every shard read from shared memory
     background_save.release_staging()
     # what staging uses for a GPU mesh's DTensor, checked here on a CPU mesh: the same DTensor
     over = host_memory.dtensor_over(state["w"].to_local().clone(), state["w"])
     same = over.placements == state["w"].placements and torch.equal(over.full_tensor(), state["w"].full_tensor())
-    out = {"step": result.step, "writer": pid != os.getpid(), "sum": flag.item(), "leaks": _leaks()}
+    out = {
+        "step": result.step,
+        "writer": pid != os.getpid(),
+        "sum": flag.item(),
+        "leaks": _leaks(),
+        "whole": sent_whole,
+    }
     return {**out, "dtensor_over": same and over.device_mesh == state["w"].device_mesh}
 
 
 def test_dtensor_state_saved_at_2_in_process_mode_loads_at_3(tmp_path, dist_run):
     uri = str(tmp_path / "ckpt")
-    want = {"step": 7, "writer": True, "sum": 2.0, "leaks": [], "dtensor_over": True}
+    want = {"step": 7, "writer": True, "sum": 2.0, "leaks": [], "whole": 0, "dtensor_over": True}
     assert dist_run(2, _save_then_train, uri) == [want] * 2
     assert dist_run(3, _load_and_check, uri, 7) == [[], [], []]
 
@@ -120,6 +127,7 @@ def _fsdp2_round(uri: str) -> dict:
     expected = mx.full_state(model, opt)  # collectives on the default group while the save runs
     mx.train_step(model, opt, 2)
     handle.wait(timeout=120)
+    assert writer_process.current().bytes_sent_whole == 0  # model and optimizer read from shared memory
     background_save.release_staging()
     return expected
 
