@@ -27,7 +27,7 @@ import time
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
-from . import _dist, background_save
+from . import _dist, background_save, writer_process
 from . import save_policy as _save_policy
 from .collection import ForeignFilesWarning, collect
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError, stacklevel_outside_ckptlib
@@ -89,7 +89,7 @@ class CheckpointManager:
         is released. `background_staging=True` (with `async_save=True`): `save()` returns
         before the state is copied; call the handle's `wait_staged()` before changing the
         state (see `ckptlib.save`). `async_mode="process"`: the shards are written by a writer
-        process per rank, from shared memory (`ckptlib.async_save`); `close()` stops it.
+        process per rank, from shared memory (`ckptlib.async_save`), started here; `close()` stops it.
 
         `retention`: a policy from `ckptlib.retention` (`KeepLast(3) | KeepBest(2, "loss")`);
         `keep_last=N` is short for `KeepLast(N)`. `save_policy` (`ckptlib.save_policy`) decides
@@ -128,6 +128,8 @@ class CheckpointManager:
         self.async_save = async_save
         self.background_staging = background_staging
         self.async_mode = async_mode
+        if async_mode == "process" and writer_process.check_mode(async_mode) == "process":
+            writer_process.writer()  # it imports torch while the training sets up, not at the first save
         self._lock = RootLock(self.storage)
         self._pending = None  # the AsyncSave in flight (async_save=True)
 

@@ -13,9 +13,10 @@ the save alike, its partial files are removed and nothing is committed.
 Staging: `background_save.stage` copies the state into this process's `StagingArena` (memfd
 shared memory); the writer maps each segment once and reads the tensors in place.
 
-Start-up: `writer()` starts the process at the first process-mode save, before the state is
-staged (`subprocess.Popen`: the training thread waits for no import), and the background thread
-waits for it to be ready (importing torch takes it a second or two) before its first write.
+Start-up: `writer()` starts the process when a manager with async_mode="process" is created,
+or at the first process-mode `async_save`, before the state is staged (`subprocess.Popen`: the
+training thread waits for no import), and the background thread waits for it to be ready
+(importing torch takes it a second or two) before its first write.
 A writer that died is replaced at the next save (with a warning when it died between saves).
 `shutdown()` (`release_staging()`, `CheckpointManager.close()`, interpreter exit) stops it and
 frees the staging memory. Forked children of the training process (data-loader workers) do
@@ -211,7 +212,8 @@ class WriterProcess:
     def close(self) -> None:
         """Ask the process to exit, wait for it, and free the arena."""
         with self._lock:
-            if self._sock is not None and self.process is not None and self.process.poll() is None:
+            # One still importing torch has nothing to finish: `_discard` kills it.
+            if self._ready and self._sock is not None and self.process is not None and self.process.poll() is None:
                 try:
                     writer_child.send(self._sock, ("exit",))
                     self.process.wait(timeout=30)
