@@ -342,8 +342,9 @@ class CkptReader(DirectReads, PlannedReader):
         self._check_item(name, self._item_crcs(name) if self.verify else None, offset, data)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        names = {info.relative_path for info in self.metadata.storage_data.values()}
-        costs, default = self.copies.access(names, self.excluded)
+        costs, default = self.copies.access(
+            lambda: {info.relative_path for info in self.metadata.storage_data.values()}, self.excluded
+        )
         plan.storage_data = read_schedule.LocalReads(
             costs, default, self.copies.labels, self.read_once, self.exchange is not None
         )
