@@ -315,10 +315,14 @@ class CkptReader(DirectReads, PlannedReader):
         where = f"{self.storage.uri}/{name}"
         path = self._local_file(name)
         try:
-            if path is None:
-                data = self.storage.read(name, offset, view.nbytes)  # EOFError when the file is short
-                view[: len(data)] = data
-                got = len(data)
+            if path is None:  # in pieces of at most _MAX_SPAN: one piece's bytes in memory twice
+                got = 0
+                while got < view.nbytes:
+                    data = self.storage.read(name, offset + got, min(_MAX_SPAN, view.nbytes - got))  # EOFError if short
+                    view[got : got + len(data)] = data
+                    got += len(data)
+                    if not data:
+                        break
             else:
                 fd, _ = open_regular(path)
                 try:
