@@ -2,30 +2,42 @@
 the plan cache (issues 25.2, 25.5): the same pickle (objects, their order and which of them
 are shared) for a single process and for 2 ranks with every kind of entry, and plain
 `dcp.load` reads it. The goldens in metadata_golden/ were written by the code before those
-changes (`CKPTLIB_WRITE_GOLDEN=1` rewrites them, for a deliberate format change only); the
-checkpoint's own path (`storage_meta.checkpoint_id`) is normalized away."""
+changes (`CKPTLIB_WRITE_GOLDEN=1` rewrites them, for a deliberate format change only), with
+a fixed checkpoint path in place of the real one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import pickle
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptlib
+from ckptlib.format.dcp_writer import CkptWriter
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metadata_golden")
 
 
-def normalized(blob: bytes) -> bytes:
-    """`.metadata` pickled again with its checkpoint path replaced: pickling an unpickled
-    Metadata keeps its objects, their order and which are shared, so equal results mean
-    equal files but for the path."""
-    metadata = pickle.loads(blob)
-    metadata.storage_meta.checkpoint_id = "<checkpoint>"
-    return pickle.dumps(metadata)
+@contextlib.contextmanager
+def fixed_checkpoint_id():
+    """`.metadata` names the checkpoint's path (`storage_meta.checkpoint_id`): a fixed one
+    instead, so files saved anywhere compare byte for byte. (Comparing files pickled again
+    after loading them would not do: unpickling interns attribute names, so two files whose
+    records differ only in which strings they share would compare equal.)"""
+    original = CkptWriter.storage_meta
+
+    def fixed(self):
+        meta = original(self)
+        meta.checkpoint_id = "<checkpoint>"
+        return meta
+
+    CkptWriter.storage_meta = fixed
+    try:
+        yield
+    finally:
+        CkptWriter.storage_meta = original
 
 
 def _read(path: str) -> bytes:
@@ -50,7 +62,8 @@ def _single_state() -> dict:
 
 
 def save_single(path: str) -> bytes:
-    ckptlib.save(path, _single_state())
+    with fixed_checkpoint_id():
+        ckptlib.save(path, _single_state())
     return _read(path)
 
 
@@ -80,7 +93,8 @@ def _dtensor_state(world: int, rank: int) -> dict:
 def rank_save_two(path: str) -> bytes:
     import torch.distributed as dist
 
-    ckptlib.save(path, _dtensor_state(dist.get_world_size(), dist.get_rank()))
+    with fixed_checkpoint_id():
+        ckptlib.save(path, _dtensor_state(dist.get_world_size(), dist.get_rank()))
     return _read(path)
 
 
@@ -89,9 +103,9 @@ def _check(name: str, blob: bytes) -> None:
     if os.environ.get("CKPTLIB_WRITE_GOLDEN") == "1":
         os.makedirs(GOLDEN, exist_ok=True)
         with open(golden, "wb") as f:
-            f.write(normalized(blob))
+            f.write(blob)
     with open(golden, "rb") as f:
-        assert normalized(blob) == f.read(), name
+        assert blob == f.read(), name
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
