@@ -271,9 +271,11 @@ def commit_manifest(
     step: int | None,
     metadata: dict[str, Any],
     metrics: dict[str, Any] | None = None,
+    synced: tuple[str, ...] = (),
 ) -> Manifest:
     """Build the manifest of the files just written (stamped with this torch's and ckptlib's
-    versions) and `commit` it; every save and conversion commits through here."""
+    versions) and `commit` it; every save and conversion commits through here. `synced`: files
+    already durable (see `commit`)."""
     manifest = Manifest(
         world_size=world_size,
         files=dict(files),
@@ -283,13 +285,14 @@ def commit_manifest(
         torch_version=torch.__version__,
         ckptlib_version=__version__,
     )
-    commit(storage, manifest)
+    commit(storage, manifest, synced=synced)
     return manifest
 
 
-def commit(storage: Storage, manifest: Manifest) -> None:
+def commit(storage: Storage, manifest: Manifest, *, synced: tuple[str, ...] = ()) -> None:
     """Publish the manifest after confirming that every rank's files exist with their sizes
-    and making them durable (one directory fsync for all of them, locally)."""
+    and making them durable (one directory fsync for all of them, locally). `.metadata` is
+    fsynced here unless `synced` names it (written through `open_writer`, which fsyncs)."""
     listing = storage.list()
     problems = _missing_or_resized(manifest, listing)
     if problems:
@@ -298,7 +301,7 @@ def commit(storage: Storage, manifest: Manifest) -> None:
         )
     # Every file and name durable before the manifest is: the shards' bytes were fsynced by
     # their writers (open_writer); `.metadata` was written without (CkptWriter.finish).
-    unsynced = [METADATA_NAME] if METADATA_NAME in manifest.files else []
+    unsynced = [METADATA_NAME] if METADATA_NAME in manifest.files and METADATA_NAME not in synced else []
     storage.sync(unsynced, names_only=sorted(set(manifest.files) - set(unsynced)))
     storage.write(MANIFEST_NAME, manifest.to_bytes())
     storage.delete([PENDING_NAME])

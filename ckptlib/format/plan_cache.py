@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import hashlib
 import threading
 from typing import Any
 
@@ -52,17 +53,21 @@ SHARED_CACHES = 4  # plain `ckptlib.save` caches kept per process, least recentl
 
 @dataclasses.dataclass(frozen=True)
 class CachedPlan:
-    """What one committed save planned, on this rank."""
+    """What one committed save planned, on this rank: its final plan and, on the coordinator,
+    the `.metadata` skeleton (before the writer filled it in). Kept as the objects themselves
+    (~480 bytes a chunk on the coordinator, ckpt bench scale): a pickle of them would cost a
+    hit a third of the first save's planning to decode, and in a single process would not keep
+    which strings are shared with the storage records (`.metadata` shows it)."""
 
-    fingerprint: tuple
+    fingerprint: bytes
     token: int
     final_plan: SavePlan
-    skeleton: Metadata | None  # coordinator only: `.metadata` before the writer filled it in
+    skeleton: Metadata | None
 
-    def metadata(self) -> Metadata:
-        """A fresh Metadata for one save: the skeleton's entries, no storage records yet."""
-        assert self.skeleton is not None, "only the coordinator caches the metadata skeleton"
-        return copy.copy(self.skeleton)
+    def unpack(self) -> tuple[SavePlan, Metadata | None]:
+        """This save's copy: the final plan and a Metadata no save has filled in (the writer's
+        `finish` and the receipt change the one they are given)."""
+        return self.final_plan, None if self.skeleton is None else copy.copy(self.skeleton)
 
 
 class PlanCache:
@@ -133,9 +138,17 @@ def _tensor_key(tensor: torch.Tensor) -> tuple:
     return (tuple(tensor.shape), tensor.dtype, tensor.layout, tensor.requires_grad, tensor.is_pinned())
 
 
-def fingerprint(flat: dict[str, Any], mappings: dict[str, Any], ranks: tuple[int, ...], rank: int) -> tuple | None:
-    """Everything this rank's save plan depends on, as an exact (compared, never hashed) tuple;
-    None if some value's plan cannot be described so (see the module)."""
+def fingerprint(flat: dict[str, Any], mappings: dict[str, Any], ranks: tuple[int, ...], rank: int) -> bytes | None:
+    """A digest of everything this rank's save plan depends on (see `structure`), or None."""
+    found = structure(flat, mappings, ranks, rank)
+    return None if found is None else hashlib.blake2b(repr(found).encode(), digest_size=32).digest()
+
+
+def structure(flat: dict[str, Any], mappings: dict[str, Any], ranks: tuple[int, ...], rank: int) -> tuple | None:
+    """Everything this rank's save plan depends on: every key with its path, kind, shape,
+    dtype, flags, placements and mesh, then the group's ranks and this rank; None if some
+    value's plan cannot be described so (see the module). Its repr is exact: types and
+    placements by name, 0 and "0" apart."""
     dtensor = probes.dtensor_cls()
     meshes: dict[int, tuple] = {}
     entries = []
@@ -186,12 +199,13 @@ class PlanReuse:
         self.hit = False
         self.entry: CachedPlan | None = None  # the cached plans this save compared with
         self.timing = PlanTiming()
-        self._fingerprint: tuple | None = None
+        self._fingerprint: bytes | None = None
         self._flat: tuple[dict, dict, dict] | None = None  # (voted state, flat state, mappings)
         self._token = _UNKNOWN_TOKEN
         self.is_coordinator = False  # told by the planner
         self.final_plan: SavePlan | None = None
         self.skeleton: Metadata | None = None
+        self._reused: tuple[SavePlan, Metadata | None] | None = None
 
     # -- the agreement round (`_dist.agree(..., ballot=self)`) ---------------------------
     def vote(self, state_dict: dict[str, Any]) -> None:
@@ -220,6 +234,13 @@ class PlanReuse:
         self._token = self.entry.token if self.hit else newest + 1
 
     # -- the planner's side ---------------------------------------------------------------
+    def reused(self) -> tuple[SavePlan, Metadata | None]:
+        """On a hit: this save's copy of the cached final plan and skeleton (unpacked once)."""
+        if self._reused is None:
+            assert self.hit and self.entry is not None
+            self._reused = self.entry.unpack()
+        return self._reused
+
     def flattened(self, state_dict: dict[str, Any]) -> tuple[dict, dict] | None:
         """The flat state and mappings `vote` made, if `state_dict` holds the very values
         it voted on (DCP hands the planner a copy of the top-level mapping)."""
@@ -239,4 +260,14 @@ class PlanReuse:
         self.cache.install(CachedPlan(self._fingerprint, self._token, self.final_plan, self.skeleton))
 
 
-__all__ = ["CachedPlan", "PlanCache", "PlanReuse", "PlanTiming", "clear_shared", "fingerprint", "group_ranks", "shared"]
+__all__ = [
+    "CachedPlan",
+    "PlanCache",
+    "PlanReuse",
+    "PlanTiming",
+    "clear_shared",
+    "fingerprint",
+    "group_ranks",
+    "shared",
+    "structure",
+]

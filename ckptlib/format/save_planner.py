@@ -109,12 +109,12 @@ def local_save_plan(state_dict: dict[str, Any], is_coordinator: bool) -> SavePla
 
 def global_save_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
     """DCP's `create_default_global_save_plan` (index hints rewritten) without a
-    `dataclasses.replace` per item; DCP's own function for items it would refuse or that the
+    `dataclasses.replace` per item: the hints are set on the gathered items themselves, which
+    nothing else holds (a new item and index per chunk of every rank was ~500 bytes a chunk
+    on the coordinator, issue 25.5); DCP's own function for items it would refuse or that the
     fast path does not know."""
     md: dict[str, Any] = {}
-    new_plans = []
     for plan in all_plans:
-        new_items = []
         for item in plan.items:
             if not KNOWN_FIELDS or type(item) is not WriteItem or type(item.index) is not MetadataIndex:
                 return create_default_global_save_plan(all_plans)
@@ -123,7 +123,6 @@ def global_save_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadat
                 if fqn in md:
                     return create_default_global_save_plan(all_plans)
                 md[fqn] = BytesStorageMetadata()
-                new_items.append(item)
                 continue
             data = item.tensor_data
             if data is None or data.chunk is None or (item.type != WriteItemType.SHARD and fqn in md):
@@ -133,11 +132,10 @@ def global_save_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadat
                 tensor_md = md[fqn] = TensorStorageMetadata(properties=data.properties, size=data.size, chunks=[])
             elif not isinstance(tensor_md, TensorStorageMetadata):
                 return create_default_global_save_plan(all_plans)
-            index = new_dataclass(MetadataIndex, {**item.index.__dict__, "index": len(tensor_md.chunks)})
-            new_items.append(new_dataclass(WriteItem, {**item.__dict__, "index": index}))
+            # the hint is excluded from MetadataIndex's hash and equality: setting it keeps dict keys valid
+            object.__setattr__(item.index, "index", len(tensor_md.chunks))
             tensor_md.chunks.append(data.chunk)
-        new_plans.append(dataclasses.replace(plan, items=new_items))
-    return new_plans, Metadata(md)
+    return list(all_plans), Metadata(md)
 
 
 def chunks_tile_exactly(metadata: Metadata) -> bool:
@@ -223,8 +221,11 @@ class CkptSavePlanner(DefaultSavePlanner):
             if self._reusing():
                 if any(plan.items for plan in all_plans):
                     raise CheckpointError("internal error: a rank planned a save the plan cache agreed to reuse")
-                self.metadata = self.reuse.entry.metadata()  # type: ignore[union-attr]
-                return [SavePlan([]) for _ in all_plans], self.metadata
+                metadata = self.reuse.reused()[1]  # type: ignore[union-attr]
+                if metadata is None:
+                    raise CheckpointError("internal error: the plan cache holds no metadata on the coordinator")
+                self.metadata = metadata
+                return [SavePlan([]) for _ in all_plans], metadata
             global_plan, metadata = self._global_plan(all_plans)
             if self.reuse is not None:  # pristine: the writer's finish fills in the one it is given
                 self.reuse.skeleton = copy.copy(metadata)
@@ -250,7 +251,7 @@ class CkptSavePlanner(DefaultSavePlanner):
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         started = time.perf_counter()
         if self._reusing():
-            cached = self.reuse.entry.final_plan  # type: ignore[union-attr]
+            cached = self.reuse.reused()[0]  # type: ignore[union-attr]
             if cached.storage_data != new_plan.storage_data:
                 raise CheckpointError("internal error: the plan cache's plan is another rank's")
             new_plan = cached

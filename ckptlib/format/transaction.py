@@ -40,7 +40,7 @@ from ..storage import Storage
 from .dcp_writer import CkptWriter, ShardBackend
 from .deletion import remove_failed_save
 from .layout import commit_manifest, prepare_save_target
-from .manifest import FileRecord
+from .manifest import METADATA_NAME, FileRecord
 from .plan_cache import PlanTiming
 
 
@@ -159,6 +159,7 @@ class SaveTransaction:
                 step=self.step,
                 metadata=self.metadata,
                 metrics=self.metrics,
+                synced=(METADATA_NAME,),  # CkptWriter streams it through open_writer, which fsyncs
             )
         self.files = sorted(files)
         self.total_bytes = sum(record.size for record in files.values())
