@@ -2,16 +2,17 @@
 is unchanged, and re-plans after every kind of change.
 
 Each scenario saves a sequence of states on 2 ranks with one PlanCache per rank; every save is
-also made without a cache, and each must give the same `.metadata` (but for the checkpoint's
-path), load back bit-exact, and plan exactly when it should: a reused save calls neither the
+also made without a cache, and each must give the same `.metadata` byte for byte (with one
+fixed checkpoint path), load back bit-exact, and plan exactly when it should: a reused save calls neither the
 local nor the global planner (counted, not timed), a re-planned one calls both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import os
-import pickle
 
 import pytest
 import torch
@@ -19,19 +20,34 @@ import torch.distributed as dist
 
 import ckptlib
 from ckptlib.format import plan_cache, save_planner
+from ckptlib.format.dcp_writer import CkptWriter
 from ckptlib.saving import transact
 from ckptlib.storage import as_storage
 
 WORLD = 2
 
 
-def normalized(path: str) -> bytes:
-    """`.metadata` at `path`, pickled again with its own path replaced (objects, order and
-    sharing are kept by an unpickle-pickle round trip)."""
+def metadata_bytes(path: str) -> bytes:
     with open(os.path.join(path, ".metadata"), "rb") as f:
-        metadata = pickle.loads(f.read())
-    metadata.storage_meta.checkpoint_id = "<checkpoint>"
-    return pickle.dumps(metadata)
+        return f.read()
+
+
+@contextlib.contextmanager
+def fixed_checkpoint_id():
+    """Every save names the same checkpoint path in `.metadata`, so files saved to different
+    directories compare byte for byte."""
+    original = CkptWriter.storage_meta
+
+    def fixed(self):
+        meta = original(self)
+        meta.checkpoint_id = "<checkpoint>"
+        return meta
+
+    CkptWriter.storage_meta = fixed
+    try:
+        yield
+    finally:
+        CkptWriter.storage_meta = original
 
 
 # --------------------------------------------------------------------------- states
@@ -134,6 +150,17 @@ def _states(scenario: str, rank: int) -> list:
 
 
 # --------------------------------------------------------------------------- ranks
+
+
+def _fixed_ids(fn):
+    """Run the rank function `fn` with `fixed_checkpoint_id`."""
+
+    @functools.wraps(fn)
+    def run(*args):
+        with fixed_checkpoint_id():
+            return fn(*args)
+
+    return run
 
 
 class _Counter:
@@ -246,13 +273,14 @@ def _step(root: str, k: int, make, expected, cache, rank: int, **how) -> dict:
     _save(reference, state, plan_cache.PlanCache())
     dist.barrier()
     if rank == 0:
-        out["same_metadata"] = normalized(path) == normalized(reference)
+        out["same_metadata"] = metadata_bytes(path) == metadata_bytes(reference)
     loaded = _blank(state)
     ckptlib.load(path, loaded)
     out["bit_exact"] = _same(loaded, state)
     return out
 
 
+@_fixed_ids
 def rank_scenario(root: str, scenario: str) -> list[dict]:
     rank = dist.get_rank()
     cache = plan_cache.PlanCache()
@@ -307,6 +335,7 @@ def test_plans_are_reused_only_while_the_structure_is_unchanged(scenario, tmp_pa
 # --------------------------------------------------------------------------- more savers
 
 
+@_fixed_ids
 def rank_async_then_sync(root: str) -> list[dict]:
     """An async save, a sync one, an async one with background staging: one cache for all."""
     rank, cache = dist.get_rank(), plan_cache.PlanCache()
@@ -333,11 +362,13 @@ def _string_keys(value):
     return value
 
 
+@_fixed_ids
 def rank_optimizer_state_appears(root: str) -> list[dict]:
     rank, cache = dist.get_rank(), plan_cache.PlanCache()
     return [_step(root, k, _trained, k == 2, cache, rank) for k in range(3)]
 
 
+@_fixed_ids
 def rank_tokens(root: str) -> list[dict]:
     """Ranks whose caches disagree (one emptied, one holding plans of a save the others never
     completed) make every rank re-plan, in the same round."""
@@ -360,6 +391,7 @@ def _plain(k: int) -> dict:
     return {"w": torch.randn(4, 3, generator=g), "step": k}
 
 
+@_fixed_ids
 def rank_groups(root: str) -> list[dict]:
     """One cache, two groups (the world and rank 0 alone): the world size changes, the state
     does not; and the module-level caches are per group."""
@@ -409,6 +441,7 @@ def test_a_new_group_or_world_size_replans(tmp_path, dist_run):
     assert rank0[5]["shared"] == [False, True, False] and rank1[3]["shared"] == [False, True]
 
 
+@_fixed_ids
 def rank_two_managers(root: str) -> list:
     from ckptlib import CheckpointManager
 
@@ -424,7 +457,7 @@ def rank_two_managers(root: str) -> list:
     _save(f"{root}/reference", _base(2), plan_cache.PlanCache())
     dist.barrier()
     files = [sorted(os.listdir(m.path(2))) for m in managers]
-    same = [normalized(m.path(2)) == normalized(f"{root}/reference") for m in managers]
+    same = [metadata_bytes(m.path(2)) == metadata_bytes(f"{root}/reference") for m in managers]
     return [reused, same, files]
 
 
@@ -435,6 +468,7 @@ def test_two_managers_on_two_roots_each_reuse_their_own_plans(tmp_path, dist_run
         assert files[0] == files[1] and ".metadata" in files[0] and "__1_0.distcp" in files[0]
 
 
+@_fixed_ids
 def rank_mesh_4_to_2x2(root: str) -> list[dict]:
     """Four ranks: a flat mesh, then a 2x2 (HSDP-like: replicated over one dim, sharded over the other)."""
     from torch.distributed.tensor import Replicate, Shard

@@ -4,10 +4,13 @@ plain `ckptlib.save` calls. The multi-rank behaviour is in test_plan_cache.py.""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 import ckptlib
 from ckptlib.format import plan_cache
+from ckptlib.format.dcp_writer import CkptWriter
 from ckptlib.saving import transact
 from ckptlib.storage import as_storage
 
@@ -66,17 +69,20 @@ def test_plain_saves_share_a_bounded_cache_per_group_and_storage_kind(tmp_path):
     assert plan_cache.shared((0,), "kind-0") is not first  # least recently used: evicted
 
 
-def _normalized(path) -> bytes:
-    import os
-    import pickle
-
+def _metadata(path) -> bytes:
     with open(os.path.join(path, ".metadata"), "rb") as f:
-        metadata = pickle.loads(f.read())
-    metadata.storage_meta.checkpoint_id = "<checkpoint>"
-    return pickle.dumps(metadata)
+        return f.read()
 
 
-def test_a_reused_plan_writes_the_metadata_of_a_planned_save_and_reports_its_seconds(tmp_path):
+def test_a_reused_plan_writes_the_metadata_of_a_planned_save_and_reports_its_seconds(tmp_path, monkeypatch):
+    original = CkptWriter.storage_meta
+
+    def fixed(self):  # one checkpoint path in every `.metadata`: files compare byte for byte
+        meta = original(self)
+        meta.checkpoint_id = "<checkpoint>"
+        return meta
+
+    monkeypatch.setattr(CkptWriter, "storage_meta", fixed)
     cache = plan_cache.PlanCache()
 
     def state(k):
@@ -85,7 +91,7 @@ def test_a_reused_plan_writes_the_metadata_of_a_planned_save_and_reports_its_sec
     first, second = (_save(tmp_path / f"c{k}", state(k), cache) for k in range(2))
     planned = _save(tmp_path / "planned", state(1), plan_cache.PlanCache())
     assert (first.plan_reused, second.plan_reused, planned.plan_reused) == (False, True, False)
-    assert _normalized(tmp_path / "c1") == _normalized(tmp_path / "planned")
+    assert _metadata(tmp_path / "c1") == _metadata(tmp_path / "planned")
     for result in (first, second, planned):
         assert result.planning_seconds > 0 and result.global_plan_seconds >= 0
     loaded = {"model": {"w": torch.zeros(3, 4), "b": torch.ones(4)}, "step": 0, "l": [torch.zeros(2)]}
