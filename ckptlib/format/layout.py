@@ -98,10 +98,12 @@ class CheckpointInfo:
         default=None, repr=False, compare=False
     )
 
-    def __reduce__(self):
+    def __reduce_ex__(self, protocol):
         """Sent to the other ranks of a load (`decide_on_rank0`) as the bytes rank 0 read and
         checked, which each rank parses: pickling the Metadata again cost rank 0 as much as
-        reading it (issue 25.5)."""
+        reading it (issue 25.5). Subclasses (other formats' infos) pickle as usual."""
+        if type(self) is not CheckpointInfo:
+            return super().__reduce_ex__(protocol)
         raw = self.raw
         if raw is None or raw[2] is not self.manifest or raw[3] is not self.metadata:
             return CheckpointInfo, (self.uri, self.kind, self.manifest, self.metadata)

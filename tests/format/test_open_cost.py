@@ -31,7 +31,7 @@ def _files(path) -> tuple[bytes, bytes]:
 def test_the_broadcast_info_is_the_verified_bytes_and_parses_to_the_same_info(tmp_path):
     ckptlib.save(tmp_path / "c", {"w": torch.arange(6.0).reshape(2, 3), "step": 3, "nested": {"b": torch.ones(2)}})
     info = open_checkpoint(as_storage(tmp_path / "c"))
-    rebuild, args = info.__reduce__()
+    rebuild, args = info.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
     assert args[2:] == _files(tmp_path / "c")  # the files themselves, not a pickle of what they hold
     sent = pickle.loads(pickle.dumps(info))
     assert sent == info and pickle.dumps(sent.metadata) == pickle.dumps(info.metadata)
