@@ -207,7 +207,7 @@ def _failing(path: str, name: str):
     return storage
 
 
-def _save(path, state, cache, *, storage=None, asynchronous=False, background_staging=False):
+def _save(path, state, cache, *, storage=None, asynchronous=False, background_staging=False, async_mode="thread"):
     result = transact(
         storage or as_storage(path),
         state,
@@ -218,6 +218,7 @@ def _save(path, state, cache, *, storage=None, asynchronous=False, background_st
         group=None,
         asynchronous=asynchronous,
         background_staging=background_staging,
+        async_mode=async_mode,
         plan_cache=cache,
     )
     return result.wait() if asynchronous else result
@@ -337,9 +338,15 @@ def test_plans_are_reused_only_while_the_structure_is_unchanged(scenario, tmp_pa
 
 @_fixed_ids
 def rank_async_then_sync(root: str) -> list[dict]:
-    """An async save, a sync one, an async one with background staging: one cache for all."""
+    """Async saves (thread, background staging, writer process) and sync ones: one cache for all."""
     rank, cache = dist.get_rank(), plan_cache.PlanCache()
-    hows = [{"asynchronous": True}, {}, {"asynchronous": True, "background_staging": True}, {}]
+    hows = [
+        {"asynchronous": True},
+        {},
+        {"asynchronous": True, "background_staging": True},
+        {"asynchronous": True, "async_mode": "process"},
+        {},
+    ]
     return [_step(root, k, _base, k > 0, cache, rank, **how) for k, how in enumerate(hows)]
 
 
