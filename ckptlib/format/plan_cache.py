@@ -9,8 +9,8 @@ ckptlib owns its cache instead:
 - a `PlanCache` belongs to whoever saves repeatedly (a CheckpointManager holds one; a small
   bounded module-level set, `shared(ranks, kind)`, serves plain `ckptlib.save` calls on the
   same group and storage kind). It holds one `CachedPlan`: this rank's structure
-  (`fingerprint`: every key's path, kind, shape, dtype, flags, placements and mesh, plus
-  the world, the group's ranks and this rank), this rank's final plan, an agreed `token`
+  (`fingerprint`: a digest of every key's path, kind, shape, dtype, flags, placements and
+  mesh, plus the group's ranks and this rank), this rank's final plan, an agreed `token`
   and, on the coordinator, a pristine `.metadata` skeleton (the writer's `finish` and the
   receipt mutate the Metadata they are given, so each save gets a shallow copy);
 - `PlanReuse` is one save's use of it: `vote` (inside the agreement round the save already
@@ -25,7 +25,8 @@ ckptlib owns its cache instead:
 Object values contribute their key only (a step counter or a learning rate changes its
 pickle every save, never the plan: item sizes come from the write results). Anything the
 fingerprint cannot describe exactly (tensor subclasses, ShardedTensors, objects that plan
-their own items, Stateful values) makes the save uncacheable: it plans from scratch, always.
+their own items, Stateful values, DTensors whose local shard disagrees with them on
+requires_grad) makes the save uncacheable: it plans from scratch, always.
 """
 
 from __future__ import annotations
