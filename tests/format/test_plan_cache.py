@@ -495,4 +495,6 @@ def rank_mesh_4_to_2x2(root: str) -> list[dict]:
 
 
 def test_the_same_world_on_another_mesh_replans(tmp_path, dist_run):
-    _check(dist_run(4, rank_mesh_4_to_2x2, str(tmp_path)))
+    """On 2 nodes x 2 ranks (torchrun's environment per rank): the 2x2 mesh replicates across
+    the nodes and shards within each, as HSDP does."""
+    _check(dist_run(4, rank_mesh_4_to_2x2, str(tmp_path), nodes=2))
