@@ -9,7 +9,6 @@ local nor the global planner (counted, not timed), a re-planned one calls both.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import os
@@ -30,24 +29,6 @@ WORLD = 2
 def metadata_bytes(path: str) -> bytes:
     with open(os.path.join(path, ".metadata"), "rb") as f:
         return f.read()
-
-
-@contextlib.contextmanager
-def fixed_checkpoint_id():
-    """Every save names the same checkpoint path in `.metadata`, so files saved to different
-    directories compare byte for byte."""
-    original = CkptWriter.storage_meta
-
-    def fixed(self):
-        meta = original(self)
-        meta.checkpoint_id = "<checkpoint>"
-        return meta
-
-    CkptWriter.storage_meta = fixed
-    try:
-        yield
-    finally:
-        CkptWriter.storage_meta = original
 
 
 # --------------------------------------------------------------------------- states
@@ -153,12 +134,23 @@ def _states(scenario: str, rank: int) -> list:
 
 
 def _fixed_ids(fn):
-    """Run the rank function `fn` with `fixed_checkpoint_id`."""
+    """The rank function `fn`, with every save naming the same checkpoint path in `.metadata`
+    (files saved to different directories then compare byte for byte)."""
 
     @functools.wraps(fn)
     def run(*args):
-        with fixed_checkpoint_id():
+        original = CkptWriter.storage_meta
+
+        def fixed(self):
+            meta = original(self)
+            meta.checkpoint_id = "<checkpoint>"
+            return meta
+
+        CkptWriter.storage_meta = fixed
+        try:
             return fn(*args)
+        finally:
+            CkptWriter.storage_meta = original
 
     return run
 
