@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import time
 import traceback
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -69,11 +69,21 @@ def _flag_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def agree(fn: Callable[[], T], group=None) -> T:
+class Ballot(Protocol):
+    """Numbers every rank puts into an agreement round: `votes` (as many on every rank, set
+    by `fn`) are reduced with MAX in the round's one all_reduce and handed to `counted`."""
+
+    votes: list[int]
+
+    def counted(self, reduced: list[int]) -> None: ...
+
+
+def agree(fn: Callable[[], T], group=None, ballot: Ballot | None = None) -> T:
     """Run `fn` on every rank; if it raised on any rank, raise on every rank.
 
     Every rank raises a CheckpointError: the failing rank its own (chained to the original
-    exception), the others the first failing rank's, which names that rank.
+    exception), the others the first failing rank's, which names that rank. `ballot`'s votes
+    ride in the same all_reduce (no extra round); it is counted only if nobody failed.
     """
     result: Any = None
     local_error: BaseException | None = None
@@ -84,12 +94,19 @@ def agree(fn: Callable[[], T], group=None) -> T:
             raise
         local_error = exc
     if not is_distributed():
+        if ballot is not None:
+            ballot.counted(list(ballot.votes))
         return result
     # The common case, nobody failed, costs one tiny all_reduce; the errors themselves are
     # gathered (two more rounds: sizes, then payloads) only when some rank failed.
-    failed = torch.tensor([0 if local_error is None else 1], dtype=torch.int32, device=_flag_device(group))
+    votes = [] if ballot is None else list(ballot.votes)
+    flags = [0 if local_error is None else 1, *votes]
+    dtype = torch.int32 if ballot is None else torch.int64
+    failed = torch.tensor(flags, dtype=dtype, device=_flag_device(group))
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if not failed.item():
+    if not failed[0].item():
+        if ballot is not None:
+            ballot.counted(failed[1:].tolist())
         return result
     portable = None if local_error is None else portable_error(local_error, dist.get_rank())
     gathered: list[Any] = [None] * get_world_size(group)
