@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from ... import _dist
+from ...state import ResizeWarning
 from . import layout_matrix, matrix
 from . import parallel_layouts as lay
 from .training_spec import SpecError, TrainingSpec, call_user
@@ -283,7 +285,9 @@ def load_spec_layout(
     steps = spec.steps
     training = build_training(spec, layout, 1, group=group, groups_2d=groups_2d)
     state = training.state(-1)
-    loaded = ckptlib.load(uri, state, process_group=group)
+    with warnings.catch_warnings():  # a resize is what this case is about: its notes are expected
+        warnings.simplefilter("ignore", ResizeWarning)
+        loaded = ckptlib.load(uri, state, process_group=group)
     problems = (
         []
         if loaded.step == steps and state["step"] == steps
