@@ -151,19 +151,6 @@ class _BlockPlanner(LoadPlanner):
     def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
         pass  # the reader copied into the view resolve_tensor gave it
 
-    # Not used by a tensor-only plan; LoadPlanner declares them abstract.
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
-        pass
-
-    def create_local_plan(self) -> LoadPlan:
-        return LoadPlan([])
-
-    def create_global_plan(self, global_plan):
-        return global_plan
-
-    def finish_plan(self, central_plan):
-        return central_plan
-
     def load_bytes(self, read_item, value) -> None:
         raise DiffError(f"{read_item.dest_index.fqn}: a tensor read was answered with bytes")
 
