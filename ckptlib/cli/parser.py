@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import bench_cmd, convert_cmds, diff_cmd, gc_cmds, inspect_cmds, validate_cmd
+from . import bench_cmd, convert_cmds, diff_cmd, gc_cmds, inspect_cmds, plan_cmd, validate_cmd
 from .usage import HelpFormatter
 
 DESCRIPTION = (
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     validate_cmd.add_parser(commands)
     inspect_cmds.add_parsers(commands)
+    plan_cmd.add_parser(commands)
     diff_cmd.add_parser(commands)
     gc_cmds.add_gc_parser(commands)
     convert_cmds.add_parsers(commands)
