@@ -10,8 +10,9 @@ resharding (`create_read_items_for_chunk_list`), so the items are exactly DCP's.
 
 What is sharded (from the checkpoint): an optimizer's states live under ``<optim>.state.<fqn>``,
 so ``<fqn>`` is a parameter; a model tensor is a parameter when some optimizer has state for
-it or it was saved in several chunks (sharded); other tensors (buffers, scalar optimizer
-states such as ``step``, per-rank state) are whole on every rank. TP layouts need the model's
+it or it was saved in several chunks (sharded), or, in a checkpoint without optimizer state (a
+model-only file), always; other tensors (buffers, scalar optimizer states such as ``step``,
+per-rank state) are whole on every rank. TP layouts need the model's
 TP plan (a `TrainingSpec`'s ``tp_plan``, see `tp_dims`). Per-rank state (``ckptlib.RankLocal``:
 ``<name>.rank<k>.*``) is read as its default policy does (a rank that existed restores its
 own, new ranks start fresh), or with ``rank_state="merge"`` every rank reads every saved rank's
@@ -91,8 +92,9 @@ def classify(metadata: Metadata, params: set[str] | None = None) -> dict[str, Ke
             out[key] = KeyKind()
         elif params is not None:
             out[key] = KeyKind(param=fqn if fqn in params else None)
-        else:
-            out[key] = KeyKind(param=fqn if fqn in optimized or len(md.chunks) > 1 else None)
+        else:  # without optimizer state (a model-only file), every model tensor counts as a parameter
+            guess = fqn in optimized or len(md.chunks) > 1 or not optimized
+            out[key] = KeyKind(param=fqn if guess else None)
     return out
 
 

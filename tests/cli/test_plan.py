@@ -74,13 +74,13 @@ def save(uri: str, layout: str) -> None:
 class HiddenFiles(LocalStorage):
     """A local directory whose reads all go through `read` (as an object store's do), counted."""
 
-    def __init__(self, root: str, reads: list):
+    def __init__(self, root: str, reads: list, suffix: str = ".distcp"):
         super().__init__(root)
-        self.reads = reads
+        self.reads, self.suffix = reads, suffix
 
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         data = super().read(path, offset, length)
-        if path.endswith(".distcp"):
+        if path.endswith(self.suffix):
             self.reads.append((path, offset, len(data)))
         return data
 
@@ -209,6 +209,36 @@ def test_plan_matches_reads_through_storage_read(saved):
     plan = plan_load(HiddenFiles(uri, []), 3, "fsdp2")
     assert plan.storage == "local" and plan.ranks[0].requests is None
     _assert_agrees(plan, measured)
+
+
+def load_model_only(uri: str, layout: str) -> dict:
+    """Rank body: load a model-only file (safetensors) into the model at `layout`, counted."""
+    reads: list = []
+    model, _ = lm.build(SPEC, layout, "adamw", seed=1)
+    result = ckptlib.load(HiddenFiles(uri, reads, suffix=".safetensors"), {"model": model})
+    with open(os.path.join(uri, "model.safetensors"), "rb") as f:
+        data_start = 8 + int.from_bytes(f.read(8), "little")
+    tensors = [r for r in reads if r[1] >= data_start]  # (rank 0 also read the header, inspecting it)
+    return {"reads": tensors, "by_rank": result.storage_bytes_read_by_rank, "received": 0, "needed": None}
+
+
+def test_plan_of_a_safetensors_file_matches_its_reads(saved, tmp_path):
+    """A foreign format: each rank reads its rows of each tensor with one ranged read. A
+    model-only file does not say which tensors are buffers (whole on every rank under FSDP2):
+    the spec's model does."""
+    from ckptlib.cli.plan_cmd import spec_model_facts
+    from ckptlib.testing import launch
+
+    out = tmp_path / "hf"
+    ckptlib.convert(saved(2, "fsdp2"), str(out / "model.safetensors"), to="safetensors")
+    measured = launch(3, load_model_only, str(out), "fsdp2", timeout=240)
+    params, _ = spec_model_facts(f"{__file__}:SPEC", "fsdp2")
+    plan = plan_load(HiddenFiles(str(out), [], suffix=".safetensors"), 3, "fsdp2", params=params)
+    assert plan.format == "safetensors" and not plan.read_once
+    assert [r.bytes_read for r in plan.ranks] == measured[0]["by_rank"]
+    for planned, got in zip(plan.ranks, measured):
+        assert {f["file"]: f["ranges"] for f in planned.files} == _ranges(got["reads"])
+        assert planned.reads == len(got["reads"])
 
 
 @pytest.mark.s3
