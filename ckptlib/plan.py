@@ -198,7 +198,7 @@ def plan_load(
     target = _target(storage, info, verify)
     declared = DeclaredChunks(metadata)
     once = read_once and world_size > 1
-    reads, roles = ckpt_reads(plans, metadata.storage_data, declared, target, read_once=once, on_rank=on_rank)
+    reads, schedule = ckpt_reads(plans, metadata.storage_data, declared, target, read_once=once, on_rank=on_rank)
     alone_reads, _ = ckpt_reads(plans, metadata.storage_data, declared, target, read_once=False)
     records = {(rec.relative_path, rec.offset, rec.length) for rec in metadata.storage_data.values()}
     ranks = [_rank_plan(r, b, object_store) for r, b in zip(reads, state_bytes)]
@@ -212,7 +212,7 @@ def plan_load(
         storage=scheme,
         read_once=once,
         checkpoint_bytes=sum(length for _, _, length in records),
-        bytes_needed=roles[0].bytes_needed if roles else 0,
+        bytes_needed=schedule.bytes_needed,
         ranks=ranks,
         bytes_read_each_for_itself=sum(r.storage_bytes for r in alone_reads),
     )

@@ -2,8 +2,8 @@
 checkpoint's metadata (`ckpt plan`): no tensor byte is read.
 
 It follows the readers' own rules: which items several ranks need and are read by one rank
-and sent to the others (the coordinator's pure `format.read_schedule.plan_roles`, run here on
-the predicted plans), how `format.dcp_reader.CkptReader` reads the rest (local files: large
+and sent to the others (`format.read_schedule.predict_reads`, the pure function the load's
+coordinator runs, here on the predicted plans), how `format.dcp_reader.CkptReader` reads the rest (local files: large
 tensor items straight into place, just the rows a reshard needs, verified by the file's
 checksum blocks around them; the others whole; object stores: the partial reads the same way,
 everything else in coalesced ranged reads) and what `ForeignReader` reads of torch.save,
@@ -32,7 +32,7 @@ from .format.block_checks import _CRC_CHUNK  # verified local reads go in pieces
 from .format.dcp_reader import _DIRECT_MIN  # items from this size are read in place
 from .format.direct_reads import _CHUNK  # unverified local reads go in pieces of this size
 from .format.item_decoder import DeclaredChunks
-from .format.ranged_io import _MAX_SPAN, _TAIL, _coalesce, _coalesce_ranges
+from .format.ranged_io import _COALESCE_GAP, _MAX_SPAN, _TAIL, _coalesce, _coalesce_ranges
 
 _SMALL_WRITE = 1 << 16
 
@@ -232,9 +232,10 @@ def _lands_in_place(req) -> bool:
     return all(o == 0 for o in list(req.dest_offsets)[1:])
 
 
-def _spans(out: RankReads, name: str, entries: Sequence[tuple[int, int]], *, hold_all: bool) -> None:
-    """Coalesced ranged reads of whole items (`dcp_reader._read_spans`)."""
-    spans = _coalesce(list(entries), max_span=_MAX_SPAN)
+def _spans(out: RankReads, name: str, entries: Sequence[tuple[int, int]], *, hold_all: bool, gap: int) -> None:
+    """Coalesced ranged reads of whole items (`dcp_reader._read_spans`): items at most `gap`
+    bytes apart are read in one range, gap included."""
+    spans = _coalesce(list(entries), _MAX_SPAN, gap)
     for off, length in spans:
         out.reads.append(Read(name, off, length, "item"))
     out.hold(sum(length for _, length in spans) if hold_all else max((n for _, n in spans), default=0))
@@ -248,14 +249,11 @@ def ckpt_reads(
     *,
     read_once: bool,
     on_rank: Callable[[], None] | None = None,
-) -> tuple[list[RankReads], list[read_schedule.RankRole]]:
-    """Every rank's reads of a ckptlib or DCP checkpoint (see the module) and each rank's role in
-    the schedule of its shared items."""
-    world = len(plans)
-    tagged = [
-        LoadPlan(list(p.items), storage_data=read_schedule.LocalReads(None, (), read_once, world > 1)) for p in plans
-    ]
-    roles = read_schedule.plan_roles(tagged, storage_data, declared.declared, {})
+) -> tuple[list[RankReads], read_schedule.ReadSchedule]:
+    """Every rank's reads of a ckptlib or DCP checkpoint (see the module) and the schedule of its
+    shared items (`read_schedule.predict_reads`: what the load's coordinator computes)."""
+    schedule = read_schedule.predict_reads(plans, declared.metadata, read_once=read_once)
+    roles = [schedule.role(rank) for rank in range(len(plans))]
     out = []
     for rank, (plan, role) in enumerate(zip(plans, roles)):
         reads = RankReads(rank)
@@ -279,24 +277,26 @@ def ckpt_reads(
                     for key in sorted(items, key=lambda k: k[1]):
                         reads.reads.append(Read(name, key[1], key[2], "item"))
                     held += sum(k[2] for k in items)
-                else:
+                else:  # a run's items are neighbours: read without gaps (`fetch_items`)
                     before = len(reads.reads)
-                    _spans(reads, name, [(k[1], k[2]) for k in items], hold_all=True)
+                    _spans(reads, name, [(k[1], k[2]) for k in items], hold_all=True, gap=0)
                     held += sum(r.length for r in reads.reads[before:])
             received = sum(key[2] for key, _ in part.recvs)
             reads.bytes_received += received
             reads.bytes_sent += sum(key[2] * len(dsts) for key, dsts in part.sends)
             reads.hold(held + received)
         for name, entries in by_file.items():
-            _own_file(reads, target, name, entries, declared)
+            _own_file(reads, target, name, entries, declared, gap=0 if name in role.tight else _COALESCE_GAP)
         out.append(reads)
         if on_rank is not None:
             on_rank()
-    return out, roles
+    return out, schedule
 
 
-def _own_file(reads: RankReads, target: Target, name: str, entries: list, declared: DeclaredChunks) -> None:
-    """The items of one file a rank reads for itself (`CkptReader._read_file`)."""
+def _own_file(reads: RankReads, target: Target, name: str, entries: list, declared: DeclaredChunks, gap: int) -> None:
+    """The items of one file a rank reads for itself (`CkptReader._read_file`); on an object
+    store, ranged reads through gaps of at most `gap` bytes (none where other ranks read the
+    items between this rank's)."""
     verified: set[int] = set()
     reads.items_read += len({(info.offset, info.length) for _, info in entries})
     ordered = sorted(entries, key=lambda e: e[1].offset)
@@ -321,7 +321,7 @@ def _own_file(reads: RankReads, target: Target, name: str, entries: list, declar
         if not (direct_ok and partial and _direct(reads, target, name, req, info, declared.declared, verified)):
             rest.append((info.offset, info.length))
     if rest:
-        _spans(reads, name, rest, hold_all=False)
+        _spans(reads, name, rest, hold_all=False, gap=gap)
 
 
 def foreign_reads(
