@@ -256,6 +256,59 @@ def test_plan_matches_s3_gets(s3_root, tmp_path):
     assert plan.bytes_needed <= plan.bytes_read < plan.bytes_read_each_for_itself / 2
 
 
+class Progress:
+    """Per-rank state: a position and a 64 KiB history."""
+
+    def __init__(self, rank: int):
+        self.position, self.history = rank, torch.full((16384,), float(rank))
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "history": self.history}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.position, self.history = sd["position"], sd["history"]
+
+
+class Merge:
+    """A merging resize policy (as MergeSamplerProgress is): every rank reads every saved rank's state."""
+
+    def source_rank(self, rank, saved_world_size, world_size):
+        return None
+
+    def merge(self, states, rank, world_size):
+        return states[rank % len(states)]
+
+
+def rank_state_round_trip(uri: str, merge: bool, save: bool) -> list[int]:
+    """Rank body: save (or load) a model with per-rank state; the load's bytes by rank."""
+    import torch.distributed as dist
+
+    policy = Merge() if merge else None
+    state = {"model": nn.Linear(64, 64), "progress": ckptlib.RankLocal(Progress(dist.get_rank()), policy=policy)}
+    if save:
+        ckptlib.save(uri, state)
+        return []
+    return ckptlib.load(uri, state).storage_bytes_read_by_rank
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["keep", "merge"])
+def test_per_rank_state_on_a_resize(tmp_path, merge):
+    """Keep: a saved rank's entries go to that rank only; merge: every rank reads every saved
+    rank's (here read once and exchanged)."""
+    from ckptlib.testing import launch
+
+    uri = str(tmp_path / "ckpt")
+    launch(3, rank_state_round_trip, uri, merge, True, timeout=240)
+    measured = launch(2, rank_state_round_trip, uri, merge, False, timeout=240)[0]
+    plan = plan_load(uri, 2, "plain", rank_state="merge" if merge else "keep")
+    assert [r.bytes_read for r in plan.ranks] == measured
+    history = 16384 * 4
+    if merge:
+        assert sum(r.bytes_received for r in plan.ranks) >= 3 * history
+    else:
+        assert all(r.bytes_received < history for r in plan.ranks)
+
+
 def test_cli_json_is_the_plan_and_reads_only_metadata(saved, capsys, monkeypatch):
     import torch.distributed as dist
 

@@ -21,7 +21,7 @@ PLAIN = "examples/elastic_spec.py"
 HF = "examples/hf_causal_lm.py"
 
 
-def _ckpt(*argv: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def _ckpt(*argv: str, timeout: float = 1100, env: dict | None = None) -> subprocess.CompletedProcess:
     """`ckpt ARGV` as a user runs it (a fresh interpreter in the repository)."""
     return subprocess.run(
         [sys.executable, "-m", "ckptlib.cli", *argv],
@@ -37,13 +37,18 @@ def _cells(doc: dict) -> dict:
     return {(c["save_layout"], c["save_ws"], c["load_layout"], c["load_ws"]): c for c in doc["cells"]}
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # 36 pairs each; ~1.5 min on a quiet 2-core machine, much more when it is shared
 @pytest.mark.parametrize(
     "example,layouts",
     [(PLAIN, ("fsdp2", "ddp")), (HF, ("fsdp2", "tp"))],
     ids=["plain-two-optimizers", "hf-llama-tp"],
 )
 def test_example_validates_from_the_command_line(example, layouts):
-    done = _ckpt("validate", "--spec", example, "--world-sizes", "1,2,3", "--layouts", ",".join(layouts), "--json")
+    if example == HF and os.environ.get("CI") != "true":  # in CI a missing transformers fails the test
+        pytest.importorskip("transformers", reason="pip install -e '.[test]' (or '.[examples]') brings transformers")
+    argv = ["--spec", example, "--world-sizes", "1,2,3", "--layouts", ",".join(layouts), "--json", "--timeout", "1000"]
+    done = _ckpt("validate", *argv)
     assert done.returncode == 0, done.stderr[-4000:]
     doc = json.loads(done.stdout)
     every = [(a, n, b, m) for a in layouts for n in (1, 2, 3) for b in layouts for m in (1, 2, 3)]
@@ -145,7 +150,7 @@ def _two_nodes(argv: list[str], env: dict) -> list[tuple[int, str, str]]:
     out = []
     try:
         for proc in procs:
-            stdout, stderr = proc.communicate(timeout=300)
+            stdout, stderr = proc.communicate(timeout=500)
             out.append((proc.returncode, stdout, stderr))
     finally:
         for proc in procs:
@@ -167,6 +172,7 @@ def _torchrun_env(moto_server: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.s3
+@pytest.mark.timeout(600)
 def test_spec_under_torchrun_on_two_nodes(s3_root, moto_server):
     """The ranks of two nodes share no directory: the checkpoints go to S3 (moto)."""
     argv = ["validate", "--spec", PLAIN, "--world-sizes", "1,2", "--root", s3_root, "--json", "--no-progress"]
@@ -179,6 +185,7 @@ def test_spec_under_torchrun_on_two_nodes(s3_root, moto_server):
 
 @pytest.mark.slow
 @pytest.mark.s3
+@pytest.mark.timeout(600)
 def test_a_factory_failing_on_node_1_stops_both_nodes(s3_root, moto_server, tmp_path):
     spec = tmp_path / "failing_job.py"
     spec.write_text(textwrap.dedent(FAILING))
