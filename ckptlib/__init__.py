@@ -29,6 +29,7 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedError,
     UploadError,
+    WriterProcessError,
 )
 from .export import ExportResult, export
 from .manager import CheckpointManager, StaleLockWarning, StalePointerWarning
@@ -87,6 +88,7 @@ __all__ = [
     "TieredCheckpointManager",
     "UnsafeCheckpointError",
     "UploadError",
+    "WriterProcessError",
     "UnsupportedError",
     "__version__",
     "exit_barrier",
