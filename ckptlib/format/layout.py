@@ -34,6 +34,7 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..storage import Storage, root_is_file
+from .deletion import is_own_file
 from .file_names import describe_file, shard_rank
 from .manifest import MANIFEST_NAME, METADATA_MARKER, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
 from .safe_pickle import safe_loads
@@ -177,7 +178,9 @@ def classify(storage: Storage, listing: dict[str, int] | None = None) -> str:
         if METADATA_NAME not in listing or PENDING_NAME in listing:
             return "incomplete"
     elif METADATA_NAME not in listing:
-        return "other"
+        # Nothing but the temporary names ckptlib writes its files through: a save killed as it
+        # wrote its pending marker (debris to remove, as the crash harness found).
+        return "incomplete" if all(is_own_file(n) for n in listing) else "other"
     return "incomplete" if _marked_by_ckptlib(storage) else "dcp"
 
 

@@ -23,7 +23,9 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     except OSError as exc:  # some filesystems refuse fsync on directories
         if exc.errno not in (errno.EINVAL, errno.EBADF):
-            raise
+            # A StorageError naming the directory, never the bare OSError (the crash harness's
+            # fail cases at a directory fsync, docs/crash-boundaries.md).
+            raise StorageError(f"cannot sync directory {path}: {exc.strerror or exc}", path=path) from exc
     finally:
         os.close(fd)
 
@@ -271,8 +273,12 @@ class LocalStorage:
 
     def delete(self, paths: Iterable[str]) -> None:
         for full in [self._path(path) for path in paths]:  # every path checked before anything is deleted
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(full)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # named, never the bare OSError (the crash harness's fail cases)
+                raise StorageError(f"cannot delete {full}: {exc.strerror or exc}", path=full) from exc
 
     def delete_tree(self, name: str = "") -> None:
         target = self._path(name) if name else self.root
