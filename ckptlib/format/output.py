@@ -128,15 +128,28 @@ def _refusal(force: bool) -> type[CheckpointExistsError]:
     return OverwriteRefusedError if force else CheckpointExistsError
 
 
-def _remove_listed(path: str, record: dict[str, Any]) -> None:
-    """Remove the files `record` lists in `path`, then the record itself."""
-    for name in record["files"]:
+def _remove_listed(path: str, record: dict[str, Any], *, keep_record: bool = False) -> None:
+    """Remove the files `record` lists in `path` (and the temporary files ckptlib writes them
+    through), then the record itself, or with `keep_record` leave it marked incomplete.
+
+    The record is marked incomplete before anything is removed, so a crash half-way never
+    leaves a complete-looking export with files missing, and the directory stays one a forced
+    export may replace (its record is there) rather than a user's directory it must refuse."""
+    names = record["files"]
+    for name in names:
         if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
             raise CheckpointExistsError(f"{path}/{EXPORT_RECORD} lists an unsafe file name {name!r}", path=path)
+    if keep_record and record.get("complete") is not False:
+        _write_record(path, {**record, "complete": False})
+    temporary = re.compile("^(?:" + "|".join(re.escape(n) for n in [*names, EXPORT_RECORD]) + r")\.tmp(?:-\d+)?$")
+    with os.scandir(path) as entries:
+        leftovers = [e.name for e in entries if temporary.match(e.name) and e.is_file(follow_symlinks=False)]
+    for name in [*names, *leftovers]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(path, name))
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(path, EXPORT_RECORD))
+    if not keep_record:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, EXPORT_RECORD))
 
 
 def _clear_directory(path: str, force: bool) -> None:
@@ -157,7 +170,7 @@ def _clear_directory(path: str, force: bool) -> None:
         raise CheckpointExistsError(
             f"{path} already holds an export (pass force=True, or --force, to replace it)", path=path
         )
-    _remove_listed(path, record)
+    _remove_listed(path, record, keep_record=True)  # the new export's record replaces it
 
 
 def _is_marked(path: str, format: str) -> bool:
@@ -315,7 +328,11 @@ def _write_directory(
         )
     except BaseException:
         with contextlib.suppress(Exception):  # the write's own error is what the caller sees
-            _remove_listed(directory, doc)
+            # A directory that holds a user's files keeps the record (marked incomplete), so
+            # the next forced export may write there again.
+            ours = (*doc["files"], EXPORT_RECORD)  # and their temporary names
+            users = [n for n in os.listdir(directory) if not n.startswith(ours)]
+            _remove_listed(directory, doc, keep_record=bool(users))
             if created and not os.listdir(directory):
                 os.rmdir(directory)
         raise

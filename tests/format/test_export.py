@@ -155,7 +155,9 @@ def _damage_item(src, fqn: str) -> None:
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
 def test_a_failed_export_removes_what_it_wrote(tmp_path, fmt):
     """A failure after some shards were written (a damaged item in the last one) removes those
-    shards and the record: a new directory goes, an existing one keeps only the user's files."""
+    shards: a new directory goes, an existing one keeps the user's files and the record, marked
+    incomplete, so the next forced export may write there again (without it the directory
+    would be a user's, refused even with force: found by the crash harness)."""
     src = tmp_path / "c"
     ckptlib.save(str(src), {"model": {f"t{i}": torch.full((100,), float(i)) for i in range(4)}})
     out = tmp_path / "hf"
@@ -166,7 +168,11 @@ def test_a_failed_export_removes_what_it_wrote(tmp_path, fmt):
         with pytest.raises(ckptlib.CheckpointCorruptError, match="checksum mismatch"):
             ckptlib.export(str(src), str(target), format=fmt, model_only=True, max_shard_size=500, force=force)
     assert not (tmp_path / "new").exists()
-    assert sorted(os.listdir(out)) == ["config.json"]  # the old export was replaced, the new one failed
+    assert sorted(os.listdir(out)) == ["ckptlib_export.json", "config.json"]  # the old export was replaced
+    assert json.loads((out / "ckptlib_export.json").read_text())["complete"] is False
+    ckptlib.save(str(src), {"model": {f"t{i}": torch.full((100,), float(i)) for i in range(4)}}, overwrite=True)
+    ckptlib.export(str(src), str(out), format=fmt, model_only=True, max_shard_size=500, force=True)
+    assert json.loads((out / "ckptlib_export.json").read_text())["complete"] is True
 
 
 def test_export_of_a_damaged_item_is_the_checksum_error_naming_it(tmp_path):
