@@ -39,6 +39,7 @@ _MARKERS = {
     "legacy": "legacy: legacy and interchange formats, golden fixtures",
     "gpu": "gpu: needs CUDA devices and NCCL; skipped without them",
     "slow": "slow: long-running cases",
+    "crash": "crash: the crash harness's full enumeration: kill and fail at every write boundary",
     "full_matrix": "full_matrix: beyond the covering subset; run with -m (e.g. -m elastic) or --full-matrix",
     "world_size": "world_size(n, nodes=1): run the test body in n ranks of a fresh process group",
 }
