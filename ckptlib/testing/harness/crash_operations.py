@@ -316,4 +316,56 @@ def _act_export(scene: Scene) -> None:
 register(Operation("export", ("local",), _prepare_export, _act_export, _check_export))
 
 
+# ---------------------------------------------------------------- the cluster tier's upload
+
+
+def _tier(scene: Scene):
+    """A manager whose node-local root is local/node and whose remote is the scene's root."""
+    import ckptlib
+
+    remote = ckptlib.RemoteTier(scene.root, keep_last=1, upload_concurrency=1)
+    return ckptlib.CheckpointManager(f"{scene.local}/node", keep_last=1, remote=remote)
+
+
+def _prepare_tier(scene: Scene) -> None:
+    mgr = _tier(scene)
+    mgr.save(1, state(1))
+    mgr.wait()
+    mgr.close()
+    scene.plant("notes.txt", f"{STEP(1)}/notes.txt")
+
+
+def _act_tier(scene: Scene) -> None:
+    mgr = _tier(scene)
+    mgr.save(2, state(2))
+    mgr.wait()
+    mgr.close()
+
+
+def _check_tier(scene: Scene, outcome: Outcome) -> None:
+    scene.assert_user_files()
+    latest = _assert_latest(scene, {2} if outcome.status == "completed" else {1, 2})
+    if latest == 1:
+        load_exact(scene.uri(STEP(1)), 1)
+    mgr = _tier(scene)
+    _quiet(mgr.save, 3, state(3))
+    _quiet(mgr.wait)
+    mgr.close()
+    _assert_latest(scene, {3})
+    _assert_clean(
+        scene,
+        {"latest", "notes.txt", f"{STEP(1)}/notes.txt", *(f"{STEP(3)}/{n}" for n in CHECKPOINT_FILES)},
+    )
+
+
+def _has_remote_tier() -> bool:
+    import ckptlib
+
+    return hasattr(ckptlib, "RemoteTier")
+
+
+if _has_remote_tier():  # the cluster tier (issue 24): one more entry once it is on this branch
+    register(Operation("tiered-upload", ("local", "s3"), _prepare_tier, _act_tier, _check_tier))
+
+
 __all__ = ["OPERATIONS", "Operation", "register"]

@@ -185,7 +185,8 @@ class LocalProbe:
 
     def install(self) -> None:
         real_open = builtins.open
-        real = {name: getattr(os, name) for name in ("fsync", "replace", "rename", "link", "symlink", "mkdir")}
+        names = ("fsync", "sendfile", "replace", "rename", "link", "symlink", "mkdir")
+        real = {name: getattr(os, name) for name in names}
         real.update(unlink=os.unlink, remove=os.remove, rmdir=os.rmdir)
         real_rmtree = shutil.rmtree
         probe = self
@@ -196,6 +197,15 @@ class LocalProbe:
                 return real_open(file, mode, *args, **kwargs)
             probe._boundary("create", file)
             return _WatchedFile(real_open(file, mode, *args, **kwargs), probe, os.fsdecode(file))
+
+        def sendfile(out_fd, in_fd, offset, count):  # a kernel copy into a watched file: a write
+            try:
+                path = os.readlink(f"/proc/self/fd/{out_fd}")
+            except OSError:
+                path = None
+            if path is not None:
+                probe._boundary("write", path)
+            return real["sendfile"](out_fd, in_fd, offset, count)
 
         def fsync(fd):
             try:
@@ -238,6 +248,7 @@ class LocalProbe:
         rmtree.avoids_symlink_attacks = real_rmtree.avoids_symlink_attacks
         builtins.open = open_
         os.fsync = fsync
+        os.sendfile = sendfile
         os.replace = two_paths("replace", "rename", 1)
         os.rename = two_paths("rename", "rename", 1)
         os.link = two_paths("link", "link", 1)
