@@ -45,6 +45,12 @@ FORMATS = ("dcp", "torch-state", "torch", "safetensors")
 EXPORT_RECORD = "ckptlib_export.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 SINGLE_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth")}
+# Every name Hugging Face's layout of a format may have (one file, shards, the index): a file of
+# such a name that an export's record does not list is a user's, and blocks a forced export.
+LAYOUT_NAMES = {
+    "safetensors": re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$"),
+    "torch": re.compile(r"^pytorch_model(-\d{5}-of-\d{5})?\.bin(\.index\.json)?$"),
+}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "B": 1,
@@ -139,8 +145,9 @@ def _remove_listed(path: str, record: dict[str, Any]) -> None:
         os.unlink(os.path.join(path, EXPORT_RECORD))
 
 
-def _clear_directory(path: str, force: bool) -> None:
-    """Make `path` an empty or absent directory to write into, or refuse."""
+def _clear_directory(path: str, force: bool, format: str) -> None:
+    """Make `path` a directory to write `format`'s layout into (absent, empty, or an earlier
+    export whose listed files are removed), or refuse before touching anything."""
     if os.path.lexists(path) and not os.path.isdir(path):
         raise _refusal(force)(f"{path} is a file; exporting writes a directory there", path=path)
     if not os.path.isdir(path) or not os.listdir(path):
@@ -156,6 +163,15 @@ def _clear_directory(path: str, force: bool) -> None:
     if not force:
         raise CheckpointExistsError(
             f"{path} already holds an export (pass force=True, or --force, to replace it)", path=path
+        )
+    listed = set(record["files"])
+    theirs = sorted(n for n in os.listdir(path) if LAYOUT_NAMES[format].match(n) and n not in listed)
+    if theirs:
+        raise OverwriteRefusedError(
+            f"{path} holds {', '.join(theirs)}, which the export there ({EXPORT_RECORD}) did not write and this "
+            f"{format} export would replace; refusing even with force: move {'them' if len(theirs) > 1 else 'it'} "
+            "or choose another directory",
+            path=path,
         )
     _remove_listed(path, record)
 
@@ -293,12 +309,17 @@ def _write_directory(
     record: dict[str, Any],
 ) -> list[str]:
     """Hugging Face's layout in `directory`, recorded in EXPORT_RECORD as it is written."""
-    _clear_directory(directory, force)
+    _clear_directory(directory, force, format)
     created = not os.path.isdir(directory)
     os.makedirs(directory, exist_ok=True)
     doc: dict[str, Any] = {"format": "ckptlib-export", "version": 1, "complete": False, **record, "files": []}
 
     def on_file(name: str) -> None:
+        if os.path.lexists(os.path.join(directory, name)):  # not ours: ours were removed above
+            raise OverwriteRefusedError(
+                f"{directory}/{name} appeared during the export and is not ckptlib's; refusing to replace it",
+                path=f"{directory}/{name}",
+            )
         doc["files"].append(name)
         _write_record(directory, doc)
 
