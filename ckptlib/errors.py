@@ -37,6 +37,15 @@ class CheckpointNotFoundError(CheckpointError):
     """The path does not exist."""
 
 
+class CheckpointRemovedError(CheckpointNotFoundError):
+    """The checkpoint (a manager's step) was deleted while it was being loaded, by another
+    process's retention or gc: gone, not damaged. `step` names the step."""
+
+    def __init__(self, message: str, *, step: int | None = None, path: str | None = None, rank: int | None = None):
+        super().__init__(message, path=path, rank=rank)
+        self.step = step
+
+
 class NotACheckpointError(CheckpointError):
     """The path exists but holds no checkpoint (no manifest, no DCP metadata)."""
 

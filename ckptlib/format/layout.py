@@ -30,6 +30,7 @@ from ..errors import (
     CheckpointExistsError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
+    CheckpointRemovedError,
     NotACheckpointError,
     UnsafeCheckpointError,
 )
@@ -113,7 +114,15 @@ def _missing_or_resized(manifest: Manifest, listing: dict[str, int]) -> list[tup
 
 def read_manifest(storage: Storage) -> Manifest:
     where = f"{storage.uri}/{MANIFEST_NAME}"
-    return Manifest.from_bytes(storage.read(MANIFEST_NAME), where)
+    try:
+        data = storage.read(MANIFEST_NAME)
+    except FileNotFoundError as exc:  # listed a moment ago: another process removed the checkpoint
+        raise CheckpointRemovedError(
+            f"{where} disappeared while it was read: the checkpoint was removed (by another process's retention "
+            "or gc?)",
+            path=storage.uri,
+        ) from exc
+    return Manifest.from_bytes(data, where)
 
 
 def _marked_by_ckptlib(storage: Storage) -> bool:

@@ -18,40 +18,11 @@ import uuid
 import warnings
 
 import pytest
+from helpers.interleave import Interleaved
 
 from ckptlib.errors import LockedError
 from ckptlib.lock import LOCK_NAME, RootLock, StaleLockWarning
 from ckptlib.storage import LocalStorage
-
-
-class Interleaved(LocalStorage):
-    """LocalStorage that runs `interrupt()` once, just before its `at`-th operation."""
-
-    def __init__(self, root: str, at: int | None, interrupt):
-        super().__init__(root)
-        self.at, self.interrupt, self.ops = at, interrupt, []
-
-    def _before(self, op: str, *args) -> None:
-        if len(self.ops) == self.at:
-            self.interrupt()
-        self.ops.append((op, *args))
-
-    def read(self, path, offset=0, length=None):
-        self._before("read", path)
-        return super().read(path, offset, length)
-
-    def create_exclusive(self, path, data):
-        self._before("create_exclusive", path)
-        return super().create_exclusive(path, data)
-
-    def delete(self, paths):
-        paths = list(paths)
-        self._before("delete", *paths)
-        return super().delete(paths)
-
-    def write(self, path, data, *, durable=True):
-        self._before("write", path)
-        return super().write(path, data, durable=durable)
 
 
 def _stale_lock(root: str) -> str:
