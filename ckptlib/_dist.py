@@ -69,27 +69,48 @@ def _flag_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def agree(fn: Callable[[], T], group=None) -> T:
+def agree(
+    fn: Callable[[], T],
+    group=None,
+    *,
+    same: Callable[[T], int] | None = None,
+    disagree: Callable[[list[int]], CheckpointError] | None = None,
+) -> T:
     """Run `fn` on every rank; if it raised on any rank, raise on every rank.
 
     Every rank raises a CheckpointError: the failing rank its own (chained to the original
     exception), the others the first failing rank's, which names that rank.
+
+    `same(result)`: an int64 every rank's result must give alike (a step); when they differ,
+    every rank raises `disagree(values)`, `values` every rank's int in rank order. It rides on
+    the same all_reduce (the maximum of the value and of its negation), so agreeing costs no
+    round of its own; the values are gathered only when they differ.
     """
     result: Any = None
     local_error: BaseException | None = None
     try:
         result = fn()
+        value = same(result) if same is not None else 0
     except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
         if not is_distributed() or isinstance(exc, KeyboardInterrupt):
             raise
-        local_error = exc
+        local_error, value = exc, 0
     if not is_distributed():
         return result
     # The common case, nobody failed, costs one tiny all_reduce; the errors themselves are
     # gathered (two more rounds: sizes, then payloads) only when some rank failed.
-    failed = torch.tensor([0 if local_error is None else 1], dtype=torch.int32, device=_flag_device(group))
+    if same is None:
+        failed = torch.tensor([0 if local_error is None else 1], dtype=torch.int32, device=_flag_device(group))
+    else:
+        flags = [0 if local_error is None else 1, value, -value]
+        failed = torch.tensor(flags, dtype=torch.int64, device=_flag_device(group))
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if not failed.item():
+    if not failed[0].item():
+        if same is not None and failed[1].item() != -failed[2].item():
+            values: list[Any] = [None] * get_world_size(group)
+            dist.all_gather_object(values, value, group=group)
+            assert disagree is not None
+            raise disagree(values)
         return result
     portable = None if local_error is None else portable_error(local_error, dist.get_rank())
     gathered: list[Any] = [None] * get_world_size(group)

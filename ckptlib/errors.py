@@ -112,6 +112,17 @@ class StateError(CheckpointError):
     """The state passed to save/load cannot be turned into a state dict (bad key or value)."""
 
 
+class RanksDisagreeError(StateError):
+    """The ranks of a collective save or load passed what must be the same on every rank but
+    is not: the step, or a key's kind, dtype or shape (`keys`; ["step"] for the step). Raised
+    on every rank, before anything is written; `ranks` are the ranks involved."""
+
+    def __init__(self, message: str, *, ranks=(), keys=(), path: str | None = None, rank: int | None = None):
+        super().__init__(message, path=path, rank=rank)
+        self.ranks = list(ranks)
+        self.keys = list(keys)
+
+
 class StorageError(CheckpointError):
     """The storage backend failed permanently (permission denied, bucket missing, retries exhausted)."""
 

@@ -5,7 +5,8 @@ directory vanishes between listing and reading, or a shard between planning and 
 That step is gone, not damaged, so the load never reports it as corruption: a load that
 resumes from `latest` retries on the step `latest` names now; a load of a named step raises
 `CheckpointRemovedError` saying it was removed. Rank 0 decides (one round, only after a
-failure), so every rank retries or raises alike.
+failure), so every rank retries or raises alike. A step the caller named must be the same
+on every rank (`RanksDisagreeError` otherwise, before anything is read).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from . import _dist
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointRemovedError
 from .format import classify
 from .loading import LoadResult, load
+from .rank_checks import step_disagreement, step_value
 from .steps import step_dir
 from .storage import Storage
 
@@ -36,6 +38,8 @@ def load_step(
 
     `latest` (None for a step the caller named): the step to retry on when this one was
     removed during the load."""
+    if latest is None:  # a step each rank named: the same on every rank (one small all_reduce)
+        _dist.agree(lambda: step, group, same=step_value, disagree=step_disagreement("load"))
     kind = "committed" if latest is not None else _dist.decide_on_rank0(lambda: _kind(storage, step), group)
     if kind == "missing":
         raise CheckpointNotFoundError(f"{root_uri} has no step {step}", path=_where(root_uri, step))
