@@ -25,6 +25,7 @@ from .._torch import dcp_shims, probes
 from ..errors import CheckpointCorruptError, UnsupportedError
 from ..storage import Storage
 from .layout import CheckpointInfo
+from .tensor_kinds import unsupported_tensor
 
 DEFAULT_PREFIX = "model"
 
@@ -115,6 +116,9 @@ def check_plain_tensor(value: torch.Tensor, where: str, fqn: str) -> None:
             "tensors are read from this format",
             path=where,
         )
+    reason = unsupported_tensor(value)
+    if reason is not None:
+        raise UnsupportedError(f"{where}: {fqn} is {reason}; only plain dense tensors are read", path=where)
 
 
 def add_objects(objects: dict, prefix_path: tuple, sdm: dict, planner_data: dict, storage_data: dict, where: str):

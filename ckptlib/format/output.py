@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 import struct
 import zipfile
 from typing import Any, Callable
@@ -36,7 +37,7 @@ import torch
 from ..errors import CheckpointExistsError, OverwriteRefusedError
 from ..storage import Storage
 from .safetensors import write_safetensors
-from .shard_files import EXPORT_MARK, atomic_file, planned_entries
+from .shard_files import EXPORT_MARK, atomic_file, planned_entries, write_failed
 from .streaming import SourceValues, save_dcp_streaming
 from .torch_save import write_torch_files, write_torch_save
 from .transaction import SaveTransaction
@@ -126,6 +127,43 @@ def _write_record(directory: str, doc: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(final + ".tmp", final)
+
+
+def _kind_of(path: str) -> str:
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "a symbolic link to nothing"
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISREG, "a file"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file or directory"
+
+
+def _check_destination(path: str, format: str, force: bool) -> None:
+    """Refuse, before anything is written, a destination that cannot be one: below a file (or a
+    FIFO, a device) instead of a directory, or itself a FIFO, device or socket; a directory
+    output onto a file. Named errors (`_refusal`), never an OSError from the middle of a write."""
+    full = os.path.abspath(path)
+    parent = os.path.dirname(full)
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise _refusal(force)(
+            f"cannot write {path}: {parent} is {_kind_of(parent)}, not a directory; refusing to write there", path=path
+        )
+    if not os.path.lexists(full) or os.path.isdir(full):
+        return
+    if not os.path.isfile(full):
+        raise _refusal(force)(f"{path} is {_kind_of(full)}; refusing to write there", path=path)
+    if format == "dcp" or not is_single_file(path, format):
+        raise _refusal(force)(f"{path} is a file; a {format} output is a directory there", path=path)
 
 
 def _refusal(force: bool) -> type[CheckpointExistsError]:
@@ -239,10 +277,45 @@ def write_output(
     output's manifest. `dst` is a Storage for "dcp", a local path otherwise."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    local = dst if isinstance(dst, str) else dst.local_path()
+    if local is not None:
+        _check_destination(local, format, force)
     if format == "dcp":
         assert isinstance(dst, Storage)
         return _write_checkpoint(source, dst, force=force, on_tensor=on_tensor, step=step, metadata=metadata)
     assert isinstance(dst, str)
+    try:
+        return _write_files(
+            source,
+            dst,
+            format=format,
+            names=names,
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+            force=force,
+            on_tensor=on_tensor,
+            record=record,
+        )
+    except (OSError, RuntimeError) as exc:  # writing the record, the index, the mark: a full disk
+        error = write_failed(exc, dst)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def _write_files(
+    source: SourceValues,
+    dst: str,
+    *,
+    format: str,
+    names: dict[str, str] | None,
+    dtype: torch.dtype | None,
+    max_shard_bytes: int | None,
+    force: bool,
+    on_tensor: Callable[[str, int], None] | None,
+    record: dict[str, Any] | None,
+) -> list[str]:
+    """`write_output` of a local file or directory of files (every format but "dcp")."""
     if is_single_file(dst, format):
         _check_single_file(dst, format, force)
         directory = os.path.dirname(os.path.abspath(dst))
