@@ -264,6 +264,19 @@ class LocalStorage:
                         out[rel] = os.stat(full).st_size
         return out
 
+    def list_top(self) -> dict[str, int]:
+        """`SupportsShallowList`: the files directly in the root (what `list` shows of it), one scandir."""
+        out: dict[str, int] = {}
+        if not os.path.isdir(self.root):
+            return out
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if entry.is_dir():  # as os.walk sorts them: a symlink to a directory is a directory
+                    continue
+                with contextlib.suppress(FileNotFoundError):  # a dangling link: absent, as in `list`
+                    out[entry.name] = os.stat(entry.path).st_size
+        return out
+
     def list_children(self) -> list[str]:
         if not os.path.isdir(self.root):
             return []
