@@ -11,12 +11,15 @@ import sys
 
 
 class CheckpointError(Exception):
-    """Base class of every error ckptlib raises on purpose."""
+    """Base class of every error ckptlib raises on purpose. Its message and path never carry a
+    credential (a URL's password, a signature, a key or token: `storage.scrub.scrub_message`),
+    whichever backend or path the text came from."""
 
     def __init__(self, message: str, *, path: str | None = None, rank: int | None = None):
+        message = _scrubbed(message)
         super().__init__(message)
         self.message = message
-        self.path = path
+        self.path = _scrubbed(path) if isinstance(path, str) else path
         self.rank = rank
 
     def __reduce__(self):
@@ -24,6 +27,12 @@ class CheckpointError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+def _scrubbed(text: str) -> str:
+    from .storage.scrub import scrub_message  # imported on use: the storage package imports this module
+
+    return scrub_message(text) if isinstance(text, str) else text
 
 
 def _rebuild(cls, message, state):
