@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 from .._torch import dcp_shims, probes
 from ..errors import CheckpointCorruptError, UnsupportedError
 from ..storage import Storage
+from ..storage.local import check_regular
 from .layout import CheckpointInfo
 from .tensor_kinds import unsupported_tensor
 
@@ -39,13 +40,18 @@ class SourceFiles:
 
 
 def file_size(root: Storage, name: str) -> int | None:
-    """A file's size, or None when it is absent (no directory walk for local files)."""
+    """A file's size, or None when it is absent (no directory walk for local files). Something
+    else in its place (a FIFO, a device, a socket, a directory) is NotARegularFileError naming it."""
     path = root.local_path(name)
     if path is not None:
         try:
-            return os.path.getsize(path) if os.path.isfile(path) else None
+            if os.path.isfile(path):
+                return os.path.getsize(path)
+            if os.path.exists(path):
+                check_regular(path)
         except OSError:
             return None
+        return None
     return root.list(name).get(name)
 
 
