@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import time
 import traceback
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -69,9 +69,19 @@ def _flag_device(group) -> torch.device:
     return torch.device("cpu")
 
 
+class Ballot(Protocol):
+    """Numbers every rank puts into an agreement round: `votes` (as many on every rank, set
+    by `fn`) are reduced with MAX in the round's one all_reduce and handed to `counted`."""
+
+    votes: list[int]
+
+    def counted(self, reduced: list[int]) -> None: ...
+
+
 def agree(
     fn: Callable[[], T],
     group=None,
+    ballot: Ballot | None = None,
     *,
     same: Callable[[T], int] | None = None,
     disagree: Callable[[list[int]], CheckpointError] | None = None,
@@ -79,39 +89,89 @@ def agree(
     """Run `fn` on every rank; if it raised on any rank, raise on every rank.
 
     Every rank raises a CheckpointError: the failing rank its own (chained to the original
-    exception), the others the first failing rank's, which names that rank.
+    exception), the others the first failing rank's, which names that rank. `ballot`'s votes
+    ride in the same all_reduce (no extra round); it is counted only if nobody failed.
 
     `same(result)`: an int64 every rank's result must give alike (a step); when they differ,
     every rank raises `disagree(values)`, `values` every rank's int in rank order. It rides on
     the same all_reduce (the maximum of the value and of its negation), so agreeing costs no
     round of its own; the values are gathered only when they differ.
     """
+    if same is None:
+        return _agree(fn, group, ballot, None)[0]
+    assert disagree is not None
+    check = _SameValue(same, disagree, group, ballot)
+    return _agree(lambda: check.judged(fn()), group, check, None)[0]
+
+
+class _SameValue:
+    """A Ballot whose last two votes are an int and its negation: after the MAX reduction they
+    are the largest and (negated) the smallest value of any rank, alike only when all are."""
+
+    def __init__(self, same: Callable[[Any], int], disagree: Callable[[list[int]], CheckpointError], group, inner):
+        self.same, self.disagree, self.group, self.inner = same, disagree, group, inner
+        self.value = 0
+
+    def judged(self, result: T) -> T:
+        self.value = int(self.same(result))
+        return result
+
+    @property
+    def votes(self) -> list[int]:
+        return [*([] if self.inner is None else self.inner.votes), self.value, -self.value]
+
+    def counted(self, reduced: list[int]) -> None:
+        if self.inner is not None:
+            self.inner.counted(reduced[:-2])
+        if reduced[-2] != -reduced[-1]:
+            values: list[Any] = [None] * get_world_size(self.group)
+            dist.all_gather_object(values, self.value, group=self.group)
+            raise self.disagree(values)
+
+
+def agree_sharing(fn: Callable[[], T], values: Sequence[int], group=None) -> tuple[T, list[list[int]]]:
+    """`agree`, whose one collective also gathers `values` (as many ints on every rank) from
+    every rank: figures the ranks report together once they agree (a load's bytes read), for
+    no round of their own. Returns fn's result and every rank's values, by rank."""
+    return _agree(fn, group, None, [int(v) for v in values])
+
+
+def _agree(fn: Callable[[], T], group, ballot: Ballot | None, values: list[int] | None) -> tuple[T, list[list[int]]]:
     result: Any = None
     local_error: BaseException | None = None
     try:
         result = fn()
-        value = same(result) if same is not None else 0
     except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
         if not is_distributed() or isinstance(exc, KeyboardInterrupt):
             raise
-        local_error, value = exc, 0
+        local_error = exc
     if not is_distributed():
-        return result
-    # The common case, nobody failed, costs one tiny all_reduce; the errors themselves are
-    # gathered (two more rounds: sizes, then payloads) only when some rank failed.
-    if same is None:
-        failed = torch.tensor([0 if local_error is None else 1], dtype=torch.int32, device=_flag_device(group))
+        if ballot is not None:
+            ballot.counted(list(ballot.votes))
+        return result, [list(values or [])]
+    # The common case, nobody failed, costs one tiny all_reduce (an all_gather when values are
+    # shared); the errors themselves are gathered (two more rounds: sizes, then payloads) only
+    # when some rank failed.
+    flag = 0 if local_error is None else 1
+    device = _flag_device(group)
+    rows: list[list[int]] = []
+    if values is None:
+        votes = [] if ballot is None else list(ballot.votes)
+        dtype = torch.int32 if ballot is None else torch.int64
+        failed = torch.tensor([flag, *votes], dtype=dtype, device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+        any_failed = bool(failed[0].item())
+        if not any_failed and ballot is not None:
+            ballot.counted(failed[1:].tolist())
     else:
-        flags = [0 if local_error is None else 1, value, -value]
-        failed = torch.tensor(flags, dtype=torch.int64, device=_flag_device(group))
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if not failed[0].item():
-        if same is not None and failed[1].item() != -failed[2].item():
-            values: list[Any] = [None] * get_world_size(group)
-            dist.all_gather_object(values, value, group=group)
-            assert disagree is not None
-            raise disagree(values)
-        return result
+        mine = torch.tensor([flag, *values], dtype=torch.int64, device=device)
+        gathered_rows = [torch.empty_like(mine) for _ in range(get_world_size(group))]
+        dist.all_gather(gathered_rows, mine, group=group)
+        rows = [row.tolist() for row in gathered_rows]
+        any_failed = any(row[0] for row in rows)
+        rows = [row[1:] for row in rows]
+    if not any_failed:
+        return result, rows
     portable = None if local_error is None else portable_error(local_error, dist.get_rank())
     gathered: list[Any] = [None] * get_world_size(group)
     dist.all_gather_object(gathered, portable, group=group)
@@ -122,7 +182,7 @@ def agree(
     for err in gathered:
         if err is not None:
             raise err
-    return result
+    return result, rows
 
 
 def agreement(group=None) -> Callable[[Callable[[], Any]], Any] | None:
