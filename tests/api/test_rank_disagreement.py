@@ -71,6 +71,15 @@ def _save(root: str, case: str, how: str) -> tuple:
         mgr = CheckpointManager(root)
         outcome = _outcome(lambda: mgr.save(step, state))
         return outcome, mgr.lock_holder() is None
+    if how == "replan":  # a second save whose state changed on one rank: the plan cache must not reuse
+        mgr = CheckpointManager(root)
+        mgr.save(1, {"model": {"w": torch.arange(4.0), "b": torch.ones(2)}, "epoch": 3})
+        outcome = _outcome(lambda: mgr.save(step, state))
+        return outcome, mgr.lock_holder() is None
+    if how.startswith("async-"):
+        mode = how.split("-", 1)[1]
+        target = os.path.join(root, "ckpt")
+        return _outcome(lambda: ckptlib.async_save(target, state, step=step, async_mode=mode).wait()), True
     return _outcome(lambda: ckptlib.save(os.path.join(root, "ckpt"), state, step=step)), True
 
 
@@ -83,8 +92,21 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("how", ["save", "manager"])
-@pytest.mark.parametrize("case", list(EXPECTED))
+def _expected_files(how: str) -> list[str]:
+    """What the root holds after the refused save: nothing, or the step the first save committed."""
+    if how != "replan":
+        return []
+    return [f"step_0000000001/{n}" for n in (".metadata", "__0_0.distcp", "__1_0.distcp", "ckptlib.json")]
+
+
+HOWS = ["save", "manager", "replan", "async-thread", "async-process"]
+
+
+# every case with a plain save; the step, shape and dtype cases with every other way to save
+CASES = [(case, how) for how in HOWS for case in EXPECTED if how == "save" or case in ("step", "shape", "dtype")]
+
+
+@pytest.mark.parametrize("case,how", CASES, ids=[f"{case}-{how}" for case, how in CASES])
 def test_ranks_that_disagree_fail_alike_before_anything_is_written(tmp_path, dist_run, case, how):
     root = str(tmp_path / "root")
     os.makedirs(root)
@@ -95,7 +117,7 @@ def test_ranks_that_disagree_fail_alike_before_anything_is_written(tmp_path, dis
     want_keys, detail = EXPECTED[case]
     assert kind == "RanksDisagreeError" and detail in text, text
     assert ranks == [0, 1] and keys == want_keys, (ranks, keys)
-    assert unlocked0 and _files(root) == [], _files(root)  # no step directory, no lock, nothing
+    assert unlocked0 and _files(root) == _expected_files(how), _files(root)  # no new step directory, no lock
 
 
 def _load_step(root: str) -> tuple:
