@@ -93,3 +93,34 @@ def _outcome(action: Callable[[], Any]) -> Any:
         return action()
     except Exception as exc:  # noqa: BLE001 - the outcome under test
         return exc
+
+
+class InterleavedProxy:
+    """Any Storage (an object store's as well as a local one), wrapped like `Interleaved`: calls
+    `interrupt()` once, just before its (and its children's) operation numbered `at`."""
+
+    def __init__(self, inner: Any, at: int | None, interrupt: Callable[[], Any], *, _shared: dict | None = None):
+        self.inner = inner
+        self.shared = _shared if _shared is not None else {"ops": [], "at": at, "interrupt": interrupt, "done": False}
+
+    @property
+    def ops(self) -> list[tuple]:
+        return self.shared["ops"]
+
+    def child(self, name: str) -> "InterleavedProxy":
+        return InterleavedProxy(self.inner.child(name), None, lambda: None, _shared=self.shared)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if name not in OPERATIONS:
+            return attr
+
+        def operation(*args, **kwargs):
+            shared = self.shared
+            if len(shared["ops"]) == shared["at"] and not shared["done"]:
+                shared["done"] = True
+                shared["interrupt"]()
+            shared["ops"].append((name, self.inner.uri, next((a for a in args if isinstance(a, str)), None)))
+            return attr(*args, **kwargs)
+
+        return operation

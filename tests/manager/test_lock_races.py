@@ -18,26 +18,24 @@ import uuid
 import warnings
 
 import pytest
-from helpers.interleave import Interleaved
+from helpers.interleave import Interleaved, InterleavedProxy
 
 from ckptlib.errors import LockedError
 from ckptlib.lock import LOCK_NAME, RootLock, StaleLockWarning
-from ckptlib.storage import LocalStorage
+from ckptlib.storage import LocalStorage, is_remote, open_storage
 
 
 def _stale_lock(root: str) -> str:
     """A lock left by a holder that no longer runs (this pid, a token no live lock has)."""
     token = uuid.uuid4().hex
     doc = {"format": "ckptlib-lock", "host": socket.gethostname(), "pid": os.getpid(), "token": token, "start": None}
-    with open(os.path.join(root, LOCK_NAME), "w") as f:
-        json.dump(doc, f)
+    open_storage(root).write(LOCK_NAME, json.dumps(doc).encode())
     return token
 
 
 def _lock_token(root: str) -> str | None:
     try:
-        with open(os.path.join(root, LOCK_NAME)) as f:
-            return json.load(f)["token"]
+        return json.loads(bytes(open_storage(root).read(LOCK_NAME)))["token"]
     except FileNotFoundError:
         return None
 
@@ -45,7 +43,7 @@ def _lock_token(root: str) -> str | None:
 def _race(root: str, at: int | None) -> tuple[list, list]:
     """Writer B acquires with writer A's whole acquire run just before B's `at`-th storage
     operation; returns (outcomes, B's operations), each outcome the lock or the LockedError."""
-    a = RootLock(LocalStorage(root))
+    a = RootLock(open_storage(root))
     outcome: dict[str, object] = {}
 
     def run_a() -> None:
@@ -55,7 +53,8 @@ def _race(root: str, at: int | None) -> tuple[list, list]:
         except LockedError as exc:
             outcome["a"] = exc
 
-    storage = Interleaved(root, at, run_a)
+    local = not is_remote(root)
+    storage = Interleaved(root, at, run_a) if local else InterleavedProxy(open_storage(root), at, run_a)
     b = RootLock(storage)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", StaleLockWarning)
@@ -70,16 +69,20 @@ def _race(root: str, at: int | None) -> tuple[list, list]:
     return [outcome.get("a"), outcome["b"]], ops
 
 
-def test_every_interleaving_of_two_writers_breaking_one_stale_lock(tmp_path):
-    root = str(tmp_path / "first")
-    os.makedirs(root)
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def base(request, tmp_path) -> str:
+    """Where each interleaving gets a root of its own: a local directory, or an S3 prefix."""
+    return str(tmp_path) if request.param == "local" else request.getfixturevalue("s3_root")
+
+
+def test_every_interleaving_of_two_writers_breaking_one_stale_lock(base):
+    root = f"{base}/first"
     _stale_lock(root)
     _, ops = _race(root, None)  # B alone: how many storage operations it takes
     assert len(ops) >= 3, ops
-    RootLock(LocalStorage(root)).break_()
+    RootLock(open_storage(root)).break_()
     for at in range(len(ops) + 1):
-        root = str(tmp_path / f"at{at}")
-        os.makedirs(root)
+        root = f"{base}/at{at}"
         stale = _stale_lock(root)
         (a, b), _ = _race(root, at)
         holders = [w for w in (a, b) if isinstance(w, RootLock)]
@@ -93,7 +96,7 @@ def test_every_interleaving_of_two_writers_breaking_one_stale_lock(tmp_path):
             for w in holders:
                 w.release()
         assert _lock_token(root) is None
-        assert sorted(os.listdir(root)) == [], (at, os.listdir(root))  # no claim left behind
+        assert open_storage(root).list() == {}, (at, open_storage(root).list())  # no claim left behind
 
 
 def test_a_claim_left_by_a_dead_breaker_does_not_block_for_good(tmp_path):
