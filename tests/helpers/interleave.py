@@ -102,10 +102,16 @@ class InterleavedProxy:
     def __init__(self, inner: Any, at: int | None, interrupt: Callable[[], Any], *, _shared: dict | None = None):
         self.inner = inner
         self.shared = _shared if _shared is not None else {"ops": [], "at": at, "interrupt": interrupt, "done": False}
+        self.shared.setdefault("base", inner.uri.rstrip("/"))
 
     @property
     def ops(self) -> list[tuple]:
         return self.shared["ops"]
+
+    def _where(self) -> str:
+        """This storage's path below the wrapped root ("." for the root), as `Interleaved` says it."""
+        base, uri = self.shared["base"], self.inner.uri.rstrip("/")
+        return "." if uri == base else uri[len(base) + 1 :]
 
     def child(self, name: str) -> "InterleavedProxy":
         return InterleavedProxy(self.inner.child(name), None, lambda: None, _shared=self.shared)
@@ -120,7 +126,7 @@ class InterleavedProxy:
             if len(shared["ops"]) == shared["at"] and not shared["done"]:
                 shared["done"] = True
                 shared["interrupt"]()
-            shared["ops"].append((name, self.inner.uri, next((a for a in args if isinstance(a, str)), None)))
+            shared["ops"].append((name, self._where(), next((a for a in args if isinstance(a, str)), None)))
             return attr(*args, **kwargs)
 
         return operation

@@ -18,24 +18,36 @@ import warnings
 
 import pytest
 import torch
-from helpers.interleave import Interleaved, run_at_every_operation
+from helpers.interleave import Interleaved, InterleavedProxy, run_at_every_operation
 from helpers.manager import step_state
 
 from ckptlib import CheckpointManager
 from ckptlib.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointRemovedError
 from ckptlib.steps import step_dir
-from ckptlib.storage import LocalStorage
+from ckptlib.storage import LocalStorage, is_remote
 
 
-def _race(tmp_path, requested: int | None):
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def base(request, tmp_path) -> str:
+    """Where each interleaving gets a root of its own: a local directory, or an S3 prefix."""
+    return str(tmp_path) if request.param == "local" else request.getfixturevalue("s3_root")
+
+
+def _race(base: str, requested: int | None):
     counter = iter(range(10**6))
 
     def make(at):
-        root = str(tmp_path / f"root{next(counter)}")
+        root = f"{base}/root{next(counter)}"
         other = CheckpointManager(root, keep_last=1)  # the other process: its own manager, same root
         other.save(5, step_state(5))
         reader = CheckpointManager(root)
-        storage = Interleaved(root, at, lambda: other.save(6, step_state(6)))
+
+        def interrupt() -> None:
+            other.save(6, step_state(6))
+
+        storage = (
+            InterleavedProxy(reader.storage, at, interrupt) if is_remote(root) else Interleaved(root, at, interrupt)
+        )
         reader.storage = storage
         got = {"model": {"w": torch.zeros(64, 33), "b": torch.zeros(7)}, "step": -1}
 
@@ -57,8 +69,8 @@ def _assert_loaded(step, got, last_load, expected_step):
     assert got["step"] == expected_step
 
 
-def test_resuming_from_latest_while_retention_deletes_it(tmp_path):
-    outcomes = _race(tmp_path, None)
+def test_resuming_from_latest_while_retention_deletes_it(base):
+    outcomes = _race(base, None)
     assert len(outcomes) > 8, outcomes  # the load takes that many storage operations
     loaded = set()
     for k, op, outcome in outcomes:
@@ -70,8 +82,8 @@ def test_resuming_from_latest_while_retention_deletes_it(tmp_path):
     assert loaded == {5, 6}
 
 
-def test_loading_a_named_step_while_retention_deletes_it(tmp_path):
-    outcomes = _race(tmp_path, 5)
+def test_loading_a_named_step_while_retention_deletes_it(base):
+    outcomes = _race(base, 5)
     ops = [op for k, op, _ in outcomes[1:]]
     first_look = next(i for i, (name, where, _) in enumerate(ops) if name in ("list", "read") and where != ".")
     removed = 0
