@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 
 class CheckpointError(Exception):
@@ -200,3 +201,10 @@ def stacklevel_outside_ckptlib() -> int:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def warn_scrubbed(message: str, category: type[Warning]) -> None:
+    """warnings.warn for a warning that quotes an error (a storage backend's may carry an
+    endpoint's password or a signed URL): its message scrubbed like every CheckpointError's,
+    naming the first frame outside ckptlib."""
+    warnings.warn(_scrubbed(message), category, stacklevel=stacklevel_outside_ckptlib())

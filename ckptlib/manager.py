@@ -30,7 +30,14 @@ from typing import Any, Iterable, Mapping, Sequence
 from . import _dist, background_save, writer_process
 from . import save_policy as _save_policy
 from .collection import ForeignFilesWarning, collect
-from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError, stacklevel_outside_ckptlib
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    LockedError,
+    StateError,
+    stacklevel_outside_ckptlib,
+    warn_scrubbed,
+)
 from .format.plan_cache import PlanCache
 from .loading import LoadResult, load
 from .lock import LOCK_NAME, LockHolder, RootLock, StaleLockWarning
@@ -203,11 +210,7 @@ class CheckpointManager:
             try:
                 self._lock.release()
             except Exception as exc:  # noqa: BLE001 - reported, never fatal
-                warnings.warn(
-                    f"{self._lock.where}: could not remove the lock ({exc})",
-                    StaleLockWarning,
-                    stacklevel=stacklevel_outside_ckptlib(),
-                )
+                warn_scrubbed(f"{self._lock.where}: could not remove the lock ({exc})", StaleLockWarning)
 
     def _drop_lock_after_failure(self) -> None:
         if _dist.get_rank(self.process_group) == 0 and not self.hold_lock:

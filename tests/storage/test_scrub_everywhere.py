@@ -97,6 +97,25 @@ def test_every_checkpoint_error_is_scrubbed_but_keeps_state_keys(monkeypatch):
     assert str(CheckpointError(shape)) == shape
 
 
+def test_a_warning_that_quotes_a_backends_error_is_scrubbed(tmp_path, monkeypatch):
+    """The lock that could not be removed after a save: its StaleLockWarning quotes the error,
+    whose endpoint URL carries a password (and a signed URL), and shows neither."""
+    from ckptlib.lock import RootLock, StaleLockWarning
+
+    def unreachable(self):
+        raise OSError(
+            f"Could not connect to the endpoint URL: {URIS['https-userinfo']}/ckptlib.lock ({URIS['presigned-query']})"
+        )
+
+    monkeypatch.setattr(RootLock, "release", unreachable)
+    with pytest.warns(StaleLockWarning, match="could not remove the lock") as caught:
+        CheckpointManager(str(tmp_path / "run")).save(1, {"w": torch.ones(2)})
+    (warning,) = [w for w in caught if issubclass(w.category, StaleLockWarning)]
+    text = str(warning.message)
+    assert _clean(text) and "ckpt-user:<redacted>@127.0.0.1" in text and "X-Amz-Signature=<redacted>" in text, text
+    assert warning.filename == __file__  # it names the user's line, as before
+
+
 # -- every backend, through the manager, the tiered upload and the ckpt command ------------------
 
 REMOTE = [
