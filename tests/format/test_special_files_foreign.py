@@ -90,3 +90,20 @@ def test_cli_convert_names_special_file(tmp_path, capsys, place, kind):
     out, err = capsys.readouterr()
     assert rc == 1 and "Traceback" not in out + err
     assert f"{special} is a {'FIFO (named pipe)' if kind == 'fifo' else 'directory'}, not a regular file" in err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_a_special_safetensors_index_is_refused_by_name(tmp_path, capsys, kind):
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(FIXTURES, "safetensors_sharded/ckpt"), ckpt)
+    index = os.path.join(ckpt, "model.safetensors.index.json")
+    _replace(index, kind)
+    with pytest.raises(NotARegularFileError, match=KINDS[kind]) as info:
+        ckptlib.convert(ckpt, str(tmp_path / "out"))
+    assert info.value.path == index
+    for argv in (["convert", ckpt, str(tmp_path / "out")], ["diff", ckpt, ckpt]):
+        assert cli.main(argv) != 0
+        err = capsys.readouterr().err
+        assert f"{index} is a" in err and "Traceback" not in err, err
+    assert not os.path.exists(tmp_path / "out")
