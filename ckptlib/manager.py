@@ -31,6 +31,7 @@ from . import _dist, background_save, writer_process
 from . import save_policy as _save_policy
 from .collection import ForeignFilesWarning, collect
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError, stacklevel_outside_ckptlib
+from .format.plan_cache import PlanCache
 from .loading import LoadResult, load
 from .lock import LOCK_NAME, LockHolder, RootLock, StaleLockWarning
 from .observe import log_operation
@@ -132,6 +133,7 @@ class CheckpointManager:
             writer_process.writer()  # it imports torch while the training sets up, not at the first save
         self._lock = RootLock(self.storage)
         self._pending = None  # the AsyncSave in flight (async_save=True)
+        self._plan_cache = PlanCache()  # this manager's saves reuse their plans (format.plan_cache)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_uri!r})"
@@ -340,6 +342,7 @@ class CheckpointManager:
                 async_mode=self.async_mode,
                 after_commit=lambda: self._publish(step),
                 on_failure=self._drop_lock_after_failure,
+                plan_cache=self._plan_cache,
             )
         except BaseException:
             self._drop_lock_after_failure()
