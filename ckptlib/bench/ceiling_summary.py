@@ -9,7 +9,7 @@ Which ceiling each figure is read against:
 | save | parallel write + fsync of the same bytes at the same N | the ranks' raw write + fsync of their shards |
 | load (warm, cold) | read of the same bytes (page cache, evicted) | the ranks' raw read of those files |
 | async staging (blocked) | memory copy, 1 thread | the rank copying its shards into preallocated buffers |
-| resharded load | | the same-N load (saved at M, loaded at M) |
+| resharded load | read of the same bytes at M processes (page cache) | the same-N load (saved at M, loaded at M) |
 | cloud save / load | TCP over loopback | the SDK's plain upload / download of the same bytes |
 """
 
@@ -169,7 +169,7 @@ def against_ceilings(results: dict[str, Any], summary: dict[str, Any], aggregate
             r["size_mib"],
             r["loaded"],
             aggregate(throughputs(nbytes, r["times"])),
-            float("nan"),
+            _disk(ceil, r["size_mib"], r["loaded"], "read_warm"),  # resharded loads are warm
             paired(r["times"], base["times"]),  # a time ratio: below 1 is faster than same-N
             "same-N load (time ratio)",
             r.get("usage", []),
@@ -221,6 +221,10 @@ def _f(x: float | None, digits: int = 0) -> str:
 
 def _range(s: dict[str, Any], digits: int = 0) -> str:
     return f"{_f(s['median'], digits)} ({_f(s['min'], digits)}-{_f(s['max'], digits)})" if s.get("n") else "–"
+
+
+def _percent_text(pct: float) -> str:
+    return "–" if pct != pct else f"{pct:.0f}%"
 
 
 def _flag(row: dict[str, Any]) -> str:
@@ -278,7 +282,7 @@ def markdown_against(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         out.append(
             f"| {r['figure']} | {r['size_mib']} | {r['world']} | {_f(r['mib_s'])} | {_f(r['ceiling_mib_s'])} | "
-            f"{_f(r['pct_of_ceiling'])}% | {_range(r['paired'], 2)} | {r['versus']} | "
+            f"{_percent_text(r['pct_of_ceiling'])} | {_range(r['paired'], 2)} | {r['versus']} | "
             f"{_f(r['cpu_per_wall'], 2)} | {_f(r['runq_per_wall'], 2)} | {_flag(r)} |"
         )
     saves = [r for r in rows if r["figure"] == "save" and r.get("checksum_share", {}).get("n")]

@@ -114,8 +114,9 @@ def _io_entry(save_ckptlib, save_raw, crc_wall):
     }
 
 
-def test_against_ceilings_percent_paired_and_checksum_share():
-    ceil = {
+def _disk_ceiling():
+    """64 MiB at 1 process: write 128 MiB/s, read 640 (evicted, starved) and 1280 (page cache)."""
+    return {
         "disk": [
             {
                 "size_mib": 64,
@@ -130,6 +131,10 @@ def test_against_ceilings_percent_paired_and_checksum_share():
             }
         ],
     }
+
+
+def test_against_ceilings_percent_paired_and_checksum_share():
+    ceil = _disk_ceiling()
     results = {"io": [_io_entry([1.0, 1.0, 4.0], [0.5, 1.0, 1.0], [0.1, 0.05, 0.2])], "reshard": [], "cloud": []}
     summary = {"ceilings": summarize_ceilings(ceil)}
     assert summary["ceilings"]["disk"][0]["write"]["median"] == 128.0  # 64 MiB in 0.5 s
@@ -203,3 +208,20 @@ def test_ceilings_first_in_a_real_run(tmp_path):
     assert {"save", "load warm", "load cold"} <= figures
     text = run.stdout
     assert text.index("This machine's ceilings") < text.index("Save throughput") < text.index("against its ceilings")
+
+
+def test_resharded_load_against_the_read_ceiling_and_same_n():
+    """A resharded load's % of ceiling is against the page-cache read at M processes; its paired
+    figure is its time over the same-N load's, repetition by repetition."""
+    summary = {"ceilings": summarize_ceilings(_disk_ceiling())}
+    reshard = [
+        {"size_mib": 64, "saved": 2, "loaded": 1, "verify": True, "times": [0.1, 0.1, 0.2]},
+        {"size_mib": 64, "saved": 1, "loaded": 1, "verify": True, "times": [0.08, 0.1, 0.1]},
+    ]
+    (row,) = against_ceilings({"io": [], "reshard": reshard, "cloud": []}, summary, lambda v: spread(v)["median"])
+    assert row["figure"] == "resharded load 2->1" and row["ceiling_mib_s"] == 1280.0
+    assert row["mib_s"] == 640.0 and row["pct_of_ceiling"] == 50.0
+    assert (row["paired"]["median"], row["paired"]["min"], row["paired"]["max"]) == (1.25, 1.0, 2.0)
+    assert "| resharded load 2->1 | 64 | 1 | 640 | 1280 | 50% | 1.25 (1.00-2.00) |" in "\n".join(
+        markdown_against([row])
+    )
