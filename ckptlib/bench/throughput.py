@@ -242,10 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         prog="ckpt bench",
         description=help_description(__doc__).removeprefix("`ckpt bench`: "),
         epilog="The other benchmarks: ckpt bench scale --help (coordinator cost at simulated world sizes), "
-        "ckpt bench tensors --help (time per tensor count).",
+        "ckpt bench tensors --help (time per tensor count), ckpt bench async --help (a training loop during "
+        "an async save), ckpt bench read-once --help (storage bytes read by replicated loads).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--quick", action="store_true", help="64 MiB only, 2 repetitions, no cold loads (< 2 minutes)")
+    parser.add_argument(
+        "--quick", action="store_true", help="64 MiB only, 2 repetitions, cloud at 32 MiB, no cold loads (1-5 minutes)"
+    )
     parser.add_argument("--sizes", type=int, nargs="+", help="state sizes in MiB (default 64 256 1024)")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4], help="ranks (default 1 2 4)")
     parser.add_argument(
