@@ -20,14 +20,13 @@ a single file only when it carries ckptlib's mark. A failed export removes what 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import time
 from typing import Callable, Mapping
 
 import torch
 
-from .errors import CheckpointNotFoundError, NotACheckpointError, StateError, StorageError, UnsupportedError
+from .errors import CheckpointNotFoundError, NotACheckpointError, StateError, UnsupportedError
 from .format.foreign import DEFAULT_PREFIX
 from .format.output import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -228,10 +227,6 @@ def export(
                 "model_only": model_only,
             },
         )
-    except OSError as exc:  # a full disk while writing a file, the record or the index
-        reason = "no space left on device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
-        where = exc.filename if isinstance(exc.filename, str) else dst_path
-        raise StorageError(f"cannot write {where}: {reason} (export to {dst_path})", path=dst_path) from exc
     finally:
         bar.close()
     seconds = time.perf_counter() - started
