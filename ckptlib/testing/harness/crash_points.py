@@ -6,11 +6,13 @@ whose write fails there (the error the backend raises: ENOSPC on a local disk, a
 The boundaries are observed below ckptlib, in the child only:
 
 * local disk (`LocalProbe`): the os calls that change a file or a name under the watched
-  directory: `open` for writing (create), each `write` and `close` of such a file, `fsync`
-  (files and directories), `rename`/`replace`, `link`, `symlink`, `unlink`, `mkdir`, `rmdir`
-  and `shutil.rmtree`. Whatever in ckptlib writes there (its `LocalStorage`, the lock, the
-  export writers that write files directly) is seen. Files torch writes from C++
-  (`torch.save` to a path) show only as the rename that publishes them.
+  directory: `open` for writing (create), the first two `write`s and the `close` of such a
+  file, `sendfile` into it, `fsync` (files and directories), `rename`/`replace`, `link`,
+  `symlink`, `unlink`, `mkdir`, `rmdir` and `shutil.rmtree`. Whatever in ckptlib writes
+  there (its `LocalStorage`, the lock, the export writers that write files directly) is
+  seen. Files torch writes from C++ (`torch.save` to a path) show only as the rename that
+  publishes them. The writes and fsyncs of `async_save(async_mode="process")` happen in its
+  writer process, which is not probed: that mode is not covered.
 * object stores (`ObjectProbe`): every mutating request of ckptlib's S3 client (`S3Client` and
   `S3Upload`): put (plain, pointer, conditional), delete, multipart start, part, complete and
   abort. ckptlib never copies objects, so there is no copy boundary to cover.

@@ -94,8 +94,9 @@ class Scene:
             self.storage().write(path, USER_NOTE)
         self.data.setdefault("planted", []).extend(rel)
 
-    def tree(self, *parts: str) -> dict[str, bytes]:
-        """Every file below root/parts with its bytes; a local symlink as b'-> target'."""
+    def tree(self, *parts: str, contents: bool = True) -> dict[str, bytes]:
+        """Every file below root/parts with its bytes (b"" unless `contents`); a local
+        symlink as b'-> target'."""
         if self.backend == "local":
             top = os.path.join(self.root, *parts)
             out: dict[str, bytes] = {}
@@ -110,12 +111,16 @@ class Scene:
                             out[rel] = f.read()
             return out
         store = self.storage(*parts)
-        return {name: bytes(store.read(name)) for name in store.list()}
+        return {name: bytes(store.read(name)) if contents else b"" for name in store.list()}
 
     def assert_user_files(self) -> None:
-        tree = self.tree()
+        store = self.storage()
         for rel in self.data.get("planted", []):
-            assert tree.get(rel) == USER_NOTE, f"the user's file {self.uri(rel)} was changed or removed"
+            try:
+                data = bytes(store.read(rel))
+            except FileNotFoundError:
+                data = None
+            assert data == USER_NOTE, f"the user's file {self.uri(rel)} was changed or removed"
 
 
 # ---------------------------------------------------------------- checks shared by operations
@@ -128,7 +133,7 @@ _OWN_DEBRIS = re.compile(
 
 def assert_tree(scene: Scene, expected: set[str], *parts: str) -> None:
     """The files below root/parts are exactly `expected` (the user's files included)."""
-    got = set(scene.tree(*parts))
+    got = set(scene.tree(*parts, contents=False))
     where = scene.uri(*parts)
     assert got == expected, (
         f"{where}: unexpected files {sorted(got - expected)}, missing {sorted(expected - got)}"
@@ -177,7 +182,7 @@ def assert_committed_or_absent(scene: Scene, rel: str, step: int) -> bool:
 def debris(scene: Scene, clean: set[str]) -> list[str]:
     """Files beyond `clean`: each must be one of ckptlib's own names (its temporary files,
     a directory being deleted), never a user's; returned for the caller to judge."""
-    extra = sorted(set(scene.tree()) - clean)
+    extra = sorted(set(scene.tree(contents=False)) - clean)
     foreign = [name for name in extra if not _OWN_DEBRIS.search(name)]
     assert not foreign, f"{scene.root}: files neither ckptlib's nor the user's appeared: {foreign}"
     return extra
