@@ -19,19 +19,25 @@ from .errors import (
     NotARegularFileError,
     OverwriteRefusedError,
     RankLostError,
+    ReplicationError,
+    ReplicationRankLostError,
     ShapeMismatchError,
     StateError,
     StorageError,
     UnsafeCheckpointError,
     UnsupportedError,
     UploadError,
+    UploadRankLostError,
 )
 from .export import ExportResult, export
 from .manager import CheckpointManager, StaleLockWarning, StalePointerWarning
+from .remote_tier import RemoteTier
+from .resume import RemoteUnavailableWarning, SkippedDamagedStepWarning
 from .retention import KeepBest, KeepEvery, KeepLast
 from .save_policy import EveryNSeconds, EveryNSteps, FinalStep
 from .state import KeepExistingRanks, MergingResizePolicy, RankLocal, ResizePolicy, ResizeWarning, RNGState
 from .teardown import exit_barrier
+from .tier_load import CopyFallbackWarning
 from .tiered import TieredCheckpointManager
 
 __all__ = [
@@ -46,6 +52,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "ConvertResult",
+    "CopyFallbackWarning",
     "convert",
     "ElasticDistributedSampler",
     "EveryNSeconds",
@@ -66,12 +73,17 @@ __all__ = [
     "NotARegularFileError",
     "OverwriteRefusedError",
     "RankLostError",
+    "RemoteTier",
+    "RemoteUnavailableWarning",
+    "ReplicationError",
+    "ReplicationRankLostError",
     "RNGState",
     "RankLocal",
     "ResizePolicy",
     "ResizeWarning",
     "SaveResult",
     "ShapeMismatchError",
+    "SkippedDamagedStepWarning",
     "StaleLockWarning",
     "StalePointerWarning",
     "StateError",
@@ -79,6 +91,7 @@ __all__ = [
     "TieredCheckpointManager",
     "UnsafeCheckpointError",
     "UploadError",
+    "UploadRankLostError",
     "UnsupportedError",
     "__version__",
     "exit_barrier",

@@ -127,6 +127,33 @@ def decide_on_rank0(fn: Callable[[], T], group=None) -> T:
     return value
 
 
+def all_gather_object(obj: Any, group=None) -> list[Any]:
+    """Every rank's `obj`, in group rank order (`[obj]` in a single process)."""
+    if not is_distributed():
+        return [obj]
+    gathered: list[Any] = [None] * get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def decide_on(fn: Callable[[], T], src: int, group=None) -> T:
+    """`decide_on_rank0` with group rank `src` deciding: `fn` runs there only, and its result
+    (or its error) reaches every rank."""
+    if not is_distributed():
+        return fn()
+    payload: list[Any] = [None]
+    if get_rank(group) == src:
+        try:
+            payload[0] = ("ok", fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
+            payload[0] = ("error", portable_error(exc, dist.get_rank()))
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+    status, value = payload[0]
+    if status == "error":
+        raise value
+    return value
+
+
 # Seconds the survivors of a broken collective wait for each other's roll call in the store.
 ROLL_CALL_SECONDS = 5.0
 # What gloo (and the store) say when a peer's process is gone or its socket broke.

@@ -29,12 +29,15 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from . import _dist
 from . import save_policy as _save_policy
+from .cluster_tier import ClusterTier
 from .collection import ForeignFilesWarning, collect
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError, stacklevel_outside_ckptlib
+from .initial_load import load_initial
 from .loading import LoadResult, load
 from .lock import LOCK_NAME, LockHolder, RootLock, StaleLockWarning
 from .observe import log_operation
 from .preemption import DEFAULT_SIGNALS, PreemptionWatcher, signal_name
+from .remote_tier import RemoteTier, tier_arguments
 from .retention import KeepLast, RetentionPolicy
 from .root_scan import LATEST, StalePointerWarning, StepInfo, committed_steps, replace_reason, resolve_latest, scan
 from .save_policy import SaveContext, SavePolicy, decide
@@ -46,19 +49,8 @@ from .storage import Storage, open_storage
 class CheckpointManager:
     """Saves numbered checkpoints under `root` and resumes from the newest committed one.
 
-    `CheckpointManager(local_root, remote_root=URI, keep_local=1, ...)` is a tiered manager
-    (`ckptlib.tiered`): saves go to local disk and are uploaded in the background."""
-
-    # The class `CheckpointManager(..., remote_root=...)` makes: ckptlib.tiered registers it
-    # (`remote_root_manager`); the package imports that module, so it is always registered.
-    _remote_root_class: type | None = None
-
-    def __new__(cls, *args: Any, remote_root: str | os.PathLike | None = None, **kwargs: Any):
-        if remote_root is not None and cls is CheckpointManager:
-            if CheckpointManager._remote_root_class is None:
-                raise StateError("remote_root= needs ckptlib.tiered (import ckptlib)")
-            cls = CheckpointManager._remote_root_class
-        return super().__new__(cls)
+    With `remote=` or `replicas=`, `root` is this node's local root and the manager holds a
+    cluster tier (`ckptlib.cluster_tier`): node-local saves, peer replicas, per-rank uploads."""
 
     def __init__(
         self,
@@ -75,6 +67,12 @@ class CheckpointManager:
         hold_lock: bool = False,
         async_save: bool = False,
         background_staging: bool = False,
+        remote: str | os.PathLike | RemoteTier | None = None,
+        replicas: int = 0,
+        node: Any = None,
+        remote_root: str | os.PathLike | None = None,
+        keep_local: int | None = None,
+        upload_concurrency: int | None = None,
     ):
         """`hold_lock=False`: the root is locked during each save and gc. `hold_lock=True`: the
         first save or gc takes the lock and keeps it until `close()` (or the end of a `with`
@@ -95,7 +93,16 @@ class CheckpointManager:
         records the signal and the next `maybe_save` saves on every rank (see `maybe_save`).
         `initial_load`: a checkpoint (any format ckptlib reads) that `load()` reads when the
         root has no committed step yet; only the state's modules unless `initial_load_only`
-        names the state entries to take from it."""
+        names the state entries to take from it.
+
+        `remote` (a URI or a `RemoteTier` with its own retention), `replicas` (peer copies of
+        each node's files), `node` (this process's node, when not torchrun's GROUP_RANK): the
+        cluster tier, see `ckptlib.cluster_tier` and the README. `retention`/`keep_last` then
+        keep the steps of this node's root. The old spelling `remote_root=URI, keep_local=N`
+        (with `keep_last`/`retention` for the remote) still works, with a DeprecationWarning."""
+        remote, keep_last, retention = tier_arguments(
+            remote, remote_root, keep_local, keep_last, retention, upload_concurrency
+        )
         if background_staging and not async_save:
             raise StateError("background_staging=True needs async_save=True")
         if keep_last is not None and retention is not None:
@@ -123,8 +130,12 @@ class CheckpointManager:
         self.background_staging = background_staging
         self._lock = RootLock(self.storage)
         self._pending = None  # the AsyncSave in flight (async_save=True)
+        self.tier = ClusterTier.create(self, remote, replicas, node)
+        self.remote = None if self.tier is None else self.tier.remote
 
     def __repr__(self) -> str:
+        if self.remote is not None:
+            return f"CheckpointManager({self.root_uri!r}, remote={self.remote.uri!r})"
         return f"CheckpointManager({self.root_uri!r})"
 
     def __enter__(self) -> "CheckpointManager":
@@ -142,21 +153,27 @@ class CheckpointManager:
             if self._watcher is not None:
                 self._watcher.close()
             self._lock.release()
+            if self.tier is not None:
+                self.tier.close()
 
     # -- async saves --------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Wait for the async save in flight, if any: its SaveResult, or its failure raised
         unless it was already raised elsewhere (by the handle's wait()/result(), or an earlier
         call here): a failure is delivered once and the next call starts clean. None when
-        nothing was in flight; TimeoutError when it is still running after `timeout` seconds."""
-        pending = self._pending
-        if pending is None:
-            return None
+        nothing was in flight; TimeoutError when it is still running after `timeout` seconds.
+        With a cluster tier: the replicas and the upload too (the remote copy's SaveResult)."""
+        pending, result = self._pending, None
         try:
-            return pending.deliver(timeout)
+            if pending is not None:
+                result = pending.deliver(timeout)
+            if self.tier is not None:
+                result = self.tier.wait(timeout) or result
+            return result
         finally:
-            if pending.done():
+            if pending is not None and pending.done():
                 self._pending = None
+            if self._pending is None and (self.tier is None or self.tier._job is None):
                 atexit.unregister(self._wait_at_exit)
 
     def _wait_at_exit(self) -> None:
@@ -216,7 +233,13 @@ class CheckpointManager:
         return scan(self.storage)
 
     def steps(self) -> list[int]:
-        """Committed steps, oldest first."""
+        """Committed steps, oldest first (with a remote tier: the remote root's)."""
+        if self.remote is not None:
+            return self.remote.steps()
+        return committed_steps(self.storage)
+
+    def local_steps(self) -> list[int]:
+        """Committed steps under this node's root, oldest first."""
         return committed_steps(self.storage)
 
     def _resolve_latest(self) -> tuple[int | None, str | None]:
@@ -225,12 +248,16 @@ class CheckpointManager:
 
     def latest(self) -> int | None:
         """The step `load()` would resume from, or None when the root has no checkpoint."""
+        if self.tier is not None:
+            return self.tier.latest()
         step, warning = _dist.decide_on_rank0(self._resolve_latest, self.process_group)
         if warning:
             warnings.warn(warning, StalePointerWarning, stacklevel=stacklevel_outside_ckptlib())
         return step
 
     def path(self, step: int) -> str:
+        if self.remote is not None:
+            return self.remote.path(step)
         return f"{self.storage.uri.rstrip('/')}/{step_dir(step)}"
 
     # -- saving -------------------------------------------------------------------------
@@ -307,6 +334,14 @@ class CheckpointManager:
         metrics: dict[str, float] | None,
         overwrite: bool,
     ) -> SaveResult:
+        if self.tier is not None:
+            result = self.tier.save(step, state, metadata, metrics, overwrite)
+            if self.async_save and self.tier._job is None:
+                self._pending = result
+            if self._pending is not None or self.tier._job is not None:
+                atexit.register(self._wait_at_exit)
+            self._last_save_step, self._last_save_time = step, _save_policy.clock()
+            return result
         target = self.storage.child(step_dir(step))
         _dist.decide_on_rank0(self._take_lock, self.process_group)
         try:
@@ -365,6 +400,8 @@ class CheckpointManager:
         Takes the root's lock (LockedError while another writer holds it), except for a dry run.
         """
         self.wait()  # never delete while a save is still writing (verl #4638)
+        if self.tier is not None:
+            return self.tier.gc(dry_run=dry_run, on_removed=on_removed)
         world = _dist.get_world_size(self.process_group)
 
         def collect() -> list[str]:
@@ -417,6 +454,14 @@ class CheckpointManager:
 
     def _load_checkpoint(self, state: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> LoadResult | None:
         """The load behind `load`: the LoadResult, or None when there is nothing to resume."""
+        if self.tier is not None:
+            self.wait()  # an upload in flight: its failure surfaces before anything else
+            result = self.tier.load(state, None if step is None else check_step(step), kwargs)
+            if result is None:
+                return self._load_initial(state, kwargs) if self.initial_load is not None else None
+            self._last_save_step = result.step
+            self.initial_loaded = False
+            return result
         if step is None:
             step = self.latest()
             if step is None:
@@ -433,33 +478,9 @@ class CheckpointManager:
 
     def _load_initial(self, state: Mapping[str, Any], kwargs: dict[str, Any]) -> LoadResult:
         """The root has no committed step: load `initial_load` (by default only the state's modules)."""
-        import torch.nn as nn
-
-        if "only" not in kwargs:
-            only = self.initial_load_only
-            if only is None:
-                only = tuple(name for name, value in state.items() if isinstance(value, nn.Module))
-                if not only:
-                    raise StateError(
-                        f"initial_load={self.initial_load!r} loads the state's nn.Module entries, and the state has "
-                        "none; pass initial_load_only=(names...)"
-                    )
-            kwargs = {**kwargs, "only": only}
-        try:
-            result = load(self.initial_load, state, process_group=self.process_group, **kwargs)
-            self.initial_loaded = True
-            return result
-        except CheckpointNotFoundError as exc:
-            raise CheckpointNotFoundError(
-                f"initial_load {self.initial_load!r} does not exist ({exc})", path=self.initial_load
-            ) from exc
-
-
-def remote_root_manager(cls: type) -> type:
-    """Class decorator: `cls` is what `CheckpointManager(root, remote_root=...)` creates
-    (ckptlib.tiered's TieredCheckpointManager; manager.py does not import it)."""
-    CheckpointManager._remote_root_class = cls
-    return cls
+        result = load_initial(self.initial_load, self.initial_load_only, state, self.process_group, kwargs)
+        self.initial_loaded = True
+        return result
 
 
 __all__ = [

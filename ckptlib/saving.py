@@ -139,10 +139,13 @@ def transact(
     background_staging: bool = False,
     after_commit: Callable[[], None] | None = None,
     on_failure: Callable[[], None] | None = None,
+    make_transaction: Callable[..., SaveTransaction] = SaveTransaction,
 ) -> SaveResult | AsyncSave:
     """The one save path: check the arguments and collect the state (one agreement round),
     then run a SaveTransaction with the hooks (see `format.transaction.SaveTransaction`),
-    now or, `asynchronous`, in the background (an AsyncSave handle; its hooks run there)."""
+    now or, `asynchronous`, in the background (an AsyncSave handle; its hooks run there).
+    `make_transaction`: the transaction's class (the cluster tier's `NodeLocalSave`), called
+    with SaveTransaction's arguments."""
     started = time.perf_counter()
     if asynchronous:
         background_save.wait_inflight(group)  # one background save per group at a time
@@ -153,7 +156,7 @@ def transact(
         (user_metadata, user_metrics, step), state_dict = _dist.agree(
             lambda: _check_and_collect(state, step, metadata, metrics, group, stage=stage), group
         )
-    transaction = SaveTransaction(
+    transaction = make_transaction(
         storage,
         world_size=world,
         step=step,

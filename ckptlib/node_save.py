@@ -1,0 +1,166 @@
+"""One save into node-local roots: every rank writes its shard to its own node's disk.
+
+No directory is shared between nodes, so the coordinator cannot list every rank's files the
+way a single-root commit does (`format.layout.commit`). `NodeLocalSave` is the cluster tier's
+`SaveTransaction`:
+
+1. every node's leader prepares its own step directory (debris removed, an overwrite checked,
+   the pending marker written), and the ranks agree once, before DCP plans;
+2. `dcp.save` with each rank's writer on its node's step directory: each rank writes
+   `__{rank}_0.distcp` there; the coordinator writes `.metadata` into node 0's directory and
+   builds the manifest (with the commit record: the order of this save among the run's
+   commits) without listing anything;
+3. the manifest and `.metadata` bytes go to every rank (one broadcast); each leader writes
+   `.metadata` (other nodes), checks its own ranks' files by size, makes them durable and
+   writes the manifest, byte for byte the coordinator's; the ranks agree. A node whose part
+   failed makes every node take its manifest back, so a step is committed on every node of
+   the save or on none (a crash in between leaves a node committed that the inventory finds
+   incomplete: never resumed, debris for retention);
+4. `after_commit` runs on every rank, each leader for its own root (retention), and the
+   ranks agree on it.
+
+A failure anywhere: every leader removes what this save wrote under its root (never a
+committed checkpoint of another save), every rank its unfinished shard, and the error is
+raised on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from . import _dist
+from ._torch import dcp_shims
+from ._version import __version__
+from .errors import CheckpointCorruptError
+from .format import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, FileRecord, Manifest, prepare_save_target
+from .format.deletion import remove_failed_save
+from .format.file_names import describe_file
+from .format.manifest import CommitRecord
+from .format.transaction import SaveReceipt, SaveTransaction, _leave_receipt, _on_coordinator, unwrap_dcp_error
+from .topology import Topology
+
+
+class NodeLocalSave(SaveTransaction):
+    """A `SaveTransaction` whose `storage` is this rank's node's step directory (see the module
+    docstring). `commit_record`: the manifest's commit record. `after_commit()` runs on every
+    rank once every node committed; its failures reach every rank."""
+
+    def __init__(self, storage, *, topology: Topology, commit_record: CommitRecord, **kwargs: Any):
+        super().__init__(storage, **kwargs)
+        self.topology = topology
+        self.commit_record = commit_record
+        self.manifest: Manifest | None = None
+        self.manifest_bytes: bytes | None = None
+        self._metadata_blob: bytes | None = None
+        self._wrote_manifest = False
+
+    # -- the steps CkptWriter takes ----------------------------------------------------
+    def prepare(self) -> None:
+        """Coordinator, in DCP's planning round: nothing left to do (every leader prepared its
+        own node's directory before DCP started)."""
+
+    def _prepare_node(self) -> None:
+        if self.topology.is_leader:
+            prepare_save_target(self.storage, overwrite=self.overwrite, world_size=self.world_size)
+            self.prepared = True
+
+    def commit(self, files: dict[str, FileRecord], metadata: Metadata) -> None:
+        """Coordinator, after `.metadata`: build the manifest (written by every leader later)."""
+        with _on_coordinator():
+            self.manifest = Manifest(
+                world_size=self.world_size,
+                files=dict(files),
+                step=self.step,
+                metadata=self.metadata,
+                metrics=self.metrics,
+                torch_version=torch.__version__,
+                ckptlib_version=__version__,
+                commit=self.commit_record,
+            )
+            self.manifest_bytes = self.manifest.to_bytes()
+            self._metadata_blob = self.storage.read(METADATA_NAME)
+        self.files = sorted(files)
+        self.total_bytes = sum(record.size for record in files.values())
+        _leave_receipt(metadata, SaveReceipt(self.total_bytes))
+
+    # -- the node commit ----------------------------------------------------------------
+    def _commit_node(self, manifest_bytes: bytes, metadata_blob: bytes) -> None:
+        """A leader: `.metadata` (nodes other than the coordinator's), its own ranks' files
+        checked by size and made durable, then the manifest."""
+        if not self.topology.is_leader:
+            return
+        storage = self.storage
+        manifest = Manifest.from_bytes(manifest_bytes, f"{storage.uri}/{MANIFEST_NAME}")
+        if METADATA_NAME not in storage.list(METADATA_NAME):
+            storage.write(METADATA_NAME, metadata_blob, durable=False)
+        listing = storage.list()
+        mine = [f"__{r}_0.distcp" for r in self.topology.nodes[self.topology.node]] + [METADATA_NAME]
+        problems = []
+        for name in mine:
+            record = manifest.files.get(name)
+            if record is None:
+                continue
+            if listing.get(name) != record.size:
+                got = "missing" if name not in listing else f"{listing[name]} bytes"
+                problems.append(f"{describe_file(name)} is {got}, the manifest says {record.size} bytes")
+        if problems:
+            raise CheckpointCorruptError(f"{storage.uri}: refusing to commit, " + "; ".join(problems), path=storage.uri)
+        names = [n for n in mine if n in manifest.files]
+        storage.sync([METADATA_NAME], names_only=[n for n in names if n != METADATA_NAME])
+        storage.write(MANIFEST_NAME, manifest_bytes)
+        self._wrote_manifest = True
+        storage.delete([PENDING_NAME])
+
+    # -- running it ---------------------------------------------------------------------
+    def run(self, save: Callable[[Any], Metadata], group=None) -> int | None:
+        """Prepare every node, `save(writer)` (DCP), commit every node, then `after_commit`
+        on every rank; after a failure clean up on every rank and raise it (see the module
+        docstring)."""
+        try:
+            _dist.agree(self._prepare_node, group)
+            metadata = save(self._writer())
+            if self.total_bytes is None:  # not the coordinator: the receipt it broadcast
+                received = getattr(metadata, "storage_data", None)
+                self.total_bytes = received.total_bytes if isinstance(received, SaveReceipt) else None
+            manifest_bytes, blob = _dist.decide_on_rank0(lambda: (self.manifest_bytes, self._metadata_blob), group)
+            self.manifest_bytes = manifest_bytes
+            _dist.agree(lambda: self._commit_node(manifest_bytes, blob), group)
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, dcp_shims.checkpoint_exception_cls()):
+                raise unwrap_dcp_error(exc) from exc
+            raise
+        if self.after_commit is not None:
+            try:
+                _dist.agree(self.after_commit, group)
+            except BaseException:
+                if self.on_failure is not None:
+                    self.on_failure()
+                raise
+        return self.total_bytes
+
+    def _writer(self):
+        from .format import CkptWriter
+
+        return CkptWriter(self.storage, transaction=self)
+
+    def abort(self) -> None:
+        """Every rank: its unfinished shard; a leader: what this save wrote under its node's root
+        (a manifest it wrote first, so the step is committed on no node), then `on_failure`."""
+        if self._wrote_manifest:
+            try:
+                self.storage.delete([MANIFEST_NAME])
+                self._wrote_manifest = False
+            except Exception:  # noqa: BLE001 - the save's own error is what the caller raises
+                pass
+        remove_failed_save(
+            self.storage, shard=self.unfinished_shard, coordinator=self.topology.is_leader, prepared=self.prepared
+        )
+        if self.on_failure is not None:
+            self.on_failure()
+
+
+__all__ = ["NodeLocalSave"]
