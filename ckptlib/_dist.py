@@ -69,11 +69,16 @@ def _flag_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def agree(fn: Callable[[], T], group=None) -> T:
+def agree(fn: Callable[[], T], group=None, *, every_pair: bool = False) -> T:
     """Run `fn` on every rank; if it raised on any rank, raise on every rank.
 
     Every rank raises a CheckpointError: the failing rank its own (chained to the original
     exception), the others the first failing rank's, which names that rank.
+
+    `every_pair=True`: the ranks exchange their outcome all-to-all instead of through a
+    reduction, so when a rank has died every survivor's collective fails at once (in a
+    reduction only the dead rank's neighbours see it; the others wait for them to exit).
+    For agreements that wait long (on other ranks' uploads) in a background pipeline.
     """
     result: Any = None
     local_error: BaseException | None = None
@@ -87,8 +92,15 @@ def agree(fn: Callable[[], T], group=None) -> T:
         return result
     # The common case, nobody failed, costs one tiny all_reduce; the errors themselves are
     # gathered (two more rounds: sizes, then payloads) only when some rank failed.
-    failed = torch.tensor([0 if local_error is None else 1], dtype=torch.int32, device=_flag_device(group))
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    flag = 0 if local_error is None else 1
+    if every_pair:
+        world = get_world_size(group)
+        received = torch.zeros(world, dtype=torch.int32)
+        dist.all_to_all_single(received, torch.full((world,), flag, dtype=torch.int32), group=group)
+        failed = received.max()
+    else:
+        failed = torch.tensor([flag], dtype=torch.int32, device=_flag_device(group))
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     if not failed.item():
         return result
     portable = None if local_error is None else portable_error(local_error, dist.get_rank())

@@ -61,7 +61,7 @@ from .saving import SaveResult, transact
 from .steps import step_dir
 from .storage import Storage
 from .tier_load import load_version
-from .topology import Topology, detect
+from .topology import FewerReplicasWarning, Topology, detect
 
 
 class ClusterTier:
@@ -129,7 +129,9 @@ class ClusterTier:
         """This job's nodes (collective, once)."""
         if self.topology is None:
             topology = detect(self.root, self.group, self.node)
-            _dist.agree(lambda: topology.check_replicas(self.replicas), self.group)
+            self.replicas, why = topology.usable_replicas(self.replicas)
+            if why:
+                warnings.warn(why, FewerReplicasWarning, stacklevel=stacklevel_outside_ckptlib())
             self.topology = topology
         return self.topology
 

@@ -205,7 +205,9 @@ class RemoteTier:
             try:
                 if present is not None:
                     _dist.agree(
-                        lambda: self._send(local, remote, where, manifest, files, present, rank, resumed), group
+                        lambda: self._send(local, remote, where, manifest, files, present, rank, resumed),
+                        group,
+                        every_pair=True,
                     )
                 moved = _dist.decide_on_rank0(
                     lambda: self._commit(step, remote, where, manifest, manifest_bytes), group

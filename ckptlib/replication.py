@@ -208,7 +208,7 @@ def replicate(storage: Storage, manifest: Manifest, topology: Topology, replicas
         if errors:
             raise errors[0]
 
-    _dist.agree(finish, group)
+    _dist.agree(finish, group, every_pair=True)
     return {"sent": sent, "received": sum(i.received for i in incoming)}
 
 

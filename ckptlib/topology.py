@@ -31,6 +31,10 @@ from .storage import Storage
 TOKEN_PREFIX = "ckptlib.node-"
 
 
+class FewerReplicasWarning(UserWarning):
+    """The job has too few nodes for the replicas asked for; it keeps one per other node."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """This rank's place among the nodes of its process group (group ranks throughout)."""
@@ -70,12 +74,15 @@ class Topology:
         members = self.nodes[partner]
         return members[min(position, len(members) - 1)]
 
-    def check_replicas(self, replicas: int) -> None:
-        if replicas and replicas >= len(self.nodes):
-            raise StateError(
-                f"replicas={replicas} needs more than {replicas} nodes with their own local root; this job has "
-                f"{len(self.nodes)} ({_describe(self.nodes)})"
-            )
+    def usable_replicas(self, replicas: int) -> tuple[int, str | None]:
+        """The replicas this job can keep (at most one per other node), and why fewer, if so."""
+        if replicas < len(self.nodes):
+            return replicas, None
+        usable = len(self.nodes) - 1
+        return usable, (
+            f"replicas={replicas} needs more than {replicas} nodes with their own local root; this job has "
+            f"{len(self.nodes)} ({_describe(self.nodes)}): keeping {usable} replica{'s' if usable != 1 else ''}"
+        )
 
 
 def _describe(nodes: tuple[tuple[int, ...], ...]) -> str:
@@ -140,4 +147,4 @@ def detect(root: Storage, group=None, node: Any = None) -> Topology:
     return Topology(rank, _by_lowest_rank(merged))
 
 
-__all__ = ["Topology", "detect", "node_key"]
+__all__ = ["FewerReplicasWarning", "Topology", "detect", "node_key"]
