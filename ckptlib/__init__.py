@@ -12,9 +12,13 @@ from .errors import (
     CheckpointExistsError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
+    CopiesExhaustedError,
+    CopiesMissingError,
+    CopyFallbackWarning,
     DtypeMismatchError,
     LockedError,
     MissingKeysError,
+    NoCopyError,
     NotACheckpointError,
     NotARegularFileError,
     OverwriteRefusedError,
@@ -37,7 +41,6 @@ from .retention import KeepBest, KeepEvery, KeepLast
 from .save_policy import EveryNSeconds, EveryNSteps, FinalStep
 from .state import KeepExistingRanks, MergingResizePolicy, RankLocal, ResizePolicy, ResizeWarning, RNGState
 from .teardown import exit_barrier
-from .tier_load import CopyFallbackWarning
 from .tiered import TieredCheckpointManager
 
 __all__ = [
@@ -51,8 +54,10 @@ __all__ = [
     "CheckpointIncompleteError",
     "CheckpointManager",
     "CheckpointNotFoundError",
-    "ConvertResult",
+    "CopiesExhaustedError",
+    "CopiesMissingError",
     "CopyFallbackWarning",
+    "ConvertResult",
     "convert",
     "ElasticDistributedSampler",
     "EveryNSeconds",
@@ -69,6 +74,7 @@ __all__ = [
     "MergeSamplerProgress",
     "MergingResizePolicy",
     "MissingKeysError",
+    "NoCopyError",
     "NotACheckpointError",
     "NotARegularFileError",
     "OverwriteRefusedError",

@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import time
 import traceback
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,19 @@ def agree(fn: Callable[[], T], group=None, *, every_pair: bool = False) -> T:
     reduction only the dead rank's neighbours see it; the others wait for them to exit).
     For agreements that wait long (on other ranks' uploads) in a background pipeline.
     """
+    return _agree(fn, group, None, every_pair=every_pair)[0]
+
+
+def agree_sharing(fn: Callable[[], T], values: Sequence[int], group=None) -> tuple[T, list[list[int]]]:
+    """`agree`, whose one collective also gathers `values` (as many ints on every rank) from
+    every rank: figures the ranks report together once they agree (a load's bytes read), for
+    no round of their own. Returns fn's result and every rank's values, by rank."""
+    return _agree(fn, group, [int(v) for v in values])
+
+
+def _agree(
+    fn: Callable[[], T], group, values: list[int] | None, *, every_pair: bool = False
+) -> tuple[T, list[list[int]]]:
     result: Any = None
     local_error: BaseException | None = None
     try:
@@ -89,20 +102,30 @@ def agree(fn: Callable[[], T], group=None, *, every_pair: bool = False) -> T:
             raise
         local_error = exc
     if not is_distributed():
-        return result
-    # The common case, nobody failed, costs one tiny all_reduce; the errors themselves are
-    # gathered (two more rounds: sizes, then payloads) only when some rank failed.
+        return result, [list(values or [])]
+    # The common case, nobody failed, costs one tiny all_reduce (an all_gather when values are
+    # shared; an all_to_all with every_pair); the errors themselves are gathered (two more
+    # rounds: sizes, then payloads) only when some rank failed.
     flag = 0 if local_error is None else 1
+    device = _flag_device(group)
     if every_pair:
         world = get_world_size(group)
         received = torch.zeros(world, dtype=torch.int32)
         dist.all_to_all_single(received, torch.full((world,), flag, dtype=torch.int32), group=group)
-        failed = received.max()
-    else:
-        failed = torch.tensor([flag], dtype=torch.int32, device=_flag_device(group))
+        any_failed, rows = bool(received.max().item()), []
+    elif values is None:
+        failed = torch.tensor([flag], dtype=torch.int32, device=device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if not failed.item():
-        return result
+        any_failed, rows = bool(failed.item()), []
+    else:
+        mine = torch.tensor([flag, *values], dtype=torch.int64, device=device)
+        gathered_rows = [torch.empty_like(mine) for _ in range(get_world_size(group))]
+        dist.all_gather(gathered_rows, mine, group=group)
+        rows = [row.tolist() for row in gathered_rows]
+        any_failed = any(row[0] for row in rows)
+        rows = [row[1:] for row in rows]
+    if not any_failed:
+        return result, rows
     portable = None if local_error is None else portable_error(local_error, dist.get_rank())
     gathered: list[Any] = [None] * get_world_size(group)
     dist.all_gather_object(gathered, portable, group=group)
@@ -113,7 +136,7 @@ def agree(fn: Callable[[], T], group=None, *, every_pair: bool = False) -> T:
     for err in gathered:
         if err is not None:
             raise err
-    return result
+    return result, rows
 
 
 def agreement(group=None) -> Callable[[Callable[[], Any]], Any] | None:

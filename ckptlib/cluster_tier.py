@@ -32,6 +32,7 @@ from .background_save import AsyncSave
 from .collection import collect
 from .errors import (
     CheckpointExistsError,
+    CopiesExhaustedError,
     RankLostError,
     ReplicationError,
     ReplicationRankLostError,
@@ -135,9 +136,9 @@ class ClusterTier:
             self.topology = topology
         return self.topology
 
-    def _inventory(self, step: int | None) -> Choice | None:
-        """Collective: the version to resume (see `resume`), warnings issued on every rank;
-        learns the largest commit seq."""
+    def _inventory(self, step: int | None) -> list[Choice]:
+        """Collective: the resumable versions, newest in commit order first (see `resume`),
+        warnings issued on every rank; learns the largest commit seq."""
         topology = self.setup()
         versions = gather_versions(self.root, topology, self.group)
         remote = self.remote
@@ -146,7 +147,7 @@ class ClusterTier:
             unreachable: list[str] = []
             skipped: list[str] = []
             reachable, latest = add_remote(versions, remote, unreachable) if remote else (False, None)
-            choice = choose(
+            chosen = choose(
                 versions,
                 step,
                 where=self.root.uri,
@@ -155,13 +156,13 @@ class ClusterTier:
                 skipped=skipped,
             )
             seqs = [v.order[1] for v in versions.values() if v.order[0] == 1]
-            return choice, unreachable, skipped, max(seqs, default=0)
+            return chosen, unreachable, skipped, max(seqs, default=0)
 
-        choice, unreachable, skipped, seq = _dist.decide_on_rank0(decide, self.group)
+        chosen, unreachable, skipped, seq = _dist.decide_on_rank0(decide, self.group)
         warn_all(unreachable, RemoteUnavailableWarning)
         warn_all(skipped, SkippedDamagedStepWarning)
         self._seq = max(seq, self._seq or 0)
-        return choice
+        return chosen
 
     # -- the node roots' locks ------------------------------------------------------------
     def _lock_node(self) -> None:
@@ -187,7 +188,7 @@ class ClusterTier:
         group = self.group
         if self._seq is None:
             chosen = self._inventory(None)
-            self._latest = chosen.step if chosen is not None else None
+            self._latest = chosen[0].step if chosen else None
         name = step_dir(step)
         _dist.agree(self._lock_node, group)
         try:
@@ -324,32 +325,50 @@ class ClusterTier:
     # -- loading ------------------------------------------------------------------------
     def load(self, state: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]):
         """Collective: load the newest resumable version (of `step`) from the nearest copies;
-        None when there is nothing to resume. Then upload it, in the background, if the remote lacks it."""
-        choice = self._inventory(step)
-        if choice is None:
-            return None
+        None when there is nothing to resume. A version no intact copy is left of at read time
+        is skipped with a warning for the next one. Then, in the background, the version
+        loaded is uploaded if the remote lacks it and it is newer than the remote `latest`."""
         topology = self.setup()
-        local = self.root.child(step_dir(choice.step))
-        remote = self.remote.storage.child(step_dir(choice.step)) if self.remote is not None else None
-        manifest_bytes, metadata_bytes = fetch_files(choice, local, self.remote, topology, self.group)
-        result = load_version(
-            choice, manifest_bytes, metadata_bytes, topology, local, remote, state, self.group, kwargs
-        )
-        self._latest = choice.step
-        if (
+        chosen = self._inventory(step)
+        for index, choice in enumerate(chosen):
+            local = self.root.child(step_dir(choice.step))
+            remote = self.remote.storage.child(step_dir(choice.step)) if self.remote is not None else None
+            manifest_bytes, metadata_bytes = fetch_files(choice, local, self.remote, topology, self.group)
+            try:
+                result = load_version(
+                    choice, manifest_bytes, metadata_bytes, topology, local, remote, state, self.group, kwargs
+                )
+            except CopiesExhaustedError as exc:
+                if index + 1 == len(chosen):
+                    raise
+                warn_all(
+                    [
+                        f"step {choice.step} has no intact copy of a file left ({exc}); loading step "
+                        f"{chosen[index + 1].step}"
+                    ],
+                    SkippedDamagedStepWarning,
+                )
+                continue
+            self._latest = choice.step
+            if self._needs_upload(choice):
+                manifest = Manifest.from_bytes(manifest_bytes, f"{local.uri}/ckptlib.json")
+                assignment = upload_assignment(choice, manifest, topology)
+                self._start(choice.step, lambda data=manifest_bytes: data, None, resumed=assignment)
+            return result
+        return None
+
+    def _needs_upload(self, choice: Choice) -> bool:
+        """A version loaded from the local tiers that the remote lacks and is newer than its `latest`."""
+        return (
             self.remote is not None
             and choice.remote_reachable
             and not choice.remote
             and (choice.remote_latest is None or choice.order > choice.remote_latest)
-        ):
-            manifest = Manifest.from_bytes(manifest_bytes, f"{local.uri}/ckptlib.json")
-            assignment = upload_assignment(choice, manifest, topology)
-            self._start(choice.step, lambda: manifest_bytes, None, resumed=assignment)
-        return result
+        )
 
     def latest(self) -> int | None:
-        choice = self._inventory(None)
-        return None if choice is None else choice.step
+        chosen = self._inventory(None)
+        return chosen[0].step if chosen else None
 
     def local_steps(self) -> list[int]:
         return committed_steps(self.root)

@@ -22,7 +22,7 @@ import zlib
 from typing import Any
 
 from . import _dist
-from .errors import CheckpointError, CheckpointNotFoundError, stacklevel_outside_ckptlib
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, stacklevel_outside_ckptlib
 from .format import MANIFEST_NAME, METADATA_NAME, Manifest
 from .remote_tier import RemoteTier
 from .root_scan import scan
@@ -152,32 +152,37 @@ def choose(
     remote_reachable: bool,
     remote_latest: tuple | None,
     skipped: list[str],
-) -> Choice | None:
-    """Rank 0: the resumable version to load (`step`: of that step), newest in commit order;
-    newer versions that cannot be resumed are skipped (why: appended to `skipped`, for a
-    SkippedDamagedStepWarning on every rank). None: nothing to resume (only when `step` is None)."""
+) -> list[Choice]:
+    """Rank 0: the resumable versions (`step`: of that step), newest in commit order first: the
+    first is the one to load, the others its fallbacks should it prove damaged at read time.
+    Newer versions that cannot be resumed are skipped (why: appended to `skipped`, for a
+    SkippedDamagedStepWarning on every rank). CheckpointNotFoundError when `step` has none."""
     candidates = sorted(
         (v for v in versions.values() if step is None or v.step == step), key=lambda v: v.order, reverse=True
     )
+    chosen = []
     for version in candidates:
         if version.resumable:
-            return Choice(
-                version.step,
-                version.crc,
-                version.order,
-                dict(version.holders),
-                version.remote,
-                remote_reachable,
-                remote_latest,
+            chosen.append(
+                Choice(
+                    version.step,
+                    version.crc,
+                    version.order,
+                    dict(version.holders),
+                    version.remote,
+                    remote_reachable,
+                    remote_latest,
+                )
             )
-        skipped.append(
-            f"{where}: step {version.step} (committed on {len(version.holders)} node(s)"
-            f"{'' if remote_reachable else '; the remote is unreachable'}) cannot be resumed: "
-            f"{version.unheld()} of its {version.files} files have no intact copy; skipping it"
-        )
-    if step is None:
-        return None
-    raise CheckpointNotFoundError(f"{where} has no resumable step {step}", path=f"{where}/{step_dir(step)}")
+        elif not chosen:
+            skipped.append(
+                f"{where}: step {version.step} (committed on {len(version.holders)} node(s)"
+                f"{'' if remote_reachable else '; the remote is unreachable'}) cannot be resumed: "
+                f"{version.unheld()} of its {version.files} files have no intact copy; skipping it"
+            )
+    if not chosen and step is not None:
+        raise CheckpointNotFoundError(f"{where} has no resumable step {step}", path=f"{where}/{step_dir(step)}")
+    return chosen
 
 
 def warn_all(texts: list[str], category: type[Warning]) -> None:
@@ -207,9 +212,13 @@ def upload_assignment(choice: Choice, manifest: Manifest, topology: Topology) ->
     return out
 
 
-def read_checkpoint_files(storage: Storage) -> tuple[bytes, bytes]:
-    """The manifest and `.metadata` bytes of a step directory."""
-    return storage.read(MANIFEST_NAME), storage.read(METADATA_NAME)
+def read_checkpoint_files(storage: Storage, crc: int) -> tuple[bytes, bytes]:
+    """The manifest and `.metadata` bytes of a step directory holding version `crc`."""
+    manifest = storage.read(MANIFEST_NAME)
+    if zlib.crc32(manifest) != crc:
+        where = f"{storage.uri}/{MANIFEST_NAME}"
+        raise CheckpointCorruptError(f"{where} changed while the load was choosing it; load again", path=where)
+    return manifest, storage.read(METADATA_NAME)
 
 
 def fetch_files(choice: Choice, local_step: Storage, remote: RemoteTier | None, topology: Topology, group) -> Any:
@@ -218,8 +227,9 @@ def fetch_files(choice: Choice, local_step: Storage, remote: RemoteTier | None, 
     node = choice.source_node
     if node is None:
         assert remote is not None
-        return _dist.decide_on_rank0(lambda: read_checkpoint_files(remote.storage.child(step_dir(choice.step))), group)
-    return _dist.decide_on(lambda: read_checkpoint_files(local_step), topology.leader(node), group)
+        step_root = remote.storage.child(step_dir(choice.step))
+        return _dist.decide_on_rank0(lambda: read_checkpoint_files(step_root, choice.crc), group)
+    return _dist.decide_on(lambda: read_checkpoint_files(local_step, choice.crc), topology.leader(node), group)
 
 
 __all__ = [

@@ -1,40 +1,43 @@
 """Loading one checkpoint version of a cluster tier from the nearest intact copies.
 
-Each rank reads from its own node's root when that node holds every file of the version
-("local"), else from the remote ("remote"). Every byte read is checked against the manifest's
-CRCs; a damaged copy anywhere makes every rank fall back to the remote copy with a
-CopyFallbackWarning (never an error while the remote holds an intact copy).
+Each rank hands the load engine (`loading.load(copies=, info=)`, see `format.copies`) the
+copies it can reach, per file, nearest first:
+
+- a file its own node's root holds: that copy ("local"), then the remote's if it has one;
+- a file only other nodes hold: none: a rank of a holding node reads the items and sends
+  them over the process group (a peer's replica, or its own files), never the remote;
+- a file no node holds: the remote's copy ("remote").
+
+Every byte read is checked against the manifest's CRCs; a missing or damaged copy falls back
+to the next one with a CopyFallbackWarning, and only when no copy of a file is intact
+anywhere is the load a CopiesExhaustedError. The manifest and `.metadata` are read once
+before (`resume.fetch_files`) and handed over, so "0 bytes from the remote" is literal.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Mapping
 
-from . import _dist
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, stacklevel_outside_ckptlib
-from .format import Manifest
+from .format import MANIFEST_NAME, Manifest
+from .format.copies import Copies, Copy
 from .loading import LoadResult, load
 from .resume import Choice
 from .storage import Storage
 from .topology import Topology
 
 
-class CopyFallbackWarning(UserWarning):
-    """A copy of a checkpoint file was missing or damaged; the load read another copy."""
-
-
-def _sources(choice: Choice, manifest: Manifest, topology: Topology, remote: Storage | None) -> str:
-    held = choice.holders.get(topology.node, frozenset())
-    if len(held) == len(manifest.files):
-        return "local"
+def copies_for(
+    choice: Choice, manifest: Manifest, topology: Topology, local: Storage, remote: Storage | None
+) -> Copies:
+    """This rank's copies of `choice` (see the module docstring)."""
+    mine = frozenset(choice.holders.get(topology.node, frozenset()))
+    elsewhere = frozenset().union(*[held for node, held in choice.holders.items() if node != topology.node])
+    found = []
+    if mine:
+        found.append(Copy("local", local, files=mine, key=f"node{topology.node}:{local.uri}"))
     if remote is not None and choice.remote:
-        return "remote"
-    raise CheckpointNotFoundError(
-        f"rank {topology.rank}: step {choice.step}: this node holds {len(held)} of its {len(manifest.files)} files "
-        "and the remote holds none",
-        rank=topology.rank,
-    )
+        found.append(Copy("remote", remote, files=mine | (frozenset(manifest.files) - elsewhere)))
+    return Copies(found)
 
 
 def load_version(
@@ -48,28 +51,12 @@ def load_version(
     group,
     kwargs: dict[str, Any],
 ) -> LoadResult:
-    """Collective: load `choice` into `state` (see the module docstring); the LoadResult's
-    `bytes_by_source` counts the checkpoint bytes each source served, over all ranks."""
-    manifest = Manifest.from_bytes(manifest_bytes, f"{local.uri}/ckptlib.json")
-    source = _dist.agree(lambda: _sources(choice, manifest, topology, remote), group)
-    storage = local if source == "local" else remote
-    try:
-        result = load(storage, state, process_group=group, **kwargs)
-    except CheckpointCorruptError as exc:
-        used_local = any(s == "local" for s in _dist.all_gather_object(source, group))
-        if not (used_local and remote is not None and choice.remote):
-            raise
-        warnings.warn(
-            f"{exc}; reading step {choice.step} from the remote copy ({remote.uri}) instead",
-            CopyFallbackWarning,
-            stacklevel=stacklevel_outside_ckptlib(),
-        )
-        source = "remote"
-        result = load(remote, state, process_group=group, **kwargs)
-    counts = _dist.all_gather_object(source, group)
-    per_rank = (result.bytes or 0) / max(len(counts), 1)
-    result.bytes_by_source = {s: int(per_rank * counts.count(s)) for s in ("local", "peer", "remote")}
-    return result
+    """Collective: load `choice` into `state` from the nearest copies; the LoadResult's
+    `bytes_by_source` counts the bytes each kind of copy served, over every rank."""
+    manifest = Manifest.from_bytes(manifest_bytes, f"{local.uri}/{MANIFEST_NAME}")
+    copies = copies_for(choice, manifest, topology, local, remote)
+    uri = remote if remote is not None and choice.remote else local
+    return load(uri, state, process_group=group, copies=copies, info=(manifest_bytes, metadata_bytes), **kwargs)
 
 
-__all__ = ["CopyFallbackWarning", "load_version"]
+__all__ = ["copies_for", "load_version"]

@@ -1,0 +1,104 @@
+"""The read schedule of a load, a pure function (no process group): which rank reads each stored
+item from storage, who it sends it to, and in which round. `ckpt plan` calls it to predict a
+load's reads; the load's coordinator to plan them."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptlib import CopiesExhaustedError, CopiesMissingError, NoCopyError
+from ckptlib.format.read_schedule import RankRequests, schedule_reads
+
+MIB = 1 << 20
+
+
+def _items(*keys, partial: dict | None = None) -> dict:
+    return {key: (partial or {}).get(key, key[2]) for key in keys}
+
+
+def test_replicated_items_are_read_once_spread_by_bytes():
+    """DDP at 4 ranks: every rank needs every item; each item gets one reader, the readers'
+    bytes are balanced (largest first to the least-loaded rank), the others receive it."""
+    keys = [("__0_0.distcp", i * 100, n) for i, n in enumerate([8 * MIB, 4 * MIB, 4 * MIB, 2 * MIB, 2 * MIB, 1])]
+    plan = schedule_reads([RankRequests(_items(*keys)) for _ in range(4)])
+    assert sorted(plan.readers) == sorted(keys)
+    assert plan.readers[keys[0]] == 0 and plan.readers[keys[1]] == 1 and plan.readers[keys[2]] == 2
+    assert plan.readers[keys[3]] == 3 and plan.readers[keys[4]] == 3  # 3 had the least so far both times
+    for key, reader in plan.readers.items():
+        assert plan.receivers[key] == tuple(r for r in range(4) if r != reader)
+    assert plan.bytes_needed == sum(k[2] for k in keys)
+    assert sum(plan.storage_bytes()) == plan.bytes_needed
+    assert plan.direct == [{}, {}, {}, {}]
+
+
+def test_disjoint_reads_of_one_item_stay_where_they_are():
+    """A reshard: two ranks need different rows of one stored item (together no more than it
+    holds): each reads its own rows, nothing is shared."""
+    key = ("__0_0.distcp", 0, 8 * MIB)
+    plan = schedule_reads([RankRequests({key: 4 * MIB}), RankRequests({key: 4 * MIB})])
+    assert plan.readers == {} and plan.rounds == []
+    assert plan.direct == [{key: 4 * MIB}, {key: 4 * MIB}]
+    assert plan.storage_bytes() == [4 * MIB, 4 * MIB]
+
+
+def test_overlapping_partial_reads_are_shared():
+    key = ("__0_0.distcp", 0, 8 * MIB)
+    plan = schedule_reads([RankRequests({key: 6 * MIB}), RankRequests({key: 6 * MIB})])
+    assert plan.readers == {key: 0} and plan.receivers == {key: (1,)}
+    assert plan.storage_bytes() == [8 * MIB, 0]
+
+
+def test_without_read_once_every_rank_reads_what_it_needs():
+    key = ("__0_0.distcp", 0, MIB)
+    plan = schedule_reads([RankRequests({key: MIB}) for _ in range(4)], read_once=False)
+    assert plan.readers == {} and plan.storage_bytes() == [MIB] * 4
+    assert plan.bytes_needed == MIB
+
+
+def test_a_rank_without_a_copy_receives_from_one_with_it():
+    """Node-local copies: rank 2 and 3 (node 1) hold only __1_0.distcp; rank 0's items come to
+    them from node 0, even with read_once off."""
+    a, b = ("__0_0.distcp", 0, MIB), ("__1_0.distcp", 0, 2 * MIB)
+    node0, node1 = frozenset({"__0_0.distcp"}), frozenset({"__1_0.distcp"})
+    requests = [RankRequests({a: MIB, b: 2 * MIB}, readable) for readable in (node0, node0, node1, node1)]
+    for read_once in (True, False):
+        plan = schedule_reads(requests, read_once=read_once)
+        assert plan.readers[a] in (0, 1) and plan.readers[b] in (2, 3), read_once
+        expected = {0, 1, 2, 3} if read_once else {plan.readers[a], 2, 3}  # without: node 0 reads for itself
+        assert sorted(plan.receivers[a]) == sorted(expected - {plan.readers[a]})
+        assert sum(plan.storage_bytes()) == (3 * MIB if read_once else 6 * MIB)  # each node reads its own
+    # a file nobody requesting it can read is read by any rank that can
+    plan = schedule_reads([RankRequests({a: MIB}, node1), RankRequests({}, node0)])
+    assert plan.readers == {a: 1} and plan.receivers == {a: (0,)} and plan.storage_bytes() == [0, MIB]
+
+
+def test_no_copy_anywhere_is_named():
+    a = ("__0_0.distcp", 0, MIB)
+    none = frozenset()
+    with pytest.raises(NoCopyError, match=r"no rank of this load has a copy of __0_0.distcp \(rank 0's shard\)"):
+        schedule_reads([RankRequests({a: MIB}, none), RankRequests({a: MIB}, none)])
+    tried = {
+        "__0_0.distcp": [
+            ("local", "/n0/__0_0.distcp", "checksum mismatch"),
+            ("remote", "s3://b/__0_0.distcp", "missing"),
+        ]
+    }
+    with pytest.raises(CopiesExhaustedError, match="every copy of __0_0.distcp .* local /n0/__0_0.distcp: checksum"):
+        schedule_reads([RankRequests({a: MIB}, none)], tried=tried)
+    with pytest.raises(CopiesMissingError):
+        schedule_reads([RankRequests({a: MIB}, none)], tried={"__0_0.distcp": [("remote", "s3://b/x", "missing")]})
+
+
+def test_rounds_bound_what_a_rank_holds():
+    keys = [("__0_0.distcp", i, 3 * MIB) for i in range(6)] + [("__0_0.distcp", 99, 20 * MIB)]
+    plan = schedule_reads([RankRequests(_items(*keys)) for _ in range(2)], round_bytes=8 * MIB)
+    assert plan.rounds[0] == [keys[-1]]  # larger than a round: alone
+    for items in plan.rounds[1:]:
+        assert sum(k[2] for k in items) <= 8 * MIB
+    assert sorted(k for r in plan.rounds for k in r) == sorted(keys)
+    for rank in range(2):
+        role = plan.role(rank)
+        assert role.shared == frozenset(keys)
+        for part in role.rounds:
+            assert all(src == 1 - rank for _, src in part.recvs)
+            assert [k for k, _ in part.sends] == part.reads
