@@ -55,7 +55,7 @@ def load_version(
     `bytes_by_source` counts the bytes each kind of copy served, over every rank."""
     manifest = Manifest.from_bytes(manifest_bytes, f"{local.uri}/{MANIFEST_NAME}")
     copies = copies_for(choice, manifest, topology, local, remote)
-    uri = remote if remote is not None and choice.remote else local
+    uri = remote if remote is not None and choice.remote and topology.node not in choice.holders else local
     return load(uri, state, process_group=group, copies=copies, info=(manifest_bytes, metadata_bytes), **kwargs)
 
 

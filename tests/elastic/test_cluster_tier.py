@@ -26,7 +26,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO, "tests", "helpers", "cluster_worker.py")
-LAUNCH_TIMEOUT = 240
+LAUNCH_TIMEOUT = 180
 
 
 def free_port() -> int:
@@ -163,7 +163,7 @@ def test_kill_one_node_mid_upload_then_resume_at_3_and_4(tmp_path, remote_kind, 
         remote = request.getfixturevalue("s3_root")
         proxy = FaultProxy(int(endpoint.rsplit(":", 1)[1]))
         request.addfinalizer(proxy.close)
-        node1_env = {"AWS_ENDPOINT_URL": proxy.endpoint}
+        node1_env = {"AWS_ENDPOINT_URL": proxy.endpoint, "AWS_ENDPOINT_URL_S3": proxy.endpoint}
     else:
         remote = str(tmp_path / "remote")
         proxy = None
