@@ -57,7 +57,7 @@ from .resume import (
     warn_all,
 )
 from .retention import RetentionPolicy
-from .root_scan import StalePointerWarning, committed_steps
+from .root_scan import StalePointerWarning
 from .saving import SaveResult, transact
 from .steps import step_dir
 from .storage import Storage
@@ -369,9 +369,6 @@ class ClusterTier:
     def latest(self) -> int | None:
         chosen = self._inventory(None)
         return chosen[0].step if chosen else None
-
-    def local_steps(self) -> list[int]:
-        return committed_steps(self.root)
 
     # -- gc and close ---------------------------------------------------------------------
     def gc(self, *, dry_run: bool, on_removed) -> list[str]:

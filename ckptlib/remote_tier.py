@@ -41,7 +41,7 @@ from .format.checksum import crc32
 from .lock import RootLock
 from .observe import log_operation
 from .retention import KeepLast, RetentionPolicy
-from .root_scan import LATEST, committed_steps, resolve_latest
+from .root_scan import LATEST, committed_steps
 from .saving import SaveResult
 from .steps import parse_step, step_dir
 from .storage import Storage, open_storage
@@ -130,9 +130,6 @@ class RemoteTier:
     # -- the root -----------------------------------------------------------------------
     def steps(self) -> list[int]:
         return committed_steps(self.storage)
-
-    def resolve_latest(self) -> tuple[int | None, str | None]:
-        return resolve_latest(self.storage, self.uri)
 
     def versions(self) -> list[tuple[int, bytes]]:
         """(step, manifest bytes) of every committed remote step, oldest first (rank 0, for

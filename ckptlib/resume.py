@@ -191,10 +191,6 @@ def warn_all(texts: list[str], category: type[Warning]) -> None:
         warnings.warn(text, category, stacklevel=stacklevel_outside_ckptlib())
 
 
-def max_order(versions: dict[tuple[int, int], Version]) -> tuple | None:
-    return max((v.order for v in versions.values()), default=None)
-
-
 def upload_assignment(choice: Choice, manifest: Manifest, topology: Topology) -> dict[int, list[str]]:
     """Rank -> files it uploads for a resumed upload: each file to a rank of the lowest node
     holding it, spread over that node's ranks."""
@@ -242,7 +238,6 @@ __all__ = [
     "choose",
     "fetch_files",
     "gather_versions",
-    "max_order",
     "warn_all",
     "node_copies",
     "upload_assignment",

@@ -43,10 +43,6 @@ class Topology:
     nodes: tuple[tuple[int, ...], ...]  # the ranks of each node, ascending; nodes by lowest rank
 
     @property
-    def world(self) -> int:
-        return sum(len(n) for n in self.nodes)
-
-    @property
     def node(self) -> int:
         return self.node_of(self.rank)
 

@@ -166,13 +166,6 @@ class CommitRecord:
             nodes=tuple(tuple(_strict_int(r, "commit rank") for r in node) for node in data.get("nodes", ())),
         )
 
-    def node_of(self, rank: int) -> int | None:
-        """The node index of the saving `rank`, or None when not recorded."""
-        for index, ranks in enumerate(self.nodes):
-            if rank in ranks:
-                return index
-        return None
-
 
 @dataclasses.dataclass
 class Manifest:
