@@ -238,12 +238,8 @@ class ClusterTier:
 
         def decide() -> str | None:
             where = [self.root.uri] if any(here) else []
-            if self.remote is not None:
-                try:
-                    if classify(self.remote.storage.child(name)) == "committed":
-                        where.append(self.remote.uri)
-                except Exception:  # noqa: BLE001 - an unreachable remote never blocks a save
-                    pass
+            if self.remote is not None and step in self.remote.known_steps:  # as last seen: never asked here
+                where.append(self.remote.uri)
             if not where or overwrite:
                 return None
             if step == self._latest:

@@ -119,6 +119,9 @@ class RemoteTier:
         self.storage: Storage = open_storage(self.uri)
         self.retention = retention if retention is not None else KeepLast(keep_last)
         self.hold_lock = False  # the manager's setting
+        # Rank 0: the committed remote steps as last seen (the inventory, then each upload's
+        # commit and retention), so a save never waits for the remote to ask it.
+        self.known_steps: set[int] = set()
         self._lock = RootLock(self.storage)
 
     def __repr__(self) -> str:
@@ -134,7 +137,9 @@ class RemoteTier:
     def versions(self) -> list[tuple[int, bytes]]:
         """(step, manifest bytes) of every committed remote step, oldest first (rank 0, for
         the inventory)."""
-        return [(step, self.storage.child(step_dir(step)).read(MANIFEST_NAME)) for step in self.steps()]
+        found = [(step, self.storage.child(step_dir(step)).read(MANIFEST_NAME)) for step in self.steps()]
+        self.known_steps = {step for step, _ in found}
+        return found
 
     def latest_order(self) -> tuple | None:
         """The commit order of the checkpoint the remote `latest` names (None: none)."""
@@ -314,7 +319,8 @@ class RemoteTier:
             moved = current is None or current <= manifest.commit_order()
             if moved:
                 self.storage.set_pointer(LATEST, step_dir(step))
-            collect(self.storage, self.uri, self.retention, protect={step})
+            removed = collect(self.storage, self.uri, self.retention, protect={step})
+            self.known_steps = (self.known_steps | {step}) - {parse_step(name) for name in removed}
         except BaseException as exc:
             self.release_lock()
             if isinstance(exc, UploadError):
