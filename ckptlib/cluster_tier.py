@@ -21,6 +21,7 @@ intact copy of each file: the rank's own node, else a peer node, else the remote
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -183,16 +184,23 @@ class ClusterTier:
 
     # -- saving -------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any], metadata, metrics, overwrite: bool) -> SaveResult | AsyncSave:
-        """Save `step` into every node's root, then replicate and upload in the background."""
+        """Save `step` into every node's root, then replicate and upload in the background.
+        The node roots stay locked until the background work (and each node's retention,
+        which runs last, off the blocking path) is done."""
         topology = self.setup()
         group = self.group
         if self._seq is None:
             chosen = self._inventory(None)
             self._latest = chosen[0].step if chosen else None
         name = step_dir(step)
-        _dist.agree(self._lock_node, group)
+        background = self.remote is not None or self.replicas > 0
+        # One round: every leader locks its root, and each rank tells whether its node's root
+        # (and, rank 0, the remote as last seen) holds the step already.
+        here = topology.is_leader and classify(self.root.child(name)) == "committed"
+        known = topology.rank == 0 and self.remote is not None and step in self.remote.known_steps
+        _, rows = _dist.agree_sharing(self._lock_node, [int(here), int(known)], group)
         try:
-            replace = self._replace_decision(step, name, overwrite, topology)
+            replace = self._replace_decision(step, name, overwrite, any(r[0] for r in rows), any(r[1] for r in rows))
             if replace:
                 warnings.warn(replace, StalePointerWarning, stacklevel=stacklevel_outside_ckptlib())
             record = CommitRecord(seq=(self._seq or 0) + 1, parent=self._latest, run=self._run, nodes=topology.nodes)
@@ -202,7 +210,6 @@ class ClusterTier:
                 made.append(NodeLocalSave(storage, topology=topology, commit_record=record, **kwargs))
                 return made[-1]
 
-            background = self.remote is not None or self.replicas > 0
             if background and not self.async_save:
                 background_save.async_group(group)  # collective on first use, so here and not in the thread
             result = transact(
@@ -215,7 +222,7 @@ class ClusterTier:
                 group=group,
                 asynchronous=self.async_save,
                 background_staging=self.background_staging,
-                after_commit=lambda: self._after_node_commit(step),
+                after_commit=None if background else (lambda: self._after_node_commit(step)),
                 on_failure=self._unlock_node,
                 make_transaction=make,
             )
@@ -229,33 +236,26 @@ class ClusterTier:
             self._start(step, lambda: made[0].manifest_bytes, write, resumed=None)
         return result
 
-    def _replace_decision(self, step: int, name: str, overwrite: bool, topology: Topology) -> str | None:
-        """Collective: why an existing committed `step` may be replaced (a warning), None when
-        nothing is there; CheckpointExistsError for the step last saved or resumed."""
-        here = _dist.all_gather_object(
-            topology.is_leader and classify(self.root.child(name)) == "committed", self.group
+    def _replace_decision(self, step: int, name: str, overwrite: bool, local: bool, remote: bool) -> str | None:
+        """Why an existing committed `step` (in a node's root: `local`; on the remote as last
+        seen: `remote`) may be replaced (a warning), None when nothing is there;
+        CheckpointExistsError for the step last saved or resumed. The same on every rank."""
+        where = ([self.root.uri] if local else []) + ([self.remote.uri] if remote and self.remote else [])
+        if not where or overwrite:
+            return None
+        if step == self._latest:
+            raise CheckpointExistsError(
+                f"step {step} is the newest committed checkpoint of {' and '.join(where)} (pass overwrite=True)",
+                path=f"{where[0]}/{name}",
+            )
+        return (
+            f"step {step} is committed under {' and '.join(where)} but is not the step this run resumed or saved "
+            f"last ({self._latest}): it was never resumed from (a crash, or a rollback); replacing it"
         )
 
-        def decide() -> str | None:
-            where = [self.root.uri] if any(here) else []
-            if self.remote is not None and step in self.remote.known_steps:  # as last seen: never asked here
-                where.append(self.remote.uri)
-            if not where or overwrite:
-                return None
-            if step == self._latest:
-                raise CheckpointExistsError(
-                    f"step {step} is the newest committed checkpoint of {' and '.join(where)} (pass overwrite=True)",
-                    path=f"{where[0]}/{name}",
-                )
-            return (
-                f"step {step} is committed under {' and '.join(where)} but is not the step this run resumed or saved "
-                f"last ({self._latest}): it was never resumed from (a crash, or a rollback); replacing it"
-            )
-
-        return _dist.decide_on_rank0(decide, self.group)
-
     def _after_node_commit(self, step: int) -> None:
-        """Every rank once every node committed `step`: each leader applies its root's retention."""
+        """Every rank once every node committed `step` (and, with a remote or replicas, once
+        they are done too): each leader applies its root's retention and unlocks it."""
         if self.topology is not None and self.topology.is_leader:
             try:
                 collect(self.root, self.root.uri, self.retention, protect={step})
@@ -273,15 +273,10 @@ class ClusterTier:
         local = self.root.child(step_dir(step))
         rank = topology.rank
 
-        def work():
-            result = None
-            if write is not None:
-                result = write.deliver()
-                if result is None:
-                    return None  # the write failed and its failure was already seen
+        def pipeline():
             data = manifest_bytes()
             manifest = Manifest.from_bytes(data, f"{local.uri}/ckptlib.json")
-            failure: ReplicationError | None = None
+            result = failure = None
             if resumed is None and self.replicas:
                 try:
                     with _dist.peer_loss_as_error(f"replication of step {step}", bg, step=step, path=local.uri):
@@ -301,6 +296,23 @@ class ClusterTier:
                 result = self.remote.upload(step, data, local, files, bg, resumed=resumed is not None)
             if failure is not None:
                 raise failure
+            return result
+
+        def work():
+            if write is not None and write.deliver() is None:
+                return None  # the write failed (its failure already seen); it unlocked the roots
+            if resumed is not None:
+                return pipeline()
+            try:
+                result = pipeline()
+            except RankLostError:  # the group is broken: no more collectives
+                self._unlock_node()
+                raise
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    _dist.agree(lambda: self._after_node_commit(step), bg)
+                raise
+            _dist.agree(lambda: self._after_node_commit(step), bg)
             return result
 
         job = AsyncSave(self.remote.uri if self.remote else local.uri, work, started=time.perf_counter())

@@ -10,14 +10,15 @@ way a single-root commit does (`format.layout.commit`). `NodeLocalSave` is the c
    `__{rank}_0.distcp` there; the coordinator writes `.metadata` into node 0's directory and
    builds the manifest (with the commit record: the order of this save among the run's
    commits) without listing anything;
-3. the manifest and `.metadata` bytes go to every rank (one broadcast); each leader writes
+3. the manifest and `.metadata` bytes reach every rank in the receipt DCP broadcasts back
+   after its final round anyway (`NodeSaveReceipt`: no round of their own); each leader writes
    `.metadata` (other nodes), checks its own ranks' files by size, makes them durable and
    writes the manifest, byte for byte the coordinator's; the ranks agree. A node whose part
    failed makes every node take its manifest back, so a step is committed on every node of
    the save or on none (a crash in between leaves a node committed that the inventory finds
    incomplete: never resumed, debris for retention);
-4. `after_commit` runs on every rank, each leader for its own root (retention), and the
-   ranks agree on it.
+4. `after_commit` (if any) runs on every rank, each leader for its own root (retention), and
+   the ranks agree on it.
 
 A failure anywhere: every leader removes what this save wrote under its root (never a
 committed checkpoint of another save), every rank its unfinished shard, and the error is
@@ -26,6 +27,7 @@ raised on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -34,13 +36,21 @@ from torch.distributed.checkpoint.metadata import Metadata
 from . import _dist
 from ._torch import dcp_shims
 from ._version import __version__
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, CheckpointError
 from .format import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, FileRecord, Manifest, prepare_save_target
 from .format.deletion import remove_failed_save
 from .format.file_names import describe_file
 from .format.manifest import CommitRecord
 from .format.transaction import SaveReceipt, SaveTransaction, _leave_receipt, _on_coordinator, unwrap_dcp_error
 from .topology import Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSaveReceipt(SaveReceipt):
+    """The receipt of a node-local save: also the bytes every leader writes."""
+
+    manifest: bytes = b""
+    metadata: bytes = b""
 
 
 class NodeLocalSave(SaveTransaction):
@@ -52,9 +62,7 @@ class NodeLocalSave(SaveTransaction):
         super().__init__(storage, **kwargs)
         self.topology = topology
         self.commit_record = commit_record
-        self.manifest: Manifest | None = None
-        self.manifest_bytes: bytes | None = None
-        self._metadata_blob: bytes | None = None
+        self.manifest_bytes: bytes | None = None  # every rank's, once DCP returned
         self._wrote_manifest = False
 
     # -- the steps CkptWriter takes ----------------------------------------------------
@@ -70,7 +78,7 @@ class NodeLocalSave(SaveTransaction):
     def commit(self, files: dict[str, FileRecord], metadata: Metadata) -> None:
         """Coordinator, after `.metadata`: build the manifest (written by every leader later)."""
         with _on_coordinator():
-            self.manifest = Manifest(
+            manifest = Manifest(
                 world_size=self.world_size,
                 files=dict(files),
                 step=self.step,
@@ -80,11 +88,11 @@ class NodeLocalSave(SaveTransaction):
                 ckptlib_version=__version__,
                 commit=self.commit_record,
             )
-            self.manifest_bytes = self.manifest.to_bytes()
-            self._metadata_blob = self.storage.read(METADATA_NAME)
+            receipt = NodeSaveReceipt(
+                manifest.total_bytes, manifest=manifest.to_bytes(), metadata=self.storage.read(METADATA_NAME)
+            )
         self.files = sorted(files)
-        self.total_bytes = sum(record.size for record in files.values())
-        _leave_receipt(metadata, SaveReceipt(self.total_bytes))
+        _leave_receipt(metadata, receipt)
 
     # -- the node commit ----------------------------------------------------------------
     def _commit_node(self, manifest_bytes: bytes, metadata_blob: bytes) -> None:
@@ -121,13 +129,11 @@ class NodeLocalSave(SaveTransaction):
         docstring)."""
         try:
             _dist.agree(self._prepare_node, group)
-            metadata = save(self._writer())
-            if self.total_bytes is None:  # not the coordinator: the receipt it broadcast
-                received = getattr(metadata, "storage_data", None)
-                self.total_bytes = received.total_bytes if isinstance(received, SaveReceipt) else None
-            manifest_bytes, blob = _dist.decide_on_rank0(lambda: (self.manifest_bytes, self._metadata_blob), group)
-            self.manifest_bytes = manifest_bytes
-            _dist.agree(lambda: self._commit_node(manifest_bytes, blob), group)
+            receipt = getattr(save(self._writer()), "storage_data", None)  # what the coordinator broadcast
+            if not isinstance(receipt, NodeSaveReceipt):
+                raise CheckpointError(f"{self.storage.uri}: the save returned no receipt of its commit")
+            self.total_bytes, self.manifest_bytes = receipt.total_bytes, receipt.manifest
+            _dist.agree(lambda: self._commit_node(receipt.manifest, receipt.metadata), group)
         except BaseException as exc:
             self.abort()
             if isinstance(exc, dcp_shims.checkpoint_exception_cls()):

@@ -20,6 +20,9 @@ own options (`ckpt bench --help`, `ckpt bench scale --help`, `ckpt bench tensors
 - ckpt bench scale [--s3]: planning time and memory, .metadata and manifest sizes at simulated
   world sizes; no ranks spawned; --s3 adds the S3 request counts of real saves and loads on moto.
 - ckpt bench tensors: save and load of 16 to 10,000 small tensors against raw DCP.
+- ckpt bench tier [--remote s3|dir]: the cluster tier on 2 simulated nodes: a save's blocking
+  time against a plain local save, its upload against concurrent SDK uploads of the same files,
+  and the remote bytes a resume reads (local tiers intact; one node's root lost, replicas=1).
 
 Scratch checkpoints go to a temporary directory that is removed. The tables go to stdout
 (with --json and no file: the JSON report to stdout, the tables to stderr).
@@ -46,6 +49,10 @@ def run_bench(bench_args: list[str]) -> int:
             from ..bench import scale
 
             return scale.main(bench_args[1:])
+        if bench_args[:1] == ["tier"]:
+            from ..bench import tier
+
+            return tier.main(bench_args[1:])
         if bench_args[:1] == ["tensors"]:
             from ..bench import tensor_counts
 

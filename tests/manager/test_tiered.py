@@ -280,17 +280,20 @@ def test_killed_mid_upload_then_the_next_start_resumes(tmp_path, remote):
     assert store.read_pointer("latest") == "step_0000000001"  # the crash left the remote latest intact
     assert classify(store.child("step_0000000002")) != "committed"
     assert classify(open_storage(local).child("step_0000000002")) == "committed"
-    # The crashed writer's locks (a dead pid on this host) are removed as stale by the next start.
-    with pytest.warns(ckptlib.StaleLockWarning):
+    # The crashed writer's locks (a dead pid on this host) are removed as stale by the next
+    # start: the remote's by the upload it resumes, the local root's by its first save.
+    with pytest.warns(ckptlib.StaleLockWarning) as caught:
         mgr = CheckpointManager(local, keep_last=1, remote=RemoteTier(remote, keep_last=1))
         state = _fresh()
         assert mgr.load(state) == 2
         _assert_state(state, 2)
         assert mgr.wait().step == 2
-    assert store.read_pointer("latest") == "step_0000000002"
-    assert _children(remote) == ["step_0000000002"]  # keep_last=1 and the debris is gone
-    assert [p for p in verify(store.child("step_0000000002")) if p.is_error] == []
-    mgr.save(3, _state(3))
+        assert store.read_pointer("latest") == "step_0000000002"
+        assert _children(remote) == ["step_0000000002"]  # keep_last=1 and the debris is gone
+        assert [p for p in verify(store.child("step_0000000002")) if p.is_error] == []
+        mgr.save(3, _state(3))
+    stale = sorted(str(w.message).split(": removing")[0] for w in caught if w.category is ckptlib.StaleLockWarning)
+    assert stale == sorted([local, remote])
     mgr.close()
     assert store.read_pointer("latest") == "step_0000000003"
 
