@@ -42,22 +42,30 @@ UPLOAD_TARGET = 0.9
 RESUME_INTACT_TARGET = 0.01
 
 
-def _sdk_upload(local_dir: str, remote_uri: str, names: list[str]) -> None:
-    """This rank's files with the plain SDK: boto3's managed upload, or copy + fsync."""
+def _sdk_uploader(local_dir: str, remote_uri: str, names: list[str]):
+    """This rank's files with the plain SDK (its client made before the clock starts): boto3's
+    managed upload with its default settings, or copy + fsync for a directory."""
     if remote_uri.startswith("s3://"):
         import boto3
 
         bucket, _, prefix = remote_uri[len("s3://") :].partition("/")
         client = boto3.session.Session().client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+
+        def s3_upload() -> None:
+            for name in names:
+                client.upload_file(os.path.join(local_dir, name), bucket, f"{prefix}/{name}")
+
+        return s3_upload
+
+    def copy() -> None:
+        os.makedirs(remote_uri, exist_ok=True)
         for name in names:
-            client.upload_file(os.path.join(local_dir, name), bucket, f"{prefix}/{name}")
-        return
-    os.makedirs(remote_uri, exist_ok=True)
-    for name in names:
-        target = os.path.join(remote_uri, name)
-        shutil.copyfile(os.path.join(local_dir, name), target)
-        with open(target, "rb+") as f:
-            os.fsync(f.fileno())
+            target = os.path.join(remote_uri, name)
+            shutil.copyfile(os.path.join(local_dir, name), target)
+            with open(target, "rb+") as f:
+                os.fsync(f.fileno())
+
+    return copy
 
 
 def _own_files(rank: int) -> list[str]:
@@ -107,7 +115,7 @@ def rank_tier(base: str, remote_base: str, size_mib: int, reps: int) -> dict[str
                 tier = RemoteTier(target)
                 seconds = timed(lambda: tier.upload(2, manifest_bytes, local_step, _own_files(rank)))
             else:
-                seconds = timed(lambda: _sdk_upload(f"{node_root}/step_0000000002", target, _own_files(rank)))
+                seconds = timed(_sdk_uploader(f"{node_root}/step_0000000002", target, _own_files(rank)))
             times.setdefault(f"upload_{method}", []).append(seconds)
         # -- resume: every local tier intact, then node 1's root lost -----------------------
         for case in ("intact", "node1_lost"):
