@@ -8,6 +8,8 @@ GROUP_RANK/LOCAL_RANK per rank; each node its own local root).
   every rank naming the sender or the path; the local checkpoint stays committed and the
   upload still happens;
 - a node whose disk fills during the save: a StorageError on every rank, nothing committed;
+- a partner node lost during the replication: a ReplicationRankLostError on every survivor,
+  naming the lost rank; the local step stays committed and nothing is uploaded;
 - two nodes given one shared root count as one node (nothing written twice).
 """
 
@@ -221,3 +223,48 @@ def test_two_nodes_sharing_one_root_count_as_one(tmp_path, dist_run):
         "ckptlib.json",
     ]
     assert not [n for n in os.listdir(tmp_path / "shared") if n.startswith("ckptlib.node-")]
+
+
+def _partner_dies(base: str, remote: str) -> dict:
+    import torch.distributed as dist
+
+    import ckptlib
+    import ckptlib.replication as replication
+
+    if dist.get_rank() == 2:  # node 1's leader dies while it receives node 0's replicas
+        real_take = replication._Incoming.take
+
+        def take(self, data):
+            real_take(self, data)
+            os._exit(1)
+
+        replication._Incoming.take = take
+    mgr = ckptlib.CheckpointManager(_root(base), replicas=1, remote=remote)
+    mgr.save(1, _state(1))
+    try:
+        mgr.wait()
+        return {"type": None}
+    except ckptlib.CheckpointError as exc:
+        return {
+            "types": [c.__name__ for c in type(exc).__mro__],
+            "ranks": list(exc.ranks),
+            "message": str(exc),
+            "latest": ckptlib.storage.open_storage(remote).read_pointer("latest"),
+            "steps": mgr.local_steps(),
+        }
+
+
+def test_a_partner_node_lost_during_replication_is_an_error_on_every_survivor(tmp_path, dist_run):
+    from ckptlib.testing import RankExited
+
+    remote = str(tmp_path / "remote")
+    # grace: the survivors' results are in once they return; their exit then waits for the dead
+    # rank at the async groups' exit barrier, which the launcher cuts short
+    results = dist_run(4, _partner_dies, str(tmp_path), remote, nodes=NODES, return_exceptions=True, grace=15)
+    assert isinstance(results[2], RankExited)
+    for rank in (0, 1, 3):
+        res = results[rank]
+        assert {"ReplicationRankLostError", "ReplicationError", "RankLostError"} <= set(res["types"]), res
+        assert res["ranks"] == [2] and res["message"].startswith("replication of step 1 failed on rank"), res
+        assert res["latest"] is None  # no upload after a lost rank: the remote latest is untouched
+        assert res["steps"] == [1]  # the local checkpoint stays committed
