@@ -280,7 +280,7 @@ def _load(
                 dcp.load(request.template, storage_reader=reader, planner=planner, process_group=group)
             break
         except dcp_shims.checkpoint_exception_cls() as exc:
-            if not (isinstance(reader, CkptReader) and read_exchange.exclude_failed(reader, exc)):
+            if not (isinstance(reader, CkptReader) and read_exchange.exclude_failed(reader, exc, world)):
                 raise read_exchange.load_failure(exc) from exc
 
     selected = request.selected

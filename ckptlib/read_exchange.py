@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from . import _dist
 from ._torch import dcp_shims
-from .errors import CopiesExhaustedError
+from .errors import CopiesExhaustedError, CopyFallbackWarning, stacklevel_outside_ckptlib
 from .format.transaction import unwrap_dcp_error
 
 _groups: dict[Any, Any] = {}  # caller's group (WORLD for the default one) -> its exchange group
@@ -59,14 +59,12 @@ def _as_tensor(data: memoryview) -> torch.Tensor:
 
 class GlooTransport:
     """`shared_reads.Transport` over point-to-point messages on `exchange_group(group)`; ranks
-    are `group`'s (DCP's), mapped to the exchange group's."""
+    are `group`'s (DCP's), sent to by their global ranks (which every torch takes)."""
 
     def __init__(self, xgroup, group=None):
         self.group = xgroup
         size = dist.get_world_size(group)
-        self._peer = [
-            dist.get_group_rank(xgroup, r if group is None else dist.get_global_rank(group, r)) for r in range(size)
-        ]
+        self._peer = [r if group is None else dist.get_global_rank(group, r) for r in range(size)]  # global ranks
         self._sent: dict[int, int] = defaultdict(int)  # peer -> messages sent to it (their tags)
         self._received: dict[int, int] = defaultdict(int)
 
@@ -84,13 +82,13 @@ class GlooTransport:
         for dst, items in outgoing.items():
             flags = torch.tensor([0 if data is None else 1 for data, _ in items], dtype=torch.uint8)
             keep.append(flags)
-            works.append(dist.isend(flags, group=self.group, group_dst=self._peer[dst], tag=self._tag(self._sent, dst)))
+            works.append(dist.isend(flags, group=self.group, dst=self._peer[dst], tag=self._tag(self._sent, dst)))
             for data, length in items:
                 tag = self._tag(self._sent, dst)
                 if length:
                     tensor = torch.empty(length, dtype=torch.uint8) if data is None else _as_tensor(data)
                     keep.append(tensor)
-                    works.append(dist.isend(tensor, group=self.group, group_dst=self._peer[dst], tag=tag))
+                    works.append(dist.isend(tensor, group=self.group, dst=self._peer[dst], tag=tag))
         incoming: dict[int, list[int]] = defaultdict(list)
         for index, (src, _) in enumerate(recvs):
             incoming[src].append(index)
@@ -99,14 +97,12 @@ class GlooTransport:
         for src, indices in incoming.items():
             flags_from[src] = torch.empty(len(indices), dtype=torch.uint8)
             peer = self._peer[src]
-            works.append(
-                dist.irecv(flags_from[src], group=self.group, group_src=peer, tag=self._tag(self._received, src))
-            )
+            works.append(dist.irecv(flags_from[src], group=self.group, src=peer, tag=self._tag(self._received, src)))
             for index in indices:
                 tag = self._tag(self._received, src)
                 if buffers[index]:
                     target = torch.frombuffer(buffers[index], dtype=torch.uint8)
-                    works.append(dist.irecv(target, group=self.group, group_src=peer, tag=tag))
+                    works.append(dist.irecv(target, group=self.group, src=peer, tag=tag))
         for work in works:
             work.wait()
         del keep
@@ -136,23 +132,31 @@ def load_failure(exc: BaseException):
     return unwrap_dcp_error(exc)
 
 
-def exclude_failed(reader: Any, exc: BaseException) -> bool:
+def exclude_failed(reader: Any, exc: BaseException, world: int) -> bool:
     """After a failed load given copies: when every failure is copies found bad (or a rank they
     left unserved) and some are new, exclude them on this rank's reader (every rank sees the
     same failures, so every rank excludes the same) and say the load may run again."""
-    if reader.plain:
+    if reader.plain or world == 1:  # one copy for all, or no other rank: nothing else to try
         return False
-    failures = [f for _, f in dcp_shims.dcp_failures(exc)]
-    exhausted = [f for f in failures if isinstance(f, CopiesExhaustedError) and getattr(f, "failed_copies", None)]
-    if not exhausted or any(f not in exhausted and not getattr(f, "secondary", False) for f in failures):
+    failures = dcp_shims.dcp_failures(exc)
+    exhausted = [
+        (rank, f) for rank, f in failures if isinstance(f, CopiesExhaustedError) and getattr(f, "failed_copies", None)
+    ]
+    if not exhausted or len(exhausted) + sum(bool(getattr(f, "secondary", 0)) for _, f in failures) < len(failures):
         return False
-    new = {tuple(pair) for f in exhausted for pair in f.failed_copies} - set(reader.excluded)
+    new = {tuple(pair) for _, f in exhausted for pair in f.failed_copies} - set(reader.excluded)
     if not new:
         return False
     reader.excluded = frozenset(reader.excluded) | new
-    for f in exhausted:
+    for _, f in exhausted:
         seen = reader.tried.setdefault(f.file, [])
         seen.extend(entry for entry in f.tried if entry not in seen)
+    shown = "; ".join(f"rank {rank}: {f.message}" for rank, f in exhausted)
+    warnings.warn(
+        f"{reader.storage.uri}: {shown}; loading again, reading those files from other ranks' copies",
+        CopyFallbackWarning,
+        stacklevel=stacklevel_outside_ckptlib(),
+    )
     return True
 
 

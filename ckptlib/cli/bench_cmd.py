@@ -23,6 +23,8 @@ own options (`ckpt bench --help`, `ckpt bench scale --help`, `ckpt bench tensors
 - ckpt bench tier [--remote s3|dir]: the cluster tier on 2 simulated nodes: a save's blocking
   time against a plain local save, its upload against concurrent SDK uploads of the same files,
   and the remote bytes a resume reads (local tiers intact; one node's root lost, replicas=1).
+- ckpt bench read-once: storage bytes read (all ranks) and time of DDP and HSDP loads with
+  read-once against every rank reading for itself.
 
 Scratch checkpoints go to a temporary directory that is removed. The tables go to stdout
 (with --json and no file: the JSON report to stdout, the tables to stderr).
@@ -43,7 +45,7 @@ def add_parser(commands) -> None:
 
 
 def run_bench(bench_args: list[str]) -> int:
-    """`ckpt bench [scale | tensors] ARGS...`: the benchmark's own exit code."""
+    """`ckpt bench [scale | tensors | read-once | tier] ARGS...`: the benchmark's own exit code."""
     with report_stdout():
         if bench_args[:1] == ["scale"]:
             from ..bench import scale
@@ -57,6 +59,10 @@ def run_bench(bench_args: list[str]) -> int:
             from ..bench import tensor_counts
 
             return tensor_counts.main(bench_args[1:])
+        if bench_args[:1] == ["read-once"]:
+            from ..bench import read_once
+
+            return read_once.main(bench_args[1:])
         from ..bench import throughput
 
         return throughput.main(bench_args)

@@ -120,10 +120,12 @@ class CkptReader(DirectReads, PlannedReader):
             return storage.direct_read_path(name)
         return None
 
-    def _read_spans(self, name: str, reqs: list[Any], crcs, consume: Consume) -> None:
-        """Any backend: coalesced ranged reads (few round trips on S3), one span in memory at a time."""
+    def _read_spans(self, name: str, reqs: list[Any], crcs, consume: Consume, gap: int | None = None) -> None:
+        """Any backend: coalesced ranged reads (few round trips on S3), one span in memory at a
+        time; `gap`: the most bytes between two items read through rather than skipped."""
         where = f"{self.storage.uri}/{name}"
-        spans = _coalesce([(info.offset, info.length) for _, info in reqs], max_span=_MAX_SPAN)
+        spans = [(info.offset, info.length) for _, info in reqs]
+        spans = _coalesce(spans, max_span=_MAX_SPAN) if gap is None else _coalesce(spans, _MAX_SPAN, gap)
         by_span: dict[tuple[int, int], list[Any]] = defaultdict(list)
         for req, info in reqs:
             span = next(s for s in spans if s[0] <= info.offset and info.offset + info.length <= s[0] + s[1])
@@ -152,7 +154,7 @@ class CkptReader(DirectReads, PlannedReader):
         found = self.chunks.declared(req.storage_index.fqn, req.storage_index.offset)
         return found is not None and tuple(req.lengths) != tuple(found[1])
 
-    def _read_remote(self, name: str, reqs: list[Any], crcs, planner: LoadPlanner) -> None:
+    def _read_remote(self, name: str, reqs: list[Any], crcs, planner: LoadPlanner, gap: int | None = None) -> None:
         """Object stores: a request for part of a large stored chunk reads just its rows (and,
         verified, the blocks around them) with ranged reads; everything else goes through
         coalesced whole-item reads (`_read_spans`)."""
@@ -180,7 +182,7 @@ class CkptReader(DirectReads, PlannedReader):
             if not done:
                 rest.append((req, info))
         if rest:
-            self._read_spans(name, rest, crcs, lambda req, info, data: self._apply(name, req, info, data, planner))
+            self._read_spans(name, rest, crcs, lambda req, info, data: self._apply(name, req, info, data, planner), gap)
 
     def _read_local(self, name: str, path: str, reqs: list[Any], crcs, planner: LoadPlanner | None, consume: Consume):
         """A local file: large tensor items straight into their destination (`DirectReads`; not
@@ -290,8 +292,9 @@ class CkptReader(DirectReads, PlannedReader):
                     planner,
                     lambda req, info, data: self._apply(name, req, info, data, planner),
                 )
-            else:
-                self._read_remote(name, pending, crcs, planner)
+            else:  # not through the gaps between this rank's items where other ranks read
+                tight = self.role is not None and name in self.role.tight
+                self._read_remote(name, pending, crcs, planner, 0 if tight else None)
 
         self._done = set()
         read_over_copies(self, name, reqs, attempt, lambda entry: id(entry[0]) in self._done)
@@ -309,7 +312,7 @@ class CkptReader(DirectReads, PlannedReader):
             if path is not None:
                 self._read_local(name, path, pending, crcs, None, keep)
             else:
-                self._read_spans(name, pending, crcs, keep)
+                self._read_spans(name, pending, crcs, keep, gap=0)  # a run's items are neighbours
 
         entries = [(key, _Span(key[1], key[2])) for key in keys]
         read_over_copies(self, name, entries, attempt, lambda entry: entry[0] in out)

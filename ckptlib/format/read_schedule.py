@@ -14,11 +14,13 @@ The rules:
 - An item is read where it is needed (each requesting rank reads what it asks for, e.g. only
   the rows of a resharded load) when every requester can read its file and together they ask
   for no more bytes than the item holds (no duplication: a reshard's disjoint rows).
-- Otherwise it is shared. Its reader is the requester with the fewest bytes to read so far
-  (ties: the lower rank), among the requesters that can read its file; when none can, the
-  least-loaded rank that can; when no rank can, `NoCopyError` (or, when copies of the file
-  failed, `CopiesExhaustedError` naming them) for every rank. Items are placed largest
-  first, so the bytes spread evenly over the readers.
+- Otherwise it is shared. Shared items go in *runs*: neighbours in one file with the same
+  eligible readers, up to 1/world of the shared bytes each, so that a reader reads a few
+  contiguous ranges (few GETs on an object store, no bytes between them). A run's reader is
+  the requester with the fewest bytes to read so far (ties: the lower rank), among the
+  requesters that can read its file; when none can, the least-loaded rank that can; when no
+  rank can, `NoCopyError` (or, when copies of the file failed, `CopiesExhaustedError` naming
+  them) for every rank. Runs are placed largest first, so the bytes spread evenly.
 - Shared items go in rounds: a rank holds at most `round_bytes` of shared items (read or
   received) at a time, except an item larger than that, which travels in a round where its
   ranks hold nothing else.
@@ -28,13 +30,16 @@ The rules:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
 from collections import defaultdict
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import CopiesExhaustedError, CopiesMissingError, NoCopyError
 from .file_names import describe_file
+from .item_decoder import DeclaredChunks
 
 ItemKey = tuple[str, int, int]  # a stored item: (file, offset, length)
 
@@ -82,6 +87,7 @@ class RankRole:
     shared: frozenset[ItemKey]  # items this rank needs that reach it through a round
     bytes_needed: int
     labels: tuple[str, ...] = ()  # every rank's copy labels, in one order (the accounting's)
+    tight: frozenset[str] = frozenset()  # files whose gaps between this rank's items others read
 
 
 @dataclasses.dataclass
@@ -95,6 +101,7 @@ class ReadSchedule:
     receivers: dict[ItemKey, tuple[int, ...]]
     rounds: list[list[ItemKey]]
     bytes_needed: int  # the distinct items any rank asks for, each counted once
+    tight: list[frozenset[str]] = dataclasses.field(default_factory=list)  # per rank (`_tight`)
 
     def storage_bytes(self) -> list[int]:
         """The bytes each rank reads from storage (direct reads by the bytes asked for: a
@@ -120,7 +127,8 @@ class ReadSchedule:
                     shared.add(key)
             if part.reads or part.recvs:
                 rounds.append(part)
-        return RankRole(rounds, frozenset(shared), self.bytes_needed, labels)
+        tight = self.tight[rank] if self.tight else frozenset()
+        return RankRole(rounds, frozenset(shared), self.bytes_needed, labels, tight)
 
 
 def _no_reader(name: str, ranks: list[int], tried: Mapping[str, Sequence[tuple]]) -> Exception:
@@ -179,15 +187,66 @@ def schedule_reads(
     load = [sum(d.values()) for d in direct]
     readers: dict[ItemKey, int] = {}
     receivers: dict[ItemKey, tuple[int, ...]] = {}
-    shared.sort(key=lambda entry: (-entry[0][2], entry[0]))
-    for key, who, able in shared:
+    runs = _runs(shared, min(round_bytes, -(-sum(key[2] for key, _, _ in shared) // max(world, 1))))
+    runs.sort(key=lambda run: (-sum(key[2] for key, _, _ in run), run[0][0]))
+    for run in runs:
+        able = run[0][2]
         reader = min(able, key=lambda rank: (load[rank], rank))
-        load[reader] += key[2] - direct[reader].pop(key, 0)  # (read_once=False: it reads the item once, whole)
-        readers[key] = reader
-        receivers[key] = tuple(rank for rank in who if rank != reader)
-    rounds = _rounds([(key, readers[key], receivers[key]) for key, _, _ in shared], round_bytes)
+        for key, who, _ in run:
+            load[reader] += key[2] - direct[reader].pop(key, 0)  # (read_once=False: it reads the item once, whole)
+            readers[key] = reader
+            receivers[key] = tuple(rank for rank in who if rank != reader)
+    rounds = _rounds([(key, readers[key], receivers[key]) for run in runs for key, _, _ in run], round_bytes)
     needed = sum(key[2] for key in wanted)
-    return ReadSchedule(world, direct, readers, receivers, rounds, needed)
+    return ReadSchedule(world, direct, readers, receivers, rounds, needed, _tight(direct, readers))
+
+
+def _tight(direct: list[dict[ItemKey, int]], readers: dict[ItemKey, int]) -> list[frozenset[str]]:
+    """Per rank, the files in which another rank reads items lying between this rank's own
+    direct reads: there a rank must not read through the gaps between its items (an object
+    store's coalesced GETs do, to save requests), or those bytes come from storage twice."""
+    by_file: dict[str, list[tuple[int, int]]] = defaultdict(list)  # file -> (offset, reading rank)
+    for rank, items in enumerate(direct):
+        for key in items:
+            by_file[key[0]].append((key[1], rank))
+    for key, rank in readers.items():
+        by_file[key[0]].append((key[1], rank))
+    for reads in by_file.values():
+        reads.sort()
+    tight: list[set[str]] = [set() for _ in direct]
+    for rank, items in enumerate(direct):
+        extents: dict[str, list[int]] = {}
+        for name, offset, _ in items:
+            lo_hi = extents.setdefault(name, [offset, offset])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], offset), max(lo_hi[1], offset)
+        for name, (lo, hi) in extents.items():
+            reads = by_file[name]
+            start = bisect.bisect_left(reads, (lo, -1))
+            for offset, reader in itertools.islice(reads, start, None):
+                if offset > hi:
+                    break
+                if reader != rank:
+                    tight[rank].add(name)
+                    break
+    return [frozenset(t) for t in tight]
+
+
+def _runs(shared: list[tuple[ItemKey, list[int], list[int]]], target: int) -> list[list[tuple]]:
+    """Shared items as runs of neighbours in one file with the same eligible readers, each of
+    at most `target` bytes (an item larger than that alone): one reader reads a run, so on an
+    object store its items come in a few ranged GETs rather than one each, or whole spans."""
+    runs: list[list[tuple]] = []
+    size = 0
+    for entry in sorted(shared, key=lambda e: (e[0][0], e[0][1])):
+        key = entry[0]
+        last = runs[-1][-1] if runs else None
+        if last is not None and last[0][0] == key[0] and last[2] == entry[2] and size + key[2] <= target:
+            runs[-1].append(entry)
+            size += key[2]
+        else:
+            runs.append([entry])
+            size = key[2]
+    return runs
 
 
 def _rounds(items: list[tuple[ItemKey, int, tuple[int, ...]]], cap: int) -> list[list[ItemKey]]:
@@ -216,15 +275,14 @@ def _rounds(items: list[tuple[ItemKey, int, tuple[int, ...]]], cap: int) -> list
     return rounds
 
 
-def plan_roles(
-    plans: Sequence[Any], storage_data: Mapping[Any, Any], declared: Callable, tried: Mapping[str, Sequence[tuple]]
-) -> list[RankRole]:
-    """The coordinator's step: every rank's local load plan (items, and `LocalReads` as its
-    storage_data) -> each rank's `RankRole`. `declared(fqn, offsets)`: a stored chunk's (dtype,
-    sizes) from `.metadata`."""
-    infos = [p.storage_data if isinstance(p.storage_data, LocalReads) else LocalReads() for p in plans]
-    requests = []
-    for plan, info in zip(plans, infos):
+def requests_from_plans(
+    plans: Sequence[Any], storage_data: Mapping[Any, Any], declared: Callable, readable: Sequence[Any] | None = None
+) -> list[RankRequests]:
+    """Every rank's `RankRequests` from its local load plan: the stored item of each read item
+    (`.metadata`'s `storage_data`) and the bytes it asks for (`declared(fqn, offsets)`: a
+    stored chunk's (dtype, sizes)); `readable`: per rank, the files it can read (None: all)."""
+    out = []
+    for rank, plan in enumerate(plans):
         items: dict[ItemKey, int] = {}
         for req in plan.items:
             record = storage_data[req.storage_index]
@@ -233,7 +291,32 @@ def plan_roles(
             whole, itemsize = (None, 1) if chunk is None else (chunk[1], chunk[0].itemsize)
             nbytes = requested_bytes(req.lengths, whole, record.length, itemsize)
             items[key] = min(record.length, items.get(key, 0) + nbytes)
-        requests.append(RankRequests(items, info.readable))
+        out.append(RankRequests(items, None if readable is None else readable[rank]))
+    return out
+
+
+def predict_reads(
+    plans: Sequence[Any],
+    metadata: Any,
+    *,
+    readable: Sequence[frozenset[str] | None] | None = None,
+    read_once: bool = True,
+    round_bytes: int = ROUND_BYTES,
+) -> ReadSchedule:
+    """What a load would read, without loading (for `ckpt plan`): `plans` are each rank's
+    local DCP load plans (e.g. made by the load planner for simulated ranks), `metadata` the
+    checkpoint's `.metadata`, `readable` the files each rank can read (None: every file)."""
+    requests = requests_from_plans(plans, metadata.storage_data, DeclaredChunks(metadata).declared, readable)
+    return schedule_reads(requests, read_once=read_once and len(plans) > 1, round_bytes=round_bytes)
+
+
+def plan_roles(
+    plans: Sequence[Any], storage_data: Mapping[Any, Any], declared: Callable, tried: Mapping[str, Sequence[tuple]]
+) -> list[RankRole]:
+    """The coordinator's step: every rank's local load plan (items, and `LocalReads` as its
+    storage_data) -> each rank's `RankRole`."""
+    infos = [p.storage_data if isinstance(p.storage_data, LocalReads) else LocalReads() for p in plans]
+    requests = requests_from_plans(plans, storage_data, declared, [info.readable for info in infos])
     read_once = len(plans) > 1 and all(i.read_once and i.can_exchange for i in infos)
     schedule = schedule_reads(requests, read_once=read_once, tried=tried)
     labels = tuple(sorted({label for info in infos for label in info.labels}))

@@ -18,17 +18,32 @@ def _items(*keys, partial: dict | None = None) -> dict:
 
 def test_replicated_items_are_read_once_spread_by_bytes():
     """DDP at 4 ranks: every rank needs every item; each item gets one reader, the readers'
-    bytes are balanced (largest first to the least-loaded rank), the others receive it."""
-    keys = [("__0_0.distcp", i * 100, n) for i, n in enumerate([8 * MIB, 4 * MIB, 4 * MIB, 2 * MIB, 2 * MIB, 1])]
+    bytes are balanced (neighbours up to a quarter of the bytes make a run, runs go largest
+    first to the least-loaded rank), the others receive it."""
+    sizes = [8 * MIB, 4 * MIB, 4 * MIB, 2 * MIB, 2 * MIB, 1]
+    keys, offset = [], 0
+    for n in sizes:
+        keys.append(("__0_0.distcp", offset, n))
+        offset += n
     plan = schedule_reads([RankRequests(_items(*keys)) for _ in range(4)])
     assert sorted(plan.readers) == sorted(keys)
-    assert plan.readers[keys[0]] == 0 and plan.readers[keys[1]] == 1 and plan.readers[keys[2]] == 2
-    assert plan.readers[keys[3]] == 3 and plan.readers[keys[4]] == 3  # 3 had the least so far both times
+    assert [plan.readers[k] for k in keys] == [0, 2, 3, 1, 1, 1]  # 2+2 MiB+1 byte is one run, larger than 4 MiB
     for key, reader in plan.readers.items():
         assert plan.receivers[key] == tuple(r for r in range(4) if r != reader)
-    assert plan.bytes_needed == sum(k[2] for k in keys)
+    assert plan.bytes_needed == sum(sizes)
     assert sum(plan.storage_bytes()) == plan.bytes_needed
     assert plan.direct == [{}, {}, {}, {}]
+
+
+def test_many_small_items_make_one_contiguous_range_per_reader():
+    keys = [("__0_0.distcp", i * 1000, 1000) for i in range(400)] + [
+        ("__1_0.distcp", i * 1000, 1000) for i in range(400)
+    ]
+    plan = schedule_reads([RankRequests(_items(*keys)) for _ in range(8)])
+    assert plan.storage_bytes() == [100_000] * 8
+    for rank in range(8):
+        mine = sorted(k for k, r in plan.readers.items() if r == rank)
+        assert len({k[0] for k in mine}) == 1 and mine[-1][1] - mine[0][1] == 99 * 1000  # one file, one range
 
 
 def test_disjoint_reads_of_one_item_stay_where_they_are():
