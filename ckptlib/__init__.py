@@ -32,6 +32,7 @@ from .errors import (
     UnsupportedError,
     UploadError,
     UploadRankLostError,
+    WriterProcessError,
 )
 from .export import ExportResult, export
 from .manager import CheckpointManager, StaleLockWarning, StalePointerWarning
@@ -98,6 +99,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UploadError",
     "UploadRankLostError",
+    "WriterProcessError",
     "UnsupportedError",
     "__version__",
     "exit_barrier",

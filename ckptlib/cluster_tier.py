@@ -81,6 +81,7 @@ class ClusterTier:
         hold_lock: bool,
         async_save: bool,
         background_staging: bool,
+        async_mode: str = "thread",
     ):
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
             raise StateError(f"replicas must be a non-negative int, got {replicas!r}")
@@ -100,6 +101,7 @@ class ClusterTier:
         self.hold_lock = hold_lock
         self.async_save = async_save
         self.background_staging = background_staging
+        self.async_mode = async_mode
         self.topology: Topology | None = None
         self._lock = RootLock(root)  # this node's root; its leader takes it
         self._seq: int | None = None  # the largest commit seq seen (None: not looked yet)
@@ -124,6 +126,7 @@ class ClusterTier:
             hold_lock=manager.hold_lock,
             async_save=manager.async_save,
             background_staging=manager.background_staging,
+            async_mode=manager.async_mode,
         )
 
     # -- collective set-up --------------------------------------------------------------
@@ -168,12 +171,8 @@ class ClusterTier:
     # -- the node roots' locks ------------------------------------------------------------
     def _lock_node(self) -> None:
         assert self.topology is not None
-        if not self.topology.is_leader:
-            return
-        if self._lock.token is not None and self._lock.held():
-            return
-        self._lock.forget()
-        self._lock.acquire()
+        if self.topology.is_leader:
+            self._lock.take()
 
     def _unlock_node(self, *, force: bool = False) -> None:
         if self.topology is not None and self.topology.is_leader and (force or not self.hold_lock):
@@ -222,6 +221,7 @@ class ClusterTier:
                 group=group,
                 asynchronous=self.async_save,
                 background_staging=self.background_staging,
+                async_mode=self.async_mode,
                 after_commit=None if background else (lambda: self._after_node_commit(step)),
                 on_failure=self._unlock_node,
                 make_transaction=make,

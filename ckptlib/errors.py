@@ -170,6 +170,11 @@ class LockedError(CheckpointError):
     """Another writer holds the checkpoint root."""
 
 
+class WriterProcessError(CheckpointError):
+    """The writer process of an async save with async_mode="process" died (or never became
+    ready) while it wrote this rank's shard; the save failed and the next one starts a new one."""
+
+
 def stacklevel_outside_ckptlib() -> int:
     """warnings.warn's stacklevel, for a warning its caller raises, that names the first frame
     outside ckptlib: the user's line that called ckptlib (directly, or through a

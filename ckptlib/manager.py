@@ -27,17 +27,18 @@ import time
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
-from . import _dist
+from . import _dist, background_save, writer_process
 from . import save_policy as _save_policy
 from .cluster_tier import ClusterTier
 from .collection import ForeignFilesWarning, collect
-from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError, stacklevel_outside_ckptlib
+from .errors import CheckpointError, CheckpointNotFoundError, stacklevel_outside_ckptlib
 from .initial_load import load_initial
 from .loading import LoadResult, load
 from .lock import LOCK_NAME, LockHolder, RootLock, StaleLockWarning
+from .manager_options import check_options
 from .observe import log_operation
 from .preemption import DEFAULT_SIGNALS, PreemptionWatcher, signal_name
-from .remote_tier import RemoteTier, tier_arguments
+from .remote_tier import RemoteTier
 from .retention import KeepLast, RetentionPolicy
 from .root_scan import LATEST, StalePointerWarning, StepInfo, committed_steps, replace_reason, resolve_latest, scan
 from .save_policy import SaveContext, SavePolicy, decide
@@ -73,6 +74,7 @@ class CheckpointManager:
         remote_root: str | os.PathLike | None = None,
         keep_local: int | None = None,
         upload_concurrency: int | None = None,
+        async_mode: str = "thread",
     ):
         """`hold_lock=False`: the root is locked during each save and gc. `hold_lock=True`: the
         first save or gc takes the lock and keeps it until `close()` (or the end of a `with`
@@ -85,7 +87,8 @@ class CheckpointManager:
         moves `latest`. At interpreter exit the save in flight is waited for before the lock
         is released. `background_staging=True` (with `async_save=True`): `save()` returns
         before the state is copied; call the handle's `wait_staged()` before changing the
-        state (see `ckptlib.save`).
+        state (see `ckptlib.save`). `async_mode="process"`: the shards are written by a writer
+        process per rank, from shared memory (`ckptlib.async_save`), started here; `close()` stops it.
 
         `retention`: a policy from `ckptlib.retention` (`KeepLast(3) | KeepBest(2, "loss")`);
         `keep_last=N` is short for `KeepLast(N)`. `save_policy` (`ckptlib.save_policy`) decides
@@ -95,25 +98,15 @@ class CheckpointManager:
         root has no committed step yet; only the state's modules unless `initial_load_only`
         names the state entries to take from it.
 
-        `remote` (a URI or a `RemoteTier` with its own retention), `replicas` (peer copies of
-        each node's files), `node` (this process's node, when not torchrun's GROUP_RANK): the
-        cluster tier, see `ckptlib.cluster_tier` and the README. `retention`/`keep_last` then
-        keep the steps of this node's root. The old spelling `remote_root=URI, keep_local=N`
-        (with `keep_last`/`retention` for the remote) still works, with a DeprecationWarning."""
-        remote, keep_last, retention = tier_arguments(
-            remote, remote_root, keep_local, keep_last, retention, upload_concurrency
+        `remote` (a URI or a `RemoteTier`, with its own retention), `replicas`, `node`: the cluster
+        tier (`ckptlib.cluster_tier`, README); `retention`/`keep_last` keep this node's root.
+        `remote_root=URI, keep_local=N` (the old spelling): deprecated."""
+        self.retention, remote = check_options(
+            (keep_last, retention, save_policy, async_save, background_staging, async_mode),
+            (remote, remote_root, keep_local, upload_concurrency),
         )
-        if background_staging and not async_save:
-            raise StateError("background_staging=True needs async_save=True")
-        if keep_last is not None and retention is not None:
-            raise StateError("pass keep_last or retention, not both (combine policies with |)")
-        if save_policy is not None and not isinstance(save_policy, SavePolicy):
-            raise StateError(f"save_policy must have should_save(context), got {save_policy!r}")
-        if retention is not None and not callable(getattr(retention, "keep", None)):
-            raise StateError(f"retention must have keep(records), got {retention!r}")
         self.root_uri = os.fspath(root)
         self.storage: Storage = open_storage(self.root_uri)
-        self.retention = retention if retention is not None else KeepLast(keep_last)
         self.save_policy = save_policy
         self.initial_load = None if initial_load is None else os.fspath(initial_load)
         self.initial_load_only = None if initial_load_only is None else tuple(initial_load_only)
@@ -128,6 +121,9 @@ class CheckpointManager:
         self.hold_lock = hold_lock
         self.async_save = async_save
         self.background_staging = background_staging
+        self.async_mode = async_mode
+        if async_mode == "process" and writer_process.check_mode(async_mode) == "process":
+            writer_process.writer()  # it imports torch while the training sets up, not at the first save
         self._lock = RootLock(self.storage)
         self._pending = None  # the AsyncSave in flight (async_save=True)
         self.tier = ClusterTier.create(self, remote, replicas, node)
@@ -145,13 +141,16 @@ class CheckpointManager:
         self.close()
 
     def close(self) -> None:
-        """Wait for an async save in flight (raising its failure), then release the root's lock
-        if this manager holds it (rank 0; no collective)."""
+        """Wait for an async save in flight (raising its failure), stop the writer process
+        (async_mode="process"), then release the root's lock if this manager holds it (rank 0;
+        no collective)."""
         try:
             self.wait()
         finally:
             if self._watcher is not None:
                 self._watcher.close()
+            if self.async_mode == "process":
+                background_save.release_staging(shared_only=True)  # the writer process and its memory
             self._lock.release()
             if self.tier is not None:
                 self.tier.close()
@@ -184,32 +183,13 @@ class CheckpointManager:
 
     # -- the lock -----------------------------------------------------------------------
     def _take_lock(self) -> None:
-        """Rank 0: take the lock, or confirm that a held lock is still ours."""
-        if self._lock.token is not None:
-            if self._lock.held():
-                return
-            self._lock.forget()
-            holder = self._lock.holder()
-            raise LockedError(
-                f"{self.root_uri}: this manager's lock ({self._lock.where}) was removed while it held it"
-                + (f"; {holder.describe()} holds it now" if holder is not None else "")
-                + ". Another writer may have written this root; refusing to continue.",
-                path=self.root_uri,
-            )
-        self._lock.acquire()
+        """Rank 0: take the lock, or confirm that a held lock is still ours (`RootLock.take`)."""
+        self._lock.take()
 
     def _drop_lock(self) -> None:
-        """Release after a successful save or gc; a failure to remove the lock file only warns (the
-        checkpoint is committed, and this process's leftover lock counts as stale)."""
+        """Release after a successful save or gc (only warns when it cannot), unless held."""
         if not self.hold_lock:
-            try:
-                self._lock.release()
-            except Exception as exc:  # noqa: BLE001 - reported, never fatal
-                warnings.warn(
-                    f"{self._lock.where}: could not remove the lock ({exc})",
-                    StaleLockWarning,
-                    stacklevel=stacklevel_outside_ckptlib(),
-                )
+            self._lock.drop()
 
     def _drop_lock_after_failure(self) -> None:
         if _dist.get_rank(self.process_group) == 0 and not self.hold_lock:
@@ -334,14 +314,18 @@ class CheckpointManager:
         metrics: dict[str, float] | None,
         overwrite: bool,
     ) -> SaveResult:
-        if self.tier is not None:
+        if self.tier is not None:  # node-local roots; its background work is waited for at exit too
             result = self.tier.save(step, state, metadata, metrics, overwrite)
-            if self.async_save and self.tier._job is None:
-                self._pending = result
-            if self._pending is not None or self.tier._job is not None:
-                atexit.register(self._wait_at_exit)
-            self._last_save_step, self._last_save_time = step, _save_policy.clock()
-            return result
+        else:
+            result = self._save_here(step, state, metadata, metrics, overwrite)
+        if self.async_save or self.tier is not None:
+            self._pending = result if self.async_save else None
+            atexit.register(self._wait_at_exit)
+        self._last_save_step, self._last_save_time = step, _save_policy.clock()
+        return result
+
+    def _save_here(self, step: int, state, metadata, metrics, overwrite: bool) -> SaveResult:
+        """A save into this (shared) root: the manager's own lock, `latest` and retention."""
         target = self.storage.child(step_dir(step))
         _dist.decide_on_rank0(self._take_lock, self.process_group)
         try:
@@ -360,16 +344,13 @@ class CheckpointManager:
                 group=self.process_group,
                 asynchronous=self.async_save,
                 background_staging=self.background_staging,
+                async_mode=self.async_mode,
                 after_commit=lambda: self._publish(step),
                 on_failure=self._drop_lock_after_failure,
             )
         except BaseException:
             self._drop_lock_after_failure()
             raise
-        if self.async_save:
-            self._pending = result
-            atexit.register(self._wait_at_exit)
-        self._last_save_step, self._last_save_time = step, _save_policy.clock()
         return result
 
     def _replaceable(self, step: int) -> str | None:

@@ -151,7 +151,7 @@ class NodeLocalSave(SaveTransaction):
     def _writer(self):
         from .format import CkptWriter
 
-        return CkptWriter(self.storage, transaction=self)
+        return CkptWriter(self.storage, transaction=self, backend=self.shard_backend)
 
     def abort(self) -> None:
         """Every rank: its unfinished shard; a leader: what this save wrote under its node's root

@@ -154,12 +154,7 @@ class RemoteTier:
     def take_lock(self) -> None:
         """Rank 0: take the remote root's lock (or confirm a held one); UploadError if it cannot."""
         try:
-            if self._lock.token is not None and self._lock.held():
-                return
-            self._lock.forget()
-            self._lock.acquire()
-        except UploadError:
-            raise
+            self._lock.take()
         except (LockedError, CheckpointError, OSError) as exc:
             raise UploadError(
                 f"{self.uri}: cannot lock the remote root: {type(exc).__name__}: {exc}", path=self.uri

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 import torch.distributed.checkpoint as dcp
 
-from . import _dist, background_save
+from . import _dist, background_save, writer_process
 from ._torch import dcp_shims
 from .background_save import AsyncSave
 from .format import CkptSavePlanner
@@ -92,10 +92,17 @@ def async_save(
     overwrite: bool = False,
     process_group=None,
     background_staging: bool = False,
+    async_mode: str = "thread",
 ) -> AsyncSave:
     """`save`, returning an `AsyncSave` handle as soon as the state is staged to CPU memory;
     the write and the commit run in a background thread on a dedicated gloo group (see
     `ckptlib.background_save`). `handle.wait()` returns the SaveResult or raises the failure.
+
+    `async_mode="process"`: the state is staged in shared memory and the shard is encoded,
+    checksummed, written and fsynced by a long-lived writer process of this rank, so the
+    write does not compete with the training loop for the GIL; planning and the commit stay
+    in the background thread, failures are raised as in thread mode (`ckptlib.writer_process`).
+    Where it cannot work (no memfd: not Linux) it falls back to "thread" with a RuntimeWarning.
 
     `background_staging=True`: return before the staging copy, which then runs first in the
     background. Nothing may change the state until `handle.wait_staged()` returned: not an
@@ -113,6 +120,7 @@ def async_save(
         group=process_group,
         asynchronous=True,
         background_staging=background_staging,
+        async_mode=async_mode,
     )
 
 
@@ -137,24 +145,30 @@ def transact(
     group,
     asynchronous: bool = False,
     background_staging: bool = False,
+    async_mode: str = "thread",
     after_commit: Callable[[], None] | None = None,
     on_failure: Callable[[], None] | None = None,
     make_transaction: Callable[..., SaveTransaction] = SaveTransaction,
 ) -> SaveResult | AsyncSave:
     """The one save path: check the arguments and collect the state (one agreement round),
     then run a SaveTransaction with the hooks (see `format.transaction.SaveTransaction`),
-    now or, `asynchronous`, in the background (an AsyncSave handle; its hooks run there).
+    now or, `asynchronous`, in the background (an AsyncSave handle; its hooks run there),
+    its shards written there or by this rank's writer process (`async_mode="process"`).
     `make_transaction`: the transaction's class (the cluster tier's `NodeLocalSave`), called
     with SaveTransaction's arguments."""
     started = time.perf_counter()
+    writer = None
     if asynchronous:
+        if writer_process.check_mode(async_mode) == "process":
+            writer = writer_process.writer()  # started now: it imports torch while the state is staged
         background_save.wait_inflight(group)  # one background save per group at a time
         bg_group = background_save.async_group(group)
+    arena = writer.arena if writer is not None else None
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     stage = asynchronous and not background_staging
     with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
         (user_metadata, user_metrics, step), state_dict = _dist.agree(
-            lambda: _check_and_collect(state, step, metadata, metrics, group, stage=stage), group
+            lambda: _check_and_collect(state, step, metadata, metrics, group, stage=stage, arena=arena), group
         )
     transaction = make_transaction(
         storage,
@@ -165,6 +179,7 @@ def transact(
         overwrite=overwrite,
         after_commit=after_commit,
         on_failure=on_failure,
+        shard_backend=writer,
     )
     if not asynchronous:
         result = _write(transaction, state_dict, group)
@@ -176,7 +191,7 @@ def transact(
         nonlocal state_dict
         if background_staging:
             # Every rank learns of a copy that failed on one (on the background's group).
-            state_dict = _dist.agree(lambda: background_save.stage(state_dict, group), bg_group)
+            state_dict = _dist.agree(lambda: background_save.stage(state_dict, group, arena), bg_group)
             handle.mark_staged()
         # Preparing the target (removing debris) waits for the disk, so it runs in the
         # background too, still before any shard is written; its errors
@@ -199,7 +214,7 @@ def transact(
 
 
 def _check_and_collect(
-    state: Mapping[str, Any], step, metadata, metrics, group, *, stage: bool = False
+    state: Mapping[str, Any], step, metadata, metrics, group, *, stage: bool = False, arena=None
 ) -> tuple[tuple[dict[str, Any], dict[str, Any], int | None], dict[str, Any]]:
     """Every check of a save's arguments and the state dict to write (staged to CPU memory
     when `stage`), run inside one collective round (`_dist.agree`)."""
@@ -210,7 +225,7 @@ def _check_and_collect(
     )
     state_dict = to_save_state_dict(state, rank=_dist.get_rank(group), agree=_dist.agreement(group))
     if stage:
-        state_dict = background_save.stage(state_dict, group)  # the copy the background writes
+        state_dict = background_save.stage(state_dict, group, arena)  # the copy the background writes
     return (user_metadata, checked_metrics, checked_step), state_dict
 
 

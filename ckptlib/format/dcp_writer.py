@@ -26,7 +26,7 @@ import io
 import math
 import pickle
 import zlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -57,6 +57,60 @@ def _tensor_for_save(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def write_shard(stream, payloads: Iterable[Any], planned_bytes: int) -> FileRecord:
+    """Write the items `payloads` yields (torch.save'd objects as BytesIO or bytes, tensors)
+    back to back into `stream`, checksumming them in the same pass; the shard's FileRecord.
+    `planned_bytes` (the tensors' bytes) sets the checksum block size."""
+    sink = _CrcSink(stream, block_size_for(planned_bytes))
+    items: list[tuple[int, int, int]] = []
+    offset = 0
+    for data in payloads:
+        sink.item_crc = 0
+        if isinstance(data, io.BytesIO):
+            sink.write(data.getbuffer())
+        elif not isinstance(data, torch.Tensor):
+            sink.write(data)  # an item's bytes, encoded elsewhere
+        else:
+            tensor = _tensor_for_save(data)
+            encoded = None
+            if tensor.numel() * tensor.element_size() < item_encoder.SMALL_ITEM_BYTES:
+                sink.write(item_encoder.small_item_bytes(tensor))
+            elif (encoded := item_encoder.encode(tensor, sink.pos, sink.block_size)) is not None:
+                sink.write_encoded(encoded)
+            else:  # straight into the stream: identical bytes to torch.save into a BytesIO
+                torch.save(tensor, sink)
+            del tensor, encoded
+        del data  # never hold this item while the next one is resolved
+        length = sink.pos - offset
+        sink.end_item(length)
+        items.append((offset, length, sink.item_crc))
+        offset = sink.pos
+    sink.end_file()
+    if not items:  # a rank with nothing to save still writes its (empty) shard file
+        return FileRecord(size=0, crc32=0, items=[])
+    return FileRecord(size=offset, crc32=sink.file_crc, items=items, block_size=sink.block_size, blocks=sink.blocks)
+
+
+class ShardBackend(Protocol):
+    """Where a rank's shard file is encoded and written: in this process (`InProcessShards`),
+    or in a writer process (`ckptlib.writer_process`, async saves with async_mode="process").
+    Returns the shard's FileRecord; the transaction knows the shard as unfinished meanwhile."""
+
+    def write_shard(
+        self, transaction: SaveTransaction, name: str, payloads: Iterable[Any], planned_bytes: int
+    ) -> FileRecord: ...
+
+
+class InProcessShards:
+    """Encodes and writes the shard in the calling thread (`write_shard`)."""
+
+    def write_shard(
+        self, transaction: SaveTransaction, name: str, payloads: Iterable[Any], planned_bytes: int
+    ) -> FileRecord:
+        with transaction.open_shard(name) as stream:
+            return write_shard(stream, payloads, planned_bytes)
+
+
 class CkptWriter(StorageWriter):
     """Writes one shard file per rank through `storage` and records item checksums, for a
     `SaveTransaction` (`format.transaction`), which owns the save: the writer calls its
@@ -64,13 +118,15 @@ class CkptWriter(StorageWriter):
     every shard through it, and calls its `commit(file_records, metadata)` on the coordinator
     after `.metadata` is written (inside DCP's final round), so neither costs a collective of
     its own; DCP raises their errors on every rank. After `finish`, the coordinator's
-    `file_records` holds every file of the checkpoint.
+    `file_records` holds every file of the checkpoint. `backend` encodes and writes the
+    shard (default: in this thread, `InProcessShards`).
     """
 
-    def __init__(self, storage: Storage, *, transaction: SaveTransaction):
+    def __init__(self, storage: Storage, *, transaction: SaveTransaction, backend: ShardBackend | None = None):
         super().__init__()
         self.storage = storage
         self.transaction = transaction
+        self.backend = backend if backend is not None else InProcessShards()
         self.is_coordinator = False
         self.file_records: dict[str, FileRecord] = {}
 
@@ -95,9 +151,6 @@ class CkptWriter(StorageWriter):
         storage_info = dcp_shims.storage_info_cls()
         results = plan_codec.WriteResults()
         results.info_cls = storage_info
-        items: list[tuple[int, int, int]] = []
-        file_crc = 0
-        offset = 0
         ordered: list[WriteItem] = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
         ordered += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
         planned = sum(
@@ -105,39 +158,13 @@ class CkptWriter(StorageWriter):
             for wi in ordered
             if wi.tensor_data is not None
         )
-        with self.transaction.open_shard(name) as stream:
-            sink = _CrcSink(stream, block_size_for(planned))
-            for item in ordered:
-                data = planner.resolve_data(item)
-                sink.item_crc = 0
-                if isinstance(data, io.BytesIO):
-                    sink.write(data.getbuffer())
-                else:
-                    tensor = _tensor_for_save(data)
-                    encoded = None
-                    if tensor.numel() * tensor.element_size() < item_encoder.SMALL_ITEM_BYTES:
-                        sink.write(item_encoder.small_item_bytes(tensor))
-                    elif (encoded := item_encoder.encode(tensor, sink.pos, sink.block_size)) is not None:
-                        sink.write_encoded(encoded)
-                    else:  # straight into the stream: identical bytes to torch.save into a BytesIO
-                        torch.save(tensor, sink)
-                    del tensor, encoded
-                del data  # never hold this item while the planner resolves the next one
-                length = sink.pos - offset
-                sink.end_item(length)
-                items.append((offset, length, sink.item_crc))
-                results.append(
-                    WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, offset, length))
-                )
-                offset = sink.pos
-            sink.end_file()
-            file_crc = sink.file_crc
-        if items:
-            record = FileRecord(
-                size=offset, crc32=file_crc, items=items, block_size=sink.block_size, blocks=sink.blocks
+        # resolved one at a time: never more than one item held while the planner resolves the next
+        payloads = (planner.resolve_data(item) for item in ordered)
+        record = self.backend.write_shard(self.transaction, name, payloads, planned)
+        for item, (offset, length, _crc) in zip(ordered, record.items):
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, offset, length))
             )
-        else:  # a rank with nothing to save still wrote its (empty) shard file
-            record = FileRecord(size=0, crc32=0, items=[])
         self.file_records[name] = record
         results.shard = (name, record)  # carried to the coordinator's `finish` by DCP's gather
         fut: Future = Future()

@@ -37,7 +37,7 @@ from .. import _dist
 from .._torch import dcp_shims
 from ..errors import CheckpointError
 from ..storage import Storage
-from .dcp_writer import CkptWriter
+from .dcp_writer import CkptWriter, ShardBackend
 from .deletion import remove_failed_save
 from .layout import commit_manifest, prepare_save_target
 from .manifest import FileRecord
@@ -85,7 +85,8 @@ class SaveTransaction:
 
     Hooks: `after_commit()` runs on rank 0 once the save committed (its errors reach every
     rank; the checkpoint stays committed); `on_failure()` runs on every rank after a failed
-    save was cleaned up, or after `after_commit` failed.
+    save was cleaned up, or after `after_commit` failed. `shard_backend`: where this rank's
+    shard is encoded and written (`dcp_writer.ShardBackend`; None: in the calling thread).
     """
 
     def __init__(
@@ -99,6 +100,7 @@ class SaveTransaction:
         overwrite: bool = False,
         after_commit: Callable[[], None] | None = None,
         on_failure: Callable[[], None] | None = None,
+        shard_backend: ShardBackend | None = None,
     ):
         self.storage = storage
         self.world_size = world_size
@@ -108,6 +110,7 @@ class SaveTransaction:
         self.overwrite = overwrite
         self.after_commit = after_commit
         self.on_failure = on_failure
+        self.shard_backend = shard_backend  # where the shard is written (None: this thread)
         # For the cleanup of a failed save: whether this process coordinates the save (DCP
         # tells the writer), whether its prepare step ran, and the shard file this rank
         # started and did not finish (None once it is complete).
@@ -127,9 +130,15 @@ class SaveTransaction:
     @contextlib.contextmanager
     def open_shard(self, name: str) -> Iterator[Any]:
         """This rank's stream for shard file `name`; complete once the block ends without error."""
-        self.unfinished_shard = name
-        with self.storage.open_writer(name) as stream:
+        with self.writing_shard(name), self.storage.open_writer(name) as stream:
             yield stream
+
+    @contextlib.contextmanager
+    def writing_shard(self, name: str) -> Iterator[None]:
+        """Shard file `name` is being written (by this process or its writer process): a
+        failure before the block ends leaves it for `abort()` to remove."""
+        self.unfinished_shard = name
+        yield
         self.unfinished_shard = None
 
     def commit(self, files: dict[str, FileRecord], metadata: Metadata) -> None:
@@ -155,7 +164,7 @@ class SaveTransaction:
         failure, `abort()` on this rank and raise it (DCP's gathered failures as the ckptlib
         error they carry)."""
         try:
-            metadata = save(CkptWriter(self.storage, transaction=self))
+            metadata = save(CkptWriter(self.storage, transaction=self, backend=self.shard_backend))
         except BaseException as exc:
             self.abort()
             if isinstance(exc, dcp_shims.checkpoint_exception_cls()):
