@@ -35,6 +35,7 @@ from .errors import (
     StateError,
     UploadError,
     UploadRankLostError,
+    stacklevel_outside_ckptlib,
 )
 from .format import MANIFEST_NAME, PENDING_NAME, Manifest
 from .format.checksum import crc32
@@ -372,7 +373,7 @@ def tier_arguments(
         "CheckpointManager(root, remote_root=URI, keep_local=N) is deprecated; pass "
         "keep_last=N, remote=RemoteTier(URI, keep_last=...) (keep_last/retention now keep the steps of root)",
         DeprecationWarning,
-        stacklevel=3,
+        stacklevel=stacklevel_outside_ckptlib(),
     )
     tier = RemoteTier(remote_root, keep_last=keep_last, retention=retention, upload_concurrency=upload_concurrency or 4)
     return tier, 1 if keep_local is None else keep_local, None
