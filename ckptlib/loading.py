@@ -229,9 +229,12 @@ def _load(
     started: float,
 ) -> LoadResult:
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
-    copy_set = None if copies is None else as_copies(copies, storage)
+
+    def own_copies() -> Copies | None:  # checked on rank 0 in the inspection, on the others in the checks' round
+        return None if copies is None else as_copies(copies, storage)
 
     def inspect() -> CheckpointInfo:
+        copy_set = own_copies()
         if isinstance(given_info, tuple):
             return info_from_bytes(storage.uri, *given_info, verify=verify)
         if given_info is not None:
@@ -241,18 +244,21 @@ def _load(
         return inspect_checkpoint(storage, verify=verify, trusted=trusted)
 
     info = _dist.decide_on_rank0(inspect, group)
-    request = _dist.agree(
-        lambda: _prepare_request(
-            state,
-            info,
-            rank=rank,
-            world=world,
-            strict=strict,
-            cast=cast,
-            only=only,
-            ignore_keys=ignore_keys,
-            rename=rename,
-            group=group,
+    request, copy_set = _dist.agree(
+        lambda: (
+            _prepare_request(
+                state,
+                info,
+                rank=rank,
+                world=world,
+                strict=strict,
+                cast=cast,
+                only=only,
+                ignore_keys=ignore_keys,
+                rename=rename,
+                group=group,
+            ),
+            own_copies(),
         ),
         group,
     )

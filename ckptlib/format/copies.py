@@ -16,7 +16,11 @@ the cluster tier, which keeps node-local copies, peer replicas and a remote):
       "remote" or any short name (`LoadResult.bytes_by_source` sums the bytes read per label);
     - ``key``: what identifies the copy's bytes across ranks (default: ``storage.uri``). Ranks
       whose copies share a key read the same bytes: node-local roots mounted at the same path
-      on different nodes need different keys (e.g. ``f"node{K}:{uri}"``).
+      on different nodes need different keys (e.g. ``f"node{K}:{uri}"``);
+    - ``cost``: how far the copy is, lower is nearer (default by label: "local" 0, "replica"
+      1, "remote" 2, any other 1). Each item is read from the nearest copy ANY rank holds, by
+      a rank holding it, and sent to the ranks that need it: with node-local copies intact, a
+      load reads nothing from the remote, even the items a rank on another node needs.
 
     ``Copies.from_files({name: [(label, storage), ...]})`` gives the list per file instead. The
     ranks' copy sets may differ (each its own node's) and need not cover every file: an item
@@ -87,6 +91,11 @@ def default_label(storage: Storage) -> str:
     return "local" if storage.local_path() is not None else "remote"
 
 
+# How far a copy is, by label, when its Copy does not say (lower is nearer).
+COSTS = {"local": 0, "replica": 1, "remote": 2}
+OTHER_COST = 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Copy:
     """One copy of a checkpoint directory that this rank can read (see the module)."""
@@ -95,12 +104,15 @@ class Copy:
     storage: Storage
     files: frozenset[str] | None = None  # the files it holds; None: every file
     key: str | None = None  # identity across ranks; default storage.uri
+    cost: int | None = None  # how far it is (lower: nearer); default COSTS by label
 
     def __post_init__(self):
         if self.files is not None and not isinstance(self.files, frozenset):
             object.__setattr__(self, "files", frozenset(self.files))
         if self.key is None:
             object.__setattr__(self, "key", self.storage.uri)
+        if self.cost is None:
+            object.__setattr__(self, "cost", COSTS.get(self.label, OTHER_COST))
 
     def holds(self, name: str) -> bool:
         return self.files is None or name in self.files
@@ -110,7 +122,17 @@ class Copies:
     """This rank's copies of a checkpoint, in preference order, and which of them hold each file."""
 
     def __init__(self, copies: Iterable[Copy | tuple], per_file: Mapping[str, Sequence[Copy]] | None = None):
-        self.copies: tuple[Copy, ...] = tuple(c if isinstance(c, Copy) else Copy(*c) for c in copies)
+        made = []
+        for c in copies:
+            if not isinstance(c, Copy) and not (
+                isinstance(c, tuple) and 2 <= len(c) <= 4 and isinstance(c[0], str) and isinstance(c[1], Storage)
+            ):
+                raise StorageError(
+                    f"copies=: expected Copy(label, storage, files=None, key=None) or a (label, storage) tuple, "
+                    f"got {c!r}"
+                )
+            made.append(c if isinstance(c, Copy) else Copy(*c))
+        self.copies: tuple[Copy, ...] = tuple(made)
         self._per_file = {name: tuple(found) for name, found in (per_file or {}).items()}
 
     @classmethod
@@ -136,14 +158,26 @@ class Copies:
             found = tuple(c for c in self.copies if c.holds(name))
         return [c for c in found if (c.key, name) not in excluded]
 
-    def readable(self, names: Iterable[str], excluded: frozenset[tuple[str, str]] = frozenset()) -> frozenset[str]:
-        """Which of `names` this rank has a copy of (not excluded)."""
-        return frozenset(n for n in names if self.for_file(n, excluded))
-
-    def covers_all(self, excluded: frozenset[tuple[str, str]] = frozenset()) -> bool:
-        """Whether some copy holds every file and none was excluded (the common case: one
-        plain directory or a remote), which spares listing the files this rank can read."""
-        return not self._per_file and not excluded and any(c.files is None for c in self.copies)
+    def access(
+        self, names: Iterable[str], excluded: frozenset[tuple[str, str]] = frozenset()
+    ) -> tuple[dict[str, int], int | None]:
+        """What this rank can read, compactly: (the cost of its nearest copy of each file where
+        that is nearer than `default`; `default`: the cost of its nearest copy holding every
+        file, or None). A file in neither has no copy here (left)."""
+        if self._per_file or excluded:
+            costs = {}
+            for name in names:
+                found = self.for_file(name, excluded)
+                if found:
+                    costs[name] = min(c.cost for c in found)
+            return costs, None
+        default = min((c.cost for c in self.copies if c.files is None), default=None)
+        costs = {}
+        for copy in self.copies:
+            if copy.files is not None and (default is None or copy.cost < default):
+                for name in copy.files:
+                    costs[name] = min(copy.cost, costs.get(name, copy.cost))
+        return costs, default
 
     @property
     def labels(self) -> tuple[str, ...]:

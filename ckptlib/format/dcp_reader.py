@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 import os
 from collections import defaultdict
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -48,13 +48,6 @@ from .ranged_io import _MAX_SPAN, _coalesce, _MemReader, _pread_into
 _DIRECT_MIN = 1 << 20
 
 Consume = Callable[[Any, Any, memoryview], None]  # (request, storage record, verified item bytes)
-
-
-class _Span(NamedTuple):
-    """A stored item read whole for others (`fetch_items`): where it lies in its file."""
-
-    offset: int
-    length: int
 
 
 class CkptReader(DirectReads, PlannedReader):
@@ -184,9 +177,9 @@ class CkptReader(DirectReads, PlannedReader):
         if rest:
             self._read_spans(name, rest, crcs, lambda req, info, data: self._apply(name, req, info, data, planner), gap)
 
-    def _read_local(self, name: str, path: str, reqs: list[Any], crcs, planner: LoadPlanner | None, consume: Consume):
-        """A local file: large tensor items straight into their destination (`DirectReads`; not
-        without a `planner`: items read whole for others), the rest whole into memory."""
+    def _read_local(self, name: str, path: str, reqs: list[Any], crcs, planner: LoadPlanner, consume: Consume):
+        """A local file: large tensor items straight into their destination (`DirectReads`),
+        the rest whole into memory and handed to `consume`."""
         where = f"{self.storage.uri}/{name}"
         try:
             fd, size = open_regular(path)  # a FIFO or device in its place: NotARegularFileError
@@ -209,8 +202,7 @@ class CkptReader(DirectReads, PlannedReader):
                             path=where,
                         )
                 if (
-                    planner is not None
-                    and req.type != LoadItemType.BYTE_IO
+                    req.type != LoadItemType.BYTE_IO
                     and info.length >= _DIRECT_MIN
                     and self._read_local_tensor(fd, name, req, info, expected, planner)
                 ):
@@ -299,24 +291,51 @@ class CkptReader(DirectReads, PlannedReader):
         self._done = set()
         read_over_copies(self, name, reqs, attempt, lambda entry: id(entry[0]) in self._done)
 
-    def fetch_items(self, name: str, keys: list[read_schedule.ItemKey]) -> dict[read_schedule.ItemKey, memoryview]:
-        """The verified bytes of whole stored items of file `name`, read for this rank and others."""
-        out: dict[read_schedule.ItemKey, memoryview] = {}
+    def fetch_block(self, items: tuple[read_schedule.ItemKey, ...]) -> memoryview:
+        """The bytes of adjacent stored items of one file, read whole (for this rank and others)
+        into one buffer, every item verified; a bad copy is left for the next one, for the items
+        not yet verified."""
+        name, start, length = read_schedule.block_span((0, (), items))
+        buf = memoryview(bytearray(length))
+        verified: set[read_schedule.ItemKey] = set()
 
-        def keep(key, info, data: memoryview) -> None:
-            out[key] = data
-
-        def attempt(pending: list[Any]) -> None:
+        def attempt(pending: list[read_schedule.ItemKey]) -> None:
             crcs = self._item_crcs(name) if self.verify else None
-            path = self._local_file(name)
-            if path is not None:
-                self._read_local(name, path, pending, crcs, None, keep)
-            else:
-                self._read_spans(name, pending, crcs, keep, gap=0)  # a run's items are neighbours
+            lo, hi = pending[0][1], pending[-1][1] + pending[-1][2]
+            self._read_range(name, lo, buf[lo - start : hi - start])
+            for key in pending:
+                self._check_item(name, crcs, key[1], buf[key[1] - start : key[1] - start + key[2]])
+                verified.add(key)
 
-        entries = [(key, _Span(key[1], key[2])) for key in keys]
-        read_over_copies(self, name, entries, attempt, lambda entry: entry[0] in out)
-        return out
+        read_over_copies(self, name, list(items), attempt, lambda key: key in verified)
+        return buf
+
+    def _read_range(self, name: str, offset: int, view: memoryview) -> None:
+        """File bytes [offset, offset + len(view)) into `view`, from the copy being read."""
+        where = f"{self.storage.uri}/{name}"
+        path = self._local_file(name)
+        try:
+            if path is None:
+                data = self.storage.read(name, offset, view.nbytes)  # EOFError when the file is short
+                view[: len(data)] = data
+                got = len(data)
+            else:
+                fd, _ = open_regular(path)
+                try:
+                    got = _pread_into(fd, view, offset)
+                finally:
+                    os.close(fd)
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(f"{where}: shard file is missing{whose(name)}", path=where) from exc
+        except EOFError as exc:
+            raise CheckpointCorruptError(f"{where}: shard file is truncated{whose(name)}: {exc}", path=where) from exc
+        self.bytes_read += got
+        if got != view.nbytes:
+            raise CheckpointCorruptError(
+                f"{where}: shard file is truncated{whose(name)}: wanted {view.nbytes} bytes at offset {offset}, "
+                f"got {got}",
+                path=where,
+            )
 
     def check_received(self, name: str, offset: int, data: memoryview) -> None:
         """Verify an item another rank read for this one, as if this rank had read it."""
@@ -324,9 +343,9 @@ class CkptReader(DirectReads, PlannedReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         names = {info.relative_path for info in self.metadata.storage_data.values()}
-        readable = None if self.copies.covers_all(self.excluded) else self.copies.readable(names, self.excluded)
+        costs, default = self.copies.access(names, self.excluded)
         plan.storage_data = read_schedule.LocalReads(
-            readable, self.copies.labels, self.read_once, self.exchange is not None
+            costs, default, self.copies.labels, self.read_once, self.exchange is not None
         )
         return super().prepare_local_plan(plan)
 
@@ -343,15 +362,20 @@ class CkptReader(DirectReads, PlannedReader):
         shared = role.shared if role is not None else frozenset()
         by_file: dict[str, list[Any]] = defaultdict(list)
         wanted: dict[read_schedule.ItemKey, list[Any]] = defaultdict(list)
+        held: list[BaseException] = []  # raised after the shared reads: no peer is left waiting
         for req in plan.items:
-            info = self.storage_data[req.storage_index]
-            if getattr(info, "transform_descriptors", None):
-                raise CheckpointCorruptError(
-                    f"{self.storage.uri}/{info.relative_path}: stored with DCP extensions "
-                    f"{list(info.transform_descriptors)}, which ckptlib does not read",
-                    path=self.storage.uri,
-                )
-            name = check_name(info.relative_path, f"{self.storage.uri}/{METADATA_NAME}", "storage record")
+            try:
+                info = self.storage_data[req.storage_index]
+                if getattr(info, "transform_descriptors", None):
+                    raise CheckpointCorruptError(
+                        f"{self.storage.uri}/{info.relative_path}: stored with DCP extensions "
+                        f"{list(info.transform_descriptors)}, which ckptlib does not read",
+                        path=self.storage.uri,
+                    )
+                name = check_name(info.relative_path, f"{self.storage.uri}/{METADATA_NAME}", "storage record")
+            except Exception as exc:  # noqa: BLE001 - held, see above
+                held.append(exc)
+                continue
             key = (name, info.offset, info.length)
             if key in shared:
                 wanted[key].append((req, info))
@@ -368,6 +392,8 @@ class CkptReader(DirectReads, PlannedReader):
                         path=self.storage.uri,
                     )
                 shared_reads.read_shared(self, role, wanted, planner, self.exchange)
+            if held:
+                raise held[0]
             for name, reqs in by_file.items():
                 self._read_file(name, reqs, planner)
         finally:

@@ -149,12 +149,15 @@ def test_without_info_the_manifest_comes_from_the_next_copy(tmp_path):
 
 
 def _node_load(base: str, spec: str) -> dict:
-    """Load with node-local copies only: rank r's node holds its ranks' shard files
-    (`spec` "replica": node 1 also holds node 0's files, node 0's own are damaged; "none":
-    node 1 holds nothing of node 0's files and node 0 lost them)."""
+    """Load from node-local copies: rank r's node holds its ranks' shard files (`spec`
+    "remote": every rank also has the remote, the saved directory; "replica": node 1 also
+    holds node 0's files, node 0's own are damaged; "none": node 1 holds nothing of node 0's
+    files and node 0 lost them)."""
     node = dist.get_rank() // 2
     local = os.path.join(base, f"node{node}")
     copies = [Copy("local", LocalStorage(local), files=set(os.listdir(local)))]
+    if spec == "remote":
+        copies.append(Copy("remote", LocalStorage(os.path.join(os.path.dirname(base), "saved"))))
     if spec == "replica" and node == 1:
         replica = os.path.join(base, "replica1")
         copies.append(Copy("replica", LocalStorage(replica), files=set(os.listdir(replica))))
@@ -199,6 +202,22 @@ def test_each_node_reads_its_own_files_and_the_others_receive_them(tmp_path, dis
     assert all(r["received"] > 0 for r in results) and all(r["warnings"] == [] for r in results)
 
 
+def test_with_a_remote_too_nothing_is_read_from_it_while_nodes_hold_every_file(tmp_path, dist_run):
+    _, base = _split(tmp_path, dist_run)
+    results = dist_run(4, _node_load, base, "remote", timeout=120)
+    assert all(r.get("exact") for r in results), results
+    assert all(r["by_source"] == {"local": results[0]["sum"]} for r in results)
+    # node 0 lost its files: those come from the remote, once, and reach every rank
+    for name in shard_files(os.path.join(base, "node0")):
+        os.remove(os.path.join(base, "node0", name))
+    results = dist_run(4, _node_load, base, "remote", timeout=120)
+    assert all(r.get("exact") for r in results), results
+    remote = sum(
+        os.path.getsize(os.path.join(tmp_path, "saved", n)) for n in shard_files(str(tmp_path / "saved"), [0, 1])
+    )
+    assert 0 < results[0]["by_source"]["remote"] <= remote and results[0]["sum"] <= 1.1 * results[0]["needed"]
+
+
 def test_a_damaged_node_copy_is_read_from_a_peer_replica(tmp_path, dist_run):
     saved, base = _split(tmp_path, dist_run)
     node_dirs(saved, os.path.join(base, "r"), [NODES[0]], common=False)
@@ -239,3 +258,18 @@ def test_every_copy_damaged_fails_every_rank_naming_each_copy(tmp_path, dist_run
     assert "every copy of __0_0.distcp (rank 0's shard) failed" in text
     assert f"local {base}/node0/__0_0.distcp: checksum mismatch" in text
     assert f"replica {base}/replica1/__0_0.distcp: checksum mismatch" in text
+
+
+def _bad_copies_on_rank_1(path: str) -> tuple:
+    copies = [Copy("local", LocalStorage(path))] if dist.get_rank() != 1 else ["not a copy"]
+    try:
+        ckptlib.load(path, _state(-1.0), copies=copies)
+    except ckptlib.CheckpointError as exc:
+        return type(exc).__name__, exc.rank, "copies=: expected Copy(label, storage" in str(exc)
+    return ("ok",)
+
+
+def test_bad_copies_on_one_rank_fail_every_rank(tmp_path, dist_run):
+    path = str(tmp_path / "c")
+    ckptlib.save(path, _state(0.0))
+    assert dist_run(2, _bad_copies_on_rank_1, path, timeout=90) == [("StorageError", 1, True)] * 2

@@ -20,7 +20,7 @@ MIB = 1 << 20
 
 def _state(fill: float) -> dict:
     return {
-        "model": {f"w{i}": torch.full((64 + i, 1024), fill + i) for i in range(6)},
+        "model": {f"w{i}": torch.full((256 + i, 1024), fill + i) for i in range(8)},
         "extra": {"names": ["a", "b"], "lr": 0.5 + fill},
         "step": 7,
     }
@@ -49,7 +49,7 @@ def test_replicated_state_is_read_once(tmp_path, dist_run):
     once = dist_run(4, _load_and_report, path, {}, timeout=120)
     every = dist_run(4, _load_and_report, path, {"read_once": False}, timeout=120)
     needed = once[0]["needed"]
-    assert needed > 6 * 64 * 1024 * 4
+    assert needed > 8 * 256 * 1024 * 4
     for results in (once, every):
         assert all(r["exact"] for r in results)
         assert [r["by_rank"] for r in results] == [[r["read"] for r in results]] * 4  # every rank has the list
@@ -129,7 +129,7 @@ def test_read_once_with_load_options(tmp_path, dist_run, case):
     needed = results[0]["needed"]
     assert needed <= results[0]["sum"] <= 1.1 * needed and all(r["received"] > 0 for r in results)
     if case == "only":  # just the model's tensors
-        assert needed < sum(64 + i for i in range(6)) * 1024 * 4 * 1.05
+        assert needed < sum(256 + i for i in range(8)) * 1024 * 4 * 1.05
 
 
 def _sampler_loader(world: int | None = None, rank: int | None = None):
@@ -201,3 +201,40 @@ def test_read_once_on_a_subgroup(tmp_path, dist_run):
     for r in results[1:]:
         assert r["exact"] and r["ranks"] == 3 and r["received"] > 0, r
         assert r["needed"] <= r["sum"] <= 1.1 * r["needed"]
+
+
+def _load_expecting_failure(path: str) -> tuple:
+    try:
+        ckptlib.load(path, _state(-1.0))
+    except ckptlib.CheckpointError as exc:
+        return type(exc).__name__, str(exc)
+    return ("ok",)
+
+
+def test_a_damaged_shared_item_fails_every_rank_with_the_readers_error(tmp_path, dist_run):
+    """One rank reads a damaged item for all: every rank raises its checksum error (not "the
+    rank that reads it for me could not"), and nobody waits for a message that never comes."""
+    path = str(tmp_path / "c")
+    ckptlib.save(path, _state(0.0))
+    shard = os.path.join(path, "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        f.write(b"\xff\x00\xff\x00")
+    outcomes = dist_run(4, _load_expecting_failure, path, timeout=120)
+    assert len(set(outcomes)) == 1, outcomes
+    kind, text = outcomes[0]
+    assert kind == "CheckpointCorruptError" and "__0_0.distcp: checksum mismatch in item at offset" in text, text
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_plain_dcp_checkpoint_is_read_once_too(tmp_path, dist_run):
+    """Written by torch's own dcp.save (no manifest, no checksums): still each item once."""
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "c")
+    state = _state(0.0)
+    dcp.save({"model": state["model"], "extra": state["extra"], "step": 7}, storage_writer=dcp.FileSystemWriter(path))
+    results = dist_run(4, _load_and_report, path, {}, timeout=120)
+    assert all(r["exact"] for r in results)
+    needed = results[0]["needed"]
+    assert needed <= sum(results[0]["by_rank"]) <= 1.1 * needed and all(r["received"] > 0 for r in results)
