@@ -1,12 +1,12 @@
 """Loading one checkpoint version of a cluster tier from the nearest intact copies.
 
 Each rank hands the load engine (`loading.load(copies=, info=)`, see `format.copies`) the
-copies it can reach, per file, nearest first:
-
-- a file its own node's root holds: that copy ("local"), then the remote's if it has one;
-- a file only other nodes hold: none: a rank of a holding node reads the items and sends
-  them over the process group (a peer's replica, or its own files), never the remote;
-- a file no node holds: the remote's copy ("remote").
+copies it can reach: its own node's root, for the files that node holds ("local", the nearest),
+and the remote's copy of every file when the remote has the version ("remote", the farthest).
+The engine reads each item from the nearest copy any rank holds, by a rank that holds it, and
+sends it to the ranks that need it over the process group: a file only another node holds (a
+peer's replica, or its own files) comes from that node, never from the remote; a file no node
+holds comes from the remote.
 
 Every byte read is checked against the manifest's CRCs; a missing or damaged copy falls back
 to the next one with a CopyFallbackWarning, and only when no copy of a file is intact
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .format import MANIFEST_NAME, Manifest
 from .format.copies import Copies, Copy
 from .loading import LoadResult, load
 from .resume import Choice
@@ -26,17 +25,14 @@ from .storage import Storage
 from .topology import Topology
 
 
-def copies_for(
-    choice: Choice, manifest: Manifest, topology: Topology, local: Storage, remote: Storage | None
-) -> Copies:
+def copies_for(choice: Choice, topology: Topology, local: Storage, remote: Storage | None) -> Copies:
     """This rank's copies of `choice` (see the module docstring)."""
     mine = frozenset(choice.holders.get(topology.node, frozenset()))
-    elsewhere = frozenset().union(*[held for node, held in choice.holders.items() if node != topology.node])
     found = []
     if mine:
         found.append(Copy("local", local, files=mine, key=f"node{topology.node}:{local.uri}"))
     if remote is not None and choice.remote:
-        found.append(Copy("remote", remote, files=mine | (frozenset(manifest.files) - elsewhere)))
+        found.append(Copy("remote", remote))
     return Copies(found)
 
 
@@ -53,8 +49,7 @@ def load_version(
 ) -> LoadResult:
     """Collective: load `choice` into `state` from the nearest copies; the LoadResult's
     `bytes_by_source` counts the bytes each kind of copy served, over every rank."""
-    manifest = Manifest.from_bytes(manifest_bytes, f"{local.uri}/{MANIFEST_NAME}")
-    copies = copies_for(choice, manifest, topology, local, remote)
+    copies = copies_for(choice, topology, local, remote)
     uri = remote if remote is not None and choice.remote and topology.node not in choice.holders else local
     return load(uri, state, process_group=group, copies=copies, info=(manifest_bytes, metadata_bytes), **kwargs)
 
