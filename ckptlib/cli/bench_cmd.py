@@ -13,7 +13,7 @@ from .usage import add_command
 DESCRIPTION = """
 Benchmarks that measure ckptlib side by side with its baselines in one run; every one has its
 own options (`ckpt bench --help`, `ckpt bench scale --help`, `ckpt bench tensors --help`,
-`ckpt bench async --help`):
+`ckpt bench async --help`, `ckpt bench read-once --help`):
 
 - ckpt bench [--quick] [--json [OUT]] [--plot OUT.png] ...: save, load (page cache and cold),
   resharded load, peak RSS per rank, async save and the cloud backends (on emulators on
@@ -24,10 +24,10 @@ own options (`ckpt bench --help`, `ckpt bench scale --help`, `ckpt bench tensors
 - ckpt bench tier [--remote s3|dir]: the cluster tier on 2 simulated nodes: a save's blocking
   time against a plain local save, its upload against concurrent SDK uploads of the same files,
   and the remote bytes a resume reads (local tiers intact; one node's root lost, replicas=1).
-- ckpt bench read-once: storage bytes read (all ranks) and time of DDP and HSDP loads with
-  read-once against every rank reading for itself.
 - ckpt bench async: a CPU-bound training loop's step time while an async save runs, without a
   save and with async_mode="thread" and "process", interleaved in one run.
+- ckpt bench read-once: storage bytes read (all ranks) and time of DDP and HSDP loads with
+  read-once against every rank reading for itself.
 
 Scratch checkpoints go to a temporary directory that is removed. The tables go to stdout
 (with --json and no file: the JSON report to stdout, the tables to stderr).
@@ -48,7 +48,7 @@ def add_parser(commands) -> None:
 
 
 def run_bench(bench_args: list[str]) -> int:
-    """`ckpt bench [scale | tensors | read-once | tier | async] ARGS...`: the benchmark's own exit code."""
+    """`ckpt bench [scale | tensors | async | read-once | tier] ARGS...`: the benchmark's own exit code."""
     with report_stdout():
         if bench_args[:1] == ["scale"]:
             from ..bench import scale
@@ -62,14 +62,14 @@ def run_bench(bench_args: list[str]) -> int:
             from ..bench import tensor_counts
 
             return tensor_counts.main(bench_args[1:])
-        if bench_args[:1] == ["read-once"]:
-            from ..bench import read_once
-
-            return read_once.main(bench_args[1:])
         if bench_args[:1] == ["async"]:
             from ..bench import async_modes
 
             return async_modes.main(bench_args[1:])
+        if bench_args[:1] == ["read-once"]:
+            from ..bench import read_once
+
+            return read_once.main(bench_args[1:])
         from ..bench import throughput
 
         return throughput.main(bench_args)

@@ -148,3 +148,16 @@ def test_every_item_comes_from_the_nearest_copy_any_rank_holds():
     assert plan.readers[only] in (0, 1) and plan.receivers[only] == (3,)
     assert plan.direct == [{}, {}, {}, {}] and len(plan.receivers[c]) == 3
     assert sum(plan.storage_bytes()) == plan.bytes_needed == 6 * MIB
+
+
+def test_no_read_through_gaps_where_another_rank_reads():
+    """FSDP2+TP-like: rank 0's own items in its file lie around a replicated item rank 1 reads
+    (shared): on an object store rank 0 must not coalesce its reads over it (RankRole.tight);
+    rank 1, whose file holds only its own items, may."""
+    mine = [("__0_0.distcp", 0, MIB), ("__0_0.distcp", 3 * MIB, MIB)]
+    norm = ("__0_0.distcp", MIB, 2 * MIB)
+    theirs = ("__1_0.distcp", 0, MIB)
+    plan = schedule_reads([RankRequests({**_items(*mine), norm: 2 * MIB}), RankRequests({theirs: MIB, norm: 2 * MIB})])
+    assert plan.readers == {norm: 1}
+    assert plan.tight == [frozenset({"__0_0.distcp"}), frozenset()]
+    assert [role.tight for role in plan.roles()] == plan.tight
