@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import time
 import traceback
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -69,29 +69,39 @@ def _flag_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def agree(fn: Callable[[], T], group=None, *, every_pair: bool = False) -> T:
+class Ballot(Protocol):
+    """Numbers every rank puts into an agreement round: `votes` (as many on every rank, set
+    by `fn`) are reduced with MAX in the round's one all_reduce and handed to `counted`."""
+
+    votes: list[int]
+
+    def counted(self, reduced: list[int]) -> None: ...
+
+
+def agree(fn: Callable[[], T], group=None, ballot: Ballot | None = None, *, every_pair: bool = False) -> T:
     """Run `fn` on every rank; if it raised on any rank, raise on every rank.
 
     Every rank raises a CheckpointError: the failing rank its own (chained to the original
-    exception), the others the first failing rank's, which names that rank.
+    exception), the others the first failing rank's, which names that rank. `ballot`'s votes
+    ride in the same all_reduce (no extra round); it is counted only if nobody failed.
 
-    `every_pair=True`: the ranks exchange their outcome all-to-all instead of through a
-    reduction, so when a rank has died every survivor's collective fails at once (in a
-    reduction only the dead rank's neighbours see it; the others wait for them to exit).
+    `every_pair=True` (without a ballot): the ranks exchange their outcome all-to-all instead
+    of through a reduction, so when a rank has died every survivor's collective fails at once
+    (in a reduction only the dead rank's neighbours see it; the others wait for them to exit).
     For agreements that wait long (on other ranks' uploads) in a background pipeline.
     """
-    return _agree(fn, group, None, every_pair=every_pair)[0]
+    return _agree(fn, group, ballot, None, every_pair=every_pair)[0]
 
 
 def agree_sharing(fn: Callable[[], T], values: Sequence[int], group=None) -> tuple[T, list[list[int]]]:
     """`agree`, whose one collective also gathers `values` (as many ints on every rank) from
     every rank: figures the ranks report together once they agree (a load's bytes read), for
     no round of their own. Returns fn's result and every rank's values, by rank."""
-    return _agree(fn, group, [int(v) for v in values])
+    return _agree(fn, group, None, [int(v) for v in values])
 
 
 def _agree(
-    fn: Callable[[], T], group, values: list[int] | None, *, every_pair: bool = False
+    fn: Callable[[], T], group, ballot: Ballot | None, values: list[int] | None, *, every_pair: bool = False
 ) -> tuple[T, list[list[int]]]:
     result: Any = None
     local_error: BaseException | None = None
@@ -102,21 +112,28 @@ def _agree(
             raise
         local_error = exc
     if not is_distributed():
+        if ballot is not None:
+            ballot.counted(list(ballot.votes))
         return result, [list(values or [])]
     # The common case, nobody failed, costs one tiny all_reduce (an all_gather when values are
     # shared; an all_to_all with every_pair); the errors themselves are gathered (two more
     # rounds: sizes, then payloads) only when some rank failed.
     flag = 0 if local_error is None else 1
     device = _flag_device(group)
-    if every_pair:
+    rows: list[list[int]] = []
+    if every_pair and ballot is None and values is None:
         world = get_world_size(group)
         received = torch.zeros(world, dtype=torch.int32)
         dist.all_to_all_single(received, torch.full((world,), flag, dtype=torch.int32), group=group)
-        any_failed, rows = bool(received.max().item()), []
+        any_failed = bool(received.max().item())
     elif values is None:
-        failed = torch.tensor([flag], dtype=torch.int32, device=device)
+        votes = [] if ballot is None else list(ballot.votes)
+        dtype = torch.int32 if ballot is None else torch.int64
+        failed = torch.tensor([flag, *votes], dtype=dtype, device=device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-        any_failed, rows = bool(failed.item()), []
+        any_failed = bool(failed[0].item())
+        if not any_failed and ballot is not None:
+            ballot.counted(failed[1:].tolist())
     else:
         mine = torch.tensor([flag, *values], dtype=torch.int64, device=device)
         gathered_rows = [torch.empty_like(mine) for _ in range(get_world_size(group))]

@@ -82,6 +82,7 @@ class ClusterTier:
         async_save: bool,
         background_staging: bool,
         async_mode: str = "thread",
+        plan_cache: Any = None,
     ):
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
             raise StateError(f"replicas must be a non-negative int, got {replicas!r}")
@@ -102,6 +103,7 @@ class ClusterTier:
         self.async_save = async_save
         self.background_staging = background_staging
         self.async_mode = async_mode
+        self.plan_cache = plan_cache  # the manager's (format.plan_cache)
         self.topology: Topology | None = None
         self._lock = RootLock(root)  # this node's root; its leader takes it
         self._seq: int | None = None  # the largest commit seq seen (None: not looked yet)
@@ -127,6 +129,7 @@ class ClusterTier:
             async_save=manager.async_save,
             background_staging=manager.background_staging,
             async_mode=manager.async_mode,
+            plan_cache=manager._plan_cache,
         )
 
     # -- collective set-up --------------------------------------------------------------
@@ -222,6 +225,7 @@ class ClusterTier:
                 asynchronous=self.async_save,
                 background_staging=self.background_staging,
                 async_mode=self.async_mode,
+                plan_cache=self.plan_cache,
                 after_commit=None if background else (lambda: self._after_node_commit(step)),
                 on_failure=self._unlock_node,
                 make_transaction=make,

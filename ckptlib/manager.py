@@ -32,6 +32,7 @@ from . import save_policy as _save_policy
 from .cluster_tier import ClusterTier
 from .collection import ForeignFilesWarning, collect
 from .errors import CheckpointError, CheckpointNotFoundError, stacklevel_outside_ckptlib
+from .format.plan_cache import PlanCache
 from .initial_load import load_initial
 from .loading import LoadResult, load
 from .lock import LOCK_NAME, LockHolder, RootLock, StaleLockWarning
@@ -126,6 +127,7 @@ class CheckpointManager:
             writer_process.writer()  # it imports torch while the training sets up, not at the first save
         self._lock = RootLock(self.storage)
         self._pending = None  # the AsyncSave in flight (async_save=True)
+        self._plan_cache = PlanCache()  # this manager's saves reuse their plans (format.plan_cache)
         self.tier = ClusterTier.create(self, remote, replicas, node)
         self.remote = None if self.tier is None else self.tier.remote
 
@@ -347,6 +349,7 @@ class CheckpointManager:
                 async_mode=self.async_mode,
                 after_commit=lambda: self._publish(step),
                 on_failure=self._drop_lock_after_failure,
+                plan_cache=self._plan_cache,
             )
         except BaseException:
             self._drop_lock_after_failure()

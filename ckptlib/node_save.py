@@ -88,8 +88,12 @@ class NodeLocalSave(SaveTransaction):
                 ckptlib_version=__version__,
                 commit=self.commit_record,
             )
+            plan_seconds = None if self.plan_timing is None else self.plan_timing.global_plan_s
             receipt = NodeSaveReceipt(
-                manifest.total_bytes, manifest=manifest.to_bytes(), metadata=self.storage.read(METADATA_NAME)
+                manifest.total_bytes,
+                plan_seconds,
+                manifest=manifest.to_bytes(),
+                metadata=self.storage.read(METADATA_NAME),
             )
         self.files = sorted(files)
         _leave_receipt(metadata, receipt)
@@ -102,8 +106,8 @@ class NodeLocalSave(SaveTransaction):
             return
         storage = self.storage
         manifest = Manifest.from_bytes(manifest_bytes, f"{storage.uri}/{MANIFEST_NAME}")
-        if METADATA_NAME not in storage.list(METADATA_NAME):
-            storage.write(METADATA_NAME, metadata_blob, durable=False)
+        if METADATA_NAME not in storage.list(METADATA_NAME):  # node 0's came from CkptWriter, fsynced
+            storage.write(METADATA_NAME, metadata_blob)
         listing = storage.list()
         mine = [f"__{r}_0.distcp" for r in self.topology.nodes[self.topology.node]] + [METADATA_NAME]
         problems = []
@@ -116,8 +120,7 @@ class NodeLocalSave(SaveTransaction):
                 problems.append(f"{describe_file(name)} is {got}, the manifest says {record.size} bytes")
         if problems:
             raise CheckpointCorruptError(f"{storage.uri}: refusing to commit, " + "; ".join(problems), path=storage.uri)
-        names = [n for n in mine if n in manifest.files]
-        storage.sync([METADATA_NAME], names_only=[n for n in names if n != METADATA_NAME])
+        storage.sync([], names_only=[n for n in mine if n in manifest.files])  # every file's bytes are durable
         storage.write(MANIFEST_NAME, manifest_bytes)
         self._wrote_manifest = True
         storage.delete([PENDING_NAME])
@@ -133,6 +136,7 @@ class NodeLocalSave(SaveTransaction):
             if not isinstance(receipt, NodeSaveReceipt):
                 raise CheckpointError(f"{self.storage.uri}: the save returned no receipt of its commit")
             self.total_bytes, self.manifest_bytes = receipt.total_bytes, receipt.manifest
+            self.global_plan_seconds = receipt.global_plan_seconds
             _dist.agree(lambda: self._commit_node(receipt.manifest, receipt.metadata), group)
         except BaseException as exc:
             self.abort()

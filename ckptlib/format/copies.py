@@ -159,14 +159,15 @@ class Copies:
         return [c for c in found if (c.key, name) not in excluded]
 
     def access(
-        self, names: Iterable[str], excluded: frozenset[tuple[str, str]] = frozenset()
+        self, names: Callable[[], Iterable[str]], excluded: frozenset[tuple[str, str]] = frozenset()
     ) -> tuple[dict[str, int], int | None]:
         """What this rank can read, compactly: (the cost of its nearest copy of each file where
         that is nearer than `default`; `default`: the cost of its nearest copy holding every
-        file, or None). A file in neither has no copy here (left)."""
+        file, or None). A file in neither has no copy here (left). `names()`: the checkpoint's
+        files, asked for only when copies are given per file or some were excluded."""
         if self._per_file or excluded:
             costs = {}
-            for name in names:
+            for name in names():
                 found = self.for_file(name, excluded)
                 if found:
                     costs[name] = min(c.cost for c in found)

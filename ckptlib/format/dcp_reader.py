@@ -315,10 +315,14 @@ class CkptReader(DirectReads, PlannedReader):
         where = f"{self.storage.uri}/{name}"
         path = self._local_file(name)
         try:
-            if path is None:
-                data = self.storage.read(name, offset, view.nbytes)  # EOFError when the file is short
-                view[: len(data)] = data
-                got = len(data)
+            if path is None:  # in pieces of at most _MAX_SPAN: one piece's bytes in memory twice
+                got = 0
+                while got < view.nbytes:
+                    data = self.storage.read(name, offset + got, min(_MAX_SPAN, view.nbytes - got))  # EOFError if short
+                    view[got : got + len(data)] = data
+                    got += len(data)
+                    if not data:
+                        break
             else:
                 fd, _ = open_regular(path)
                 try:
@@ -342,8 +346,9 @@ class CkptReader(DirectReads, PlannedReader):
         self._check_item(name, self._item_crcs(name) if self.verify else None, offset, data)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        names = {info.relative_path for info in self.metadata.storage_data.values()}
-        costs, default = self.copies.access(names, self.excluded)
+        costs, default = self.copies.access(
+            lambda: {info.relative_path for info in self.metadata.storage_data.values()}, self.excluded
+        )
         plan.storage_data = read_schedule.LocalReads(
             costs, default, self.copies.labels, self.read_once, self.exchange is not None
         )

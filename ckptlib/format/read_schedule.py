@@ -425,7 +425,7 @@ def predict_reads(
     access = None
     if copies is not None:
         names = {record.relative_path for record in metadata.storage_data.values()}
-        access = [c.access(names) for c in copies]
+        access = [c.access(lambda: names) for c in copies]
     requests = requests_from_plans(plans, metadata.storage_data, DeclaredChunks(metadata).declared, access)
     return schedule_reads(requests, read_once=read_once and len(plans) > 1, round_bytes=round_bytes)
 

@@ -40,14 +40,17 @@ from ..storage import Storage
 from .dcp_writer import CkptWriter, ShardBackend
 from .deletion import remove_failed_save
 from .layout import commit_manifest, prepare_save_target
-from .manifest import FileRecord
+from .manifest import METADATA_NAME, FileRecord
+from .plan_cache import PlanTiming
 
 
 @dataclasses.dataclass(frozen=True)
 class SaveReceipt:
-    """What every rank learns of a committed save (DCP broadcasts it back from the coordinator)."""
+    """What every rank learns of a committed save (DCP broadcasts it back from the coordinator):
+    its size and the coordinator's global-planning seconds."""
 
     total_bytes: int
+    global_plan_seconds: float | None = None
 
 
 def unwrap_dcp_error(exc: BaseException) -> CheckpointError:
@@ -118,6 +121,10 @@ class SaveTransaction:
         self.prepared = False
         self.unfinished_shard: str | None = None
         self.total_bytes: int | None = None
+        # The coordinator's planner sets it (`CkptSavePlanner.timing.global_plan_s`); every
+        # rank learns it from the receipt.
+        self.plan_timing: PlanTiming | None = None
+        self.global_plan_seconds: float | None = None
         self.files: list[str] = []  # the files the manifest lists (on the coordinator, once committed)
 
     # -- the steps CkptWriter takes ----------------------------------------------------
@@ -152,10 +159,12 @@ class SaveTransaction:
                 step=self.step,
                 metadata=self.metadata,
                 metrics=self.metrics,
+                synced=(METADATA_NAME,),  # CkptWriter streams it through open_writer, which fsyncs
             )
         self.files = sorted(files)
         self.total_bytes = sum(record.size for record in files.values())
-        _leave_receipt(metadata, SaveReceipt(self.total_bytes))
+        self.global_plan_seconds = None if self.plan_timing is None else self.plan_timing.global_plan_s
+        _leave_receipt(metadata, SaveReceipt(self.total_bytes, self.global_plan_seconds))
 
     # -- running it ---------------------------------------------------------------------
     def run(self, save: Callable[[Any], Metadata], group=None) -> int | None:
@@ -172,7 +181,8 @@ class SaveTransaction:
             raise
         if self.total_bytes is None:  # not the coordinator: the receipt it broadcast
             received = getattr(metadata, "storage_data", None)
-            self.total_bytes = received.total_bytes if isinstance(received, SaveReceipt) else None
+            if isinstance(received, SaveReceipt):
+                self.total_bytes, self.global_plan_seconds = received.total_bytes, received.global_plan_seconds
         if self.after_commit is not None:
             try:
                 _dist.decide_on_rank0(self.after_commit, group)

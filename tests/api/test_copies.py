@@ -172,6 +172,7 @@ def _node_load(base: str, spec: str) -> dict:
         "exact": _exact(state),
         "read": result.storage_bytes_read,
         "sum": sum(result.storage_bytes_read_by_rank),
+        "by_rank": result.storage_bytes_read_by_rank,
         "needed": result.bytes_needed,
         "received": result.bytes_received,
         "by_source": result.bytes_by_source,
@@ -200,6 +201,24 @@ def test_each_node_reads_its_own_files_and_the_others_receive_them(tmp_path, dis
     assert needed <= results[0]["sum"] <= 1.1 * needed
     assert all(r["by_source"] == {"local": results[0]["sum"]} for r in results)
     assert all(r["received"] > 0 for r in results) and all(r["warnings"] == [] for r in results)
+    # what `ckpt plan` predicts from the ranks' plans and copies is what they read
+    assert _predicted(base).storage_bytes() == results[0]["by_rank"]
+
+
+def _predicted(base: str):
+    from ckptlib.format import SafeLoadPlanner
+    from ckptlib.format.copies import open_from_copies
+    from ckptlib.format.read_schedule import predict_reads
+
+    metadata = open_from_copies(Copies.single(LocalStorage(os.path.join(base, "node0")))).metadata
+    plans, copies = [], []
+    for rank in range(4):
+        planner = SafeLoadPlanner()
+        planner.set_up_planner(_state(-1.0), metadata, rank == 0)
+        plans.append(planner.create_local_plan())
+        local = os.path.join(base, f"node{rank // 2}")
+        copies.append(Copies([Copy("local", LocalStorage(local), files=set(os.listdir(local)))]))
+    return predict_reads(plans, metadata, copies=copies)
 
 
 def test_with_a_remote_too_nothing_is_read_from_it_while_nodes_hold_every_file(tmp_path, dist_run):
