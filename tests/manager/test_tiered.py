@@ -142,7 +142,7 @@ def test_load_prefers_the_local_copy_only_when_it_is_the_same(tmp_path, remote):
     assert mgr.load(state) == 2
     result = mgr.last_load
     assert result.uri == f"{local}/step_0000000002" and result.step == 2
-    assert result.bytes_by_source.get("remote", 0) == 0 and result.bytes_by_source["local"] > 0
+    assert result.bytes_by_source["remote"] == 0 and result.bytes_by_source["local"] > 0
     _assert_state(state, 2)
 
     # Another checkpoint under the same step name locally (not this run's commit): the remote copy is read.
@@ -150,7 +150,7 @@ def test_load_prefers_the_local_copy_only_when_it_is_the_same(tmp_path, remote):
     state = _fresh()
     assert mgr.load(state) == 2
     assert mgr.last_load.uri == f"{remote.rstrip('/')}/step_0000000002"
-    assert mgr.last_load.bytes_by_source.get("local", 0) == 0 and mgr.last_load.bytes_by_source["remote"] > 0
+    assert mgr.last_load.bytes_by_source["local"] == 0 and mgr.last_load.bytes_by_source["remote"] > 0
     _assert_state(state, 2)
 
     # Step 1 exists only remotely (keep_last=1 locally): read from the remote root.
