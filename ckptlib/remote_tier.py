@@ -5,8 +5,9 @@
 An upload is collective. Rank 0 locks the remote root (a root it cannot lock is an
 UploadError) and marks the step pending; every rank then streams the files assigned to it
 (normally its own shard; rank 0 also `.metadata`) from its node's local root,
-`upload_concurrency` at a time, each checked against the manifest's CRC-32 on the way (a
-local copy that does not match is a CheckpointCorruptError). The ranks agree on the
+`upload_concurrency` at a time, each checked against the manifest's CRC-32 on the way (to a
+directory remote: copied in the kernel, and the remote copy read back and checked; a local
+copy that does not match is a CheckpointCorruptError). The ranks agree on the
 outcome once; only when every rank succeeded does rank 0 check the remote sizes, write the
 manifest (the local bytes), move the remote `latest` (only forward in commit order: an
 abandoned branch never takes it back) and apply the remote retention. Any failure on any
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import os
 import time
 import warnings
@@ -45,23 +47,76 @@ from .retention import KeepLast, RetentionPolicy
 from .root_scan import LATEST, committed_steps
 from .saving import SaveResult
 from .steps import parse_step, step_dir
-from .storage import Storage, open_storage
+from .storage import Storage, SupportsDirectReads, open_storage
+from .storage.local import open_regular
 
 COPY_CHUNK = 8 << 20  # bytes read from the local file and handed to the remote writer at a time
 
 
-def copy_file(src: Storage, dst: Storage, name: str, size: int, expected_crc: int) -> None:
-    """Stream `name` from `src` to `dst`, checking the bytes sent against the manifest's CRC."""
-    crc = 0
-    sent = 0
-    with dst.open_writer(name) as out:
-        while sent < size:
-            data = src.read(name, sent, min(COPY_CHUNK, size - sent))
-            if not data:
+def _crc_of(path: str, size: int) -> tuple[int, int]:
+    """(CRC-32, bytes) of the first `size` bytes of the file at `path`, read into one buffer."""
+    fd, _ = open_regular(path)
+    try:
+        view = memoryview(bytearray(min(COPY_CHUNK, max(size, 1))))
+        crc = done = 0
+        while done < size:
+            got = os.preadv(fd, [view[: min(len(view), size - done)]], done)
+            if not got:
                 break
-            crc = crc32(data, crc)
-            out.write(data)
-            sent += len(data)
+            crc = crc32(view[:got], crc)
+            done += got
+        return crc, done
+    finally:
+        os.close(fd)
+
+
+def _kernel_copy(src_path: str, out: Any, size: int) -> int | None:
+    """Copy up to `size` bytes of `src_path` into the open file `out` inside the kernel
+    (sendfile: on a loaded machine, ~4x faster here than a write() of the same bytes from
+    user space); None when `out` has no descriptor or the file system cannot (nothing written)."""
+    try:
+        out_fd = out.fileno()
+    except (AttributeError, OSError, ValueError):  # an object stream (io.UnsupportedOperation)
+        return None
+    out.flush()
+    fd, _ = open_regular(src_path)
+    try:
+        sent = 0
+        while sent < size:
+            try:
+                n = os.sendfile(out_fd, fd, sent, min(8 * COPY_CHUNK, size - sent))
+            except OSError as exc:
+                if sent == 0 and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    return None
+                raise
+            if not n:
+                break
+            sent += n
+        return sent
+    finally:
+        os.close(fd)
+
+
+def copy_file(src: Storage, dst: Storage, name: str, size: int, expected_crc: int) -> None:
+    """Copy `name` from `src` to `dst`, checking the bytes against the manifest's CRC: file to
+    file, copied in the kernel and the remote copy itself read back; else streamed in chunks,
+    the bytes sent checked on the way."""
+    path = src.direct_read_path(name) if isinstance(src, SupportsDirectReads) else None
+    with dst.open_writer(name) as out:
+        target = getattr(out, "name", None)
+        sent = _kernel_copy(path, out, size) if path is not None and isinstance(target, str) else None
+        if sent is not None:
+            assert isinstance(target, str)
+            crc, sent = _crc_of(target, sent)
+        else:
+            crc = sent = 0
+            while sent < size:
+                data = src.read(name, sent, min(COPY_CHUNK, size - sent))
+                if not data:
+                    break
+                crc = crc32(data, crc)
+                out.write(data)
+                sent += len(data)
         if sent != size or crc != expected_crc:
             where = f"{src.uri.rstrip('/')}/{name}"
             raise CheckpointCorruptError(

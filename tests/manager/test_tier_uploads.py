@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 NODES = 2
@@ -88,3 +89,64 @@ def test_one_rank_failing_to_upload_is_an_upload_error_naming_it_on_every_rank(t
         assert {step: sorted(names) for step, names in res["copied"].items()} == {
             step: sorted(names) for step, names in uploaded.items()
         }, f"rank {rank} uploads exactly its own files"
+
+
+def _copy_cases(tmp_path):
+    """(source storage, the file's bytes, its CRC) for copy_file's tests."""
+    import zlib
+
+    from ckptlib.storage import open_storage
+
+    data = os.urandom(3 * (8 << 20) + 12345)  # more than one chunk, not a multiple of one
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "__0_0.distcp").write_bytes(data)
+    return open_storage(str(tmp_path / "src")), data, zlib.crc32(data)
+
+
+def test_copy_file_copies_verified_bytes_in_the_kernel_and_through_a_stream(tmp_path, monkeypatch):
+    import contextlib
+    import io
+
+    from ckptlib.remote_tier import copy_file
+    from ckptlib.storage import open_storage
+
+    src, data, crc = _copy_cases(tmp_path)
+    sent = []
+    real_sendfile = os.sendfile
+    monkeypatch.setattr(os, "sendfile", lambda *args: sent.append(args[3]) or real_sendfile(*args))
+    dst = open_storage(str(tmp_path / "dst"))
+    copy_file(src, dst, "__0_0.distcp", len(data), crc)  # file to file: sendfile, then read back
+    assert (tmp_path / "dst" / "__0_0.distcp").read_bytes() == data
+    assert sum(sent) == len(data)
+
+    class Stream:  # an object store's writer: no descriptor, bytes only through write()
+        def __init__(self):
+            self.uri, self.got = "mem://x", io.BytesIO()
+
+        @contextlib.contextmanager
+        def open_writer(self, name):
+            yield self.got
+
+    stream = Stream()
+    sent.clear()
+    copy_file(src, stream, "__0_0.distcp", len(data), crc)
+    assert stream.got.getvalue() == data and sent == []
+
+
+def test_copy_file_refuses_a_local_copy_that_does_not_match_and_leaves_nothing(tmp_path):
+    from ckptlib import CheckpointCorruptError
+    from ckptlib.remote_tier import copy_file
+    from ckptlib.storage import open_storage
+
+    src, data, crc = _copy_cases(tmp_path)
+    path = tmp_path / "src" / "__0_0.distcp"
+    damaged = bytearray(data)
+    damaged[-100] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    dst = open_storage(str(tmp_path / "dst"))
+    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp: the local copy does not match its manifest"):
+        copy_file(src, dst, "__0_0.distcp", len(data), crc)
+    path.write_bytes(data[:-10])  # short
+    with pytest.raises(CheckpointCorruptError, match=rf"\({len(data) - 10} bytes, crc32 "):
+        copy_file(src, dst, "__0_0.distcp", len(data), crc)
+    assert not (tmp_path / "dst" / "__0_0.distcp").exists()
