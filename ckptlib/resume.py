@@ -17,12 +17,11 @@ replicas) is skipped with a SkippedDamagedStepWarning and blocks nothing.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 import zlib
 from typing import Any
 
 from . import _dist
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, stacklevel_outside_ckptlib
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, warn_scrubbed
 from .format import MANIFEST_NAME, METADATA_NAME, Manifest
 from .remote_tier import RemoteTier
 from .root_scan import scan
@@ -188,7 +187,7 @@ def choose(
 def warn_all(texts: list[str], category: type[Warning]) -> None:
     """Issue the warnings rank 0 found, on every rank (the texts travel with its decision)."""
     for text in texts:
-        warnings.warn(text, category, stacklevel=stacklevel_outside_ckptlib())
+        warn_scrubbed(text, category)  # they may quote a storage error (an endpoint's password)
 
 
 def upload_assignment(choice: Choice, manifest: Manifest, topology: Topology) -> dict[int, list[str]]:
