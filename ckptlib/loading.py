@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import torch.distributed.checkpoint as dcp
 
-from . import _dist
+from . import _dist, presets
 from ._torch import dcp_shims
 from .errors import CastWarning, MissingKeysError, stacklevel_outside_ckptlib
 from .format import CheckpointInfo, SafeLoadPlanner
@@ -66,6 +66,7 @@ def load(
     only: Sequence[str] | None = None,
     ignore_keys: Sequence[str] | None = None,
     rename: Rename | None = None,
+    preset: str | presets.Preset | None = None,
 ) -> LoadResult:
     """Load a checkpoint into `state` in place, at any world size; return what was loaded.
 
@@ -80,9 +81,30 @@ def load(
     entries of `state` (a model-only load of a full checkpoint); `ignore_keys` (globs on the
     state's flattened keys) are neither loaded nor missing; `rename` maps checkpoint keys
     to state keys (`{old_prefix: new_prefix}` or a callable).
+
+    `preset` ("composer", "torchtitan", "lightning": `ckptlib.presets`) reads another tool's
+    checkpoint as it lays it out: `uri` may be its save folder (the newest checkpoint is
+    read), its keys load into the state's own entries (`rename` then applies on top), the
+    plain-data objects it saves need no `trusted=True`, and its progress (Composer's
+    timestamp, Lightning's meta.pt, torchtitan's train_state) is `LoadResult.step` and
+    `LoadResult.metadata`.
     """
     started = time.perf_counter()
     storage = as_storage(uri)
+    if preset is not None:
+        return _load_with_preset(
+            presets.get(preset),
+            storage,
+            state,
+            strict=strict,
+            cast=cast,
+            verify=verify,
+            trusted=trusted,
+            process_group=process_group,
+            only=only,
+            ignore_keys=ignore_keys,
+            rename=rename,
+        )
     with _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri), gc_paused():
         return _load(
             storage,
@@ -97,6 +119,25 @@ def load(
             rename=rename,
             started=started,
         )
+
+
+def _load_with_preset(
+    preset: presets.Preset, storage: Storage, state: Mapping[str, Any], *, process_group, trusted: bool, **kwargs
+) -> LoadResult:
+    """`load` of a client's checkpoint through its preset (see `load`)."""
+    name = _dist.decide_on_rank0(lambda: preset.checkpoint_name(storage), process_group)
+    if name is not None:
+        storage = storage.child(name)
+    adapted = preset.adapt_state(state)
+    rename = presets.preset.then(preset.rename(presets.Entries.of(state)), kwargs.pop("rename"))
+    with preset.allowing():
+        result = load(storage, adapted, rename=rename, trusted=trusted, process_group=process_group, **kwargs)
+        step, progress = _dist.decide_on_rank0(lambda: preset.progress(storage, trusted=trusted), process_group)
+    presets.preset.write_back(state, adapted)
+    result.metadata = {**result.metadata, **progress}
+    if step is not None:
+        result.step = step
+    return result
 
 
 @dataclasses.dataclass
