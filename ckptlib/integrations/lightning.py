@@ -77,6 +77,11 @@ class CkptlibCheckpoints:
         result = load(uri, state, preset="lightning", strict=strict, trusted=weights_only is False)
         return dict(result.metadata)
 
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Restore once the module is wrapped and the optimizers exist (ckptlib loads both in place)."""
+        return True
+
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Nothing: `load_checkpoint` loaded the module in place."""
 

@@ -25,10 +25,11 @@ def report(**values) -> None:
 
 
 def full(value):
-    """A DTensor's full tensor (a collective), a plain tensor as it is, on CPU."""
+    """A copy of a DTensor's full tensor (a collective) or of a plain tensor, on CPU: never a
+    view of live state that training goes on changing."""
     if hasattr(value, "full_tensor"):
         value = value.full_tensor()
-    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
 
 def full_state(model, optimizer=None) -> dict:

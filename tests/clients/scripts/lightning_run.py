@@ -70,16 +70,21 @@ def strategy(name: str, ws: int):
 
 
 class Probe(L.Callback):
-    def __init__(self):
+    """The state a resumed run starts from (only when resuming: on a fresh optimizer, reading its
+    state dict would initialise it, a step of its own)."""
+
+    def __init__(self, resuming: bool):
+        self.resuming = resuming
         self.seen = None
 
     def on_train_start(self, trainer, pl_module):
-        self.seen = (trainer.global_step, full_state(pl_module, trainer.optimizers[0]))
+        if self.resuming:
+            self.seen = (trainer.global_step, full_state(pl_module, trainer.optimizers[0]))
 
 
 def fit(root: str, name: str, steps: int, ckpt: str | None) -> None:
     ws = int(os.environ.get("WORLD_SIZE", 1))
-    probe = Probe()
+    probe = Probe(resuming=ckpt is not None)
     checkpoints = ModelCheckpoint(
         dirpath=os.path.join(root, f"{name}-ws{ws}"), every_n_train_steps=2, save_top_k=-1, save_last=True
     )
