@@ -26,7 +26,7 @@ from ckptlib.presets import composer_save
 warnings.filterwarnings("ignore")
 
 
-def trainer(save_folder: str | None, batches: int, **kw):
+def trainer(save_folder: str | None, batches: int, save_interval: str = "2ba", **kw):
     from composer import Trainer
     from composer.models import ComposerClassifier
     from composer.optim import LinearWithWarmupScheduler
@@ -47,7 +47,7 @@ def trainer(save_folder: str | None, batches: int, **kw):
         device="cpu",
         parallelism_config={"fsdp": FSDP2Config(state_dict_type="sharded")},
         save_folder=save_folder,
-        save_interval="2ba",
+        save_interval=save_interval,
         save_overwrite=True,
         run_name="tiny-run",
         progress_bar=False,
