@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torchtitan.components.checkpointer import dcp as titan_dcp
 
@@ -38,6 +39,28 @@ class _Pending(Future):
 
     def result(self, timeout: float | None = None) -> Any:
         return self.handle.wait()
+
+
+class _Stateful:
+    """One of torchtitan's stateful containers as ckptlib saves it: through its own
+    state_dict/load_state_dict (its OptimizersContainer is an Optimizer whose flat state dict
+    already names every parameter; ckptlib must not pair it with a module)."""
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.obj.load_state_dict(state_dict)
+
+
+def _wrapped(state_dict: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: _Stateful(v) if callable(getattr(v, "state_dict", None)) and not isinstance(v, torch.Tensor) else v
+        for k, v in state_dict.items()
+    }
 
 
 def _done() -> Future:
@@ -69,10 +92,11 @@ class CheckpointManager(titan_dcp.CheckpointManager):
         if to_hf:  # Hugging Face safetensors through torchtitan's own writer
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         step = self._step_of(checkpoint_id)
+        state = _wrapped(state_dict)
         if async_mode == titan_dcp.AsyncMode.DISABLED:
-            save(checkpoint_id, state_dict, step=step, overwrite=True)
+            save(checkpoint_id, state, step=step, overwrite=True)
             return None
-        pending = _Pending(async_save(checkpoint_id, state_dict, step=step, overwrite=True))
+        pending = _Pending(async_save(checkpoint_id, state, step=step, overwrite=True))
         if async_mode == titan_dcp.AsyncMode.ASYNC_WITH_PINNED_MEM:
             return AsyncSaveResponse(staging_completion=_done(), upload_completion=pending)
         return pending
@@ -81,7 +105,9 @@ class CheckpointManager(titan_dcp.CheckpointManager):
         if from_hf:
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
-        load(checkpoint_id, state_dict, verify=self.verify)
+        state = _wrapped(state_dict)
+        load(checkpoint_id, state, verify=self.verify)
+        state_dict.update({k: v for k, v in state.items() if not isinstance(v, _Stateful)})
         if titan_dcp.MODEL in self.states:  # torchtitan flattens the model's keys into the state: apply them
             self.states[titan_dcp.MODEL].load_state_dict(state_dict)
 

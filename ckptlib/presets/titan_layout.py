@@ -50,10 +50,19 @@ class FlatOptimizer:
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT)
+        flat = get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT)
+        return {k: v for k, v in flat.items() if not _is_names(k)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=_FLAT)
+        live = get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT)
+        names = {k: v for k, v in live.items() if _is_names(k)}
+        set_optimizer_state_dict(self.model, self.optimizer, {**names, **state_dict}, options=_FLAT)
+
+
+def _is_names(key: str) -> bool:
+    """`param_groups.<fqn>.param_names`: what torch adds for an optimizer built from (name,
+    param) pairs; the optimizer's own, never saved (torchtitan leaves it out)."""
+    return key.startswith("param_groups.") and key.endswith(".param_names")
 
 
 def _owner(name: str, optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> nn.Module:
