@@ -15,6 +15,7 @@ zip directory instead of torch.load (`item_decoder`).
 from __future__ import annotations
 
 import io
+import math
 import os
 import sys
 from collections import defaultdict
@@ -33,6 +34,7 @@ from .block_checks import _CRC_CHUNK, _BlockCheck, _ItemCheck
 from .checksum import crc32
 from .file_names import whose
 from .item_decoder import DeclaredChunks
+from .load_planner import SafeLoadPlanner
 from .manifest import METADATA_NAME, Manifest, check_name
 from .planned_reader import PlannedReader
 from .ranged_io import (
@@ -45,6 +47,8 @@ from .ranged_io import (
     _pread_into,
     _Window,
 )
+from .safe_pickle import load_object
+from .stream_transforms import Transforms, decoded_limit, descriptors_of
 
 # Items at least this large are read through the zero-copy path (their layout comes from a
 # zip-directory parse, or a metadata-only torch.load of the item; ~0.1-1 ms); smaller ones
@@ -76,12 +80,25 @@ def _resolve_target(planner: LoadPlanner, req, stored: torch.Tensor, where: str)
 class CkptReader(PlannedReader):
     """Reads exactly the byte ranges this rank's load plan needs and verifies their CRCs."""
 
-    def __init__(self, storage: Storage, metadata: Metadata, manifest: Manifest | None, *, verify: bool = True):
+    def __init__(
+        self,
+        storage: Storage,
+        metadata: Metadata,
+        manifest: Manifest | None,
+        *,
+        verify: bool = True,
+        trusted: bool = False,
+        transforms: Transforms | None = None,
+    ):
         super().__init__(metadata)
         self.chunks = DeclaredChunks(metadata)  # what .metadata declares, and decodings that rely on it
         self.storage = storage
         self.manifest = manifest
         self.verify = verify and manifest is not None
+        # Objects are unpickled with weights_only here unless `trusted`, whatever the planner
+        # does with them (DCP's own planner unpickles them with weights_only=False).
+        self.trusted = trusted
+        self.transforms = transforms or Transforms()  # DCP extensions (zstd...) items are stored with
         self.rank = 0
         self._verified: dict[str, set[int]] = {}  # file -> blocks the current load verified
 
@@ -145,7 +162,7 @@ class CkptReader(PlannedReader):
 
     def _partial(self, req, info) -> bool:
         """Whether a large tensor request needs only part of its stored chunk (a resharded load)."""
-        if req.type == LoadItemType.BYTE_IO or info.length < _DIRECT_MIN:
+        if req.type == LoadItemType.BYTE_IO or info.length < _DIRECT_MIN or descriptors_of(info):
             return False
         found = self.chunks.declared(req.storage_index.fqn, req.storage_index.offset)
         return found is not None and tuple(req.lengths) != tuple(found[1])
@@ -205,6 +222,7 @@ class CkptReader(PlannedReader):
                 if (
                     req.type != LoadItemType.BYTE_IO
                     and info.length >= _DIRECT_MIN
+                    and not descriptors_of(info)
                     and self._read_local_tensor(fd, name, req, info, expected, planner)
                 ):
                     continue
@@ -390,10 +408,17 @@ class CkptReader(PlannedReader):
         return True
 
     def _apply(self, name: str, req, info, data: memoryview, planner: LoadPlanner) -> None:
-        """Hand one verified item (its bytes in memory) to the planner."""
+        """Hand one verified item (its bytes in memory, as stored) to the planner."""
         where = f"{self.storage.uri}/{name}"
+        descriptors = descriptors_of(info)
+        if descriptors:
+            declared = self.chunks.declared(req.storage_index.fqn, req.storage_index.offset)
+            nbytes = None if declared is None else math.prod(declared[1]) * declared[0].itemsize
+            data = self.transforms.decode(data, descriptors, decoded_limit(nbytes), f"{where} (item at {info.offset})")
         if req.type == LoadItemType.BYTE_IO:
             try:
+                if not self.trusted and not isinstance(planner, SafeLoadPlanner):
+                    load_object(data.tobytes(), f"object {req.dest_index.fqn!r}")  # refused before the planner sees it
                 planner.load_bytes(req, io.BytesIO(data.tobytes()))
             except UnsafeCheckpointError as exc:
                 if exc.path is None:
@@ -436,14 +461,9 @@ class CkptReader(PlannedReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         by_file: dict[str, list[Any]] = defaultdict(list)
+        self.transforms.check_readable((self.storage_data[req.storage_index] for req in plan.items), self.storage.uri)
         for req in plan.items:
             info = self.storage_data[req.storage_index]
-            if getattr(info, "transform_descriptors", None):
-                raise CheckpointCorruptError(
-                    f"{self.storage.uri}/{info.relative_path}: stored with DCP extensions "
-                    f"{list(info.transform_descriptors)}, which ckptlib does not read",
-                    path=self.storage.uri,
-                )
             by_file[check_name(info.relative_path, f"{self.storage.uri}/{METADATA_NAME}", "storage record")].append(
                 (req, info)
             )
