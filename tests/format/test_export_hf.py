@@ -273,3 +273,24 @@ def test_verify_names_damage_in_a_sharded_export(tmp_path, capsys, how):
     printed = capsys.readouterr().out.splitlines()
     assert sorted(printed[:-1]) == sorted(lines)
     assert printed[-1] == f"{out}: DAMAGED, {len(lines)} problem{'s' if len(lines) > 1 else ''}"
+
+
+def test_a_tied_module_saved_by_ckptlib_exports_its_head_once(tmp_path):
+    """ckptlib stores an alias pair once (both names on the same bytes): the export sees the
+    tie by storage identity, no config needed."""
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.embed_tokens = torch.nn.Embedding(8, 4)
+            self.lm_head = torch.nn.Linear(4, 8, bias=False)
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    module = Tiny()
+    ckptlib.save(str(tmp_path / "ckpt"), {"model": module})
+    result = ckptlib.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), model_only=True)
+    assert result.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    got = _weights(tmp_path / "hf")
+    assert sorted(got) == ["model.embed_tokens.weight"]
+    assert torch.equal(got["model.embed_tokens.weight"], module.model.embed_tokens.weight.detach())
