@@ -119,6 +119,10 @@ def test_ls_finds_a_clients_save_folder(client_root, capsys):
     assert steps == expected
     assert cli_main(["ls", root, "--preset", layout]) == 0
     assert FOLDER[layout] in capsys.readouterr().out
+    assert cli_main(["inspect", root, "--preset", layout, "--json"]) == 0  # the save folder's newest checkpoint
+    assert json.loads(capsys.readouterr().out)["world_size"] == 2
+    assert cli_main(["verify", root, "--preset", layout, "--no-progress"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"{root}/{FOLDER[layout]}: OK"
 
 
 def test_export_model_only_finds_the_clients_model_keys(client_root, tmp_path):
