@@ -136,6 +136,7 @@ class _Request:
     missing: list[str]
     kept: list[str]  # absent optimizer hyperparameters the state keeps (LoadTarget.keep_if_absent)
     casts: dict
+    aliased: dict[str, str] = dataclasses.field(default_factory=dict)  # absent keys their tied alias fills
 
     @property
     def template(self) -> dict[str, Any]:
@@ -207,8 +208,8 @@ def _prepare_request(
             path=info.uri,
         )
     request = target.template if keyed is None else keyed.request
-    missing, kept, casts = check_request(request, info, strict, target.keep_if_absent, cast)
-    return _Request(selected, target, keyed, sorted(missing + unsourced), kept, casts)
+    missing, kept, casts, aliased = check_request(request, info, strict, target.keep_if_absent, cast)
+    return _Request(selected, target, keyed, sorted(missing + unsourced), kept, casts, aliased)
 
 
 def _load(
@@ -275,12 +276,18 @@ def _load(
             "not have them); the optimizers keep their own values"
         )
 
+    if request.aliased:
+        shown = ", ".join(f"{key} from {source}" for key, source in sorted(request.aliased.items())[:20])
+        notes.append(f"tied tensors the checkpoint holds under another name were loaded through it: {shown}")
+
     reader, _ = open_reader(storage, info=info, verify=verify, trusted=trusted, copies=copy_set)
     if isinstance(reader, CkptReader):
         read_exchange.prepare(reader, group, read_once=read_once)  # collective on a group's first load
     while True:  # again only when copies failed and others remain (read_exchange.exclude_failed)
-        # Every other key was checked above, so a partial load skips only the kept ones.
-        planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict or bool(request.kept))
+        # Every other key was checked above, so a partial load skips only the kept and the aliased ones.
+        planner = SafeLoadPlanner(
+            trusted=trusted, allow_partial_load=not strict or bool(request.kept or request.aliased)
+        )
         try:
             with dcp_shims.quiet_single_process():
                 dcp.load(request.template, storage_reader=reader, planner=planner, process_group=group)
