@@ -29,14 +29,13 @@ from .plan_codec import placements_key
 
 def alias_key(value: Any) -> tuple | None:
     """What makes two values the same memory (None: not a tensor that can alias)."""
-    dtensor = probes.dtensor_cls()
     extra: tuple = ()
-    if dtensor is not None and type(value) is dtensor:
+    if type(value) in (torch.Tensor, torch.nn.Parameter):  # first: what a writer resolves items to
+        local = value
+    elif type(value) is probes.dtensor_cls():
         with torch.no_grad():
             local = value.to_local()
         extra = (tuple(value.shape), placements_key(value.placements), id(value.device_mesh))
-    elif type(value) in (torch.Tensor, torch.nn.Parameter):
-        local = value
     else:
         return None
     if type(local) not in (torch.Tensor, torch.nn.Parameter) or local.device.type == "meta":
