@@ -228,3 +228,20 @@ def test_failure_inside_a_module_on_one_rank_is_a_state_error_on_every_rank(tmp_
         "attribute 'gone'"
     )
     assert outcomes == [expected] * world
+
+
+def test_wrapped_module_keys_are_cleaned_as_torch_cleans_them(tmp_path):
+    """torch.compile's `_orig_mod.` is not in the keys (as get_model_state_dict leaves it out),
+    so a compiled model's checkpoint loads into a plain one and back."""
+    uri = str(tmp_path / "ckpt")
+    compiled = torch.compile(_build(0, False)[0], backend="eager")
+    assert "_orig_mod.blocks.0.attn.wq.weight" in compiled.state_dict()
+    ckptlib.save(uri, {"model": compiled})
+    keys = {t["key"] for t in summarize(uri).tensors}
+    assert "model.blocks.0.attn.wq.weight" in keys and not [k for k in keys if "_orig_mod" in k]
+    plain = _build(1, False)[0]
+    ckptlib.load(uri, {"model": plain})
+    assert torch.equal(plain.blocks[0].attn.wqkv.weight, _build(0, False)[0].blocks[0].attn.wqkv.weight)
+    again = torch.compile(_build(2, False)[0], backend="eager")
+    ckptlib.load(uri, {"model": again})
+    assert torch.equal(again.blocks[1].attn.wqkv.bias, _build(0, False)[0].blocks[1].attn.wqkv.bias)
