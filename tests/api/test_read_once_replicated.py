@@ -2,7 +2,7 @@
 one rank and sent to the others; `LoadResult` says what each rank read and received.
 
 Plain replicated state here (every rank saves and loads the same tensors and objects); the
-parallel layouts (DDP, HSDP, FSDP2+TP) on local disk and S3 are in tests/elastic/test_read_once.py.
+parallel layouts (DDP, HSDP, FSDP2+TP) on local disk and S3 are in tests/elastic/test_read_once_layouts.py.
 """
 
 from __future__ import annotations
