@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import time
 import traceback
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -69,12 +69,33 @@ def _flag_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def agree(fn: Callable[[], T], group=None) -> T:
+class Ballot(Protocol):
+    """Numbers every rank puts into an agreement round: `votes` (as many on every rank, set
+    by `fn`) are reduced with MAX in the round's one all_reduce and handed to `counted`."""
+
+    votes: list[int]
+
+    def counted(self, reduced: list[int]) -> None: ...
+
+
+def agree(fn: Callable[[], T], group=None, ballot: Ballot | None = None) -> T:
     """Run `fn` on every rank; if it raised on any rank, raise on every rank.
 
     Every rank raises a CheckpointError: the failing rank its own (chained to the original
-    exception), the others the first failing rank's, which names that rank.
+    exception), the others the first failing rank's, which names that rank. `ballot`'s votes
+    ride in the same all_reduce (no extra round); it is counted only if nobody failed.
     """
+    return _agree(fn, group, ballot, None)[0]
+
+
+def agree_sharing(fn: Callable[[], T], values: Sequence[int], group=None) -> tuple[T, list[list[int]]]:
+    """`agree`, whose one collective also gathers `values` (as many ints on every rank) from
+    every rank: figures the ranks report together once they agree (a load's bytes read), for
+    no round of their own. Returns fn's result and every rank's values, by rank."""
+    return _agree(fn, group, None, [int(v) for v in values])
+
+
+def _agree(fn: Callable[[], T], group, ballot: Ballot | None, values: list[int] | None) -> tuple[T, list[list[int]]]:
     result: Any = None
     local_error: BaseException | None = None
     try:
@@ -84,13 +105,32 @@ def agree(fn: Callable[[], T], group=None) -> T:
             raise
         local_error = exc
     if not is_distributed():
-        return result
-    # The common case, nobody failed, costs one tiny all_reduce; the errors themselves are
-    # gathered (two more rounds: sizes, then payloads) only when some rank failed.
-    failed = torch.tensor([0 if local_error is None else 1], dtype=torch.int32, device=_flag_device(group))
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if not failed.item():
-        return result
+        if ballot is not None:
+            ballot.counted(list(ballot.votes))
+        return result, [list(values or [])]
+    # The common case, nobody failed, costs one tiny all_reduce (an all_gather when values are
+    # shared); the errors themselves are gathered (two more rounds: sizes, then payloads) only
+    # when some rank failed.
+    flag = 0 if local_error is None else 1
+    device = _flag_device(group)
+    rows: list[list[int]] = []
+    if values is None:
+        votes = [] if ballot is None else list(ballot.votes)
+        dtype = torch.int32 if ballot is None else torch.int64
+        failed = torch.tensor([flag, *votes], dtype=dtype, device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+        any_failed = bool(failed[0].item())
+        if not any_failed and ballot is not None:
+            ballot.counted(failed[1:].tolist())
+    else:
+        mine = torch.tensor([flag, *values], dtype=torch.int64, device=device)
+        gathered_rows = [torch.empty_like(mine) for _ in range(get_world_size(group))]
+        dist.all_gather(gathered_rows, mine, group=group)
+        rows = [row.tolist() for row in gathered_rows]
+        any_failed = any(row[0] for row in rows)
+        rows = [row[1:] for row in rows]
+    if not any_failed:
+        return result, rows
     portable = None if local_error is None else portable_error(local_error, dist.get_rank())
     gathered: list[Any] = [None] * get_world_size(group)
     dist.all_gather_object(gathered, portable, group=group)
@@ -101,7 +141,7 @@ def agree(fn: Callable[[], T], group=None) -> T:
     for err in gathered:
         if err is not None:
             raise err
-    return result
+    return result, rows
 
 
 def agreement(group=None) -> Callable[[Callable[[], Any]], Any] | None:

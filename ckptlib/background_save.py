@@ -49,7 +49,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import _dist
+from . import _dist, writer_process
 from .errors import CheckpointError
 from .teardown import exit_barrier
 
@@ -58,7 +58,7 @@ __all__ = ["AsyncSave", "release_staging"]
 _lock = threading.Lock()
 _groups: dict[Any, Any] = {}  # caller's group (None: default) -> dedicated gloo group
 _inflight: dict[Any, "AsyncSave"] = {}  # caller's group -> the save in flight on it
-_staging: dict[Any, dict[str, torch.Tensor]] = {}  # caller's group -> staged buffers by key path
+_staging: dict[Any, "StagingPool"] = {}  # (caller's group, shared) -> staged buffers by key path
 _all: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()
 
 
@@ -215,18 +215,62 @@ def register(group, handle: AsyncSave) -> None:
 # --------------------------------------------------------------------------- staging
 
 
-def _staged_tensor(key: str, value: torch.Tensor, pool: dict[str, torch.Tensor], used: dict[str, torch.Tensor]):
+class StagingPool(dict):
+    """Staging buffers by key path, reused by the next save of a tensor of the same shape and
+    dtype. Plain memory, or with an `arena` shared memory a writer process maps
+    (`staging_arena`); `grow` is how much a new arena segment takes (what is left to allocate)."""
+
+    def __init__(self, arena=None):
+        super().__init__()
+        self.arena = arena
+        self.grow = 0
+
+    def allocate(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        if self.arena is None:
+            return torch.empty(shape, dtype=dtype)
+        buf = self.arena.tensor(shape, dtype, grow=self.grow)
+        self.grow = max(0, self.grow - _padded(buf.numel() * buf.element_size()))
+        return buf
+
+    def prepare(self, leaves: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+        """Before staging a state whose tensors are `leaves` (key path -> shape, dtype): give
+        back the buffers it will not reuse first, so the new ones can take their place, and
+        size the growth to what is left to allocate."""
+        if self.arena is None:
+            return
+        for key in [k for k, buf in self.items() if leaves.get(k) != (buf.shape, buf.dtype)]:
+            self.arena.release(self.pop(key))
+        self.arena.trim()
+        self.grow = sum(
+            _padded(shape.numel() * dtype.itemsize) for k, (shape, dtype) in leaves.items() if k not in self
+        )
+
+    def release_unused(self, used: "StagingPool") -> None:
+        """Give back the buffers of this (previous) pool that `used` no longer holds."""
+        if self.arena is None:
+            return
+        for key, buf in self.items():
+            if used.get(key) is not buf:
+                self.arena.release(buf)
+        self.arena.trim()
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
+def _staged_tensor(key: str, value: torch.Tensor, pool: StagingPool, used: StagingPool):
     """A CPU copy of `value` in a reused buffer when the pool has one of the same shape and dtype."""
     value = value.detach()
     buf = pool.get(key)
     if buf is None or buf.shape != value.shape or buf.dtype != value.dtype or buf.layout != value.layout:
-        buf = torch.empty(value.shape, dtype=value.dtype)
+        buf = pool.allocate(value.shape, value.dtype)
     buf.copy_(value)
     used[key] = buf
     return buf
 
 
-def _stage(obj: Any, path: str, pool: dict[str, torch.Tensor], used: dict[str, torch.Tensor]) -> Any:
+def _stage(obj: Any, path: str, pool: StagingPool, used: StagingPool) -> Any:
     dtensor_cls = _dtensor_cls()
     if dtensor_cls is not None and isinstance(obj, dtensor_cls):
         local = obj.to_local()
@@ -235,6 +279,10 @@ def _stage(obj: Any, path: str, pool: dict[str, torch.Tensor], used: dict[str, t
             return dtensor_cls.from_local(
                 staged, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
             )
+        if pool.arena is not None and local.layout == torch.strided:  # straight into shared (pinned) memory
+            from ._torch import host_memory
+
+            return host_memory.dtensor_over(_staged_tensor(path, local, pool, used), obj)
         return obj.detach().to("cpu")  # the device-to-host copy is the staging copy
     if isinstance(obj, torch.Tensor):
         if obj.layout != torch.strided:
@@ -249,29 +297,66 @@ def _stage(obj: Any, path: str, pool: dict[str, torch.Tensor], used: dict[str, t
     return copy.deepcopy(obj)  # plain values: a snapshot, so later changes do not leak in
 
 
+def _leaves(obj: Any, path: str, out: dict[str, tuple[torch.Size, torch.dtype]]) -> dict:
+    """The (shape, dtype) of every tensor `_stage` would copy into a buffer, by its key path."""
+    dtensor_cls = _dtensor_cls()
+    if dtensor_cls is not None and isinstance(obj, dtensor_cls):
+        obj = obj.to_local()
+    if isinstance(obj, torch.Tensor):
+        if obj.layout == torch.strided:
+            out[path] = (obj.shape, obj.dtype)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _leaves(v, f"{path}.{k}", out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _leaves(v, f"{path}[{i}]", out)
+    return out
+
+
 def _dtensor_cls():
     from ._torch import probes
 
     return probes.dtensor_cls()
 
 
-def stage(state_dict: dict[str, Any], group=None) -> dict[str, Any]:
-    """A CPU snapshot of `state_dict` (DTensors stay DTensors over the same mesh)."""
-    key = _group_key(group)
+def stage(state_dict: dict[str, Any], group=None, arena=None) -> dict[str, Any]:
+    """A CPU snapshot of `state_dict` (DTensors stay DTensors over the same mesh), in buffers
+    kept for the next save of `group`; in `arena`'s shared memory when one is given."""
+    key = (_group_key(group), arena is not None)  # a pool per group and async_mode
     with _lock:
-        pool = _staging.pop(key, {})
-    used: dict[str, torch.Tensor] = {}
-    staged = _stage(state_dict, "", pool, used)
+        pool = _staging.pop(key, None)
+    if pool is None or pool.arena is not arena:  # first save, or a new writer process: fresh buffers
+        if pool is not None:
+            pool.release_unused(StagingPool())
+        pool = StagingPool(arena)
+    used = StagingPool(arena)
+    if arena is not None:
+        pool.prepare(_leaves(state_dict, "", {}))
+    try:
+        staged = _stage(state_dict, "", pool, used)
+    except BaseException:
+        used.release_unused(pool)  # what this attempt allocated (and the pool does not hold)
+        with _lock:
+            _staging[key] = pool
+        raise
+    pool.release_unused(used)
     with _lock:
         _staging[key] = used
     return staged
 
 
-def release_staging() -> None:
-    """Free the staging buffers kept for the next async save (after waiting for saves in flight)."""
+def release_staging(*, shared_only: bool = False) -> None:
+    """Free the staging buffers kept for the next async save (after waiting for saves in
+    flight), and stop the writer process of async_mode="process" saves if one runs.
+    `shared_only`: only the shared-memory buffers (`CheckpointManager.close()`)."""
     _wait_all()
     with _lock:
-        _staging.clear()
+        keys = [key for key, pool in _staging.items() if pool.arena is not None or not shared_only]
+        pools = [_staging.pop(key) for key in keys]
+    for pool in pools:
+        pool.release_unused(StagingPool())
+    writer_process.shutdown()
 
 
 # --------------------------------------------------------------------------- exit
@@ -293,6 +378,7 @@ def _wait_at_exit() -> None:
         for handle in pending:
             if handle._error is not None and not handle._observed:
                 print(f"ckptlib: async save to {handle.uri} failed: {handle._error}", file=sys.stderr)
+    writer_process.shutdown()  # async_mode="process": its writer exits with it (it would anyway, a moment later)
     if not _dist.is_distributed():
         return
     # A background save's last collective may still be in flight on a peer: the ranks of

@@ -55,6 +55,31 @@ class NotARegularFileError(CheckpointCorruptError):
     read block forever (a FIFO) or never end (/dev/zero)."""
 
 
+class CopiesExhaustedError(CheckpointCorruptError):
+    """Every copy of a checkpoint file that a load tried (its own node's, a peer's replica, the
+    remote: `ckptlib.format.copies`) is missing, short or damaged. `file` is the file's name;
+    `tried` lists (label, uri, problem) for each copy tried, across every rank that tried one."""
+
+    def __init__(self, message: str, *, file: str, tried=(), path: str | None = None, rank: int | None = None):
+        super().__init__(message, path=path, rank=rank)
+        self.file = file
+        self.tried = [tuple(t) for t in tried]
+
+
+class CopiesMissingError(CopiesExhaustedError, CheckpointNotFoundError):
+    """CopiesExhaustedError where no copy tried holds the file at all (none is damaged)."""
+
+
+class NoCopyError(CheckpointNotFoundError):
+    """No rank of a load holds a copy of a file that some rank needs (`ckptlib.format.copies`):
+    names the file and the ranks that need it."""
+
+
+class CopyFallbackWarning(UserWarning):
+    """A copy of a checkpoint file was missing, short or damaged; the load read the file's items
+    from the next copy (both named)."""
+
+
 class CheckpointExistsError(CheckpointError):
     """Refusing to overwrite a committed checkpoint."""
 
@@ -129,6 +154,11 @@ class UnsupportedError(CheckpointError):
 
 class LockedError(CheckpointError):
     """Another writer holds the checkpoint root."""
+
+
+class WriterProcessError(CheckpointError):
+    """The writer process of an async save with async_mode="process" died (or never became
+    ready) while it wrote this rank's shard; the save failed and the next one starts a new one."""
 
 
 def stacklevel_outside_ckptlib() -> int:

@@ -5,7 +5,12 @@ every rank then computes its own checks (the entries to load, the state dicts to
 the keys, shapes and dtypes against the checkpoint's) and the ranks agree once on the
 outcome, so a failure on any rank is raised on every rank, never a hang; then DCP loads and
 the state's `load_state_dict`s apply the values (agreeing again before any step that may run
-collectives of its own).
+collectives of its own; the last agreement also gathers every rank's bytes read).
+
+Reads (`ckptlib.format.read_schedule`): an item several ranks need (replicated state) is read
+from storage by one rank and sent to the others over the process group (`read_exchange`);
+`copies=`/`info=` let a load read each file from the nearest intact copy (the contract, for
+the cluster tier, is `ckptlib.format.copies`'s docstring).
 """
 
 from __future__ import annotations
@@ -18,12 +23,12 @@ from typing import Any, Mapping, Sequence
 
 import torch.distributed.checkpoint as dcp
 
-from . import _dist, presets
+from . import _dist, presets, read_exchange
 from ._torch import dcp_shims
 from .errors import CastWarning, MissingKeysError, stacklevel_outside_ckptlib
-from .format import CheckpointInfo, SafeLoadPlanner
+from .format import CheckpointInfo, CkptReader, SafeLoadPlanner
+from .format.copies import Copies, as_copies, default_label, info_from_bytes, open_from_copies
 from .format.source import inspect_checkpoint, open_reader
-from .format.transaction import unwrap_dcp_error
 from .gc_pause import gc_paused
 from .load_checks import check_request, checkpoint_size, describe_casts
 from .load_keys import KeyRequest, Rename, build_request, select_entries
@@ -35,7 +40,11 @@ from .storage import Storage, as_storage
 @dataclasses.dataclass
 class LoadResult:
     """What a load restored: the checkpoint's step, saved world size, user metadata, and the
-    keys a non-strict load skipped because the checkpoint lacks them."""
+    keys a non-strict load skipped because the checkpoint lacks them; and what it read: the
+    shard-file bytes this rank and each rank read from storage, those bytes by copy label
+    ("local", "replica", "remote"; summed over ranks), the bytes this rank received from other
+    ranks instead, and the bytes the load needed (every stored item any rank's plan reads,
+    once). Read once: sum(storage_bytes_read_by_rank) is about bytes_needed, not N times it."""
 
     uri: str
     step: int | None
@@ -48,6 +57,11 @@ class LoadResult:
     bytes: int | None = None  # the checkpoint's size (its files; tensor bytes for foreign formats)
     seconds: float = 0.0
     load_world_size: int = 1  # the world size that loaded it
+    storage_bytes_read: int = 0  # shard-file bytes this rank read from storage
+    storage_bytes_read_by_rank: list[int] = dataclasses.field(default_factory=list)
+    bytes_by_source: dict[str, int] = dataclasses.field(default_factory=dict)  # per copy label, all ranks
+    bytes_received: int = 0  # item bytes this rank received from other ranks
+    bytes_needed: int | None = None  # the distinct stored items the load read (None: foreign formats)
 
     @property
     def mib_per_s(self) -> float | None:
@@ -67,6 +81,9 @@ def load(
     ignore_keys: Sequence[str] | None = None,
     rename: Rename | None = None,
     preset: str | presets.Preset | None = None,
+    copies: Copies | Sequence | Mapping | None = None,
+    info: CheckpointInfo | tuple[bytes | None, bytes] | None = None,
+    read_once: bool = True,
 ) -> LoadResult:
     """Load a checkpoint into `state` in place, at any world size; return what was loaded.
 
@@ -88,6 +105,12 @@ def load(
     plain-data objects it saves need no `trusted=True`, and its progress (Composer's
     timestamp, Lightning's meta.pt, torchtitan's train_state) is `LoadResult.step` and
     `LoadResult.metadata`.
+
+    Reads: `copies` (this rank's copies of the checkpoint, each file read from the first that
+    holds it intact) and `info` (its manifest and `.metadata`, already read): the cluster
+    tier's entry point, see `ckptlib.format.copies`. `read_once=False` lets every rank read
+    what it needs itself, as plain DCP does (by default an item several ranks need is read by
+    one of them and sent to the others).
     """
     started = time.perf_counter()
     storage = as_storage(uri)
@@ -104,6 +127,9 @@ def load(
             only=only,
             ignore_keys=ignore_keys,
             rename=rename,
+            copies=copies,
+            info=info,
+            read_once=read_once,
         )
     with _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri), gc_paused():
         return _load(
@@ -117,6 +143,9 @@ def load(
             only=only,
             ignore_keys=ignore_keys,
             rename=rename,
+            copies=copies,
+            given_info=info,
+            read_once=read_once,
             started=started,
         )
 
@@ -239,22 +268,42 @@ def _load(
     only: Sequence[str] | None,
     ignore_keys: Sequence[str] | None,
     rename: Rename | None,
+    copies,
+    given_info,
+    read_once: bool,
     started: float,
 ) -> LoadResult:
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
-    info = _dist.decide_on_rank0(lambda: inspect_checkpoint(storage, verify=verify, trusted=trusted), group)
-    request = _dist.agree(
-        lambda: _prepare_request(
-            state,
-            info,
-            rank=rank,
-            world=world,
-            strict=strict,
-            cast=cast,
-            only=only,
-            ignore_keys=ignore_keys,
-            rename=rename,
-            group=group,
+
+    def own_copies() -> Copies | None:  # checked on rank 0 in the inspection, on the others in the checks' round
+        return None if copies is None else as_copies(copies, storage)
+
+    def inspect() -> CheckpointInfo:
+        copy_set = own_copies()
+        if isinstance(given_info, tuple):
+            return info_from_bytes(storage.uri, *given_info, verify=verify)
+        if given_info is not None:
+            return given_info
+        if copy_set is not None:
+            return open_from_copies(copy_set, verify=verify)
+        return inspect_checkpoint(storage, verify=verify, trusted=trusted)
+
+    info = _dist.decide_on_rank0(inspect, group)
+    request, copy_set = _dist.agree(
+        lambda: (
+            _prepare_request(
+                state,
+                info,
+                rank=rank,
+                world=world,
+                strict=strict,
+                cast=cast,
+                only=only,
+                ignore_keys=ignore_keys,
+                rename=rename,
+                group=group,
+            ),
+            own_copies(),
         ),
         group,
     )
@@ -275,14 +324,21 @@ def _load(
         shown = ", ".join(f"{key} from {source}" for key, source in sorted(request.aliased.items())[:20])
         notes.append(f"tied tensors the checkpoint holds under another name were loaded through it: {shown}")
 
-    reader, _ = open_reader(storage, info=info, verify=verify, trusted=trusted)
-    # Every other key was checked above, so a partial load skips only the kept and the aliased ones.
-    planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict or bool(request.kept or request.aliased))
-    try:
-        with dcp_shims.quiet_single_process():
-            dcp.load(request.template, storage_reader=reader, planner=planner, process_group=group)
-    except dcp_shims.checkpoint_exception_cls() as exc:
-        raise unwrap_dcp_error(exc) from exc
+    reader, _ = open_reader(storage, info=info, verify=verify, trusted=trusted, copies=copy_set)
+    if isinstance(reader, CkptReader):
+        read_exchange.prepare(reader, group, read_once=read_once)  # collective on a group's first load
+    while True:  # again only when copies failed and others remain (read_exchange.exclude_failed)
+        # Every other key was checked above, so a partial load skips only the kept and the aliased ones.
+        planner = SafeLoadPlanner(
+            trusted=trusted, allow_partial_load=not strict or bool(request.kept or request.aliased)
+        )
+        try:
+            with dcp_shims.quiet_single_process():
+                dcp.load(request.template, storage_reader=reader, planner=planner, process_group=group)
+            break
+        except dcp_shims.checkpoint_exception_cls() as exc:
+            if not (isinstance(reader, CkptReader) and read_exchange.exclude_failed(reader, exc, world)):
+                raise read_exchange.load_failure(exc) from exc
 
     selected = request.selected
 
@@ -292,8 +348,20 @@ def _load(
                 if state[name] is not value:
                     state[name] = value  # type: ignore[index]
 
-    # ends in an agreement (give_back is a local step): raises on every rank or on none
-    steps = CollectiveSteps(_dist.agreement(group))
+    role = getattr(reader, "role", None)
+    labels = role.labels if role is not None else ()
+    own = getattr(reader, "bytes_by_source", {})
+    mine = [reader.bytes_read, getattr(reader, "bytes_received", 0), *(own.get(label, 0) for label in labels)]
+    shared = [mine]
+
+    def agree_and_share(fn):
+        result, rows = _dist.agree_sharing(fn, mine, group)
+        shared[:] = rows
+        return result
+
+    # ends in an agreement (give_back is a local step): raises on every rank or on none; its
+    # collective also gathers every rank's bytes read
+    steps = CollectiveSteps(agree_and_share if _dist.is_distributed() else None)
     if request.keyed is not None:
         steps.local(request.keyed.copy_back)
     apply_all(request.target, steps)
@@ -311,6 +379,11 @@ def _load(
         bytes=checkpoint_size(info),
         seconds=time.perf_counter() - started,
         load_world_size=world,
+        storage_bytes_read=reader.bytes_read,
+        storage_bytes_read_by_rank=[row[0] for row in shared],
+        bytes_by_source=_by_source(shared, labels, storage),
+        bytes_received=mine[1],
+        bytes_needed=role.bytes_needed if role is not None else None,
     )
     log_operation(
         "load",
@@ -323,6 +396,15 @@ def _load(
         rank=rank,
     )
     return result
+
+
+def _by_source(rows: list[list[int]], labels: Sequence[str], storage) -> dict[str, int]:
+    """Bytes read per copy label, summed over ranks (a foreign format's: its one source's)."""
+    if not labels:
+        total = sum(row[0] for row in rows)
+        return {default_label(storage): total} if total else {}
+    sums = {label: sum(row[2 + i] for row in rows) for i, label in enumerate(labels)}
+    return {label: n for label, n in sums.items() if n}
 
 
 __all__ = ["LoadResult", "load"]

@@ -27,10 +27,11 @@ import time
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
-from . import _dist
+from . import _dist, background_save, writer_process
 from . import save_policy as _save_policy
 from .collection import ForeignFilesWarning, collect
 from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError, stacklevel_outside_ckptlib
+from .format.plan_cache import PlanCache
 from .loading import LoadResult, load
 from .lock import LOCK_NAME, LockHolder, RootLock, StaleLockWarning
 from .observe import log_operation
@@ -75,6 +76,7 @@ class CheckpointManager:
         hold_lock: bool = False,
         async_save: bool = False,
         background_staging: bool = False,
+        async_mode: str = "thread",
     ):
         """`hold_lock=False`: the root is locked during each save and gc. `hold_lock=True`: the
         first save or gc takes the lock and keeps it until `close()` (or the end of a `with`
@@ -87,7 +89,8 @@ class CheckpointManager:
         moves `latest`. At interpreter exit the save in flight is waited for before the lock
         is released. `background_staging=True` (with `async_save=True`): `save()` returns
         before the state is copied; call the handle's `wait_staged()` before changing the
-        state (see `ckptlib.save`).
+        state (see `ckptlib.save`). `async_mode="process"`: the shards are written by a writer
+        process per rank, from shared memory (`ckptlib.async_save`), started here; `close()` stops it.
 
         `retention`: a policy from `ckptlib.retention` (`KeepLast(3) | KeepBest(2, "loss")`);
         `keep_last=N` is short for `KeepLast(N)`. `save_policy` (`ckptlib.save_policy`) decides
@@ -98,6 +101,10 @@ class CheckpointManager:
         names the state entries to take from it."""
         if background_staging and not async_save:
             raise StateError("background_staging=True needs async_save=True")
+        if async_mode not in ("thread", "process"):
+            raise StateError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
+        if async_mode == "process" and not async_save:
+            raise StateError("async_mode='process' needs async_save=True")
         if keep_last is not None and retention is not None:
             raise StateError("pass keep_last or retention, not both (combine policies with |)")
         if save_policy is not None and not isinstance(save_policy, SavePolicy):
@@ -121,8 +128,12 @@ class CheckpointManager:
         self.hold_lock = hold_lock
         self.async_save = async_save
         self.background_staging = background_staging
+        self.async_mode = async_mode
+        if async_mode == "process" and writer_process.check_mode(async_mode) == "process":
+            writer_process.writer()  # it imports torch while the training sets up, not at the first save
         self._lock = RootLock(self.storage)
         self._pending = None  # the AsyncSave in flight (async_save=True)
+        self._plan_cache = PlanCache()  # this manager's saves reuse their plans (format.plan_cache)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root_uri!r})"
@@ -134,13 +145,16 @@ class CheckpointManager:
         self.close()
 
     def close(self) -> None:
-        """Wait for an async save in flight (raising its failure), then release the root's lock
-        if this manager holds it (rank 0; no collective)."""
+        """Wait for an async save in flight (raising its failure), stop the writer process
+        (async_mode="process"), then release the root's lock if this manager holds it (rank 0;
+        no collective)."""
         try:
             self.wait()
         finally:
             if self._watcher is not None:
                 self._watcher.close()
+            if self.async_mode == "process":
+                background_save.release_staging(shared_only=True)  # the writer process and its memory
             self._lock.release()
 
     # -- async saves --------------------------------------------------------------------
@@ -325,8 +339,10 @@ class CheckpointManager:
                 group=self.process_group,
                 asynchronous=self.async_save,
                 background_staging=self.background_staging,
+                async_mode=self.async_mode,
                 after_commit=lambda: self._publish(step),
                 on_failure=self._drop_lock_after_failure,
+                plan_cache=self._plan_cache,
             )
         except BaseException:
             self._drop_lock_after_failure()

@@ -19,11 +19,13 @@ from typing import Any, Callable, Mapping
 
 import torch.distributed.checkpoint as dcp
 
-from . import _dist, background_save
+from . import _dist, background_save, writer_process
 from ._torch import dcp_shims
 from .background_save import AsyncSave
 from .format import CkptSavePlanner
+from .format import plan_cache as plan_caches
 from .format.manifest import check_metadata_json, check_metrics
+from .format.plan_cache import PlanCache, PlanReuse
 from .format.transaction import SaveTransaction
 from .gc_pause import gc_paused
 from .observe import log_operation, mib_per_s
@@ -36,7 +38,12 @@ from .storage import Storage, as_storage
 class SaveResult:
     """What a save committed: its size (every file), the saving world size, how long it took
     (`seconds`, for an async save from the call to the commit) and, for an async save, how
-    long the caller was blocked (`blocked_seconds`; None for a synchronous save)."""
+    long the caller was blocked (`blocked_seconds`; None for a synchronous save).
+
+    Planning: `planning_seconds` is this rank's own planning work (not the collectives'
+    waits), `global_plan_seconds` the coordinator's global plan (the same on every rank), and
+    `plan_reused` whether the save reused the plans of the previous save of the same
+    structure (`ckptlib.format.plan_cache`) instead of planning."""
 
     uri: str
     step: int | None
@@ -44,6 +51,9 @@ class SaveResult:
     total_bytes: int
     seconds: float = 0.0
     blocked_seconds: float | None = None
+    planning_seconds: float | None = None
+    global_plan_seconds: float | None = None
+    plan_reused: bool = False
 
     @property
     def bytes(self) -> int:
@@ -92,10 +102,17 @@ def async_save(
     overwrite: bool = False,
     process_group=None,
     background_staging: bool = False,
+    async_mode: str = "thread",
 ) -> AsyncSave:
     """`save`, returning an `AsyncSave` handle as soon as the state is staged to CPU memory;
     the write and the commit run in a background thread on a dedicated gloo group (see
     `ckptlib.background_save`). `handle.wait()` returns the SaveResult or raises the failure.
+
+    `async_mode="process"`: the state is staged in shared memory and the shard is encoded,
+    checksummed, written and fsynced by a long-lived writer process of this rank, so the
+    write does not compete with the training loop for the GIL; planning and the commit stay
+    in the background thread, failures are raised as in thread mode (`ckptlib.writer_process`).
+    Where it cannot work (no memfd: not Linux) it falls back to "thread" with a RuntimeWarning.
 
     `background_staging=True`: return before the staging copy, which then runs first in the
     background. Nothing may change the state until `handle.wait_staged()` returned: not an
@@ -113,6 +130,7 @@ def async_save(
         group=process_group,
         asynchronous=True,
         background_staging=background_staging,
+        async_mode=async_mode,
     )
 
 
@@ -137,21 +155,36 @@ def transact(
     group,
     asynchronous: bool = False,
     background_staging: bool = False,
+    async_mode: str = "thread",
     after_commit: Callable[[], None] | None = None,
     on_failure: Callable[[], None] | None = None,
+    plan_cache: PlanCache | None = None,
 ) -> SaveResult | AsyncSave:
-    """The one save path: check the arguments and collect the state (one agreement round),
-    then run a SaveTransaction with the hooks (see `format.transaction.SaveTransaction`),
-    now or, `asynchronous`, in the background (an AsyncSave handle; its hooks run there)."""
+    """The one save path: check the arguments and collect the state (one agreement round,
+    which also decides whether the plans of `plan_cache` are reused: by default the
+    module-level cache of this group and storage kind), then run a SaveTransaction with the
+    hooks (see `format.transaction.SaveTransaction`), now or, `asynchronous`, in the
+    background (an AsyncSave handle; its hooks run there), its shards written there or by this
+    rank's writer process (`async_mode="process"`)."""
     started = time.perf_counter()
+    writer = None
     if asynchronous:
+        if writer_process.check_mode(async_mode) == "process":
+            writer = writer_process.writer()  # started now: it imports torch while the state is staged
         background_save.wait_inflight(group)  # one background save per group at a time
         bg_group = background_save.async_group(group)
+    arena = writer.arena if writer is not None else None
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
     stage = asynchronous and not background_staging
+    if plan_cache is None:
+        plan_cache = plan_caches.shared(plan_caches.group_ranks(group), type(storage))
+    reuse = plan_caches.PlanReuse(plan_cache, group)
+    vote = None if background_staging else reuse  # else voted on the staged copy, in the background
     with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
         (user_metadata, user_metrics, step), state_dict = _dist.agree(
-            lambda: _check_and_collect(state, step, metadata, metrics, group, stage=stage), group
+            lambda: _check_and_collect(state, step, metadata, metrics, group, stage=stage, arena=arena, vote=vote),
+            group,
+            ballot=vote,
         )
     transaction = SaveTransaction(
         storage,
@@ -162,9 +195,10 @@ def transact(
         overwrite=overwrite,
         after_commit=after_commit,
         on_failure=on_failure,
+        shard_backend=writer,
     )
     if not asynchronous:
-        result = _write(transaction, state_dict, group)
+        result = _write(transaction, state_dict, group, reuse)
         result.seconds = time.perf_counter() - started
         _log_save(result, rank)
         return result
@@ -173,12 +207,14 @@ def transact(
         nonlocal state_dict
         if background_staging:
             # Every rank learns of a copy that failed on one (on the background's group).
-            state_dict = _dist.agree(lambda: background_save.stage(state_dict, group), bg_group)
+            state_dict = _dist.agree(
+                lambda: _voted(reuse, background_save.stage(state_dict, group, arena)), bg_group, reuse
+            )
             handle.mark_staged()
         # Preparing the target (removing debris) waits for the disk, so it runs in the
         # background too, still before any shard is written; its errors
         # (CheckpointExistsError) come from wait().
-        result = _write(transaction, state_dict, bg_group)
+        result = _write(transaction, state_dict, bg_group, reuse)
         result.seconds = time.perf_counter() - started
         result.blocked_seconds = handle.blocking_seconds
         _log_save(result, rank)
@@ -196,10 +232,19 @@ def transact(
 
 
 def _check_and_collect(
-    state: Mapping[str, Any], step, metadata, metrics, group, *, stage: bool = False
+    state: Mapping[str, Any],
+    step,
+    metadata,
+    metrics,
+    group,
+    *,
+    stage: bool = False,
+    arena=None,
+    vote: PlanReuse | None = None,
 ) -> tuple[tuple[dict[str, Any], dict[str, Any], int | None], dict[str, Any]]:
     """Every check of a save's arguments and the state dict to write (staged to CPU memory
-    when `stage`), run inside one collective round (`_dist.agree`)."""
+    when `stage`), run inside one collective round (`_dist.agree`), where `vote` says
+    whether the state's structure is the one its plan cache holds."""
     # agreed first: a rank failing here must not skip the collective steps the others then take
     user_metadata, checked_metrics, checked_step = _dist.agree(
         lambda: (check_metadata_json(metadata), check_metrics(metrics), None if step is None else check_step(step)),
@@ -207,8 +252,15 @@ def _check_and_collect(
     )
     state_dict = to_save_state_dict(state, rank=_dist.get_rank(group), agree=_dist.agreement(group))
     if stage:
-        state_dict = background_save.stage(state_dict, group)  # the copy the background writes
-    return (user_metadata, checked_metrics, checked_step), state_dict
+        state_dict = background_save.stage(state_dict, group, arena)  # the copy the background writes
+    return (user_metadata, checked_metrics, checked_step), _voted(vote, state_dict)
+
+
+def _voted(reuse: PlanReuse | None, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict`, after `reuse` voted on it (the state DCP will be given, as it is)."""
+    if reuse is not None:
+        reuse.vote(state_dict)
+    return state_dict
 
 
 def _log_save(result: SaveResult, rank: int) -> None:
@@ -229,18 +281,30 @@ def _saving(storage: Storage, step: int | None) -> str:
     return f"save of step {step} to {storage.uri}" if step is not None else f"save to {storage.uri}"
 
 
-def _write(transaction: SaveTransaction, state_dict: dict[str, Any], group) -> SaveResult:
+def _write(transaction: SaveTransaction, state_dict: dict[str, Any], group, reuse: PlanReuse) -> SaveResult:
     """Every rank writes its shard through DCP and `transaction`, which prepares the target
-    before any write and commits after `.metadata`, inside DCP's own collectives."""
+    before any write and commits after `.metadata`, inside DCP's own collectives; `reuse`
+    (its agreement round ran) caches the plans once the save committed."""
     storage, step = transaction.storage, transaction.step
+    planner = CkptSavePlanner(reuse=reuse)
+    transaction.plan_timing = planner.timing
 
     def save(writer) -> Any:
         with dcp_shims.quiet_single_process(), gc_paused():
-            return dcp.save(state_dict, storage_writer=writer, planner=CkptSavePlanner(), process_group=group)
+            return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group)
 
     with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
         total_bytes = transaction.run(save, group)
-    return SaveResult(uri=storage.uri, step=step, world_size=transaction.world_size, total_bytes=total_bytes)
+    reuse.install()
+    return SaveResult(
+        uri=storage.uri,
+        step=step,
+        world_size=transaction.world_size,
+        total_bytes=total_bytes,
+        planning_seconds=planner.timing.planning_s,
+        global_plan_seconds=transaction.global_plan_seconds,
+        plan_reused=reuse.hit,
+    )
 
 
 __all__ = ["SaveResult", "async_save", "save"]

@@ -71,3 +71,14 @@ def test_the_rules_are_not_vacuous():
     ]
     assert problems("import tests.helpers\nfrom helpers.golden import diff\n") == ["line 1: import tests"]
     assert any(_rel(p) == "tests/helpers/golden.py" for p in FILES)
+
+
+def test_no_two_test_modules_share_a_file_name():
+    """tests/ has no __init__.py files, so pytest imports each test module by its file name: two
+    test_x.py in different rooms make the whole run fail to collect."""
+    rooms: dict[str, list[str]] = {}
+    for path in FILES:
+        name = os.path.basename(path)
+        if name.startswith("test_"):
+            rooms.setdefault(name, []).append(_rel(path))
+    assert {name: paths for name, paths in rooms.items() if len(paths) > 1} == {}

@@ -10,5 +10,6 @@ by what they can do. The supported window is torch 2.6 to the newest release.
 - `serialization`: torch.load's defaults and torch.save's zip writer;
 - `c10d`: the default process group's store;
 - `parallel`: FSDP, FSDP2, DTensor and device-mesh gates for the test matrix (`ckptlib.testing`);
-- `report`: `describe()`, every probe's answer (tox prints it, ci/compat_table.py records it).
+- `report`: `describe()`, every probe's answer (tox prints it, ci/compat_table.py records it);
+- `host_memory`: pinning shared staging memory for CUDA copies, a DTensor over a staged local tensor.
 """

@@ -5,6 +5,8 @@
   rank bodies: `local_io`, `reshard_load`, `cloud_sdk` (on the helpers in `rank_ops`); its
   report: `throughput_summary`, `throughput_plot`.
 - `ckpt bench tensors` (`tensor_counts`): save and load time per tensor count against raw DCP.
+- `ckpt bench async` (`async_modes`): a training loop's step time while an async save runs,
+  without a save and in async_mode "thread" and "process".
 - `ckpt bench scale` (`scale`, with `s3_requests`): coordinator planning time and memory and
   record sizes at simulated world sizes; S3 request counts of real saves and loads.
 - `python -m ckptlib.bench.launch_speed` (the distributed test harness against fresh spawns;

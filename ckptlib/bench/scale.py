@@ -1,15 +1,16 @@
 """Coordinator-side cost of a checkpoint at simulated scale, without spawning ranks.
 
-For each (world size, tensor count) it builds what the save and load of a transformer-shaped
-state row-sharded over every rank would build: each rank's SavePlan (one chunk per tensor;
-half the tensors are "wide", more columns than rows like an MLP down-projection, half
-"tall"), the global save plan and Metadata with ckptlib's planner (`CkptSavePlanner`, what
-`ckptlib.save` runs) and, side by side, with DCP's `DefaultSavePlanner`; the pickled
-`.metadata` with one storage record per chunk; ckptlib's manifest (a FileRecord per shard
-file, one item record per chunk); what rank 0 does to open the checkpoint for a load
-(parse the manifest, safely unpickle `.metadata`, check its structure); and one rank's load
-plan (DCP's resharding reads for its chunk of every tensor). Every cell runs in a forked
-child, whose peak RSS over its starting RSS is the coordinator's memory.
+For each (world size, tensor count) it runs, in a forked child, the coordinator's side of two
+saves of a transformer-shaped state row-sharded over every rank, through ckptlib's own code
+(`ckptlib.bench.scale_cell`): the ranks' plans and write results arrive pickled as DCP's
+gathers carry them; the first save plans (`CkptSavePlanner`, and in the same cell DCP's
+`DefaultSavePlanner` for comparison), writes `.metadata` and the manifest; the second save of
+the unchanged state reuses the first one's plans (`format.plan_cache`): its coordinator
+planning against the first's is the "second / first" column. Memory: the child's peak RSS
+over its start during the first save (and per chunk), the Python objects alive at its peak
+(tracemalloc) and what the plan cache keeps between saves. Then rank 0's open for a load
+(`open_checkpoint`: manifest, `.metadata` checked and unpickled, structure check; plus
+pickling what it broadcasts), per chunk, and one rank's load plan.
 
 With --s3 it also counts the S3 requests (LIST, HEAD, GET, PUT, multipart) of a real
 `ckptlib.save` and `ckptlib.load` of a small state at 1, 2 and 4 ranks against a moto
@@ -33,147 +34,15 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import pickle
-import resource
 import sys
-import time
 
-import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-from .._torch import dcp_shims
-from ..format.manifest import FileRecord, Manifest
-from ..format.safe_pickle import safe_loads
-from ..format.save_planner import CkptSavePlanner
-from ..format.structure import structure_problems
 from . import help_description
-
-ROWS_PER_RANK, TALL_COLS = 4, 64  # tall tensors: (world * 4, 64); wide ones: (world * 4, world * 16)
-
-
-def _tensor_names(count: int) -> list[str]:
-    return [f"model.layers.{i // 16}.param{i % 16}.weight" for i in range(count)]
-
-
-def _cols(world: int, index: int) -> int:
-    return world * ROWS_PER_RANK * 4 if index % 2 else TALL_COLS
-
-
-def _chunk(rank: int, cols: int) -> ChunkStorageMetadata:
-    return ChunkStorageMetadata(offsets=torch.Size([rank * ROWS_PER_RANK, 0]), sizes=torch.Size([ROWS_PER_RANK, cols]))
-
-
-def _save_plans(world: int, names: list[str]) -> list[SavePlan]:
-    props = TensorProperties(dtype=torch.float32)
-    sizes = [torch.Size([world * ROWS_PER_RANK, _cols(world, i)]) for i in range(len(names))]
-    plans = []
-    for rank in range(world):
-        items = []
-        for i, name in enumerate(names):
-            chunk = _chunk(rank, sizes[i][1])
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(name, chunk.offsets),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(chunk=chunk, properties=props, size=sizes[i]),
-                )
-            )
-        plans.append(SavePlan(items, planner_data={name: (name,) for name in names}))
-    return plans
-
-
-def _plan_and_write_records(world: int, names: list[str]) -> tuple[bytes, bytes, float]:
-    """Global planning on the coordinator (ckptlib's planner), then the `.metadata` and
-    manifest bytes it writes; also the seconds of the global-plan step alone."""
-    plans = _save_plans(world, names)
-    start = time.perf_counter()
-    global_plans, metadata = CkptSavePlanner().create_global_plan(plans)
-    global_plan_s = time.perf_counter() - start
-    del plans
-    storage_info = dcp_shims.storage_info_cls()
-    storage_data = {}
-    files = {}
-    for rank, plan in enumerate(global_plans):
-        name = f"__{rank}_0.distcp"
-        items = []
-        offset = 0
-        for item in plan.items:
-            length = (
-                800 + ROWS_PER_RANK * item.tensor_data.chunk.sizes[1] * 4
-            )  # a torch.save archive of the chunk, roughly
-            storage_data[item.index] = storage_info(name, offset, length)
-            items.append((offset, length, (rank * 7919 + offset) & 0xFFFFFFFF))
-            offset += length
-        blocks = [(rank + b) & 0xFFFFFFFF for b in range(-(-offset // (1 << 20)))]
-        files[name] = FileRecord(size=offset, crc32=rank, items=items, block_size=1 << 20, blocks=blocks)
-    metadata.storage_data = storage_data
-    return pickle.dumps(metadata), Manifest(world_size=world, files=files).to_bytes(), global_plan_s
-
-
-def _open_for_load(metadata_blob: bytes, manifest_blob: bytes) -> int:
-    """What rank 0 does with the two files before a load (I/O and checksums aside): parse the
-    manifest, safely unpickle `.metadata`, check its structure. Returns the problem count."""
-    manifest = Manifest.from_bytes(manifest_blob, "scale/ckptlib.json")
-    metadata = safe_loads(metadata_blob, "scale/.metadata")
-    return len(structure_problems(metadata, manifest, {}, exhaustive=False))
-
-
-def _load_plan(metadata_blob: bytes, names: list[str], rank: int) -> int:
-    """One rank's reads for its chunk of every tensor (DCP's resharding path); returns the count."""
-    metadata = pickle.loads(metadata_blob)
-    world = len(metadata.state_dict_metadata[names[0]].chunks)
-    return sum(
-        len(create_read_items_for_chunk_list(name, metadata.state_dict_metadata[name], [_chunk(rank, _cols(world, i))]))
-        for i, name in enumerate(names)
-    )
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def _timed(fn, *args):
-    start = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - start
-
-
-def _measure_here(world: int, tensors: int, dcp_max_chunks: int) -> dict:
-    names = _tensor_names(tensors)
-    rss_before = _rss_bytes()
-    (metadata_blob, manifest_blob, global_plan_s), plan_s = _timed(_plan_and_write_records, world, names)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
-    plans_s = {"ckptlib": global_plan_s}
-    if world * tensors <= dcp_max_chunks:
-        dcp_plans = _save_plans(world, names)
-        plans_s["dcp"] = _timed(DefaultSavePlanner().create_global_plan, dcp_plans)[1]
-        del dcp_plans
-    problems, open_s = _timed(_open_for_load, metadata_blob, manifest_blob)
-    assert problems == 0, f"{problems} structure problems in the simulated checkpoint"
-    reads, load_plan_s = _timed(_load_plan, metadata_blob, names, world - 1)
-    return {
-        "world": world,
-        "tensors": tensors,
-        "chunks": world * tensors,
-        "coordinator_plan_s": round(plan_s, 4),
-        "coordinator_peak_mib": round(peak / 2**20, 1),
-        "global_plan_ckptlib_s": round(plans_s["ckptlib"], 4),
-        "global_plan_dcp_s": round(plans_s["dcp"], 4) if "dcp" in plans_s else None,
-        "metadata_bytes": len(metadata_blob),
-        "manifest_bytes": len(manifest_blob),
-        "coordinator_open_s": round(open_s, 4),
-        "rank_load_plan_s": round(load_plan_s, 4),
-        "rank_reads": reads,
-    }
+from .scale_cell import measure_cell
 
 
 def _child(conn, world: int, tensors: int, dcp_max_chunks: int) -> None:
     try:
-        conn.send(_measure_here(world, tensors, dcp_max_chunks))
+        conn.send(measure_cell(world, tensors, dcp_max_chunks))
     except BaseException as exc:  # reported in the row, the grid goes on
         conn.send({"world": world, "tensors": tensors, "error": f"{type(exc).__name__}: {exc}"})
 
@@ -193,32 +62,57 @@ def measure(world: int, tensors: int, dcp_max_chunks: int = 0) -> dict:
     return row
 
 
-PANELS = (  # (title, y label, [(key, label)])
+PANELS = (  # (title, y label, [(key, label)], whether the quantity grows with the chunks)
     (
         "coordinator: save planning",
         "seconds",
         [
-            ("coordinator_plan_s", "plan + .metadata + manifest (ckptlib)"),
-            ("global_plan_ckptlib_s", "global plan, CkptSavePlanner"),
+            ("coordinator_plan_s", "first save: plan + .metadata + manifest"),
+            ("global_plan_ckptlib_s", "first save: global plan, CkptSavePlanner"),
             ("global_plan_dcp_s", "global plan, DCP DefaultSavePlanner"),
+            ("coordinator_plan_cached_s", "second save (plans reused): plan + records"),
         ],
+        True,
     ),
-    ("coordinator: peak memory of the save", "MiB", [("coordinator_peak_mib", "peak RSS over start")]),
-    ("checkpoint records", "bytes", [("metadata_bytes", ".metadata (pickle)"), ("manifest_bytes", "ckptlib.json")]),
+    (
+        "coordinator: memory of a save, per chunk",
+        "bytes",
+        [
+            ("bytes_per_chunk", "peak RSS over start"),
+            ("traced_bytes_per_chunk", "Python objects at the peak (tracemalloc)"),
+            ("cached_bytes_per_chunk", "kept by the plan cache between saves"),
+        ],
+        False,
+    ),
+    (
+        "second save's coordinator planning / first's",
+        "ratio",
+        [("second_over_first", "plans reused / planned")],
+        False,
+    ),
+    (
+        "checkpoint records",
+        "bytes",
+        [("metadata_bytes", ".metadata (pickle)"), ("manifest_bytes", "ckptlib.json")],
+        True,
+    ),
     (
         "load",
         "seconds",
         [
-            ("coordinator_open_s", "rank 0: parse + check both records"),
+            ("coordinator_open_s", "rank 0: open (parse + check + broadcast pickle)"),
             ("rank_load_plan_s", "one rank: its load plan"),
         ],
+        True,
     ),
+    ("rank 0's open for a load, per chunk", "microseconds", [("open_us_per_chunk", "open + broadcast pickle")], False),
 )
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Log-log curves of every measured quantity against chunks (world x tensors), one
-    line and marker per world size, and a dotted O(chunks) line through the smallest point."""
+    """Log-log curves of every measured quantity against chunks (world x tensors), one line and
+    marker per world size; a dotted O(chunks) line through the smallest point of quantities
+    that grow with the chunks."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -227,9 +121,9 @@ def plot(rows: list[dict], path: str) -> None:
     rows = sorted((r for r in rows if "chunks" in r), key=lambda r: r["chunks"])
     worlds = sorted({r["world"] for r in rows})
     markers = dict(zip(worlds, "osD^v<>p*h"))
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
-    for ax, (title, ylabel, series) in zip(axes.flat, PANELS):
-        for (key, label), color in zip(series, ("C0", "C1", "C3")):
+    fig, axes = plt.subplots(2, 3, figsize=(17, 9))
+    for ax, (title, ylabel, series, grows) in zip(axes.flat, PANELS):
+        for (key, label), color in zip(series, ("C0", "C1", "C3", "C2")):
             points = [(r["chunks"], r[key], r["world"]) for r in rows if r.get(key)]
             if not points:
                 continue
@@ -244,9 +138,10 @@ def plot(rows: list[dict], path: str) -> None:
                     lw=0.8,
                     label=label if world == worlds[0] else None,
                 )
-            x0, y0 = points[0][0], points[0][1]
-            xs = [x0, rows[-1]["chunks"]]
-            ax.plot(xs, [y0, y0 * xs[1] / x0], ":", color=color, lw=1)
+            if grows:
+                x0, y0 = points[0][0], points[0][1]
+                xs = [x0, rows[-1]["chunks"]]
+                ax.plot(xs, [y0, y0 * xs[1] / x0], ":", color=color, lw=1)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_title(title)
@@ -260,24 +155,33 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=90)
 
 
+def _g(row: dict, key: str, fmt: str = ".3g") -> str:
+    value = row.get(key)
+    return "-" if value is None else format(value, fmt)
+
+
 def markdown(rows: list[dict]) -> list[str]:
-    """The grid as a markdown table (skipped cells say so)."""
+    """The grid as a markdown table (skipped cells say so; "-": not measured by that run)."""
     out = [
-        "| world | tensors | chunks | coordinator plan s | global plan s: ckptlib / DCP | peak MiB "
-        "| .metadata MB | manifest MB | rank 0 open s | one rank's load plan s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| world | tensors | chunks | coordinator plan s: first / second save | second / first "
+        "| global plan s: ckptlib / DCP | peak MiB | bytes per chunk: RSS / objects / cached "
+        "| .metadata MB | manifest MB | rank 0 open s | open us per chunk | one rank's load plan s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "chunks" not in r:
             why = r.get("skipped") or r.get("error")
-            out.append(f"| {r['world']} | {r['tensors']:,} | {r['world'] * r['tensors']:,} | {why} |||||||")
+            out.append(f"| {r['world']} | {r['tensors']:,} | {r['world'] * r['tensors']:,} | {why} ||||||||||")
             continue
-        dcp = "not run" if r["global_plan_dcp_s"] is None else f"{r['global_plan_dcp_s']:.3g}"
+        dcp = "not run" if r.get("global_plan_dcp_s") is None else f"{r['global_plan_dcp_s']:.3g}"
         out.append(
-            f"| {r['world']} | {r['tensors']:,} | {r['chunks']:,} | {r['coordinator_plan_s']:.3g} "
-            f"| {r['global_plan_ckptlib_s']:.3g} / {dcp} | {r['coordinator_peak_mib']:.0f} "
+            f"| {r['world']} | {r['tensors']:,} | {r['chunks']:,} "
+            f"| {_g(r, 'coordinator_plan_s')} / {_g(r, 'coordinator_plan_cached_s')} | {_g(r, 'second_over_first')} "
+            f"| {_g(r, 'global_plan_ckptlib_s')} / {dcp} | {_g(r, 'coordinator_peak_mib', '.0f')} "
+            f"| {_g(r, 'bytes_per_chunk', ',')} / {_g(r, 'traced_bytes_per_chunk', ',')} "
+            f"/ {_g(r, 'cached_bytes_per_chunk', ',')} "
             f"| {r['metadata_bytes'] / 1e6:.3g} | {r['manifest_bytes'] / 1e6:.3g} "
-            f"| {r['coordinator_open_s']:.3g} | {r['rank_load_plan_s']:.3g} |"
+            f"| {_g(r, 'coordinator_open_s')} | {_g(r, 'open_us_per_chunk')} | {_g(r, 'rank_load_plan_s')} |"
         )
     return out
 

@@ -6,8 +6,11 @@ root, a storage error), 2 usage errors or a path that is not what the command ne
 checkpoint there). User errors print one line, never a traceback.
 
 One module per command family: `validate_cmd` (validate), `inspect_cmds` (verify, inspect,
-ls), `gc_cmds` (gc, unlock), `convert_cmds` (convert, export), `bench_cmd` (bench, which runs
-`ckptlib.bench`); `parser` assembles them and `usage` holds what they share.
+ls), `plan_cmd` (plan: a resharded load's reads, from metadata), `diff_cmd` (diff), `gc_cmds`
+(gc, unlock), `convert_cmds` (convert, export), `bench_cmd` (bench, which runs
+`ckptlib.bench`); `parser` assembles them and `usage` holds what they share. `plan` and
+`diff` exit 2 on every error (a CheckpointError), since their 1 means "does not fit" and
+"differs".
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except CheckpointError as exc:
         print(f"ckpt {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_FAIL
+        return getattr(args, "error_exit", EXIT_FAIL)  # plan and diff: 2 (their 1 means "differs")
     except OSError as exc:  # e.g. permission denied reading a file
         print(f"ckpt {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_FAIL
+        return getattr(args, "error_exit", EXIT_FAIL)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
 

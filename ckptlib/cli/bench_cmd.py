@@ -12,7 +12,8 @@ from .usage import add_command
 
 DESCRIPTION = """
 Benchmarks that measure ckptlib side by side with its baselines in one run; every one has its
-own options (`ckpt bench --help`, `ckpt bench scale --help`, `ckpt bench tensors --help`):
+own options (`ckpt bench --help`, `ckpt bench scale --help`, `ckpt bench tensors --help`,
+`ckpt bench async --help`, `ckpt bench read-once --help`):
 
 - ckpt bench [--quick] [--json [OUT]] [--plot OUT.png] ...: save, load (page cache and cold),
   resharded load, peak RSS per rank, async save and the cloud backends (on emulators on
@@ -20,6 +21,10 @@ own options (`ckpt bench --help`, `ckpt bench scale --help`, `ckpt bench tensors
 - ckpt bench scale [--s3]: planning time and memory, .metadata and manifest sizes at simulated
   world sizes; no ranks spawned; --s3 adds the S3 request counts of real saves and loads on moto.
 - ckpt bench tensors: save and load of 16 to 10,000 small tensors against raw DCP.
+- ckpt bench async: a CPU-bound training loop's step time while an async save runs, without a
+  save and with async_mode="thread" and "process", interleaved in one run.
+- ckpt bench read-once: storage bytes read (all ranks) and time of DDP and HSDP loads with
+  read-once against every rank reading for itself.
 
 Scratch checkpoints go to a temporary directory that is removed. The tables go to stdout
 (with --json and no file: the JSON report to stdout, the tables to stderr).
@@ -40,7 +45,7 @@ def add_parser(commands) -> None:
 
 
 def run_bench(bench_args: list[str]) -> int:
-    """`ckpt bench [scale | tensors] ARGS...`: the benchmark's own exit code."""
+    """`ckpt bench [scale | tensors | async | read-once] ARGS...`: the benchmark's own exit code."""
     with report_stdout():
         if bench_args[:1] == ["scale"]:
             from ..bench import scale
@@ -50,6 +55,14 @@ def run_bench(bench_args: list[str]) -> int:
             from ..bench import tensor_counts
 
             return tensor_counts.main(bench_args[1:])
+        if bench_args[:1] == ["async"]:
+            from ..bench import async_modes
+
+            return async_modes.main(bench_args[1:])
+        if bench_args[:1] == ["read-once"]:
+            from ..bench import read_once
+
+            return read_once.main(bench_args[1:])
         from ..bench import throughput
 
         return throughput.main(bench_args)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from . import bench_cmd, convert_cmds, gc_cmds, inspect_cmds, validate_cmd
+from . import bench_cmd, convert_cmds, diff_cmd, gc_cmds, inspect_cmds, plan_cmd, validate_cmd
 from .usage import HelpFormatter
 
-DESCRIPTION = "Elastic sharded checkpoints for PyTorch: validate a setup; verify, inspect and manage checkpoints."
+DESCRIPTION = (
+    "Elastic sharded checkpoints for PyTorch: validate a setup or your own training job; verify, inspect, plan a "
+    "resharded load of, compare and manage checkpoints."
+)
 
 EPILOG = """
 A URI is a local path, file:///path, s3://bucket/prefix, gs://bucket/prefix or
@@ -16,9 +19,11 @@ checkpoint is one saved directory; a checkpoint root is a CheckpointManager's di
 step directories.
 
 Exit status: 0 success; 1 a check failed (a failing validate pair, a damaged checkpoint, a root
-locked by another writer, a storage or I/O error); 2 a usage error or a path that is not what
-the command needs (no checkpoint there); 130 interrupted. Errors are one line on stderr
-("ckpt COMMAND: error: ..."), never a traceback. `ckpt COMMAND --help` describes each command.
+locked by another writer, a storage or I/O error, two checkpoints that differ, a load plan that
+does not fit); 2 a usage error or a path that is not what the command needs (no checkpoint
+there), and every error of `plan` and `diff`; 130 interrupted. Errors are one line on stderr
+("ckpt COMMAND: error: ..."), never a traceback (a --spec whose own code failed adds its
+traceback). `ckpt COMMAND --help` describes each command.
 """
 
 
@@ -27,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     validate_cmd.add_parser(commands)
     inspect_cmds.add_parsers(commands)
+    plan_cmd.add_parser(commands)
+    diff_cmd.add_parser(commands)
     gc_cmds.add_gc_parser(commands)
     convert_cmds.add_parsers(commands)
     gc_cmds.add_unlock_parser(commands)

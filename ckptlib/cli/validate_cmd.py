@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 
-from .usage import EXIT_FAIL, EXIT_OK, UsageError, add_command, add_no_progress, show_progress
+from .usage import EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError, add_command, add_no_progress, show_progress
 
 DESCRIPTION = """
 Run the save-at-N/load-at-M round trip (train, save, load, compare bit-exactly, train one more
@@ -22,6 +22,15 @@ With --layouts, the pairs are (layout A at N ranks) saved and (layout B at M ran
 e.g. a run trained with FSDP2 x TP resuming with FSDP2 on fewer ranks; a small transformer
 is trained, and every pair names its save and load layout.
 
+With --spec pkg.module:NAME (or path/to/file.py:NAME, or a module or file alone), the pairs
+run YOUR training job: its model, optimizers, LR schedulers, per-rank state (ckptlib.RankLocal,
+e.g. RNG) and data loaders, from the spec's factory functions (build_model(seed) required;
+build_optimizers, build_schedulers, build_state, train_step or loss, fsdp_units, tp_plan;
+see docs/layouts.md). Every part must come back bit-exactly, per-rank state as its resize
+policy says, and one more training step must equal a run that got the saved state without a
+checkpoint. The layouts are --layouts, else the spec's LAYOUTS, else fsdp2. An exception in
+the spec's own functions stops the run with exit status 2 and the failing rank's traceback.
+
 Writes the test checkpoints under --root, in a directory ckpt-validate-<id> of its own, and
 removes that directory at the end. Prints the matrix (rows: saved at N; columns: loaded at M;
 pass/FAIL and seconds per cell, then each failing pair's reason) and "all pairs passed" or
@@ -29,7 +38,8 @@ pass/FAIL and seconds per cell, then each failing pair's reason) and "all pairs 
 world_sizes, layouts, cells). Under torchrun only rank 0 prints.
 
 Exit status: 0 every pair passed; 1 a pair failed, a rank crashed, or the local run outlasted
---timeout (the reason goes to stderr); 2 usage error.
+--timeout (the reason goes to stderr); 2 usage error, or a --spec that does not import or whose
+functions raised (SpecError: the rank and the traceback go to stderr).
 """
 
 
@@ -90,6 +100,14 @@ def add_parser(commands) -> None:
         ),
     )
     p.add_argument(
+        "--spec",
+        default=None,
+        metavar="REF",
+        help="validate your own training job: pkg.module:NAME, path/to/file.py:NAME, or a module or file whose "
+        "factory functions (build_model(seed), build_optimizers(model), build_schedulers(optimizers), "
+        "build_state(rank, world_size), train_step(training, step) or loss(model, batch), ...) describe it",
+    )
+    p.add_argument(
         "--pairs",
         choices=["all", "covering"],
         default="all",
@@ -116,9 +134,36 @@ def add_parser(commands) -> None:
     p.set_defaults(func=run)
 
 
+def _spec_layouts(args: argparse.Namespace) -> None:
+    """Check --spec in this process (a SpecError is a usage-level error) and pick its layouts."""
+    from ..testing.matrices.training_spec import load_spec, resolve_reference
+
+    args.spec = resolve_reference(args.spec)
+    spec = load_spec(args.spec)
+    if not args.layouts:
+        try:
+            args.layouts = _layout_names(",".join(spec.layouts))
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"spec {args.spec}: LAYOUTS: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from ..testing.matrices import validate
+    from ..testing.matrices.training_spec import SpecError
 
+    try:
+        if args.spec:
+            _spec_layouts(args)
+        return _run(args, validate)
+    except SpecError as exc:
+        # Under torchrun every rank that raised gets here: rank 0 and the rank it started on say it.
+        rank = int(os.environ.get("RANK", "0")) if validate.under_torchrun() else 0
+        if rank == 0 or exc.rank == rank:
+            print(f"ckpt validate: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _run(args: argparse.Namespace, validate) -> int:
     if args.layouts and not validate.layouts_fit(args.layouts, args.world_sizes):
         raise UsageError(
             f"no world size in {args.world_sizes} suits --layouts {','.join(args.layouts)} "
@@ -147,9 +192,15 @@ def run(args: argparse.Namespace) -> int:
                     not args.json and show_progress(args),
                     args.layouts,
                     args.pairs,
+                    args.spec,
                     timeout=args.timeout,
                 )
             except RankError as exc:
+                from ..testing.matrices.elastic_proof import spec_error_of
+
+                failure = spec_error_of(exc)
+                if failure is not None:
+                    raise failure from None
                 # A rank crashed or hung inside a pair: the group cannot go on to the next pair.
                 print(f"ckpt validate: FAILED, a rank stopped the run:\n{exc}", file=sys.stderr)
                 return EXIT_FAIL
@@ -159,8 +210,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(validate.dumps(report))
     else:
-        what = f"layouts={','.join(report.layouts)}" if report.layouts else f"wrap={report.wrap}"
-        print(f"ckpt validate: root={report.root} {what} optim={report.optim} backend={args.backend}")
+        if report.spec:
+            what = f"spec={report.spec} layouts={','.join(report.layouts or [])}"
+        elif report.layouts:
+            what = f"layouts={','.join(report.layouts)}"
+        else:
+            what = f"wrap={report.wrap}"
+        optim = f" optim={report.optim}" if report.optim else ""
+        print(f"ckpt validate: root={report.root} {what}{optim} backend={args.backend}")
         print(report.table())
         print("all pairs passed" if report.ok else "SOME PAIRS FAILED")
     return EXIT_OK if report.ok else EXIT_FAIL
@@ -186,7 +243,13 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
             progress = not args.json and show_progress(args)
             if args.layouts:
                 report = validate.run_layout_pairs(
-                    args.root, args.world_sizes, args.layouts, args.optim, pairs=args.pairs, progress=progress
+                    args.root,
+                    args.world_sizes,
+                    args.layouts,
+                    args.optim,
+                    pairs=args.pairs,
+                    progress=progress,
+                    spec=args.spec,
                 )
             else:
                 report = validate.run_pairs(args.root, args.world_sizes, wrap, args.optim, progress=progress)

@@ -10,6 +10,11 @@ resharded load reads only the rows it needs (verified: rounded out to the file's
 blocks, plus the blocks of the zip records that located them). Smaller items are read whole
 and, when their own header says what `.metadata` declares, decoded from one parse of their
 zip directory instead of torch.load (`item_decoder`).
+
+Copies and read-once (see `copies` and `read_schedule`): each file is read from the first of
+this rank's copies that holds it intact, and items several ranks need are read by one rank
+and handed to the others (`shared_reads`, through the transport `ckptlib.read_exchange`
+injects as `exchange`).
 """
 
 from __future__ import annotations
@@ -17,36 +22,27 @@ from __future__ import annotations
 import io
 import math
 import os
-import sys
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from .._torch import serialization
-from ..errors import CheckpointCorruptError, UnsafeCheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
 from ..storage import Storage, SupportsDirectReads
 from ..storage.local import open_regular
-from .block_checks import _CRC_CHUNK, _BlockCheck, _ItemCheck
+from . import plan_codec, read_schedule, shared_reads
 from .checksum import crc32
+from .copies import Copies, read_over_copies
+from .direct_reads import DirectReads, _narrowed, _resolve_target
 from .file_names import whose
 from .item_decoder import DeclaredChunks
 from .load_planner import SafeLoadPlanner
 from .manifest import METADATA_NAME, Manifest, check_name
 from .planned_reader import PlannedReader
-from .ranged_io import (
-    _MAX_SPAN,
-    ReadInto,
-    _byte_view,
-    _coalesce,
-    _coalesce_ranges,
-    _MemReader,
-    _pread_into,
-    _Window,
-)
+from .ranged_io import _MAX_SPAN, _coalesce, _MemReader, _pread_into
 from .safe_pickle import load_object
 from .stream_transforms import Transforms, decoded_limit, descriptors_of
 
@@ -54,30 +50,11 @@ from .stream_transforms import Transforms, decoded_limit, descriptors_of
 # zip-directory parse, or a metadata-only torch.load of the item; ~0.1-1 ms); smaller ones
 # are read whole and decoded with torch.load.
 _DIRECT_MIN = 1 << 20
-# Chunk of the streaming (unverified) reads.
-_CHUNK = 4 << 20
+
+Consume = Callable[[Any, Any, memoryview], None]  # (request, storage record, verified item bytes)
 
 
-def _narrowed(tensor: torch.Tensor, req) -> torch.Tensor:
-    """The part of a stored chunk that a read request asks for."""
-    for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
-        tensor = tensor.narrow(dim, start, length)
-    return tensor
-
-
-def _resolve_target(planner: LoadPlanner, req, stored: torch.Tensor, where: str) -> torch.Tensor:
-    """The planner's destination for `req`, which must have the shape of the `stored` part."""
-    target = planner.resolve_tensor(req).detach()
-    if target.size() != stored.size():
-        raise CheckpointCorruptError(
-            f"{where}: {req.storage_index.fqn}: stored chunk has shape {tuple(stored.size())}, "
-            f"expected {tuple(target.size())}",
-            path=where,
-        )
-    return target
-
-
-class CkptReader(PlannedReader):
+class CkptReader(DirectReads, PlannedReader):
     """Reads exactly the byte ranges this rank's load plan needs and verifies their CRCs."""
 
     def __init__(
@@ -87,20 +64,31 @@ class CkptReader(PlannedReader):
         manifest: Manifest | None,
         *,
         verify: bool = True,
+        copies: Copies | None = None,
         trusted: bool = False,
         transforms: Transforms | None = None,
     ):
         super().__init__(metadata)
         self.chunks = DeclaredChunks(metadata)  # what .metadata declares, and decodings that rely on it
-        self.storage = storage
+        self.storage = storage  # names the checkpoint; during a read, the copy being read
         self.manifest = manifest
         self.verify = verify and manifest is not None
+        self.rank = 0
+        self._verified: dict[str, set[int]] = {}  # file -> blocks the current load verified
+        self.plain = copies is None  # a plain load: one copy, today's errors as they are
+        self.copies = copies if copies is not None else Copies.single(storage)
+        self.excluded: frozenset[tuple[str, str]] = frozenset()  # (copy key, file) that failed on some rank
+        self.tried: dict[str, list[tuple[str, str, str]]] = {}  # file -> (label, uri, problem) of failed copies
+        self.exchange: shared_reads.Transport | None = None  # set by ckptlib.read_exchange
+        self.read_once = True
+        self.bytes_by_source: dict[str, int] = {}
+        self.bytes_received = 0
+        self.role: read_schedule.RankRole | None = None  # this rank's part of the last load's reads
+        self._done: set[int] = set()  # id() of the requests the current attempt applied
         # Objects are unpickled with weights_only here unless `trusted`, whatever the planner
         # does with them (DCP's own planner unpickles them with weights_only=False).
         self.trusted = trusted
         self.transforms = transforms or Transforms()  # DCP extensions (zstd...) items are stored with
-        self.rank = 0
-        self._verified: dict[str, set[int]] = {}  # file -> blocks the current load verified
 
     def _item_crcs(self, name: str) -> dict[int, tuple[int, int]]:
         assert self.manifest is not None
@@ -135,10 +123,12 @@ class CkptReader(PlannedReader):
             return storage.direct_read_path(name)
         return None
 
-    def _read_spans(self, name: str, reqs: list[Any], crcs, planner: LoadPlanner) -> None:
-        """Any backend: coalesced ranged reads (few round trips on S3), one span in memory at a time."""
+    def _read_spans(self, name: str, reqs: list[Any], crcs, consume: Consume, gap: int | None = None) -> None:
+        """Any backend: coalesced ranged reads (few round trips on S3), one span in memory at a
+        time; `gap`: the most bytes between two items read through rather than skipped."""
         where = f"{self.storage.uri}/{name}"
-        spans = _coalesce([(info.offset, info.length) for _, info in reqs], max_span=_MAX_SPAN)
+        spans = [(info.offset, info.length) for _, info in reqs]
+        spans = _coalesce(spans, max_span=_MAX_SPAN) if gap is None else _coalesce(spans, _MAX_SPAN, gap)
         by_span: dict[tuple[int, int], list[Any]] = defaultdict(list)
         for req, info in reqs:
             span = next(s for s in spans if s[0] <= info.offset and info.offset + info.length <= s[0] + s[1])
@@ -157,7 +147,7 @@ class CkptReader(PlannedReader):
                 start = info.offset - off
                 data = blob[start : start + info.length]
                 self._check_item(name, crcs, info.offset, data)
-                self._apply(name, req, info, data, planner)
+                consume(req, info, data)
             del blob
 
     def _partial(self, req, info) -> bool:
@@ -167,7 +157,7 @@ class CkptReader(PlannedReader):
         found = self.chunks.declared(req.storage_index.fqn, req.storage_index.offset)
         return found is not None and tuple(req.lengths) != tuple(found[1])
 
-    def _read_remote(self, name: str, reqs: list[Any], crcs, planner: LoadPlanner) -> None:
+    def _read_remote(self, name: str, reqs: list[Any], crcs, planner: LoadPlanner, gap: int | None = None) -> None:
         """Object stores: a request for part of a large stored chunk reads just its rows (and,
         verified, the blocks around them) with ranged reads; everything else goes through
         coalesced whole-item reads (`_read_spans`)."""
@@ -195,9 +185,11 @@ class CkptReader(PlannedReader):
             if not done:
                 rest.append((req, info))
         if rest:
-            self._read_spans(name, rest, crcs, planner)
+            self._read_spans(name, rest, crcs, lambda req, info, data: self._apply(name, req, info, data, planner), gap)
 
-    def _read_local(self, name: str, path: str, reqs: list[Any], crcs, planner: LoadPlanner) -> None:
+    def _read_local(self, name: str, path: str, reqs: list[Any], crcs, planner: LoadPlanner, consume: Consume):
+        """A local file: large tensor items straight into their destination (`DirectReads`),
+        the rest whole into memory and handed to `consume`."""
         where = f"{self.storage.uri}/{name}"
         try:
             fd, size = open_regular(path)  # a FIFO or device in its place: NotARegularFileError
@@ -236,176 +228,9 @@ class CkptReader(PlannedReader):
                         path=where,
                     )
                 self._check_item(name, crcs, info.offset, data)
-                self._apply(name, req, info, data, planner)
+                consume(req, info, data)
         finally:
             os.close(fd)
-
-    def _scratch(self, size: int = _CRC_CHUNK) -> memoryview:
-        buf = getattr(self, "_scratch_buf", None)
-        if buf is None or buf.nbytes < size:
-            buf = self._scratch_buf = memoryview(bytearray(size))
-        return buf
-
-    def _feed_range(self, read_into: ReadInto, start: int, end: int, check, chunk: int = _CRC_CHUNK) -> None:
-        """Feed file bytes [start, end) to `check`, read in `chunk`-sized pieces into scratch."""
-        if end <= start:
-            return
-        scratch = self._scratch(min(chunk, end - start))
-        pos = start
-        while pos < end:
-            n = read_into(scratch[: min(scratch.nbytes, end - pos)], pos)
-            if n <= 0:
-                raise EOFError(f"short read at offset {pos}")
-            check.feed(scratch[:n])
-            self.bytes_read += n
-            pos += n
-
-    def _check_for(self, name: str, info, begin: int, end: int, item_crc: int, parsed: list[tuple[int, int]]):
-        """How to verify a read of item bytes [begin, end) located by the item bytes in
-        `parsed`: by the file blocks that cover both, when the manifest has block CRCs and
-        that reads fewer bytes than the item (a resharded load needing part of a stored
-        chunk), else by the whole item's CRC."""
-        record = self.manifest.files.get(name) if self.manifest is not None else None
-        bs = record.block_size if record is not None else 0
-        if bs:
-
-            def blocks_of(a: int, b: int) -> range:
-                return range((info.offset + a) // bs, -(-(info.offset + b) // bs)) if b > a else range(0)
-
-            # The rows' blocks always; the locating bytes' blocks unless this load verified
-            # them already (an item's zip directory and the next item's header often share one).
-            wanted = set(blocks_of(begin, end))
-            for a, b in parsed:
-                wanted.update(i for i in blocks_of(a, b) if i not in self._verified.get(name, ()))
-            ranges = _coalesce_ranges([(i * bs, min((i + 1) * bs, record.size)) for i in wanted])
-            if sum(b - a for a, b in ranges) < info.length:
-                return _BlockCheck(ranges, bs, record.blocks, record.size)
-        return _ItemCheck(info.offset, info.length, item_crc)
-
-    def _read_local_tensor(self, fd: int, name: str, req, info, expected, planner: LoadPlanner) -> bool:
-        """Read one tensor item of a local shard file without intermediate copies (see
-        `_read_tensor_direct`), decoding a non-ckptlib item's header with a metadata-only
-        torch.load."""
-
-        def read_into(view: memoryview, offset: int) -> int:
-            return _pread_into(fd, view, offset)
-
-        return self._read_tensor_direct(read_into, name, req, info, expected, planner, fd=fd)
-
-    def _remote_read_into(self, name: str) -> ReadInto:
-        def read_into(view: memoryview, offset: int) -> int:
-            data = self.storage.read(name, offset, view.nbytes)  # EOFError when the file is short
-            view[: len(data)] = data
-            return len(data)
-
-        return read_into
-
-    def _read_tensor_direct(
-        self, read_into: ReadInto, name: str, req, info, expected, planner: LoadPlanner, *, fd: int | None = None
-    ) -> bool:
-        """Read one tensor item straight into its destination: find its data record (the
-        zip directory, or for other items a metadata-only torch.load of a local file `fd`),
-        read the rows the request needs, and verify them by the item's CRC or, when that
-        reads less, the file blocks that cover them (the rest of the item is not read).
-        Local files are read in L2-sized chunks checksummed as they land; remote ones in
-        large ranged reads. Returns False to leave an item of an unexpected shape to the
-        generic path (which reports what is wrong with it)."""
-        where = f"{self.storage.uri}/{name}"
-        try:
-            layout = self.chunks.ckptlib_layout(read_into, info, req) if self.manifest is not None else None
-            if layout is None:
-                if fd is None:
-                    return False
-                meta = torch.load(_Window(fd, info.offset, info.length), map_location="meta", weights_only=True)
-                # torch.load parsed the whole archive: only the item's CRC verifies that
-                layout = meta, serialization.meta_storage_offset(meta), [(0, info.length)]
-            meta, record, parsed = layout
-            declared = self.chunks.declared(req.storage_index.fqn, req.storage_index.offset)
-            if (
-                (declared is not None and (tuple(meta.shape) != declared[1] or meta.dtype != declared[0]))
-                or type(meta) not in (torch.Tensor, torch.nn.Parameter)
-                or meta.layout != torch.strided
-                or not meta.is_contiguous()
-                or not isinstance(record, int)
-                or record < 0
-                or record + meta.untyped_storage().nbytes() > info.length
-                or sys.byteorder != "little"  # torch.save writes native order; ours is little-endian
-            ):
-                return False
-            sub = _narrowed(meta, req)
-        except Exception:  # noqa: BLE001 - the generic path decodes it again and reports
-            return False
-        target = _resolve_target(planner, req, sub, where)
-        size = meta.element_size()
-        if sub.is_contiguous():  # the whole item, or whole rows of it
-            first, count, region = sub.storage_offset(), sub.numel(), sub
-        else:  # e.g. a column block: read the stored tensor whole, narrow after
-            first, count, region = meta.storage_offset(), meta.numel(), meta
-        if target.device.type == "cpu" and target.is_contiguous() and target.dtype == meta.dtype and region is sub:
-            dest = target
-        else:
-            dest = torch.empty(region.size(), dtype=meta.dtype)
-        begin = record + first * size
-        end = begin + count * size
-        view = _byte_view(dest)
-        check = None if expected is None else self._check_for(name, info, begin, end, expected[1], parsed)
-        if check is not None and not any(
-            lo <= info.offset + begin and info.offset + end <= hi for lo, hi in check.ranges
-        ):
-            check = _ItemCheck(info.offset, info.length, expected[1])  # (cannot happen: the rows' cover is a range)
-        try:
-            # Locally, each chunk is checksummed right after it lands, while it is still in
-            # this core's L2 cache: measured here, that costs a third of checksumming from
-            # memory, and less than a helper thread overlapping it (whose core does not have
-            # the chunk). Remotely, few large reads (each may fan out to parallel GETs).
-            if fd is None:
-                chunk_size = edge_chunk = _MAX_SPAN
-            else:
-                chunk_size, edge_chunk = (_CHUNK if check is None else _CRC_CHUNK), _CRC_CHUNK
-            rows_lo, rows_hi = info.offset + begin, info.offset + end
-
-            def read_rows() -> None:
-                pos = 0
-                while pos < view.nbytes:
-                    chunk = view[pos : pos + chunk_size]
-                    n = read_into(chunk, rows_lo + pos)
-                    self.bytes_read += n
-                    if n != chunk.nbytes:
-                        raise EOFError(f"short read at offset {rows_lo + pos}")
-                    if check is not None:
-                        check.feed(chunk)
-                    pos += n
-
-            if check is None:
-                read_rows()
-            else:
-                for lo, hi in check.ranges:  # the rows lie inside one of them
-                    check.seek(lo)
-                    if lo <= rows_lo and rows_hi <= hi:
-                        self._feed_range(read_into, lo, rows_lo, check, edge_chunk)
-                        read_rows()
-                        self._feed_range(read_into, rows_hi, hi, check, edge_chunk)
-                    else:
-                        self._feed_range(read_into, lo, hi, check, edge_chunk)
-        except EOFError as exc:
-            raise CheckpointCorruptError(f"{where}: shard file is truncated{whose(name)}: {exc}", path=where) from exc
-        failure = None if check is None else check.failure()
-        if failure is None and isinstance(check, _BlockCheck):
-            done = self._verified.setdefault(name, set())
-            for lo, hi in check.ranges:
-                done.update(range(lo // check.block_size, -(-hi // check.block_size)))
-        if failure is not None:
-            raise CheckpointCorruptError(
-                f"{where}: checksum mismatch in item at offset {info.offset} (length {info.length}){whose(name)}"
-                f"{failure}",
-                path=where,
-            )
-        if dest is not target:
-            if region is not sub:
-                dest = _narrowed(dest, req)
-            target.copy_(dest)
-        planner.commit_tensor(req, target)
-        return True
 
     def _apply(self, name: str, req, info, data: memoryview, planner: LoadPlanner) -> None:
         """Hand one verified item (its bytes in memory, as stored) to the planner."""
@@ -426,6 +251,7 @@ class CkptReader(PlannedReader):
                     exc.message = f"{where}{whose(name)}: {exc.message}"
                     exc.args = (exc.message,)
                 raise
+            self._done.add(id(req))
             return
         try:
             tensor = self.chunks.decode_plain(req, data)
@@ -458,25 +284,136 @@ class CkptReader(PlannedReader):
         target = _resolve_target(planner, req, tensor, where)
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+        self._done.add(id(req))
+
+    # -- copies and shared reads -------------------------------------------------------------
+    def _read_file(self, name: str, reqs: list[Any], planner: LoadPlanner) -> None:
+        """This rank's requests of file `name`, from the first of its copies that serves each intact."""
+
+        def attempt(pending: list[Any]) -> None:
+            crcs = self._item_crcs(name) if self.verify else None
+            path = self._local_file(name)
+            if path is not None:
+                self._read_local(
+                    name,
+                    path,
+                    pending,
+                    crcs,
+                    planner,
+                    lambda req, info, data: self._apply(name, req, info, data, planner),
+                )
+            else:  # not through the gaps between this rank's items where other ranks read
+                tight = self.role is not None and name in self.role.tight
+                self._read_remote(name, pending, crcs, planner, 0 if tight else None)
+
+        self._done = set()
+        read_over_copies(self, name, reqs, attempt, lambda entry: id(entry[0]) in self._done)
+
+    def fetch_block(self, items: tuple[read_schedule.ItemKey, ...]) -> memoryview:
+        """The bytes of adjacent stored items of one file, read whole (for this rank and others)
+        into one buffer, every item verified; a bad copy is left for the next one, for the items
+        not yet verified."""
+        name, start, length = read_schedule.block_span((0, (), items))
+        buf = memoryview(bytearray(length))
+        verified: set[read_schedule.ItemKey] = set()
+
+        def attempt(pending: list[read_schedule.ItemKey]) -> None:
+            crcs = self._item_crcs(name) if self.verify else None
+            lo, hi = pending[0][1], pending[-1][1] + pending[-1][2]
+            self._read_range(name, lo, buf[lo - start : hi - start])
+            for key in pending:
+                self._check_item(name, crcs, key[1], buf[key[1] - start : key[1] - start + key[2]])
+                verified.add(key)
+
+        read_over_copies(self, name, list(items), attempt, lambda key: key in verified)
+        return buf
+
+    def _read_range(self, name: str, offset: int, view: memoryview) -> None:
+        """File bytes [offset, offset + len(view)) into `view`, from the copy being read."""
+        where = f"{self.storage.uri}/{name}"
+        path = self._local_file(name)
+        try:
+            if path is None:  # in pieces of at most _MAX_SPAN: one piece's bytes in memory twice
+                got = 0
+                while got < view.nbytes:
+                    data = self.storage.read(name, offset + got, min(_MAX_SPAN, view.nbytes - got))  # EOFError if short
+                    view[got : got + len(data)] = data
+                    got += len(data)
+                    if not data:
+                        break
+            else:
+                fd, _ = open_regular(path)
+                try:
+                    got = _pread_into(fd, view, offset)
+                finally:
+                    os.close(fd)
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(f"{where}: shard file is missing{whose(name)}", path=where) from exc
+        except EOFError as exc:
+            raise CheckpointCorruptError(f"{where}: shard file is truncated{whose(name)}: {exc}", path=where) from exc
+        self.bytes_read += got
+        if got != view.nbytes:
+            raise CheckpointCorruptError(
+                f"{where}: shard file is truncated{whose(name)}: wanted {view.nbytes} bytes at offset {offset}, "
+                f"got {got}",
+                path=where,
+            )
+
+    def check_received(self, name: str, offset: int, data: memoryview) -> None:
+        """Verify an item another rank read for this one, as if this rank had read it."""
+        self._check_item(name, self._item_crcs(name) if self.verify else None, offset, data)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        costs, default = self.copies.access(
+            lambda: {info.relative_path for info in self.metadata.storage_data.values()}, self.excluded
+        )
+        plan.storage_data = read_schedule.LocalReads(
+            costs, default, self.copies.labels, self.read_once, self.exchange is not None
+        )
+        return super().prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        roles = read_schedule.plan_roles(plans, self.storage_data, self.chunks.declared, self.tried)
+        return [
+            plan_codec.compact_load_plan(LoadPlan(items=plan.items, storage_data=role, planner_data=plan.planner_data))
+            for plan, role in zip(plans, roles)
+        ]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        role = plan.storage_data if isinstance(plan.storage_data, read_schedule.RankRole) else None
+        self.role = role
+        shared = role.shared if role is not None else frozenset()
         by_file: dict[str, list[Any]] = defaultdict(list)
-        self.transforms.check_readable((self.storage_data[req.storage_index] for req in plan.items), self.storage.uri)
+        wanted: dict[read_schedule.ItemKey, list[Any]] = defaultdict(list)
+        held: list[BaseException] = []  # raised after the shared reads: no peer is left waiting
         for req in plan.items:
-            info = self.storage_data[req.storage_index]
-            by_file[check_name(info.relative_path, f"{self.storage.uri}/{METADATA_NAME}", "storage record")].append(
-                (req, info)
-            )
+            try:
+                info = self.storage_data[req.storage_index]
+                self.transforms.check_readable((info,), self.storage.uri)  # UnsupportedError, never "corrupt"
+                name = check_name(info.relative_path, f"{self.storage.uri}/{METADATA_NAME}", "storage record")
+            except Exception as exc:  # noqa: BLE001 - held, see above
+                held.append(exc)
+                continue
+            key = (name, info.offset, info.length)
+            if key in shared:
+                wanted[key].append((req, info))
+            else:
+                by_file[name].append((req, info))
 
         self._verified = {}
         try:
+            if role is not None and role.rounds:
+                if self.exchange is None:
+                    raise CheckpointError(
+                        f"{self.storage.uri}: this load shares reads between ranks, but this rank's reader has no "
+                        "exchange (load through ckptlib.load)",
+                        path=self.storage.uri,
+                    )
+                shared_reads.read_shared(self, role, wanted, planner, self.exchange)
+            if held:
+                raise held[0]
             for name, reqs in by_file.items():
-                crcs = self._item_crcs(name) if self.verify else None
-                path = self._local_file(name)
-                if path is not None:
-                    self._read_local(name, path, reqs, crcs, planner)
-                else:
-                    self._read_remote(name, reqs, crcs, planner)
+                self._read_file(name, reqs, planner)
         finally:
             self.__dict__.pop("_scratch_buf", None)
         fut: Future = Future()

@@ -21,13 +21,14 @@ BytesIO that is then copied.
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 import io
 import math
 import pickle
 import weakref
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -60,6 +61,100 @@ def _tensor_for_save(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def write_shard(stream, payloads: Iterable[Any], planned_bytes: int) -> FileRecord:
+    """Write the items `payloads` yields (torch.save'd objects as BytesIO or bytes, tensors)
+    back to back into `stream`, checksumming them in the same pass; the shard's FileRecord.
+    `planned_bytes` (the tensors' bytes) sets the checksum block size."""
+    sink = _CrcSink(stream, block_size_for(planned_bytes))
+    items: list[tuple[int, int, int]] = []
+    offset = 0
+    for data in payloads:
+        sink.item_crc = 0
+        if isinstance(data, io.BytesIO):
+            sink.write(data.getbuffer())
+        elif not isinstance(data, torch.Tensor):
+            sink.write(data)  # an item's bytes, encoded elsewhere
+        else:
+            tensor = _tensor_for_save(data)
+            encoded = None
+            if tensor.numel() * tensor.element_size() < item_encoder.SMALL_ITEM_BYTES:
+                sink.write(item_encoder.small_item_bytes(tensor))
+            elif (encoded := item_encoder.encode(tensor, sink.pos, sink.block_size)) is not None:
+                sink.write_encoded(encoded)
+            else:  # straight into the stream: identical bytes to torch.save into a BytesIO
+                torch.save(tensor, sink)
+            del tensor, encoded
+        del data  # never hold this item while the next one is resolved
+        length = sink.pos - offset
+        sink.end_item(length)
+        items.append((offset, length, sink.item_crc))
+        offset = sink.pos
+    sink.end_file()
+    if not items:  # a rank with nothing to save still writes its (empty) shard file
+        return FileRecord(size=0, crc32=0, items=[])
+    return FileRecord(size=offset, crc32=sink.file_crc, items=items, block_size=sink.block_size, blocks=sink.blocks)
+
+
+class ShardBackend(Protocol):
+    """Where a rank's shard file is encoded and written: in this process (`InProcessShards`),
+    or in a writer process (`ckptlib.writer_process`, async saves with async_mode="process").
+    Returns the shard's FileRecord; the transaction knows the shard as unfinished meanwhile."""
+
+    def write_shard(
+        self, transaction: SaveTransaction, name: str, payloads: Iterable[Any], planned_bytes: int
+    ) -> FileRecord: ...
+
+
+class InProcessShards:
+    """Encodes and writes the shard in the calling thread (`write_shard`)."""
+
+    def write_shard(
+        self, transaction: SaveTransaction, name: str, payloads: Iterable[Any], planned_bytes: int
+    ) -> FileRecord:
+        with transaction.open_shard(name) as stream:
+            return write_shard(stream, payloads, planned_bytes)
+
+
+class _Checksummed:
+    """A write-only stream that forwards to `stream` and keeps the size and CRC-32 of what passed."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.size = 0
+        self.crc = 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += len(data)
+        return self.stream.write(data)
+
+
+class _MetadataPickler(pickle.Pickler):
+    """`pickle.dump` of `.metadata`, byte for byte, from compactly decoded storage records.
+
+    A record decoded from a rank's write results used to get a `__dict__` of its own whose
+    keys were that rank's decoded field names (one string object per rank), and the pickle
+    shows it: the first record of each rank spells its keys out, the others refer back to
+    them. Decoded records now keep their values inline (~170 bytes less each, issue 25.5);
+    this pickler gives each one the state it would have had, with its rank's key objects
+    (`record_keys`: shard file name -> decoded names). Everything else pickles as usual."""
+
+    def __init__(self, file, record_keys: dict[str, tuple[str, ...]]) -> None:
+        super().__init__(file)  # pickle.dump's default protocol, as before
+        self._keys = {name: {key: key for key in keys} for name, keys in record_keys.items()}
+        self._cls = dcp_shims.storage_info_cls()
+
+    def reducer_override(self, obj):
+        if type(obj) is not self._cls:
+            return NotImplemented
+        keys = self._keys.get(getattr(obj, "relative_path", None))
+        if keys is None:
+            return NotImplemented
+        getstate = getattr(obj, "__getstate__", None)  # Python 3.10: only where the class defines one
+        state = getstate() if getstate is not None else vars(obj)
+        return copyreg.__newobj__, (type(obj),), {keys.get(k, k): v for k, v in state.items()}, None, None
+
+
 class CkptWriter(StorageWriter):
     """Writes one shard file per rank through `storage` and records item checksums, for a
     `SaveTransaction` (`format.transaction`), which owns the save: the writer calls its
@@ -67,7 +162,8 @@ class CkptWriter(StorageWriter):
     every shard through it, and calls its `commit(file_records, metadata)` on the coordinator
     after `.metadata` is written (inside DCP's final round), so neither costs a collective of
     its own; DCP raises their errors on every rank. After `finish`, the coordinator's
-    `file_records` holds every file of the checkpoint.
+    `file_records` holds every file of the checkpoint. `backend` encodes and writes the
+    shard (default: in this thread, `InProcessShards`).
     """
 
     def __init__(
@@ -75,13 +171,15 @@ class CkptWriter(StorageWriter):
         storage: Storage,
         *,
         transaction: SaveTransaction,
+        backend: ShardBackend | None = None,
         transforms: Transforms | None = None,
         save_id: str | None = None,
     ):
         super().__init__()
         self.storage = storage
         self.transaction = transaction
-        self.transforms = transforms or Transforms()
+        self.backend = backend if backend is not None else InProcessShards()
+        self.transforms = transforms or Transforms()  # DCP stream extensions every item goes through
         self.save_id = save_id  # recorded in `.metadata`'s StorageMeta when given (DCP's FileSystemWriter does)
         self.is_coordinator = False
         self.file_records: dict[str, FileRecord] = {}
@@ -103,11 +201,10 @@ class CkptWriter(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        name = _shard_file_name(plan.storage_data)
         results = plan_codec.WriteResults()
         results.info_cls = dcp_shims.storage_info_cls()
         try:
-            self._write_shard(name, plan, planner, results)
+            self._write_shard(_shard_file_name(plan.storage_data), plan, planner, results)
         except BaseException as exc:
             if not self.transaction.self_cleaning:
                 raise
@@ -120,9 +217,6 @@ class CkptWriter(StorageWriter):
 
     def _write_shard(self, name: str, plan: SavePlan, planner: SavePlanner, results: list) -> None:
         storage_info = dcp_shims.storage_info_cls()
-        items: list[tuple[int, int, int]] = []
-        file_crc = 0
-        offset = 0
         ordered: list[WriteItem] = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
         ordered += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
         planned = sum(
@@ -130,88 +224,85 @@ class CkptWriter(StorageWriter):
             for wi in ordered
             if wi.tensor_data is not None
         )
-        # Aliased tensors (tied weights) are stored once: memory -> (its storage, the record written).
-        written: dict[tuple, tuple[Any, Any]] = {}
-        with self.transaction.open_shard(name) as stream:
-            sink = _CrcSink(stream, block_size_for(planned))
-            for item in ordered:
-                data = planner.resolve_data(item)
-                memory = None if isinstance(data, io.BytesIO) else alias_key(data)
-                twin = written.get(memory) if memory is not None else None
-                if twin is not None and twin[0]() is data.untyped_storage():
-                    results.append(WriteResult(index=item.index, size_in_bytes=twin[1].length, storage_data=twin[1]))
-                    del data
-                    continue
-                storage_ref = None if memory is None else weakref.ref(data.untyped_storage())
-                sink.item_crc = 0
-                descriptors = self._write_item(sink, data)
-                del data  # never hold this item while the planner resolves the next one
-                length = sink.pos - offset
-                sink.end_item(length)
-                items.append((offset, length, sink.item_crc))
-                info = storage_info(name, offset, length)
-                if descriptors:
-                    info.transform_descriptors = descriptors
-                if storage_ref is not None:
-                    written[memory] = (storage_ref, info)
-                results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
-                offset = sink.pos
-            sink.end_file()
-            file_crc = sink.file_crc
-        if items:
-            record = FileRecord(
-                size=offset, crc32=file_crc, items=items, block_size=sink.block_size, blocks=sink.blocks
-            )
-        else:  # a rank with nothing to save still wrote its (empty) shard file
-            record = FileRecord(size=0, crc32=0, items=[])
+        slots: list[tuple[int, list[str]]] = []  # per item: its stored item in the shard, its extensions
+        record = self.backend.write_shard(self.transaction, name, self._payloads(ordered, planner, slots), planned)
+        for item, (slot, descriptors) in zip(ordered, slots):
+            offset, length, _crc = record.items[slot]
+            info = storage_info(name, offset, length)
+            if descriptors:
+                info.transform_descriptors = descriptors
+            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
         self.file_records[name] = record
         results.shard = (name, record)  # carried to the coordinator's `finish` by DCP's gather
 
-    def _write_item(self, sink: _CrcSink, data: Any) -> list[str]:
-        """Write one item (a BytesIO of a pickled object, or a tensor) at the sink's position;
-        return the DCP extension descriptors it was stored with."""
-        if self.transforms.extensions:
-            stream, descriptors = self.transforms.encoder(sink)
-            if isinstance(data, io.BytesIO):
-                stream.write(data.getbuffer())
-            else:
-                torch.save(_tensor_for_save(data), stream)
-            stream.close()
-            return descriptors
+    def _payloads(self, ordered: list[WriteItem], planner: SavePlanner, slots: list) -> Iterator[Any]:
+        """The items to store, resolved one at a time (never more than one held while the planner
+        resolves the next); each item's slot is appended to `slots`. A tensor whose memory an
+        earlier item of this shard holds (a tied weight) is not stored again: it takes that
+        item's slot. With extensions, each item is yielded as its transformed bytes."""
+        written: dict[tuple, tuple[Any, tuple[int, list[str]]]] = {}  # memory -> (its storage, slot)
+        stored = 0  # items yielded so far: the next one's index in the shard's record
+        for item in ordered:
+            data = planner.resolve_data(item)
+            memory = None if isinstance(data, io.BytesIO) else alias_key(data)
+            twin = written.get(memory) if memory is not None else None
+            if twin is not None and twin[0]() is data.untyped_storage():
+                slots.append(twin[1])
+                del data
+                continue
+            storage = None if memory is None else weakref.ref(data.untyped_storage())
+            descriptors: list[str] = []
+            if self.transforms.extensions:
+                data, descriptors = self._encoded(data)
+            slot = (stored, descriptors)
+            slots.append(slot)
+            if storage is not None:
+                written[memory] = (storage, slot)
+            stored += 1
+            yield data
+            del data
+
+    def _encoded(self, data: Any) -> tuple[bytes, list[str]]:
+        """One item's bytes as the extensions transform them, and their descriptors."""
+        buffer = io.BytesIO()
+        stream, descriptors = self.transforms.encoder(buffer)
         if isinstance(data, io.BytesIO):
-            sink.write(data.getbuffer())
-            return []
-        tensor = _tensor_for_save(data)
-        encoded = None
-        if tensor.numel() * tensor.element_size() < item_encoder.SMALL_ITEM_BYTES:
-            sink.write(item_encoder.small_item_bytes(tensor))
-        elif (encoded := item_encoder.encode(tensor, sink.pos, sink.block_size)) is not None:
-            sink.write_encoded(encoded)
-        else:  # straight into the stream: identical bytes to torch.save into a BytesIO
-            torch.save(tensor, sink)
-        return []
+            stream.write(data.getbuffer())
+        else:
+            torch.save(_tensor_for_save(data), stream)
+        stream.close()
+        return buffer.getvalue(), descriptors
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: `.metadata` from every rank's write results, then the commit. The
+        results' wrappers are dropped as they are read and `.metadata` is pickled straight into
+        its file (the same bytes as `pickle.dumps`: the pickler flushes each 64 KiB frame), so
+        the coordinator never holds the results, the storage records and the whole pickle at
+        once (issue 25.5)."""
         failures = [
-            (rank, failure) for rank, per_rank in enumerate(results) if (failure := getattr(per_rank, "failure", None))
+            (rank, fail) for rank, per_rank in enumerate(results) if (fail := getattr(per_rank, "failure", None))
         ]
         if failures:
             self.transaction.fail(failures)  # raises: every rank's write stopped, the save is removed
         with self.transaction.cleaning_up_on_failure():
             records: dict[str, FileRecord] = {}
             storage_data = {}
+            record_keys: dict[str, tuple[str, ...]] = {}
             for per_rank in results:
                 name, record = per_rank.shard
                 records[name] = record
                 for wr in per_rank:
                     storage_data[wr.index] = wr.storage_data
+                if isinstance(per_rank, plan_codec.WriteResults):
+                    if per_rank.info_names:
+                        record_keys[name] = per_rank.info_names
+                    per_rank.clear()  # its records are in storage_data now
             metadata.storage_data = storage_data
             metadata.storage_meta = self.storage_meta()
-            blob = pickle.dumps(metadata)
-            self.storage.write(METADATA_NAME, blob, durable=False)  # `commit` syncs it with the shards
-            records[METADATA_NAME] = FileRecord(
-                size=len(blob), crc32=zlib.crc32(blob), items=[(0, len(blob), zlib.crc32(blob))]
-            )
+            with self.storage.open_writer(METADATA_NAME) as stream:
+                sink = _Checksummed(stream)
+                (_MetadataPickler(sink, record_keys) if record_keys else pickle.Pickler(sink)).dump(metadata)
+            records[METADATA_NAME] = FileRecord(size=sink.size, crc32=sink.crc, items=[(0, sink.size, sink.crc)])
             self.file_records = records
             self.transaction.commit(records, metadata)
 

@@ -51,6 +51,12 @@ def read_metadata(
 ) -> Metadata:
     """Read and safely unpickle `.metadata`, checking it against the manifest first.
     `listed_size`: its size in a listing just taken, if known (saves a second read)."""
+    return _read_metadata(storage, manifest, verify=verify, listed_size=listed_size)[0]
+
+
+def _read_metadata(
+    storage: Storage, manifest: Manifest | None, *, verify: bool, listed_size: int | None
+) -> tuple[Metadata, bytes]:
     where = f"{storage.uri}/{METADATA_NAME}"
     record = manifest.files.get(METADATA_NAME) if manifest is not None and verify else None
     try:
@@ -77,7 +83,7 @@ def read_metadata(
     metadata = safe_loads(blob, where)
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{where}: holds {type(metadata).__name__}, not DCP Metadata", path=where)
-    return metadata
+    return metadata, blob
 
 
 @dataclasses.dataclass
@@ -86,6 +92,22 @@ class CheckpointInfo:
     kind: str  # "ckptlib" (manifest, checksums) or "dcp" (plain DCP, no checksums)
     manifest: Manifest | None
     metadata: Metadata
+    # The verified bytes `manifest` and `metadata` were read from (`open_checkpoint`), and those
+    # two objects: while they are still the ones held, the info pickles as the bytes.
+    raw: tuple[bytes | None, bytes, Manifest | None, Metadata] | None = dataclasses.field(
+        default=None, repr=False, compare=False
+    )
+
+    def __reduce_ex__(self, protocol):
+        """Sent to the other ranks of a load (`decide_on_rank0`) as the bytes rank 0 read and
+        checked, which each rank parses: pickling the Metadata again cost rank 0 as much as
+        reading it (issue 25.5). Subclasses (other formats' infos) pickle as usual."""
+        if type(self) is not CheckpointInfo:
+            return super().__reduce_ex__(protocol)
+        raw = self.raw
+        if raw is None or raw[2] is not self.manifest or raw[3] is not self.metadata:
+            return CheckpointInfo, (self.uri, self.kind, self.manifest, self.metadata)
+        return _info_from_bytes, (self.uri, self.kind, raw[0], raw[1])
 
     @property
     def world_size(self) -> int | None:
@@ -100,6 +122,11 @@ class CheckpointInfo:
         return self.manifest.step if self.manifest is not None else None
 
 
+def _info_from_bytes(uri: str, kind: str, manifest_blob: bytes | None, metadata_blob: bytes) -> CheckpointInfo:
+    manifest = None if manifest_blob is None else Manifest.from_bytes(manifest_blob, f"{uri}/{MANIFEST_NAME}")
+    return CheckpointInfo(uri, kind, manifest, safe_loads(metadata_blob, f"{uri}/{METADATA_NAME}"))
+
+
 def _missing_or_resized(manifest: Manifest, listing: dict[str, int]) -> list[tuple[str, str]]:
     """(file name, problem) for every manifest file that is absent or has another size."""
     problems = []
@@ -112,8 +139,13 @@ def _missing_or_resized(manifest: Manifest, listing: dict[str, int]) -> list[tup
 
 
 def read_manifest(storage: Storage) -> Manifest:
+    return _read_manifest(storage)[0]
+
+
+def _read_manifest(storage: Storage) -> tuple[Manifest, bytes]:
     where = f"{storage.uri}/{MANIFEST_NAME}"
-    return Manifest.from_bytes(storage.read(MANIFEST_NAME), where)
+    blob = storage.read(MANIFEST_NAME)
+    return Manifest.from_bytes(blob, where), blob
 
 
 def _marked_by_ckptlib(storage: Storage) -> bool:
@@ -210,16 +242,16 @@ def open_checkpoint(storage: Storage, *, verify: bool = True, check_files: bool 
             "refusing to load it as plain DCP",
             path=where,
         )
-    manifest = None
+    manifest = manifest_blob = None
     if kind == "committed":
-        manifest = read_manifest(storage)
+        manifest, manifest_blob = _read_manifest(storage)
         problems = _missing_or_resized(manifest, listing) if check_files else []
         if problems:
             raise CheckpointCorruptError(
                 f"{uri}: files do not match the manifest: " + "; ".join(text for _, text in problems),
                 path=f"{uri}/{problems[0][0]}",
             )
-    metadata = read_metadata(storage, manifest, verify=verify, listed_size=listing.get(METADATA_NAME))
+    metadata, blob = _read_metadata(storage, manifest, verify=verify, listed_size=listing.get(METADATA_NAME))
 
     errors = [p for p in structure_problems(metadata, manifest, listing, exhaustive=False) if p.is_error]
     if errors:
@@ -232,7 +264,8 @@ def open_checkpoint(storage: Storage, *, verify: bool = True, check_files: bool 
             f"{uri}: {METADATA_NAME} does not match the checkpoint's files: {shown}",
             path=f"{uri}/{errors[0].file or METADATA_NAME}",
         )
-    return CheckpointInfo(uri=uri, kind="ckptlib" if manifest else "dcp", manifest=manifest, metadata=metadata)
+    kind = "ckptlib" if manifest else "dcp"
+    return CheckpointInfo(uri, kind, manifest, metadata, raw=(manifest_blob, blob, manifest, metadata))
 
 
 def prepare_save_target(storage: Storage, *, overwrite: bool, world_size: int) -> None:
@@ -271,9 +304,11 @@ def commit_manifest(
     step: int | None,
     metadata: dict[str, Any],
     metrics: dict[str, Any] | None = None,
+    synced: tuple[str, ...] = (),
 ) -> Manifest:
     """Build the manifest of the files just written (stamped with this torch's and ckptlib's
-    versions) and `commit` it; every save and conversion commits through here."""
+    versions) and `commit` it; every save and conversion commits through here. `synced`: files
+    already durable (see `commit`)."""
     manifest = Manifest(
         world_size=world_size,
         files=dict(files),
@@ -283,13 +318,14 @@ def commit_manifest(
         torch_version=torch.__version__,
         ckptlib_version=__version__,
     )
-    commit(storage, manifest)
+    commit(storage, manifest, synced=synced)
     return manifest
 
 
-def commit(storage: Storage, manifest: Manifest) -> None:
+def commit(storage: Storage, manifest: Manifest, *, synced: tuple[str, ...] = ()) -> None:
     """Publish the manifest after confirming that every rank's files exist with their sizes
-    and making them durable (one directory fsync for all of them, locally)."""
+    and making them durable (one directory fsync for all of them, locally). `.metadata` is
+    fsynced here unless `synced` names it (written through `open_writer`, which fsyncs)."""
     listing = storage.list()
     problems = _missing_or_resized(manifest, listing)
     if problems:
@@ -298,7 +334,7 @@ def commit(storage: Storage, manifest: Manifest) -> None:
         )
     # Every file and name durable before the manifest is: the shards' bytes were fsynced by
     # their writers (open_writer); `.metadata` was written without (CkptWriter.finish).
-    unsynced = [METADATA_NAME] if METADATA_NAME in manifest.files else []
+    unsynced = [METADATA_NAME] if METADATA_NAME in manifest.files and METADATA_NAME not in synced else []
     storage.sync(unsynced, names_only=sorted(set(manifest.files) - set(unsynced)))
     storage.write(MANIFEST_NAME, manifest.to_bytes())
     storage.delete([PENDING_NAME])

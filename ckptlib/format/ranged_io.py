@@ -128,14 +128,16 @@ def _coalesce_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in merged]
 
 
-def _coalesce(spans: list[tuple[int, int]], max_span: int | None = None) -> list[tuple[int, int]]:
-    """Merge (offset, length) spans, sorted, that lie within _COALESCE_GAP of each other (into
+def _coalesce(
+    spans: list[tuple[int, int]], max_span: int | None = None, gap: int = _COALESCE_GAP
+) -> list[tuple[int, int]]:
+    """Merge (offset, length) spans, sorted, that lie within `gap` bytes of each other (into
     spans of at most `max_span` bytes, unless a single item is larger)."""
     merged: list[list[int]] = []
     for off, length in sorted(spans):
         if (
             merged
-            and off <= merged[-1][0] + merged[-1][1] + _COALESCE_GAP
+            and off <= merged[-1][0] + merged[-1][1] + gap
             and (max_span is None or max(merged[-1][0] + merged[-1][1], off + length) - merged[-1][0] <= max_span)
         ):
             end = max(merged[-1][0] + merged[-1][1], off + length)

@@ -22,8 +22,10 @@ index hints without `dataclasses.replace` (the same items and Metadata as DCP's
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import time
 from collections import ChainMap
 from typing import Any
 
@@ -44,7 +46,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from .._torch import dcp_shims, probes
+from ..errors import CheckpointError
 from .aliases import alias_groups, colocate_aliases
+from .plan_cache import PlanReuse, PlanTiming
 from .plan_codec import KNOWN_FIELDS, new_dataclass, placements_key, write_item_fields
 from .structure import find_overlap
 
@@ -106,12 +110,12 @@ def local_save_plan(state_dict: dict[str, Any], is_coordinator: bool) -> SavePla
 
 def global_save_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
     """DCP's `create_default_global_save_plan` (index hints rewritten) without a
-    `dataclasses.replace` per item; DCP's own function for items it would refuse or that the
+    `dataclasses.replace` per item: the hints are set on the gathered items themselves, which
+    nothing else holds (a new item and index per chunk of every rank was ~500 bytes a chunk
+    on the coordinator, issue 25.5); DCP's own function for items it would refuse or that the
     fast path does not know."""
     md: dict[str, Any] = {}
-    new_plans = []
     for plan in all_plans:
-        new_items = []
         for item in plan.items:
             if not KNOWN_FIELDS or type(item) is not WriteItem or type(item.index) is not MetadataIndex:
                 return create_default_global_save_plan(all_plans)
@@ -120,7 +124,6 @@ def global_save_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadat
                 if fqn in md:
                     return create_default_global_save_plan(all_plans)
                 md[fqn] = BytesStorageMetadata()
-                new_items.append(item)
                 continue
             data = item.tensor_data
             if data is None or data.chunk is None or (item.type != WriteItemType.SHARD and fqn in md):
@@ -130,11 +133,10 @@ def global_save_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadat
                 tensor_md = md[fqn] = TensorStorageMetadata(properties=data.properties, size=data.size, chunks=[])
             elif not isinstance(tensor_md, TensorStorageMetadata):
                 return create_default_global_save_plan(all_plans)
-            index = new_dataclass(MetadataIndex, {**item.index.__dict__, "index": len(tensor_md.chunks)})
-            new_items.append(new_dataclass(WriteItem, {**item.__dict__, "index": index}))
+            # the hint is excluded from MetadataIndex's hash and equality: setting it keeps dict keys valid
+            object.__setattr__(item.index, "index", len(tensor_md.chunks))
             tensor_md.chunks.append(data.chunk)
-        new_plans.append(dataclasses.replace(plan, items=new_items))
-    return new_plans, Metadata(md)
+    return list(all_plans), Metadata(md)
 
 
 def chunks_tile_exactly(metadata: Metadata) -> bool:
@@ -165,18 +167,78 @@ def chunks_tile_exactly(metadata: Metadata) -> bool:
 
 class CkptSavePlanner(DefaultSavePlanner):
     """DefaultSavePlanner whose local and global plans cost little per tensor and whose global
-    plan is checked in near-linear time (see the module)."""
+    plan is checked in near-linear time (see the module).
+
+    `reuse` (a `plan_cache.PlanReuse` whose agreement round ran): on a hit every rank skips
+    its local plan and sends an empty one, the coordinator skips the global plan (empty plans
+    back, a copy of the cached `.metadata` skeleton) and every rank writes its cached final
+    plan; on a miss it plans as without a cache and records the plans for `reuse.install`.
+    `timing` holds this rank's planning seconds (its own work, not the collectives' waits).
+    """
+
+    def __init__(self, *args: Any, reuse: PlanReuse | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reuse = reuse
+        self.timing = reuse.timing if reuse is not None else PlanTiming()
+
+    def _reusing(self) -> bool:
+        return self.reuse is not None and self.reuse.hit
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        started = time.perf_counter()
+        flat = self.reuse.flattened(state_dict) if self.reuse is not None and self.flatten_state_dict else None
+        if flat is None:
+            if self._reusing():
+                raise CheckpointError("internal error: the plan cache agreed on a state other than the one saved")
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        else:  # flattened in the agreement round already: the same call, without flattening again
+            self.flatten_state_dict = False
+            try:
+                super().set_up_planner(flat[0], storage_meta, is_coordinator)
+            finally:
+                self.flatten_state_dict = True
+            self.mappings = flat[1]
+        if self.reuse is not None:
+            self.reuse.is_coordinator = self.is_coordinator
+        self.timing.planning_s += time.perf_counter() - started
 
     def create_local_plan(self) -> SavePlan:
-        # Tied tensors: every rank holds the same (its model's structure), the coordinator's decide.
-        self.aliases = alias_groups(self.state_dict) if self.is_coordinator else {}
-        plan = local_save_plan(self.state_dict, self.is_coordinator)
-        if self.flatten_state_dict:
-            plan = dataclasses.replace(plan, planner_data=self.mappings)
+        started = time.perf_counter()
+        if self._reusing():
+            plan = SavePlan([])  # nothing to send: every rank writes its cached plan
+        else:
+            # Tied tensors: every rank holds the same (its model's structure), the coordinator's decide.
+            self.aliases = alias_groups(self.state_dict) if self.is_coordinator else {}
+            plan = local_save_plan(self.state_dict, self.is_coordinator)
+            if self.flatten_state_dict:
+                plan = dataclasses.replace(plan, planner_data=self.mappings)
         self.plan = plan
+        self.timing.planning_s += time.perf_counter() - started
         return plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        started = time.perf_counter()
+        try:
+            if self._reusing():
+                if any(plan.items for plan in all_plans):
+                    raise CheckpointError("internal error: a rank planned a save the plan cache agreed to reuse")
+                metadata = self.reuse.reused()[1]  # type: ignore[union-attr]
+                if metadata is None:
+                    raise CheckpointError("internal error: the plan cache holds no metadata on the coordinator")
+                self.metadata = metadata
+                return [SavePlan([]) for _ in all_plans], metadata
+            global_plan, metadata = self._global_plan(all_plans)
+            if self.reuse is not None:  # pristine: the writer's finish fills in the one it is given
+                self.reuse.skeleton = copy.copy(metadata)
+            self.metadata = metadata
+            return global_plan, metadata
+        finally:
+            self.timing.global_plan_s = time.perf_counter() - started
+            self.timing.planning_s += self.timing.global_plan_s
+
+    def _global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         deduped = dcp_shims.dedup_save_plans(all_plans, getattr(self, "dedup_save_to_lowest_rank", False))
         deduped = colocate_aliases(all_plans, deduped, getattr(self, "aliases", {}))
         global_plan, metadata = global_save_plan(deduped)
@@ -184,10 +246,24 @@ class CkptSavePlanner(DefaultSavePlanner):
             merged = dict(ChainMap(*[plan.planner_data for plan in global_plan]))
             metadata = dataclasses.replace(metadata, planner_data=merged)
         if not chunks_tile_exactly(metadata):
-            return super().create_global_plan(all_plans)
-        self.global_plan = global_plan
-        self.metadata = metadata
+            global_plan, metadata = super().create_global_plan(all_plans)
+        # Not kept (DCP's planner keeps `global_plan`): nothing after the scatter reads it,
+        # and on the coordinator it is an item per chunk of every rank (issue 25.5).
+        self.global_plan = []
         return global_plan, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        started = time.perf_counter()
+        if self._reusing():
+            cached = self.reuse.reused()[0]  # type: ignore[union-attr]
+            if cached.storage_data != new_plan.storage_data:
+                raise CheckpointError("internal error: the plan cache's plan is another rank's")
+            new_plan = cached
+        elif self.reuse is not None:
+            self.reuse.final_plan = new_plan
+        self.plan = new_plan
+        self.timing.planning_s += time.perf_counter() - started
+        return new_plan
 
 
 __all__ = ["CkptSavePlanner", "chunks_tile_exactly", "global_save_plan", "local_save_plan"]

@@ -56,6 +56,7 @@ from ..errors import (
 )
 from ..storage import LocalStorage, Storage, as_storage, root_is_file
 from . import safetensors, torch_save, v0
+from .copies import Copies
 from .dcp_reader import CkptReader
 from .foreign import DEFAULT_PREFIX, SourceFiles, SourceInfo, TensorLoc, file_head, file_size
 from .layout import CheckpointInfo, classify, not_a_checkpoint_error, open_checkpoint
@@ -244,6 +245,7 @@ def open_reader(
     verify: bool = True,
     prefix: str | None = DEFAULT_PREFIX,
     trusted: bool = False,
+    copies: Copies | None = None,
     transforms: Transforms | None = None,
 ) -> tuple[StorageReader, CheckpointInfo]:
     """A DCP StorageReader for any format `detect_format` knows, and what the checkpoint is.
@@ -251,21 +253,27 @@ def open_reader(
     Pass `info` (from `inspect_checkpoint` on rank 0, broadcast) to skip inspecting again:
     building a reader from it does no I/O. `verify` applies to ckptlib checkpoints (item
     checksums); `trusted` lets torch.save/v0 files unpickle arbitrary objects (and the
-    native reader hand objects to a planner that does not unpickle them safely itself);
-    `transforms` knows the DCP extensions items may be stored with (default: zstd), and any
-    other found is UnsupportedError here, before anything is read.
+    native reader hand objects to a planner that does not unpickle them safely itself).
+    `copies`: where a ckptlib or DCP checkpoint's files are read from (`copies`; default:
+    `storage_or_path`). `transforms` knows the DCP extensions items may be stored with
+    (default: zstd), and any other found is UnsupportedError here, before anything is read.
     """
     storage = as_storage(storage_or_path)
     if info is None:
         info = inspect_checkpoint(storage, verify=verify, prefix=prefix, trusted=trusted)
     if not isinstance(info, SourceInfo):
-        if root_is_file(storage):
+        if root_is_file(storage) and copies is None:
             raise NotACheckpointError(f"{storage.uri} is a file, not a checkpoint directory", path=storage.uri)
         transforms = transforms or Transforms()
         transforms.check_readable(info.metadata.storage_data.values(), storage.uri)  # before anything is read
-        return CkptReader(
-            storage, info.metadata, info.manifest, verify=verify, trusted=trusted, transforms=transforms
-        ), info
+        reader = CkptReader(
+            storage, info.metadata, info.manifest, verify=verify, copies=copies, trusted=trusted, transforms=transforms
+        )
+        return reader, info
+    if copies is not None:
+        raise NotACheckpointError(
+            f"{storage.uri}: copies= reads ckptlib and DCP checkpoints, not {info.kind} files", path=storage.uri
+        )
     root = storage
     if info.file_root is not None:
         if not root_is_file(storage):

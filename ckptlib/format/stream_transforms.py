@@ -50,6 +50,7 @@ class Transforms:
         if self.extensions and not dcp_extensions.supported():
             raise UnsupportedError("this torch records no DCP extensions per item (torch 2.7 or newer needed)")
         self.registry = registry
+        self._unknown: dict[tuple[str, ...], str | None] = {}
 
     def _registry(self) -> Any:
         if self.registry is None:
@@ -69,14 +70,16 @@ class Transforms:
     def unknown(self, descriptors: Iterable[str]) -> str | None:
         """Why the registry cannot decode `descriptors` (None when it can)."""
         descriptors = tuple(descriptors)
-        registry = self._registry()
-        if registry is None:
-            return "this torch has no DCP extensions"
-        try:
-            registry.from_descriptor_list(descriptors)
-        except Exception as exc:  # noqa: BLE001 - the registry's own words: unknown, or an old version
-            return f"{type(exc).__name__}: {exc}"
-        return None
+        if descriptors not in self._unknown:
+            registry = self._registry()
+            why = None if registry is not None else "this torch has no DCP extensions"
+            try:
+                if registry is not None:
+                    registry.from_descriptor_list(descriptors)
+            except Exception as exc:  # noqa: BLE001 - the registry's own words: unknown, or an old version
+                why = f"{type(exc).__name__}: {exc}"
+            self._unknown[descriptors] = why
+        return self._unknown[descriptors]
 
     def check_readable(self, records: Iterable[Any], uri: str) -> None:
         """UnsupportedError naming every extension of `records` the registry cannot decode."""

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from ..errors import UnsafeCheckpointError
@@ -71,17 +72,83 @@ def find_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[
     return None
 
 
-def _chunk_problems(fqn: str, md: TensorStorageMetadata, keys: dict, exhaustive: bool) -> list[Problem]:
+def _ints(values: Any) -> tuple[int, ...]:
+    """`values` (a torch.Size, or whatever a crafted file holds) as a tuple of Python ints."""
+    return tuple(values) if type(values) is torch.Size else tuple(int(v) for v in values)
+
+
+def _layout(md: TensorStorageMetadata) -> tuple | None:
+    """(size, ((offsets, sizes) of each chunk)) of a well-formed tensor entry, or None."""
+    try:
+        return _ints(md.size), tuple((_ints(c.offsets), _ints(c.sizes)) for c in md.chunks or ())
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _chunk_problems(
+    fqn: str, md: TensorStorageMetadata, keys: dict, exhaustive: bool, layouts: dict | None = None
+) -> list[Problem]:
     """Problems of one tensor's chunks; `keys` maps (fqn, offsets) of every storage record to
-    its stored length (None when the record is malformed)."""
+    its stored length (None when the record is malformed).
+
+    `layouts` remembers the shapes whose chunks were found to tile them (inside, no gap, no
+    overlap): a sharded state repeats a few layouts across thousands of tensors, so only the
+    storage records are looked up for the others (rank 0 runs this before every load)."""
+    layout = _layout(md) if layouts is not None else None
+    counts = None if layout is None else layouts.get((exhaustive, layout))  # type: ignore[union-attr]
+    if counts is not None:
+        return _record_problems(fqn, md, keys, layout[1], counts)  # type: ignore[index]
+    problems = _all_chunk_problems(fqn, md, keys, exhaustive)
+    if layout is not None and not problems:
+        layouts[(exhaustive, layout)] = tuple(math.prod(sz) for _, sz in layout[1])  # type: ignore[index]
+    return problems
+
+
+def _record_problems(fqn: str, md: TensorStorageMetadata, keys: dict, chunks: tuple, counts: tuple) -> list[Problem]:
+    """The storage-record checks of `_all_chunk_problems`, for chunks known to tile their tensor."""
+    itemsize = _itemsize(md)
+    problems = []
+    for (off, sz), count in zip(chunks, counts):
+        length = keys.get((fqn, off), _MISSING)
+        if length is _MISSING:
+            problems.append(
+                Problem(METADATA_NAME, f"tensor {fqn!r}: chunk at offsets {list(off)} has no storage record")
+            )
+        elif itemsize and isinstance(length, int) and count * itemsize > length:
+            problems.append(_too_large(fqn, off, sz, count * itemsize, length))
+    return problems
+
+
+_MISSING = object()
+
+
+def _what(fqn: Any) -> str:
+    return f"the storage record of {fqn!r}"
+
+
+def _itemsize(md: TensorStorageMetadata) -> int:
+    itemsize = getattr(getattr(getattr(md, "properties", None), "dtype", None), "itemsize", 0)
+    return itemsize if isinstance(itemsize, int) and itemsize > 0 else 0
+
+
+def _too_large(fqn: str, off: tuple, sz: tuple, needed: int, stored: int) -> Problem:
+    # Checked before anything is allocated for it: a chunk's bytes are stored in its item,
+    # so a shape whose bytes exceed the item is a lie (a (10^7, 10^6) shape: 40 TB).
+    return Problem(
+        METADATA_NAME,
+        f"tensor {fqn!r}: chunk at offsets {list(off)} with sizes {list(sz)} needs "
+        f"{needed} bytes, but its stored item holds {stored}",
+    )
+
+
+def _all_chunk_problems(fqn: str, md: TensorStorageMetadata, keys: dict, exhaustive: bool) -> list[Problem]:
     problems = []
     try:
         size = tuple(int(d) for d in md.size)
     except (TypeError, ValueError):
         return [Problem(METADATA_NAME, f"tensor {fqn!r} has an invalid size {md.size!r}")]
     total = math.prod(size)
-    itemsize = getattr(getattr(getattr(md, "properties", None), "dtype", None), "itemsize", 0)
-    itemsize = itemsize if isinstance(itemsize, int) and itemsize > 0 else 0
+    itemsize = _itemsize(md)
     boxes = []
     outside = False
     for chunk in md.chunks or []:
@@ -111,15 +178,7 @@ def _chunk_problems(fqn: str, md: TensorStorageMetadata, keys: dict, exhaustive:
                 Problem(METADATA_NAME, f"tensor {fqn!r}: chunk at offsets {list(off)} has no storage record")
             )
         elif itemsize and isinstance(keys[(fqn, off)], int) and math.prod(sz) * itemsize > keys[(fqn, off)]:
-            # Checked before anything is allocated for it: a chunk's bytes are stored in its item,
-            # so a shape whose bytes exceed the item is a lie (a (10^7, 10^6) shape: 40 TB).
-            problems.append(
-                Problem(
-                    METADATA_NAME,
-                    f"tensor {fqn!r}: chunk at offsets {list(off)} with sizes {list(sz)} needs "
-                    f"{math.prod(sz) * itemsize} bytes, but its stored item holds {keys[(fqn, off)]}",
-                )
-            )
+            problems.append(_too_large(fqn, off, sz, math.prod(sz) * itemsize, keys[(fqn, off)]))
         boxes.append((off, sz))
     if outside:
         return problems
@@ -167,9 +226,11 @@ def structure_problems(
     if not isinstance(sdm, dict) or not isinstance(storage_data, dict):
         return [Problem(METADATA_NAME, "holds no state_dict_metadata / storage_data mappings")]
     problems: list[Problem] = []
-    items = {name: {(o, n) for o, n, _ in rec.items} for name, rec in manifest.files.items()} if manifest else None
+    # name -> {offset: length} of its item records (their offsets are distinct: FileRecord.problem)
+    items = {name: {o: n for o, n, _ in rec.items} for name, rec in manifest.files.items()} if manifest else None
     reported_files: set[str] = set()
     keys: dict[tuple[str | None, tuple[int, ...] | None], int | None] = {}
+    safe_names: set[str] = set()  # checked once each: thousands of records name a few files
     for index, info in storage_data.items():
         fqn = getattr(index, "fqn", None)
         offset = getattr(index, "offset", None)
@@ -178,21 +239,26 @@ def structure_problems(
         transformed = bool(getattr(info, "transform_descriptors", None))
         try:
             # A transformed (compressed) item may hold fewer bytes than its chunk: not comparable.
-            keys[(fqn, None if offset is None else tuple(int(o) for o in offset))] = (
+            keys[(fqn, None if offset is None else _ints(offset))] = (
                 length if isinstance(length, int) and not isinstance(length, bool) and not transformed else None
             )
         except (TypeError, ValueError):
             problems.append(Problem(METADATA_NAME, f"storage record key {index!r} is malformed"))
-        what = f"the storage record of {fqn!r}"
-        try:
-            check_name(name, METADATA_NAME, "file name")
-        except UnsafeCheckpointError:
-            problems.append(
-                Problem(METADATA_NAME, f"{what} names file {name!r}, which escapes the checkpoint directory", "unsafe")
-            )
-            continue
+        if type(name) is not str or name not in safe_names:
+            try:
+                check_name(name, METADATA_NAME, "file name")
+            except UnsafeCheckpointError:
+                problems.append(
+                    Problem(
+                        METADATA_NAME,
+                        f"{_what(fqn)} names file {name!r}, which escapes the checkpoint directory",
+                        "unsafe",
+                    )
+                )
+                continue
+            safe_names.add(name)
         if not isinstance(off, int) or not isinstance(length, int) or off < 0 or length < 0:
-            problems.append(Problem(METADATA_NAME, f"{what} has offset {off!r} and length {length!r}"))
+            problems.append(Problem(METADATA_NAME, f"{_what(fqn)} has offset {off!r} and length {length!r}"))
             continue
         if items is not None:
             recs = items.get(name)
@@ -203,9 +269,12 @@ def structure_problems(
                         Problem(name, ".metadata stores data in it, but the manifest does not list it", "missing")
                     )
                 continue
-            if (off, length) not in recs:
+            if recs.get(off) != length:
                 problems.append(
-                    Problem(name, f"{what} at offset {off} (length {length}) matches no item record of the manifest")
+                    Problem(
+                        name,
+                        f"{_what(fqn)} at offset {off} (length {length}) matches no item record of the manifest",
+                    )
                 )
             size = manifest.files[name].size  # type: ignore[union-attr]
         else:
@@ -217,14 +286,18 @@ def structure_problems(
                 continue
         if off + length > size:
             problems.append(
-                Problem(name, f"{what} at offset {off} (length {length}) runs past the end of the file ({size} bytes)")
+                Problem(
+                    name,
+                    f"{_what(fqn)} at offset {off} (length {length}) runs past the end of the file ({size} bytes)",
+                )
             )
+    layouts: dict = {}
     for fqn, md in sdm.items():
         if isinstance(md, BytesStorageMetadata):
             if (fqn, None) not in keys:
                 problems.append(Problem(METADATA_NAME, f"object {fqn!r} has no storage record"))
         elif isinstance(md, TensorStorageMetadata):
-            problems.extend(_chunk_problems(fqn, md, keys, exhaustive))
+            problems.extend(_chunk_problems(fqn, md, keys, exhaustive, layouts))
         else:
             problems.append(
                 Problem(METADATA_NAME, f"entry {fqn!r} is a {type(md).__name__}, not tensor or object metadata")

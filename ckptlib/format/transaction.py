@@ -37,17 +37,20 @@ from .. import _dist
 from .._torch import dcp_shims
 from ..errors import CheckpointError
 from ..storage import Storage
-from .dcp_writer import CkptWriter
+from .dcp_writer import CkptWriter, ShardBackend
 from .deletion import remove_failed_save
 from .layout import commit_manifest, prepare_save_target
-from .manifest import FileRecord
+from .manifest import METADATA_NAME, FileRecord
+from .plan_cache import PlanTiming
 
 
 @dataclasses.dataclass(frozen=True)
 class SaveReceipt:
-    """What every rank learns of a committed save (DCP broadcasts it back from the coordinator)."""
+    """What every rank learns of a committed save (DCP broadcasts it back from the coordinator):
+    its size and the coordinator's global-planning seconds."""
 
     total_bytes: int
+    global_plan_seconds: float | None = None
 
 
 def unwrap_dcp_error(exc: BaseException) -> CheckpointError:
@@ -85,7 +88,8 @@ class SaveTransaction:
 
     Hooks: `after_commit()` runs on rank 0 once the save committed (its errors reach every
     rank; the checkpoint stays committed); `on_failure()` runs on every rank after a failed
-    save was cleaned up, or after `after_commit` failed.
+    save was cleaned up, or after `after_commit` failed. `shard_backend`: where this rank's
+    shard is encoded and written (`dcp_writer.ShardBackend`; None: in the calling thread).
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class SaveTransaction:
         overwrite: bool = False,
         after_commit: Callable[[], None] | None = None,
         on_failure: Callable[[], None] | None = None,
+        shard_backend: ShardBackend | None = None,
         self_cleaning: bool = False,
     ):
         self.storage = storage
@@ -109,6 +114,7 @@ class SaveTransaction:
         self.overwrite = overwrite
         self.after_commit = after_commit
         self.on_failure = on_failure
+        self.shard_backend = shard_backend  # where the shard is written (None: this thread)
         # For the cleanup of a failed save: whether this process coordinates the save (DCP
         # tells the writer), whether its prepare step ran, and the shard file this rank
         # started and did not finish (None once it is complete).
@@ -116,6 +122,10 @@ class SaveTransaction:
         self.prepared = False
         self.unfinished_shard: str | None = None
         self.total_bytes: int | None = None
+        # The coordinator's planner sets it (`CkptSavePlanner.timing.global_plan_s`); every
+        # rank learns it from the receipt.
+        self.plan_timing: PlanTiming | None = None
+        self.global_plan_seconds: float | None = None
         self.files: list[str] = []  # the files the manifest lists (on the coordinator, once committed)
         # Driven by a user's own dcp.save (ckptlib.dcp.writer), with no `run` around it: a rank's
         # write failure travels to the coordinator with its results, and the coordinator, which
@@ -132,9 +142,15 @@ class SaveTransaction:
     @contextlib.contextmanager
     def open_shard(self, name: str) -> Iterator[Any]:
         """This rank's stream for shard file `name`; complete once the block ends without error."""
-        self.unfinished_shard = name
-        with self.storage.open_writer(name) as stream:
+        with self.writing_shard(name), self.storage.open_writer(name) as stream:
             yield stream
+
+    @contextlib.contextmanager
+    def writing_shard(self, name: str) -> Iterator[None]:
+        """Shard file `name` is being written (by this process or its writer process): a
+        failure before the block ends leaves it for `abort()` to remove."""
+        self.unfinished_shard = name
+        yield
         self.unfinished_shard = None
 
     def commit(self, files: dict[str, FileRecord], metadata: Metadata) -> None:
@@ -148,11 +164,13 @@ class SaveTransaction:
                 step=self.step,
                 metadata=self.metadata,
                 metrics=self.metrics,
+                synced=(METADATA_NAME,),  # CkptWriter streams it through open_writer, which fsyncs
             )
         self.files = sorted(files)
         self.total_bytes = sum(record.size for record in files.values())
+        self.global_plan_seconds = None if self.plan_timing is None else self.plan_timing.global_plan_s
         if not self.self_cleaning:  # a user's dcp.save returns this Metadata: it stays whole
-            _leave_receipt(metadata, SaveReceipt(self.total_bytes))
+            _leave_receipt(metadata, SaveReceipt(self.total_bytes, self.global_plan_seconds))
 
     # -- a save driven by a user's dcp.save (self_cleaning) ------------------------------
     def portable_failure(self, exc: BaseException) -> CheckpointError:
@@ -184,7 +202,7 @@ class SaveTransaction:
         failure, `abort()` on this rank and raise it (DCP's gathered failures as the ckptlib
         error they carry)."""
         try:
-            metadata = save(CkptWriter(self.storage, transaction=self))
+            metadata = save(CkptWriter(self.storage, transaction=self, backend=self.shard_backend))
         except BaseException as exc:
             self.abort()
             if isinstance(exc, dcp_shims.checkpoint_exception_cls()):
@@ -192,7 +210,8 @@ class SaveTransaction:
             raise
         if self.total_bytes is None:  # not the coordinator: the receipt it broadcast
             received = getattr(metadata, "storage_data", None)
-            self.total_bytes = received.total_bytes if isinstance(received, SaveReceipt) else None
+            if isinstance(received, SaveReceipt):
+                self.total_bytes, self.global_plan_seconds = received.total_bytes, received.global_plan_seconds
         if self.after_commit is not None:
             try:
                 _dist.decide_on_rank0(self.after_commit, group)

@@ -10,7 +10,10 @@ Three rooms:
   ``build_mesh``, ``get_layout`` (``ckptlib.testing.matrices.parallel_layouts``) and the layout
   round trip ``ModelSpec``, ``LayoutCase``, ``save_layout``, ``load_layout``, ``full_product``,
   ``covering_subset`` (``ckptlib.testing.matrices.layout_matrix``): run ``dist_run`` over
-  layout pairs of your own model.
+  layout pairs of your own model. Your whole training job (optimizers, schedulers, per-rank
+  and data-loader state) in one call: ``assert_elastic(spec, world_sizes=..., layouts=...)``
+  (``matrices.elastic_proof``) with a ``TrainingSpec`` or a module of factory functions
+  (``matrices.training_spec``), as ``ckpt validate --spec`` runs it.
 - ``fakes/``: S3, GCS and Azure emulators on 127.0.0.1, a fault-injecting proxy, writers of
   legacy formats.
 
@@ -42,6 +45,13 @@ _LAZY = {
     "load_layout": "matrices.layout_matrix",
     "full_product": "matrices.layout_matrix",
     "covering_subset": "matrices.layout_matrix",
+    "TrainingSpec": "matrices.training_spec",
+    "SpecError": "matrices.training_spec",
+    "SpecFactoryError": "matrices.training_spec",
+    "load_spec": "matrices.training_spec",
+    "Training": "matrices.spec_matrix",
+    "assert_elastic": "matrices.elastic_proof",
+    "ElasticAssertionError": "matrices.elastic_proof",
 }
 
 

@@ -68,19 +68,26 @@ def test_a_check_failing_on_one_rank_fails_every_rank(tmp_path, dist_run, check)
 
 
 def _agreements_of_a_load(path: str, options: dict) -> int:
-    real, rounds = _dist.agree, []
+    """The agreement rounds of one load: `_dist.agree`, and `_dist.agree_sharing` (the same
+    round, whose one collective also gathers each rank's bytes read)."""
+    real, real_sharing, rounds = _dist.agree, _dist.agree_sharing, []
 
     def counted(fn, group=None):
         rounds.append(fn)
         return real(fn, group)
 
-    _dist.agree = counted
+    def counted_sharing(fn, values, group=None):
+        rounds.append(fn)
+        return real_sharing(fn, values, group)
+
+    _dist.agree, _dist.agree_sharing = counted, counted_sharing
     try:
         state = _state()
-        ckptlib.load(path, state, **options)
+        result = ckptlib.load(path, state, **options)
     finally:
-        _dist.agree = real
+        _dist.agree, _dist.agree_sharing = real, real_sharing
     assert torch.equal(state["model"]["w"], torch.arange(8.0)) and state["epoch"] == 3
+    assert len(result.storage_bytes_read_by_rank) == 2  # gathered in the last round, not one of its own
     return len(rounds)
 
 

@@ -109,17 +109,13 @@ def test_survivors_of_a_rank_dying_mid_save_raise_rank_lost(tmp_path, dist_run, 
 
 
 def _load_and_lose(uri: str, victim: int) -> dict:
-    if dist.get_rank() == victim:
-        from ckptlib.storage.local import LocalStorage
+    if dist.get_rank() == victim:  # dies where it would read (or, read once, receive) its items
+        from ckptlib.format.dcp_reader import CkptReader
 
-        original = LocalStorage.read
+        def read_data(self, plan, planner):
+            os._exit(EXIT_CODE)
 
-        def read(self, path, offset=0, length=None):
-            if path.endswith(".distcp"):
-                os._exit(EXIT_CODE)
-            return original(self, path, offset, length)
-
-        LocalStorage.read = read
+        CkptReader.read_data = read_data
     try:
         ckptlib.load(uri, {"w": torch.zeros(8, 4), "step": 0})
     except RankLostError as exc:

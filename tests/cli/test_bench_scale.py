@@ -8,22 +8,28 @@ import pickle
 import pytest
 
 from ckptlib import cli
-from ckptlib.bench import s3_requests, scale
+from ckptlib.bench import s3_requests, scale_cell
 from ckptlib.format.manifest import Manifest
+from ckptlib.format.plan_cache import PlanCache
 
 
 @pytest.mark.parametrize("world, tensors", [(1, 1), (2, 3), (8, 20)], ids=["world1-t1", "world2-t3", "world8-t20"])
-def test_records_cover_every_chunk(world, tensors):
-    names = scale._tensor_names(tensors)
-    metadata_blob, manifest_blob, _ = scale._plan_and_write_records(world, names)
-    metadata = pickle.loads(metadata_blob)
+def test_records_cover_every_chunk_and_the_second_save_writes_the_same_metadata(world, tensors):
+    names = scale_cell.tensor_names(tensors)
+    plans = [scale_cell.rank_plan(world, names, rank) for rank in range(world)]
+    results = [scale_cell.rank_results(world, names, rank) for rank in range(world)]
+    cache = PlanCache()
+    _, storage = scale_cell._first_save(world, names, plans, results, cache)
+    metadata = pickle.loads(storage.files[".metadata"])
     assert sorted(metadata.state_dict_metadata) == sorted(names)
     assert all(len(md.chunks) == world for md in metadata.state_dict_metadata.values())
     assert len(metadata.storage_data) == world * tensors
-    manifest = Manifest.from_bytes(manifest_blob, "scale")
-    assert sorted(manifest.files) == sorted(f"__{r}_0.distcp" for r in range(world))
-    assert all(len(record.items) == tensors for record in manifest.files.values())
-    assert scale._load_plan(metadata_blob, names, world - 1) == tensors
+    manifest = Manifest.from_bytes(storage.files["ckptlib.json"], "scale")
+    assert sorted(manifest.files) == sorted([f"__{r}_0.distcp" for r in range(world)] + [".metadata"])
+    assert all(len(manifest.files[f"__{r}_0.distcp"].items) == tensors for r in range(world))
+    assert scale_cell.load_plan(storage, names, world - 1) == tensors
+    _, again = scale_cell._second_save(world, names, results, cache)  # the plans reused
+    assert again.files[".metadata"] == storage.files[".metadata"]
 
 
 def test_cli_runs_the_grid_and_skips_cells_over_the_cap(capsys):
@@ -36,6 +42,7 @@ def test_cli_runs_the_grid_and_skips_cells_over_the_cap(capsys):
     assert measured[1]["metadata_bytes"] > measured[0]["metadata_bytes"]
     assert measured[1]["manifest_bytes"] > measured[0]["manifest_bytes"]
     assert [r["rank_reads"] for r in measured] == [5, 50, 5]
+    assert all(r["second_over_first"] > 0 and r["bytes_per_chunk"] > 0 and r["open_us_per_chunk"] > 0 for r in measured)
 
 
 def test_rows_read_back_into_a_table_and_a_plot(tmp_path, capsys):

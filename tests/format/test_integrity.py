@@ -215,7 +215,7 @@ def test_corruption_detected_by_load_and_verify(tmp_path, capsys, corrupt, error
     assert rc == 1, out
     lines = out.strip().splitlines()
     errors = [line for line in lines[:-1] if not line.startswith("note: ")]
-    assert lines[-1] == f"{path}: DAMAGED, {len(errors)} problem{'s' if len(errors) > 1 else ''}"
+    assert lines[-1] == f"{path}: DAMAGED, {len(errors)} problem{'s' if len(errors) > 1 else ''}", out
     assert all(line.startswith(f"{path}/") for line in errors), out
     assert any(re.search(verify_line, line) for line in errors), out
 

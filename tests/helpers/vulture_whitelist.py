@@ -12,6 +12,8 @@ WHITELIST = (
     "prepare_local_plan",
     "prepare_global_plan",
     "validate_checkpoint_id",
+    # DCP's SavePlanner hook (format/save_planner.py's CkptSavePlanner; the other hooks are called by name elsewhere)
+    "finish_plan",
     "read_data",
     "write_data",
     "checkpoint_id",

@@ -192,17 +192,13 @@ def test_kill_during_save(tmp_path, dist_run, point, victim, committed, latest, 
 
 
 def _load_and_die(uri: str, victim: int):
-    if dist.get_rank() == victim:
-        from ckptlib.storage.local import LocalStorage
+    if dist.get_rank() == victim:  # dies where it would read (or, read once, receive) its items
+        from ckptlib.format.dcp_reader import CkptReader
 
-        orig_read = LocalStorage.read
+        def read_data(self, plan, planner):
+            _die()
 
-        def read(self, path, offset=0, length=None):
-            if path.endswith(".distcp"):
-                _die()
-            return orig_read(self, path, offset, length)
-
-        LocalStorage.read = read
+        CkptReader.read_data = read_data
     start = time.monotonic()
     try:
         ckptlib.load(uri, {"w": torch.zeros(6, 5), "b": torch.zeros(3), "step": -1})

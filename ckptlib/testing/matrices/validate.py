@@ -1,7 +1,10 @@
 """`ckpt validate`: the save-at-N / load-at-M round trip on the user's storage and cluster.
 
 With `--layouts` the pairs are (layout A at N, layout B at M) of a small transformer
-(`layout_matrix`); 2-D layouts on a subgroup use meshes made from `layouts.mesh_groups`.
+(`layout_matrix`); with `--spec` of the user's own training job (`spec_matrix`, a
+`training_spec.TrainingSpec`); 2-D layouts on a subgroup use meshes made from
+`layouts.mesh_groups`. A failure inside the spec's own functions is not a failing pair but a
+`training_spec.SpecError` (rank and traceback) raised out of the run on the ranks that hit it.
 
 One process group of max(world sizes) ranks runs every pair: for each N the first N ranks
 form a subgroup that trains and saves; for each M the first M ranks load, compare
@@ -24,6 +27,7 @@ import torch.distributed as dist
 
 from . import layout_matrix, matrix
 from . import parallel_layouts as layouts_mod
+from .training_spec import SpecError
 
 
 @dataclasses.dataclass
@@ -51,6 +55,7 @@ class Report:
     world_sizes: list[int]
     cells: list[Cell]
     layouts: list[str] | None = None
+    spec: str | None = None  # the --spec reference of a run on the user's training job
 
     @property
     def ok(self) -> bool:
@@ -64,6 +69,7 @@ class Report:
             "optim": self.optim,
             "world_sizes": self.world_sizes,
             "layouts": self.layouts,
+            "spec": self.spec,
             "cells": [dataclasses.asdict(c) for c in self.cells],
         }
 
@@ -197,29 +203,40 @@ def layouts_fit(layouts: list[str], world_sizes: list[int]) -> bool:
 
 
 def run_layout_pairs(
-    root: str, world_sizes: list[int], layouts: list[str], optim: str, *, pairs: str = "all", progress: bool = True
+    root: str,
+    world_sizes: list[int],
+    layouts: list[str],
+    optim: str,
+    *,
+    pairs: str = "all",
+    progress: bool = True,
+    spec: Any = None,
 ) -> Report | None:
     """Every (layout A at N) save loaded at every (layout B at M) inside an initialized
-    process group (`pairs="covering"`: one case per layout pair); the report on rank 0."""
+    process group (`pairs="covering"`: one case per layout pair); the report on rank 0.
+    `spec`: a `training_spec.load_spec` reference or a spec object; its job is trained
+    instead of the small transformer (and `optim` is not used)."""
     rank = dist.get_rank()
     _check_sizes(world_sizes)
     select = layout_matrix.covering_subset if pairs == "covering" else layout_matrix.full_product
     cases = select(layouts, world_sizes, optim)
     if not cases:
         raise ValueError(f"no world size in {world_sizes} suits the layouts {layouts} (2-D layouts need 4, 6, ...)")
+    save, load, label = _sides(spec, optim)
     groups = _subgroups(world_sizes)
     groups_2d = layouts_mod.mesh_groups(world_sizes, layouts)
     saves = list(dict.fromkeys((c.save_layout, c.save_ws) for c in cases))
-    base, bar = _start(root, len(saves) + len(cases), "ckpt validate --layouts", progress)
+    title = "ckpt validate --spec" if spec else "ckpt validate --layouts"
+    base, bar = _start(root, len(saves) + len(cases), title, progress)
     cells: list[Cell] = []
     for layout, n in saves:
         uri = f"{base}/save{n}-{layout}"
         box = [None, None]  # expected state, save error
         if rank < n:
             try:
-                box[0] = layout_matrix.save_layout(
-                    uri, layout, optim, group=groups[n], groups_2d=groups_2d.get((layout, n))
-                )
+                box[0] = save(uri, layout, group=groups[n], groups_2d=groups_2d.get((layout, n)))
+            except SpecError:
+                raise  # the user's code failed: not a finding about checkpoints (see the module docstring)
             except Exception as exc:
                 box[1] = f"save at {layout} on {n} ranks failed: {_fail_text(exc)}"
         dist.broadcast_object_list(box, src=0)
@@ -231,9 +248,9 @@ def run_layout_pairs(
             problems: list[str] = [box[1]] if box[1] else []
             if not box[1] and rank < m:
                 try:
-                    problems = layout_matrix.load_layout(
-                        uri, target, box[0], optim, group=groups[m], groups_2d=groups_2d.get((target, m))
-                    )
+                    problems = load(uri, target, box[0], group=groups[m], groups_2d=groups_2d.get((target, m)))
+                except SpecError:
+                    raise
                 except Exception as exc:
                     problems = [f"load at {target} on {m} ranks failed: {_fail_text(exc)}"]
             merged = _gather_problems(problems, m)
@@ -242,7 +259,32 @@ def run_layout_pairs(
                 bar.update(1)
         dist.barrier()
     _finish(base, bar)
-    return Report(root, "layouts", optim, list(world_sizes), cells, list(layouts)) if rank == 0 else None
+    if rank != 0:
+        return None
+    return Report(
+        root, "spec" if spec else "layouts", "" if spec else optim, list(world_sizes), cells, list(layouts), label
+    )
+
+
+def _sides(spec: Any, optim: str):
+    """(save(uri, layout, group=, groups_2d=) -> expected, load(uri, layout, expected, group=,
+    groups_2d=) -> problems, the spec's label) of the small transformer, or of the spec's job
+    (a reference string or a spec object)."""
+    if spec is None:
+        return (
+            lambda uri, layout, **kw: layout_matrix.save_layout(uri, layout, optim, **kw),
+            lambda uri, layout, expected, **kw: layout_matrix.load_layout(uri, layout, expected, optim, **kw),
+            None,
+        )
+    from . import spec_matrix
+    from .training_spec import as_training_spec, load_spec
+
+    job = load_spec(spec) if isinstance(spec, str) else as_training_spec(spec)
+    return (
+        lambda uri, layout, **kw: spec_matrix.save_spec(uri, job, layout, **kw),
+        lambda uri, layout, expected, **kw: spec_matrix.load_spec_layout(uri, job, layout, expected, **kw),
+        spec if isinstance(spec, str) else job.label,
+    )
 
 
 def _cleanup(base: str) -> None:
@@ -270,10 +312,11 @@ def rank_entry(
     progress: bool,
     layouts: list[str] | None = None,
     pairs: str = "all",
+    spec: Any = None,
 ) -> dict | None:
     """Entry point for launcher ranks (module-level so it pickles by reference)."""
     if layouts:
-        report = run_layout_pairs(root, world_sizes, layouts, optim, pairs=pairs, progress=progress)
+        report = run_layout_pairs(root, world_sizes, layouts, optim, pairs=pairs, progress=progress, spec=spec)
     else:
         report = run_pairs(root, world_sizes, wrap, optim, progress)
     return None if report is None else report.to_json()
@@ -285,7 +328,9 @@ def under_torchrun() -> bool:
 
 def report_from_json(doc: dict) -> Report:
     cells = [Cell(**c) for c in doc["cells"]]
-    return Report(doc["root"], doc["wrap"], doc["optim"], doc["world_sizes"], cells, doc.get("layouts"))
+    return Report(
+        doc["root"], doc["wrap"], doc["optim"], doc["world_sizes"], cells, doc.get("layouts"), doc.get("spec")
+    )
 
 
 def dumps(report: Report) -> str:

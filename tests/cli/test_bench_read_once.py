@@ -1,0 +1,30 @@
+"""`ckpt bench read-once` at a tiny size, so the benchmark cannot rot (bytes asserted, no timings)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_read_once_reports_bytes_side_by_side(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "ckptlib.cli", "bench", "read-once", "--quick", "--layouts", "ddp", "--world", "2"]
+        + ["--dir", str(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=280,
+    )
+    assert run.returncode == 0, run.stderr
+    (row,) = json.loads(run.stdout)["rows"]
+    assert row["layout"] == "ddp" and row["world"] == 2 and row["ok"]
+    once, every = row["read-once"], row["every-rank"]
+    assert once["needed"] == every["needed"] > 1 << 20
+    assert once["storage"] == once["needed"] and once["received"] == once["needed"]  # each rank gets the other half
+    assert every["storage"] == 2 * every["needed"] and every["received"] == 0
+    assert "| ddp | 2 | read-once |" in run.stderr and "met (≤ 1.1)" in run.stderr
+    assert list(tmp_path.iterdir()) == []  # the scratch directory is removed
