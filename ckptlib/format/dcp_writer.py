@@ -166,6 +166,8 @@ class CkptWriter(StorageWriter):
     shard (default: in this thread, `InProcessShards`).
     """
 
+    save_id: str | None = None  # also for a writer built without __init__ (a test's, a subclass's)
+
     def __init__(
         self,
         storage: Storage,

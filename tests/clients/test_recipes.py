@@ -1,6 +1,6 @@
 """README's "Coming from torchtitan / Hugging Face / Composer / Lightning" recipes, run as
 written against the real packages (issue 28): each code block, with a prelude that builds
-what it names and an epilogue that checks what it did (tests/clients/scripts/recipes.py)."""
+what it names and an epilogue that checks what it did (tests/helpers/client_scripts/recipes.py)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """torchtitan 0.3's real Llama3 (fused QKV: its `wqkv` parameter saved as `wq`/`wk`/`wv` by
 state-dict hooks, which torch's get_model_state_dict cannot follow) saved by `ckptlib.save`
 with its AdamW under FSDP2 at 2 ranks and loaded at 1 and 3, bit-exactly, in the client env
-`ci/client_envs.sh hf` builds (tests/helpers/client_envs.py). The same hook pattern without
-torchtitan, at 1, 2 and 3 ranks: tests/api/test_state_hooks.py."""
+`ci/client_envs.sh hf` builds (tests/helpers/client_envs.py; the script:
+tests/helpers/client_scripts/). The same hook pattern without torchtitan, at 1, 2 and 3 ranks:
+tests/api/test_state_hooks.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The clients cannot live in the test venv: Composer pins torch<2.7.1 and torchtitan needs
 triton. `ci/client_envs.sh` builds `.ci/clients/venv-hf` and `.ci/clients/venv-composer`
 (or under $CKPTLIB_CLIENT_ENVS), each pinned by its constraints file in ci/; a script from
-tests/clients/scripts/ runs there with this checkout first on its path, alone or under
+tests/helpers/client_scripts/ runs there with this checkout first on its path, alone or under
 torchrun (gloo, CPU). Without an env a test skips and says how to build it; under CI=true
 it fails instead (`.ci/run` builds them first).
 """
@@ -18,7 +18,7 @@ import subprocess
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPTS = os.path.join(REPO, "tests", "clients", "scripts")
+SCRIPTS = os.path.join(REPO, "tests", "helpers", "client_scripts")
 ENVS = {"hf": "transformers, Lightning, torchtitan (torch 2.13)", "composer": "MosaicML Composer (torch 2.7)"}
 STAMP = ".ckptlib-client-env"
 # What a gloo rank may print when it aborts in teardown after its work is done (GUIDE: ~1 in 20).
@@ -68,7 +68,7 @@ def _environ(workdir: str) -> dict[str, str]:
 
 
 def run(env: str, script: str, *args: str, nproc: int = 0, workdir: str, timeout: float = 600) -> list[dict]:
-    """Run tests/clients/scripts/`script` with `args` in client env `env`: in one process
+    """Run tests/helpers/client_scripts/`script` with `args` in client env `env`: in one process
     (`nproc=0`), or under torchrun with `nproc` ranks. Each process writes its result as JSON to
     `$CKPTLIB_RESULT_DIR/rank<r>.json` (`scripts/client_common.report`); returns them in rank
     order. A failed run fails the test with its output; a rank that aborted in gloo's teardown
