@@ -70,7 +70,7 @@ def _environ(workdir: str) -> dict[str, str]:
 def run(env: str, script: str, *args: str, nproc: int = 0, workdir: str, timeout: float = 600) -> list[dict]:
     """Run tests/helpers/client_scripts/`script` with `args` in client env `env`: in one process
     (`nproc=0`), or under torchrun with `nproc` ranks. Each process writes its result as JSON to
-    `$CKPTLIB_RESULT_DIR/rank<r>.json` (`scripts/client_common.report`); returns them in rank
+    `$CKPTLIB_RESULT_DIR/rank<r>.json` (`client_scripts/client_common.report`); returns them in rank
     order. A failed run fails the test with its output; a rank that aborted in gloo's teardown
     after reporting (see TEARDOWN_ABORT) does not."""
     exe = python(env)
