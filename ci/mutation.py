@@ -36,7 +36,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     "checkpoint": (
-        ["ckptlib/checkpoint.py"],
+        ["ckptlib/saving.py", "ckptlib/loading.py", "ckptlib/load_checks.py", "ckptlib/format/transaction.py"],
         [
             "tests/api/test_failure_unwrapping.py",
             "tests/api/test_async_single_process.py",
@@ -76,7 +76,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     "manager": (
-        ["ckptlib/manager.py"],
+        ["ckptlib/manager.py", "ckptlib/root_scan.py", "ckptlib/collection.py"],
         [
             "tests/manager/test_manager.py",
             "tests/manager/test_fallbacks.py",

@@ -253,7 +253,7 @@ def ckpt_reads(
     """Every rank's reads of a ckptlib or DCP checkpoint (see the module) and the schedule of its
     shared items (`read_schedule.predict_reads`: what the load's coordinator computes)."""
     schedule = read_schedule.predict_reads(plans, declared.metadata, read_once=read_once)
-    roles = [schedule.role(rank) for rank in range(len(plans))]
+    roles = schedule.roles()
     out = []
     for rank, (plan, role) in enumerate(zip(plans, roles)):
         reads = RankReads(rank)
@@ -268,22 +268,18 @@ def ckpt_reads(
         reads.items_needed = len(keys)
         for part in role.rounds:
             held = 0
-            grouped: dict[str, list] = defaultdict(list)
-            for key in part.reads:
-                grouped[key[0]].append(key)
-            for name, items in grouped.items():
-                reads.items_read += len(items)
+            for block in part.out:  # a block is read whole, in one range (`CkptReader.fetch_block`)
+                name, offset, length = read_schedule.block_span(block)
+                reads.items_read += len(block[2])
                 if target.local:
-                    for key in sorted(items, key=lambda k: k[1]):
-                        reads.reads.append(Read(name, key[1], key[2], "item"))
-                    held += sum(k[2] for k in items)
-                else:  # a run's items are neighbours: read without gaps (`fetch_items`)
-                    before = len(reads.reads)
-                    _spans(reads, name, [(k[1], k[2]) for k in items], hold_all=True, gap=0)
-                    held += sum(r.length for r in reads.reads[before:])
-            received = sum(key[2] for key, _ in part.recvs)
+                    reads.reads.append(Read(name, offset, length, "item"))
+                else:  # in pieces of at most _MAX_SPAN
+                    for start in range(offset, offset + length, _MAX_SPAN):
+                        reads.reads.append(Read(name, start, min(_MAX_SPAN, offset + length - start), "item"))
+                held += length
+                reads.bytes_sent += length * len(block[1])
+            received = sum(read_schedule.block_span(block)[2] for block in part.into)
             reads.bytes_received += received
-            reads.bytes_sent += sum(key[2] * len(dsts) for key, dsts in part.sends)
             reads.hold(held + received)
         for name, entries in by_file.items():
             _own_file(reads, target, name, entries, declared, gap=0 if name in role.tight else _COALESCE_GAP)

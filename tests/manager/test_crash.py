@@ -64,15 +64,31 @@ def _arm(point: str) -> None:
             _die()  # "after": the shard file is complete and fsynced
 
         LocalStorage.open_writer = open_writer
-    elif what in ("metadata", "manifest"):
-        name = ".metadata" if what == "metadata" else "ckptlib.json"
+    elif what == "metadata":  # the coordinator streams `.metadata` into its file
+        orig_writer = LocalStorage.open_writer
+
+        @contextlib.contextmanager
+        def open_writer(self, path):
+            if path == ".metadata" and when == "before":
+                _die()
+            with orig_writer(self, path) as stream:
+                if path == ".metadata" and when == "mid":
+                    stream.write(b"\x80\x04")  # a torn pickle
+                    stream.flush()
+                    _die()
+                yield stream
+            if path == ".metadata" and when == "after":
+                _die()
+
+        LocalStorage.open_writer = open_writer
+    elif what == "manifest":
         orig_write = LocalStorage.write
 
         def write(self, path, data, **kwargs):
-            if path == name and when == "before":
+            if path == "ckptlib.json" and when == "before":
                 _die()
             orig_write(self, path, data, **kwargs)
-            if path == name and when == "after":
+            if path == "ckptlib.json" and when == "after":
                 _die()
 
         LocalStorage.write = write
@@ -128,6 +144,7 @@ CRASHES = [
     ("after-shard", 1, False, 1, None),
     ("after-shard", 0, False, 1, None),
     ("before-metadata", 0, False, 1, None),
+    ("mid-metadata", 0, False, 1, None),
     ("after-metadata", 0, False, 1, None),
     ("before-manifest", 0, False, 1, None),
     ("after-manifest", 0, True, 1, None),
@@ -385,8 +402,9 @@ def test_locked_root_fails_every_rank(tmp_path, dist_run):
 def test_durability_order_of_a_save(tmp_path, monkeypatch):
     """What a power loss can leave: the manifest's name is made durable only after every file
     it lists was fsynced and the directory holding their names was too; the pending marker
-    and `.metadata` are written without a sync of their own (the commit's sync covers the
-    latter), and no file is fsynced twice. Exact sequence for a one-process save."""
+    is written without a sync of its own, `.metadata` is streamed into its file and fsynced
+    when its writer closes (a torn one has no manifest beside it: never committed), and no
+    file is fsynced twice. Exact sequence for a one-process save."""
     import ckptlib.storage.local as local
 
     events: list[tuple[str, str]] = []
@@ -409,9 +427,8 @@ def test_durability_order_of_a_save(tmp_path, monkeypatch):
     assert events == [
         ("rename", "ck/ckptlib.pending"),
         ("fsync", "ck/__0_0.distcp"),  # the rank's own shard, when its writer closes
-        ("rename", "ck/.metadata"),
-        ("fsync", "ck/.metadata"),  # commit: the one file written without an fsync ...
-        ("fsync", "ck"),  # ... and the directory holding every listed name, once
+        ("fsync", "ck/.metadata"),  # the coordinator's `.metadata`, when its writer closes
+        ("fsync", "ck"),  # commit: the directory holding every listed name, once
         ("fsync", tmp_manifest[0]),
         ("rename", "ck/ckptlib.json"),
         ("fsync", "ck"),
