@@ -78,14 +78,55 @@ class Ballot(Protocol):
     def counted(self, reduced: list[int]) -> None: ...
 
 
-def agree(fn: Callable[[], T], group=None, ballot: Ballot | None = None) -> T:
+def agree(
+    fn: Callable[[], T],
+    group=None,
+    ballot: Ballot | None = None,
+    *,
+    same: Callable[[T], int] | None = None,
+    disagree: Callable[[list[int]], CheckpointError] | None = None,
+) -> T:
     """Run `fn` on every rank; if it raised on any rank, raise on every rank.
 
     Every rank raises a CheckpointError: the failing rank its own (chained to the original
     exception), the others the first failing rank's, which names that rank. `ballot`'s votes
     ride in the same all_reduce (no extra round); it is counted only if nobody failed.
+
+    `same(result)`: an int64 every rank's result must give alike (a step); when they differ,
+    every rank raises `disagree(values)`, `values` every rank's int in rank order. It rides on
+    the same all_reduce (the maximum of the value and of its negation), so agreeing costs no
+    round of its own; the values are gathered only when they differ.
     """
-    return _agree(fn, group, ballot, None)[0]
+    if same is None:
+        return _agree(fn, group, ballot, None)[0]
+    assert disagree is not None
+    check = _SameValue(same, disagree, group, ballot)
+    return _agree(lambda: check.judged(fn()), group, check, None)[0]
+
+
+class _SameValue:
+    """A Ballot whose last two votes are an int and its negation: after the MAX reduction they
+    are the largest and (negated) the smallest value of any rank, alike only when all are."""
+
+    def __init__(self, same: Callable[[Any], int], disagree: Callable[[list[int]], CheckpointError], group, inner):
+        self.same, self.disagree, self.group, self.inner = same, disagree, group, inner
+        self.value = 0
+
+    def judged(self, result: T) -> T:
+        self.value = int(self.same(result))
+        return result
+
+    @property
+    def votes(self) -> list[int]:
+        return [*([] if self.inner is None else self.inner.votes), self.value, -self.value]
+
+    def counted(self, reduced: list[int]) -> None:
+        if self.inner is not None:
+            self.inner.counted(reduced[:-2])
+        if reduced[-2] != -reduced[-1]:
+            values: list[Any] = [None] * get_world_size(self.group)
+            dist.all_gather_object(values, self.value, group=self.group)
+            raise self.disagree(values)
 
 
 def agree_sharing(fn: Callable[[], T], values: Sequence[int], group=None) -> tuple[T, list[list[int]]]:

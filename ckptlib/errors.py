@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 
 class CheckpointError(Exception):
-    """Base class of every error ckptlib raises on purpose."""
+    """Base class of every error ckptlib raises on purpose. Its message and path never carry a
+    credential (a URL's password, a signature, a key or token: `storage.scrub.scrub_message`),
+    whichever backend or path the text came from."""
 
     def __init__(self, message: str, *, path: str | None = None, rank: int | None = None):
+        message = _scrubbed(message)
         super().__init__(message)
         self.message = message
-        self.path = path
+        self.path = _scrubbed(path) if isinstance(path, str) else path
         self.rank = rank
 
     def __reduce__(self):
@@ -24,6 +28,12 @@ class CheckpointError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+def _scrubbed(text: str) -> str:
+    from .storage.scrub import scrub_message  # imported on use: the storage package imports this module
+
+    return scrub_message(text) if isinstance(text, str) else text
 
 
 def _rebuild(cls, message, state):
@@ -35,6 +45,15 @@ def _rebuild(cls, message, state):
 
 class CheckpointNotFoundError(CheckpointError):
     """The path does not exist."""
+
+
+class CheckpointRemovedError(CheckpointNotFoundError):
+    """The checkpoint (a manager's step) was deleted while it was being loaded, by another
+    process's retention or gc: gone, not damaged. `step` names the step."""
+
+    def __init__(self, message: str, *, step: int | None = None, path: str | None = None, rank: int | None = None):
+        super().__init__(message, path=path, rank=rank)
+        self.step = step
 
 
 class NotACheckpointError(CheckpointError):
@@ -128,6 +147,17 @@ class StateError(CheckpointError):
     """The state passed to save/load cannot be turned into a state dict (bad key or value)."""
 
 
+class RanksDisagreeError(StateError):
+    """The ranks of a collective save or load passed what must be the same on every rank but
+    is not: the step, or a key's kind, dtype or shape (`keys`; ["step"] for the step). Raised
+    on every rank, before anything is written; `ranks` are the ranks involved."""
+
+    def __init__(self, message: str, *, ranks=(), keys=(), path: str | None = None, rank: int | None = None):
+        super().__init__(message, path=path, rank=rank)
+        self.ranks = list(ranks)
+        self.keys = list(keys)
+
+
 class StorageError(CheckpointError):
     """The storage backend failed permanently (permission denied, bucket missing, retries exhausted)."""
 
@@ -171,3 +201,10 @@ def stacklevel_outside_ckptlib() -> int:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def warn_scrubbed(message: str, category: type[Warning]) -> None:
+    """warnings.warn for a warning that quotes an error (a storage backend's may carry an
+    endpoint's password or a signed URL): its message scrubbed like every CheckpointError's,
+    naming the first frame outside ckptlib."""
+    warnings.warn(_scrubbed(message), category, stacklevel=stacklevel_outside_ckptlib())

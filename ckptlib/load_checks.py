@@ -11,9 +11,10 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ._torch import dcp_shims
-from .errors import DtypeMismatchError, MissingKeysError, ShapeMismatchError
+from .errors import DtypeMismatchError, MissingKeysError, ShapeMismatchError, StateError
 from .format import CheckpointInfo
 from .format.aliases import satisfied_by_alias
+from .format.tensor_kinds import unsupported_tensor
 
 
 def _is_lossless(saved: torch.dtype, requested: torch.dtype) -> bool:
@@ -46,6 +47,13 @@ def check_request(
     alias fills ({key: the saved key whose value is the same memory}: a tied weight)."""
     saved = info.metadata.state_dict_metadata
     flat = dcp_shims.flatten_state_dict(template)[0]
+    refused = {key: reason for key, reason in ((k, unsupported_tensor(v)) for k, v in flat.items()) if reason}
+    if refused:
+        raise StateError(
+            f"{info.uri}: the state cannot be loaded into: "
+            + "; ".join(f"{key} is {reason}" for key, reason in list(refused.items())[:20]),
+            path=info.uri,
+        )
     missing = sorted(k for k in flat if k not in saved)
     if missing:  # a checkpoint from torch <= 2.3 keys nested plain values differently
         old_flat = dcp_shims.flatten_state_dict_pre_2_4(template)[0]

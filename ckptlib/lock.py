@@ -6,6 +6,13 @@ manager's `close()` with `hold_lock=True`). A lock whose holder is gone (a dead 
 host, checked by pid and process start time) is removed with a StaleLockWarning, so a
 crashed save never leaves the root locked for good; a holder on another host must be
 removed explicitly (`break_lock()`, `ckpt unlock`).
+
+Removing a stale lock is compare-and-delete by token: a writer first creates a claim
+(`ckptlib.lock.break-<digest of the stale token>`, through `create_exclusive`, so one writer at
+a time holds it), then deletes the lock only if it still carries the stale token, then drops
+the claim. Two writers that both judged one lock stale can therefore never both hold the
+root: the second finds the claim taken, or finds the first one's fresh lock in its place. A
+claim left by a writer that died holding it is stale in turn and removed the same way.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import atexit
 import contextlib
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import socket
@@ -25,14 +33,16 @@ from .errors import CheckpointError, LockedError, stacklevel_outside_ckptlib
 from .storage import Storage, SupportsCreateExclusive
 
 LOCK_NAME = "ckptlib.lock"
+_CLAIM_PREFIX = LOCK_NAME + ".break-"  # + the digest of the token of the lock being removed
+_CLAIM_DEPTH = 2  # claims on claims (their breakers died too) followed at most this deep
 
 
 class StaleLockWarning(UserWarning):
     """A lock left by a writer that no longer runs was removed."""
 
 
-# Tokens of the locks this process holds now: a lock file naming this process with another
-# token is a leftover (a release that failed), not a live holder.
+# Tokens of the locks this process holds or is acquiring now: a lock file naming this process
+# with another token is a leftover (a release that failed), not a live holder.
 _LIVE_TOKENS: set[str] = set()
 
 
@@ -116,26 +126,47 @@ class RootLock:
     def where(self) -> str:
         return f"{self.storage.uri.rstrip('/')}/{LOCK_NAME}"
 
-    def holder(self) -> LockHolder | None:
+    def holder(self, name: str = LOCK_NAME) -> LockHolder | None:
+        """Who the lock file (or a claim) `name` names, None when there is none."""
         try:
-            return LockHolder.parse(self.storage.read(LOCK_NAME))
+            return LockHolder.parse(self.storage.read(name))
         except FileNotFoundError:
             return None
         except CheckpointError:  # not a regular file (a FIFO, a directory): a holder nobody can name
             return LockHolder()
 
-    def _create(self, data: bytes) -> bool:
+    def _create(self, data: bytes, name: str = LOCK_NAME) -> bool:
         if isinstance(self.storage, SupportsCreateExclusive):
-            return bool(self.storage.create_exclusive(LOCK_NAME, data))
+            return bool(self.storage.create_exclusive(name, data))
         # Best effort for a backend without an atomic create: check, write, read back. Two
         # writers racing within one round trip can both win; see SupportsCreateExclusive.
-        if self.holder() is not None:
+        if self.holder(name) is not None:
             return False
-        self.storage.write(LOCK_NAME, data)
+        self.storage.write(name, data)
         try:
-            return self.storage.read(LOCK_NAME) == data
+            return self.storage.read(name) == data
         except FileNotFoundError:
             return False
+
+    def _remove_stale(self, name: str, stale: LockHolder, data: bytes, depth: int = 0) -> None:
+        """Delete lock file `name` only if it still names the `stale` holder (compare-and-delete
+        by token), under a claim one writer at a time can hold; a claim left by a breaker that
+        died is removed the same way. Without the claim (another writer is removing this very
+        lock) nothing is deleted: the caller tries again."""
+        claim = _CLAIM_PREFIX + hashlib.sha256(str(stale.token).encode()).hexdigest()[:32]
+        if not self._create(data, claim):
+            breaker = self.holder(claim)
+            if depth >= _CLAIM_DEPTH or breaker is None or not breaker.is_stale():
+                return
+            self._remove_stale(claim, breaker, data, depth + 1)
+            if not self._create(data, claim):
+                return
+        try:
+            current = self.holder(name)
+            if current is not None and current.token == stale.token:
+                self.storage.delete([name])
+        finally:
+            self.storage.delete([claim])
 
     def acquire(self) -> None:
         """Take the lock or raise LockedError naming the root and the holder."""
@@ -153,24 +184,28 @@ class RootLock:
             }
         ).encode()
         holder = None
-        for _ in range(3):
-            if self._create(data):
-                self.token, self._owner_pid = token, pid
-                _LIVE_TOKENS.add(token)
-                atexit.register(self._release_at_exit)
-                return
-            holder = self.holder()
-            if holder is None:
-                continue  # released between our attempt and the read: try again
-            if holder.is_stale():
-                warnings.warn(
-                    f"{root}: removing a stale lock left by {holder.describe()} (that process no longer runs)",
-                    StaleLockWarning,
-                    stacklevel=stacklevel_outside_ckptlib(),
-                )
-                self.storage.delete([LOCK_NAME])
-                continue
-            break
+        _LIVE_TOKENS.add(token)  # this process is alive and acquiring: its claims are not stale
+        try:
+            for _ in range(3):
+                if self._create(data):
+                    self.token, self._owner_pid = token, pid
+                    atexit.register(self._release_at_exit)
+                    return
+                holder = self.holder()
+                if holder is None:
+                    continue  # released between our attempt and the read: try again
+                if holder.is_stale():
+                    warnings.warn(
+                        f"{root}: removing a stale lock left by {holder.describe()} (that process no longer runs)",
+                        StaleLockWarning,
+                        stacklevel=stacklevel_outside_ckptlib(),
+                    )
+                    self._remove_stale(LOCK_NAME, holder, data)
+                    continue
+                break
+        finally:
+            if self.token != token:
+                _LIVE_TOKENS.discard(token)
         described = holder.describe() if holder is not None else "writers that keep taking it"
         err = LockedError(
             f"{root} is locked by another writer: {described} (lock file {self.where}). Two managers must not "

@@ -30,13 +30,21 @@ from typing import Any, Iterable, Mapping, Sequence
 from . import _dist, background_save, writer_process
 from . import save_policy as _save_policy
 from .collection import ForeignFilesWarning, collect
-from .errors import CheckpointError, CheckpointNotFoundError, LockedError, StateError, stacklevel_outside_ckptlib
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    LockedError,
+    StateError,
+    stacklevel_outside_ckptlib,
+    warn_scrubbed,
+)
 from .format.plan_cache import PlanCache
 from .loading import LoadResult, load
 from .lock import LOCK_NAME, LockHolder, RootLock, StaleLockWarning
 from .observe import log_operation
 from .preemption import DEFAULT_SIGNALS, PreemptionWatcher, signal_name
 from .retention import KeepLast, RetentionPolicy
+from .root_load import load_step
 from .root_scan import LATEST, StalePointerWarning, StepInfo, committed_steps, replace_reason, resolve_latest, scan
 from .save_policy import SaveContext, SavePolicy, decide
 from .saving import SaveResult, transact
@@ -202,11 +210,7 @@ class CheckpointManager:
             try:
                 self._lock.release()
             except Exception as exc:  # noqa: BLE001 - reported, never fatal
-                warnings.warn(
-                    f"{self._lock.where}: could not remove the lock ({exc})",
-                    StaleLockWarning,
-                    stacklevel=stacklevel_outside_ckptlib(),
-                )
+                warn_scrubbed(f"{self._lock.where}: could not remove the lock ({exc})", StaleLockWarning)
 
     def _drop_lock_after_failure(self) -> None:
         if _dist.get_rank(self.process_group) == 0 and not self.hold_lock:
@@ -417,9 +421,11 @@ class CheckpointManager:
         that was loaded)."""
         result = self._load_checkpoint(state, step, kwargs)
         self.last_load = result
-        if result is None:
-            return None
-        return 0 if self.initial_loaded else result.step
+        if result is None or self.initial_loaded:
+            return None if result is None else 0
+        if result.step is None:  # a step directory written without step= (`ckpt convert ... root/step_N`)
+            result.step = self._last_save_step  # the step loaded, as its directory names it
+        return result.step
 
     def load_result(self, state: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> LoadResult | None:
         """Deprecated: `load(state, ...)`, then `last_load`."""
@@ -433,16 +439,16 @@ class CheckpointManager:
 
     def _load_checkpoint(self, state: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> LoadResult | None:
         """The load behind `load`: the LoadResult, or None when there is nothing to resume."""
+        latest = self.latest if step is None else None  # resuming: retried on the new latest if it is removed
         if step is None:
             step = self.latest()
             if step is None:
                 return self._load_initial(state, kwargs) if self.initial_load is not None else None
         else:
             step = check_step(step)
-        try:
-            result = load(self.storage.child(step_dir(step)), state, process_group=self.process_group, **kwargs)
-        except CheckpointNotFoundError as exc:
-            raise CheckpointNotFoundError(f"{self.root_uri} has no step {step}", path=self.path(step)) from exc
+        step, result = load_step(
+            self.storage, self.root_uri, state, step, latest=latest, group=self.process_group, options=kwargs
+        )
         self._last_save_step = step  # maybe_save does not save this step again
         self.initial_loaded = False
         return result

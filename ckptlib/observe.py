@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-logger = logging.getLogger("ckptlib")
+from .storage.scrub import logger as scrubbed_logger
+
+logger = scrubbed_logger("ckptlib")  # its records are scrubbed of credentials, as every storage module's
 
 MIB = 1 << 20
 

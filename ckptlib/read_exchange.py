@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from . import _dist
 from ._torch import dcp_shims
-from .errors import CopiesExhaustedError, CopyFallbackWarning, stacklevel_outside_ckptlib
+from .errors import CopiesExhaustedError, CopyFallbackWarning, warn_scrubbed
 from .format.transaction import unwrap_dcp_error
 
 _groups: dict[Any, Any] = {}  # caller's group (WORLD for the default one) -> its exchange group
@@ -158,10 +158,9 @@ def exclude_failed(reader: Any, exc: BaseException, world: int) -> bool:
         seen = reader.tried.setdefault(f.file, [])
         seen.extend(entry for entry in f.tried if entry not in seen)
     shown = "; ".join(f"rank {rank}: {f.message}" for rank, f in exhausted)
-    warnings.warn(
+    warn_scrubbed(
         f"{reader.storage.uri}: {shown}; loading again, reading those files from other ranks' copies",
         CopyFallbackWarning,
-        stacklevel=stacklevel_outside_ckptlib(),
     )
     return True
 

@@ -58,9 +58,14 @@ def committed_steps(storage: Storage) -> list[int]:
 
 def resolve_latest(storage: Storage, root_uri: str) -> tuple[int | None, str | None]:
     """(step, warning) for the newest usable checkpoint: the pointer's if it is committed,
-    else the newest committed step with a warning that says why."""
-    target = storage.read_pointer(LATEST)
-    committed = committed_steps(storage)
+    else the newest committed step with a warning that says why. A pointer that moved while
+    the root was scanned (another process saved and its retention deleted the step it named)
+    is read again with the root, a few times, rather than trusted stale."""
+    for _ in range(3):
+        target = storage.read_pointer(LATEST)
+        committed = committed_steps(storage)
+        if target is None or parse_step(target) in committed or storage.read_pointer(LATEST) == target:
+            break
     if target is not None:
         step = parse_step(target)
         if step is not None and step in committed:

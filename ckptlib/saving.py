@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 import torch.distributed.checkpoint as dcp
 
-from . import _dist, background_save, writer_process
+from . import _dist, background_save, rank_checks, writer_process
 from ._torch import dcp_shims
 from .background_save import AsyncSave
 from .format import CkptSavePlanner
@@ -182,7 +182,9 @@ def transact(
     vote = None if background_staging else reuse  # else voted on the staged copy, in the background
     with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
         (user_metadata, user_metrics, step), state_dict = _dist.agree(
-            lambda: _check_and_collect(state, step, metadata, metrics, group, stage=stage, arena=arena, vote=vote),
+            lambda: _check_and_collect(
+                state, step, metadata, metrics, group, stage=stage, arena=arena, vote=vote, where=storage.uri
+            ),
             group,
             ballot=vote,
         )
@@ -241,16 +243,22 @@ def _check_and_collect(
     stage: bool = False,
     arena=None,
     vote: PlanReuse | None = None,
+    where: str = "",
 ) -> tuple[tuple[dict[str, Any], dict[str, Any], int | None], dict[str, Any]]:
     """Every check of a save's arguments and the state dict to write (staged to CPU memory
     when `stage`), run inside one collective round (`_dist.agree`), where `vote` says
-    whether the state's structure is the one its plan cache holds."""
+    whether the state's structure is the one its plan cache holds. Every rank must pass the
+    same step (checked in that round: RanksDisagreeError on every rank otherwise)."""
     # agreed first: a rank failing here must not skip the collective steps the others then take
     user_metadata, checked_metrics, checked_step = _dist.agree(
         lambda: (check_metadata_json(metadata), check_metrics(metrics), None if step is None else check_step(step)),
         group,
+        same=lambda checked: rank_checks.step_value(checked[2]),
+        disagree=rank_checks.step_disagreement("save"),
     )
     state_dict = to_save_state_dict(state, rank=_dist.get_rank(group), agree=_dist.agreement(group))
+    if rank_checks.replicas_checked() and _dist.is_distributed():
+        rank_checks.check_replicas(state_dict, group, where)
     if stage:
         state_dict = background_save.stage(state_dict, group, arena)  # the copy the background writes
     return (user_metadata, checked_metrics, checked_step), _voted(vote, state_dict)

@@ -10,6 +10,7 @@ import torch
 
 from ._torch import dcp_shims
 from .errors import StateError
+from .format.tensor_kinds import unsupported_tensor
 
 
 def check_flat_keys(state: Mapping[str, Any], state_dict: dict[str, Any]) -> None:
@@ -43,8 +44,12 @@ class _TensorSkippingPickler(pickle.Pickler):
 def check_picklable(value: Any, path: str) -> None:
     """Every non-tensor value of the state dict must pickle (DCP torch.saves it): a lambda, an
     open file, a lock, a socket or a generator is a StateError naming its dotted key, raised
-    before anything is written rather than as a PicklingError from the middle of a save."""
+    before anything is written rather than as a PicklingError from the middle of a save; so is
+    a tensor DCP cannot store (`tensor_kinds`: sparse, nested, quantized, meta, sub-byte)."""
     if isinstance(value, torch.Tensor):
+        reason = unsupported_tensor(value)
+        if reason is not None:
+            raise StateError(f"state value {path} is {reason}; nothing was written")
         return
     if isinstance(value, Mapping):
         for k, v in value.items():

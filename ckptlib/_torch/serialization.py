@@ -84,15 +84,30 @@ def zip_file_writer(path: str) -> Any:
     return torch._C.PyTorchFileWriter(path)
 
 
+def pickled_as_untyped(dtype: torch.dtype) -> bool:
+    """Whether torch.save pickles tensors of `dtype` over a plain UntypedStorage (of bytes) and
+    rebuilds them with `_rebuild_tensor_v3`, naming the dtype: float8, uint16/32/64, complex32
+    and other dtypes that have no typed storage class (`torch.storage._new_dtypes`)."""
+    new_dtypes = getattr(torch.storage, "_new_dtypes", None)
+    return new_dtypes is not None and dtype in new_dtypes()
+
+
 def pickled_storage_type(dtype: torch.dtype) -> Any:
-    """The storage class torch.save's pickle names for tensors of `dtype` (e.g. FloatStorage)."""
+    """The storage class torch.save's pickle names for tensors of `dtype` (e.g. FloatStorage;
+    UntypedStorage for `pickled_as_untyped` dtypes)."""
+    if pickled_as_untyped(dtype):
+        return torch.UntypedStorage
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TypedStorage is deprecated, but it names the pickled type
         return getattr(torch, torch.storage.TypedStorage(0, dtype=dtype)._pickle_storage_type())
 
 
-def tensor_rebuild_fn() -> Callable[..., torch.Tensor]:
-    """The function torch.save's pickle calls to rebuild a plain tensor (`_rebuild_tensor_v2`)."""
+def tensor_rebuild_fn(dtype: torch.dtype | None = None) -> Callable[..., torch.Tensor]:
+    """The function torch.save's pickle calls to rebuild a plain tensor of `dtype`:
+    `_rebuild_tensor_v2`, or `_rebuild_tensor_v3` (which also takes the dtype) for the
+    `pickled_as_untyped` dtypes."""
+    if dtype is not None and pickled_as_untyped(dtype):
+        return torch._utils._rebuild_tensor_v3
     return torch._utils._rebuild_tensor_v2
 
 

@@ -16,7 +16,7 @@ import io
 import os
 from typing import Any, Callable
 
-from .rank_ops import make_state, rank_world, same_values, timed
+from .rank_ops import make_state, rank_world, same_values, timed_use
 
 BACKENDS = ("s3", "gcs", "azure")
 SDK_NAME = {"s3": "boto3", "gcs": "google-cloud-storage", "azure": "azure-storage-blob"}
@@ -89,6 +89,12 @@ def rank_cloud(backend: str, env: dict[str, str], container: str, size_mib: int,
     ckptlib.load(warm, template)
     upload()
     download()
+    uses: dict[str, list[dict[str, float]]] = {}
+
+    def rec(name: str, use: dict[str, float]) -> None:
+        times.setdefault(name, []).append(use["wall_s"])
+        uses.setdefault(name, []).append(use)
+
     for rep in range(reps):
         uri = f"{backend if backend != 'gcs' else 'gs'}://{container}/{size_mib}/rep{rep}/ckpt".replace(
             "azure://", "az://"
@@ -96,16 +102,16 @@ def rank_cloud(backend: str, env: dict[str, str], container: str, size_mib: int,
         order = ["ckptlib", "sdk"] if rep % 2 == 0 else ["sdk", "ckptlib"]
         for method in order:
             if method == "ckptlib":
-                times.setdefault("save_ckptlib", []).append(timed(lambda: ckptlib.save(uri, state)))
+                rec("save_ckptlib", timed_use(lambda: ckptlib.save(uri, state)))
             else:
-                times.setdefault("save_sdk", []).append(timed(upload))
+                rec("save_sdk", timed_use(upload))
         for method in order:
             if method == "ckptlib":
-                times.setdefault("load_ckptlib", []).append(timed(lambda: ckptlib.load(uri, template)))
+                rec("load_ckptlib", timed_use(lambda: ckptlib.load(uri, template)))
                 ok = ok and same_values(state, template)
             else:
-                times.setdefault("load_sdk", []).append(timed(download))
-    return {"rank": rank, "world": world, "times": times, "ok": ok, "shard_bytes": len(payload)}
+                rec("load_sdk", timed_use(download))
+    return {"rank": rank, "world": world, "times": times, "usage": uses, "ok": ok, "shard_bytes": len(payload)}
 
 
 @contextlib.contextmanager
@@ -159,6 +165,7 @@ def run_cloud(args, launch, log) -> list[dict[str, Any]]:
                             "world": ws,
                             "ok": all(r["ok"] for r in out),
                             "times": {},
+                            "usage": {key: [r["usage"].get(key, []) for r in out] for key in out[0]["usage"]},
                         }
                         for key in out[0]["times"]:
                             columns = [r["times"][key] for r in out]

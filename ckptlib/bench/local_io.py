@@ -9,23 +9,33 @@ import resource
 import time
 from typing import Any
 
+from . import crc_meter
 from .rank_ops import (
     barrier,
-    drop_caches,
+    evict,
     local_bytes,
     make_state,
     rank_world,
+    raw_read,
     raw_write,
     remove_tree,
     same_values,
     settle,
-    timed,
+    timed_use,
     warm,
 )
 
 
+def _stage_copy(state: dict[str, Any], buffers: list) -> None:
+    """The staging ceiling: this rank's shards copied into preallocated buffers (`copy_`),
+    what an async save's staging does at best."""
+    for t, buf in zip(state["params"].values(), buffers):
+        buf.copy_(t.to_local())
+
+
 def rank_io(root: str, size_mib: int, reps: int, cold: bool, keep: str, do_async: bool) -> dict[str, Any]:
-    """Saves and loads of one (size, world size), all methods interleaved."""
+    """Saves and loads of one (size, world size), all methods interleaved; one untimed
+    warm-up round first (round -1: first-call costs, the staging buffers of async saves)."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -35,25 +45,34 @@ def rank_io(root: str, size_mib: int, reps: int, cold: bool, keep: str, do_async
     state = make_state(size_mib)
     template = make_state(size_mib, fill=False)
     times: dict[str, list[float]] = {}
+    uses: dict[str, list[dict[str, float]]] = {}
+    crc: list[dict[str, float]] = []
     blocking: dict[str, list[float]] = {}
     ok = True
+    staging = [torch.empty_like(t.to_local()) for t in state["params"].values()] if do_async else []
 
-    def rec(name: str, seconds: float) -> None:
-        times.setdefault(name, []).append(seconds)
+    def rec(rep: int, name: str, use: dict[str, float]) -> None:
+        if rep >= 0:
+            times.setdefault(name, []).append(use["wall_s"])
+            uses.setdefault(name, []).append(use)
 
-    saves = ["ckptlib", "dcp", "raw"] + (["torch"] if world == 1 else []) + (["async", "async_bg"] if do_async else [])
-    for rep in range(reps):
-        base = f"{root}/rep{rep}"
+    saves = ["ckptlib", "dcp", "raw"] + (["torch"] if world == 1 else [])
+    saves += ["async", "async_bg", "memcpy"] if do_async else []
+    for rep in range(-1, reps):
+        base = f"{root}/rep{rep + 1}"
         order = saves[rep % len(saves) :] + saves[: rep % len(saves)]
         for method in order:
             path = f"{base}/{method}"
             settle()
             if method == "ckptlib":
-                rec("save_ckptlib", timed(lambda: ckptlib.save(path, state)))
+                with crc_meter.metering() as meter:
+                    rec(rep, "save_ckptlib", timed_use(lambda: ckptlib.save(path, state)))
+                if rep >= 0:
+                    crc.append(meter.as_dict())
             elif method == "dcp":
-                rec("save_dcp", timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(path))))
+                rec(rep, "save_dcp", timed_use(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(path))))
             elif method == "raw":
-                rec("save_raw", timed(lambda: raw_write(path, state)))
+                rec(rep, "save_raw", timed_use(lambda: raw_write(path, state)))
             elif method == "torch":
                 plain = {k: t.to_local() for k, t in state["params"].items()}
 
@@ -64,7 +83,9 @@ def rank_io(root: str, size_mib: int, reps: int, cold: bool, keep: str, do_async
                         f.flush()
                         os.fsync(f.fileno())
 
-                rec("save_torch", timed(tsave))
+                rec(rep, "save_torch", timed_use(tsave))
+            elif method == "memcpy":
+                rec(rep, "stage_memcpy", timed_use(lambda: _stage_copy(state, staging)))
             elif method == "async":
                 handle = []
                 barrier()
@@ -73,8 +94,9 @@ def rank_io(root: str, size_mib: int, reps: int, cold: bool, keep: str, do_async
                 blocked = time.perf_counter() - t0
                 handle[0].wait()
                 barrier()
-                rec("save_async_total", time.perf_counter() - t0)
-                blocking.setdefault("first" if rep == 0 else "steady", []).append(blocked)
+                if rep >= 0:
+                    times.setdefault("save_async_total", []).append(time.perf_counter() - t0)
+                blocking.setdefault("first" if rep < 0 else "steady", []).append(blocked)
             elif method == "async_bg":
                 barrier()
                 t0 = time.perf_counter()
@@ -84,33 +106,34 @@ def rank_io(root: str, size_mib: int, reps: int, cold: bool, keep: str, do_async
                 staged = time.perf_counter() - t0
                 handle.wait()
                 barrier()
-                if rep > 0:  # steady state: staging buffers exist (shared with "async")
+                if rep >= 0:  # steady state: staging buffers exist (shared with "async")
                     blocking.setdefault("bg_steady", []).append(blocked)
                     blocking.setdefault("bg_staged", []).append(staged)
 
-        loads = ["ckptlib_verify", "ckptlib_noverify", "dcp"] + (["torch"] if world == 1 else [])
+        loads = ["ckptlib_verify", "ckptlib_noverify", "dcp", "raw"] + (["torch"] if world == 1 else [])
         modes = ["warm"] + (["cold"] if cold else [])
         for mode in modes:
             order = loads[rep % len(loads) :] + loads[: rep % len(loads)]
             for method in order:
-                src = {"ckptlib_verify": "ckptlib", "ckptlib_noverify": "ckptlib", "dcp": "dcp", "torch": "torch"}[
-                    method
-                ]
+                src = {"ckptlib_verify": "ckptlib", "ckptlib_noverify": "ckptlib"}.get(method, method)
                 path = f"{base}/{src}"
                 if mode == "warm":
                     warm(path)
                 else:
-                    drop_caches()
+                    evict(path)
                 if method.startswith("ckptlib"):
                     verify = method == "ckptlib_verify"
-                    seconds = timed(lambda: ckptlib.load(path, template, verify=verify))
+                    use = timed_use(lambda: ckptlib.load(path, template, verify=verify))
                     ok = ok and same_values(state, template)
                 elif method == "dcp":
-                    seconds = timed(lambda: dcp.load(template, storage_reader=dcp.FileSystemReader(path)))
+                    use = timed_use(lambda: dcp.load(template, storage_reader=dcp.FileSystemReader(path)))
+                    ok = ok and same_values(state, template)
+                elif method == "raw":
+                    use = timed_use(lambda: raw_read(path, template))
                     ok = ok and same_values(state, template)
                 else:
-                    seconds = timed(lambda: torch.load(f"{path}/full.pt", weights_only=True))
-                rec(f"load_{method}_{mode}", seconds)
+                    use = timed_use(lambda: torch.load(f"{path}/full.pt", weights_only=True))
+                rec(rep, f"load_{method}_{mode}", use)
                 for t in template["params"].values():
                     t.to_local().zero_()
         if rep == reps - 1:  # kept for the resharding phase
@@ -123,6 +146,8 @@ def rank_io(root: str, size_mib: int, reps: int, cold: bool, keep: str, do_async
         "world": world,
         "shard_bytes": local_bytes(state),
         "times": times,
+        "usage": uses,
+        "crc": crc,
         "async_blocking": blocking,
         "ok": ok,
     }

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from typing import Any, Callable
+
+from .paired import sample, usage
 
 MiB = 1 << 20
 N_TENSORS = 16
@@ -89,22 +90,55 @@ def warm(path: str) -> None:
                         pass
 
 
-def drop_caches() -> None:
-    """Empty the page cache (rank 0; needs a writable /proc/sys/vm/drop_caches)."""
+def evict(path: str) -> None:
+    """Make the next read of `path`'s files cold (rank 0): write back every dirty page, then
+    drop the files' clean pages with `posix_fadvise(DONTNEED)`. Only these files leave the
+    page cache (no root needed; /proc/sys/vm/drop_caches would empty everyone's cache)."""
     rank, _ = rank_world()
     if rank == 0:
         os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
+        for dirpath, _, files in os.walk(path):
+            for name in files:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def raw_read(path: str, state: dict[str, Any]) -> None:
+    """The read ceiling of a load: this rank's `raw_write` file read back with preadv straight
+    into the state's tensors (no decoding, no checksum)."""
+    rank, _ = rank_world()
+    fd = os.open(os.path.join(path, f"{rank}.bin"), os.O_RDONLY)
+    try:
+        offset = 0
+        for t in state["params"].values():
+            view = memoryview(t.to_local().numpy()).cast("B")
+            done = 0
+            while done < view.nbytes:
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n <= 0:
+                    raise EOFError(f"{path}/{rank}.bin: short read at {offset + done}")
+                done += n
+            offset += view.nbytes
+    finally:
+        os.close(fd)
 
 
 def timed(fn: Callable[[], Any]) -> float:
     """Seconds of `fn()` between two barriers: the slowest rank's time, on every rank."""
+    return timed_use(fn)["wall_s"]
+
+
+def timed_use(fn: Callable[[], Any]) -> dict[str, float]:
+    """`fn()` between two barriers: its wall seconds (the slowest rank's, on every rank), and
+    this rank's CPU seconds and run-queue wait over the same span (`paired.usage`)."""
     barrier()
-    t0 = time.perf_counter()
+    start = sample()
     fn()
     barrier()
-    return time.perf_counter() - t0
+    return usage(start, sample())
 
 
 def settle() -> None:

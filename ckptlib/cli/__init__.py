@@ -32,16 +32,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    from ..storage.scrub import scrub_message
+
+    def report(exc: BaseException) -> None:  # never a credential on the terminal, whatever raised it
+        print(scrub_message(f"ckpt {args.command}: error: {exc}"), file=sys.stderr)
+
     try:
         return args.func(args)
     except (UsageError, CheckpointNotFoundError, NotACheckpointError) as exc:
-        print(f"ckpt {args.command}: error: {exc}", file=sys.stderr)
+        report(exc)
         return EXIT_USAGE
     except CheckpointError as exc:
-        print(f"ckpt {args.command}: error: {exc}", file=sys.stderr)
+        report(exc)
         return getattr(args, "error_exit", EXIT_FAIL)  # plan and diff: 2 (their 1 means "differs")
     except OSError as exc:  # e.g. permission denied reading a file
-        print(f"ckpt {args.command}: error: {exc}", file=sys.stderr)
+        report(exc)
         return getattr(args, "error_exit", EXIT_FAIL)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

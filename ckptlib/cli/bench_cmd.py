@@ -15,9 +15,11 @@ Benchmarks that measure ckptlib side by side with its baselines in one run; ever
 own options (`ckpt bench --help`, `ckpt bench scale --help`, `ckpt bench tensors --help`,
 `ckpt bench async --help`, `ckpt bench read-once --help`):
 
-- ckpt bench [--quick] [--json [OUT]] [--plot OUT.png] ...: save, load (page cache and cold),
-  resharded load, peak RSS per rank, async save and the cloud backends (on emulators on
-  127.0.0.1) of ckptlib against raw DCP, torch.save, a raw parallel write and each cloud SDK.
+- ckpt bench [--quick] [--json [OUT]] [--plot OUT.png] ...: this machine's ceilings first
+  (parallel write + fsync and read of the scratch disk, memory copy, loopback TCP and gloo),
+  then save, load (page cache and cold), resharded load, peak RSS per rank, async save and the
+  cloud backends (on emulators on 127.0.0.1) of ckptlib against raw DCP, torch.save, a raw
+  parallel write and each cloud SDK, every ckptlib figure also as a % of its ceiling.
 - ckpt bench scale [--s3]: planning time and memory, .metadata and manifest sizes at simulated
   world sizes; no ranks spawned; --s3 adds the S3 request counts of real saves and loads on moto.
 - ckpt bench tensors: save and load of 16 to 10,000 small tensors against raw DCP.

@@ -131,8 +131,9 @@ class _CrcSink:
                 self._block_crc = 0
 
     def write_encoded(self, item: item_encoder.EncodedItem) -> None:
-        """Write an item whose pieces' CRCs are already known."""
-        for chunk, crc in zip(item.chunks, item.crcs):
+        """Write an encoded item piece by piece, each with the CRC the encoder computed right
+        before handing it over (the one pass over its bytes)."""
+        for chunk, crc in item.pieces():
             self.write(chunk, crc)
 
     def end_item(self, length: int) -> None:

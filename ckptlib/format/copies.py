@@ -61,7 +61,6 @@ Nothing on disk changes: a copy is an ordinary checkpoint directory, or part of 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 import zlib
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -76,7 +75,7 @@ from ..errors import (
     NoCopyError,
     StorageError,
     UnsafeCheckpointError,
-    stacklevel_outside_ckptlib,
+    warn_scrubbed,
 )
 from ..storage import Storage
 from .file_names import describe_file
@@ -232,11 +231,10 @@ def read_over_copies(
             pending = [entry for entry in pending if not done(entry)]
             if index + 1 < len(chain):
                 nxt, where = chain[index + 1], f"{copy.storage.uri}/{name}"
-                warnings.warn(
+                warn_scrubbed(
                     f"the {copy.label} copy {where} is unusable ({problem_of(exc, where)}); reading "
                     f"{describe_file(name)} from the {nxt.label} copy {nxt.storage.uri}",
                     CopyFallbackWarning,
-                    stacklevel=stacklevel_outside_ckptlib(),
                 )
         finally:
             reader.storage = home
@@ -269,11 +267,10 @@ def open_from_copies(copies: Copies, *, verify: bool = True) -> CheckpointInfo:
                 raise
             tried.append((copy, exc))
             if index + 1 < len(chain):
-                warnings.warn(
+                warn_scrubbed(
                     f"the {copy.label} copy {copy.storage.uri} is unusable ({exc}); reading the checkpoint's "
                     f"manifest from the {chain[index + 1].label} copy {chain[index + 1].storage.uri}",
                     CopyFallbackWarning,
-                    stacklevel=stacklevel_outside_ckptlib(),
                 )
     if len(tried) == 1:
         raise tried[0][1]

@@ -24,7 +24,9 @@ from torch.distributed.checkpoint.metadata import (
 from .._torch import dcp_shims, probes
 from ..errors import CheckpointCorruptError, UnsupportedError
 from ..storage import Storage
+from ..storage.local import check_regular
 from .layout import CheckpointInfo
+from .tensor_kinds import unsupported_tensor
 
 DEFAULT_PREFIX = "model"
 
@@ -38,13 +40,18 @@ class SourceFiles:
 
 
 def file_size(root: Storage, name: str) -> int | None:
-    """A file's size, or None when it is absent (no directory walk for local files)."""
+    """A file's size, or None when it is absent (no directory walk for local files). Something
+    else in its place (a FIFO, a device, a socket, a directory) is NotARegularFileError naming it."""
     path = root.local_path(name)
     if path is not None:
         try:
-            return os.path.getsize(path) if os.path.isfile(path) else None
+            if os.path.isfile(path):
+                return os.path.getsize(path)
+            if os.path.exists(path):
+                check_regular(path)
         except OSError:
             return None
+        return None
     return root.list(name).get(name)
 
 
@@ -115,6 +122,9 @@ def check_plain_tensor(value: torch.Tensor, where: str, fqn: str) -> None:
             "tensors are read from this format",
             path=where,
         )
+    reason = unsupported_tensor(value)
+    if reason is not None:
+        raise UnsupportedError(f"{where}: {fqn} is {reason}; only plain dense tensors are read", path=where)
 
 
 def add_objects(objects: dict, prefix_path: tuple, sdm: dict, planner_data: dict, storage_data: dict, where: str):

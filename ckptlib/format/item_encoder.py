@@ -7,6 +7,13 @@ pass off (`_torch.serialization.torch_save_without_zip_crc`), and the zip CRCs (
 descriptors, central directory; located by `zip_directory`) and the serialization id torch
 derives from them are filled in from one zlib-ng pass that also yields the item's CRC.
 
+The pass is fused with the write: every CRC field lies after the bytes it covers (each
+record's data descriptor follows its data; the serialization id and the central directory
+come last), so `EncodedItem.pieces` hands the pieces over in order, each with its CRC computed
+right before (pieces of at most 1 MiB: the write that follows copies bytes the CRC just brought
+into the core's cache), and fills each field in just before the piece holding it. Everything
+that could make the encoding fail is checked before the first piece is handed over.
+
 The bytes are identical to torch.save's. `fast_path_reason` checks that once per process
 against torch.save itself; if anything differs (another torch, another zip layout) the
 writer uses plain torch.save.
@@ -14,10 +21,12 @@ writer uses plain torch.save.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import io
 import struct
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -41,12 +50,51 @@ _ID_SUFFIX = "/.data/serialization_id"
 _ID_DIGITS = 20  # torch writes the combined record CRC hash as 20 zero-padded digits
 
 
-@dataclasses.dataclass
+# Large pieces in the tensor's memory are handed over in pieces of at most this many bytes
+# (cut at file offsets that are multiples of it, so at every checksum block boundary too): each
+# is checksummed and then written while it is still in the core's L2 cache.
+_PIECE = 1 << 20
+
+
 class EncodedItem:
-    chunks: list[memoryview]  # write these in order
-    crcs: list[int]  # the CRC-32 of each chunk
-    size: int
-    crc: int  # CRC-32 of all the bytes
+    """torch.save's bytes of one tensor as pieces to write in order (`pieces`), with their
+    CRC-32s; `size` bytes in all. The CRC fields are filled in as the pieces are handed over;
+    `chunks`, `crcs` and `crc` give the finished item."""
+
+    def __init__(self, archive: "_Archive", fixups: list[tuple[int, Callable[[], None]]]):
+        self._archive = archive
+        self._fixups = fixups  # (archive offset of the field, fill it in), by offset
+        self._done = 0
+        self.size = archive.size
+
+    def _fill_before(self, end: int) -> None:
+        fixups = self._fixups
+        while self._done < len(fixups) and fixups[self._done][0] < end:
+            fixups[self._done][1]()
+            self._done += 1
+
+    def pieces(self) -> Iterator[tuple[memoryview, int]]:
+        """(piece, its CRC-32) in order; each piece's CRC fields filled in and its CRC computed
+        just before it is handed over (one pass over the tensor's bytes, fused with the write)."""
+        archive = self._archive
+        for i, chunk in enumerate(archive.chunks):
+            self._fill_before(archive.starts[i] + chunk.nbytes)
+            yield chunk, archive.chunk_crc(i)
+        self._fill_before(archive.size + 1)
+
+    @property
+    def chunks(self) -> list[memoryview]:
+        self._fill_before(self.size + 1)
+        return self._archive.chunks
+
+    @property
+    def crcs(self) -> list[int]:
+        return [self._archive.chunk_crc(i) for i in range(len(self.chunks))]
+
+    @property
+    def crc(self) -> int:
+        self._fill_before(self.size + 1)
+        return self._archive.crc(0, self.size)
 
 
 def _address(view: memoryview) -> int:
@@ -55,8 +103,9 @@ def _address(view: memoryview) -> int:
 
 class _Capture:
     """The file-like torch's zip writer writes into: keeps the pieces in order, large ones
-    cut where the file's checksum blocks begin (the item starts at file offset `base`), so
-    each piece's CRC serves its zip record, the item and its block alike."""
+    cut every `_PIECE` bytes of the file (the item starts at file offset `base`), so at every
+    checksum block boundary too: each piece's CRC serves its zip record, the item and its
+    block alike."""
 
     def __init__(self, tensor: torch.Tensor, base: int = 0, block_size: int = 0):
         self.chunks: list[memoryview] = []
@@ -74,12 +123,11 @@ class _Capture:
         n = view.nbytes
         if n < _COPY_BELOW or not (self._lo <= _address(view) and _address(view) + n <= self._hi):
             self.chunks.append(memoryview(bytearray(view)))
-        elif not self._block:
-            self.chunks.append(view)
         else:
+            step = self._block if self._block and self._block % _PIECE else _PIECE
             done = 0
             while done < n:
-                room = self._block - (self._base + self.size + done) % self._block
+                room = step - (self._base + self.size + done) % step
                 self.chunks.append(view[done : done + room])
                 done += min(room, n - done)
         self.size += n
@@ -106,13 +154,20 @@ class _Archive:
         """(chunk index, begin, stop) within each chunk covering [start, end)."""
         if start < 0 or end > self.size or start > end:
             raise UnsupportedArchive(f"range {start}..{end} outside the archive ({self.size} bytes)")
-        for i, (first, chunk) in enumerate(zip(self.starts, self.chunks)):
+        for i in range(max(0, bisect.bisect_right(self.starts, start) - 1), len(self.chunks)):
+            first, chunk = self.starts[i], self.chunks[i]
             last = first + chunk.nbytes
             if last <= start or chunk.nbytes == 0:
                 continue
             if first >= end:
                 break
             yield i, max(start, first) - first, min(end, last) - first
+
+    def check_writable(self, start: int, n: int) -> None:
+        """UnsupportedArchive unless bytes [start, start + n) can be patched."""
+        for i, _, _ in self._pieces(start, start + n):
+            if self.chunks[i].readonly:
+                raise UnsupportedArchive("a patched field lies in the tensor's own memory")
 
     def read(self, start: int, n: int) -> bytes:
         return b"".join(bytes(self.chunks[i][a:b]) for i, a, b in self._pieces(start, start + n))
@@ -150,23 +205,44 @@ def _hash_combine(seed: int, value: int) -> int:
     return (seed ^ ((value + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & _U64_MASK)) & _U64_MASK
 
 
-def _fill_crcs(archive: _Archive) -> None:
-    combined = 0
-    for record in zip_directory.records(archive.read, archive.size):
+def _fixups(archive: _Archive) -> list[tuple[int, Callable[[], None]]]:
+    """Every CRC field of the archive (and the serialization id, torch's hash of the record
+    CRCs) as (offset of the field, a function that fills it in), by offset. Only the small
+    records are read here; each record's CRC is computed when a field first needs it, by then
+    (the fields follow what they cover) from the CRCs of pieces already handed over. Raises
+    UnsupportedArchive for anything the fields cannot be filled in for."""
+    records = zip_directory.records(archive.read, archive.size)
+    values: dict[int, int] = {}
+
+    def value(index: int) -> int:
+        if index not in values:
+            record = records[index]
+            if record.name.endswith(_ID_SUFFIX):
+                combined = 0
+                for other in range(len(records)):
+                    if not records[other].name.endswith(_ID_SUFFIX) and records[other].size:
+                        combined = _hash_combine(combined, value(other))  # torch leaves empty records out
+                archive.patch(record.data_start + record.size - _ID_DIGITS, f"{combined:0{_ID_DIGITS}d}".encode())
+            values[index] = archive.crc(record.data_start, record.data_start + record.size)
+        return values[index]
+
+    def fill(index: int, at: int) -> Callable[[], None]:
+        return lambda: archive.patch(at, struct.pack("<I", value(index)))
+
+    fixups = []
+    for index, record in enumerate(records):
         if record.name.endswith(_ID_SUFFIX):
             digits = archive.read(record.data_start, record.size)
             if len(digits) < _ID_DIGITS or not digits.isdigit():
                 raise UnsupportedArchive(f"{record.name}: not a string of digits")
-            archive.patch(record.data_start + record.size - _ID_DIGITS, f"{combined:0{_ID_DIGITS}d}".encode())
-            value = archive.crc(record.data_start, record.data_start + record.size)
-        else:
-            value = archive.crc(record.data_start, record.data_start + record.size)
-            if record.size:  # torch leaves empty records out of the id
-                combined = _hash_combine(combined, value)
-        field = struct.pack("<I", value)
-        if record.descriptor_crc_at is not None:
-            archive.patch(record.descriptor_crc_at, field)
-        archive.patch(record.central_crc_at, field)
+            archive.check_writable(record.data_start + record.size - _ID_DIGITS, _ID_DIGITS)
+            fixups.append((record.data_start, lambda index=index: value(index)))
+        for at in (record.descriptor_crc_at, record.central_crc_at):
+            if at is not None:
+                archive.check_writable(at, 4)
+                fixups.append((at, fill(index, at)))
+    fixups.sort(key=lambda fixup: fixup[0])
+    return fixups
 
 
 def _encode(tensor: torch.Tensor, base: int = 0, block_size: int = 0) -> EncodedItem | None:
@@ -175,11 +251,9 @@ def _encode(tensor: torch.Tensor, base: int = 0, block_size: int = 0) -> Encoded
         return None
     archive = _Archive(capture.chunks, capture.size)
     try:
-        _fill_crcs(archive)
+        return EncodedItem(archive, _fixups(archive))
     except (UnsupportedArchive, struct.error, UnicodeDecodeError):
         return None
-    crcs = [archive.chunk_crc(i) for i in range(len(archive.chunks))]
-    return EncodedItem(chunks=archive.chunks, crcs=crcs, size=archive.size, crc=archive.crc(0, archive.size))
 
 
 def _probe_tensors() -> list[torch.Tensor]:

@@ -30,10 +30,11 @@ from ..errors import (
     CheckpointExistsError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
+    CheckpointRemovedError,
     NotACheckpointError,
     UnsafeCheckpointError,
 )
-from ..storage import Storage, root_is_file
+from ..storage import Storage, list_top, root_is_file
 from .file_names import describe_file, shard_rank
 from .manifest import MANIFEST_NAME, METADATA_MARKER, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
 from .safe_pickle import safe_loads
@@ -144,7 +145,14 @@ def read_manifest(storage: Storage) -> Manifest:
 
 def _read_manifest(storage: Storage) -> tuple[Manifest, bytes]:
     where = f"{storage.uri}/{MANIFEST_NAME}"
-    blob = storage.read(MANIFEST_NAME)
+    try:
+        blob = storage.read(MANIFEST_NAME)
+    except FileNotFoundError as exc:  # listed a moment ago: another process removed the checkpoint
+        raise CheckpointRemovedError(
+            f"{where} disappeared while it was read: the checkpoint was removed (by another process's retention "
+            "or gc?)",
+            path=storage.uri,
+        ) from exc
     return Manifest.from_bytes(blob, where), blob
 
 
@@ -223,11 +231,13 @@ def open_checkpoint(storage: Storage, *, verify: bool = True, check_files: bool 
     chunks lie inside it and add up to it (`verify.structure_problems`).
     """
     uri = storage.uri
-    listing = storage.list() if storage.exists() else {}
-    kind = classify(storage, listing)
+    # What it is, from the files directly in it (all of a checkpoint's are there): a large
+    # directory that is no checkpoint is refused without listing the tree below it.
+    kind = classify(storage, list_top(storage)) if storage.exists() else "missing"
     error = not_a_checkpoint_error(storage, kind)
     if error is not None:
         raise error
+    listing = storage.list()
     if kind == "incomplete":
         if PENDING_NAME in listing or METADATA_NAME not in listing:
             raise CheckpointIncompleteError(

@@ -238,7 +238,13 @@ def check_metrics(metrics: Any) -> dict[str, float | None]:
             value = value.item()  # a one-element tensor or numpy scalar
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise StateError(f"metric {name!r} must be a number, got {type(value).__name__} {value!r}")
-        out[name] = value if math.isfinite(value) else None
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an int beyond any float: no retention policy could rank it
+            raise StateError(
+                f"metric {name!r} is an int of {value.bit_length()} bits, too large for a float (at most about 1.8e308)"
+            ) from None
+        out[name] = value if finite else None
     return out
 
 

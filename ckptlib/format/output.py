@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 import zipfile
 from typing import Any, Callable
@@ -42,7 +43,7 @@ from ..errors import CheckpointExistsError, OverwriteRefusedError
 from ..storage import Storage
 from .safetensors import write_safetensors
 from .safetensors_hf import is_weight_file
-from .shard_files import EXPORT_MARK, atomic_file, planned_entries
+from .shard_files import EXPORT_MARK, atomic_file, planned_entries, write_failed
 from .streaming import SourceValues, save_dcp_streaming
 from .torch_save import write_torch_files, write_torch_save
 from .transaction import SaveTransaction
@@ -51,6 +52,12 @@ FORMATS = ("dcp", "torch-state", "torch", "safetensors")
 EXPORT_RECORD = "ckptlib_export.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 SINGLE_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth")}
+# Every name Hugging Face's layout of a format may have (one file, shards, the index): a file of
+# such a name that an export's record does not list is a user's, and blocks a forced export.
+LAYOUT_NAMES = {
+    "safetensors": re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$"),
+    "torch": re.compile(r"^pytorch_model(-\d{5}-of-\d{5})?\.bin(\.index\.json)?$"),
+}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "B": 1,
@@ -128,6 +135,43 @@ def _write_record(directory: str, doc: dict[str, Any]) -> None:
     os.replace(final + ".tmp", final)
 
 
+def _kind_of(path: str) -> str:
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "a symbolic link to nothing"
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISREG, "a file"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file or directory"
+
+
+def _check_destination(path: str, format: str, force: bool) -> None:
+    """Refuse, before anything is written, a destination that cannot be one: below a file (or a
+    FIFO, a device) instead of a directory, or itself a FIFO, device or socket; a directory
+    output onto a file. Named errors (`_refusal`), never an OSError from the middle of a write."""
+    full = os.path.abspath(path)
+    parent = os.path.dirname(full)
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise _refusal(force)(
+            f"cannot write {path}: {parent} is {_kind_of(parent)}, not a directory; refusing to write there", path=path
+        )
+    if not os.path.lexists(full) or os.path.isdir(full):
+        return
+    if not os.path.isfile(full):
+        raise _refusal(force)(f"{path} is {_kind_of(full)}; refusing to write there", path=path)
+    if format == "dcp" or not is_single_file(path, format):
+        raise _refusal(force)(f"{path} is a file; a {format} output is a directory there", path=path)
+
+
 def _refusal(force: bool) -> type[CheckpointExistsError]:
     """What refusing a destination ckptlib did not write raises: with `force` it is also an
     OverwriteRefusedError (a CheckpointExistsError), the error of every refused overwrite."""
@@ -145,8 +189,9 @@ def _remove_listed(path: str, record: dict[str, Any]) -> None:
         os.unlink(os.path.join(path, EXPORT_RECORD))
 
 
-def _clear_directory(path: str, force: bool) -> None:
-    """Make `path` an empty or absent directory to write into, or refuse."""
+def _clear_directory(path: str, force: bool, format: str) -> None:
+    """Make `path` a directory to write `format`'s layout into (absent, empty, or an earlier
+    export whose listed files are removed), or refuse before touching anything."""
     if os.path.lexists(path) and not os.path.isdir(path):
         raise _refusal(force)(f"{path} is a file; exporting writes a directory there", path=path)
     if not os.path.isdir(path) or not os.listdir(path):
@@ -166,6 +211,15 @@ def _clear_directory(path: str, force: bool) -> None:
     if not force:
         raise CheckpointExistsError(
             f"{path} already holds an export (pass force=True, or --force, to replace it)", path=path
+        )
+    listed = set(record["files"])
+    theirs = sorted(n for n in os.listdir(path) if LAYOUT_NAMES[format].match(n) and n not in listed)
+    if theirs:
+        raise OverwriteRefusedError(
+            f"{path} holds {', '.join(theirs)}, which the export there ({EXPORT_RECORD}) did not write and this "
+            f"{format} export would replace; refusing even with force: move {'them' if len(theirs) > 1 else 'it'} "
+            "or choose another directory",
+            path=path,
         )
     _remove_listed(path, record)
 
@@ -235,10 +289,47 @@ def write_output(
     output's manifest. `dst` is a Storage for "dcp", a local path otherwise."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    local = dst if isinstance(dst, str) else dst.local_path()
+    if local is not None:
+        _check_destination(local, format, force)
     if format == "dcp":
         assert isinstance(dst, Storage)
         return _write_checkpoint(source, dst, force=force, on_tensor=on_tensor, step=step, metadata=metadata)
     assert isinstance(dst, str)
+    try:
+        return _write_files(
+            source,
+            dst,
+            format=format,
+            names=names,
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+            force=force,
+            on_tensor=on_tensor,
+            record=record,
+            side_files=side_files,
+        )
+    except (OSError, RuntimeError) as exc:  # writing the record, the index, the mark: a full disk
+        error = write_failed(exc, dst)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def _write_files(
+    source: SourceValues,
+    dst: str,
+    *,
+    format: str,
+    names: dict[str, str] | None,
+    dtype: torch.dtype | None,
+    max_shard_bytes: int | None,
+    force: bool,
+    on_tensor: Callable[[str, int], None] | None,
+    record: dict[str, Any] | None,
+    side_files: dict[str, bytes] | None,
+) -> list[str]:
+    """`write_output` of a local file or directory of files (every format but "dcp")."""
     if is_single_file(dst, format):
         _check_single_file(dst, format, force)
         directory = os.path.dirname(os.path.abspath(dst))
@@ -338,13 +429,18 @@ def _write_directory(
 ) -> list[str]:
     """Hugging Face's layout in `directory` (and its side files), recorded in EXPORT_RECORD as
     it is written."""
-    _clear_directory(directory, force)
+    _clear_directory(directory, force, format)
     created = not os.path.isdir(directory)
     side = _new_side_files(directory, side_files, force) if not created else dict(side_files)
     os.makedirs(directory, exist_ok=True)
     doc: dict[str, Any] = {"format": "ckptlib-export", "version": 1, "complete": False, **record, "files": []}
 
     def on_file(name: str) -> None:
+        if os.path.lexists(os.path.join(directory, name)):  # not ours: ours were removed above
+            raise OverwriteRefusedError(
+                f"{directory}/{name} appeared during the export and is not ckptlib's; refusing to replace it",
+                path=f"{directory}/{name}",
+            )
         doc["files"].append(name)
         _write_record(directory, doc)
 

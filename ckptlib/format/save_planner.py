@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from .._torch import dcp_shims, probes
 from ..errors import CheckpointError
 from .aliases import alias_groups, colocate_aliases
+from .plan_agreement import check_coverage, check_plans
 from .plan_cache import PlanReuse, PlanTiming
 from .plan_codec import KNOWN_FIELDS, new_dataclass, placements_key, write_item_fields
 from .structure import find_overlap
@@ -239,6 +240,7 @@ class CkptSavePlanner(DefaultSavePlanner):
             self.timing.planning_s += self.timing.global_plan_s
 
     def _global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        check_plans(all_plans)  # ranks that disagree on a key: one error before anything is written
         deduped = dcp_shims.dedup_save_plans(all_plans, getattr(self, "dedup_save_to_lowest_rank", False))
         deduped = colocate_aliases(all_plans, deduped, getattr(self, "aliases", {}))
         global_plan, metadata = global_save_plan(deduped)
@@ -246,6 +248,7 @@ class CkptSavePlanner(DefaultSavePlanner):
             merged = dict(ChainMap(*[plan.planner_data for plan in global_plan]))
             metadata = dataclasses.replace(metadata, planner_data=merged)
         if not chunks_tile_exactly(metadata):
+            check_coverage(all_plans, metadata)
             global_plan, metadata = super().create_global_plan(all_plans)
         # Not kept (DCP's planner keeps `global_plan`): nothing after the scatter reads it,
         # and on the coordinator it is an item per chunk of every rank (issue 25.5).

@@ -8,9 +8,13 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
+
+from ..errors import StorageError
+from ..storage.local import os_error
 
 if TYPE_CHECKING:
     from .streaming import SourceValues
@@ -122,13 +126,41 @@ def write_shards(
     return written
 
 
+# What torch's zip writer says when a write fails: it raises RuntimeError and drops the errno.
+_TORCH_WRITE_FAILURES = ("iostream error", "requested and", "failed writing", "PytorchStreamWriter")
+_NEARLY_FULL = 1 << 20  # bytes free below which a failed write is reported as a full disk
+
+
+def write_failed(exc: BaseException, path: str) -> BaseException:
+    """The named error for a failed write of `path` (StorageError naming it, "no space left on
+    device" for ENOSPC, or for torch's writer failing on a filesystem left nearly full), or
+    `exc` itself when it is no write failure."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return os_error(exc, "cannot write", path)
+    if not isinstance(exc, (OSError, RuntimeError)) or not any(text in str(exc) for text in _TORCH_WRITE_FAILURES):
+        return exc
+    try:
+        full = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free < _NEARLY_FULL
+    except OSError:
+        full = False
+    if full or "requested and" in str(exc):  # a short write: the file system took fewer bytes than given
+        return StorageError(f"cannot write {path}: no space left on device (torch's writer: {exc})", path=path)
+    return StorageError(f"cannot write {path}: torch's writer failed ({exc})", path=path)
+
+
 @contextlib.contextmanager
 def atomic_file(final: str) -> Iterator[str]:
-    """A temporary path beside `final`, renamed onto it when the block succeeds."""
+    """A temporary path beside `final`, renamed onto it when the block succeeds; a failed write
+    (a full disk) is a StorageError naming `final`, and the temporary file is removed."""
     tmp = f"{final}.tmp-{os.getpid()}"
     try:
         yield tmp
         os.replace(tmp, final)
+    except (OSError, RuntimeError) as exc:
+        error = write_failed(exc, final)
+        if error is exc:
+            raise
+        raise error from exc
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -54,7 +54,7 @@ from ..errors import (
     NotACheckpointError,
     StorageError,
 )
-from ..storage import LocalStorage, Storage, as_storage, root_is_file
+from ..storage import LocalStorage, Storage, as_storage, list_top, root_is_file
 from . import safetensors, torch_save, v0
 from .copies import Copies
 from .dcp_reader import CkptReader
@@ -108,7 +108,7 @@ def _detect(storage: Storage) -> tuple[str, SourceFiles]:
         raise _not_a_checkpoint(uri)
     if not storage.exists():
         raise not_a_checkpoint_error(storage, "missing")  # absent, or a FIFO or device
-    listing = storage.list()
+    listing = list_top(storage)  # every format's files lie directly in it: never walk a tree below
     kind = classify(storage, listing)
     if kind == "committed":
         return "ckptlib", SourceFiles(storage, ())

@@ -30,8 +30,8 @@ class _StorageRef:
 
 
 class _TensorRef:
-    def __init__(self, storage: _StorageRef, shape: tuple[int, ...]):
-        self.storage, self.shape = storage, shape
+    def __init__(self, storage: _StorageRef, shape: tuple[int, ...], dtype: torch.dtype):
+        self.storage, self.shape, self.dtype = storage, shape, dtype
 
 
 class _TensorRefPickler(pickle.Pickler):
@@ -45,15 +45,20 @@ class _TensorRefPickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, _TensorRef):
             stride = torch.empty(obj.shape, device="meta").stride()
-            return serialization.tensor_rebuild_fn(), (
-                obj.storage,
-                0,
-                obj.shape,
-                stride,
-                False,
-                collections.OrderedDict(),
-            )
+            args = (obj.storage, 0, obj.shape, stride, False, collections.OrderedDict())
+            if serialization.pickled_as_untyped(obj.dtype):  # float8, uint16..64: bytes and the dtype
+                args += (obj.dtype,)
+            return serialization.tensor_rebuild_fn(obj.dtype), args
         return NotImplemented
+
+
+def _storage_numel(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """The size torch.save records for a tensor's storage: elements, or bytes when the storage
+    is untyped (`serialization.pickled_as_untyped`)."""
+    numel = math.prod(shape)
+    if serialization.pickled_as_untyped(dtype):
+        return numel * torch.empty((), dtype=dtype).element_size()
+    return numel
 
 
 class TorchArchiveWriter:
@@ -64,7 +69,9 @@ class TorchArchiveWriter:
     def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]):
         refs = {
             name: _TensorRef(
-                _StorageRef(serialization.pickled_storage_type(dtype), str(i), math.prod(shape)), tuple(shape)
+                _StorageRef(serialization.pickled_storage_type(dtype), str(i), _storage_numel(dtype, shape)),
+                tuple(shape),
+                dtype,
             )
             for i, (name, dtype, shape) in enumerate(entries)
         }
@@ -72,12 +79,16 @@ class TorchArchiveWriter:
         _TensorRefPickler(buf, protocol=torch.serialization.DEFAULT_PROTOCOL).dump(refs)
         alignment = serialization.storage_alignment()
         self._writer = serialization.zip_file_writer(path)
-        self._record("data.pkl", buf.getvalue())
-        self._record(".format_version", "1")
-        if alignment is not None:
-            self._record(".storage_alignment", str(alignment))
-        self._record("byteorder", sys.byteorder)
         self._next = 0
+        try:
+            self._record("data.pkl", buf.getvalue())
+            self._record(".format_version", "1")
+            if alignment is not None:
+                self._record(".storage_alignment", str(alignment))
+            self._record("byteorder", sys.byteorder)
+        except BaseException:
+            self.abort()
+            raise
 
     def _record(self, name: str, value: Any) -> None:
         self._writer.write_record(name, value, len(value))
@@ -96,6 +107,17 @@ class TorchArchiveWriter:
         self._writer.write_end_of_file()
         del self._writer
 
+    def abort(self) -> None:
+        """After a failed write (a full disk): end torch's zip writer without raising, so its
+        destructor does not throw a second time, which ends the process (std::terminate:
+        pytorch/pytorch#87997 marks the writer finalized even when ending it fails)."""
+        writer = self.__dict__.pop("_writer", None)
+        if writer is not None:
+            try:
+                writer.write_end_of_file()
+            except Exception:  # noqa: BLE001 - the write's own error is what the caller sees
+                pass
+
 
 @functools.lru_cache(maxsize=None)
 def streaming_torch_save_reason() -> str | None:
@@ -108,6 +130,9 @@ def streaming_torch_save_reason() -> str | None:
         "c": torch.tensor(7),
         "d": torch.zeros(0, 3, dtype=torch.int64),
     }
+    for name in ("float8_e4m3fn", "uint16"):  # dtypes torch.save pickles over untyped storages
+        if isinstance(getattr(torch, name, None), torch.dtype):
+            probe[name] = torch.arange(6, dtype=torch.float32).reshape(2, 3).to(getattr(torch, name))
     try:
         with tempfile.TemporaryDirectory(prefix="ckptlib-probe-") as tmp:
             mine, theirs = os.path.join(tmp, "probe.bin"), os.path.join(tmp, "ref", "probe.bin")

@@ -187,15 +187,19 @@ def _write_torch_archive(path: str, source: SourceValues, group: list[ShardEntry
     """One torch.save file of the flat dict {name: tensor} for `group`, one tensor in memory."""
     if streaming_torch_save_reason() is None:
         writer = TorchArchiveWriter(path, [(e.name, e.dtype, e.shape) for e in group])
-        if mark:
-            writer.add_record(EXPORT_MARK, "1")
-        for e in group:
-            tensor = source.tensor(e.fqn).to(e.dtype).contiguous()
-            writer.add(tensor)
-            del tensor
-            if on_tensor is not None:
-                on_tensor(e.fqn, e.nbytes)
-        writer.close()
+        try:
+            if mark:
+                writer.add_record(EXPORT_MARK, "1")
+            for e in group:
+                tensor = source.tensor(e.fqn).to(e.dtype).contiguous()
+                writer.add(tensor)
+                del tensor
+                if on_tensor is not None:
+                    on_tensor(e.fqn, e.nbytes)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
         return
     # This torch's archive differs from the streamed one: spill each tensor to a mapped file
     # and let torch.save copy from the mappings (page cache, not anonymous memory).

@@ -10,7 +10,16 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..errors import CheckpointCorruptError
-from .foreign import SourceFiles, SourceInfo, TensorLoc, add_objects, check_plain_tensor, new_metadata, tensor_metadata
+from .foreign import (
+    SourceFiles,
+    SourceInfo,
+    TensorLoc,
+    add_objects,
+    check_plain_tensor,
+    file_size,
+    new_metadata,
+    tensor_metadata,
+)
 from .torch_save import torch_load
 
 V0_RE = re.compile(r"^rank_(\d+)\.pt$")
@@ -124,6 +133,7 @@ def inspect(where_: SourceFiles, uri: str, *, trusted: bool) -> SourceInfo:
     for rank in range(world):
         if rank not in found:
             missing = f"{root.uri}/rank_{rank}.pt"
+            file_size(root, f"rank_{rank}.pt")  # a directory or FIFO there: NotARegularFileError naming it
             raise CheckpointCorruptError(
                 f"{missing} is missing: this v0 checkpoint was written by {world} ranks "
                 f"({found[first]} says world_size={world}) and rank {rank}'s file is not there",

@@ -37,7 +37,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
-from ..storage import Storage, as_storage
+from ..storage import Storage, as_storage, list_top
 from .checksum import crc32, crc32_combine
 from .file_names import shard_rank
 from .layout import classify, is_ckptlib_metadata, not_a_checkpoint_error, open_checkpoint
@@ -157,14 +157,14 @@ def _read_at_most(storage: Storage, name: str, limit: int) -> bytes:
 
 
 def _open_listing(storage: Storage) -> dict[str, int]:
-    """The checkpoint's listing, or the error that says it is no checkpoint at all."""
-
-    listing = storage.list() if storage.exists() else {}
-    kind = classify(storage, listing)
+    """The checkpoint's listing, or the error that says it is no checkpoint at all: told from
+    the files directly in it (a checkpoint's all are), so a large directory that is none is
+    refused without walking the tree below it."""
+    kind = classify(storage, list_top(storage))
     error = not_a_checkpoint_error(storage, kind)
     if error is not None:
         raise error
-    return listing
+    return storage.list()
 
 
 def verify(

@@ -11,7 +11,9 @@ from .base import (
     SupportsCreateExclusive,
     SupportsDirectReads,
     SupportsFileRoot,
+    SupportsShallowList,
     check_relative,
+    list_top,
     root_is_file,
 )
 from .local import LocalStorage
@@ -21,11 +23,13 @@ __all__ = [
     "SupportsCreateExclusive",
     "SupportsDirectReads",
     "SupportsFileRoot",
+    "SupportsShallowList",
     "LocalStorage",
     "as_storage",
     "open_storage",
     "check_relative",
     "is_remote",
+    "list_top",
     "root_is_file",
 ]
 

@@ -213,6 +213,16 @@ class AzureClient:
         blobs = self.container.list_blobs(name_starts_with=key_prefix or None)
         return [(b.name, int(b.size or 0)) for b in blobs]
 
+    def list_top(self, key_prefix: str) -> list[tuple[str, int]]:
+        """(key, size) of the objects directly below `key_prefix` (a '/'-delimited listing)."""
+        from azure.storage.blob import BlobPrefix
+
+        return [
+            (item.name, int(item.size or 0))
+            for item in self.container.walk_blobs(name_starts_with=key_prefix or None, delimiter="/")
+            if not isinstance(item, BlobPrefix)
+        ]
+
     def list_prefixes(self, key_prefix: str) -> list[str]:
         from azure.storage.blob import BlobPrefix
 

@@ -92,6 +92,23 @@ class SupportsCreateExclusive(Protocol):
 
 
 @runtime_checkable
+class SupportsShallowList(Protocol):
+    """Optional for backends: the objects directly below the root, not those in sub-directories
+    (local: one scandir; object stores: one '/'-delimited listing), so telling what a directory
+    is (a checkpoint, or not) never walks a large tree below it."""
+
+    def list_top(self) -> dict[str, int]:
+        """Every object directly below the root (no '/' in its name), mapped to its size."""
+
+
+def list_top(storage: Storage) -> dict[str, int]:
+    """`storage.list_top()` where the backend supports it, else the top-level part of `list()`."""
+    if isinstance(storage, SupportsShallowList):
+        return storage.list_top()
+    return {name: size for name, size in storage.list().items() if "/" not in name}
+
+
+@runtime_checkable
 class SupportsDirectReads(Protocol):
     """Optional for backends whose objects are plain local files: a reader may read such a file
     itself (`os.preadv` straight into tensor memory) instead of through `read`.

@@ -155,6 +155,11 @@ class GCSClient:
         blobs = self.sdk.list_blobs(self.bucket, prefix=key_prefix, retry=None, timeout=TIMEOUT)
         return [(b.name, int(b.size or 0)) for b in blobs]
 
+    def list_top(self, key_prefix: str) -> list[tuple[str, int]]:
+        """(key, size) of the objects directly below `key_prefix` (a '/'-delimited listing)."""
+        blobs = self.sdk.list_blobs(self.bucket, prefix=key_prefix, delimiter="/", retry=None, timeout=TIMEOUT)
+        return [(b.name, int(b.size or 0)) for b in blobs]
+
     def list_prefixes(self, key_prefix: str) -> list[str]:
         iterator = self.sdk.list_blobs(self.bucket, prefix=key_prefix, delimiter="/", retry=None, timeout=TIMEOUT)
         for _ in iterator.pages:

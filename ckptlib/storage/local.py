@@ -28,7 +28,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _os_error(exc: OSError, what: str, path: str) -> StorageError:
+def os_error(exc: OSError, what: str, path: str) -> StorageError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         reason = "no space left on device" if exc.errno == errno.ENOSPC else "no space left (disk quota exceeded)"
         return StorageError(f"{what} {path}: {reason} ([Errno {exc.errno}] {exc.strerror})", path=path)
@@ -111,7 +111,7 @@ class LocalStorage:
         try:
             os.makedirs(parent, exist_ok=True)
         except OSError as exc:
-            raise _os_error(exc, "cannot create directory", parent) from exc
+            raise os_error(exc, "cannot create directory", parent) from exc
 
     def write(self, path: str, data: bytes, *, durable: bool = True) -> None:
         full = self._path(path)
@@ -123,7 +123,7 @@ class LocalStorage:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            raise _os_error(exc, "cannot write", full) from exc
+            raise os_error(exc, "cannot write", full) from exc
         if self.fsync and durable:
             _fsync_dir(os.path.dirname(full))
 
@@ -136,11 +136,11 @@ class LocalStorage:
             try:
                 fd = os.open(full, os.O_RDONLY)
             except OSError as exc:
-                raise _os_error(exc, "cannot sync", full) from exc
+                raise os_error(exc, "cannot sync", full) from exc
             try:
                 os.fsync(fd)
             except OSError as exc:
-                raise _os_error(exc, "cannot sync", full) from exc
+                raise os_error(exc, "cannot sync", full) from exc
             finally:
                 os.close(fd)
             directories.add(os.path.dirname(full))
@@ -169,7 +169,7 @@ class LocalStorage:
                     raise
                 return self._create_exclusive_plain(full, data)  # a filesystem without hard links
         except OSError as exc:
-            raise _os_error(exc, "cannot create", full) from exc
+            raise os_error(exc, "cannot create", full) from exc
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -200,7 +200,7 @@ class LocalStorage:
         try:
             f = open(full, "wb")
         except OSError as exc:
-            raise _os_error(exc, "cannot write", full) from exc
+            raise os_error(exc, "cannot write", full) from exc
         try:
             with f:
                 yield f
@@ -210,7 +210,7 @@ class LocalStorage:
         except OSError as exc:  # ENOSPC and friends, from a write, the flush, fsync or close
             with contextlib.suppress(OSError):
                 os.unlink(full)  # a partial file is never left behind to fill the disk
-            raise _os_error(exc, "cannot write", full) from exc
+            raise os_error(exc, "cannot write", full) from exc
         except BaseException:
             with contextlib.suppress(OSError):  # like an aborted upload: no partial object is left
                 os.unlink(full)
@@ -264,6 +264,19 @@ class LocalStorage:
                         out[rel] = os.stat(full).st_size
         return out
 
+    def list_top(self) -> dict[str, int]:
+        """`SupportsShallowList`: the files directly in the root (what `list` shows of it), one scandir."""
+        out: dict[str, int] = {}
+        if not os.path.isdir(self.root):
+            return out
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if entry.is_dir():  # as os.walk sorts them: a symlink to a directory is a directory
+                    continue
+                with contextlib.suppress(FileNotFoundError):  # a dangling link: absent, as in `list`
+                    out[entry.name] = os.stat(entry.path).st_size
+        return out
+
     def list_children(self) -> list[str]:
         if not os.path.isdir(self.root):
             return []
@@ -288,7 +301,7 @@ class LocalStorage:
         except FileNotFoundError:
             return
         except OSError as exc:
-            raise _os_error(exc, "cannot delete", target) from exc
+            raise os_error(exc, "cannot delete", target) from exc
         shutil.rmtree(doomed, ignore_errors=True)
         if self.fsync:
             _fsync_dir(os.path.dirname(target))
@@ -304,7 +317,7 @@ class LocalStorage:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            raise _os_error(exc, "cannot update pointer", link) from exc
+            raise os_error(exc, "cannot update pointer", link) from exc
         if self.fsync:
             _fsync_dir(os.path.dirname(link))
 
@@ -316,7 +329,7 @@ class LocalStorage:
             return None
         except OSError as exc:
             if exc.errno != errno.EINVAL:  # EINVAL: not a symlink; a regular file is read as text
-                raise _os_error(exc, "cannot read pointer", link) from exc
+                raise os_error(exc, "cannot read pointer", link) from exc
             fd, size = open_regular(link)
             try:
                 if size > _MAX_POINTER_BYTES:

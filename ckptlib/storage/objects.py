@@ -297,6 +297,20 @@ class ObjectStorage(PrefixedObjects):
     def _listed(self, rel: str) -> bool:
         return super()._listed(rel) and not is_upload_part(rel)
 
+    def list_top(self) -> dict[str, int]:
+        """`SupportsShallowList`: one '/'-delimited listing (a client without `list_top` lists
+        everything below the root and keeps the top level)."""
+        base = self._dir()
+        lister = getattr(self.api, "list_top", None)
+        if lister is None:
+            return {rel: size for rel, size in self.list().items() if "/" not in rel}
+        out: dict[str, int] = {}
+        for key, size in self.call("list", self.uri, lambda: lister(base)):
+            rel = key[len(base) :]
+            if self._listed(rel) and "/" not in rel:
+                out[rel] = size
+        return out
+
     def list_children(self) -> list[str]:
         base = self._dir()
         names = set()

@@ -189,6 +189,14 @@ class S3Client:
             for obj in page.get("Contents") or ()
         ]
 
+    def list_top(self, key_prefix: str) -> list[tuple[str, int]]:
+        """(key, size) of the objects directly below `key_prefix` (a '/'-delimited listing)."""
+        return [
+            (obj["Key"], int(obj.get("Size") or 0))
+            for page in self._pages(Prefix=key_prefix, Delimiter="/")
+            for obj in page.get("Contents") or ()
+        ]
+
     def list_prefixes(self, key_prefix: str) -> list[str]:
         return [
             common["Prefix"]

@@ -25,6 +25,14 @@ REDACTED = "<redacted>"
 # the patterns still catch it in its usual places.
 MIN_SECRET_LENGTH = 8
 
+# The names credentials go by in query strings, connection strings, headers and JSON.
+_CREDENTIAL_KEYS = (
+    r"(?i)(?<![a-z0-9_\-])(?:aws_secret_access_key|secret_access_key|secretaccesskey|aws_session_token"
+    r"|session_token|sessiontoken|x-amz-security-token|x-amz-signature|x-amz-credential|credential|signature"
+    r"|sig|accountkey|account_key|sharedaccesssignature|sas_token|access_token|refresh_token|id_token"
+    r"|client_secret|private_key_id|private_key|password|passwd|x-goog-api-key|api_key|apikey|token)"
+)
+
 # Each pattern's group "v" is the secret; the text around it stays, so a message still says
 # which credential was involved.
 _PATTERNS = (
@@ -33,13 +41,7 @@ _PATTERNS = (
     # A URL's userinfo password: scheme://user:password@host
     re.compile(r"(?i)\b[a-z][a-z0-9+.\-]*://[^\s/:@\"'<>]*:(?P<v>[^\s/\"'<>]*)@"),
     # key=value and key: value credentials (query strings, connection strings, headers, JSON).
-    re.compile(
-        r"(?i)(?<![a-z0-9_\-])(?:aws_secret_access_key|secret_access_key|secretaccesskey|aws_session_token"
-        r"|session_token|sessiontoken|x-amz-security-token|x-amz-signature|x-amz-credential|credential|signature"
-        r"|sig|accountkey|account_key|sharedaccesssignature|sas_token|access_token|refresh_token|id_token"
-        r"|client_secret|private_key_id|private_key|password|passwd|x-goog-api-key|api_key|apikey|token)"
-        r"[\"']?\s*(?:[=:]|%3d)\s*[\"']?(?P<v>[^\s;&,\"'}<>]+)"
-    ),
+    re.compile(_CREDENTIAL_KEYS + r"[\"']?\s*(?:[=:]|%3d)\s*[\"']?(?P<v>[^\s;&,\"'}<>]+)"),
     # HTTP authorization values (the scheme is kept: "Authorization: Bearer <redacted>").
     re.compile(
         r"(?i)\bauthorization[\"']?\s*[:=]\s*[\"']?(?:(?:bearer|basic|sharedkey|aws4-hmac-sha256)\s+)?"
@@ -70,6 +72,14 @@ _SECRET_ENV = (
 _URL_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "STORAGE_EMULATOR_HOST", "AZURE_STORAGE_BLOB_ENDPOINT")
 
 
+# For any message of ckptlib's (`scrub_message`): the patterns above, but a credential key only
+# with '=' ("sig=...", "password=..."), never "key: value", which is also how a message names a
+# state key ("model.token: shape (9,) in the state").
+_MESSAGE_PATTERNS = tuple(p for p in _PATTERNS if not p.pattern.startswith(_CREDENTIAL_KEYS)) + (
+    re.compile(_CREDENTIAL_KEYS + r"[\"']?(?:=|%3d)[\"']?(?P<v>[^\s;&,\"'}<>]+)"),
+)
+
+
 def _redact_group(match: re.Match) -> str:
     start, end = match.span("v")
     whole = match.group(0)
@@ -94,11 +104,11 @@ def environment_secrets() -> list[str]:
     return [s for s in out if s]
 
 
-def scrub(text: str, secrets: Iterable[str] = ()) -> str:
+def scrub(text: str, secrets: Iterable[str] = (), *, patterns: tuple[re.Pattern, ...] = _PATTERNS) -> str:
     """`text` with every credential replaced by <redacted>: whatever the patterns recognise, the
     environment's credentials and `secrets` (each also in its URL-quoted and unquoted form)."""
     text = str(text)
-    for pattern in _PATTERNS:
+    for pattern in patterns:
         text = pattern.sub(_redact_group, text)
     values = set()
     for secret in [*environment_secrets(), *secrets]:
@@ -108,6 +118,13 @@ def scrub(text: str, secrets: Iterable[str] = ()) -> str:
         if len(value) >= MIN_SECRET_LENGTH:
             text = text.replace(value, REDACTED)
     return text
+
+
+def scrub_message(text: str) -> str:
+    """`scrub` for any message ckptlib makes (every CheckpointError's, the `ckpt` command's error
+    lines): a URL's password, `key=value` credentials, tokens and keys by their shape, and the
+    environment's credentials; "name: value" is left alone (it names state keys)."""
+    return scrub(text, patterns=_MESSAGE_PATTERNS)
 
 
 def scrub_exception(exc: BaseException | None, secrets: Iterable[str] = ()) -> None:

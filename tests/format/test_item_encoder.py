@@ -78,11 +78,18 @@ def test_bytes_and_crc_equal_torch_save(dtype, shape):
 
 
 def test_data_record_is_not_copied():
-    tensor = torch.arange(1 << 18, dtype=torch.float32)
-    item = item_encoder.encode(tensor)
-    big = [c for c in item.chunks if c.nbytes == tensor.numel() * 4]
-    assert len(big) == 1
-    assert np.frombuffer(big[0], dtype=np.uint8).ctypes.data == tensor.data_ptr()
+    """The tensor's bytes are handed over as views of its memory, back to back, in pieces of
+    at most 1 MiB cut at the file's MiB boundaries (the item starts at file offset 5000)."""
+    tensor = torch.arange(3 << 18, dtype=torch.float32)  # 3 MiB
+    item = item_encoder.encode(tensor, base=5000, block_size=1 << 20)
+    views = [c for c in item.chunks if c.readonly]
+    addresses = [np.frombuffer(c, dtype=np.uint8).ctypes.data for c in views]
+    assert addresses[0] == tensor.data_ptr() and sum(c.nbytes for c in views) == 3 << 20
+    assert all(a + c.nbytes == b for a, c, b in zip(addresses, views, addresses[1:]))
+    assert len(views) == 4 and max(c.nbytes for c in views) <= 1 << 20
+    starts = np.cumsum([0] + [c.nbytes for c in item.chunks])[:-1] + 5000
+    view_starts = [int(st) for st, c in zip(starts, item.chunks) if c.readonly]
+    assert all(st % (1 << 20) == 0 for st in view_starts[1:])
 
 
 def test_leaves_torch_global_crc_option_alone():

@@ -93,7 +93,6 @@ def _overlap() -> list[list[WriteItem]]:
 
 INVALID = {
     "overlap": _overlap(),
-    "gap": _rows(3, 2, 10)[:2] + [[]],
     "outside": [[_shard("w", [0, 0], [2, 4], [4, 4])], [_shard("w", [2, 0], [4, 4], [4, 4])]],
     "duplicate-offsets": [[_shard("w", [0, 0], [2, 4], [4, 4])], [_shard("w", [0, 0], [2, 4], [4, 4])]],
     "wide-overlap-among-many": _rows(16, 1, 500)[:15] + [[_shard("w", [7, 0], [1, 500], [16, 500])]],
@@ -108,6 +107,19 @@ def test_an_invalid_plan_fails_with_dcps_own_error(layout, caplog):
         CkptSavePlanner().create_global_plan(_plans(layout))
     assert str(ckpt_error.value) == str(dcp_error.value)
     assert str(ckpt_error.value).startswith("Failed to validate global plan")
+
+
+def test_a_rank_that_lacks_a_sharded_tensor_is_named():
+    """Rank 2 holds no piece of a tensor ranks 0 and 1 shard (a key missing on one rank of its
+    mesh): RanksDisagreeError naming the key and the ranks, not DCP's bare volume error (issue 26)."""
+    from ckptlib.errors import RanksDisagreeError
+
+    with pytest.raises(RanksDisagreeError) as info:
+        CkptSavePlanner().create_global_plan(_plans(_rows(3, 2, 10)[:2] + [[]]))
+    assert info.value.keys == ["w"] and info.value.ranks == [0, 1, 2]
+    assert "w: sharded float32 (6, 10) held by ranks 0, 1 only, whose pieces cover 40 of its 60 elements" in str(
+        info.value
+    )
 
 
 def test_zero_size_chunks_are_left_to_dcp(monkeypatch):

@@ -20,7 +20,18 @@ from ckptlib.storage import objects
 LABELS = {"s3": "S3", "gcs": "GCS", "azure": "Azure Blob"}
 
 #: The client's requests (and an upload's), as `Faults` names them.
-REQUESTS = ("put", "get", "size", "has_objects", "list", "list_prefixes", "delete", "start_upload", "abort_uploads")
+REQUESTS = (
+    "put",
+    "get",
+    "size",
+    "has_objects",
+    "list",
+    "list_top",
+    "list_prefixes",
+    "delete",
+    "start_upload",
+    "abort_uploads",
+)
 UPLOAD_REQUESTS = ("put_part", "complete", "abort")
 
 

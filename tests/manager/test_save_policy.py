@@ -158,10 +158,11 @@ def test_preemption_signal_saves_at_the_next_maybe_save(tmp_path, sig, async_sav
 def test_preemption_chains_to_a_python_handler_and_restores_it(tmp_path):
     calls = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    usr1 = signal.getsignal(signal.SIGUSR1)
     try:
         mine = signal.getsignal(signal.SIGTERM)
         with CheckpointManager(tmp_path / "run", save_on_preemption=True, preemption_signals=[signal.SIGTERM]) as mgr:
-            assert signal.getsignal(signal.SIGUSR1) is not mgr._watcher._handle
+            assert signal.getsignal(signal.SIGUSR1) is usr1 and signal.getsignal(signal.SIGTERM) is not mine
             os.kill(os.getpid(), signal.SIGTERM)
             assert calls == [signal.SIGTERM]
             assert mgr.maybe_save(7, _state(7)) and mgr.preempted
