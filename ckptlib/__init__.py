@@ -26,16 +26,21 @@ from .errors import (
     OverwriteRefusedError,
     RankLostError,
     RanksDisagreeError,
+    ReplicationError,
+    ReplicationRankLostError,
     ShapeMismatchError,
     StateError,
     StorageError,
     UnsafeCheckpointError,
     UnsupportedError,
     UploadError,
+    UploadRankLostError,
     WriterProcessError,
 )
 from .export import ExportResult, export
 from .manager import CheckpointManager, StaleLockWarning, StalePointerWarning
+from .remote_tier import RemoteTier
+from .resume import RemoteUnavailableWarning, SkippedDamagedStepWarning
 from .retention import KeepBest, KeepEvery, KeepLast
 from .save_policy import EveryNSeconds, EveryNSteps, FinalStep
 from .state import KeepExistingRanks, MergingResizePolicy, RankLocal, ResizePolicy, ResizeWarning, RNGState
@@ -81,12 +86,17 @@ __all__ = [
     "OverwriteRefusedError",
     "RankLostError",
     "RanksDisagreeError",
+    "RemoteTier",
+    "RemoteUnavailableWarning",
+    "ReplicationError",
+    "ReplicationRankLostError",
     "RNGState",
     "RankLocal",
     "ResizePolicy",
     "ResizeWarning",
     "SaveResult",
     "ShapeMismatchError",
+    "SkippedDamagedStepWarning",
     "StaleLockWarning",
     "StalePointerWarning",
     "StateError",
@@ -94,6 +104,7 @@ __all__ = [
     "TieredCheckpointManager",
     "UnsafeCheckpointError",
     "UploadError",
+    "UploadRankLostError",
     "WriterProcessError",
     "UnsupportedError",
     "__version__",

@@ -85,6 +85,7 @@ def agree(
     *,
     same: Callable[[T], int] | None = None,
     disagree: Callable[[list[int]], CheckpointError] | None = None,
+    every_pair: bool = False,
 ) -> T:
     """Run `fn` on every rank; if it raised on any rank, raise on every rank.
 
@@ -96,10 +97,15 @@ def agree(
     every rank raises `disagree(values)`, `values` every rank's int in rank order. It rides on
     the same all_reduce (the maximum of the value and of its negation), so agreeing costs no
     round of its own; the values are gathered only when they differ.
+
+    `every_pair=True` (without a ballot): the ranks exchange their outcome all-to-all instead
+    of through a reduction, so when a rank has died every survivor's collective fails at once
+    (in a reduction only the dead rank's neighbours see it; the others wait for them to exit).
+    For agreements that wait long (on other ranks' uploads) in a background pipeline.
     """
     if same is None:
-        return _agree(fn, group, ballot, None)[0]
-    assert disagree is not None
+        return _agree(fn, group, ballot, None, every_pair=every_pair)[0]
+    assert disagree is not None and not every_pair
     check = _SameValue(same, disagree, group, ballot)
     return _agree(lambda: check.judged(fn()), group, check, None)[0]
 
@@ -136,7 +142,9 @@ def agree_sharing(fn: Callable[[], T], values: Sequence[int], group=None) -> tup
     return _agree(fn, group, None, [int(v) for v in values])
 
 
-def _agree(fn: Callable[[], T], group, ballot: Ballot | None, values: list[int] | None) -> tuple[T, list[list[int]]]:
+def _agree(
+    fn: Callable[[], T], group, ballot: Ballot | None, values: list[int] | None, *, every_pair: bool = False
+) -> tuple[T, list[list[int]]]:
     result: Any = None
     local_error: BaseException | None = None
     try:
@@ -150,12 +158,17 @@ def _agree(fn: Callable[[], T], group, ballot: Ballot | None, values: list[int] 
             ballot.counted(list(ballot.votes))
         return result, [list(values or [])]
     # The common case, nobody failed, costs one tiny all_reduce (an all_gather when values are
-    # shared); the errors themselves are gathered (two more rounds: sizes, then payloads) only
-    # when some rank failed.
+    # shared; an all_to_all with every_pair); the errors themselves are gathered (two more
+    # rounds: sizes, then payloads) only when some rank failed.
     flag = 0 if local_error is None else 1
     device = _flag_device(group)
     rows: list[list[int]] = []
-    if values is None:
+    if every_pair and ballot is None and values is None:
+        world = get_world_size(group)
+        received = torch.zeros(world, dtype=torch.int32)
+        dist.all_to_all_single(received, torch.full((world,), flag, dtype=torch.int32), group=group)
+        any_failed = bool(received.max().item())
+    elif values is None:
         votes = [] if ballot is None else list(ballot.votes)
         dtype = torch.int32 if ballot is None else torch.int64
         failed = torch.tensor([flag, *votes], dtype=dtype, device=device)
@@ -202,6 +215,33 @@ def decide_on_rank0(fn: Callable[[], T], group=None) -> T:
             payload[0] = ("error", portable_error(exc, dist.get_rank()))
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(payload, src=src, group=group)
+    status, value = payload[0]
+    if status == "error":
+        raise value
+    return value
+
+
+def all_gather_object(obj: Any, group=None) -> list[Any]:
+    """Every rank's `obj`, in group rank order (`[obj]` in a single process)."""
+    if not is_distributed():
+        return [obj]
+    gathered: list[Any] = [None] * get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def decide_on(fn: Callable[[], T], src: int, group=None) -> T:
+    """`decide_on_rank0` with group rank `src` deciding: `fn` runs there only, and its result
+    (or its error) reaches every rank."""
+    if not is_distributed():
+        return fn()
+    payload: list[Any] = [None]
+    if get_rank(group) == src:
+        try:
+            payload[0] = ("ok", fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
+            payload[0] = ("error", portable_error(exc, dist.get_rank()))
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
     status, value = payload[0]
     if status == "error":
         raise value

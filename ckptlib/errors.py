@@ -178,6 +178,20 @@ class UploadError(StorageError):
     """Uploading a step to a tiered manager's remote root failed; the remote `latest` was not moved."""
 
 
+class UploadRankLostError(UploadError, RankLostError):
+    """A rank disappeared while the ranks uploaded a step (a node killed mid-upload): both an
+    UploadError (the remote `latest` was not moved) and a RankLostError (`ranks` names them)."""
+
+
+class ReplicationError(StorageError):
+    """Copying a node's files to its partner node failed (a replica that does not match the
+    manifest, a partner's disk full); the replica was removed, the local checkpoint stays."""
+
+
+class ReplicationRankLostError(ReplicationError, RankLostError):
+    """A rank disappeared while the nodes exchanged replicas (a partner node down)."""
+
+
 class UnsupportedError(CheckpointError):
     """The installed torch lacks a feature this call needs (see ckptlib._torch)."""
 

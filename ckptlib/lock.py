@@ -29,7 +29,7 @@ import uuid
 import warnings
 from typing import Any
 
-from .errors import CheckpointError, LockedError, stacklevel_outside_ckptlib
+from .errors import CheckpointError, LockedError, stacklevel_outside_ckptlib, warn_scrubbed
 from .storage import Storage, SupportsCreateExclusive
 
 LOCK_NAME = "ckptlib.lock"
@@ -215,6 +215,31 @@ class RootLock:
         )
         err.holder = holder.to_json() if holder is not None else None
         raise err
+
+    def take(self) -> None:
+        """Take the lock, or confirm that the lock this object holds is still its own:
+        LockedError when it was removed meanwhile (another writer may have written the root)."""
+        if self.token is None:
+            self.acquire()
+            return
+        if self.held():
+            return
+        self.forget()
+        holder = self.holder()
+        raise LockedError(
+            f"{self.storage.uri}: this manager's lock ({self.where}) was removed while it held it"
+            + (f"; {holder.describe()} holds it now" if holder is not None else "")
+            + ". Another writer may have written this root; refusing to continue.",
+            path=self.storage.uri,
+        )
+
+    def drop(self) -> None:
+        """Release after a successful save or gc; a failure to remove the lock file only warns
+        (what it guarded is committed, and this process's leftover lock counts as stale)."""
+        try:
+            self.release()
+        except Exception as exc:  # noqa: BLE001 - reported, never fatal
+            warn_scrubbed(f"{self.where}: could not remove the lock ({exc})", StaleLockWarning)
 
     def held(self) -> bool:
         """Whether this object holds the lock and the lock file still says so."""

@@ -29,20 +29,17 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from . import _dist, background_save, writer_process
 from . import save_policy as _save_policy
+from .cluster_tier import ClusterTier
 from .collection import ForeignFilesWarning, collect
-from .errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    LockedError,
-    StateError,
-    stacklevel_outside_ckptlib,
-    warn_scrubbed,
-)
+from .errors import CheckpointError, stacklevel_outside_ckptlib
 from .format.plan_cache import PlanCache
-from .loading import LoadResult, load
+from .initial_load import load_initial
+from .loading import LoadResult
 from .lock import LOCK_NAME, LockHolder, RootLock, StaleLockWarning
+from .manager_options import check_options
 from .observe import log_operation
 from .preemption import DEFAULT_SIGNALS, PreemptionWatcher, signal_name
+from .remote_tier import RemoteTier
 from .retention import KeepLast, RetentionPolicy
 from .root_load import load_step
 from .root_scan import LATEST, StalePointerWarning, StepInfo, committed_steps, replace_reason, resolve_latest, scan
@@ -55,19 +52,8 @@ from .storage import Storage, open_storage
 class CheckpointManager:
     """Saves numbered checkpoints under `root` and resumes from the newest committed one.
 
-    `CheckpointManager(local_root, remote_root=URI, keep_local=1, ...)` is a tiered manager
-    (`ckptlib.tiered`): saves go to local disk and are uploaded in the background."""
-
-    # The class `CheckpointManager(..., remote_root=...)` makes: ckptlib.tiered registers it
-    # (`remote_root_manager`); the package imports that module, so it is always registered.
-    _remote_root_class: type | None = None
-
-    def __new__(cls, *args: Any, remote_root: str | os.PathLike | None = None, **kwargs: Any):
-        if remote_root is not None and cls is CheckpointManager:
-            if CheckpointManager._remote_root_class is None:
-                raise StateError("remote_root= needs ckptlib.tiered (import ckptlib)")
-            cls = CheckpointManager._remote_root_class
-        return super().__new__(cls)
+    With `remote=` or `replicas=`, `root` is this node's local root and the manager holds a
+    cluster tier (`ckptlib.cluster_tier`): node-local saves, peer replicas, per-rank uploads."""
 
     def __init__(
         self,
@@ -84,6 +70,12 @@ class CheckpointManager:
         hold_lock: bool = False,
         async_save: bool = False,
         background_staging: bool = False,
+        remote: str | os.PathLike | RemoteTier | None = None,
+        replicas: int = 0,
+        node: Any = None,
+        remote_root: str | os.PathLike | None = None,
+        keep_local: int | None = None,
+        upload_concurrency: int | None = None,
         async_mode: str = "thread",
     ):
         """`hold_lock=False`: the root is locked during each save and gc. `hold_lock=True`: the
@@ -106,22 +98,17 @@ class CheckpointManager:
         records the signal and the next `maybe_save` saves on every rank (see `maybe_save`).
         `initial_load`: a checkpoint (any format ckptlib reads) that `load()` reads when the
         root has no committed step yet; only the state's modules unless `initial_load_only`
-        names the state entries to take from it."""
-        if background_staging and not async_save:
-            raise StateError("background_staging=True needs async_save=True")
-        if async_mode not in ("thread", "process"):
-            raise StateError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
-        if async_mode == "process" and not async_save:
-            raise StateError("async_mode='process' needs async_save=True")
-        if keep_last is not None and retention is not None:
-            raise StateError("pass keep_last or retention, not both (combine policies with |)")
-        if save_policy is not None and not isinstance(save_policy, SavePolicy):
-            raise StateError(f"save_policy must have should_save(context), got {save_policy!r}")
-        if retention is not None and not callable(getattr(retention, "keep", None)):
-            raise StateError(f"retention must have keep(records), got {retention!r}")
+        names the state entries to take from it.
+
+        `remote` (a URI or a `RemoteTier`, with its own retention), `replicas`, `node`: the cluster
+        tier (`ckptlib.cluster_tier`, README); `retention`/`keep_last` keep this node's root.
+        `remote_root=URI, keep_local=N` (the old spelling): deprecated."""
+        self.retention, remote = check_options(
+            (keep_last, retention, save_policy, async_save, background_staging, async_mode),
+            (remote, remote_root, keep_local, upload_concurrency),
+        )
         self.root_uri = os.fspath(root)
         self.storage: Storage = open_storage(self.root_uri)
-        self.retention = retention if retention is not None else KeepLast(keep_last)
         self.save_policy = save_policy
         self.initial_load = None if initial_load is None else os.fspath(initial_load)
         self.initial_load_only = None if initial_load_only is None else tuple(initial_load_only)
@@ -142,8 +129,12 @@ class CheckpointManager:
         self._lock = RootLock(self.storage)
         self._pending = None  # the AsyncSave in flight (async_save=True)
         self._plan_cache = PlanCache()  # this manager's saves reuse their plans (format.plan_cache)
+        self.tier = ClusterTier.create(self, remote, replicas, node)
+        self.remote = None if self.tier is None else self.tier.remote
 
     def __repr__(self) -> str:
+        if self.remote is not None:
+            return f"CheckpointManager({self.root_uri!r}, remote={self.remote.uri!r})"
         return f"CheckpointManager({self.root_uri!r})"
 
     def __enter__(self) -> "CheckpointManager":
@@ -164,21 +155,27 @@ class CheckpointManager:
             if self.async_mode == "process":
                 background_save.release_staging(shared_only=True)  # the writer process and its memory
             self._lock.release()
+            if self.tier is not None:
+                self.tier.close()
 
     # -- async saves --------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Wait for the async save in flight, if any: its SaveResult, or its failure raised
         unless it was already raised elsewhere (by the handle's wait()/result(), or an earlier
         call here): a failure is delivered once and the next call starts clean. None when
-        nothing was in flight; TimeoutError when it is still running after `timeout` seconds."""
-        pending = self._pending
-        if pending is None:
-            return None
+        nothing was in flight; TimeoutError when it is still running after `timeout` seconds.
+        With a cluster tier: the replicas and the upload too (the remote copy's SaveResult)."""
+        pending, result = self._pending, None
         try:
-            return pending.deliver(timeout)
+            if pending is not None:
+                result = pending.deliver(timeout)
+            if self.tier is not None:
+                result = self.tier.wait(timeout) or result
+            return result
         finally:
-            if pending.done():
+            if pending is not None and pending.done():
                 self._pending = None
+            if self._pending is None and (self.tier is None or self.tier._job is None):
                 atexit.unregister(self._wait_at_exit)
 
     def _wait_at_exit(self) -> None:
@@ -189,28 +186,13 @@ class CheckpointManager:
 
     # -- the lock -----------------------------------------------------------------------
     def _take_lock(self) -> None:
-        """Rank 0: take the lock, or confirm that a held lock is still ours."""
-        if self._lock.token is not None:
-            if self._lock.held():
-                return
-            self._lock.forget()
-            holder = self._lock.holder()
-            raise LockedError(
-                f"{self.root_uri}: this manager's lock ({self._lock.where}) was removed while it held it"
-                + (f"; {holder.describe()} holds it now" if holder is not None else "")
-                + ". Another writer may have written this root; refusing to continue.",
-                path=self.root_uri,
-            )
-        self._lock.acquire()
+        """Rank 0: take the lock, or confirm that a held lock is still ours (`RootLock.take`)."""
+        self._lock.take()
 
     def _drop_lock(self) -> None:
-        """Release after a successful save or gc; a failure to remove the lock file only warns (the
-        checkpoint is committed, and this process's leftover lock counts as stale)."""
+        """Release after a successful save or gc (only warns when it cannot), unless held."""
         if not self.hold_lock:
-            try:
-                self._lock.release()
-            except Exception as exc:  # noqa: BLE001 - reported, never fatal
-                warn_scrubbed(f"{self._lock.where}: could not remove the lock ({exc})", StaleLockWarning)
+            self._lock.drop()
 
     def _drop_lock_after_failure(self) -> None:
         if _dist.get_rank(self.process_group) == 0 and not self.hold_lock:
@@ -234,7 +216,13 @@ class CheckpointManager:
         return scan(self.storage)
 
     def steps(self) -> list[int]:
-        """Committed steps, oldest first."""
+        """Committed steps, oldest first (with a remote tier: the remote root's)."""
+        if self.remote is not None:
+            return self.remote.steps()
+        return committed_steps(self.storage)
+
+    def local_steps(self) -> list[int]:
+        """Committed steps under this node's root, oldest first."""
         return committed_steps(self.storage)
 
     def _resolve_latest(self) -> tuple[int | None, str | None]:
@@ -243,12 +231,16 @@ class CheckpointManager:
 
     def latest(self) -> int | None:
         """The step `load()` would resume from, or None when the root has no checkpoint."""
+        if self.tier is not None:
+            return self.tier.latest()
         step, warning = _dist.decide_on_rank0(self._resolve_latest, self.process_group)
         if warning:
             warnings.warn(warning, StalePointerWarning, stacklevel=stacklevel_outside_ckptlib())
         return step
 
     def path(self, step: int) -> str:
+        if self.remote is not None:
+            return self.remote.path(step)
         return f"{self.storage.uri.rstrip('/')}/{step_dir(step)}"
 
     # -- saving -------------------------------------------------------------------------
@@ -325,6 +317,18 @@ class CheckpointManager:
         metrics: dict[str, float] | None,
         overwrite: bool,
     ) -> SaveResult:
+        if self.tier is not None:  # node-local roots; its background work is waited for at exit too
+            result = self.tier.save(step, state, metadata, metrics, overwrite)
+        else:
+            result = self._save_here(step, state, metadata, metrics, overwrite)
+        if self.async_save or self.tier is not None:
+            self._pending = result if self.async_save else None
+            atexit.register(self._wait_at_exit)
+        self._last_save_step, self._last_save_time = step, _save_policy.clock()
+        return result
+
+    def _save_here(self, step: int, state, metadata, metrics, overwrite: bool) -> SaveResult:
+        """A save into this (shared) root: the manager's own lock, `latest` and retention."""
         target = self.storage.child(step_dir(step))
         _dist.decide_on_rank0(self._take_lock, self.process_group)
         try:
@@ -351,10 +355,6 @@ class CheckpointManager:
         except BaseException:
             self._drop_lock_after_failure()
             raise
-        if self.async_save:
-            self._pending = result
-            atexit.register(self._wait_at_exit)
-        self._last_save_step, self._last_save_time = step, _save_policy.clock()
         return result
 
     def _replaceable(self, step: int) -> str | None:
@@ -385,6 +385,8 @@ class CheckpointManager:
         Takes the root's lock (LockedError while another writer holds it), except for a dry run.
         """
         self.wait()  # never delete while a save is still writing (verl #4638)
+        if self.tier is not None:
+            return self.tier.gc(dry_run=dry_run, on_removed=on_removed)
         world = _dist.get_world_size(self.process_group)
 
         def collect() -> list[str]:
@@ -439,6 +441,14 @@ class CheckpointManager:
 
     def _load_checkpoint(self, state: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> LoadResult | None:
         """The load behind `load`: the LoadResult, or None when there is nothing to resume."""
+        if self.tier is not None:
+            self.wait()  # an upload in flight: its failure surfaces before anything else
+            result = self.tier.load(state, None if step is None else check_step(step), kwargs)
+            if result is None:
+                return self._load_initial(state, kwargs) if self.initial_load is not None else None
+            self._last_save_step = result.step
+            self.initial_loaded = False
+            return result
         latest = self.latest if step is None else None  # resuming: retried on the new latest if it is removed
         if step is None:
             step = self.latest()
@@ -455,33 +465,9 @@ class CheckpointManager:
 
     def _load_initial(self, state: Mapping[str, Any], kwargs: dict[str, Any]) -> LoadResult:
         """The root has no committed step: load `initial_load` (by default only the state's modules)."""
-        import torch.nn as nn
-
-        if "only" not in kwargs:
-            only = self.initial_load_only
-            if only is None:
-                only = tuple(name for name, value in state.items() if isinstance(value, nn.Module))
-                if not only:
-                    raise StateError(
-                        f"initial_load={self.initial_load!r} loads the state's nn.Module entries, and the state has "
-                        "none; pass initial_load_only=(names...)"
-                    )
-            kwargs = {**kwargs, "only": only}
-        try:
-            result = load(self.initial_load, state, process_group=self.process_group, **kwargs)
-            self.initial_loaded = True
-            return result
-        except CheckpointNotFoundError as exc:
-            raise CheckpointNotFoundError(
-                f"initial_load {self.initial_load!r} does not exist ({exc})", path=self.initial_load
-            ) from exc
-
-
-def remote_root_manager(cls: type) -> type:
-    """Class decorator: `cls` is what `CheckpointManager(root, remote_root=...)` creates
-    (ckptlib.tiered's TieredCheckpointManager; manager.py does not import it)."""
-    CheckpointManager._remote_root_class = cls
-    return cls
+        result = load_initial(self.initial_load, self.initial_load_only, state, self.process_group, kwargs)
+        self.initial_loaded = True
+        return result
 
 
 __all__ = [

@@ -158,6 +158,7 @@ def transact(
     async_mode: str = "thread",
     after_commit: Callable[[], None] | None = None,
     on_failure: Callable[[], None] | None = None,
+    make_transaction: Callable[..., SaveTransaction] = SaveTransaction,
     plan_cache: PlanCache | None = None,
 ) -> SaveResult | AsyncSave:
     """The one save path: check the arguments and collect the state (one agreement round,
@@ -165,7 +166,8 @@ def transact(
     module-level cache of this group and storage kind), then run a SaveTransaction with the
     hooks (see `format.transaction.SaveTransaction`), now or, `asynchronous`, in the
     background (an AsyncSave handle; its hooks run there), its shards written there or by this
-    rank's writer process (`async_mode="process"`)."""
+    rank's writer process (`async_mode="process"`). `make_transaction`: the transaction's
+    class (the cluster tier's `NodeLocalSave`), called with SaveTransaction's arguments."""
     started = time.perf_counter()
     writer = None
     if asynchronous:
@@ -188,7 +190,7 @@ def transact(
             group,
             ballot=vote,
         )
-    transaction = SaveTransaction(
+    transaction = make_transaction(
         storage,
         world_size=world,
         step=step,

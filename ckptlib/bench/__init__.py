@@ -5,6 +5,8 @@
   rank bodies: `local_io`, `reshard_load`, `cloud_sdk` (on the helpers in `rank_ops`); its
   report: `throughput_summary`, `throughput_plot`.
 - `ckpt bench tensors` (`tensor_counts`): save and load time per tensor count against raw DCP.
+- `ckpt bench tier` (`tier`): the cluster tier's blocking save, upload and resume against a
+  plain save, concurrent SDK uploads and the remote bytes read.
 - `ckpt bench async` (`async_modes`): a training loop's step time while an async save runs,
   without a save and in async_mode "thread" and "process".
 - `ckpt bench scale` (`scale`, with `s3_requests`): coordinator planning time and memory and

@@ -23,6 +23,9 @@ own options (`ckpt bench --help`, `ckpt bench scale --help`, `ckpt bench tensors
 - ckpt bench scale [--s3]: planning time and memory, .metadata and manifest sizes at simulated
   world sizes; no ranks spawned; --s3 adds the S3 request counts of real saves and loads on moto.
 - ckpt bench tensors: save and load of 16 to 10,000 small tensors against raw DCP.
+- ckpt bench tier [--remote s3|dir]: the cluster tier on 2 simulated nodes: a save's blocking
+  time against a plain local save, its upload against concurrent SDK uploads of the same files,
+  and the remote bytes a resume reads (local tiers intact; one node's root lost, replicas=1).
 - ckpt bench async: a CPU-bound training loop's step time while an async save runs, without a
   save and with async_mode="thread" and "process", interleaved in one run.
 - ckpt bench read-once: storage bytes read (all ranks) and time of DDP and HSDP loads with
@@ -47,12 +50,16 @@ def add_parser(commands) -> None:
 
 
 def run_bench(bench_args: list[str]) -> int:
-    """`ckpt bench [scale | tensors | async | read-once] ARGS...`: the benchmark's own exit code."""
+    """`ckpt bench [scale | tensors | async | read-once | tier] ARGS...`: the benchmark's own exit code."""
     with report_stdout():
         if bench_args[:1] == ["scale"]:
             from ..bench import scale
 
             return scale.main(bench_args[1:])
+        if bench_args[:1] == ["tier"]:
+            from ..bench import tier
+
+            return tier.main(bench_args[1:])
         if bench_args[:1] == ["tensors"]:
             from ..bench import tensor_counts
 

@@ -137,6 +137,36 @@ class FileRecord:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class CommitRecord:
+    """Where a save stands in its run's commit order (written by the cluster tier).
+
+    `seq`: 1 + the largest seq the saving job had seen (its own saves, every node's local
+    steps, the remote `latest`), so the newest commit wins even when it has a lower step
+    number (a rollback). `parent`: the step the job last saved or resumed from (None after a
+    fresh start). `run`: an id of the job that saved it. `nodes`: the global ranks of each
+    node (distinct local root) of the saving job, so a copy of a rank's file found on another
+    node is known to be a replica."""
+
+    seq: int
+    parent: int | None = None
+    run: str = ""
+    nodes: tuple[tuple[int, ...], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "parent": self.parent, "run": self.run, "nodes": [list(n) for n in self.nodes]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "CommitRecord":
+        parent = data.get("parent")
+        return cls(
+            seq=_strict_int(data["seq"], "commit seq"),
+            parent=None if parent is None else _strict_int(parent, "commit parent"),
+            run=str(data.get("run", "")),
+            nodes=tuple(tuple(_strict_int(r, "commit rank") for r in node) for node in data.get("nodes", ())),
+        )
+
+
 @dataclasses.dataclass
 class Manifest:
     world_size: int
@@ -151,10 +181,18 @@ class Manifest:
     created: str = dataclasses.field(
         default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     )
+    commit: CommitRecord | None = None  # the commit order, when a cluster tier saved it
 
     @property
     def total_bytes(self) -> int:
         return sum(r.size for r in self.files.values())
+
+    def commit_order(self) -> tuple:
+        """Sorts commits oldest first: manifests without a commit record before any with one
+        (by creation time, then step), the others by their record's seq."""
+        if self.commit is None:
+            return (0, 0, self.created, self.step or 0)
+        return (1, self.commit.seq, self.created, self.step or 0)
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -170,6 +208,8 @@ class Manifest:
         }
         if self.metrics:
             doc["metrics"] = self.metrics
+        if self.commit is not None:
+            doc["commit"] = self.commit.to_json()
         doc["checksum"] = zlib.crc32(_canonical(doc))
         return _readable(doc).encode("utf-8")
 
@@ -208,7 +248,9 @@ class Manifest:
                 # Every rank writes a shard file (an empty one when it has nothing to save):
                 # a larger world size is a lie that would make readers size things by it.
                 raise ValueError(f"world_size {world_size} with only {len(files)} files listed")
+            commit = doc.get("commit")
             return cls(
+                commit=None if commit is None else CommitRecord.from_json(commit),
                 world_size=world_size,
                 files=files,
                 step=None if step is None else int(step),

@@ -1,9 +1,11 @@
-"""The local fast tier: `CheckpointManager(local_root, remote_root=URI, keep_local=1, ...)`.
+"""The cluster tier on one node: `CheckpointManager(local_root, keep_last=N, remote=RemoteTier(URI, ...))`.
 
 Saves block only for the local write; the upload runs in the background and the remote
 `latest` moves only after a verified copy. Each test runs against a local-directory remote
 and an S3 remote (a moto server on 127.0.0.1), including a process killed mid-upload and an
-injected storage fault, both followed by a resume."""
+injected storage fault, both followed by a resume. The regression cases of issue 24 (a
+rollback, a damaged step never uploaded, a damaged local copy with an intact remote one, a
+remote that is down or cannot be locked) are in test_tier_faults.py."""
 
 from __future__ import annotations
 
@@ -13,19 +15,22 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
 from helpers.manager import step_state as _state
 
 import ckptlib
-import ckptlib.tiered as tiered
-from ckptlib.errors import StateError, StorageError
+import ckptlib.remote_tier as remote_tier
+from ckptlib import RemoteTier
+from ckptlib.errors import StateError, StorageError, UploadError
 from ckptlib.format import MANIFEST_NAME, classify
 from ckptlib.format.verify import verify
 from ckptlib.manager import CheckpointManager
+from ckptlib.retention import KeepLast
 from ckptlib.storage import open_storage
-from ckptlib.tiered import TieredCheckpointManager, UploadError
+from ckptlib.tiered import TieredCheckpointManager
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,22 +57,57 @@ def _fresh() -> dict:
     return {"model": {"w": torch.zeros(64, 33), "b": torch.zeros(7)}, "step": -1}
 
 
-def test_constructor_dispatch_and_arguments(tmp_path):
-    mgr = CheckpointManager(str(tmp_path / "l"), remote_root=str(tmp_path / "r"), keep_local=2)
-    assert isinstance(mgr, TieredCheckpointManager) and mgr.keep_local == 2
-    assert type(CheckpointManager(str(tmp_path / "l"))) is CheckpointManager
-    with pytest.raises(StateError, match="keep_local must be a positive int"):
-        CheckpointManager(str(tmp_path / "l"), remote_root=str(tmp_path / "r"), keep_local=0)
+def test_constructor_arguments(tmp_path):
+    local, far = str(tmp_path / "l"), str(tmp_path / "r")
+    mgr = CheckpointManager(local, keep_last=2, remote=RemoteTier(far, keep_last=5))
+    assert type(mgr) is CheckpointManager and mgr.tier is not None
+    assert mgr.retention == KeepLast(2) and mgr.remote.retention == KeepLast(5)
+    assert repr(mgr) == f"CheckpointManager({local!r}, remote={far!r})"
+    plain = CheckpointManager(local)
+    assert plain.tier is None and plain.remote is None
+    assert CheckpointManager(local, remote=far).remote.retention == KeepLast(None)  # a URI keeps every step
+    assert CheckpointManager(local, remote=far, upload_concurrency=7).remote.upload_concurrency == 7
     with pytest.raises(StateError, match="overlap"):
-        CheckpointManager(str(tmp_path / "l"), remote_root=str(tmp_path / "l" / "remote"))
-    with pytest.raises(StateError, match="async_save=True does not combine with remote_root"):
-        CheckpointManager(str(tmp_path / "l"), remote_root=str(tmp_path / "r"), async_save=True)
+        CheckpointManager(local, remote=str(tmp_path / "l" / "remote"))
+    with pytest.raises(StateError, match="replicas must be a non-negative int, got -1"):
+        CheckpointManager(local, replicas=-1)
+    with pytest.raises(StateError, match="upload_concurrency must be a positive int, got 0"):
+        RemoteTier(far, upload_concurrency=0)
+    with pytest.raises(StateError, match="remote must be a URI or a RemoteTier, got int 3"):
+        CheckpointManager(local, remote=3)
+    with pytest.raises(StateError, match="upload_concurrency needs a remote"):
+        CheckpointManager(local, upload_concurrency=2)
+    # async_save now combines with a remote
+    assert CheckpointManager(local, remote=far, async_save=True).tier.async_save
 
 
-@pytest.mark.parametrize("keep_local,keep_last", [(1, 2), (2, None)], ids=["local1-remote2", "local2-remoteall"])
-def test_save_uploads_verifies_and_applies_both_retentions(tmp_path, remote, keep_local, keep_last):
+def test_the_old_spelling_still_works_with_a_deprecation_warning(tmp_path):
+    local, far = str(tmp_path / "l"), str(tmp_path / "r")
+    with pytest.warns(DeprecationWarning, match=r"remote_root=URI, keep_local=N\) is deprecated") as caught:
+        mgr = CheckpointManager(local, remote_root=far, keep_local=2, keep_last=3, upload_concurrency=2)
+    assert caught[0].filename == __file__  # names the caller's line
+    assert type(mgr) is CheckpointManager
+    assert mgr.retention == KeepLast(2) and mgr.remote.retention == KeepLast(3) and mgr.remote.upload_concurrency == 2
+    with pytest.warns(DeprecationWarning):
+        assert CheckpointManager(local, remote_root=far).retention == KeepLast(1)  # keep_local's old default
+    with pytest.warns(DeprecationWarning, match="TieredCheckpointManager is deprecated"):
+        old = TieredCheckpointManager(local, remote_root=far, keep_local=1)
+    assert isinstance(old, CheckpointManager) and old.remote.uri == far
+    with pytest.raises(StateError, match="keep_local must be a positive int"):
+        CheckpointManager(local, remote_root=far, keep_local=0)
+    with pytest.raises(StateError, match="not both"):
+        CheckpointManager(local, remote_root=far, remote=far)
+    with pytest.raises(StateError, match="keep_local= goes with the deprecated remote_root="):
+        CheckpointManager(local, keep_local=1)
+    old.save(1, _state(1))
+    assert old.wait().uri == f"{far}/step_0000000001"
+    old.close()
+
+
+@pytest.mark.parametrize("keep_local,keep_remote", [(1, 2), (2, None)], ids=["local1-remote2", "local2-remoteall"])
+def test_save_uploads_verifies_and_applies_both_retentions(tmp_path, remote, keep_local, keep_remote):
     local = str(tmp_path / "local")
-    mgr = CheckpointManager(local, remote_root=remote, keep_local=keep_local, keep_last=keep_last)
+    mgr = CheckpointManager(local, keep_last=keep_local, remote=RemoteTier(remote, keep_last=keep_remote))
     for step in (1, 2, 3, 4):
         result = mgr.save(step, _state(step))
         assert result.uri == f"{local}/step_{step:010d}"  # the blocking part: the local copy
@@ -75,7 +115,7 @@ def test_save_uploads_verifies_and_applies_both_retentions(tmp_path, remote, kee
     assert uploaded.step == 4 and uploaded.uri == f"{remote.rstrip('/')}/step_0000000004"
     assert mgr.wait() is None  # nothing in flight any more
     assert _children(local) == [f"step_{s:010d}" for s in (1, 2, 3, 4)[-keep_local:]]
-    remote_steps = [1, 2, 3, 4] if keep_last is None else [3, 4]
+    remote_steps = [1, 2, 3, 4] if keep_remote is None else [3, 4]
     assert _children(remote) == [f"step_{s:010d}" for s in remote_steps]
     assert mgr.steps() == remote_steps and mgr.latest() == 4 and mgr.local_steps() == [1, 2, 3, 4][-keep_local:]
     assert open_storage(remote).read_pointer("latest") == "step_0000000004"
@@ -87,12 +127,14 @@ def test_save_uploads_verifies_and_applies_both_retentions(tmp_path, remote, kee
         _assert_state(state, step)
     local_manifest = open_storage(local).child("step_0000000004").read(MANIFEST_NAME)
     assert open_storage(remote).child("step_0000000004").read(MANIFEST_NAME) == local_manifest
+    commit = json.loads(local_manifest)["commit"]
+    assert commit["seq"] == 4 and commit["parent"] == 3 and commit["nodes"] == [[0]]
     mgr.close()
 
 
 def test_load_prefers_the_local_copy_only_when_it_is_the_same(tmp_path, remote):
     local = str(tmp_path / "local")
-    mgr = CheckpointManager(local, remote_root=remote, keep_local=1)
+    mgr = CheckpointManager(local, keep_last=1, remote=remote)
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))
     mgr.wait()
@@ -100,34 +142,36 @@ def test_load_prefers_the_local_copy_only_when_it_is_the_same(tmp_path, remote):
     assert mgr.load(state) == 2
     result = mgr.last_load
     assert result.uri == f"{local}/step_0000000002" and result.step == 2
+    assert result.bytes_by_source["remote"] == 0 and result.bytes_by_source["local"] > 0
     _assert_state(state, 2)
 
-    # A different checkpoint under the same step name locally: the remote copy is read.
+    # Another checkpoint under the same step name locally (not this run's commit): the remote copy is read.
     ckptlib.save(f"{local}/step_0000000002", _state(99), step=2, overwrite=True)
     state = _fresh()
     assert mgr.load(state) == 2
     assert mgr.last_load.uri == f"{remote.rstrip('/')}/step_0000000002"
+    assert mgr.last_load.bytes_by_source["local"] == 0 and mgr.last_load.bytes_by_source["remote"] > 0
     _assert_state(state, 2)
 
-    # Step 1 exists only remotely (keep_local=1): read from the remote root.
+    # Step 1 exists only remotely (keep_last=1 locally): read from the remote root.
     state = _fresh()
     assert mgr.load(state, step=1) == 1 and mgr.last_load.uri == f"{remote.rstrip('/')}/step_0000000001"
     _assert_state(state, 1)
     mgr.close()
 
     # A fresh local disk (a new machine): everything comes from the remote root.
-    other = CheckpointManager(str(tmp_path / "new-local"), remote_root=remote)
+    other = CheckpointManager(str(tmp_path / "new-local"), remote=remote)
     state = _fresh()
     assert other.load(state) == 2
     _assert_state(state, 2)
 
 
-def test_an_upload_failure_leaves_the_remote_latest_and_resumes(tmp_path, remote, monkeypatch):
+def test_an_upload_failure_leaves_the_remote_latest_and_a_load_resumes_it(tmp_path, remote, monkeypatch):
     local = str(tmp_path / "local")
-    mgr = CheckpointManager(local, remote_root=remote, keep_local=1, upload_concurrency=1)
+    mgr = CheckpointManager(local, keep_last=1, remote=RemoteTier(remote, upload_concurrency=1))
     mgr.save(1, _state(1))
     mgr.wait()
-    real_copy = tiered._copy_file
+    real_copy = remote_tier.copy_file
     copied: list[str] = []
 
     def failing_copy(src, dst, name, size, crc):
@@ -138,19 +182,21 @@ def test_an_upload_failure_leaves_the_remote_latest_and_resumes(tmp_path, remote
         copied.append(name)
         real_copy(src, dst, name, size, crc)
 
-    monkeypatch.setattr(tiered, "_copy_file", failing_copy)
+    monkeypatch.setattr(remote_tier, "copy_file", failing_copy)
     mgr.save(2, _state(2))  # the local save succeeds; the upload fails in the background
-    with pytest.raises(UploadError, match=r"step_0000000002: upload failed: .*injected: connection reset"):
+    where = f"{remote.rstrip('/')}/step_0000000002/__0_0.distcp"
+    with pytest.raises(UploadError, match=rf"^rank 0: {where}: upload failed: .*injected: connection reset") as info:
         mgr.wait()
+    assert info.value.rank == 0 and info.value.path == where
     assert mgr.wait() is None  # delivered once
     assert open_storage(remote).read_pointer("latest") == "step_0000000001"
     assert classify(open_storage(remote).child("step_0000000002")) == "incomplete"
-    assert mgr.latest() == 1
     state = _fresh()
-    monkeypatch.setattr(tiered, "_copy_file", lambda *a: (copied.append(a[2]), real_copy(*a))[1])
+    monkeypatch.setattr(remote_tier, "copy_file", lambda *a: (copied.append(a[2]), real_copy(*a))[1])
     copied.clear()
-    assert mgr.load(state) == 2  # resumes the upload first, then loads the local copy
+    assert mgr.load(state) == 2  # the local copy: the newest commit
     _assert_state(state, 2)
+    assert mgr.wait().step == 2  # then the upload resumed in the background
     assert copied == ["__0_0.distcp"]  # .metadata was complete remotely: not sent again
     assert open_storage(remote).read_pointer("latest") == "step_0000000002"
     assert [p for p in verify(open_storage(remote).child("step_0000000002")) if p.is_error] == []
@@ -159,7 +205,7 @@ def test_an_upload_failure_leaves_the_remote_latest_and_resumes(tmp_path, remote
 
 def test_a_damaged_local_copy_is_never_committed_remotely(tmp_path, remote):
     local = str(tmp_path / "local")
-    mgr = CheckpointManager(local, remote_root=remote)
+    mgr = CheckpointManager(local, remote=remote)
     mgr.save(1, _state(1))
     mgr.wait()
 
@@ -186,10 +232,10 @@ _CRASHING_CHILD = textwrap.dedent(
     """
     import os, sys, time, torch
     sys.path.insert(0, sys.argv[3])
-    import ckptlib, ckptlib.tiered as tiered
+    import ckptlib, ckptlib.remote_tier as remote_tier
     from helpers.manager import step_state
 
-    real_copy = tiered._copy_file
+    real_copy = remote_tier.copy_file
 
     def slow_copy(src, dst, name, size, crc):
         if name.startswith("__") and "step_0000000002" in src.uri:
@@ -199,8 +245,9 @@ _CRASHING_CHILD = textwrap.dedent(
                 time.sleep(600)  # killed here, mid-file
         real_copy(src, dst, name, size, crc)
 
-    tiered._copy_file = slow_copy
-    mgr = ckptlib.CheckpointManager(sys.argv[1], remote_root=sys.argv[2], keep_local=1, upload_concurrency=1)
+    remote_tier.copy_file = slow_copy
+    far = ckptlib.RemoteTier(sys.argv[2], upload_concurrency=1)
+    mgr = ckptlib.CheckpointManager(sys.argv[1], keep_last=1, remote=far)
     mgr.save(1, step_state(1))
     mgr.wait()
     mgr.save(2, step_state(2))
@@ -233,49 +280,78 @@ def test_killed_mid_upload_then_the_next_start_resumes(tmp_path, remote):
     assert store.read_pointer("latest") == "step_0000000001"  # the crash left the remote latest intact
     assert classify(store.child("step_0000000002")) != "committed"
     assert classify(open_storage(local).child("step_0000000002")) == "committed"
-    # The crashed writer's lock (a dead pid on this host) is removed as stale by the next start.
-    with pytest.warns(ckptlib.StaleLockWarning):
-        mgr = CheckpointManager(local, remote_root=remote, keep_local=1, keep_last=1)
+    # The crashed writer's locks (a dead pid on this host) are removed as stale by the next
+    # start: the remote's by the upload it resumes, the local root's by its first save.
+    with pytest.warns(ckptlib.StaleLockWarning) as caught:
+        mgr = CheckpointManager(local, keep_last=1, remote=RemoteTier(remote, keep_last=1))
         state = _fresh()
         assert mgr.load(state) == 2
-    _assert_state(state, 2)
-    assert store.read_pointer("latest") == "step_0000000002"
-    assert _children(remote) == ["step_0000000002"]  # keep_last=1 and the debris is gone
-    assert [p for p in verify(store.child("step_0000000002")) if p.is_error] == []
-    mgr.save(3, _state(3))
+        _assert_state(state, 2)
+        assert mgr.wait().step == 2
+        assert store.read_pointer("latest") == "step_0000000002"
+        assert _children(remote) == ["step_0000000002"]  # keep_last=1 and the debris is gone
+        assert [p for p in verify(store.child("step_0000000002")) if p.is_error] == []
+        mgr.save(3, _state(3))
+    stale = sorted(str(w.message).split(": removing")[0] for w in caught if w.category is ckptlib.StaleLockWarning)
+    assert stale == sorted([local, remote])
     mgr.close()
     assert store.read_pointer("latest") == "step_0000000003"
 
 
 def _ranks_save(local: str, remote: str) -> list:
-    mgr = CheckpointManager(local, remote_root=remote, keep_local=1, keep_last=2)
+    mgr = CheckpointManager(local, keep_last=1, remote=RemoteTier(remote, keep_last=2), async_save=True)
     for step in (1, 2, 3):
         state = {"w": torch.full((5,), float(step * 10)), "step": step}
-        mgr.save(step, state)
-    mgr.wait()
+        handle = mgr.save(step, state)
+        assert isinstance(handle, ckptlib.AsyncSave)
+    uploaded = mgr.wait()
     loaded = {"w": torch.zeros(5), "step": -1}
     mgr.load(loaded)
     where = mgr.last_load.uri
     mgr.close()
-    return [where, loaded["step"], loaded["w"].tolist()]
+    return [uploaded.step, where, loaded["step"], loaded["w"].tolist()]
 
 
-def test_multi_rank_upload_and_load(tmp_path, remote, dist_run):
+def test_multi_rank_async_upload_and_load(tmp_path, remote, dist_run):
     local = str(tmp_path / "local")
     results = dist_run(2, _ranks_save, local, remote)
-    for where, step, values in results:
-        assert where == f"{local}/step_0000000003" and step == 3 and values == [30.0] * 5
+    for uploaded, where, step, values in results:
+        assert uploaded == 3 and where == f"{local}/step_0000000003" and step == 3 and values == [30.0] * 5
     assert _children(remote) == ["step_0000000002", "step_0000000003"]
     manifest = json.loads(open_storage(remote).child("step_0000000003").read(MANIFEST_NAME))
-    assert manifest["world_size"] == 2
+    assert manifest["world_size"] == 2 and manifest["commit"]["nodes"] == [[0, 1]]
+    assert _children(local) == ["step_0000000003"]
+
+
+def test_async_save_blocks_only_for_staging_and_the_next_save_waits_for_the_upload(tmp_path, monkeypatch):
+    import threading
+
+    remote = str(tmp_path / "remote")
+    gate = threading.Event()
+    real_copy = remote_tier.copy_file
+
+    def gated_copy(*args):
+        gate.wait(30)
+        real_copy(*args)
+
+    monkeypatch.setattr(remote_tier, "copy_file", gated_copy)
+    mgr = CheckpointManager(str(tmp_path / "local"), remote=remote, async_save=True)
+    handle = mgr.save(1, _state(1))
+    assert handle.wait().uri.endswith("local/step_0000000001")  # the local write commits at once
+    assert not mgr.tier._job.done()  # the upload waits at the gate
+    threading.Timer(0.5, gate.set).start()
+    mgr.save(2, _state(2))  # waits for upload 1 first
+    assert open_storage(remote).read_pointer("latest") == "step_0000000001"
+    assert mgr.wait().step == 2
+    mgr.close()
 
 
 def test_overwrite_replaces_the_remote_latest_too(tmp_path, remote):
-    mgr = CheckpointManager(str(tmp_path / "local"), remote_root=remote, keep_local=2)
+    mgr = CheckpointManager(str(tmp_path / "local"), keep_last=2, remote=remote)
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))
     mgr.wait()
-    with pytest.raises(ckptlib.CheckpointExistsError):
+    with pytest.raises(ckptlib.CheckpointExistsError, match="step 2 is the newest committed checkpoint"):
         mgr.save(2, _state(5))
     mgr.save(2, _state(5), overwrite=True)
     assert mgr.wait().step == 2
@@ -283,4 +359,6 @@ def test_overwrite_replaces_the_remote_latest_too(tmp_path, remote):
     ckptlib.load(f"{remote.rstrip('/')}/step_0000000002", state)
     _assert_state(state, 5)
     assert open_storage(remote).read_pointer("latest") == "step_0000000002"
-    mgr.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mgr.close()

@@ -4,6 +4,8 @@
         proxy.fail_next(3)                       # the next 3 requests are answered 503
         proxy.cut_after(5 << 20)                 # the server "stops" after 5 MiB more uploaded
         proxy.cut_after(5 << 20, restore_after=0.5)   # ... for half a second
+        proxy.stall_after(0)                     # uploads hang (connections held open, nothing sent on)
+        proxy.stalled.wait()                     # ... until a request is held that way
         proxy.restore()                          # ... and comes back
 
 It understands just enough HTTP/1.1 (request heads and Content-Length bodies on the
@@ -30,6 +32,10 @@ class FaultProxy:
         self._cut_budget: int | None = None
         self._restore_after: float | None = None
         self._down = False
+        self._stall_budget: int | None = None
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self.stalled = threading.Event()  # set once stall_after() holds a request
         self._conns: set[socket.socket] = set()
         self.requests = 0
         self.injected = 0
@@ -60,17 +66,28 @@ class FaultProxy:
         if nbytes <= 0:
             self._go_down()
 
+    def stall_after(self, nbytes: int) -> None:
+        """After `nbytes` more bytes from clients, stop forwarding client bytes (connections stay
+        open, so a client blocks mid-request as on a hung network) until `restore()`."""
+        with self._lock:
+            self._stall_budget = nbytes
+            self.stalled.clear()
+            self._flowing.clear()
+
     def restore(self) -> None:
         with self._lock:
             self._down = False
             self._cut_budget = None
             self._restore_after = None
             self._fail = 0
+            self._stall_budget = None
+            self._flowing.set()
 
     def close(self) -> None:
         """Stop listening (the port refuses connections from here on) and drop every connection."""
         self._closed = True
         self._go_down()
+        self._flowing.set()  # a stalled request ends (the proxy is down)
         try:  # wakes the accept loop: while it waits in accept(), close() alone leaves the port listening
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -107,10 +124,19 @@ class FaultProxy:
         with self._lock:
             if self._down:
                 return False
-            if self._cut_budget is None:
-                return True
-            self._cut_budget -= n
-            cut = self._cut_budget <= 0
+            stall = False
+            if self._stall_budget is not None:
+                self._stall_budget -= n
+                stall = self._stall_budget <= 0
+            cut = self._cut_budget is not None and self._cut_budget - n <= 0
+            if self._cut_budget is not None:
+                self._cut_budget -= n
+        if stall:
+            self.stalled.set()
+            self._flowing.wait()
+            with self._lock:
+                if self._down:
+                    return False
         if cut:
             self._go_down()
             return False

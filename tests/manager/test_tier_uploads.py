@@ -1,0 +1,152 @@
+"""Per-rank uploads of the cluster tier on simulated nodes (`dist_run(nodes=2)`: torchrun's
+GROUP_RANK per rank, each node its own local root):
+
+- every rank uploads exactly its own shard file (rank 0 also `.metadata`), never another's;
+- one rank's upload failing (the remote down for it alone) is the same UploadError on every
+  rank, naming that rank and the object; the remote `latest` stays where it was, the step
+  stays committed in every node's root, and the next save uploads and moves `latest`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+NODES = 2
+
+
+def _state(step: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.randn(48, 16, generator=torch.Generator().manual_seed(step))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": step}
+
+
+def _one_rank_cannot_upload(base: str, remote: str) -> dict:
+    import torch.distributed as dist
+
+    import ckptlib
+    import ckptlib.remote_tier as remote_tier
+    from ckptlib.format import classify
+    from ckptlib.storage import open_storage
+
+    rank = dist.get_rank()
+    root = os.path.join(base, f"node{os.environ['GROUP_RANK']}")
+    copied: dict[str, list[str]] = {}
+    down: list[int] = []
+    real = remote_tier.copy_file
+
+    def copy(src, dst, name, size, crc):
+        if down and rank == 3:
+            raise ckptlib.StorageError(f"{dst.uri}/{name}: injected: connection reset by peer")
+        real(src, dst, name, size, crc)
+        copied.setdefault(os.path.basename(dst.uri.rstrip("/")), []).append(name)
+
+    remote_tier.copy_file = copy
+    mgr = ckptlib.CheckpointManager(root, remote=remote)
+    mgr.save(1, _state(1))
+    out: dict = {"first": mgr.wait().step}
+    down.append(1)
+    mgr.save(2, _state(2))  # the local save does not need the remote
+    try:
+        mgr.wait()
+    except ckptlib.CheckpointError as exc:
+        out["error"] = {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc), "rank": exc.rank}
+    out["latest_after_failure"] = open_storage(remote).read_pointer("latest")
+    out["step2_here"] = classify(mgr.storage.child("step_0000000002"))
+    down.clear()
+    mgr.save(3, _state(3))
+    out["third"] = mgr.wait().step
+    out["latest"] = open_storage(remote).read_pointer("latest")
+    out["copied"] = copied
+    mgr.close()
+    return out
+
+
+def test_one_rank_failing_to_upload_is_an_upload_error_naming_it_on_every_rank(tmp_path, dist_run):
+    remote = str(tmp_path / "remote")
+    results = dist_run(4, _one_rank_cannot_upload, str(tmp_path), remote, nodes=NODES)
+    where = f"{remote}/step_0000000002/__3_0.distcp"
+    for rank, res in enumerate(results):
+        assert res["first"] == 1 and res["third"] == 3, res
+        error = res["error"]
+        assert error["types"][:3] == ["UploadError", "StorageError", "CheckpointError"], error
+        assert error["message"].startswith(f"rank 3: {where}: upload failed: StorageError: "), error
+        assert error["message"].endswith("injected: connection reset by peer"), error
+        assert error["rank"] == 3, error
+        assert res["latest_after_failure"] == "step_0000000001", res
+        assert res["step2_here"] == "committed", res  # nothing committed is lost
+        assert res["latest"] == "step_0000000003", res
+        own = [f"__{rank}_0.distcp"] + ([".metadata"] if rank == 0 else [])
+        uploaded = {"step_0000000001": own, "step_0000000003": own}
+        if rank != 3:
+            uploaded["step_0000000002"] = own
+        assert {step: sorted(names) for step, names in res["copied"].items()} == {
+            step: sorted(names) for step, names in uploaded.items()
+        }, f"rank {rank} uploads exactly its own files"
+
+
+def _copy_cases(tmp_path):
+    """(source storage, the file's bytes, its CRC) for copy_file's tests."""
+    import zlib
+
+    from ckptlib.storage import open_storage
+
+    data = os.urandom(3 * (8 << 20) + 12345)  # more than one chunk, not a multiple of one
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "__0_0.distcp").write_bytes(data)
+    return open_storage(str(tmp_path / "src")), data, zlib.crc32(data)
+
+
+def test_copy_file_copies_verified_bytes_in_the_kernel_and_through_a_stream(tmp_path, monkeypatch):
+    import contextlib
+    import io
+
+    from ckptlib.remote_tier import copy_file
+    from ckptlib.storage import open_storage
+
+    src, data, crc = _copy_cases(tmp_path)
+    sent = []
+    real_sendfile = os.sendfile
+    monkeypatch.setattr(os, "sendfile", lambda *args: sent.append(args[3]) or real_sendfile(*args))
+    dst = open_storage(str(tmp_path / "dst"))
+    copy_file(src, dst, "__0_0.distcp", len(data), crc)  # file to file: sendfile, then read back
+    assert (tmp_path / "dst" / "__0_0.distcp").read_bytes() == data
+    assert sum(sent) == len(data)
+
+    class Stream:  # an object store's writer: no descriptor, bytes only through write()
+        def __init__(self):
+            self.uri, self.got = "mem://x", io.BytesIO()
+
+        @contextlib.contextmanager
+        def open_writer(self, name):
+            yield self.got
+
+    stream = Stream()
+    sent.clear()
+    copy_file(src, stream, "__0_0.distcp", len(data), crc)
+    assert stream.got.getvalue() == data and sent == []
+
+
+def test_copy_file_refuses_a_local_copy_that_does_not_match_and_leaves_nothing(tmp_path):
+    from ckptlib import CheckpointCorruptError
+    from ckptlib.remote_tier import copy_file
+    from ckptlib.storage import open_storage
+
+    src, data, crc = _copy_cases(tmp_path)
+    path = tmp_path / "src" / "__0_0.distcp"
+    damaged = bytearray(data)
+    damaged[-100] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    dst = open_storage(str(tmp_path / "dst"))
+    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp: the local copy does not match its manifest"):
+        copy_file(src, dst, "__0_0.distcp", len(data), crc)
+    path.write_bytes(data[:-10])  # short
+    with pytest.raises(CheckpointCorruptError, match=rf"\({len(data) - 10} bytes, crc32 "):
+        copy_file(src, dst, "__0_0.distcp", len(data), crc)
+    assert not (tmp_path / "dst" / "__0_0.distcp").exists()
