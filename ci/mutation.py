@@ -84,7 +84,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "tests/manager/test_retention.py",
             "tests/manager/test_crash.py",
             # the one-process tests of what only they reach: maybe_save and preemption, the
-            # remote_root= dispatch, background_staging's check, initial_load
+            # tier= arguments, background_staging's check, initial_load
             "tests/manager/test_save_policy.py::test_step_policies_save_exactly",
             "tests/manager/test_save_policy.py::test_force_and_no_second_save_of_a_step",
             "tests/manager/test_save_policy.py::test_preemption_signal_saves_at_the_next_maybe_save",
@@ -92,12 +92,22 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "tests/manager/test_save_policy.py::test_preemption_after_the_step_was_saved_does_not_save_it_again",
             "tests/manager/test_save_policy.py::test_a_signal_is_handled_once",
             "tests/manager/test_save_policy.py::test_async_maybe_save_waits_for_the_save_in_flight_only_after_a_signal",
-            "tests/manager/test_tiered.py::test_constructor_dispatch_and_arguments",
+            "tests/manager/test_tiered.py::test_constructor_arguments",
             "tests/api/test_async.py::test_background_staging_needs_async",
             "tests/api/test_load_control.py::test_initial_load_model_only_then_ignored_once_the_root_has_a_step",
             "tests/api/test_load_control.py::test_initial_load_with_optimizer_and_after_debris",
             "tests/api/test_load_control.py::test_initial_load_that_does_not_exist",
             "tests/api/test_load_control.py::test_initial_load_needs_modules_or_names",
+        ],
+    ),
+    # The cluster tier the manager holds: node-local roots, per-rank uploads, replicas, resume.
+    "tier": (
+        ["ckptlib/remote_tier.py", "ckptlib/cluster_tier.py", "ckptlib/tier_load.py", "ckptlib/tiered.py"],
+        [
+            "tests/manager/test_tiered.py",
+            "tests/manager/test_tier_faults.py",
+            "tests/manager/test_tier_uploads.py",
+            "tests/manager/test_tier_replicas.py",
         ],
     ),
     # S3 is one client under the shared object-store layer: its own modules, with the S3 tests,
