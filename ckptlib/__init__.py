@@ -1,5 +1,6 @@
 """ckptlib: elastic sharded checkpointing for PyTorch on torch.distributed.checkpoint."""
 
+from . import dcp  # ckptlib.dcp.writer / reader: ckptlib as the storage of your own dcp.save / dcp.load
 from ._version import __version__
 from .background_save import AsyncSave
 from .checkpoint import LoadResult, SaveResult, async_save, load, save
@@ -63,6 +64,7 @@ __all__ = [
     "CopyFallbackWarning",
     "ConvertResult",
     "convert",
+    "dcp",
     "ElasticDistributedSampler",
     "EveryNSeconds",
     "EveryNSteps",

@@ -18,6 +18,7 @@ import os
 import time
 import warnings
 
+from . import presets
 from .errors import StateError, UnsupportedError
 from .format.foreign import DEFAULT_PREFIX, SourceInfo
 from .format.output import DEFAULT_MAX_SHARD_SIZE, overlaps, parse_size, progress_bar, write_output
@@ -68,6 +69,7 @@ def convert(
     verify: bool = True,
     max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE,
     max_shard_bytes: int | None = None,
+    preset: str | presets.Preset | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint at `src` into `dst`, in format `to`:
 
@@ -86,8 +88,52 @@ def convert(
     `save(overwrite=True)`); never converts a checkpoint onto itself. `prefix` also names the
     entry a flat model state (torch.save of a state_dict, safetensors) is read as.
     `trusted` allows arbitrary unpickling of the source's objects; `verify` checks a ckptlib
-    source's checksums; `progress` draws a progress bar on stderr.
+    source's checksums; `progress` draws a progress bar on stderr. `preset` ("composer",
+    "torchtitan", "lightning") reads that tool's checkpoint or save folder (its newest
+    checkpoint) and allows the plain-data objects it saves without `trusted`; keys are kept.
     """
+    if preset is not None:
+        client = presets.get(preset)
+        with client.allowing():
+            return _convert(
+                client.resolve(as_storage(src)),
+                dst,
+                to=to,
+                force=force,
+                progress=progress,
+                prefix=prefix,
+                trusted=trusted,
+                verify=verify,
+                max_shard_size=max_shard_size,
+                max_shard_bytes=max_shard_bytes,
+            )
+    return _convert(
+        src,
+        dst,
+        to=to,
+        force=force,
+        progress=progress,
+        prefix=prefix,
+        trusted=trusted,
+        verify=verify,
+        max_shard_size=max_shard_size,
+        max_shard_bytes=max_shard_bytes,
+    )
+
+
+def _convert(
+    src: str | os.PathLike | Storage,
+    dst: str | os.PathLike | Storage,
+    *,
+    to: str,
+    force: bool,
+    progress: bool,
+    prefix: str | None,
+    trusted: bool,
+    verify: bool,
+    max_shard_size: int | str | None,
+    max_shard_bytes: int | None,
+) -> ConvertResult:
     if to == "ckptlib":
         to = "dcp"
     if to not in TARGETS:
@@ -96,7 +142,7 @@ def convert(
         warnings.warn(
             "convert(max_shard_bytes=) is deprecated; pass max_shard_size= (bytes, or '5GB' / '2GiB')",
             DeprecationWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
         max_shard_size = max_shard_bytes
     shard_bytes = parse_size(max_shard_size)

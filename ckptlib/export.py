@@ -11,10 +11,13 @@ few tens of MiB, never the checkpoint (the writers live with their readers in
 `ckptlib.format.safetensors` and `ckptlib.format.torch_save`; `ckptlib.format.output` is the
 one writer path `export` and `convert` share).
 
-A directory export records what it wrote in `ckptlib_export.json`, written before the first
+A directory export records what it wrote in `ckptlib_export.json` (no absolute path: the
+source by its name, so the directory can be published as is), written before the first
 weight file and completed after the last: `force=True` replaces only an export ckptlib
 wrote (it removes exactly the files that record lists), never a directory of other files;
-a single file only when it carries ckptlib's mark. A failed export removes what it wrote.
+a single file only when it carries ckptlib's mark. Side files already in the target
+(`config.json`, tokenizer files, README) are kept; `hf_config=`/`copy_from=` copy them in.
+Tied weights are written once, as transformers does. A failed export removes what it wrote.
 """
 
 from __future__ import annotations
@@ -22,20 +25,23 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
+from . import presets
 from .errors import CheckpointNotFoundError, NotACheckpointError, StateError, UnsupportedError
 from .format.foreign import DEFAULT_PREFIX
 from .format.output import (
     DEFAULT_MAX_SHARD_SIZE,
     EXPORT_RECORD,
+    is_single_file,
     overlaps,
     parse_size,
     progress_bar,
     write_output,
 )
+from .format.safetensors_hf import CONFIG, parse_config, side_files, tied_names, with_dtype
 from .format.shard_files import planned_entries
 from .format.source import inspect_checkpoint, open_reader
 from .format.streaming import SourceValues
@@ -62,6 +68,7 @@ class ExportResult:
     files: list[str]
     skipped: list[str]
     seconds: float
+    tied: dict[str, str] = dataclasses.field(default_factory=dict)  # name left out -> the name it is tied to
 
     @property
     def mib_per_s(self) -> float | None:
@@ -77,10 +84,22 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
     return dtype
 
 
-def _source_storage(src: str | os.PathLike | Storage, step: int | None) -> Storage:
+def _preset_source(storage: Storage, step: int | None, preset: presets.Preset) -> Storage:
+    """A client's checkpoint: `storage` itself, the newest in its save folder, or its `step`."""
+    if step is None:
+        return preset.resolve(storage)
+    for info in preset.scan(storage):
+        if info.step == step and info.state in ("committed", "dcp"):
+            return storage.child(info.name)
+    raise CheckpointNotFoundError(f"{storage.uri} has no {preset.name} checkpoint of step {step}", path=storage.uri)
+
+
+def _source_storage(src: str | os.PathLike | Storage, step: int | None, preset: presets.Preset | None) -> Storage:
     """The checkpoint to export: `src` itself, or a step of the CheckpointManager root `src`
-    (`step`, default the one `latest` names)."""
+    (`step`, default the one `latest` names), or with a preset one of its save folder's."""
     storage = as_storage(src)
+    if preset is not None:
+        return _preset_source(storage, step, preset)
     from .manager import CheckpointManager, step_dir
 
     manager = CheckpointManager(storage.uri)
@@ -98,37 +117,57 @@ def _source_storage(src: str | os.PathLike | Storage, step: int | None) -> Stora
         return storage.child(step_dir(latest))
 
 
-def _as_callable(key_map: Callable[[str], str | None] | Mapping[str, str] | None) -> Callable[[str], str | None] | None:
-    """A key map given as {old_prefix: new_prefix} (the longest matching prefix wins) as a callable."""
+KeyMap = Callable[[str], "str | None"] | Mapping[str, "str | None"]
+
+
+def _as_callable(key_map: KeyMap | None) -> Callable[[str], str | None] | None:
+    """A key map given as {old_prefix: new_prefix} (the longest matching prefix wins; a None
+    value leaves the tensors under that prefix out) as a callable."""
     if key_map is None or callable(key_map):
         return key_map
     if not isinstance(key_map, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in key_map.items()
+        isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in key_map.items()
     ):
         raise StateError(f"key_map must be a callable or a dict of str prefixes, got {key_map!r}")
     prefixes = sorted(key_map, key=len, reverse=True)
 
-    def rename(name: str) -> str:
+    def rename(name: str) -> str | None:
         for old in prefixes:
             if name.startswith(old):
-                return key_map[old] + name[len(old) :]
+                new = key_map[old]
+                return None if new is None else new + name[len(old) :]
         return name
 
     return rename
 
 
+def _selector(model_only: bool, prefix: str | None, preset: presets.Preset | None) -> Callable[[str], str | None]:
+    """Source key -> the name it is exported as before the key map (None: not exported)."""
+    if prefix is not None:
+        dotted = prefix + "." if prefix else ""
+        return lambda fqn: fqn[len(dotted) :] if fqn.startswith(dotted) else None
+    if model_only and preset is not None:
+        return preset.model_name
+    if model_only:
+        dotted = DEFAULT_PREFIX + "."
+        return lambda fqn: fqn[len(dotted) :] if fqn.startswith(dotted) else None
+    return lambda fqn: fqn
+
+
 def _names(
-    tensor_keys: list[str], object_keys: list[str], model_only: bool, key_map: Callable[[str], str | None] | None
+    tensor_keys: list[str],
+    object_keys: list[str],
+    select: Callable[[str], str | None],
+    key_map: Callable[[str], str | None] | None,
 ) -> tuple[dict[str, str], list[str]]:
     """({written name: source key}, skipped source keys)."""
-    prefix = DEFAULT_PREFIX + "."
     names: dict[str, str] = {}
     skipped = list(object_keys)
     for fqn in tensor_keys:
-        if model_only and not fqn.startswith(prefix):
+        name: str | None = select(fqn)
+        if name is None:
             skipped.append(fqn)
             continue
-        name: str | None = fqn[len(prefix) :] if model_only else fqn
         if key_map is not None:
             name = key_map(name)
             if name is None:
@@ -142,6 +181,22 @@ def _names(
     return names, skipped
 
 
+def _side_files_and_config(
+    dst: str, hf_config: Any, copy_from: str | os.PathLike | None, cast: torch.dtype | None
+) -> tuple[dict[str, bytes], dict[str, Any] | None]:
+    """(side files to copy in, the model's config: the one copied in, else the one in `dst`).
+    A copied config names the dtype the weights are written in."""
+    side = side_files(hf_config, copy_from)
+    if CONFIG in side and cast is not None:
+        side[CONFIG] = with_dtype(side[CONFIG], cast)
+    raw = side.get(CONFIG)
+    existing = os.path.join(dst, CONFIG)
+    if raw is None and os.path.isfile(existing):
+        with open(existing, "rb") as f:
+            raw = f.read()
+    return side, parse_config(raw)
+
+
 def export(
     src: str | os.PathLike | Storage,
     dst: str | os.PathLike,
@@ -150,36 +205,54 @@ def export(
     dtype: torch.dtype | str | None = None,
     max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE,
     model_only: bool = False,
-    key_map: Callable[[str], str | None] | Mapping[str, str] | None = None,
+    prefix: str | None = None,
+    key_map: KeyMap | None = None,
     step: int | None = None,
     force: bool = False,
     progress: bool = False,
     trusted: bool = False,
     verify: bool = True,
+    hf_config: Any = None,
+    copy_from: str | os.PathLike | None = None,
+    preset: str | presets.Preset | None = None,
 ) -> ExportResult:
     """Write the checkpoint at `src` as one consolidated model in Hugging Face's layout at `dst`.
 
     - `format="safetensors"`: `model.safetensors`, or `model-0000k-of-0000n.safetensors` plus
-      `model.safetensors.index.json` (`metadata.total_size`, `weight_map`) when the tensors
-      exceed `max_shard_size` (bytes, or "5GB"/"500MB"/"2GiB" as Hugging Face spells it; a
-      tensor larger than that gets a shard of its own). `format="torch"`: `pytorch_model.bin`
-      (torch.save of the flat {name: tensor} dict), or `pytorch_model-0000k-of-0000n.bin`
-      plus `pytorch_model.bin.index.json`. A `dst` ending in .safetensors (or .bin/.pt/.pth for
+      `model.safetensors.index.json` (`metadata.total_size` and `metadata.total_parameters`,
+      `weight_map`, as transformers writes it) when the tensors exceed `max_shard_size`
+      (bytes, or "5GB"/"500MB"/"2GiB" as Hugging Face spells it; a tensor larger than that
+      gets a shard of its own). `format="torch"`: `pytorch_model.bin` (torch.save of the flat
+      {name: tensor} dict), or `pytorch_model-0000k-of-0000n.bin` plus
+      `pytorch_model.bin.index.json`. A `dst` ending in .safetensors (or .bin/.pt/.pth for
       torch) is one file, never sharded.
     - `model_only=True`: only the tensors of the state's "model" entry, named without the
       "model." prefix (the names `model.state_dict()` has, which is what transformers'
-      loaders expect); otherwise every tensor under its full key ("model.w",
-      "optim.state.w.exp_avg", ...). Non-tensor values are never exported (listed in
-      `skipped`).
+      loaders expect; with a `preset`, the client's model keys); `prefix="net"`: the tensors
+      of that entry instead ("" for every tensor); otherwise every tensor under its full key
+      ("model.w", "optim.state.w.exp_avg", ...). Non-tensor values are never exported
+      (listed in `skipped`).
     - `dtype` (e.g. torch.bfloat16 or "bfloat16"): floating-point tensors are cast to it;
       integer and bool tensors keep theirs.
     - `key_map(name) -> str | None`: renames each tensor (after the prefix is stripped);
-      None leaves it out. A dict {old_prefix: new_prefix} renames by prefix (longest first).
+      None leaves it out. A dict {old_prefix: new_prefix} renames by prefix (longest first;
+      a None value leaves the tensors under that prefix out).
+    - Tied weights are written once, under the name transformers ties to (`lm_head.weight`
+      is left out for `model.embed_tokens.weight`): names the checkpoint stores in the same
+      bytes, or the output and input embeddings when the config says
+      `tie_word_embeddings: true` (they must then be equal). A config saying false writes
+      both. `ExportResult.tied` lists what was left out.
+    - `hf_config`: a config.json file, a model directory (its config.json and
+      generation_config.json), a dict or a transformers config, copied in as config.json
+      (naming `dtype` when the weights are cast); `copy_from`: a directory whose files other
+      than weights (tokenizer, README, ...) are copied in. Side files already in `dst` are
+      kept; one with other bytes than the copy is refused.
     - `src`: a checkpoint in any format ckptlib reads, or a CheckpointManager root (its
-      `latest` step, or `step`).
+      `latest` step, or `step`); with `preset` ("composer", "torchtitan", "lightning"), that
+      client's checkpoint or save folder (its newest checkpoint, or `step`).
 
-    Refuses (CheckpointExistsError) to write into an existing `dst` unless `force=True`,
-    and even then only when `dst` is an export ckptlib wrote.
+    Refuses (CheckpointExistsError) to write into an existing `dst` that holds weights
+    ckptlib did not write, or an earlier export unless `force=True`.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -189,22 +262,27 @@ def export(
     if is_remote(dst) or str(dst).startswith("file://"):
         raise UnsupportedError(f"export writes a local directory or file; {dst} is not a local path")
     dst_path = os.fspath(dst)
+    client = None if preset is None else presets.get(preset)
 
-    source_storage = _source_storage(src, step)
+    source_storage = _source_storage(src, step, client)
     info = inspect_checkpoint(source_storage, verify=verify, trusted=trusted)
     reader, info = open_reader(source_storage, info=info, verify=verify, trusted=trusted)
     source = SourceValues(reader, info.metadata, trusted=trusted)
-    names, skipped = _names(source.tensor_keys, source.object_keys, model_only, _as_callable(key_map))
+    select = _selector(model_only, prefix, client)
+    names, skipped = _names(source.tensor_keys, source.object_keys, select, _as_callable(key_map))
     if not names:
         shown = ", ".join(source.tensor_keys[:8]) + (" ..." if len(source.tensor_keys) > 8 else "")
-        raise StateError(
-            f"{info.uri}: no tensors to export"
-            + (" under 'model'" if model_only else "")
-            + f" (tensors: {shown or 'none'})",
-            path=info.uri,
-        )
+        where = f" under {prefix!r}" if prefix else (" of the model" if model_only else "")
+        raise StateError(f"{info.uri}: no tensors to export{where} (tensors: {shown or 'none'})", path=info.uri)
     if overlaps(source_storage, dst_path):
         raise StateError(f"refusing to export {info.uri} into or over itself ({dst_path})", path=dst_path)
+    single = is_single_file(dst_path, format)
+    side, config = ({}, None) if single else _side_files_and_config(dst_path, hf_config, copy_from, cast)
+    if single and (hf_config is not None or copy_from is not None):
+        raise StateError(f"{dst_path} is one weights file; hf_config and copy_from need a directory to copy into")
+    tied = tied_names(source, names, config)
+    for name in tied:
+        skipped.append(names.pop(name))
 
     dtype_name = None if cast is None else str(cast).removeprefix("torch.")
     total = sum(e.nbytes for e in planned_entries(source, names, cast))
@@ -220,12 +298,15 @@ def export(
             force=force,
             on_tensor=lambda _fqn, nbytes: bar.update(nbytes),
             record={
-                "source": info.uri,
+                "source": os.path.basename(info.uri.rstrip("/")),
                 "step": info.step,
                 "export_format": format,
                 "dtype": dtype_name,
                 "model_only": model_only,
+                "preset": None if client is None else client.name,
+                "tied": tied,
             },
+            side_files=side,
         )
     finally:
         bar.close()
@@ -243,6 +324,7 @@ def export(
         files=files,
         skipped=skipped,
         seconds=seconds,
+        tied=tied,
     )
     log_operation(
         "export",

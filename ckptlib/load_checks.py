@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ._torch import dcp_shims
 from .errors import DtypeMismatchError, MissingKeysError, ShapeMismatchError, StateError
 from .format import CheckpointInfo
+from .format.aliases import satisfied_by_alias
 from .format.tensor_kinds import unsupported_tensor
 
 
@@ -39,10 +40,11 @@ def check_request(
     strict: bool,
     keep_if_absent: frozenset[str] = frozenset(),
     cast: bool = False,
-) -> tuple[list[str], list[str], dict[str, tuple[torch.dtype, torch.dtype]]]:
+) -> tuple[list[str], list[str], dict[str, tuple[torch.dtype, torch.dtype]], dict[str, str]]:
     """Compare the requested keys with the checkpoint; return the missing ones, the absent ones
-    the state keeps its own value for (`LoadTarget.keep_if_absent`), and the dtype conversions
-    the load will make ({key: (saved, requested)}, only with `cast`)."""
+    the state keeps its own value for (`LoadTarget.keep_if_absent`), the dtype conversions
+    the load will make ({key: (saved, requested)}, only with `cast`), and the absent ones an
+    alias fills ({key: the saved key whose value is the same memory}: a tied weight)."""
     saved = info.metadata.state_dict_metadata
     flat = dcp_shims.flatten_state_dict(template)[0]
     refused = {key: reason for key, reason in ((k, unsupported_tensor(v)) for k, v in flat.items()) if reason}
@@ -62,6 +64,8 @@ def check_request(
     groups = {k.rsplit(".", 1)[0] for k in saved}
     kept = [k for k in missing if k in keep_if_absent and k.rsplit(".", 1)[0] in groups]
     missing = [k for k in missing if k not in keep_if_absent]
+    aliased = satisfied_by_alias(missing, flat, saved)  # loading the saved name fills the other
+    missing = [k for k in missing if k not in aliased]
     if missing and strict:
         shown = ", ".join(missing[:20]) + (f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
         raise MissingKeysError(f"{info.uri} lacks keys the state asks for: {shown}", keys=missing, path=info.uri)
@@ -102,7 +106,7 @@ def check_request(
             casts=casts,
             path=info.uri,
         )
-    return missing, kept, casts
+    return missing, kept, casts, aliased
 
 
 def checkpoint_size(info: CheckpointInfo) -> int | None:

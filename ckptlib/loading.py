@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import torch.distributed.checkpoint as dcp
 
-from . import _dist, read_exchange
+from . import _dist, presets, read_exchange
 from ._torch import dcp_shims
 from .errors import CastWarning, MissingKeysError, stacklevel_outside_ckptlib
 from .format import CheckpointInfo, CkptReader, SafeLoadPlanner
@@ -80,6 +80,7 @@ def load(
     only: Sequence[str] | None = None,
     ignore_keys: Sequence[str] | None = None,
     rename: Rename | None = None,
+    preset: str | presets.Preset | None = None,
     copies: Copies | Sequence | Mapping | None = None,
     info: CheckpointInfo | tuple[bytes | None, bytes] | None = None,
     read_once: bool = True,
@@ -98,6 +99,13 @@ def load(
     state's flattened keys) are neither loaded nor missing; `rename` maps checkpoint keys
     to state keys (`{old_prefix: new_prefix}` or a callable).
 
+    `preset` ("composer", "torchtitan", "lightning": `ckptlib.presets`) reads another tool's
+    checkpoint as it lays it out: `uri` may be its save folder (the newest checkpoint is
+    read), its keys load into the state's own entries (`rename` then applies on top), the
+    plain-data objects it saves need no `trusted=True`, and its progress (Composer's
+    timestamp, Lightning's meta.pt, torchtitan's train_state) is `LoadResult.step` and
+    `LoadResult.metadata`.
+
     Reads: `copies` (this rank's copies of the checkpoint, each file read from the first that
     holds it intact) and `info` (its manifest and `.metadata`, already read): the cluster
     tier's entry point, see `ckptlib.format.copies`. `read_once=False` lets every rank read
@@ -106,6 +114,23 @@ def load(
     """
     started = time.perf_counter()
     storage = as_storage(uri)
+    if preset is not None:
+        return _load_with_preset(
+            presets.get(preset),
+            storage,
+            state,
+            strict=strict,
+            cast=cast,
+            verify=verify,
+            trusted=trusted,
+            process_group=process_group,
+            only=only,
+            ignore_keys=ignore_keys,
+            rename=rename,
+            copies=copies,
+            info=info,
+            read_once=read_once,
+        )
     with _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri), gc_paused():
         return _load(
             storage,
@@ -125,6 +150,25 @@ def load(
         )
 
 
+def _load_with_preset(
+    preset: presets.Preset, storage: Storage, state: Mapping[str, Any], *, process_group, trusted: bool, **kwargs
+) -> LoadResult:
+    """`load` of a client's checkpoint through its preset (see `load`)."""
+    name = _dist.decide_on_rank0(lambda: preset.checkpoint_name(storage), process_group)
+    if name is not None:
+        storage = storage.child(name)
+    adapted = preset.adapt_state(state)
+    rename = presets.preset.then(preset.rename(presets.Entries.of(state)), kwargs.pop("rename"))
+    with preset.allowing():
+        result = load(storage, adapted, rename=rename, trusted=trusted, process_group=process_group, **kwargs)
+        step, progress = _dist.decide_on_rank0(lambda: preset.progress(storage, trusted=trusted), process_group)
+    presets.preset.write_back(state, adapted)
+    result.metadata = {**result.metadata, **progress}
+    if step is not None:
+        result.step = step
+    return result
+
+
 @dataclasses.dataclass
 class _Request:
     """One rank's load, checked: the state entries it fills, the template DCP loads into (and
@@ -136,6 +180,7 @@ class _Request:
     missing: list[str]
     kept: list[str]  # absent optimizer hyperparameters the state keeps (LoadTarget.keep_if_absent)
     casts: dict
+    aliased: dict[str, str] = dataclasses.field(default_factory=dict)  # absent keys their tied alias fills
 
     @property
     def template(self) -> dict[str, Any]:
@@ -207,8 +252,8 @@ def _prepare_request(
             path=info.uri,
         )
     request = target.template if keyed is None else keyed.request
-    missing, kept, casts = check_request(request, info, strict, target.keep_if_absent, cast)
-    return _Request(selected, target, keyed, sorted(missing + unsourced), kept, casts)
+    missing, kept, casts, aliased = check_request(request, info, strict, target.keep_if_absent, cast)
+    return _Request(selected, target, keyed, sorted(missing + unsourced), kept, casts, aliased)
 
 
 def _load(
@@ -275,12 +320,18 @@ def _load(
             "not have them); the optimizers keep their own values"
         )
 
+    if request.aliased:
+        shown = ", ".join(f"{key} from {source}" for key, source in sorted(request.aliased.items())[:20])
+        notes.append(f"tied tensors the checkpoint holds under another name were loaded through it: {shown}")
+
     reader, _ = open_reader(storage, info=info, verify=verify, trusted=trusted, copies=copy_set)
     if isinstance(reader, CkptReader):
         read_exchange.prepare(reader, group, read_once=read_once)  # collective on a group's first load
     while True:  # again only when copies failed and others remain (read_exchange.exclude_failed)
-        # Every other key was checked above, so a partial load skips only the kept ones.
-        planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=not strict or bool(request.kept))
+        # Every other key was checked above, so a partial load skips only the kept and the aliased ones.
+        planner = SafeLoadPlanner(
+            trusted=trusted, allow_partial_load=not strict or bool(request.kept or request.aliased)
+        )
         try:
             with dcp_shims.quiet_single_process():
                 dcp.load(request.template, storage_reader=reader, planner=planner, process_group=group)

@@ -9,6 +9,7 @@ mosaicml/composer#2409).
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from .format import classify
 from .steps import parse_step, step_dir
@@ -29,20 +30,23 @@ class StepInfo:
     files: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
 
 
-def scan(storage: Storage) -> list[StepInfo]:
+def scan(
+    storage: Storage, *, parse: Callable[[str], int | None] = parse_step, dcp_state: str = "foreign"
+) -> list[StepInfo]:
     """Every step directory of the root at `storage`, oldest first, with its files and state:
     "committed", "incomplete" (debris of a save or deletion that never finished), or
     "foreign" (files ckptlib did not write, or a plain DCP checkpoint someone put there:
-    never debris, never deleted)."""
+    never debris, never deleted). `parse` names a step directory (another client's folders:
+    `ckptlib.presets`), and `dcp_state` is what a complete plain DCP save is called."""
     out = []
     for name in storage.list_children():
-        step = parse_step(name)
+        step = parse(name)
         if step is None:
             continue
         child = storage.child(name)
         files = child.list()
         kind = classify(child, files)
-        state = {"committed": "committed", "other": "foreign", "dcp": "foreign"}.get(kind, "incomplete")
+        state = {"committed": "committed", "other": "foreign", "dcp": dcp_state}.get(kind, "incomplete")
         out.append(StepInfo(step, name, state, files))
     return sorted(out, key=lambda s: s.step)
 

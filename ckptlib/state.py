@@ -4,7 +4,11 @@
 that owns their parameters), objects with `state_dict()`/`load_state_dict()`, tensors or
 DTensors, nested dicts of tensors and plain values, and `RankLocal` per-rank state.
 Modules and optimizers go through `torch.distributed.checkpoint.state_dict`, which keys
-everything by parameter FQN, so a checkpoint is independent of wrapping and world size.
+everything by parameter FQN, so a checkpoint is independent of wrapping and world size (a
+module whose state-dict hooks rename keys through its own methods: `ckptlib.module_state`).
+Top-level names may contain '.' (`model.state_dict()` itself is a valid state: its flat
+dotted keys are what `dcp.save(model.state_dict())` writes); every failure inside the user's
+objects is a StateError naming the state key.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import pickle
 import random
 import warnings
 from typing import Any, Callable, Mapping, Protocol
@@ -20,17 +23,11 @@ from typing import Any, Callable, Mapping, Protocol
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from ._torch import dcp_shims, probes
 from .errors import StateError, stacklevel_outside_ckptlib
-from .format.tensor_kinds import unsupported_tensor
+from .module_state import Caller, load_module_state, load_optimizer_state, module_state, optimizer_state
+from .state_checks import check_flat_keys, check_picklable
 
 
 class ResizeWarning(UserWarning):
@@ -185,8 +182,8 @@ def _validate(state: Any) -> None:
     if not isinstance(state, Mapping):
         raise StateError(f"state must be a mapping of names to objects, got {type(state).__name__}")
     for name, value in state.items():
-        if not isinstance(name, str) or not name or "." in name:
-            raise StateError(f"state key {name!r} must be a non-empty string without '.'")
+        if not isinstance(name, str) or not name:
+            raise StateError(f"state key {name!r} must be a non-empty string")
         if isinstance(value, Mapping):
             _check_tree(value, name)
 
@@ -248,65 +245,34 @@ def _checked(state: Mapping[str, Any]) -> tuple[list[tuple[str, Any]], dict[str,
 def to_save_state_dict(state: Mapping[str, Any], *, rank: int, agree: Agree | None = None) -> dict[str, Any]:
     """The DCP state dict to save for `state` on this rank (`agree`: see CollectiveSteps)."""
     steps = CollectiveSteps(agree)
+    caller = Caller(rank, agree is not None)
     items, modules = steps.agreed(lambda: _checked(state))  # every rank then takes the same steps
     out: dict[str, Any] = {}
     for name, value in items:
         if isinstance(value, nn.Module):
-            out[name] = steps.collective(lambda v=value: get_model_state_dict(v))
+            out[name] = steps.collective(lambda n=name, v=value: module_state(n, v, caller).state_dict)
         elif isinstance(value, torch.optim.Optimizer):
             out[name] = steps.collective(
-                lambda n=name, v=value: get_optimizer_state_dict(_owner_module(n, v, modules), v)
+                lambda n=name, v=value: optimizer_state(n, _owner_module(n, v, modules), v, caller)
             )
         elif isinstance(value, RankLocal):
-            out[name] = steps.local(lambda v=value: {_rank_key(rank): v.state_dict()})
+            out[name] = steps.local(
+                lambda n=name, v=value: {_rank_key(rank): caller.run(n, _what(v, "state_dict"), v.state_dict)}
+            )
         elif _is_stateful(value):
-            out[name] = steps.local(value.state_dict)
+            out[name] = steps.local(lambda n=name, v=value: caller.run(n, _what(v, "state_dict"), v.state_dict))
         else:
             out[name] = value
-    steps.local(lambda: _check_picklable(out, ""))
+    steps.local(lambda: check_flat_keys(state, out))
+    steps.local(lambda: check_picklable(out, ""))
     steps.finish()
     return out
 
 
-class _NullSink:
-    def write(self, data: bytes) -> int:
-        return len(data)
-
-
-class _TensorSkippingPickler(pickle.Pickler):
-    """Pickles into nothing, treating tensors and storages as external (as torch.save does)."""
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
-            return id(obj)
-        return None
-
-
-def _check_picklable(value: Any, path: str) -> None:
-    """Every non-tensor value of the state dict must pickle (DCP torch.saves it): a lambda, an
-    open file, a lock, a socket or a generator is a StateError naming its dotted key, raised
-    before anything is written rather than as a PicklingError from the middle of a save; so is
-    a tensor DCP cannot store (`tensor_kinds`: sparse, nested, quantized, meta, sub-byte)."""
-    if isinstance(value, torch.Tensor):
-        reason = unsupported_tensor(value)
-        if reason is not None:
-            raise StateError(f"state value {path} is {reason}; nothing was written")
-        return
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            _check_picklable(v, f"{path}.{k}" if path else str(k))
-        return
-    if isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _check_picklable(v, f"{path}.{i}" if path else str(i))
-        return
-    try:
-        _TensorSkippingPickler(_NullSink(), protocol=2).dump(value)
-    except Exception as exc:  # noqa: BLE001 - any failure to pickle, whatever the object raises
-        raise StateError(
-            f"state value {path} ({type(value).__name__}) cannot be saved: it does not pickle "
-            f"({type(exc).__name__}: {exc}); save plain values, tensors or objects with state_dict()"
-        ) from exc
+def _what(obj: Any, method: str) -> str:
+    """How errors name a call into the user's object: `Counter.state_dict()`."""
+    inner = obj.obj if isinstance(obj, RankLocal) else obj
+    return f"{type(inner).__name__}.{method}()"
 
 
 @dataclasses.dataclass
@@ -335,21 +301,29 @@ def to_load_target(
     """Build the template DCP loads into, and the callbacks that apply it to `state`
     (`agree`: see CollectiveSteps; `apply_all` runs the callbacks)."""
     steps = CollectiveSteps(agree)
+    caller = Caller(rank, agree is not None)
     items, modules = steps.agreed(lambda: _checked(state))  # every rank then takes the same steps
     template: dict[str, Any] = {}
     appliers: list[tuple[Callable[[], None], bool]] = []
     notes: list[str] = []
-    options = StateDictOptions(strict=strict)
 
     for name, value in items:
         if isinstance(value, nn.Module):
-            template[name] = steps.collective(lambda v=value: get_model_state_dict(v))
-            appliers.append((lambda m=value, n=name: set_model_state_dict(m, template[n], options=options), True))
+            module = steps.collective(lambda n=name, v=value: module_state(n, v, caller))
+            template[name] = module.state_dict if module is not None else None
+            appliers.append(
+                (
+                    lambda m=value, n=name, ms=module: load_module_state(
+                        n, m, dataclasses.replace(ms, state_dict=template[n]), strict, caller
+                    ),
+                    True,
+                )
+            )
         elif isinstance(value, torch.optim.Optimizer):
             owner = steps.local(lambda n=name, v=value: _owner_module(n, v, modules))
-            template[name] = steps.collective(lambda o=owner, v=value: get_optimizer_state_dict(o, v))
+            template[name] = steps.collective(lambda n=name, o=owner, v=value: optimizer_state(n, o, v, caller))
             appliers.append(
-                (lambda o=value, m=owner, n=name: set_optimizer_state_dict(m, o, template[n], options=options), True)
+                (lambda o=value, m=owner, n=name: load_optimizer_state(n, m, o, template[n], strict, caller), True)
             )
         elif isinstance(value, RankLocal):
             entry = steps.local(
@@ -361,6 +335,7 @@ def to_load_target(
                     saved_world_size=saved_world_size,
                     step=step,
                     template=template,
+                    caller=caller,
                 )
             )
             if entry is not None:
@@ -368,8 +343,15 @@ def to_load_target(
                 appliers.append((applier, False))
                 notes += [note] if note else []
         elif _is_stateful(value):
-            template[name] = steps.local(value.state_dict)
-            appliers.append((lambda v=value, n=name: v.load_state_dict(template[n]), False))
+            template[name] = steps.local(lambda n=name, v=value: caller.run(n, _what(v, "state_dict"), v.state_dict))
+            appliers.append(
+                (
+                    lambda v=value, n=name: caller.run(
+                        n, _what(v, "load_state_dict"), lambda: v.load_state_dict(template[n])
+                    ),
+                    False,
+                )
+            )
         elif isinstance(value, Mapping):
             template[name] = value  # loaded in place: tensors copied into, plain values replaced
             # DCP may replace a whole sub-dict (pre-2.4 checkpoints keyed a dict of plain
@@ -380,6 +362,7 @@ def to_load_target(
         else:
             template[name] = value
             appliers.append((lambda n=name: _set_plain(state, n, template[n]), False))
+    steps.local(lambda: check_flat_keys(state, template))
     steps.finish()
     for note in notes:
         warnings.warn(note, ResizeWarning, stacklevel=stacklevel_outside_ckptlib())
@@ -398,20 +381,26 @@ def _rank_local_entry(
     saved_world_size: int | None,
     step: int | None,
     template: dict[str, Any],
+    caller: Caller,
 ) -> tuple[Callable[[], None], str | None]:
     """A RankLocal's template (put into `template`), its applier and its resize note."""
     saved = saved_world_size if saved_world_size is not None else world_size
     merge = getattr(value.policy, "merge", None)
+
+    def current() -> Any:
+        return caller.run(name, _what(value, "state_dict"), value.state_dict)
+
+    def restore(sd: Any) -> None:
+        caller.run(name, _what(value, "load_state_dict"), lambda: value.load_state_dict(sd))
+
     if saved != world_size and callable(merge):
         # One copy per saved rank: a state_dict() may hand out the same object twice.
-        template[name] = {_rank_key(r): copy.deepcopy(value.state_dict()) for r in range(saved)}
+        template[name] = {_rank_key(r): copy.deepcopy(current()) for r in range(saved)}
         note = (
             f"state[{name!r}]: saved by {saved} ranks, loading on {world_size}; rank {rank} merges "
             f"every saved rank's per-rank state ({type(value.policy).__name__})"
         )
-        return (
-            lambda: value.load_state_dict(merge([template[name][_rank_key(r)] for r in range(saved)], rank, world_size))
-        ), note
+        return (lambda: restore(merge([template[name][_rank_key(r)] for r in range(saved)], rank, world_size))), note
     source = rank if saved == world_size else value.policy.source_rank(rank, saved, world_size)
     note = None
     if saved != world_size:
@@ -423,8 +412,8 @@ def _rank_local_entry(
     if source is None:
         return (lambda: value.start_fresh(step, rank)), note
     key = _rank_key(source)
-    template[name] = {key: value.state_dict()}
-    return (lambda: value.load_state_dict(template[name][key])), note
+    template[name] = {key: current()}
+    return (lambda: restore(template[name][key])), note
 
 
 def apply_all(target: LoadTarget, steps: CollectiveSteps) -> None:

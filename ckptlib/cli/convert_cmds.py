@@ -4,8 +4,20 @@ time (`ckptlib.convert` and `ckptlib.export` do the work)."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
-from .usage import EXIT_OK, TRUSTED_HELP, UsageError, add_command, add_no_progress, show_progress
+from .usage import (
+    EXIT_OK,
+    TRUSTED_HELP,
+    UsageError,
+    add_command,
+    add_no_progress,
+    add_preset,
+    open_uri,
+    preset_of,
+    show_progress,
+)
 
 CONVERT_DESCRIPTION = """
 Convert SRC (ckptlib, plain DCP from torch >= 2.0, a torch.save file, v0 per-rank files,
@@ -40,11 +52,24 @@ its latest step, or --step) as one consolidated model in DST, streaming one tens
 - A DST ending in .safetensors (.bin/.pt/.pth for torch) is one file, never sharded.
 
 --model-only writes the 'model' entry's tensors without the 'model.' prefix (the names
-transformers' loaders expect); otherwise every tensor under its full key. Non-tensor values are
-never exported. Refuses to write into an existing DST unless --force, and even then only when
-DST is an export ckptlib wrote (ckptlib_export.json lists its files, and --force removes exactly
-those). SRC may be a path or an s3://, gs:// or az:// URI; DST is local. Peak memory is about
-the largest tensor plus a few tens of MiB.
+transformers' loaders expect; with --preset, that tool's model keys: Composer's state.model.*,
+Lightning's state_dict.*, torchtitan's top-level keys); --prefix NAME the tensors of the entry
+NAME instead; otherwise every tensor under its full key. --key-map renames them after that:
+OLD=NEW replaces the prefix OLD by NEW (OLD= strips it), a JSON file {"OLD": "NEW"} does the
+same (null leaves those tensors out), a text file holds one OLD=NEW a line; the longest prefix
+wins. Non-tensor values are never exported.
+
+Tied weights are written once, as transformers does (lm_head.weight is left out when it is
+stored in the same bytes as the input embeddings, or when the config says
+tie_word_embeddings: true and the two are equal). --hf-config copies a config.json (a file, or
+a model directory's config.json and generation_config.json) into DST, naming --dtype in it;
+--copy-from DIR copies every file of DIR other than weights (tokenizer, README, ...). Files
+already in DST that are not weights (a config.json saved first, a tokenizer) are kept.
+
+Refuses to write into a DST that holds weights ckptlib did not write, or an earlier export
+unless --force, which removes exactly the files ckptlib_export.json lists (it names no
+absolute path: the directory can be published as is). SRC may be a path or an s3://, gs://
+or az:// URI; DST is local. Peak memory is about the largest tensor plus a few tens of MiB.
 
 Prints one line with the step, tensors, bytes, files, seconds and MiB/s, then the tensors and
 values not exported.
@@ -77,6 +102,7 @@ def add_parsers(commands) -> None:
         "tensors --to safetensors writes (default model)",
     )
     p.add_argument("--trusted", action="store_true", help=TRUSTED_HELP)
+    add_preset(p)
     add_no_progress(p)
     p.set_defaults(func=run_convert)
 
@@ -99,18 +125,67 @@ def add_parsers(commands) -> None:
         "GiB = 2^30); a larger tensor gets a shard of its own",
     )
     p.add_argument("--model-only", action="store_true", help="only the model's tensors, without the 'model.' prefix")
-    p.add_argument("--step", type=int, default=None, help="with a CheckpointManager root: this step instead of latest")
+    p.add_argument("--prefix", default=None, help="only the tensors of this state entry, without its prefix")
+    p.add_argument(
+        "--key-map",
+        action="append",
+        default=[],
+        metavar="OLD=NEW|FILE",
+        help="rename tensors by prefix (repeatable): OLD=NEW, or a JSON / OLD=NEW-lines file",
+    )
+    p.add_argument("--hf-config", default=None, metavar="PATH|DIR", help="copy this config.json (or a model dir's) in")
+    p.add_argument("--copy-from", default=None, metavar="DIR", help="copy DIR's side files (tokenizer, README...) in")
+    p.add_argument(
+        "--step", type=int, default=None, help="with a CheckpointManager root (or --preset's save folder): this step"
+    )
     p.add_argument("--force", action="store_true", help="replace an export ckptlib wrote earlier at DST")
     p.add_argument("--trusted", action="store_true", help=TRUSTED_HELP)
+    add_preset(p)
     add_no_progress(p)
     p.set_defaults(func=run_export)
+
+
+def parse_key_map(values: list[str]) -> dict[str, str | None] | None:
+    """--key-map values as one {old prefix: new prefix (None: leave out)} mapping."""
+    out: dict[str, str | None] = {}
+
+    def add(old: str, new: str | None, where: str) -> None:
+        if old in out and out[old] != new:
+            raise UsageError(f"--key-map: {where} maps {old!r} again (to {new!r}, before to {out[old]!r})")
+        out[old] = new
+
+    for value in values:
+        if os.path.isfile(value):
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+            if text.lstrip().startswith("{"):
+                try:
+                    doc = json.loads(text)
+                except ValueError as exc:
+                    raise UsageError(f"--key-map {value}: not valid JSON ({exc})") from None
+                if not all(isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in doc.items()):
+                    raise UsageError(f"--key-map {value}: must map prefixes to prefixes (str) or null")
+                for old, new in doc.items():
+                    add(old, new, value)
+                continue
+            lines = [line.strip() for line in text.splitlines()]
+            pairs = [(line, value) for line in lines if line and not line.startswith("#")]
+        else:
+            pairs = [(value, "--key-map")]
+        for pair, where in pairs:
+            if "=" not in pair:
+                raise UsageError(f"{where}: {pair!r} is not OLD=NEW (nor a file)")
+            old, new = pair.split("=", 1)
+            add(old.strip(), new.strip(), where)
+    return out or None
 
 
 def run_convert(args: argparse.Namespace) -> int:
     from ..convert import convert
     from ..format.source import detect_format
 
-    detect_format(args.src)  # not-a-checkpoint / missing: exit 2 with the reason
+    preset = preset_of(args)
+    detect_format(args.src if preset is None else preset.resolve(open_uri(args.src)))  # missing: exit 2
     result = convert(
         args.src,
         args.dst,
@@ -119,6 +194,7 @@ def run_convert(args: argparse.Namespace) -> int:
         progress=show_progress(args),
         prefix=args.prefix,
         trusted=args.trusted,
+        preset=preset,
     )
     print(
         f"converted {result.src} ({result.src_format}) -> {result.dst} ({result.to}): "
@@ -146,10 +222,15 @@ def run_export(args: argparse.Namespace) -> int:
         dtype=dtype,
         max_shard_size=shard,
         model_only=args.model_only,
+        prefix=args.prefix,
+        key_map=parse_key_map(args.key_map),
         step=args.step,
         force=args.force,
         progress=show_progress(args),
         trusted=args.trusted,
+        hf_config=args.hf_config,
+        copy_from=args.copy_from,
+        preset=preset_of(args),
     )
     rate = result.mib_per_s
     print(
@@ -158,6 +239,8 @@ def run_export(args: argparse.Namespace) -> int:
         f"{result.bytes} bytes in {len(result.files)} file{'s' if len(result.files) != 1 else ''}, "
         f"{result.seconds:.2f}s" + (f" ({rate:.1f} MiB/s)" if rate else "")
     )
+    for name, kept in sorted(result.tied.items()):
+        print(f"tied: {name} is {kept} (written once, as transformers does)")
     if result.skipped:
         shown = ", ".join(result.skipped[:10]) + (
             f" ... ({len(result.skipped)} in all)" if len(result.skipped) > 10 else ""

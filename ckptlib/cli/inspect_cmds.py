@@ -15,7 +15,9 @@ from .usage import (
     UsageError,
     add_command,
     add_no_progress,
+    add_preset,
     open_uri,
+    preset_of,
     progress_bar,
 )
 
@@ -24,7 +26,10 @@ Read every file of one checkpoint and check it: the manifest, each file's size a
 (whole file and every item), that every tensor's saved chunks cover it exactly, that every
 storage record lies inside the directory and its file, and that each tensor item holds the
 shape and dtype .metadata declares for it. .metadata is unpickled with an allowlist only. A
-plain DCP checkpoint has no checksums: its structure is checked. Reads only; changes nothing.
+plain DCP checkpoint has no checksums: its structure is checked. Safetensors (one file, a
+directory with model.safetensors, or shards and their index, e.g. an export): every header as
+a load checks it, every file the index names, every byte read. With --preset, URI may be
+that tool's save folder (its newest checkpoint is verified). Reads only; changes nothing.
 
 Prints one line per problem, naming the file (notes, such as a file the manifest does not
 list, are printed too but are not damage), then "URI: OK" or "URI: DAMAGED, N problems".
@@ -33,11 +38,12 @@ Exit status: 0 intact, 1 damaged, 2 no checkpoint at URI.
 """
 
 INSPECT_DESCRIPTION = """
-Show a checkpoint's format (ckptlib or dcp), step, saved world size, torch version, total bytes
-and every tensor's key, shape, dtype and number of saved chunks, and the keys of its non-tensor
-objects, from its manifest and .metadata (no shard is read; use `ckpt verify` to check the
-data). Other formats (torch.save, safetensors, v0 files) are read by `ckpt convert` and
-`ckpt export`.
+Show a checkpoint's format (ckptlib, dcp or safetensors), step, saved world size, torch
+version, total bytes and every tensor's key, shape, dtype and number of saved chunks, and the
+keys of its non-tensor objects, from its manifest and .metadata (no shard is read; a
+safetensors file or directory: its headers and index; use `ckpt verify` to check the data). With
+--preset, URI may be that tool's save folder (its newest checkpoint). Other formats
+(torch.save, v0 files) are read by `ckpt convert` and `ckpt export`.
 
 Exit status: 0 described; 1 the manifest or .metadata is damaged or unsafe; 2 no checkpoint
 at URI.
@@ -51,8 +57,12 @@ put there; gc never touches these); size, age (since the manifest was written), 
 size, which is latest (*), the metrics given to the save, and who holds the root's lock. Reads
 only; changes nothing.
 
+A save folder of another tool (Composer's ep*-ba* folders and latest-rank0.pt, torchtitan's
+step-N, Lightning's *step=N.ckpt) is listed as that tool lays it out: found by itself when the
+root holds no ckptlib steps, or named with --preset; state "dcp" is a complete plain DCP save.
+
 --json: root, latest, lock and steps (each with step, name, state, bytes (= size), world_size,
-latest, created, age_seconds, metrics).
+latest, created, age_seconds, metrics); with a preset also "preset".
 
 Exit status: 0 listed; 1 a storage error; 2 no such checkpoint root.
 """
@@ -66,6 +76,7 @@ def add_parsers(commands) -> None:
         description=VERIFY_DESCRIPTION,
     )
     p.add_argument("uri", help=CHECKPOINT_URI_HELP)
+    add_preset(p)
     add_no_progress(p)
     p.set_defaults(func=run_verify)
 
@@ -82,25 +93,45 @@ def add_parsers(commands) -> None:
         help="print JSON with the keys format, step, world_size, torch_version, total_bytes, tensors "
         "(a list of {key, shape, dtype, chunks})",
     )
+    add_preset(p)
     p.set_defaults(func=run_inspect)
 
     p = add_command(commands, "ls", help="list the steps under a checkpoint root", description=LS_DESCRIPTION)
     p.add_argument("root", help=ROOT_URI_HELP)
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
+    add_preset(p)
     p.set_defaults(func=run_ls)
 
 
-def run_verify(args: argparse.Namespace) -> int:
-    from ..format.verify import verify
+def _checkpoint(args: argparse.Namespace):
+    """The storage of the checkpoint a command reads and its format (None: not one ckptlib
+    reads; the command's own check then says what is there)."""
+    from ..errors import CheckpointError
+    from ..format.source import detect_format
 
     storage = open_uri(args.uri)
+    preset = preset_of(args)
+    if preset is not None:
+        storage = preset.resolve(storage)
+    try:
+        return storage, detect_format(storage)
+    except CheckpointError:
+        return storage, None
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from ..format.safetensors_check import verify_safetensors
+    from ..format.verify import verify
+
+    storage, fmt = _checkpoint(args)
     bar = progress_bar(args, "ckpt verify")
+    check = verify_safetensors if fmt == "safetensors" else verify
 
     def start(total: int) -> None:
         bar.reset(total=total)
 
     try:
-        problems = verify(storage, on_start=start, on_bytes=bar.update)
+        problems = check(storage, on_start=start, on_bytes=bar.update)
     finally:
         bar.close()
     errors = [p for p in problems if p.is_error]
@@ -114,9 +145,11 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    from ..format.safetensors_check import summarize_safetensors
     from ..format.verify import summarize
 
-    summary = summarize(open_uri(args.uri))
+    storage, fmt = _checkpoint(args)
+    summary = summarize_safetensors(storage) if fmt == "safetensors" else summarize(storage)
     if args.json:
         print(json.dumps(summary.to_json(), indent=1))
         return EXIT_OK
@@ -144,6 +177,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_ls(args: argparse.Namespace) -> int:
+    from .. import presets
     from ..errors import CheckpointError
     from ..format import MANIFEST_NAME, Manifest
     from ..manager import LATEST, CheckpointManager, step_dir
@@ -151,10 +185,18 @@ def run_ls(args: argparse.Namespace) -> int:
     mgr = CheckpointManager(args.root)
     if not mgr.storage.exists():
         raise UsageError(f"{args.root}: no such checkpoint root")
-    pointer = mgr.storage.read_pointer(LATEST)
+    preset = preset_of(args)
+    infos = mgr._scan() if preset is None else []
+    if preset is None and not infos:
+        preset = presets.detect_root(mgr.storage)
+    if preset is not None:
+        infos = preset.scan(mgr.storage)
+        pointer = preset.latest(mgr.storage)
+    else:
+        pointer = mgr.storage.read_pointer(LATEST)
     holder = mgr.lock_holder()
     rows = []
-    for info in mgr._scan():
+    for info in infos:
         child = mgr.storage.child(info.name)
         row = {
             "step": info.step,
@@ -163,7 +205,7 @@ def run_ls(args: argparse.Namespace) -> int:
             "bytes": sum(info.files.values()),
             "size": sum(info.files.values()),
             "world_size": None,
-            "latest": pointer == step_dir(info.step),
+            "latest": pointer == (info.name if preset is not None else step_dir(info.step)),
             "created": None,
             "age_seconds": None,
             "metrics": {},
@@ -182,8 +224,13 @@ def run_ls(args: argparse.Namespace) -> int:
         rows.append(row)
     if args.json:
         lock = holder.to_json() if holder is not None else None
-        print(json.dumps({"root": args.root, "latest": pointer, "lock": lock, "steps": rows}, indent=1))
+        listing = {"root": args.root, "latest": pointer, "lock": lock, "steps": rows}
+        if preset is not None:
+            listing["preset"] = preset.name
+        print(json.dumps(listing, indent=1))
         return EXIT_OK
+    if preset is not None:
+        print(f"{preset.client} save folder: {', '.join(r['name'] for r in rows) or 'no checkpoints'}")
     print(f"{'step':>10}  {'state':<10} {'world':>5} {'size':>10} {'age':>6}  latest  metrics")
     for r in rows:
         ws = "-" if r["world_size"] is None else str(r["world_size"])

@@ -19,6 +19,12 @@ TRUSTED_HELP = (
 )
 
 
+PRESET_HELP = (
+    "read another tool's layout: composer, torchtitan or lightning (its save folder's newest checkpoint, its keys, "
+    "the plain-data objects it saves without --trusted)"
+)
+
+
 class UsageError(Exception):
     """A bad argument: reported as one line with exit code 2."""
 
@@ -90,3 +96,15 @@ def open_uri(uri: str):
         return open_storage(uri)
     except StorageError as exc:
         raise UsageError(str(exc)) from None
+
+
+def add_preset(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=["composer", "torchtitan", "lightning"], default=None, help=PRESET_HELP)
+
+
+def preset_of(args: argparse.Namespace):
+    """The `ckptlib.presets` preset `--preset` names, or None."""
+    from .. import presets
+
+    name = getattr(args, "preset", None)
+    return None if name is None else presets.get(name)

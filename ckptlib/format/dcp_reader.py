@@ -20,6 +20,7 @@ injects as `exchange`).
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections import defaultdict
 from typing import Any, Callable
@@ -38,9 +39,12 @@ from .copies import Copies, read_over_copies
 from .direct_reads import DirectReads, _narrowed, _resolve_target
 from .file_names import whose
 from .item_decoder import DeclaredChunks
+from .load_planner import SafeLoadPlanner
 from .manifest import METADATA_NAME, Manifest, check_name
 from .planned_reader import PlannedReader
 from .ranged_io import _MAX_SPAN, _coalesce, _MemReader, _pread_into
+from .safe_pickle import load_object
+from .stream_transforms import Transforms, decoded_limit, descriptors_of
 
 # Items at least this large are read through the zero-copy path (their layout comes from a
 # zip-directory parse, or a metadata-only torch.load of the item; ~0.1-1 ms); smaller ones
@@ -61,6 +65,8 @@ class CkptReader(DirectReads, PlannedReader):
         *,
         verify: bool = True,
         copies: Copies | None = None,
+        trusted: bool = False,
+        transforms: Transforms | None = None,
     ):
         super().__init__(metadata)
         self.chunks = DeclaredChunks(metadata)  # what .metadata declares, and decodings that rely on it
@@ -79,6 +85,10 @@ class CkptReader(DirectReads, PlannedReader):
         self.bytes_received = 0
         self.role: read_schedule.RankRole | None = None  # this rank's part of the last load's reads
         self._done: set[int] = set()  # id() of the requests the current attempt applied
+        # Objects are unpickled with weights_only here unless `trusted`, whatever the planner
+        # does with them (DCP's own planner unpickles them with weights_only=False).
+        self.trusted = trusted
+        self.transforms = transforms or Transforms()  # DCP extensions (zstd...) items are stored with
 
     def _item_crcs(self, name: str) -> dict[int, tuple[int, int]]:
         assert self.manifest is not None
@@ -142,7 +152,7 @@ class CkptReader(DirectReads, PlannedReader):
 
     def _partial(self, req, info) -> bool:
         """Whether a large tensor request needs only part of its stored chunk (a resharded load)."""
-        if req.type == LoadItemType.BYTE_IO or info.length < _DIRECT_MIN:
+        if req.type == LoadItemType.BYTE_IO or info.length < _DIRECT_MIN or descriptors_of(info):
             return False
         found = self.chunks.declared(req.storage_index.fqn, req.storage_index.offset)
         return found is not None and tuple(req.lengths) != tuple(found[1])
@@ -204,6 +214,7 @@ class CkptReader(DirectReads, PlannedReader):
                 if (
                     req.type != LoadItemType.BYTE_IO
                     and info.length >= _DIRECT_MIN
+                    and not descriptors_of(info)
                     and self._read_local_tensor(fd, name, req, info, expected, planner)
                 ):
                     continue
@@ -222,10 +233,17 @@ class CkptReader(DirectReads, PlannedReader):
             os.close(fd)
 
     def _apply(self, name: str, req, info, data: memoryview, planner: LoadPlanner) -> None:
-        """Hand one verified item (its bytes in memory) to the planner."""
+        """Hand one verified item (its bytes in memory, as stored) to the planner."""
         where = f"{self.storage.uri}/{name}"
+        descriptors = descriptors_of(info)
+        if descriptors:
+            declared = self.chunks.declared(req.storage_index.fqn, req.storage_index.offset)
+            nbytes = None if declared is None else math.prod(declared[1]) * declared[0].itemsize
+            data = self.transforms.decode(data, descriptors, decoded_limit(nbytes), f"{where} (item at {info.offset})")
         if req.type == LoadItemType.BYTE_IO:
             try:
+                if not self.trusted and not isinstance(planner, SafeLoadPlanner):
+                    load_object(data.tobytes(), f"object {req.dest_index.fqn!r}")  # refused before the planner sees it
                 planner.load_bytes(req, io.BytesIO(data.tobytes()))
             except UnsafeCheckpointError as exc:
                 if exc.path is None:
@@ -371,12 +389,7 @@ class CkptReader(DirectReads, PlannedReader):
         for req in plan.items:
             try:
                 info = self.storage_data[req.storage_index]
-                if getattr(info, "transform_descriptors", None):
-                    raise CheckpointCorruptError(
-                        f"{self.storage.uri}/{info.relative_path}: stored with DCP extensions "
-                        f"{list(info.transform_descriptors)}, which ckptlib does not read",
-                        path=self.storage.uri,
-                    )
+                self.transforms.check_readable((info,), self.storage.uri)  # UnsupportedError, never "corrupt"
                 name = check_name(info.relative_path, f"{self.storage.uri}/{METADATA_NAME}", "storage record")
             except Exception as exc:  # noqa: BLE001 - held, see above
                 held.append(exc)

@@ -26,8 +26,9 @@ import dataclasses
 import io
 import math
 import pickle
+import weakref
 import zlib
-from typing import TYPE_CHECKING, Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -38,8 +39,10 @@ from torch.futures import Future
 from .._torch import dcp_shims
 from ..storage import Storage
 from . import item_encoder, plan_codec
+from .aliases import alias_key
 from .block_checks import _CrcSink, block_size_for
 from .manifest import METADATA_MARKER, METADATA_NAME, FileRecord
+from .stream_transforms import Transforms
 
 if TYPE_CHECKING:
     from .transaction import SaveTransaction
@@ -163,11 +166,23 @@ class CkptWriter(StorageWriter):
     shard (default: in this thread, `InProcessShards`).
     """
 
-    def __init__(self, storage: Storage, *, transaction: SaveTransaction, backend: ShardBackend | None = None):
+    save_id: str | None = None  # also for a writer built without __init__ (a test's, a subclass's)
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        transaction: SaveTransaction,
+        backend: ShardBackend | None = None,
+        transforms: Transforms | None = None,
+        save_id: str | None = None,
+    ):
         super().__init__()
         self.storage = storage
         self.transaction = transaction
         self.backend = backend if backend is not None else InProcessShards()
+        self.transforms = transforms or Transforms()  # DCP stream extensions every item goes through
+        self.save_id = save_id  # recorded in `.metadata`'s StorageMeta when given (DCP's FileSystemWriter does)
         self.is_coordinator = False
         self.file_records: dict[str, FileRecord] = {}
 
@@ -188,10 +203,22 @@ class CkptWriter(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        name = _shard_file_name(plan.storage_data)
-        storage_info = dcp_shims.storage_info_cls()
         results = plan_codec.WriteResults()
-        results.info_cls = storage_info
+        results.info_cls = dcp_shims.storage_info_cls()
+        try:
+            self._write_shard(_shard_file_name(plan.storage_data), plan, planner, results)
+        except BaseException as exc:
+            if not self.transaction.self_cleaning:
+                raise
+            # Carried to the coordinator's `finish` by DCP's gather, which then cleans up
+            # after every rank stopped writing (see SaveTransaction.self_cleaning).
+            results.failure = self.transaction.portable_failure(exc)
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_shard(self, name: str, plan: SavePlan, planner: SavePlanner, results: list) -> None:
+        storage_info = dcp_shims.storage_info_cls()
         ordered: list[WriteItem] = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
         ordered += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
         planned = sum(
@@ -199,18 +226,54 @@ class CkptWriter(StorageWriter):
             for wi in ordered
             if wi.tensor_data is not None
         )
-        # resolved one at a time: never more than one item held while the planner resolves the next
-        payloads = (planner.resolve_data(item) for item in ordered)
-        record = self.backend.write_shard(self.transaction, name, payloads, planned)
-        for item, (offset, length, _crc) in zip(ordered, record.items):
-            results.append(
-                WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, offset, length))
-            )
+        slots: list[tuple[int, list[str]]] = []  # per item: its stored item in the shard, its extensions
+        record = self.backend.write_shard(self.transaction, name, self._payloads(ordered, planner, slots), planned)
+        for item, (slot, descriptors) in zip(ordered, slots):
+            offset, length, _crc = record.items[slot]
+            info = storage_info(name, offset, length)
+            if descriptors:
+                info.transform_descriptors = descriptors
+            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
         self.file_records[name] = record
         results.shard = (name, record)  # carried to the coordinator's `finish` by DCP's gather
-        fut: Future = Future()
-        fut.set_result(results)
-        return fut
+
+    def _payloads(self, ordered: list[WriteItem], planner: SavePlanner, slots: list) -> Iterator[Any]:
+        """The items to store, resolved one at a time (never more than one held while the planner
+        resolves the next); each item's slot is appended to `slots`. A tensor whose memory an
+        earlier item of this shard holds (a tied weight) is not stored again: it takes that
+        item's slot. With extensions, each item is yielded as its transformed bytes."""
+        written: dict[tuple, tuple[Any, tuple[int, list[str]]]] = {}  # memory -> (its storage, slot)
+        stored = 0  # items yielded so far: the next one's index in the shard's record
+        for item in ordered:
+            data = planner.resolve_data(item)
+            memory = None if isinstance(data, io.BytesIO) else alias_key(data)
+            twin = written.get(memory) if memory is not None else None
+            if twin is not None and twin[0]() is data.untyped_storage():
+                slots.append(twin[1])
+                del data
+                continue
+            storage = None if memory is None else weakref.ref(data.untyped_storage())
+            descriptors: list[str] = []
+            if self.transforms.extensions:
+                data, descriptors = self._encoded(data)
+            slot = (stored, descriptors)
+            slots.append(slot)
+            if storage is not None:
+                written[memory] = (storage, slot)
+            stored += 1
+            yield data
+            del data
+
+    def _encoded(self, data: Any) -> tuple[bytes, list[str]]:
+        """One item's bytes as the extensions transform them, and their descriptors."""
+        buffer = io.BytesIO()
+        stream, descriptors = self.transforms.encoder(buffer)
+        if isinstance(data, io.BytesIO):
+            stream.write(data.getbuffer())
+        else:
+            torch.save(_tensor_for_save(data), stream)
+        stream.close()
+        return buffer.getvalue(), descriptors
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: `.metadata` from every rank's write results, then the commit. The
@@ -218,29 +281,37 @@ class CkptWriter(StorageWriter):
         its file (the same bytes as `pickle.dumps`: the pickler flushes each 64 KiB frame), so
         the coordinator never holds the results, the storage records and the whole pickle at
         once (issue 25.5)."""
-        records: dict[str, FileRecord] = {}
-        storage_data = {}
-        record_keys: dict[str, tuple[str, ...]] = {}
-        for per_rank in results:
-            name, record = per_rank.shard
-            records[name] = record
-            for wr in per_rank:
-                storage_data[wr.index] = wr.storage_data
-            if isinstance(per_rank, plan_codec.WriteResults):
-                if per_rank.info_names:
-                    record_keys[name] = per_rank.info_names
-                per_rank.clear()  # its records are in storage_data now
-        metadata.storage_data = storage_data
-        metadata.storage_meta = self.storage_meta()
-        with self.storage.open_writer(METADATA_NAME) as stream:
-            sink = _Checksummed(stream)
-            (_MetadataPickler(sink, record_keys) if record_keys else pickle.Pickler(sink)).dump(metadata)
-        records[METADATA_NAME] = FileRecord(size=sink.size, crc32=sink.crc, items=[(0, sink.size, sink.crc)])
-        self.file_records = records
-        self.transaction.commit(records, metadata)
+        failures = [
+            (rank, fail) for rank, per_rank in enumerate(results) if (fail := getattr(per_rank, "failure", None))
+        ]
+        if failures:
+            self.transaction.fail(failures)  # raises: every rank's write stopped, the save is removed
+        with self.transaction.cleaning_up_on_failure():
+            records: dict[str, FileRecord] = {}
+            storage_data = {}
+            record_keys: dict[str, tuple[str, ...]] = {}
+            for per_rank in results:
+                name, record = per_rank.shard
+                records[name] = record
+                for wr in per_rank:
+                    storage_data[wr.index] = wr.storage_data
+                if isinstance(per_rank, plan_codec.WriteResults):
+                    if per_rank.info_names:
+                        record_keys[name] = per_rank.info_names
+                    per_rank.clear()  # its records are in storage_data now
+            metadata.storage_data = storage_data
+            metadata.storage_meta = self.storage_meta()
+            with self.storage.open_writer(METADATA_NAME) as stream:
+                sink = _Checksummed(stream)
+                (_MetadataPickler(sink, record_keys) if record_keys else pickle.Pickler(sink)).dump(metadata)
+            records[METADATA_NAME] = FileRecord(size=sink.size, crc32=sink.crc, items=[(0, sink.size, sink.crc)])
+            self.file_records = records
+            self.transaction.commit(records, metadata)
 
     def storage_meta(self) -> StorageMeta | None:
         meta = StorageMeta(checkpoint_id=self.storage.uri)
+        if self.save_id is not None:
+            meta.save_id = self.save_id
         # An attribute, not a constructor argument: torch versions whose StorageMeta lacks the
         # `modules` field still pickle and unpickle it (in __dict__), and plain dcp.load ignores it.
         meta.modules = [*(getattr(meta, "modules", None) or []), METADATA_MARKER]

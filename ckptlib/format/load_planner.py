@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import io
-import pickle
-import re
 from typing import Any
 
 import torch
@@ -13,10 +11,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from .._torch import dcp_shims, probes
-from ..errors import UnsafeCheckpointError
-from . import zip_directory
 from .plan_codec import KNOWN_FIELDS, new_dataclass, placements_key
-from .safe_pickle import check_no_allocating_calls
+from .safe_pickle import load_object
 
 
 def _read_item_like(template: ReadItem, fqn: str) -> ReadItem:
@@ -87,25 +83,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         if self.trusted:
             return super().load_bytes(read_item, value)
-        data = value.getvalue()
-        header = zip_directory.tensor_pickle(lambda pos, n: data[pos : pos + n], len(data), limit=len(data))
-        if header is not None:
-            check_no_allocating_calls(header, f"object {read_item.dest_index.fqn!r}")
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            # torch's message is many lines of advice; keep the global it refused.
-            text = str(exc)
-            found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
-            if found:
-                detail = f"it names the global {found.group(1)}"
-            else:
-                found = re.search(r"WeightsUnpickler error: ([^\n]+)", text)
-                detail = (found.group(1) if found else (text.strip().splitlines() or [""])[0])[:200]
-            raise UnsafeCheckpointError(
-                f"object {read_item.dest_index.fqn!r} needs arbitrary unpickling ({detail}), which weights_only "
-                "loading refuses; pass trusted=True only if you trust this checkpoint's author"
-            ) from exc
+        obj = load_object(value.getvalue(), f"object {read_item.dest_index.fqn!r}")
         if self.flatten_state_dict:
             dcp_shims.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:

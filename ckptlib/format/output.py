@@ -11,9 +11,13 @@ Outputs (`format`):
 One `force` rule for all of them: replace only what ckptlib itself wrote, never without
 `force`. A checkpoint directory: its own files only (`layout.prepare_save_target`, the rule
 of `save(overwrite=True)`). A directory of Hugging Face files: the files its
-`ckptlib_export.json` lists (written before the first file and completed after the last), so
-a `config.json` a user added stays. A single file: one that carries ckptlib's mark
-(`EXPORT_MARK`: a safetensors `__metadata__` key, a record in a torch archive).
+`ckptlib_export.json` lists (written before the first file and completed after the last, and
+naming no absolute path), so a `config.json` or tokenizer a user put there stays; a directory
+without that record may hold such side files (they are kept) but no weights or checkpoint
+files ckptlib did not write. Side files an export copies in (`side_files`) are listed in the
+record like its weights; one already there with other bytes is refused. A single file: one
+that carries ckptlib's mark (`EXPORT_MARK`: a safetensors `__metadata__` key, a record in a
+torch archive).
 
 Every output is streamed one tensor at a time (see `streaming`). A failure removes what
 this write created: a checkpoint's files (the transaction), a directory output's listed
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import stat
@@ -37,6 +42,7 @@ import torch
 from ..errors import CheckpointExistsError, OverwriteRefusedError
 from ..storage import Storage
 from .safetensors import write_safetensors
+from .safetensors_hf import is_weight_file
 from .shard_files import EXPORT_MARK, atomic_file, planned_entries, write_failed
 from .streaming import SourceValues, save_dcp_streaming
 from .torch_save import write_torch_files, write_torch_save
@@ -205,8 +211,12 @@ def _clear_directory(path: str, force: bool, format: str) -> None:
         return
     record = read_record(path)
     if record is None:
+        weights = sorted(name for name in os.listdir(path) if is_weight_file(name))
+        if not weights:
+            return  # side files only (config, tokenizer, README): kept, the export goes beside them
         raise _refusal(force)(
-            f"{path} exists and is not an export ckptlib wrote (no {EXPORT_RECORD}); refusing to write into it"
+            f"{path} exists and is not an export ckptlib wrote (no {EXPORT_RECORD}; it holds "
+            f"{', '.join(weights[:5])}{' ...' if len(weights) > 5 else ''}); refusing to write into it"
             + (" even with force" if force else "")
             + ": choose an empty or new directory",
             path=path,
@@ -282,11 +292,13 @@ def write_output(
     record: dict[str, Any] | None = None,
     step: int | None = None,
     metadata: dict[str, Any] | None = None,
+    side_files: dict[str, bytes] | None = None,
 ) -> list[str]:
     """Write `source` to `dst` as `format` (see the module docstring) and return the names of
     the files written. `names` ({written name: source key}), `dtype` (floating-point tensors
     are cast) and `max_shard_bytes` apply to "torch" and "safetensors"; `record` holds what a
-    directory output's record says besides its files; `step` and `metadata` go into a "dcp"
+    directory output's record says besides its files; `side_files` ({name: bytes}: config,
+    tokenizer) are copied into a directory output; `step` and `metadata` go into a "dcp"
     output's manifest. `dst` is a Storage for "dcp", a local path otherwise."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -308,6 +320,7 @@ def write_output(
             force=force,
             on_tensor=on_tensor,
             record=record,
+            side_files=side_files,
         )
     except (OSError, RuntimeError) as exc:  # writing the record, the index, the mark: a full disk
         error = write_failed(exc, dst)
@@ -327,6 +340,7 @@ def _write_files(
     force: bool,
     on_tensor: Callable[[str, int], None] | None,
     record: dict[str, Any] | None,
+    side_files: dict[str, bytes] | None,
 ) -> list[str]:
     """`write_output` of a local file or directory of files (every format but "dcp")."""
     if is_single_file(dst, format):
@@ -358,7 +372,38 @@ def _write_files(
         force=force,
         on_tensor=on_tensor,
         record=record or {},
+        side_files=side_files or {},
     )
+
+
+def _new_side_files(directory: str, side_files: dict[str, bytes], force: bool) -> dict[str, bytes]:
+    """The side files to write: those not already in `directory` with the same bytes; one there
+    with other bytes is refused (it is not ckptlib's to replace)."""
+    out = {}
+    for name, data in side_files.items():
+        path = os.path.join(directory, name)
+        if os.path.lexists(path):
+            try:
+                same = os.path.isfile(path) and open(path, "rb").read() == data
+            except OSError:
+                same = False
+            if same:
+                continue
+            raise _refusal(force)(
+                f"{path} exists with other contents than the {name} to copy in; refusing to replace a file "
+                "ckptlib did not write (remove it, or copy nothing over it)",
+                path=path,
+            )
+        out[name] = data
+    return out
+
+
+def _write_side_file(directory: str, name: str, data: bytes) -> None:
+    with atomic_file(os.path.join(directory, name)) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _write_checkpoint(
@@ -393,10 +438,13 @@ def _write_directory(
     force: bool,
     on_tensor: Callable[[str, int], None] | None,
     record: dict[str, Any],
+    side_files: dict[str, bytes],
 ) -> list[str]:
-    """Hugging Face's layout in `directory`, recorded in EXPORT_RECORD as it is written."""
+    """Hugging Face's layout in `directory` (and its side files), recorded in EXPORT_RECORD as
+    it is written."""
     _clear_directory(directory, force, format)
     created = not os.path.isdir(directory)
+    side = _new_side_files(directory, side_files, force) if not created else dict(side_files)
     os.makedirs(directory, exist_ok=True)
     doc: dict[str, Any] = {"format": "ckptlib-export", "version": 1, "complete": False, **record, "files": []}
 
@@ -420,6 +468,10 @@ def _write_directory(
             on_tensor=on_tensor,
             on_file=on_file,
         )
+        for name, data in sorted(side.items()):
+            on_file(name)
+            _write_side_file(directory, name, data)
+            files.append(name)
     except BaseException:
         with contextlib.suppress(Exception):  # the write's own error is what the caller sees
             # A directory that holds a user's files keeps the record (marked incomplete), so
@@ -430,9 +482,11 @@ def _write_directory(
             if created and not os.listdir(directory):
                 os.rmdir(directory)
         raise
+    entries = planned_entries(source, names, dtype)
     doc["complete"] = True
     doc["files"] = files
-    doc["total_size"] = sum(entry.nbytes for entry in planned_entries(source, names, dtype))
+    doc["total_size"] = sum(entry.nbytes for entry in entries)
+    doc["total_parameters"] = sum(math.prod(entry.shape) for entry in entries)
     _write_record(directory, doc)
     return files
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from typing import Any
 
 import torch
 
 from .._torch import dcp_shims
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
+from . import zip_directory
 
 # Modules whose *classes* (types only, never functions) may be rebuilt.
 _CLASS_MODULES = (
@@ -139,6 +141,30 @@ def check_no_allocating_calls(data: bytes, where: str, path: str | None = None) 
         raise
     except Exception:  # noqa: BLE001 - not ours to judge; torch.load reports it
         pass
+
+
+def load_object(data: bytes, what: str) -> Any:
+    """A stored object item (DCP torch.saves each non-tensor value) unpickled with weights_only;
+    UnsafeCheckpointError naming `what` when that needs arbitrary code (pass trusted=True to
+    run it), or when it would allocate from a number (see `check_no_allocating_calls`)."""
+    header = zip_directory.tensor_pickle(lambda pos, n: data[pos : pos + n], len(data), limit=len(data))
+    if header is not None:
+        check_no_allocating_calls(header, what)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message is many lines of advice; keep the global it refused.
+        text = str(exc)
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        if found:
+            detail = f"it names the global {found.group(1)}"
+        else:
+            found = re.search(r"WeightsUnpickler error: ([^\n]+)", text)
+            detail = (found.group(1) if found else (text.strip().splitlines() or [""])[0])[:200]
+        raise UnsafeCheckpointError(
+            f"{what} needs arbitrary unpickling ({detail}), which weights_only loading refuses; pass "
+            "trusted=True only if you trust this checkpoint's author"
+        ) from exc
 
 
 def safe_loads(data: bytes, where: str) -> Any:

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from .._torch import dcp_shims, probes
 from ..errors import CheckpointError
+from .aliases import alias_groups, colocate_aliases
 from .plan_agreement import check_coverage, check_plans
 from .plan_cache import PlanReuse, PlanTiming
 from .plan_codec import KNOWN_FIELDS, new_dataclass, placements_key, write_item_fields
@@ -209,6 +210,8 @@ class CkptSavePlanner(DefaultSavePlanner):
         if self._reusing():
             plan = SavePlan([])  # nothing to send: every rank writes its cached plan
         else:
+            # Tied tensors: every rank holds the same (its model's structure), the coordinator's decide.
+            self.aliases = alias_groups(self.state_dict) if self.is_coordinator else {}
             plan = local_save_plan(self.state_dict, self.is_coordinator)
             if self.flatten_state_dict:
                 plan = dataclasses.replace(plan, planner_data=self.mappings)
@@ -239,6 +242,7 @@ class CkptSavePlanner(DefaultSavePlanner):
     def _global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         check_plans(all_plans)  # ranks that disagree on a key: one error before anything is written
         deduped = dcp_shims.dedup_save_plans(all_plans, getattr(self, "dedup_save_to_lowest_rank", False))
+        deduped = colocate_aliases(all_plans, deduped, getattr(self, "aliases", {}))
         global_plan, metadata = global_save_plan(deduped)
         if self.flatten_state_dict:
             merged = dict(ChainMap(*[plan.planner_data for plan in global_plan]))

@@ -74,9 +74,15 @@ def shard_names(stem: str, ext: str, count: int, single: str | None) -> list[str
 
 
 def write_index(directory: str, name: str, files: list[str], groups: list[list]) -> None:
-    """Hugging Face's shard index: total tensor bytes and the file of every tensor."""
+    """Hugging Face's shard index: total tensor bytes and parameters (elements of the tensors
+    written, as transformers counts `num_parameters()`: a tied weight once), and the file of
+    every tensor."""
+    entries = [e for group in groups for e in group]
     index = {
-        "metadata": {"total_size": sum(e.nbytes for group in groups for e in group)},
+        "metadata": {
+            "total_parameters": sum(math.prod(e.shape) for e in entries),
+            "total_size": sum(e.nbytes for e in entries),
+        },
         "weight_map": {e.name: file for file, group in zip(files, groups) for e in group},
     }
     final = os.path.join(directory, name)

@@ -62,6 +62,7 @@ from .foreign import DEFAULT_PREFIX, SourceFiles, SourceInfo, TensorLoc, file_he
 from .layout import CheckpointInfo, classify, not_a_checkpoint_error, open_checkpoint
 from .planned_reader import PlannedReader
 from .safetensors import SAFETENSORS_FILE, SAFETENSORS_INDEX, looks_like_safetensors
+from .stream_transforms import Transforms
 from .torch_save import TORCH_SAVE_SUFFIXES, looks_like_torch_save
 from .v0 import V0_FORMAT, V0_RE, v0_rank
 
@@ -245,13 +246,17 @@ def open_reader(
     prefix: str | None = DEFAULT_PREFIX,
     trusted: bool = False,
     copies: Copies | None = None,
+    transforms: Transforms | None = None,
 ) -> tuple[StorageReader, CheckpointInfo]:
     """A DCP StorageReader for any format `detect_format` knows, and what the checkpoint is.
 
     Pass `info` (from `inspect_checkpoint` on rank 0, broadcast) to skip inspecting again:
     building a reader from it does no I/O. `verify` applies to ckptlib checkpoints (item
-    checksums); `trusted` lets torch.save/v0 files unpickle arbitrary objects. `copies`: where
-    a ckptlib or DCP checkpoint's files are read from (`copies`; default: `storage_or_path`).
+    checksums); `trusted` lets torch.save/v0 files unpickle arbitrary objects (and the
+    native reader hand objects to a planner that does not unpickle them safely itself).
+    `copies`: where a ckptlib or DCP checkpoint's files are read from (`copies`; default:
+    `storage_or_path`). `transforms` knows the DCP extensions items may be stored with
+    (default: zstd), and any other found is UnsupportedError here, before anything is read.
     """
     storage = as_storage(storage_or_path)
     if info is None:
@@ -259,7 +264,12 @@ def open_reader(
     if not isinstance(info, SourceInfo):
         if root_is_file(storage) and copies is None:
             raise NotACheckpointError(f"{storage.uri} is a file, not a checkpoint directory", path=storage.uri)
-        return CkptReader(storage, info.metadata, info.manifest, verify=verify, copies=copies), info
+        transforms = transforms or Transforms()
+        transforms.check_readable(info.metadata.storage_data.values(), storage.uri)  # before anything is read
+        reader = CkptReader(
+            storage, info.metadata, info.manifest, verify=verify, copies=copies, trusted=trusted, transforms=transforms
+        )
+        return reader, info
     if copies is not None:
         raise NotACheckpointError(
             f"{storage.uri}: copies= reads ckptlib and DCP checkpoints, not {info.kind} files", path=storage.uri

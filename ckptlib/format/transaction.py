@@ -104,6 +104,7 @@ class SaveTransaction:
         after_commit: Callable[[], None] | None = None,
         on_failure: Callable[[], None] | None = None,
         shard_backend: ShardBackend | None = None,
+        self_cleaning: bool = False,
     ):
         self.storage = storage
         self.world_size = world_size
@@ -126,6 +127,10 @@ class SaveTransaction:
         self.plan_timing: PlanTiming | None = None
         self.global_plan_seconds: float | None = None
         self.files: list[str] = []  # the files the manifest lists (on the coordinator, once committed)
+        # Driven by a user's own dcp.save (ckptlib.dcp.writer), with no `run` around it: a rank's
+        # write failure travels to the coordinator with its results, and the coordinator, which
+        # then knows every rank stopped writing, removes the save in `finish` and raises it.
+        self.self_cleaning = self_cleaning
 
     # -- the steps CkptWriter takes ----------------------------------------------------
     def prepare(self) -> None:
@@ -164,7 +169,31 @@ class SaveTransaction:
         self.files = sorted(files)
         self.total_bytes = sum(record.size for record in files.values())
         self.global_plan_seconds = None if self.plan_timing is None else self.plan_timing.global_plan_s
-        _leave_receipt(metadata, SaveReceipt(self.total_bytes, self.global_plan_seconds))
+        if not self.self_cleaning:  # a user's dcp.save returns this Metadata: it stays whole
+            _leave_receipt(metadata, SaveReceipt(self.total_bytes, self.global_plan_seconds))
+
+    # -- a save driven by a user's dcp.save (self_cleaning) ------------------------------
+    def portable_failure(self, exc: BaseException) -> CheckpointError:
+        """This rank's write failure, to travel to the coordinator with its results."""
+        return _dist.portable_error(exc, _dist.get_rank())
+
+    def fail(self, failures: list[tuple[int, CheckpointError]]) -> None:
+        """Coordinator, in `finish`: ranks' writes failed; remove the save, raise the first."""
+        self.abort()
+        rank, error = failures[0]
+        if error.rank is None:
+            error.rank = rank
+        raise error
+
+    @contextlib.contextmanager
+    def cleaning_up_on_failure(self) -> Iterator[None]:
+        """Coordinator, around the commit of a self-cleaning save: a failure removes the save."""
+        try:
+            yield
+        except BaseException:
+            if self.self_cleaning:
+                self.abort()
+            raise
 
     # -- running it ---------------------------------------------------------------------
     def run(self, save: Callable[[Any], Metadata], group=None) -> int | None:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import io
+import math
 import os
 import zlib
 from typing import Any, Callable
@@ -42,6 +44,7 @@ from .layout import classify, is_ckptlib_metadata, not_a_checkpoint_error, open_
 from .manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
 from .ranged_io import _RangeReader
 from .safe_pickle import safe_loads
+from .stream_transforms import Transforms, decoded_limit, descriptors_of
 from .structure import Problem, structure_problems
 
 # Bytes read at a time while checksumming a file (memory stays bounded for huge shards).
@@ -325,6 +328,8 @@ def _declared_item_problems(storage: Storage, metadata: Metadata, skip: set[str]
                     tuple(int(s) for s in chunk.sizes),
                 )
     problems: list[Problem] = []
+    transforms = Transforms()
+    undecodable: dict[tuple[str, tuple[str, ...]], list[str]] = {}
     for index, info in metadata.storage_data.items():
         key = (index.fqn, tuple(int(o) for o in index.offset)) if index.offset is not None else None
         want = declared.get(key) if key is not None else None
@@ -334,8 +339,17 @@ def _declared_item_problems(storage: Storage, metadata: Metadata, skip: set[str]
         if name in skip:
             continue
         where = f"item of {index.fqn!r} at offset {off} (length {length})"
+        descriptors = descriptors_of(info)
+        if descriptors and (why := transforms.unknown(descriptors)) is not None:
+            undecodable.setdefault((name, descriptors), [why]).append(index.fqn)
+            continue
         try:
-            stored = torch.load(_StoredItem(storage, name, off, length), map_location="meta", weights_only=True)
+            item: Any = _StoredItem(storage, name, off, length)
+            if descriptors:  # stored through DCP extensions (zstd): undone first
+                raw = memoryview(storage.read(name, off, length))
+                limit = decoded_limit(math.prod(want[1]) * want[0].itemsize)
+                item = io.BytesIO(transforms.decode(raw, descriptors, limit, f"{storage.uri}/{name}"))
+            stored = torch.load(item, map_location="meta", weights_only=True)
         except FileNotFoundError:
             problems.append(Problem(name, "disappeared while it was being verified", "missing"))
             continue
@@ -353,6 +367,16 @@ def _declared_item_problems(storage: Storage, metadata: Metadata, skip: set[str]
                     f".metadata declares shape {list(want[1])} and dtype {_dtype_name(want[0])}",
                 )
             )
+    for (name, descriptors), (why, *fqns) in undecodable.items():
+        problems.append(
+            Problem(
+                name,
+                f"{len(fqns)} item(s) are stored with DCP extension(s) {list(descriptors)}, which ckptlib cannot "
+                f"decode ({why}): unsupported, not damaged; their contents were not checked (a load raises "
+                "UnsupportedError; ckptlib.dcp.reader(uri, extension_registry=...) reads them)",
+                "note",
+            )
+        )
     return problems
 
 

@@ -239,9 +239,13 @@ def test_save_replaces_debris_of_crashed_save(tmp_path):
     "state, message",
     [
         pytest.param([1, 2], "state must be a mapping", id="not-a-mapping"),
-        pytest.param({"a.b": 1}, "state key 'a.b' must be a non-empty string without '.'", id="dot-in-key"),
-        pytest.param({"": 1}, "state key '' must be a non-empty string without '.'", id="empty-key"),
-        pytest.param({1: 1}, "state key 1 must be a non-empty string without '.'", id="int-key"),
+        pytest.param({"": 1}, "state key '' must be a non-empty string", id="empty-key"),
+        pytest.param({1: 1}, "state key 1 must be a non-empty string", id="int-key"),
+        pytest.param(
+            {"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}},
+            "state keys collide: two entries are both saved under the key 'a.b'",
+            id="dotted-key-collides",
+        ),
         pytest.param(
             {"x": {"m": nn.Linear(1, 1)}},
             "put modules, optimizers and RankLocal objects at the top level",

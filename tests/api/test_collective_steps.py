@@ -1,6 +1,6 @@
 """A failure on one rank in the middle of a state's collective steps (a module's state dict,
 get or set, before an FSDP1 module whose state dict gathers across ranks) is raised on every
-rank as a CheckpointError naming that rank, never a hang (torch 2.7's FSDP1 state dicts fail
+rank as a StateError naming that rank and the state key, never a hang (torch 2.7's FSDP1 state dicts fail
 this way on a rank that holds no shard of a parameter)."""
 
 from __future__ import annotations
@@ -104,6 +104,11 @@ def test_a_rank_failing_before_an_fsdp1_state_dict_fails_every_rank(tmp_path, di
     if action == "load":
         assert dist_run(2, _save, uri, None, order, timeout=120) == ["ok", "ok"]
     outcomes = dist_run(2, _save if action == "save" else _load, uri, fail_in, order, timeout=120)
+    what = {"state_dict": "Linear.state_dict()", "load_state_dict": "Linear.load_state_dict()"}.get(fail_in)
+    key, what = ("broken", what) if what else ("counter", f"_Counter.{fail_in.split('.')[1]}()")
     for rank, outcome in enumerate(outcomes):
-        assert outcome.startswith("CheckpointError: rank 1: RuntimeError: hook failed on rank 1"), (rank, outcome)
+        assert outcome == f"StateError: rank 1: state[{key!r}]: {what} raised RuntimeError: hook failed on rank 1", (
+            rank,
+            outcome,
+        )
     assert os.path.exists(os.path.join(uri, MANIFEST_NAME)) == (action == "load")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -232,7 +234,7 @@ def without_zlib_ng(monkeypatch):
     """What an install without the `fast` extra runs: the standard zlib, no crc32_combine."""
     verify_module = importlib.import_module("ckptlib.format.verify")  # (the package exports a function `verify`)
 
-    for module in (block_checks, dcp_reader, verify_module):
+    for module in (block_checks, dcp_reader, verify_module, item_encoder):
         monkeypatch.setattr(module, "crc32", zlib.crc32)
         if hasattr(module, "crc32_combine"):
             monkeypatch.setattr(module, "crc32_combine", None)
@@ -262,6 +264,40 @@ def test_without_zlib_ng_checksums_are_the_same_minus_blocks(tmp_path, without_z
         ckptlib.load(
             tmp_path / "c", {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(777, dtype=torch.bfloat16), "n": 0}
         )
+
+
+_WITHOUT_ZLIB_NG = """
+import sys, zlib
+sys.modules["zlib_ng"] = sys.modules["zlib_ng.zlib_ng"] = None  # as if installed with --no-deps
+import torch, ckptlib
+from ckptlib import cli
+from ckptlib.format import checksum
+from ckptlib.format.layout import read_manifest
+from ckptlib.storage import open_storage
+assert checksum.crc32_combine is None and checksum.crc32 is zlib.crc32
+path = sys.argv[1]
+state = {f"t{i}": torch.arange(i * 10 + 1, dtype=dtype) for i, dtype in
+         enumerate([torch.float32, torch.bfloat16, torch.int64, torch.float32, torch.bfloat16])}
+state["m"] = torch.arange(6.0).reshape(2, 3)
+ckptlib.save(path, state)
+into = {k: torch.zeros_like(v) for k, v in state.items()}
+ckptlib.load(path, into)
+assert all(torch.equal(into[k], v) for k, v in state.items())
+record = read_manifest(open_storage(path)).files["__0_0.distcp"]
+with open(path + "/__0_0.distcp", "rb") as f:
+    assert record.crc32 == zlib.crc32(f.read())
+sys.exit(cli.main(["verify", path]))
+"""
+
+
+def test_an_install_without_zlib_ng_saves_small_items_loads_and_verifies(tmp_path):
+    """Small items go through the writer's per-signature templates, whose CRCs need no
+    crc32_combine: without zlib-ng the standard zlib's running CRC gives the same values."""
+    run = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_ZLIB_NG, str(tmp_path / "c")], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == f"{tmp_path / 'c'}: OK"
 
 
 # --------------------------------------------------------------------------- S3 (moto)

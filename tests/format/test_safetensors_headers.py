@@ -146,18 +146,20 @@ def test_cli_convert_reports_crafted_header_without_traceback(tmp_path, capsys, 
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify"])
-def test_cli_inspect_and_verify_name_a_safetensors_directory_as_no_checkpoint(tmp_path, capsys, command):
-    """inspect and verify read ckptlib/DCP checkpoints only: a safetensors directory, crafted or
-    not, is a one-line usage error (exit 2), never a traceback."""
+def test_cli_inspect_and_verify_report_a_crafted_safetensors_header(tmp_path, capsys, command):
+    """inspect and verify read safetensors directories (issue 28) and check every header as a
+    load does: a crafted one is damage named by file and key (exit 1), never a traceback."""
     (tmp_path / "st").mkdir()
     write_st(tmp_path / "st" / "model.safetensors", {"w": entry(shape=[-6])})
     rc = cli.main([command, str(tmp_path / "st")])
-    err = capsys.readouterr().err
-    assert rc == cli.EXIT_USAGE, err
-    assert (
-        err.strip()
-        == f"ckpt {command}: error: {tmp_path / 'st'} is not a checkpoint: no ckptlib.json and no DCP .metadata in it"
-    )
+    out, err = capsys.readouterr()
+    assert rc == cli.EXIT_FAIL, (out, err)
+    why = "tensor 'w': shape [-6] is not a list of non-negative integers"
+    where = tmp_path / "st" / "model.safetensors"
+    if command == "inspect":
+        assert err.strip() == f"ckpt inspect: error: {where}: {why}"
+    else:
+        assert out.splitlines() == [f"{where}: {why}", f"{tmp_path / 'st'}: DAMAGED, 1 problem"]
 
 
 def test_header_length_over_the_library_limit(tmp_path):

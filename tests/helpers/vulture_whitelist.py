@@ -43,4 +43,10 @@ WHITELIST = (
     "content_type",
     # argparse.HelpFormatter's hook, overridden to keep paragraphs and "- " items (cli/usage.py)
     "_split_lines",
+    # Lightning's Strategy hooks, called by its Trainer (integrations/lightning.py)
+    "save_checkpoint",
+    "load_checkpoint",
+    "restore_checkpoint_after_setup",
+    "load_model_state_dict",
+    "load_optimizer_state_dict",
 )

@@ -1,0 +1,49 @@
+"""Presets: read (and write) the checkpoints of the tools users already have, as they lay them out.
+
+    ckptlib.load("runs/tiny/", state, preset="composer")        # Composer's save folder: its latest-rank0.pt
+    ckptlib.load("outputs/checkpoint", state, preset="torchtitan")  # the highest step-N
+    ckptlib.load("ckpts/epoch=0-step=4.ckpt", state, preset="lightning")
+    ckpt ls runs/tiny --preset composer; ckpt export ckpts/last.ckpt hf/ --preset lightning --model-only
+
+`state` uses ckptlib's own names (`{"model": module, "optim": optimizer}`, or whatever its
+module and optimizer entries are called): the preset renames the client's keys onto them,
+finds the newest checkpoint of a save folder, allows the plain-data objects the client
+saves (and nothing more) without `trusted=True`, and reports the client's progress in
+`LoadResult.step` / `LoadResult.metadata`. `ckptlib.presets.composer_save.save` writes a
+checkpoint Composer autoresumes from.
+"""
+
+from __future__ import annotations
+
+from ..errors import StateError
+from ..storage import Storage
+from .composer_layout import ComposerPreset
+from .lightning_layout import LightningPreset
+from .preset import Entries, Preset
+from .titan_layout import FlatOptimizer, TorchtitanPreset
+
+composer = ComposerPreset()
+torchtitan = TorchtitanPreset()
+lightning = LightningPreset()
+PRESETS: dict[str, Preset] = {p.name: p for p in (composer, torchtitan, lightning)}
+
+
+def get(preset: str | Preset) -> Preset:
+    """The preset named `preset` (or `preset` itself when it is one)."""
+    if isinstance(preset, Preset):
+        return preset
+    found = PRESETS.get(preset) if isinstance(preset, str) else None
+    if found is None:
+        raise StateError(f"unknown preset {preset!r}; the presets are {', '.join(sorted(PRESETS))}")
+    return found
+
+
+def detect_root(root: Storage) -> Preset | None:
+    """The preset whose save folder `root` looks like, or None."""
+    for preset in PRESETS.values():
+        if preset.looks_like_root(root):
+            return preset
+    return None
+
+
+__all__ = ["Entries", "FlatOptimizer", "PRESETS", "Preset", "composer", "detect_root", "get", "lightning", "torchtitan"]
