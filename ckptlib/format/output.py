@@ -179,12 +179,9 @@ def _refusal(force: bool) -> type[CheckpointExistsError]:
 
 
 def _remove_listed(path: str, record: dict[str, Any], *, keep_record: bool = False) -> None:
-    """Remove the files `record` lists in `path` (and the temporary files ckptlib writes them
-    through), then the record itself, or with `keep_record` leave it marked incomplete.
-
-    The record is marked incomplete before anything is removed, so a crash half-way never
-    leaves a complete-looking export with files missing, and the directory stays one a forced
-    export may replace (its record is there) rather than a user's directory it must refuse."""
+    """Remove the files `record` lists in `path` and their temporary files, then the record, or
+    with `keep_record` mark it incomplete first and keep it: a crash half-way never leaves a
+    complete-looking export with files missing, nor a directory a forced export must refuse."""
     names = record["files"]
     for name in names:
         if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
@@ -474,10 +471,8 @@ def _write_directory(
             files.append(name)
     except BaseException:
         with contextlib.suppress(Exception):  # the write's own error is what the caller sees
-            # A directory that holds a user's files keeps the record (marked incomplete), so
-            # the next forced export may write there again.
-            ours = (*doc["files"], EXPORT_RECORD)  # and their temporary names
-            users = [n for n in os.listdir(directory) if not n.startswith(ours)]
+            # With a user's files there, the record stays (incomplete): a forced export may retry.
+            users = [n for n in os.listdir(directory) if not n.startswith((*doc["files"], EXPORT_RECORD))]
             _remove_listed(directory, doc, keep_record=bool(users))
             if created and not os.listdir(directory):
                 os.rmdir(directory)
