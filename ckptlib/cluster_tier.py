@@ -364,6 +364,8 @@ class ClusterTier:
             # every source this tier has is named, zeros included: {"local": ..., "remote": ...}
             sources = ("local", "remote") if self.remote is not None else ("local",)
             result.bytes_by_source = {**dict.fromkeys(sources, 0), **result.bytes_by_source}
+            if result.step is None:  # a step directory written without step=: the step its name gives
+                result.step = choice.step
             self._latest = choice.step
             if self._needs_upload(choice):
                 manifest = Manifest.from_bytes(manifest_bytes, f"{local.uri}/ckptlib.json")
