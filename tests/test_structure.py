@@ -412,3 +412,28 @@ def test_repository_cycle_finder_sees_every_kind_of_import(tmp_path):
     ]
     (tmp_path / "pkg" / "sub" / "leaf.py").write_text("def h():\n    from .. import top\n")
     assert ["pkg/sub/leaf.py", "pkg/top.py"] in _cycles(_repo_import_graph(str(tmp_path)))
+
+
+def _readme_layout_section() -> str:
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("## How the code is laid out")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def test_readme_layout_names_every_module_and_only_real_ones():
+    """README's "How the code is laid out" matches the tree: every module of ckptlib/ is named
+    there, and every `name.py` it names is a module of ckptlib/."""
+    import re
+
+    section = _readme_layout_section()
+    files = {
+        name
+        for _, _, names in os.walk(ROOT)
+        for name in names
+        if name.endswith(".py") and name not in ("__init__.py", "__main__.py")
+    }
+    paths = re.findall(r"`((?:[\w/]+/)?\w+\.py)`", section)
+    named = {os.path.basename(p) for p in paths if not p.startswith("tests/")}
+    assert sorted(files - named) == [], "modules README's layout section does not name"
+    assert sorted(named - files) == [], "names in README's layout section that are no module"

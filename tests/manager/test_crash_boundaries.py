@@ -22,7 +22,6 @@ from ckptlib.testing.harness.crash_run import (
     REPORT_COMMAND,
     describe_failures,
     enumerate_all,
-    enumerate_boundaries,
     report,
     run_operation,
 )
@@ -30,41 +29,23 @@ from ckptlib.testing.harness.crash_scene import Scene, state
 
 REPORT = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "crash-boundaries.md")
 CASES = [(name, backend) for name, op in OPERATIONS.items() for backend in op.backends]
-S3_CASES = [(name, backend) for name, backend in CASES if backend == "s3"]
 
 
 def _s3_base(request, backend: str) -> str | None:
     return request.getfixturevalue("s3_root") if backend == "s3" else None
 
 
-def _full(name: str, backend: str):
-    """Every local enumeration runs by default; S3's (moto answers each request in ~20 ms, a
-    few minutes in all) are full_matrix too: `pytest -m crash` runs them (.ci/run does), and
-    the default run covers each kind of S3 boundary below."""
-    marks = [pytest.mark.crash] + ([pytest.mark.full_matrix] if backend == "s3" else [])
-    return pytest.param(name, backend, marks=marks, id=f"{name}-{backend}")
+def _case(name: str, backend: str):
+    """Every enumeration runs in the default run (S3's take a few minutes in all: moto answers
+    each request in ~20 ms); `pytest -m crash` runs the harness alone."""
+    return pytest.param(name, backend, marks=[pytest.mark.crash], id=f"{name}-{backend}")
 
 
-@pytest.mark.parametrize("name, backend", [_full(*case) for case in CASES])
+@pytest.mark.parametrize("name, backend", [_case(*case) for case in CASES])
 def test_crash_at_every_write_boundary(request, tmp_path, name, backend):
     boundaries, results = run_operation(OPERATIONS[name], backend, str(tmp_path), _s3_base(request, backend))
     assert boundaries and len(results) == 2 * len(boundaries)
     assert {r.status for r in results if r.mode == "kill"} == {"killed"}
-    assert not [r for r in results if r.problem], describe_failures(results)
-
-
-@pytest.mark.parametrize("name, backend", S3_CASES, ids=[f"{name}-{backend}" for name, backend in S3_CASES])
-def test_crash_at_each_kind_of_s3_boundary(tmp_path, s3_root, name, backend):
-    """The default run's selection on S3: kill and fail at the first S3 request of each kind
-    (the lock's conditional put, a put, a multipart part, a pointer put, a delete...); the
-    local boundaries of an S3 case (the tier's node root) are the local run's kinds."""
-    boundaries = enumerate_boundaries(OPERATIONS[name], backend, str(tmp_path), s3_root)
-    first = {}
-    for boundary in boundaries:
-        if boundary.backend == "s3":
-            first.setdefault(boundary.kind, boundary.index)
-    _, results = run_operation(OPERATIONS[name], backend, str(tmp_path), s3_root, only=sorted(first.values()))
-    assert len(results) == 2 * len(first)
     assert not [r for r in results if r.problem], describe_failures(results)
 
 
