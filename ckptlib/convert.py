@@ -13,6 +13,7 @@ size knob and default, and the same `force` rule.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -92,33 +93,20 @@ def convert(
     "torchtitan", "lightning") reads that tool's checkpoint or save folder (its newest
     checkpoint) and allows the plain-data objects it saves without `trusted`; keys are kept.
     """
-    if preset is not None:
-        client = presets.get(preset)
-        with client.allowing():
-            return _convert(
-                client.resolve(as_storage(src)),
-                dst,
-                to=to,
-                force=force,
-                progress=progress,
-                prefix=prefix,
-                trusted=trusted,
-                verify=verify,
-                max_shard_size=max_shard_size,
-                max_shard_bytes=max_shard_bytes,
-            )
-    return _convert(
-        src,
-        dst,
-        to=to,
-        force=force,
-        progress=progress,
-        prefix=prefix,
-        trusted=trusted,
-        verify=verify,
-        max_shard_size=max_shard_size,
-        max_shard_bytes=max_shard_bytes,
-    )
+    client = presets.get(preset) if preset is not None else None
+    with client.allowing() if client is not None else contextlib.nullcontext():
+        return _convert(
+            client.resolve(as_storage(src)) if client is not None else src,
+            dst,
+            to=to,
+            force=force,
+            progress=progress,
+            prefix=prefix,
+            trusted=trusted,
+            verify=verify,
+            max_shard_size=max_shard_size,
+            max_shard_bytes=max_shard_bytes,
+        )
 
 
 def _convert(

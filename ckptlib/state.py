@@ -362,8 +362,10 @@ def to_load_target(
         else:
             template[name] = value
             appliers.append((lambda n=name: _set_plain(state, n, template[n]), False))
-    steps.local(lambda: check_flat_keys(state, template))
     steps.finish()
+    # After the last collective step: the caller's one agreement on the load's checks
+    # (`loading._prepare_request`) raises it on every rank, with no round of its own.
+    check_flat_keys(state, template)
     for note in notes:
         warnings.warn(note, ResizeWarning, stacklevel=stacklevel_outside_ckptlib())
     optimizers = {name for name, value in items if isinstance(value, torch.optim.Optimizer)}
