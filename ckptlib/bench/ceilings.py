@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from .paired import load_average, measured, sample, usage
+from .rank_ops import fsync_dir
 
 MiB = 1 << 20
 #: Bytes per write/read call of the disk ceiling and per send of the TCP ceiling.
@@ -47,14 +48,6 @@ def pattern(nbytes: int, seed: int) -> memoryview:
     return memoryview(bytearray(np.random.default_rng(seed).bytes(nbytes)))
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_file(path: str, data: memoryview, nbytes: int) -> int:
     """Write `nbytes` (the `data` buffer over and over) to a new file at `path` in CHUNK-sized
     `os.write`s, then fsync the file and its directory; returns the write calls made."""
@@ -70,7 +63,7 @@ def write_file(path: str, data: memoryview, nbytes: int) -> int:
         os.fsync(fd)
     finally:
         os.close(fd)
-    _fsync_dir(os.path.dirname(path) or ".")
+    fsync_dir(os.path.dirname(path) or ".")
     return calls
 
 

@@ -57,7 +57,8 @@ def local_bytes(state: dict[str, Any]) -> int:
     return sum(t.to_local().numel() * t.to_local().element_size() for t in state["params"].values())
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync a directory: the names written into it are durable (also the ceilings' raw write)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -75,7 +76,7 @@ def raw_write(path: str, state: dict[str, Any]) -> None:
             f.write(memoryview(t.to_local().numpy()).cast("B"))
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(path)
+    fsync_dir(path)
 
 
 def warm(path: str) -> None:

@@ -170,14 +170,7 @@ class CkptReader(DirectReads, PlannedReader):
             if not (direct_ok and self._partial(req, info)):
                 rest.append((req, info))
                 continue
-            expected = None
-            if crcs is not None:
-                expected = crcs.get(info.offset)
-                if expected is None or expected[0] != info.length:
-                    raise CheckpointCorruptError(
-                        f"{where}: item at offset {info.offset} is not recorded in the manifest{whose(name)}",
-                        path=where,
-                    )
+            expected = _recorded_crc(crcs, info, where, name)
             try:
                 done = self._read_tensor_direct(read_into, name, req, info, expected, planner)
             except FileNotFoundError as exc:
@@ -203,14 +196,7 @@ class CkptReader(DirectReads, PlannedReader):
                         f"offset {info.offset}, file holds {size}",
                         path=where,
                     )
-                expected = None
-                if crcs is not None:
-                    expected = crcs.get(info.offset)
-                    if expected is None or expected[0] != info.length:
-                        raise CheckpointCorruptError(
-                            f"{where}: item at offset {info.offset} is not recorded in the manifest{whose(name)}",
-                            path=where,
-                        )
+                expected = _recorded_crc(crcs, info, where, name)
                 if (
                     req.type != LoadItemType.BYTE_IO
                     and info.length >= _DIRECT_MIN
@@ -419,3 +405,16 @@ class CkptReader(DirectReads, PlannedReader):
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+
+def _recorded_crc(crcs: dict | None, info: Any, where: str, name: str) -> Any:
+    """The manifest's (length, crc) of the item at `info.offset` (None when not verifying);
+    an item the manifest does not record, or records with another length, is corrupt."""
+    if crcs is None:
+        return None
+    expected = crcs.get(info.offset)
+    if expected is None or expected[0] != info.length:
+        raise CheckpointCorruptError(
+            f"{where}: item at offset {info.offset} is not recorded in the manifest{whose(name)}", path=where
+        )
+    return expected
