@@ -3,33 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from helpers.bench_cli import ckpt_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_async_json_to_stdout_with_every_mode_and_loads_bit_exact(tmp_path):
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ckptlib.cli",
-            "bench",
-            "async",
-            "--quick",
-            "--reps",
-            "3",
-            "--dir",
-            str(tmp_path),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=280,
-    )
+    run = ckpt_bench("async", "--quick", "--reps", "3", "--dir", str(tmp_path), "--json")
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert [row["mode"] for row in report["summary"]] == ["none", "thread", "process"]

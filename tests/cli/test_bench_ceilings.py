@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.bench_cli import ckpt_bench
 
 from ckptlib.bench import ceilings, crc_meter
 from ckptlib.bench.ceiling_summary import against_ceilings, markdown_against, summarize_ceilings
@@ -167,31 +166,21 @@ def test_ceilings_first_in_a_real_run(tmp_path):
     """A tiny `ckpt bench` run: the JSON keeps every raw ceiling number and per-operation
     usage, and the markdown prints the ceilings before any ckptlib table."""
     out = tmp_path / "bench.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ckptlib.cli",
-            "bench",
-            "--sizes",
-            "1",
-            "--world-sizes",
-            "1",
-            "--reps",
-            "2",
-            "--no-s3",
-            "--no-rss",
-            "--no-reshard",
-            "--no-async",
-            "--dir",
-            str(tmp_path),
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=280,
+    run = ckpt_bench(
+        "--sizes",
+        "1",
+        "--world-sizes",
+        "1",
+        "--reps",
+        "2",
+        "--no-s3",
+        "--no-rss",
+        "--no-reshard",
+        "--no-async",
+        "--dir",
+        str(tmp_path),
+        "--json",
+        str(out),
     )
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())

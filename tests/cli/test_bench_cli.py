@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import tomllib
+from helpers.bench_cli import ckpt_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -28,13 +29,7 @@ TINY = [
 def test_bench_json_without_a_file_goes_to_stdout_alone(tmp_path):
     """`--json` with no file writes the report to stdout (like `ckpt inspect --json`); the
     tables go to stderr so stdout parses as one JSON document."""
-    run = subprocess.run(
-        [sys.executable, "-m", "ckptlib.cli", "bench", *TINY, "--dir", str(tmp_path), "--json"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=280,
-    )
+    run = ckpt_bench(*TINY, "--dir", str(tmp_path), "--json")
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert set(report) == {"results", "summary", "targets"}

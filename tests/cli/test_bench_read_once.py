@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from helpers.bench_cli import ckpt_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_read_once_reports_bytes_side_by_side(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-m", "ckptlib.cli", "bench", "read-once", "--quick", "--layouts", "ddp", "--world", "2"]
-        + ["--dir", str(tmp_path), "--json"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=280,
-    )
+    run = ckpt_bench("read-once", "--quick", "--layouts", "ddp", "--world", "2", "--dir", str(tmp_path), "--json")
     assert run.returncode == 0, run.stderr
     (row,) = json.loads(run.stdout)["rows"]
     assert row["layout"] == "ddp" and row["world"] == 2 and row["ok"]

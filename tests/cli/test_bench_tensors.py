@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from helpers.bench_cli import ckpt_bench
 
 from ckptlib.bench import tensor_counts
 
@@ -21,28 +21,8 @@ def test_parameter_shapes_follow_the_transformer_block():
 
 
 def test_bench_tensors_json_to_stdout_with_every_load_bit_exact(tmp_path):
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ckptlib.cli",
-            "bench",
-            "tensors",
-            "--tensors",
-            "5",
-            "--world-sizes",
-            "1",
-            "2",
-            "--reps",
-            "1",
-            "--dir",
-            str(tmp_path),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=280,
+    run = ckpt_bench(
+        "tensors", "--tensors", "5", "--world-sizes", "1", "2", "--reps", "1", "--dir", str(tmp_path), "--json"
     )
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
@@ -59,28 +39,8 @@ def test_bench_tensors_json_to_stdout_with_every_load_bit_exact(tmp_path):
 
 
 def test_bench_tensors_ablation_times_both_collector_settings(tmp_path):
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ckptlib.cli",
-            "bench",
-            "tensors",
-            "--tensors",
-            "4",
-            "--world-sizes",
-            "2",
-            "--reps",
-            "1",
-            "--dir",
-            str(tmp_path),
-            "--ablation",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=280,
+    run = ckpt_bench(
+        "tensors", "--tensors", "4", "--world-sizes", "2", "--reps", "1", "--dir", str(tmp_path), "--ablation", "--json"
     )
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)

@@ -4,22 +4,15 @@ report's shape asserted, no timings)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from helpers.bench_cli import ckpt_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_tier_reports_the_tier_beside_its_baselines(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-m", "ckptlib.cli", "bench", "tier", "--quick", "--remote", "dir", "--ranks", "2"]
-        + ["--dir", str(tmp_path), "--json"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=280,
-    )
+    run = ckpt_bench("tier", "--quick", "--remote", "dir", "--ranks", "2", "--dir", str(tmp_path), "--json")
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert report["ok"] and report["ranks"] == 2 and report["size_mib"] == 8 and report["remote"] == "dir"
