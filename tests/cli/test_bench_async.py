@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from helpers.bench_cli import ckpt_bench
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_async_json_to_stdout_with_every_mode_and_loads_bit_exact(tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
 
 import pytest
 from helpers.bench_cli import ckpt_bench
@@ -17,7 +16,6 @@ from ckptlib.bench import ceilings, crc_meter
 from ckptlib.bench.ceiling_summary import against_ceilings, markdown_against, summarize_ceilings
 from ckptlib.bench.paired import pair_ratios, paired, spread, starved
 
-ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 
 

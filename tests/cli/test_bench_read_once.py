@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from helpers.bench_cli import ckpt_bench
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_read_once_reports_bytes_side_by_side(tmp_path):

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from helpers.bench_cli import ckpt_bench
 
 from ckptlib.bench import tensor_counts
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_parameter_shapes_follow_the_transformer_block():

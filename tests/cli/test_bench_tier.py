@@ -4,11 +4,8 @@ report's shape asserted, no timings)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from helpers.bench_cli import ckpt_bench
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_tier_reports_the_tier_beside_its_baselines(tmp_path):
