@@ -36,7 +36,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     "checkpoint": (
-        ["ckptlib/saving.py", "ckptlib/loading.py", "ckptlib/load_checks.py", "ckptlib/format/transaction.py"],
+        [
+            "ckptlib/saving/saving.py",
+            "ckptlib/loading/loading.py",
+            "ckptlib/loading/load_checks.py",
+            "ckptlib/format/write/transaction.py",
+        ],
         [
             "tests/api/test_failure_unwrapping.py",
             "tests/api/test_async_single_process.py",
@@ -58,7 +63,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     "state": (
-        ["ckptlib/state.py"],
+        ["ckptlib/state/state.py"],
         [
             "tests/api/test_rank_state.py",
             "tests/api/test_unpicklable_state.py",
@@ -76,7 +81,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     "manager": (
-        ["ckptlib/manager.py", "ckptlib/root_scan.py", "ckptlib/collection.py"],
+        ["ckptlib/manager/manager.py", "ckptlib/format/native/root.py", "ckptlib/manager/cleanup.py"],
         [
             "tests/manager/test_manager.py",
             "tests/manager/test_fallbacks.py",
@@ -102,7 +107,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     # The cluster tier the manager holds: node-local roots, per-rank uploads, replicas, resume.
     "tier": (
-        ["ckptlib/remote_tier.py", "ckptlib/cluster_tier.py", "ckptlib/tier_load.py", "ckptlib/tiered.py"],
+        [
+            "ckptlib/manager/cluster/remote_tier.py",
+            "ckptlib/manager/cluster/cluster_tier.py",
+            "ckptlib/manager/cluster/resume.py",
+            "ckptlib/tiered.py",
+        ],
         [
             "tests/manager/test_tiered.py",
             "tests/manager/test_tier_faults.py",
@@ -130,7 +140,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "ckptlib/storage/prefixed.py",
             "ckptlib/storage/multipart.py",
             "ckptlib/storage/transfer.py",
-            "ckptlib/storage/scrub.py",
+            "ckptlib/_scrub.py",
         ],
         [
             "tests/storage/test_storage_conformance.py",

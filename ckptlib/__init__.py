@@ -1,12 +1,11 @@
 """ckptlib: elastic sharded checkpointing for PyTorch on torch.distributed.checkpoint."""
 
-from . import dcp  # ckptlib.dcp.writer / reader: ckptlib as the storage of your own dcp.save / dcp.load
-from ._version import __version__
-from .background_save import AsyncSave
-from .checkpoint import LoadResult, SaveResult, async_save, load, save
-from .convert import ConvertResult, convert
-from .data import ElasticDistributedSampler, MergeSamplerProgress
-from .errors import (
+from __future__ import annotations
+
+from ckptlib import dcp  # ckptlib.dcp.writer / reader: ckptlib as the storage of your own dcp.save / dcp.load
+from ckptlib._runtime.teardown import exit_barrier
+from ckptlib._version import __version__
+from ckptlib.errors import (
     CastWarning,
     CheckpointCorruptError,
     CheckpointError,
@@ -37,15 +36,20 @@ from .errors import (
     UploadRankLostError,
     WriterProcessError,
 )
-from .export import ExportResult, export
-from .manager import CheckpointManager, StaleLockWarning, StalePointerWarning
-from .remote_tier import RemoteTier
-from .resume import RemoteUnavailableWarning, SkippedDamagedStepWarning
-from .retention import KeepBest, KeepEvery, KeepLast
-from .save_policy import EveryNSeconds, EveryNSteps, FinalStep
-from .state import KeepExistingRanks, MergingResizePolicy, RankLocal, ResizePolicy, ResizeWarning, RNGState
-from .teardown import exit_barrier
-from .tiered import TieredCheckpointManager
+from ckptlib.format.native.root import StalePointerWarning
+from ckptlib.loading.loading import LoadResult, load
+from ckptlib.manager.cluster.remote_tier import RemoteTier
+from ckptlib.manager.cluster.resume import RemoteUnavailableWarning, SkippedDamagedStepWarning
+from ckptlib.manager.lock import StaleLockWarning
+from ckptlib.manager.manager import CheckpointManager
+from ckptlib.manager.policies import EveryNSeconds, EveryNSteps, FinalStep, KeepBest, KeepEvery, KeepLast
+from ckptlib.offline.convert import ConvertResult, convert
+from ckptlib.offline.export import ExportResult, export
+from ckptlib.saving.background_save import AsyncSave
+from ckptlib.saving.saving import SaveResult, async_save, save, start_async_save
+from ckptlib.state.sampler import ElasticDistributedSampler, MergeSamplerProgress
+from ckptlib.state.state import KeepExistingRanks, MergingResizePolicy, RankLocal, ResizePolicy, ResizeWarning, RNGState
+from ckptlib.tiered import TieredCheckpointManager
 
 __all__ = [
     "AsyncSave",

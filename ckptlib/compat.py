@@ -1,5 +1,5 @@
 """Deprecated: torch's private names and feature probes moved to the `ckptlib._torch` package,
-and the streaming torch.save archive writer to `ckptlib.format.torch_archive`.
+and the streaming torch.save archive writer to `ckptlib.format.foreign.torch_archive`.
 
 This module re-exports the names it used to define for one release and warns on import; it
 will be removed in the next one. Every probe answers as before (`describe()` is
@@ -14,8 +14,8 @@ import os
 import sys
 import warnings
 
-from ._torch.c10d import default_store
-from ._torch.dcp_shims import (
+from ckptlib._torch.c10d import default_store
+from ckptlib._torch.dcp_shims import (
     checkpoint_exception_cls,
     create_write_items,
     current_pickle_module,
@@ -32,7 +32,7 @@ from ._torch.dcp_shims import (
     storage_info_cls,
     storage_info_fields,
 )
-from ._torch.parallel import (
+from ckptlib._torch.parallel import (
     checkpoint_wrapper_fn,
     distribute_locally,
     dtensor_api,
@@ -44,16 +44,23 @@ from ._torch.parallel import (
     layout_gap_reason,
     require_fsdp2_cpu,
 )
-from ._torch.probes import MIN_TORCH, cuda_available, dtensor_cls, dtensor_module_name, gloo_available, nccl_available
-from ._torch.report import describe
-from ._torch.serialization import (
+from ckptlib._torch.probes import (
+    MIN_TORCH,
+    cuda_available,
+    dtensor_cls,
+    dtensor_module_name,
+    gloo_available,
+    nccl_available,
+)
+from ckptlib._torch.report import describe
+from ckptlib._torch.serialization import (
     has_safe_globals,
     load_weights_only_default,
     meta_load_records_offsets,
     meta_storage_offset,
     torch_save_without_zip_crc,
 )
-from .format.torch_archive import TorchArchiveWriter, streaming_torch_save_reason
+from ckptlib.format.foreign.torch_archive import TorchArchiveWriter, streaming_torch_save_reason
 
 
 def _importer_stacklevel() -> int:
@@ -75,7 +82,7 @@ def _importer_stacklevel() -> int:
 
 warnings.warn(
     "ckptlib.compat is deprecated and will be removed in the next release: its probes live in "
-    "ckptlib._torch (describe() in ckptlib._torch.report) and TorchArchiveWriter in ckptlib.format.torch_archive",
+    "ckptlib._torch (describe() in ckptlib._torch.report) and TorchArchiveWriter in ckptlib.format.foreign.torch_archive",
     DeprecationWarning,
     stacklevel=_importer_stacklevel(),
 )

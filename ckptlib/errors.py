@@ -31,7 +31,7 @@ class CheckpointError(Exception):
 
 
 def _scrubbed(text: str) -> str:
-    from .storage.scrub import scrub_message  # imported on use: the storage package imports this module
+    from ckptlib._scrub import scrub_message  # imported on use: the storage package imports this module
 
     return scrub_message(text) if isinstance(text, str) else text
 
@@ -76,7 +76,7 @@ class NotARegularFileError(CheckpointCorruptError):
 
 class CopiesExhaustedError(CheckpointCorruptError):
     """Every copy of a checkpoint file that a load tried (its own node's, a peer's replica, the
-    remote: `ckptlib.format.copies`) is missing, short or damaged. `file` is the file's name;
+    remote: `ckptlib.format.read.copies`) is missing, short or damaged. `file` is the file's name;
     `tried` lists (label, uri, problem) for each copy tried, across every rank that tried one."""
 
     def __init__(self, message: str, *, file: str, tried=(), path: str | None = None, rank: int | None = None):
@@ -90,7 +90,7 @@ class CopiesMissingError(CopiesExhaustedError, CheckpointNotFoundError):
 
 
 class NoCopyError(CheckpointNotFoundError):
-    """No rank of a load holds a copy of a file that some rank needs (`ckptlib.format.copies`):
+    """No rank of a load holds a copy of a file that some rank needs (`ckptlib.format.read.copies`):
     names the file and the ranks that need it."""
 
 

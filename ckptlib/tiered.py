@@ -1,4 +1,4 @@
-"""Deprecated: the single-machine tier's names. The cluster tier (`ckptlib.cluster_tier`) is
+"""Deprecated: the single-machine tier's names. The cluster tier (`ckptlib.manager.cluster.cluster_tier`) is
 what `CheckpointManager(root, remote=..., replicas=...)` holds now.
 
 `TieredCheckpointManager(local_root, remote_root=URI, keep_local=N, ...)` and
@@ -13,8 +13,8 @@ import os
 import warnings
 from typing import Any
 
-from .errors import UploadError
-from .manager import CheckpointManager
+from ckptlib.errors import UploadError
+from ckptlib.manager.manager import CheckpointManager
 
 
 class TieredCheckpointManager(CheckpointManager):

@@ -8,7 +8,11 @@
 - private torch names (``torch._x`` attributes, also through names imported from torch;
   ``from torch... import _x``; ``torch._x`` modules; ``getattr(obj, "_x")`` on a torch object or
   a tensor's storage) only in ``ckptlib/_torch/``, the one package that knows torch internals;
-- no ckptlib module imports ``ckptlib.compat`` (deprecated: it only re-exports ``_torch`` for users).
+- the packages stand in one order along the data flow (``LAYERS``): a module imports only
+  from its own package or from packages below it;
+- the top level holds the public API and few else (at most ``MAX_TOP_LEVEL`` files);
+- every package's ``__init__`` docstring names each of its modules, and ``docs/architecture.md``
+  names every package.
 """
 
 from __future__ import annotations
@@ -131,7 +135,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_package_found():
-    assert {"ckptlib", "ckptlib.checkpoint", "ckptlib._torch", "ckptlib.format", "ckptlib.storage"} <= set(MODULES)
+    assert {"ckptlib", "ckptlib._torch", "ckptlib.format", "ckptlib.storage"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -254,27 +258,102 @@ def test_private_torch_finder_is_not_vacuous(module):
     assert uses, f"{_rel(MODULES[module])} is where torch's private names live; the finder should see some"
 
 
-def test_nothing_imports_the_deprecated_compat_module():
-    importers = sorted(m for m, p in MODULES.items() if "ckptlib.compat" in _imports(m, p))
-    assert not importers, f"{importers} import ckptlib.compat (deprecated): import from ckptlib._torch instead"
-
-
 def test_storage_deletes_the_commit_markers_first():
     """storage/ names the files that make a directory committed without importing format/
     (data flows cli/manager -> format -> storage); the names must stay format's."""
-    from ckptlib.format.manifest import MANIFEST_NAME, METADATA_NAME
+    from ckptlib.format.native.manifest import MANIFEST_NAME, METADATA_NAME
     from ckptlib.storage.base import DELETE_FIRST
 
     assert DELETE_FIRST == (MANIFEST_NAME, METADATA_NAME)
 
 
-def test_storage_imports_nothing_above_it():
-    above = {m for m in MODULES if not m.startswith(("ckptlib.storage", "ckptlib.errors"))}
-    for module, path in MODULES.items():
-        if module.startswith("ckptlib.storage"):
-            assert not (_imports(module, path) & above), (
-                f"{_rel(path)} imports {sorted(_imports(module, path) & above)}"
-            )
+#: The packages (and top-level modules) from the bottom up: data flows down this list, from the
+#: CLI to storage, and a module may import only from its own entry or from one further down.
+LAYERS = (
+    ("ckptlib._version", "ckptlib._scrub", "ckptlib.errors"),
+    ("ckptlib._torch",),
+    ("ckptlib.storage",),
+    ("ckptlib._runtime",),
+    ("ckptlib.format",),
+    ("ckptlib.state",),
+    ("ckptlib.dcp",),
+    ("ckptlib.saving",),
+    ("ckptlib.presets",),
+    ("ckptlib.loading",),
+    ("ckptlib.manager",),
+    ("ckptlib.offline",),
+    ("ckptlib.integrations",),
+    ("ckptlib",),
+    ("ckptlib.testing",),
+    ("ckptlib.bench",),
+    ("ckptlib.cli",),
+)
+MAX_TOP_LEVEL = 10
+
+
+def _entry(module: str) -> str:
+    """The entry of LAYERS that holds `module`: its top-level package or module."""
+    return ".".join(module.split(".")[:2])
+
+
+def _layer(module: str) -> int:
+    entry = _entry(module)
+    for level, names in enumerate(LAYERS):
+        if entry in names:
+            return level
+    raise AssertionError(f"{module} is in no entry of LAYERS: place its package there")
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_only_downward(module):
+    """A module imports from its own package or from packages below it: no arrow back up."""
+    up = sorted(
+        imported
+        for imported in _imports(module, MODULES[module])
+        if _entry(imported) != _entry(module) and _layer(imported) > _layer(module)
+    )
+    assert not up, f"{_rel(MODULES[module])} imports {up}, above it in LAYERS"
+
+
+def test_every_package_has_a_layer():
+    assert sorted({_entry(m) for m in MODULES if _entry(m) != "ckptlib"} - {n for names in LAYERS for n in names}) == []
+
+
+def test_top_level_holds_few_files():
+    top = sorted(name for name in os.listdir(ROOT) if name.endswith(".py"))
+    assert len(top) <= MAX_TOP_LEVEL, f"ckptlib/ holds {len(top)} modules {top}: give each a package of its job"
+
+
+def _package_docstring(package_dir: str) -> str:
+    with open(os.path.join(package_dir, "__init__.py")) as f:
+        return ast.get_docstring(ast.parse(f.read())) or ""
+
+
+PACKAGES = sorted(
+    dirpath for dirpath, _, filenames in os.walk(ROOT) if "__init__.py" in filenames and "__pycache__" not in dirpath
+)
+
+
+@pytest.mark.parametrize("package_dir", PACKAGES, ids=lambda p: os.path.relpath(p, os.path.dirname(ROOT)))
+def test_package_docstring_maps_its_modules(package_dir):
+    """Each package's __init__ docstring says what each of its modules (and sub-packages) is for."""
+    doc = _package_docstring(package_dir)
+    names = sorted(
+        name[: -len(".py")]
+        for name in os.listdir(package_dir)
+        if name.endswith(".py") and name not in ("__init__.py", "__main__.py")
+    ) + sorted(d for d in os.listdir(package_dir) if os.path.isfile(os.path.join(package_dir, d, "__init__.py")))
+    if package_dir == ROOT:
+        names = [n for n in names if os.path.isfile(os.path.join(ROOT, n + ".py"))]
+    missing = [n for n in names if f"`{n}`" not in doc and f"`{n}/`" not in doc and f"`{n}.py`" not in doc]
+    assert missing == [], f"{_rel(package_dir)}/__init__.py's docstring does not name {missing}"
+
+
+def test_architecture_names_every_package():
+    with open(os.path.join(os.path.dirname(ROOT), "docs", "architecture.md"), encoding="utf-8") as f:
+        text = f.read()
+    packages = sorted(os.path.relpath(p, os.path.dirname(ROOT)) + "/" for p in PACKAGES if p != ROOT)
+    assert [p for p in packages if f"`{p}`" not in text] == [], "packages docs/architecture.md does not name"
 
 
 # ---------------------------------------------------------------- no import cycle anywhere in the repository
@@ -412,28 +491,3 @@ def test_repository_cycle_finder_sees_every_kind_of_import(tmp_path):
     ]
     (tmp_path / "pkg" / "sub" / "leaf.py").write_text("def h():\n    from .. import top\n")
     assert ["pkg/sub/leaf.py", "pkg/top.py"] in _cycles(_repo_import_graph(str(tmp_path)))
-
-
-def _readme_layout_section() -> str:
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-        text = f.read()
-    start = text.index("## How the code is laid out")
-    return text[start : text.index("\n## ", start + 1)]
-
-
-def test_readme_layout_names_every_module_and_only_real_ones():
-    """README's "How the code is laid out" matches the tree: every module of ckptlib/ is named
-    there, and every `name.py` it names is a module of ckptlib/."""
-    import re
-
-    section = _readme_layout_section()
-    files = {
-        name
-        for _, _, names in os.walk(ROOT)
-        for name in names
-        if name.endswith(".py") and name not in ("__init__.py", "__main__.py")
-    }
-    paths = re.findall(r"`((?:[\w/]+/)?\w+\.py)`", section)
-    named = {os.path.basename(p) for p in paths if not p.startswith("tests/")}
-    assert sorted(files - named) == [], "modules README's layout section does not name"
-    assert sorted(named - files) == [], "names in README's layout section that are no module"

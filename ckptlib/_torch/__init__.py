@@ -6,7 +6,9 @@ signature, a behaviour) rather than a version string, so backports and nightlies
 by what they can do. The supported window is torch 2.6 to the newest release.
 
 - `probes`: where this torch keeps DTensor, which devices and backends it has;
-- `dcp`: torch.distributed.checkpoint's helpers and signatures as ckptlib calls them;
+- `dcp_shims`: torch.distributed.checkpoint's helpers and signatures as ckptlib calls them;
+- `dcp_extensions`: DCP's stream extensions (experimental in torch);
+- `module_keys`: the key names a module's own `state_dict()` gives, as torch's helpers would;
 - `serialization`: torch.load's defaults and torch.save's zip writer;
 - `c10d`: the default process group's store;
 - `parallel`: FSDP, FSDP2, DTensor and device-mesh gates for the test matrix (`ckptlib.testing`);

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .dcp_shims import storage_info_fields
+from ckptlib._torch.dcp_shims import storage_info_fields
 
 
 def supported() -> bool:

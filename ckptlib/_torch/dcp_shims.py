@@ -19,7 +19,7 @@ import inspect
 import warnings
 from typing import Any
 
-from .probes import import_first
+from ckptlib._torch.probes import import_first
 
 
 def storage_info_cls() -> type:

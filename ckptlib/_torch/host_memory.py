@@ -1,5 +1,5 @@
 """Host memory for staging: page-locking (pinning) a shared-memory range for fast device-to-host
-copies, and a DTensor over a staged local tensor (process-mode async saves, `ckptlib.staging_arena`).
+copies, and a DTensor over a staged local tensor (process-mode async saves, `ckptlib.saving.staging_arena`).
 
 Pinning registers existing memory with CUDA (`cudaHostRegister`, as DCP's own stager does
 through `torch.cuda._pin_memory_utils`), so the staging copy of a GPU tensor lands straight in

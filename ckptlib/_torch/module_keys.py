@@ -4,7 +4,7 @@
 `torch.compile` adds `_orig_mod.`, activation checkpointing `_checkpoint_wrapped_module.`,
 FSDP1 `_fsdp_wrapped_module.`, DDP a leading `module.`; `get_model_state_dict` removes them, so
 a checkpoint does not depend on how the model was wrapped. ckptlib's fallback for modules whose
-state-dict hooks rename keys (`ckptlib.module_state`) uses the module's own `state_dict()` and
+state-dict hooks rename keys (`ckptlib.state.module_state`) uses the module's own `state_dict()` and
 cleans its keys the same way.
 """
 

@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import UnsupportedError
-from .probes import dtensor_module_name, import_first
+from ckptlib._torch.probes import dtensor_module_name, import_first
+from ckptlib.errors import UnsupportedError
 
 
 @functools.lru_cache(maxsize=None)

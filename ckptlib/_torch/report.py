@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import dcp_shims, parallel, probes, serialization
+from ckptlib._torch import dcp_shims, parallel, probes, serialization
 
 
 def describe() -> dict[str, Any]:

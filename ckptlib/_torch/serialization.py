@@ -6,7 +6,7 @@
   (`meta_storage_offset`).
 - `torch.save`: its zip writer (`torch._C.PyTorchFileWriter`) and the names its pickle uses,
   for the item encoder (`torch_save_without_zip_crc`) and the streaming archive writer
-  (`ckptlib.format.torch_archive`), which write torch.save's exact bytes their own way.
+  (`ckptlib.format.foreign.torch_archive`), which write torch.save's exact bytes their own way.
 """
 
 from __future__ import annotations

@@ -3,18 +3,21 @@
 - `ckpt bench` (`throughput`): save, load, resharded load, peak RSS, async save and the cloud
   backends against raw DCP, torch.save, the disk and each SDK, side by side in one run. Its
   rank bodies: `local_io`, `reshard_load`, `cloud_sdk` (on the helpers in `rank_ops`); its
-  report: `throughput_summary`, `throughput_plot`.
+  report: `throughput_summary`, `throughput_plot`. It measures the machine's ceilings first
+  (`ceilings`, summarized by `ceiling_summary`), repeats with `paired`, and meters checksums
+  with `crc_meter`.
+- `ckpt bench read-once` (`read_once`): the bytes and time of a load with and without read-once.
 - `ckpt bench tensors` (`tensor_counts`): save and load time per tensor count against raw DCP.
 - `ckpt bench tier` (`tier`): the cluster tier's blocking save, upload and resume against a
   plain save, concurrent SDK uploads and the remote bytes read.
 - `ckpt bench async` (`async_modes`): a training loop's step time while an async save runs,
   without a save and in async_mode "thread" and "process".
 - `ckpt bench scale` (`scale`, with `s3_requests`): coordinator planning time and memory and
-  record sizes at simulated world sizes; S3 request counts of real saves and loads.
-- `python -m ckptlib.bench.launch_speed` (the distributed test harness against fresh spawns;
-  needs a source checkout), `python -m ckptlib.bench.small_items` (per-item cost of small
-  tensors), `python -m ckptlib.bench.s3_requests`, `python -m ckptlib.bench.storage_clients`
-  (the cloud SDKs against obstore).
+  record sizes at simulated world sizes (one cell each: `scale_cell`); S3 request counts of
+  real saves and loads.
+- run as `python -m ckptlib.bench.NAME`: `launch_speed` (the distributed test harness against
+  fresh spawns; needs a source checkout), `small_items` (per-item cost of small tensors),
+  `s3_requests`, `storage_clients` (the cloud SDKs against obstore).
 
 Nothing here is imported by the library itself.
 """

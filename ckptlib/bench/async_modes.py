@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Any
 
-from . import help_description
+from ckptlib.bench import help_description
 
 MODES = ("none", "thread", "process")
 TARGET_RATIO = 1.1  # process-mode step time <= 1.1x the step time without a save
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import ckptlib
-    from ckptlib import background_save, writer_process
+    from ckptlib.saving import background_save, writer_process
 
     torch.set_num_threads(1)
     scratch = tempfile.mkdtemp(prefix="ckpt-bench-async-", dir=args.dir)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .paired import paired, shares, spread, starved, throughputs
+from ckptlib.bench.paired import paired, shares, spread, starved, throughputs
 
 MiB = 1 << 20
 

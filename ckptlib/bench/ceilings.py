@@ -26,8 +26,8 @@ import socket
 import time
 from typing import Any
 
-from .paired import load_average, measured, sample, usage
-from .rank_ops import fsync_dir
+from ckptlib.bench.paired import load_average, measured, sample, usage
+from ckptlib.bench.rank_ops import fsync_dir
 
 MiB = 1 << 20
 #: Bytes per write/read call of the disk ceiling and per send of the TCP ceiling.

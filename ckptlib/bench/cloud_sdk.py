@@ -16,7 +16,7 @@ import io
 import os
 from typing import Any, Callable
 
-from .rank_ops import make_state, rank_world, same_values, timed_use
+from ckptlib.bench.rank_ops import make_state, rank_world, same_values, timed_use
 
 BACKENDS = ("s3", "gcs", "azure")
 SDK_NAME = {"s3": "boto3", "gcs": "google-cloud-storage", "azure": "azure-storage-blob"}
@@ -29,7 +29,7 @@ def _sdk_transfer(backend: str, container: str, key: str, payload: bytes) -> tup
         import boto3
         from boto3.s3.transfer import TransferConfig
 
-        from ..storage import s3 as s3mod
+        from ckptlib.storage import s3 as s3mod
 
         client = boto3.session.Session().client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
         config = TransferConfig(
@@ -55,7 +55,7 @@ def _sdk_transfer(backend: str, container: str, key: str, payload: bytes) -> tup
         return (lambda: blob.upload_from_string(payload)), gcs_down
     from azure.storage.blob import BlobServiceClient
 
-    from ..storage.azure import DEFAULTS
+    from ckptlib.storage.azure import DEFAULTS
 
     service = BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"])
     blob = service.get_blob_client(container, key)
@@ -118,13 +118,13 @@ def rank_cloud(backend: str, env: dict[str, str], container: str, size_mib: int,
 def _server(backend: str):
     """(env for the ranks, make_container, remove_container) for the backend's emulator."""
     if backend == "s3":
-        from ..testing.fakes.s3_server import create_bucket, remove_bucket, s3_env, start_moto_server
+        from ckptlib.testing.fakes.s3_server import create_bucket, remove_bucket, s3_env, start_moto_server
 
         with start_moto_server() as endpoint:
             env = {k: v for k, v in s3_env(endpoint).items() if v is not None}
             yield env, (lambda: create_bucket(endpoint, "bench")), (lambda b: remove_bucket(endpoint, b))
         return
-    from ..testing.fakes import emulators as em
+    from ckptlib.testing.fakes import emulators as em
 
     if backend == "gcs":
         binary = em.gcs_binary()

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Iterator
 
-from ..format import checksum
+from ckptlib.format.items import checksum
 
 
 class CrcMeter:

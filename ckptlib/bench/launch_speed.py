@@ -58,7 +58,7 @@ def fresh_spawn(world: int = 4) -> float:
 
 
 def harness_launch(world: int = 4) -> float:
-    from ..testing import launch
+    from ckptlib.testing import launch
 
     t0 = time.perf_counter()
     launch(world, _body)

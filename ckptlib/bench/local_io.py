@@ -9,8 +9,8 @@ import resource
 import time
 from typing import Any
 
-from . import crc_meter
-from .rank_ops import (
+from ckptlib.bench import crc_meter
+from ckptlib.bench.rank_ops import (
     barrier,
     evict,
     local_bytes,

@@ -8,7 +8,7 @@ import os
 import shutil
 from typing import Any, Callable
 
-from .paired import sample, usage
+from ckptlib.bench.paired import sample, usage
 
 MiB = 1 << 20
 N_TENSORS = 16

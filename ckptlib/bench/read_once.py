@@ -35,8 +35,8 @@ import tempfile
 import time
 from typing import Any
 
-from . import help_description
-from .rank_ops import MiB, barrier, rank_world, timed, warm
+from ckptlib.bench import help_description
+from ckptlib.bench.rank_ops import MiB, barrier, rank_world, timed, warm
 
 TENSORS = 16
 COLS = 1024
@@ -121,7 +121,7 @@ def rank_read_once(uri: str, layout: str, size_mib: int, reps: int, local: bool)
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from ..testing import launch
+    from ckptlib.testing import launch
 
     scratch = None
     if args.root is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .rank_ops import make_state, rank_world, timed_use, warm
+from ckptlib.bench.rank_ops import make_state, rank_world, timed_use, warm
 
 
 def rank_reshard(sources: dict[int, str], size_mib: int, reps: int, verify_modes: list[bool]) -> dict[str, Any]:

@@ -131,8 +131,8 @@ def rank_phase(env: dict[str, str], uri: str, phase: str, tensors: int, global_r
 
 def measure(pairs=((1, 1), (2, 2), (4, 4), (4, 2), (2, 4)), scenarios=SCENARIOS, timeout: float = 300) -> list[dict]:
     """Counted requests of each (save world N, load world M) and scenario."""
-    from ..testing import launch
-    from ..testing.fakes.s3_server import create_bucket, s3_env
+    from ckptlib.testing import launch
+    from ckptlib.testing.fakes.s3_server import create_bucket, s3_env
 
     rows = []
     with counting_moto_server() as (endpoint, counter):

@@ -36,8 +36,8 @@ import json
 import multiprocessing
 import sys
 
-from . import help_description
-from .scale_cell import measure_cell
+from ckptlib.bench import help_description
+from ckptlib.bench.scale_cell import measure_cell
 
 
 def _child(conn, world: int, tensors: int, dcp_max_chunks: int) -> None:
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     emit(measure(world, tensors, args.dcp_max_chunks))
         if args.s3:
-            from . import s3_requests
+            from ckptlib.bench import s3_requests
 
             for row in s3_requests.rows(worlds):
                 emit(row)

@@ -29,15 +29,15 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .._torch import dcp_shims
-from ..format import plan_codec
-from ..format.dcp_writer import CkptWriter
-from ..format.layout import open_checkpoint
-from ..format.manifest import FileRecord
-from ..format.plan_cache import CachedPlan, PlanCache, PlanReuse
-from ..format.save_planner import CkptSavePlanner
-from ..format.transaction import SaveTransaction
-from ..gc_pause import gc_paused
+from ckptlib._runtime.gc_pause import gc_paused
+from ckptlib._torch import dcp_shims
+from ckptlib.format.native import plan_codec
+from ckptlib.format.native.layout import open_checkpoint
+from ckptlib.format.native.manifest import FileRecord
+from ckptlib.format.write.dcp_writer import CkptWriter
+from ckptlib.format.write.plan_cache import CachedPlan, PlanCache, PlanReuse
+from ckptlib.format.write.save_planner import CkptSavePlanner
+from ckptlib.format.write.transaction import SaveTransaction
 
 ROWS_PER_RANK, TALL_COLS = 4, 64  # tall tensors: (world * 4, 64); wide ones: (world * 4, world * 16)
 BLOCK = 1 << 20

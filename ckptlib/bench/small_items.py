@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from ..format import item_encoder, zip_directory
-from ..format.checksum import crc32
-from ..format.item_header import pickled_tensor_header
+from ckptlib.format.items import item_encoder, zip_directory
+from ckptlib.format.items.checksum import crc32
+from ckptlib.format.items.item_header import pickled_tensor_header
 
 
 def transformer_tensors(layers: int, hidden: int = 64) -> list[torch.Tensor]:

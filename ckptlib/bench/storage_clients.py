@@ -45,7 +45,7 @@ def _timed(fn, reps: int) -> tuple[float, int]:
 
 
 def _ckptlib(uri: str, data: bytes):
-    from ..storage import open_storage
+    from ckptlib.storage import open_storage
 
     storage = open_storage(uri)
 
@@ -60,8 +60,8 @@ def _ckptlib(uri: str, data: bytes):
 
 
 def run(size_mib: int, reps: int) -> dict:
-    from ..testing.fakes import emulators as em
-    from ..testing.fakes.s3_server import create_bucket, s3_client, start_moto_server
+    from ckptlib.testing.fakes import emulators as em
+    from ckptlib.testing.fakes.s3_server import create_bucket, s3_client, start_moto_server
 
     data = os.urandom(size_mib * MiB)
     results: dict[str, dict] = {}
@@ -85,7 +85,7 @@ def run(size_mib: int, reps: int) -> dict:
     with start_moto_server() as endpoint:
         from boto3.s3.transfer import TransferConfig
 
-        from ..storage import s3 as s3mod
+        from ckptlib.storage import s3 as s3mod
 
         bucket = create_bucket(endpoint)
         client = s3_client(endpoint)

@@ -12,7 +12,7 @@ Run: ckpt bench tensors [--tensors 16 1000 10000] [--world-sizes 1 2 4] [--reps 
                         [--json [OUT]] [--dir DIR] [--ablation]
 
 --ablation adds two more methods to every repetition, to show what the garbage-collector pause
-is worth on each side: raw DCP inside `ckptlib.gc_pause.gc_paused` ("dcp-gc-paused"), and
+is worth on each side: raw DCP inside `ckptlib._runtime.gc_pause.gc_paused` ("dcp-gc-paused"), and
 ckptlib with its pause replaced by a no-op ("ckptlib-gc-on").
 Every number is the slowest rank's wall time (barriers around each timed call), median over
 the repetitions; "ms/tensor" is that time divided by the tensor count of the whole state.
@@ -34,8 +34,8 @@ import tempfile
 import time
 from typing import Any
 
-from . import help_description
-from .rank_ops import barrier, rank_world, remove_tree, settle, timed, warm
+from ckptlib.bench import help_description
+from ckptlib.bench.rank_ops import barrier, rank_world, remove_tree, settle, timed, warm
 
 HIDDEN = 80
 TARGET_RATIO = 1.0  # ckptlib time <= 1.0x raw DCP's at every tensor count ...
@@ -90,13 +90,13 @@ def _method_context(method: str):
     import contextlib
     from unittest import mock
 
-    from ..gc_pause import gc_paused
+    from ckptlib._runtime.gc_pause import gc_paused
 
     if method == "dcp-gc-paused":
         return gc_paused()
     if method == "ckptlib-gc-on":
         stack = contextlib.ExitStack()
-        for module in ("ckptlib.saving", "ckptlib.loading"):
+        for module in ("ckptlib.saving.saving", "ckptlib.loading.loading"):
             stack.enter_context(mock.patch(f"{module}.gc_paused", contextlib.nullcontext))
         return stack
     return contextlib.nullcontext()
@@ -166,7 +166,7 @@ def _log(msg: str) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from ..testing import launch
+    from ckptlib.testing import launch
 
     root = tempfile.mkdtemp(prefix="ckptlib-bench-tensors-", dir=args.dir)
     commit = _source_commit()

@@ -58,13 +58,13 @@ import tempfile
 import time
 from typing import Any
 
-from . import help_description
-from .ceilings import measure as measure_ceilings
-from .cloud_sdk import run_cloud
-from .local_io import rank_io, rank_rss
-from .paired import load_average
-from .reshard_load import rank_reshard
-from .throughput_summary import ESTIMATORS, TARGETS, markdown, summarize
+from ckptlib.bench import help_description
+from ckptlib.bench.ceilings import measure as measure_ceilings
+from ckptlib.bench.cloud_sdk import run_cloud
+from ckptlib.bench.local_io import rank_io, rank_rss
+from ckptlib.bench.paired import load_average
+from ckptlib.bench.reshard_load import rank_reshard
+from ckptlib.bench.throughput_summary import ESTIMATORS, TARGETS, markdown, summarize
 
 
 def _max_over_ranks(per_rank: list[dict[str, Any]], key: str) -> list[float]:
@@ -84,7 +84,7 @@ def _log(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ..testing import launch
+    from ckptlib.testing import launch
 
     cold = (not args.quick) and (not args.warm_only) and hasattr(os, "posix_fadvise")
     root = tempfile.mkdtemp(prefix="ckptlib-bench-", dir=args.dir)
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         import torch
 
         results["machine"]["torch"] = torch.__version__
-        from ..format import checksum
+        from ckptlib.format.items import checksum
 
         results["machine"]["crc32"] = getattr(checksum.crc32, "__module__", "zlib") or "zlib"
         for size in args.sizes:
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(report, f, indent=1, default=str)
     if args.plot:
         try:
-            from .throughput_plot import plot
+            from ckptlib.bench.throughput_plot import plot
 
             plot(results, summary, args.plot)
         except ImportError as exc:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .ceiling_summary import against_ceilings, markdown_against, markdown_ceilings, summarize_ceilings
-from .cloud_sdk import markdown_cloud, summarize_cloud
-from .paired import paired
-from .rank_ops import MiB
+from ckptlib.bench.ceiling_summary import against_ceilings, markdown_against, markdown_ceilings, summarize_ceilings
+from ckptlib.bench.cloud_sdk import markdown_cloud, summarize_cloud
+from ckptlib.bench.paired import paired
+from ckptlib.bench.rank_ops import MiB
 
 TARGETS = {
     "cloud_save": 0.9,  # ckptlib save throughput >= 0.9x the cloud SDK's plain upload of the same bytes

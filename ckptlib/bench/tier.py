@@ -34,8 +34,8 @@ import tempfile
 import time
 from typing import Any
 
-from . import help_description
-from .rank_ops import barrier, local_bytes, make_state, rank_world, same_values, settle, timed
+from ckptlib.bench import help_description
+from ckptlib.bench.rank_ops import barrier, local_bytes, make_state, rank_world, same_values, settle, timed
 
 BLOCKING_TARGET = 1.1
 UPLOAD_TARGET = 0.9
@@ -77,7 +77,7 @@ def rank_tier(base: str, remote_base: str, size_mib: int, reps: int) -> dict[str
     import torch.distributed as dist
 
     import ckptlib
-    from ckptlib.remote_tier import RemoteTier
+    from ckptlib.manager.cluster.remote_tier import RemoteTier
     from ckptlib.storage import open_storage
 
     rank, world = rank_world()
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from ..testing import launch
+    from ckptlib.testing import launch
 
     base = tempfile.mkdtemp(prefix="ckptlib-bench-tier-", dir=args.dir)
     results: dict[str, Any] = {
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with contextlib.ExitStack() as stack:
             if args.remote == "s3":
-                from ..testing.fakes.s3_server import create_bucket, s3_env, start_moto_server
+                from ckptlib.testing.fakes.s3_server import create_bucket, s3_env, start_moto_server
 
                 endpoint = stack.enter_context(start_moto_server())
                 env = {k: v for k, v in s3_env(endpoint).items() if v is not None}

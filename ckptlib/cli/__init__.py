@@ -8,7 +8,7 @@ checkpoint there). User errors print one line, never a traceback.
 One module per command family: `validate_cmd` (validate), `inspect_cmds` (verify, inspect,
 ls), `plan_cmd` (plan: a resharded load's reads, from metadata), `diff_cmd` (diff), `gc_cmds`
 (gc, unlock), `convert_cmds` (convert, export), `bench_cmd` (bench, which runs
-`ckptlib.bench`); `parser` assembles them and `usage` holds what they share. `plan` and
+`ckptlib.bench`); `parser` assembles them, `usage` holds what they share and `listing` how `ckpt ls` shows a root. `plan` and
 `diff` exit 2 on every error (a CheckpointError), since their 1 means "does not fit" and
 "differs".
 """
@@ -18,21 +18,21 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from .bench_cmd import report_stdout, run_bench
-from .parser import build_parser
-from .usage import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+from ckptlib.cli.bench_cmd import report_stdout, run_bench
+from ckptlib.cli.parser import build_parser
+from ckptlib.cli.usage import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `ckpt ARGV...` and return its exit code (`ckpt = "ckptlib.cli:main"`)."""
-    from ..errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
+    from ckptlib.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return run_bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    from ..storage.scrub import scrub_message
+    from ckptlib._scrub import scrub_message
 
     def report(exc: BaseException) -> None:  # never a credential on the terminal, whatever raised it
         print(scrub_message(f"ckpt {args.command}: error: {exc}"), file=sys.stderr)

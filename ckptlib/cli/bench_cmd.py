@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Iterator
 
-from .usage import add_command
+from ckptlib.cli.usage import add_command
 
 DESCRIPTION = """
 Benchmarks that measure ckptlib side by side with its baselines in one run; every one has its
@@ -53,26 +53,26 @@ def run_bench(bench_args: list[str]) -> int:
     """`ckpt bench [scale | tensors | async | read-once | tier] ARGS...`: the benchmark's own exit code."""
     with report_stdout():
         if bench_args[:1] == ["scale"]:
-            from ..bench import scale
+            from ckptlib.bench import scale
 
             return scale.main(bench_args[1:])
         if bench_args[:1] == ["tier"]:
-            from ..bench import tier
+            from ckptlib.bench import tier
 
             return tier.main(bench_args[1:])
         if bench_args[:1] == ["tensors"]:
-            from ..bench import tensor_counts
+            from ckptlib.bench import tensor_counts
 
             return tensor_counts.main(bench_args[1:])
         if bench_args[:1] == ["async"]:
-            from ..bench import async_modes
+            from ckptlib.bench import async_modes
 
             return async_modes.main(bench_args[1:])
         if bench_args[:1] == ["read-once"]:
-            from ..bench import read_once
+            from ckptlib.bench import read_once
 
             return read_once.main(bench_args[1:])
-        from ..bench import throughput
+        from ckptlib.bench import throughput
 
         return throughput.main(bench_args)
 

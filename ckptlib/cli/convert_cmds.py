@@ -7,7 +7,7 @@ import argparse
 import json
 import os
 
-from .usage import (
+from ckptlib.cli.usage import (
     EXIT_OK,
     TRUSTED_HELP,
     UsageError,
@@ -181,8 +181,8 @@ def parse_key_map(values: list[str]) -> dict[str, str | None] | None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from ..convert import convert
-    from ..format.source import detect_format
+    from ckptlib.format.source import detect_format
+    from ckptlib.offline.convert import convert
 
     preset = preset_of(args)
     detect_format(args.src if preset is None else preset.resolve(open_uri(args.src)))  # missing: exit 2
@@ -208,7 +208,8 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from ..export import export, parse_dtype, parse_size
+    from ckptlib.format.output import parse_size
+    from ckptlib.offline.export import export, parse_dtype
 
     try:
         dtype = parse_dtype(args.dtype)

@@ -1,11 +1,11 @@
-"""`ckpt diff A B`: which tensors differ between two checkpoints (`ckptlib.diff`)."""
+"""`ckpt diff A B`: which tensors differ between two checkpoints (`ckptlib.offline.diff`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from .usage import EXIT_FAIL, EXIT_OK, EXIT_USAGE, TRUSTED_HELP, add_command, add_no_progress, progress_bar
+from ckptlib.cli.usage import EXIT_FAIL, EXIT_OK, EXIT_USAGE, TRUSTED_HELP, add_command, add_no_progress, progress_bar
 
 DESCRIPTION = """
 Compare two checkpoints tensor by tensor: after a resume, a conversion or an export, which
@@ -109,7 +109,7 @@ def render(report, show: int = 20) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..diff import diff_checkpoints
+    from ckptlib.offline.diff import diff_checkpoints
 
     with progress_bar(args, "ckpt diff") as bar:
 

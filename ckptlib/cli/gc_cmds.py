@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .usage import EXIT_OK, ROOT_URI_HELP, UsageError, add_command, add_no_progress, progress_bar
+from ckptlib.cli.usage import EXIT_OK, ROOT_URI_HELP, UsageError, add_command, add_no_progress, progress_bar
 
 GC_DESCRIPTION = """
 Apply retention to ROOT and remove incomplete debris (only files ckptlib wrote: a step
@@ -71,8 +71,8 @@ def add_unlock_parser(commands) -> None:
 
 
 def run_gc(args: argparse.Namespace) -> int:
-    from ..manager import CheckpointManager
-    from ..retention import KeepEvery, KeepLast, parse_keep_best
+    from ckptlib.manager.manager import CheckpointManager
+    from ckptlib.manager.policies import KeepEvery, KeepLast, parse_keep_best
 
     if args.keep is not None and args.keep_last is not None:
         raise UsageError("--keep is --keep-last; give one of them")
@@ -121,7 +121,7 @@ def run_gc(args: argparse.Namespace) -> int:
 
 
 def run_unlock(args: argparse.Namespace) -> int:
-    from ..manager import CheckpointManager
+    from ckptlib.manager.manager import CheckpointManager
 
     mgr = CheckpointManager(args.root)
     if not mgr.storage.exists():

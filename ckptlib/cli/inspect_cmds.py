@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..listing import age_seconds, human_age, human_bytes, metric_text
-from .usage import (
+from ckptlib.cli.listing import age_seconds, human_age, human_bytes, metric_text
+from ckptlib.cli.usage import (
     CHECKPOINT_URI_HELP,
     EXIT_FAIL,
     EXIT_OK,
@@ -106,8 +106,8 @@ def add_parsers(commands) -> None:
 def _checkpoint(args: argparse.Namespace):
     """The storage of the checkpoint a command reads and its format (None: not one ckptlib
     reads; the command's own check then says what is there)."""
-    from ..errors import CheckpointError
-    from ..format.source import detect_format
+    from ckptlib.errors import CheckpointError
+    from ckptlib.format.source import detect_format
 
     storage = open_uri(args.uri)
     preset = preset_of(args)
@@ -120,8 +120,8 @@ def _checkpoint(args: argparse.Namespace):
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from ..format.safetensors_check import verify_safetensors
-    from ..format.verify import verify
+    from ckptlib.format.safetensors_check import verify_safetensors
+    from ckptlib.format.verify import verify
 
     storage, fmt = _checkpoint(args)
     bar = progress_bar(args, "ckpt verify")
@@ -145,8 +145,8 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from ..format.safetensors_check import summarize_safetensors
-    from ..format.verify import summarize
+    from ckptlib.format.safetensors_check import summarize_safetensors
+    from ckptlib.format.verify import summarize
 
     storage, fmt = _checkpoint(args)
     summary = summarize_safetensors(storage) if fmt == "safetensors" else summarize(storage)
@@ -177,10 +177,11 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    from .. import presets
-    from ..errors import CheckpointError
-    from ..format import MANIFEST_NAME, Manifest
-    from ..manager import LATEST, CheckpointManager, step_dir
+    from ckptlib import presets
+    from ckptlib.errors import CheckpointError
+    from ckptlib.format.native.manifest import MANIFEST_NAME, Manifest
+    from ckptlib.format.native.root import LATEST, step_dir
+    from ckptlib.manager.manager import CheckpointManager
 
     mgr = CheckpointManager(args.root)
     if not mgr.storage.exists():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from . import bench_cmd, convert_cmds, diff_cmd, gc_cmds, inspect_cmds, plan_cmd, validate_cmd
-from .usage import HelpFormatter
+from ckptlib.cli import bench_cmd, convert_cmds, diff_cmd, gc_cmds, inspect_cmds, plan_cmd, validate_cmd
+from ckptlib.cli.usage import HelpFormatter
 
 DESCRIPTION = (
     "Elastic sharded checkpoints for PyTorch: validate a setup or your own training job; verify, inspect, plan a "

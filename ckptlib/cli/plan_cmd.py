@@ -1,11 +1,20 @@
-"""`ckpt plan CKPT --world-size M`: a resharded load's reads, from metadata alone (`ckptlib.plan`)."""
+"""`ckpt plan CKPT --world-size M`: a resharded load's reads, from metadata alone (`ckptlib.offline.plan_load`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from .usage import EXIT_FAIL, EXIT_OK, EXIT_USAGE, TRUSTED_HELP, UsageError, add_command, add_no_progress, progress_bar
+from ckptlib.cli.usage import (
+    EXIT_FAIL,
+    EXIT_OK,
+    EXIT_USAGE,
+    TRUSTED_HELP,
+    UsageError,
+    add_command,
+    add_no_progress,
+    progress_bar,
+)
 
 DESCRIPTION = """
 Dry run of loading CKPT on M ranks whose state is parallelized as --layout: what each rank
@@ -51,7 +60,7 @@ def _positive(text: str) -> int:
 
 
 def _size(text: str) -> int:
-    from ..format.output import parse_size
+    from ckptlib.format.output import parse_size
 
     try:
         return parse_size(text)  # type: ignore[return-value]
@@ -101,8 +110,8 @@ def spec_model_facts(ref: str, layout: str) -> tuple[set[str], dict | None]:
     model built on the meta device."""
     import torch
 
-    from ..plan_layouts import tp_dims
-    from ..testing.matrices.training_spec import call_user, load_spec, resolve_reference
+    from ckptlib.offline.plan_layouts import tp_dims
+    from ckptlib.testing.matrices.training_spec import call_user, load_spec, resolve_reference
 
     spec = load_spec(resolve_reference(ref))
     with torch.device("meta"):
@@ -120,7 +129,7 @@ def spec_model_facts(ref: str, layout: str) -> tuple[set[str], dict | None]:
 
 
 def render(report, ranges: bool = False) -> str:
-    from ..listing import human_bytes as hb
+    from ckptlib.cli.listing import human_bytes as hb
 
     src = [report.format]
     if report.step is not None:
@@ -160,11 +169,11 @@ def render(report, ranges: bool = False) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..plan import plan_load
+    from ckptlib.offline.plan_load import plan_load
 
     params = tp = None
     if args.spec:
-        from ..testing.matrices.training_spec import SpecError
+        from ckptlib.testing.matrices.training_spec import SpecError
 
         try:
             params, tp = spec_model_facts(args.spec, args.layout)

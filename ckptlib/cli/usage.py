@@ -89,8 +89,8 @@ def progress_bar(args: argparse.Namespace, desc: str, total: int | None = None, 
 
 def open_uri(uri: str):
     """The storage for a URI the user typed; a bad URI is a usage error."""
-    from ..errors import StorageError
-    from ..storage import open_storage
+    from ckptlib.errors import StorageError
+    from ckptlib.storage import open_storage
 
     try:
         return open_storage(uri)
@@ -104,7 +104,7 @@ def add_preset(parser: argparse.ArgumentParser) -> None:
 
 def preset_of(args: argparse.Namespace):
     """The `ckptlib.presets` preset `--preset` names, or None."""
-    from .. import presets
+    from ckptlib import presets
 
     name = getattr(args, "preset", None)
     return None if name is None else presets.get(name)

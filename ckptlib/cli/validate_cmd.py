@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 
-from .usage import EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError, add_command, add_no_progress, show_progress
+from ckptlib.cli.usage import EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError, add_command, add_no_progress, show_progress
 
 DESCRIPTION = """
 Run the save-at-N/load-at-M round trip (train, save, load, compare bit-exactly, train one more
@@ -54,7 +54,7 @@ def _world_sizes(text: str) -> list[int]:
 
 
 def _layout_names(text: str) -> list[str]:
-    from ..testing.matrices.parallel_layouts import parse_layouts
+    from ckptlib.testing.matrices.parallel_layouts import parse_layouts
 
     try:
         return parse_layouts(text)
@@ -136,7 +136,7 @@ def add_parser(commands) -> None:
 
 def _spec_layouts(args: argparse.Namespace) -> None:
     """Check --spec in this process (a SpecError is a usage-level error) and pick its layouts."""
-    from ..testing.matrices.training_spec import load_spec, resolve_reference
+    from ckptlib.testing.matrices.training_spec import load_spec, resolve_reference
 
     args.spec = resolve_reference(args.spec)
     spec = load_spec(args.spec)
@@ -148,8 +148,8 @@ def _spec_layouts(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..testing.matrices import validate
-    from ..testing.matrices.training_spec import SpecError
+    from ckptlib.testing.matrices import validate
+    from ckptlib.testing.matrices.training_spec import SpecError
 
     try:
         if args.spec:
@@ -176,7 +176,8 @@ def _run(args: argparse.Namespace, validate) -> int:
         if report is None:  # not rank 0
             return EXIT_OK
     else:
-        from ..testing.harness.launcher import RankError, launch
+        from ckptlib.testing.harness.launch_errors import RankError
+        from ckptlib.testing.harness.launcher import launch
 
         root = args.root
         with tempfile.TemporaryDirectory(prefix="ckpt-validate-") as tmp:
@@ -196,7 +197,7 @@ def _run(args: argparse.Namespace, validate) -> int:
                     timeout=args.timeout,
                 )
             except RankError as exc:
-                from ..testing.matrices.elastic_proof import spec_error_of
+                from ckptlib.testing.matrices.elastic_proof import spec_error_of
 
                 failure = spec_error_of(exc)
                 if failure is not None:
@@ -226,11 +227,11 @@ def _run(args: argparse.Namespace, validate) -> int:
 def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
     import torch.distributed as dist
 
-    from ..testing.matrices import validate
+    from ckptlib.testing.matrices import validate
 
     if not args.root:
         raise UsageError("under torchrun, --root is required (a path, s3://, gs:// or az:// URI every rank can reach)")
-    from ..teardown import exit_barrier
+    from ckptlib._runtime.teardown import exit_barrier
 
     # gloo's C++ side prints "[Gloo] Rank ... connected" lines to stdout on some torch
     # versions; keep stdout for the report (JSON must parse) by pointing fd 1 at stderr.

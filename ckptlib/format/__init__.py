@@ -1,27 +1,35 @@
 """What checkpoint bytes mean: DCP's layout plus the ckptlib manifest, and foreign formats.
 
-- native: `dcp_writer`/`dcp_reader` (DCP's file layout over a Storage, item and block
-  checksums from `block_checks`, ranged reads from `ranged_io`; tensor items written by
-  `item_encoder` and decoded by `item_decoder`, both through `zip_directory`; `planned_reader`
-  is the base of every reader), `manifest`, `layout` (what a directory is; commit),
-  `transaction` (one save: prepare, write, commit, clean up), `structure` (consistency of
-  `.metadata`), `verify`, `save_planner`/`load_planner` (DCP's planners, made linear at scale
-  and safe to unpickle);
-- foreign: `torch_save` (streaming its archives through `torch_archive`), `v0`, `safetensors`
-  (each format's reader and writer), sharing `foreign`; `source` is the one entry point that
-  detects a source and opens a reader for native and foreign checkpoints alike; `streaming`
-  converts between them tensor by tensor, and `output` is the one writer path of convert and export.
+Sub-packages by concern, from the bytes up:
+- `items/`: one stored tensor item (encoding, decoding, checksums, ranged reads);
+- `native/`: ckptlib's own checkpoints (manifest, directory and root layout, deletion, safe unpickling);
+- `read/`: DCP's StorageReader over a Storage and the schedule of a load's reads;
+- `write/`: one save into a directory, committed or nothing;
+- `foreign/`: torch.save, torch 1.13/2.0 archives, v0 and safetensors, each reader and writer in one file.
+
+Its faces: `source` detects what a source is and opens a reader for native and foreign
+checkpoints alike; `output` is the one writer path of convert and export, fed tensor by tensor
+by `streaming`; `verify` checks one checkpoint offline (with `safetensors_check` for
+safetensors files).
 """
 
-from .dcp_reader import CkptReader
-from .dcp_writer import CkptWriter
-from .layout import CheckpointInfo, classify, commit, open_checkpoint, prepare_save_target, read_metadata, shard_rank
-from .load_planner import SafeLoadPlanner
-from .manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
-from .save_planner import CkptSavePlanner
-from .source import detect_format, inspect_checkpoint, open_reader
-from .structure import Problem
-from .verify import summarize, verify
+from ckptlib.format.native.file_names import shard_rank
+from ckptlib.format.native.layout import (
+    CheckpointInfo,
+    classify,
+    commit,
+    open_checkpoint,
+    prepare_save_target,
+    read_metadata,
+)
+from ckptlib.format.native.manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
+from ckptlib.format.native.structure import Problem
+from ckptlib.format.read.dcp_reader import CkptReader
+from ckptlib.format.read.load_planner import SafeLoadPlanner
+from ckptlib.format.source import detect_format, inspect_checkpoint, open_reader
+from ckptlib.format.verify import summarize, verify
+from ckptlib.format.write.dcp_writer import CkptWriter
+from ckptlib.format.write.save_planner import CkptSavePlanner
 
 __all__ = [
     "CheckpointInfo",

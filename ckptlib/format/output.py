@@ -39,14 +39,14 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import CheckpointExistsError, OverwriteRefusedError
-from ..storage import Storage
-from .safetensors import write_safetensors
-from .safetensors_hf import is_weight_file
-from .shard_files import EXPORT_MARK, atomic_file, planned_entries, write_failed
-from .streaming import SourceValues, save_dcp_streaming
-from .torch_save import write_torch_files, write_torch_save
-from .transaction import SaveTransaction
+from ckptlib.errors import CheckpointExistsError, OverwriteRefusedError
+from ckptlib.format.foreign.safetensors import write_safetensors
+from ckptlib.format.foreign.safetensors_hf import is_weight_file
+from ckptlib.format.foreign.shard_files import EXPORT_MARK, atomic_file, planned_entries, write_failed
+from ckptlib.format.foreign.torch_save import write_torch_files, write_torch_save
+from ckptlib.format.streaming import SourceValues, save_dcp_streaming
+from ckptlib.format.write.transaction import SaveTransaction
+from ckptlib.storage.base import Storage
 
 FORMATS = ("dcp", "torch-state", "torch", "safetensors")
 EXPORT_RECORD = "ckptlib_export.json"

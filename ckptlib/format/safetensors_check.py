@@ -17,14 +17,22 @@ import json
 import os
 from typing import Callable
 
-from ..errors import CheckpointCorruptError, NotACheckpointError, StorageError, UnsafeCheckpointError, UnsupportedError
-from ..storage import LocalStorage, Storage, as_storage, check_relative, root_is_file
-from .foreign import file_size
-from .output import EXPORT_RECORD
-from .safetensors import SAFETENSORS_FILE, SAFETENSORS_INDEX, read_safetensors_header
-from .safetensors_header import parse_json_object, safetensors_dtype, validate_index
-from .structure import Problem
-from .verify import READ_CHUNK, Summary
+from ckptlib.errors import (
+    CheckpointCorruptError,
+    NotACheckpointError,
+    StorageError,
+    UnsafeCheckpointError,
+    UnsupportedError,
+)
+from ckptlib.format.foreign.foreign import file_size
+from ckptlib.format.foreign.safetensors import SAFETENSORS_FILE, SAFETENSORS_INDEX, read_safetensors_header
+from ckptlib.format.foreign.safetensors_header import parse_json_object, safetensors_dtype, validate_index
+from ckptlib.format.native.structure import Problem
+from ckptlib.format.output import EXPORT_RECORD
+from ckptlib.format.verify import READ_CHUNK, Summary
+from ckptlib.storage import as_storage
+from ckptlib.storage.base import Storage, check_relative, root_is_file
+from ckptlib.storage.local import LocalStorage
 
 
 def locate(storage: Storage) -> tuple[Storage, str]:

@@ -19,7 +19,7 @@ Formats (``detect_format`` returns one of these names):
     match, so a strict load raises MissingKeysError. Point at the file, or at a directory
     holding exactly one ``*.pt``/``*.pth``/``*.bin``/``*.ckpt`` file.
 ``v0``
-    The per-rank format older trainers wrote (see ``ckptlib.format.v0.V0_FORMAT``).
+    The per-rank format older trainers wrote (see ``ckptlib.format.foreign.v0.V0_FORMAT``).
 ``safetensors``
     ``model.safetensors`` (or any single ``*.safetensors`` file), or shards listed by
     ``model.safetensors.index.json`` (``{"weight_map": {name: file}}``). Keys are flat
@@ -48,23 +48,20 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import (
-    CheckpointCorruptError,
-    CheckpointIncompleteError,
-    NotACheckpointError,
-    StorageError,
-)
-from ..storage import LocalStorage, Storage, as_storage, list_top, root_is_file
-from . import safetensors, torch_save, v0
-from .copies import Copies
-from .dcp_reader import CkptReader
-from .foreign import DEFAULT_PREFIX, SourceFiles, SourceInfo, TensorLoc, file_head, file_size
-from .layout import CheckpointInfo, classify, not_a_checkpoint_error, open_checkpoint
-from .planned_reader import PlannedReader
-from .safetensors import SAFETENSORS_FILE, SAFETENSORS_INDEX, looks_like_safetensors
-from .stream_transforms import Transforms
-from .torch_save import TORCH_SAVE_SUFFIXES, looks_like_torch_save
-from .v0 import V0_FORMAT, V0_RE, v0_rank
+from ckptlib.errors import CheckpointCorruptError, CheckpointIncompleteError, NotACheckpointError, StorageError
+from ckptlib.format.foreign import safetensors, torch_save, v0
+from ckptlib.format.foreign.foreign import DEFAULT_PREFIX, SourceFiles, SourceInfo, TensorLoc, file_head, file_size
+from ckptlib.format.foreign.safetensors import SAFETENSORS_FILE, SAFETENSORS_INDEX, looks_like_safetensors
+from ckptlib.format.foreign.torch_save import TORCH_SAVE_SUFFIXES, looks_like_torch_save
+from ckptlib.format.foreign.v0 import V0_FORMAT, V0_RE, v0_rank
+from ckptlib.format.native.layout import CheckpointInfo, classify, not_a_checkpoint_error, open_checkpoint
+from ckptlib.format.native.stream_transforms import Transforms
+from ckptlib.format.read.copies import Copies
+from ckptlib.format.read.dcp_reader import CkptReader
+from ckptlib.format.read.planned_reader import PlannedReader
+from ckptlib.storage import as_storage
+from ckptlib.storage.base import Storage, list_top, root_is_file
+from ckptlib.storage.local import LocalStorage
 
 FORMATS = ("ckptlib", "dcp", "torch_save", "v0", "safetensors")
 

@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader
 
-from .._torch import dcp_shims
-from ..errors import CheckpointError
-from .dcp_writer import CkptWriter
-from .load_planner import SafeLoadPlanner
+from ckptlib._torch import dcp_shims
+from ckptlib.errors import CheckpointError
+from ckptlib.format.read.load_planner import SafeLoadPlanner
+from ckptlib.format.write.dcp_writer import CkptWriter
 
 
 def _dcp_load(template: dict, reader: StorageReader, planner) -> None:

@@ -36,16 +36,17 @@ from typing import Any, Callable
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
-from ..storage import Storage, as_storage, list_top
-from .checksum import crc32, crc32_combine
-from .file_names import shard_rank
-from .layout import classify, is_ckptlib_metadata, not_a_checkpoint_error, open_checkpoint
-from .manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
-from .ranged_io import _RangeReader
-from .safe_pickle import safe_loads
-from .stream_transforms import Transforms, decoded_limit, descriptors_of
-from .structure import Problem, structure_problems
+from ckptlib.errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
+from ckptlib.format.items.checksum import crc32, crc32_combine
+from ckptlib.format.items.ranged_io import _RangeReader
+from ckptlib.format.native.file_names import shard_rank
+from ckptlib.format.native.layout import classify, is_ckptlib_metadata, not_a_checkpoint_error, open_checkpoint
+from ckptlib.format.native.manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
+from ckptlib.format.native.safe_pickle import safe_loads
+from ckptlib.format.native.stream_transforms import Transforms, decoded_limit, descriptors_of
+from ckptlib.format.native.structure import Problem, structure_problems
+from ckptlib.storage import as_storage
+from ckptlib.storage.base import Storage, list_top
 
 # Bytes read at a time while checksumming a file (memory stays bounded for huge shards).
 READ_CHUNK = 16 << 20

@@ -25,12 +25,12 @@ from typing import Any, Mapping
 import torch
 from lightning.pytorch import strategies
 
-from .. import _dist
-from ..format import classify
-from ..loading import load
-from ..presets.lightning_layout import META
-from ..saving import save
-from ..storage import open_storage
+from ckptlib._runtime import agree as _dist
+from ckptlib.format.native.layout import classify
+from ckptlib.loading.loading import load
+from ckptlib.presets.lightning_layout import META
+from ckptlib.saving.saving import save
+from ckptlib.storage import open_storage
 
 
 def _optimizers(strategy: Any) -> list[torch.optim.Optimizer]:

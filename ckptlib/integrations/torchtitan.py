@@ -26,8 +26,8 @@ import torch
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torchtitan.components.checkpointer import dcp as titan_dcp
 
-from ..loading import load
-from ..saving import async_save, save
+from ckptlib.loading.loading import load
+from ckptlib.saving.saving import async_save, save
 
 
 class _Pending(Future):

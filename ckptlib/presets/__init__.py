@@ -15,12 +15,12 @@ checkpoint Composer autoresumes from.
 
 from __future__ import annotations
 
-from ..errors import StateError
-from ..storage import Storage
-from .composer_layout import ComposerPreset
-from .lightning_layout import LightningPreset
-from .preset import Entries, Preset
-from .titan_layout import FlatOptimizer, TorchtitanPreset
+from ckptlib.errors import StateError
+from ckptlib.presets.composer_layout import ComposerPreset
+from ckptlib.presets.lightning_layout import LightningPreset
+from ckptlib.presets.preset import Entries, Preset
+from ckptlib.presets.titan_layout import FlatOptimizer, TorchtitanPreset
+from ckptlib.storage.base import Storage
 
 composer = ComposerPreset()
 torchtitan = TorchtitanPreset()

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..storage import Storage
-from .preset import Entries, Preset, Rename, read_objects
+from ckptlib.presets.preset import Entries, Preset, Rename, read_objects
+from ckptlib.storage.base import Storage
 
 POINTER = "latest-rank0.pt"
 REMOTE_POINTER = POINTER + ".symlink"

@@ -22,12 +22,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import _dist
-from ..errors import StateError
-from ..saving import SaveResult
-from ..saving import save as ckptlib_save
-from ..storage import Storage, as_storage
-from .composer_layout import POINTER, REMOTE_POINTER
+from ckptlib._runtime import agree as _dist
+from ckptlib.errors import StateError
+from ckptlib.presets.composer_layout import POINTER, REMOTE_POINTER
+from ckptlib.saving.saving import SaveResult
+from ckptlib.saving.saving import save as ckptlib_save
+from ckptlib.storage import as_storage
+from ckptlib.storage.base import Storage
 
 
 def rng_state() -> dict[str, Any]:

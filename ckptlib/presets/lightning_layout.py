@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointCorruptError, UnsafeCheckpointError
-from ..storage import Storage, root_is_file
-from .preset import Entries, Preset, Rename, read_objects
+from ckptlib.errors import CheckpointCorruptError, UnsafeCheckpointError
+from ckptlib.presets.preset import Entries, Preset, Rename, read_objects
+from ckptlib.storage.base import Storage, root_is_file
 
 META = "meta.pt"
 _OPTIMIZER_RE = re.compile(r"^optimizer_(\d+)\.")

@@ -24,11 +24,11 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from ..errors import NotACheckpointError, StateError
-from ..format.source import detect_format, open_reader
-from ..format.streaming import SourceValues
-from ..root_scan import StepInfo, scan
-from ..storage import Storage
+from ckptlib.errors import NotACheckpointError, StateError
+from ckptlib.format.native.root import StepInfo, scan
+from ckptlib.format.source import detect_format, open_reader
+from ckptlib.format.streaming import SourceValues
+from ckptlib.storage.base import Storage
 
 Rename = Callable[[str], str]
 

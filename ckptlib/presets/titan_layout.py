@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..errors import StateError
-from ..storage import Storage
-from .preset import Entries, Preset, Rename, read_objects
+from ckptlib.errors import StateError
+from ckptlib.presets.preset import Entries, Preset, Rename, read_objects
+from ckptlib.storage.base import Storage
 
 # Top-level entries of torchtitan's state besides the model's own keys.
 NON_MODEL = ("optimizer", "lr_scheduler", "dataloader", "train_state")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from urllib.parse import urlparse
 
-from ..errors import StorageError
-from .base import (
+from ckptlib.errors import StorageError
+from ckptlib.storage.base import (
     Storage,
     SupportsCreateExclusive,
     SupportsDirectReads,
@@ -16,7 +16,7 @@ from .base import (
     list_top,
     root_is_file,
 )
-from .local import LocalStorage
+from ckptlib.storage.local import LocalStorage
 
 __all__ = [
     "Storage",
@@ -49,15 +49,15 @@ def open_storage(uri: str | os.PathLike) -> Storage:
     if not isinstance(uri, str) or not uri:
         raise StorageError(f"checkpoint location must be a non-empty path or URI, got {uri!r}")
     if uri.startswith("s3://"):
-        from .s3 import S3Storage  # boto3 is an optional dependency
+        from ckptlib.storage.s3 import S3Storage  # boto3 is an optional dependency
 
         return S3Storage.from_uri(uri)
     if uri.startswith("gs://"):
-        from .gcs import GCSStorage  # google-cloud-storage is an optional dependency
+        from ckptlib.storage.gcs import GCSStorage  # google-cloud-storage is an optional dependency
 
         return GCSStorage.from_uri(uri)
     if uri.startswith("az://"):
-        from .azure import AzureStorage  # azure-storage-blob is an optional dependency
+        from ckptlib.storage.azure import AzureStorage  # azure-storage-blob is an optional dependency
 
         return AzureStorage.from_uri(uri)
     if uri.startswith("file://"):

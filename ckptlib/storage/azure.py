@@ -20,11 +20,11 @@ import re
 import threading
 from typing import Any, Iterable
 
-from ..errors import StorageError
-from .base import check_relative
-from .objects import Exists, ObjectStorage, new_token
-from .scrub import guard_loggers, scrub
-from .transfer import MiB, Transfer, env_options
+from ckptlib._scrub import guard_loggers, scrub
+from ckptlib.errors import StorageError
+from ckptlib.storage.base import check_relative
+from ckptlib.storage.objects import Exists, ObjectStorage, new_token
+from ckptlib.storage.transfer import MiB, Transfer, env_options
 
 #: Azure's defaults. One request up to 64 MiB (the SDK's own max_single_put_size default):
 #: below it a round of staged blocks only adds requests. Beyond it, 16 MiB blocks, doubling

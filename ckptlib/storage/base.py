@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import BinaryIO, ContextManager, Iterable, Protocol, runtime_checkable
 
-from ..errors import StorageError
+from ckptlib.errors import StorageError
 
 # What makes a directory look committed (ckptlib's manifest, then DCP's metadata; the names
-# `ckptlib.format.manifest` gives them). A backend that deletes a tree object by object
+# `ckptlib.format.native.manifest` gives them). A backend that deletes a tree object by object
 # removes these first, so an interrupted deletion never leaves a committed-looking directory
 # with files missing.
 DELETE_FIRST = ("ckptlib.json", ".metadata")
@@ -75,7 +75,7 @@ class Storage(Protocol):
 @runtime_checkable
 class SupportsCreateExclusive(Protocol):
     """Optional for backends: create an object only if nothing is there yet (used for the
-    checkpoint root's writer lock, `ckptlib.manager`). Kept out of `Storage` so backends
+    checkpoint root's writer lock, `ckptlib.manager.manager`). Kept out of `Storage` so backends
     without it still satisfy the protocol; without it the lock is best effort.
 
     Local: link(2) of a fully written temporary file (O_CREAT|O_EXCL where links are not

@@ -18,11 +18,11 @@ import re
 import threading
 from typing import Any, Iterable
 
-from ..errors import StorageError
-from .base import check_relative
-from .objects import UPLOAD_PART_MARK, Exists, ObjectStorage, new_token
-from .scrub import guard_loggers, logger
-from .transfer import MiB, Transfer, env_options
+from ckptlib._scrub import guard_loggers, logger
+from ckptlib.errors import StorageError
+from ckptlib.storage.base import check_relative
+from ckptlib.storage.objects import UPLOAD_PART_MARK, Exists, ObjectStorage, new_token
+from ckptlib.storage.transfer import MiB, Transfer, env_options
 
 log = logger(__name__)
 

@@ -10,8 +10,8 @@ import stat
 import uuid
 from typing import BinaryIO, Iterable, Iterator
 
-from ..errors import NotARegularFileError, StorageError
-from .base import check_list_prefix, check_relative
+from ckptlib.errors import NotARegularFileError, StorageError
+from ckptlib.storage.base import check_list_prefix, check_relative
 
 
 def _fsync_dir(path: str) -> None:

@@ -11,11 +11,11 @@ import io
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import StorageError
-from .scrub import logger
+from ckptlib._scrub import logger
+from ckptlib.errors import StorageError
 
 if TYPE_CHECKING:
-    from .objects import ObjectStorage
+    from ckptlib.storage.objects import ObjectStorage
 
 log = logger(__name__)
 

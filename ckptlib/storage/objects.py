@@ -27,12 +27,12 @@ import time
 import uuid
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Protocol, TypeVar
 
-from ..errors import StorageError
-from .base import check_relative
-from .multipart import MultipartWriter, Upload
-from .prefixed import PrefixedObjects, deletion_phases
-from .scrub import logger, scrub, scrub_exception
-from .transfer import OPTIONS, Transfer
+from ckptlib._scrub import logger, scrub, scrub_exception
+from ckptlib.errors import StorageError
+from ckptlib.storage.base import check_relative
+from ckptlib.storage.multipart import MultipartWriter, Upload
+from ckptlib.storage.prefixed import PrefixedObjects, deletion_phases
+from ckptlib.storage.transfer import OPTIONS, Transfer
 
 log = logger(__name__)
 

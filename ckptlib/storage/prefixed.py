@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
-from .base import DELETE_FIRST, check_list_prefix, check_relative
+from ckptlib.storage.base import DELETE_FIRST, check_list_prefix, check_relative
 
 
 class PrefixedObjects:

@@ -23,12 +23,12 @@ import re
 import warnings
 from typing import Any
 
-from ..errors import StorageError
-from .base import check_relative
-from .objects import ObjectStorage
-from .s3_client import DELETE_BATCH, S3Client, default_client, make_client
-from .scrub import scrub
-from .transfer import GiB, MiB, Transfer, env_options
+from ckptlib._scrub import scrub
+from ckptlib.errors import StorageError
+from ckptlib.storage.base import check_relative
+from ckptlib.storage.objects import ObjectStorage
+from ckptlib.storage.s3_client import DELETE_BATCH, S3Client, default_client, make_client
+from ckptlib.storage.transfer import GiB, MiB, Transfer, env_options
 
 # S3's limits: parts are 5 MiB..5 GiB (the last may be smaller), at most 10,000 parts per
 # upload, at most 5 GiB per single PUT.

@@ -13,9 +13,9 @@ import warnings
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
-from ..errors import StorageError
-from .objects import Exists
-from .scrub import guard_loggers, logger, scrub
+from ckptlib._scrub import guard_loggers, logger, scrub
+from ckptlib.errors import StorageError
+from ckptlib.storage.objects import Exists
 
 log = logger(__name__)
 

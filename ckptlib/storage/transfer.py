@@ -9,7 +9,7 @@ import dataclasses
 import os
 from typing import Any
 
-from ..errors import StorageError
+from ckptlib.errors import StorageError
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -29,7 +29,7 @@ does not import torch (torch is imported inside ``launch``).
 import importlib
 import sys
 
-from . import _moved
+from ckptlib.testing import _moved
 
 _moved.install()
 
@@ -69,5 +69,5 @@ def __getattr__(name: str):
 
 
 # This package's public names are the launcher's (its __all__), re-exported as they are.
-from .harness.launcher import *  # noqa: E402,F401,F403
-from .harness.launcher import __all__  # noqa: E402,F401
+from ckptlib.testing.harness.launcher import *  # noqa: E402,F401,F403
+from ckptlib.testing.harness.launcher import __all__  # noqa: E402,F401

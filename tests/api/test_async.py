@@ -6,7 +6,7 @@ thread whose collectives run on a dedicated gloo group; a background failure sur
 `wait()` on every rank and never leaves a manifest; a process that exits without `wait()`
 still commits (atexit).
 
-Fast paths (ckptlib.format.dcp_reader): items of at least 1 MiB are read by preadv straight into
+Fast paths (ckptlib.format.read.dcp_reader): items of at least 1 MiB are read by preadv straight into
 the destination and checksummed there, or (unverified, resharded) only their needed rows are
 read; these tests use tensors large enough to take them, at several world sizes.
 """
@@ -179,7 +179,7 @@ def test_background_staging_saves_the_state_before_the_next_step(tmp_path, dist_
 
 
 def _background_staging_fails_on(uri: str, bad_rank: int) -> list[str]:
-    from ckptlib import background_save
+    from ckptlib.saving import background_save
 
     if dist.get_rank() == bad_rank:
 
@@ -356,7 +356,7 @@ def _save_sync(uri: str, seed: int) -> None:
 
 
 def _load_verify(uri: str, seed: int, verify: bool) -> list[str]:
-    from ckptlib.format import dcp_reader
+    from ckptlib.format.read import dcp_reader
 
     fast = []
     original = dcp_reader.CkptReader._read_local_tensor
@@ -502,7 +502,7 @@ def _manager_async_run(root: str, fail_step: int | None) -> dict:
 
 
 def step_dir_name(step: int) -> str:
-    from ckptlib.manager import step_dir
+    from ckptlib.manager.manager import step_dir
 
     return step_dir(step)
 

@@ -21,8 +21,9 @@ import torch
 from helpers.writer_faults import BLOCKED_SUFFIX, FaultyShards
 
 import ckptlib
-from ckptlib import StorageError, WriterProcessError, background_save, staging_arena, writer_process
+from ckptlib import StorageError, WriterProcessError
 from ckptlib.format import MANIFEST_NAME
+from ckptlib.saving import background_save, staging_arena, writer_process
 from ckptlib.storage.local import LocalStorage
 
 pytestmark = pytest.mark.skipif(

@@ -17,10 +17,11 @@ import torch.distributed as dist
 from helpers.writer_faults import FaultyShards
 
 import ckptlib
-from ckptlib import CheckpointManager, EveryNSteps, background_save, staging_arena, writer_process
+from ckptlib import CheckpointManager, EveryNSteps
 from ckptlib._torch import host_memory
 from ckptlib.format import MANIFEST_NAME
-from ckptlib.manager import step_dir
+from ckptlib.manager.manager import step_dir
+from ckptlib.saving import background_save, staging_arena, writer_process
 from ckptlib.testing.matrices import matrix as mx
 
 pytestmark = pytest.mark.skipif(

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import ckptlib
-from ckptlib import CheckpointExistsError, saving
+from ckptlib import CheckpointExistsError
+from ckptlib.saving import saving
 
 
 def _hold_background_writes(monkeypatch) -> threading.Event:
@@ -88,7 +89,7 @@ def test_async_save_refuses_to_overwrite_committed(tmp_path):
 
 
 def test_start_async_save_is_a_deprecated_alias_of_async_save(tmp_path):
-    from ckptlib.checkpoint import start_async_save
+    from ckptlib import start_async_save
 
     with pytest.warns(DeprecationWarning, match="start_async_save is deprecated; call ckptlib.async_save"):
         handle = start_async_save(tmp_path / "a", {"w": torch.ones(2)}, step=1)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from helpers.copies import damage, node_dirs, shard_files
 
 import ckptlib
-from ckptlib.format.copies import Copies, Copy
+from ckptlib.format.read.copies import Copies, Copy
 from ckptlib.format.source import inspect_checkpoint
 from ckptlib.storage import LocalStorage
 
@@ -207,8 +207,8 @@ def test_each_node_reads_its_own_files_and_the_others_receive_them(tmp_path, dis
 
 def _predicted(base: str):
     from ckptlib.format import SafeLoadPlanner
-    from ckptlib.format.copies import open_from_copies
-    from ckptlib.format.read_schedule import predict_reads
+    from ckptlib.format.read.copies import open_from_copies
+    from ckptlib.format.read.read_schedule import predict_reads
 
     metadata = open_from_copies(Copies.single(LocalStorage(os.path.join(base, "node0")))).metadata
     plans, copies = [], []

@@ -1,5 +1,5 @@
 """ckptlib.compat, deprecated for one release: torch's private names and probes moved to
-ckptlib._torch, the streaming archive writer to ckptlib.format.torch_archive. The old module
+ckptlib._torch, the streaming archive writer to ckptlib.format.foreign.torch_archive. The old module
 still answers with the same objects and warns where it is imported (a fresh process each
 time: a module warns only when it is first imported)."""
 

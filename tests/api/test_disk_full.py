@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import ckptlib
 from ckptlib import CheckpointManager, StorageError
-from ckptlib.steps import step_dir
+from ckptlib.format.native.root import step_dir
 
 ROLES = ["shard", "metadata", "manifest"]
 # The files that fit when ENOSPC hits each role (the shard role: all but its last page).

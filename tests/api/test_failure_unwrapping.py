@@ -15,7 +15,8 @@ import torch.distributed as dist
 import ckptlib
 from ckptlib import CheckpointError, StorageError
 from ckptlib._torch import dcp_shims
-from ckptlib.format import MANIFEST_NAME, transaction
+from ckptlib.format import MANIFEST_NAME
+from ckptlib.format.write import transaction
 from ckptlib.storage.local import LocalStorage
 
 

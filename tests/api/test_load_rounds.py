@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import ckptlib
-from ckptlib import _dist
+from ckptlib._runtime import agree as _dist
 
 FAILURES = {
     "only": ("StateError", "only= names ['model'] that the state does not have"),

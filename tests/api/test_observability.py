@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import ckptlib
-from ckptlib.manager import CheckpointManager
+from ckptlib.manager.manager import CheckpointManager
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import ckptlib
 from ckptlib import CheckpointManager, RankLostError
 from ckptlib.format import MANIFEST_NAME
-from ckptlib.manager import step_dir
+from ckptlib.manager.manager import step_dir
 from ckptlib.testing import RankExited
 
 EXIT_CODE = 7
@@ -110,7 +110,7 @@ def test_survivors_of_a_rank_dying_mid_save_raise_rank_lost(tmp_path, dist_run, 
 
 def _load_and_lose(uri: str, victim: int) -> dict:
     if dist.get_rank() == victim:  # dies where it would read (or, read once, receive) its items
-        from ckptlib.format.dcp_reader import CkptReader
+        from ckptlib.format.read.dcp_reader import CkptReader
 
         def read_data(self, plan, planner):
             os._exit(EXIT_CODE)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import ckptlib
 from ckptlib._torch import probes
-from ckptlib.state import derived_seed
+from ckptlib.state.state import derived_seed
 
 
 class Loader:

@@ -68,7 +68,7 @@ def test_replicated_state_is_read_once(tmp_path, dist_run):
 
 def _predicted(path: str, world: int):
     from ckptlib.format import SafeLoadPlanner
-    from ckptlib.format.read_schedule import predict_reads
+    from ckptlib.format.read.read_schedule import predict_reads
     from ckptlib.format.source import inspect_checkpoint
 
     metadata = inspect_checkpoint(path).metadata
@@ -135,7 +135,7 @@ def test_read_once_with_load_options(tmp_path, dist_run, case):
 def _sampler_loader(world: int | None = None, rank: int | None = None):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from ckptlib.data import ElasticDistributedSampler
+    from ckptlib.state.sampler import ElasticDistributedSampler
 
     sampler = ElasticDistributedSampler(53, world, rank, shuffle=True, seed=11)
     sampler.set_epoch(1)
@@ -143,7 +143,7 @@ def _sampler_loader(world: int | None = None, rank: int | None = None):
 
 
 def _save_progress(path: str) -> list[int]:
-    from ckptlib.data import MergeSamplerProgress
+    from ckptlib.state.sampler import MergeSamplerProgress
 
     loader, seen = _sampler_loader(), []
     for i, batch in enumerate(loader):
@@ -155,7 +155,7 @@ def _save_progress(path: str) -> list[int]:
 
 
 def _resume_progress(path: str) -> dict:
-    from ckptlib.data import MergeSamplerProgress
+    from ckptlib.state.sampler import MergeSamplerProgress
 
     loader = _sampler_loader()
     result = ckptlib.load(path, {"data": ckptlib.RankLocal(loader, policy=MergeSamplerProgress())})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ckptlib import CopiesExhaustedError, CopiesMissingError, NoCopyError
-from ckptlib.format.read_schedule import RankRequests, schedule_reads
+from ckptlib.format.read.read_schedule import RankRequests, schedule_reads
 
 MIB = 1 << 20
 

@@ -151,7 +151,7 @@ def test_crc_meter_times_the_save_and_puts_the_functions_back(tmp_path):
     import torch
 
     import ckptlib
-    from ckptlib.format import block_checks, checksum, item_encoder
+    from ckptlib.format.items import block_checks, checksum, item_encoder
 
     state = {"a": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(10)}
     with crc_meter.metering() as meter:

@@ -41,7 +41,7 @@ def test_a_plain_install_gets_the_fast_crc():
     """The single-pass encoder and block checksums need zlib-ng: a dependency, not an extra."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert any(dep.split(">")[0].split("=")[0].strip() == "zlib-ng" for dep in project["dependencies"])
-    from ckptlib.format import checksum
+    from ckptlib.format.items import checksum
 
     assert checksum.FAST
 

@@ -9,8 +9,8 @@ import pytest
 
 from ckptlib import cli
 from ckptlib.bench import s3_requests, scale_cell
-from ckptlib.format.manifest import Manifest
-from ckptlib.format.plan_cache import PlanCache
+from ckptlib.format.native.manifest import Manifest
+from ckptlib.format.write.plan_cache import PlanCache
 
 
 @pytest.mark.parametrize("world, tensors", [(1, 1), (2, 3), (8, 20)], ids=["world1-t1", "world2-t3", "world8-t20"])

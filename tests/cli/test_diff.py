@@ -13,7 +13,7 @@ import torch
 
 import ckptlib
 from ckptlib import cli
-from ckptlib.diff import DiffError, diff_checkpoints
+from ckptlib.offline.diff import DiffError, diff_checkpoints
 
 ROWS, COLS = 2500, 4000  # 10^7 elements
 FLIP = (1913, 2321)
@@ -100,7 +100,7 @@ def test_a_tolerance_that_covers_the_flip_makes_them_equal(pair, capsys):
 
 def test_reads_stay_in_blocks(pair, monkeypatch):
     """Bounded memory: no read larger than a block, however large the tensor."""
-    import ckptlib.diff as diff_module
+    import ckptlib.offline.diff as diff_module
 
     sizes = []
     original = diff_module.read_block

@@ -20,7 +20,7 @@ from torch import nn
 
 import ckptlib
 from ckptlib import cli
-from ckptlib.plan import PlanError, plan_load
+from ckptlib.offline.plan_load import PlanError, plan_load
 from ckptlib.storage.local import LocalStorage
 from ckptlib.testing.matrices import layout_matrix as lm
 
@@ -87,8 +87,8 @@ class HiddenFiles(LocalStorage):
 
 def load_measured(uri: str, layout: str, how: str = "local", verify: bool = True) -> dict:
     """Rank body: load `uri` into the model at `layout`; every shard-file read this rank made."""
-    import ckptlib.format.dcp_reader as dcp_reader
-    import ckptlib.format.direct_reads as direct_reads
+    import ckptlib.format.read.dcp_reader as dcp_reader
+    import ckptlib.format.read.direct_reads as direct_reads
     from ckptlib.storage import objects
 
     reads: list = []
@@ -131,7 +131,7 @@ def load_measured(uri: str, layout: str, how: str = "local", verify: bool = True
 
 
 def _ranges(reads) -> dict[str, list[list[int]]]:
-    from ckptlib.format.ranged_io import _coalesce_ranges
+    from ckptlib.format.items.ranged_io import _coalesce_ranges
 
     by_file: dict[str, list] = {}
     for name, offset, length in reads:

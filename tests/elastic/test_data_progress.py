@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import ckptlib
-from ckptlib.data import ElasticDistributedSampler, MergeSamplerProgress, merge_progress
+from ckptlib.state.sampler import ElasticDistributedSampler, MergeSamplerProgress, merge_progress
 
 pytestmark = pytest.mark.elastic
 

@@ -24,9 +24,11 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 import ckptlib
 from ckptlib import cli
 from ckptlib.errors import CheckpointCorruptError
-from ckptlib.format import block_checks, checksum, dcp_reader, dcp_writer, item_encoder, zip_directory
-from ckptlib.format.manifest import FileRecord
+from ckptlib.format.items import block_checks, checksum, item_encoder, zip_directory
+from ckptlib.format.native.manifest import FileRecord
+from ckptlib.format.read import dcp_reader
 from ckptlib.format.source import open_reader
+from ckptlib.format.write import dcp_writer
 from ckptlib.storage import open_storage
 
 pytestmark = pytest.mark.skipif(not checksum.FAST, reason="block checksums need zlib-ng's crc32_combine")
@@ -272,7 +274,7 @@ sys.modules["zlib_ng"] = sys.modules["zlib_ng.zlib_ng"] = None  # as if installe
 import torch, ckptlib
 from ckptlib import cli
 from ckptlib.format import checksum
-from ckptlib.format.layout import read_manifest
+from ckptlib.format.native.layout import read_manifest
 from ckptlib.storage import open_storage
 assert checksum.crc32_combine is None and checksum.crc32 is zlib.crc32
 path = sys.argv[1]

@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 import ckptlib
 from ckptlib import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError, cli
 from ckptlib.format import verify
-from ckptlib.format.manifest import _canonical
-from ckptlib.format.safe_pickle import safe_loads
+from ckptlib.format.native.manifest import _canonical
+from ckptlib.format.native.safe_pickle import safe_loads
 
 
 def _rewrite_manifest(d, edit) -> None:
@@ -95,7 +95,7 @@ def test_manifest_world_size_lie(tmp_path, capsys, world_size):
 
 @pytest.mark.timeout(60)
 def test_manifest_missing_ranks_are_listed_without_building_the_range(tmp_path):
-    from ckptlib.format.manifest import FileRecord, Manifest
+    from ckptlib.format.native.manifest import FileRecord, Manifest
     from ckptlib.format.verify import _manifest_problems
 
     files = {f"__{r}_0.distcp": FileRecord(size=0, crc32=0) for r in (0, 2)}
@@ -171,7 +171,7 @@ def test_metadata_pickle_cannot_allocate_from_a_number(tmp_path, capsys, payload
 def test_allocation_scan_refuses_only_counts_given_to_bytes_and_bytearray():
     """The scan refuses `builtins.bytearray(n)` / `bytes(n)`; other builtins called with a
     number (a saved `range(5)`, a `slice`) and a global merely named `bytes` elsewhere pass."""
-    from ckptlib.format.safe_pickle import check_no_allocating_calls
+    from ckptlib.format.native.safe_pickle import check_no_allocating_calls
 
     check_no_allocating_calls(pickle.dumps({"r": range(5), "s": slice(2, 9)}, protocol=2), "x")
     elsewhere = b"\x80\x02cmymodule\nbytes\n\x8a\x05\x00\x00\x00\x80\x00\x85R."  # mymodule.bytes(2**31)
@@ -236,7 +236,7 @@ def test_an_item_the_manifest_does_not_record_is_refused(tmp_path):
 
 @pytest.mark.parametrize("count", [8, 9], ids=["8-files", "9-files"])
 def test_a_refused_deletion_names_eight_foreign_files_then_counts(count):
-    from ckptlib.format.deletion import describe_foreign
+    from ckptlib.format.native.deletion import describe_foreign
 
     names = [f"notes{i}.txt" for i in range(count)]
     text = describe_foreign("file:///r/step_1", names)

@@ -18,7 +18,7 @@ import torch
 import ckptlib
 from ckptlib.cli import main as cli_main
 from ckptlib.errors import CheckpointExistsError, StateError
-from ckptlib.export import EXPORT_RECORD, parse_size
+from ckptlib.offline.export import EXPORT_RECORD, parse_size
 from ckptlib.testing.matrices.matrix import save_side
 
 st = pytest.importorskip("safetensors.torch")
@@ -122,7 +122,7 @@ def test_convert_shards_through_the_same_writer_as_export(tmp_path, size):
     """convert --to safetensors and export write through one writer path: the same knob
     (max_shard_size, bytes or "1KB"), the same shards and index byte for byte; the old
     `max_shard_bytes` still works, with a DeprecationWarning."""
-    from ckptlib.convert import convert
+    from ckptlib.offline.convert import convert
 
     tensors = {f"layer{i}.weight": torch.full((100,), float(i)) for i in range(5)}  # 400 bytes each
     ckptlib.save(str(tmp_path / "c"), {"model": tensors, "optim": {"lr": torch.tensor(0.1)}})
@@ -200,8 +200,8 @@ def test_convert_and_export_mark_their_single_files_and_replace_only_those(tmp_p
     anyone else carries no mark and is never replaced, force or not."""
     from safetensors.torch import save_file
 
-    from ckptlib.convert import convert
     from ckptlib.errors import OverwriteRefusedError
+    from ckptlib.offline.convert import convert
 
     src = str(tmp_path / "c")
     ckptlib.save(src, {"model": {"w": torch.arange(6.0)}})

@@ -16,8 +16,8 @@ import torch
 
 import ckptlib
 from ckptlib.cli import main as cli_main
-from ckptlib.export import EXPORT_RECORD
-from ckptlib.format.torch_archive import TorchArchiveWriter, streaming_torch_save_reason
+from ckptlib.format.foreign.torch_archive import TorchArchiveWriter, streaming_torch_save_reason
+from ckptlib.offline.export import EXPORT_RECORD
 
 st = pytest.importorskip("safetensors.torch")
 

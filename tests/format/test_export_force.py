@@ -17,7 +17,7 @@ import torch
 import ckptlib
 from ckptlib.cli import main as cli_main
 from ckptlib.errors import CheckpointExistsError, OverwriteRefusedError
-from ckptlib.export import EXPORT_RECORD
+from ckptlib.offline.export import EXPORT_RECORD
 
 pytest.importorskip("safetensors")
 

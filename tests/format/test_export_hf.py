@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 import ckptlib
 from ckptlib.cli import main as cli_main
 from ckptlib.errors import CheckpointExistsError, StateError
-from ckptlib.export import EXPORT_RECORD
+from ckptlib.offline.export import EXPORT_RECORD
 
 st = pytest.importorskip("safetensors.torch")
 

@@ -32,8 +32,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptlib
-from ckptlib.format.manifest import MANIFEST_NAME, METADATA_NAME
-from ckptlib.format.safe_pickle import safe_loads
+from ckptlib.format.native.manifest import MANIFEST_NAME, METADATA_NAME
+from ckptlib.format.native.safe_pickle import safe_loads
 from ckptlib.format.verify import summarize, verify
 
 WATCHDOG_SECONDS = 30

@@ -25,12 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 
 import ckptlib
 from ckptlib import cli
-from ckptlib.errors import (
-    CheckpointCorruptError,
-    CheckpointNotFoundError,
-    NotACheckpointError,
-    UnsafeCheckpointError,
-)
+from ckptlib.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError, UnsafeCheckpointError
 from ckptlib.format import classify
 from ckptlib.format.verify import Problem, structure_problems, verify
 from ckptlib.storage import open_storage

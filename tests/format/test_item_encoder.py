@@ -20,8 +20,8 @@ import torch
 
 import ckptlib
 from ckptlib._torch import serialization
-from ckptlib.format import checksum, item_encoder, zip_directory
-from ckptlib.format.layout import read_manifest
+from ckptlib.format.items import checksum, item_encoder, zip_directory
+from ckptlib.format.native.layout import read_manifest
 from ckptlib.storage import open_storage
 
 # Only a missing zlib-ng turns the fast path off legitimately; anything else fails below.
@@ -275,7 +275,7 @@ def test_small_items_that_are_not_plain_tensors_take_torch_save():
 
 @pytest.mark.parametrize("shape", [(80, 80), (3,), ()], ids=["matrix", "vector", "scalar"])
 def test_tensor_layout_of_an_item_in_memory(shape):
-    from ckptlib.format.item_header import pickled_tensor_header
+    from ckptlib.format.items.item_header import pickled_tensor_header
 
     tensor = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
     blob = _torch_save_bytes(tensor)

@@ -34,9 +34,7 @@ from helpers.golden import (
 from helpers.readers import IntoTensor
 
 import ckptlib
-import ckptlib.checkpoint
 from ckptlib._torch import dcp_shims
-from ckptlib.convert import convert
 from ckptlib.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
@@ -47,14 +45,9 @@ from ckptlib.errors import (
     UnsafeCheckpointError,
 )
 from ckptlib.format import CkptReader
-from ckptlib.format.source import (
-    ForeignReader,
-    SourceInfo,
-    detect_format,
-    inspect_checkpoint,
-    open_reader,
-)
-from ckptlib.state import _merge_back
+from ckptlib.format.source import ForeignReader, SourceInfo, detect_format, inspect_checkpoint, open_reader
+from ckptlib.offline.convert import convert
+from ckptlib.state.state import _merge_back
 from ckptlib.testing.fakes.legacy_writers import uneven_bounds, write_safetensors, write_v0
 
 pytestmark = pytest.mark.legacy
@@ -579,7 +572,7 @@ class _Custom:
 def test_a_torch_save_file_without_a_local_path_is_read_whole_with_its_note(tmp_path):
     """A torch.save file on storage without a local path (an object store) is read whole into
     memory: the load notes it when asked for notes, and works the same without."""
-    from ckptlib.format.torch_save import torch_load
+    from ckptlib.format.foreign.torch_save import torch_load
     from ckptlib.storage import open_storage
 
     torch.save({"w": torch.arange(3.0)}, tmp_path / "w.pt")

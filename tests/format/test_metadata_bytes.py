@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptlib
-from ckptlib.format.dcp_writer import CkptWriter
+from ckptlib.format.write.dcp_writer import CkptWriter
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metadata_golden")
 

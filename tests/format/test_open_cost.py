@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import ckptlib
-from ckptlib.format.layout import open_checkpoint
-from ckptlib.format.structure import structure_problems
+from ckptlib.format.native.layout import open_checkpoint
+from ckptlib.format.native.structure import structure_problems
 from ckptlib.storage import as_storage
 
 

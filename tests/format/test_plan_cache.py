@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 import ckptlib
-from ckptlib.format import plan_cache, save_planner
-from ckptlib.format.dcp_writer import CkptWriter
-from ckptlib.saving import transact
+from ckptlib.format.write import plan_cache, save_planner
+from ckptlib.format.write.dcp_writer import CkptWriter
+from ckptlib.saving.saving import transact
 from ckptlib.storage import as_storage
 
 WORLD = 2

@@ -32,12 +32,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 import ckptlib
+from ckptlib._runtime.gc_pause import gc_paused
 from ckptlib._torch import dcp_shims
-from ckptlib.format import plan_codec
-from ckptlib.format.load_planner import local_load_plan
-from ckptlib.format.manifest import FileRecord
-from ckptlib.format.save_planner import global_save_plan, local_save_plan
-from ckptlib.gc_pause import gc_paused
+from ckptlib.format.native import plan_codec
+from ckptlib.format.native.manifest import FileRecord
+from ckptlib.format.read.load_planner import local_load_plan
+from ckptlib.format.write.save_planner import global_save_plan, local_save_plan
 from ckptlib.testing import launch
 
 
@@ -169,7 +169,7 @@ def _layouts() -> dict[str, list[SavePlan]]:
 def test_global_plan_equals_dcps(name, monkeypatch):
     """Equal to DCP's global plan, and made by ckptlib's own pass (not by handing the plans
     back to DCP, which costs a dataclasses.replace per item at 10,000 tensors)."""
-    from ckptlib.format import save_planner
+    from ckptlib.format.write import save_planner
 
     plans = _layouts()[name]
     expected_plans, expected_md = create_default_global_save_plan(plans)
@@ -276,7 +276,7 @@ def rank_compare_plans(world: int) -> dict:
     dist.all_gather_object(plans, dcp_plan)
     _, metadata = create_default_global_save_plan(dcp_shims.dedup_save_plans(plans, False))
     target = _flat(_state(world, load_layout=True, stages=True))
-    from ckptlib.format import load_planner
+    from ckptlib.format.read import load_planner
 
     load_asked = []
     real_load = load_planner.create_default_local_load_plan

@@ -9,9 +9,9 @@ import os
 import torch
 
 import ckptlib
-from ckptlib.format import plan_cache
-from ckptlib.format.dcp_writer import CkptWriter
-from ckptlib.saving import transact
+from ckptlib.format.write import plan_cache
+from ckptlib.format.write.dcp_writer import CkptWriter
+from ckptlib.saving.saving import transact
 from ckptlib.storage import as_storage
 
 

@@ -237,7 +237,7 @@ def test_the_shortest_safetensors_file_is_its_8_byte_length():
     """A safetensors file starts with its header's length in 8 bytes: 8 bytes is the shortest
     file whose length can be read (an empty header; the parser reports what follows), 7 is too
     short, named as such."""
-    from ckptlib.format.safetensors_header import header_length
+    from ckptlib.format.foreign.safetensors_header import header_length
 
     assert header_length(struct.pack("<Q", 0), "x.safetensors", 8) == 0
     with pytest.raises(CheckpointCorruptError, match=r"^x\.safetensors: 7 bytes, too short for a safetensors file$"):
@@ -249,7 +249,7 @@ def test_the_shortest_safetensors_file_is_its_8_byte_length():
 def test_the_smallest_safetensors_header_is_an_empty_object():
     """A safetensors file's header is a JSON object of at least 2 bytes (`{}`: no tensors):
     such a file is still recognised as safetensors, and a 1-byte header is not one."""
-    from ckptlib.format.safetensors import looks_like_safetensors
+    from ckptlib.format.foreign.safetensors import looks_like_safetensors
 
     empty = struct.pack("<Q", 2) + b"{}"
     assert looks_like_safetensors(empty, len(empty))
@@ -257,7 +257,7 @@ def test_the_smallest_safetensors_header_is_an_empty_object():
 
 
 def _every_dtype_of_the_format() -> list[str]:
-    from ckptlib.format.safetensors_header import DTYPES
+    from ckptlib.format.foreign.safetensors_header import DTYPES
 
     return [name for name, (attr, _) in DTYPES.items() if hasattr(torch, attr)]
 
@@ -267,7 +267,7 @@ def test_every_safetensors_dtype_reads_back_bit_exact(tmp_path, name):
     """A safetensors file written by the `safetensors` package, in each dtype the format and
     torch share, reads back bit-exact through ckptlib's own parser (whole and in a row piece)."""
     pytest.importorskip("safetensors")
-    from ckptlib.format.safetensors_header import DTYPES
+    from ckptlib.format.foreign.safetensors_header import DTYPES
     from ckptlib.testing.fakes.legacy_writers import write_safetensors
 
     dtype = getattr(torch, DTYPES[name][0])

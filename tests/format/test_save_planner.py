@@ -10,8 +10,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, cre
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from ckptlib.format.save_planner import CkptSavePlanner, chunks_tile_exactly
-from ckptlib.format.structure import find_overlap
+from ckptlib.format.native.structure import find_overlap
+from ckptlib.format.write.save_planner import CkptSavePlanner, chunks_tile_exactly
 
 
 def _shard(fqn: str, offsets, sizes, size) -> WriteItem:
@@ -184,7 +184,9 @@ def test_plans_are_dcps_own_where_torch_differs(tmp_path, monkeypatch, differs):
     the checkpoint still round-trips bit-exact."""
     import ckptlib
     from ckptlib._torch import probes
-    from ckptlib.format import load_planner, plan_cache, plan_codec, save_planner
+    from ckptlib.format.native import plan_codec
+    from ckptlib.format.read import load_planner
+    from ckptlib.format.write import plan_cache, save_planner
 
     plan_cache.clear_shared()  # an earlier save of this structure would be reused, not planned
     calls = []
@@ -230,7 +232,7 @@ def test_the_metadata_marker_is_added_whichever_storage_meta_torch_has(tmp_path,
     lacks: with it, the marker is appended to what torch put there; without it, it is the one entry."""
     import dataclasses
 
-    from ckptlib.format import dcp_writer
+    from ckptlib.format.write import dcp_writer
     from ckptlib.storage import open_storage
 
     @dataclasses.dataclass

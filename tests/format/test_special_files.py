@@ -19,7 +19,7 @@ import torch
 import ckptlib
 from ckptlib import CheckpointError, CheckpointManager, NotARegularFileError, cli
 from ckptlib.format import verify
-from ckptlib.steps import step_dir
+from ckptlib.format.native.root import step_dir
 
 ROLES = [".metadata", "ckptlib.json", "__0_0.distcp", "latest", "ckptlib.lock"]
 KINDS = ["fifo", "dev-zero", "directory"]

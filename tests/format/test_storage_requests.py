@@ -98,7 +98,7 @@ _GAP = 1 << 20  # ranged_io._COALESCE_GAP
 def test_reads_coalesce_across_small_gaps_up_to_their_span(spans, max_span, expected):
     """Shard reads are merged into one ranged read across gaps of up to 1 MiB, and never grow
     past `max_span` bytes (one item larger than that is read alone): the memory a read holds."""
-    from ckptlib.format.ranged_io import _COALESCE_GAP, _coalesce
+    from ckptlib.format.items.ranged_io import _COALESCE_GAP, _coalesce
 
     assert _COALESCE_GAP == _GAP
     assert _coalesce(spans, max_span=max_span) == expected
@@ -118,7 +118,7 @@ def test_an_items_tail_is_read_once_and_reads_stay_inside_the_item():
     """The record parsers read an item's zip directory from its tail: one read of the last 4 KiB
     up front serves every read inside it (up to its very last byte), a read before it is its
     own, and a read outside the item is an EOFError, never bytes of the next item."""
-    from ckptlib.format.ranged_io import _TAIL, _cached_tail_reader
+    from ckptlib.format.items.ranged_io import _TAIL, _cached_tail_reader
 
     data = bytes(range(256)) * 40  # a 10,240-byte file; the item is [100, 100 + 8000)
     calls: list = []
@@ -135,7 +135,7 @@ def test_an_items_tail_is_read_once_and_reads_stay_inside_the_item():
 def test_a_verified_read_that_meets_the_end_of_the_file_is_an_eof_error():
     """Feeding a block check the bytes around a row range stops with EOFError when the file
     ends early (a read returns nothing), instead of asking again forever."""
-    from ckptlib.format.dcp_reader import CkptReader
+    from ckptlib.format.read.dcp_reader import CkptReader
 
     reader = object.__new__(CkptReader)
     reader.bytes_read = 0

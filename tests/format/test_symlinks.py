@@ -129,7 +129,7 @@ def test_safetensors_in_hf_cache_layout(tmp_path, sharded):
 
 def test_manager_root_with_symlinked_step_files(tmp_path):
     from ckptlib import CheckpointManager
-    from ckptlib.steps import step_dir
+    from ckptlib.format.native.root import step_dir
 
     root = tmp_path / "run"
     mgr = CheckpointManager(root, keep_last=1)

@@ -33,7 +33,7 @@ import ckptlib
 from ckptlib import cli
 from ckptlib._torch import dcp_shims
 from ckptlib.errors import UnsafeCheckpointError
-from ckptlib.format.safe_pickle import safe_loads
+from ckptlib.format.native.safe_pickle import safe_loads
 
 pytestmark = pytest.mark.legacy
 

@@ -142,7 +142,7 @@ def describe(exc: BaseException) -> dict:
 def hold_uploads_of_step_2(where: str, rank: int) -> None:
     """Make this rank's uploads of step 2 hang (marking each in `where`): a node whose network
     stalls mid-upload, for a remote that is a plain directory."""
-    import ckptlib.remote_tier as remote_tier
+    import ckptlib.manager.cluster.remote_tier as remote_tier
 
     real = remote_tier.copy_file
 

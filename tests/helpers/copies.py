@@ -7,7 +7,7 @@ import os
 import shutil
 from typing import Sequence
 
-from ckptlib.format.file_names import shard_rank
+from ckptlib.format.native.file_names import shard_rank
 
 COMMON = ("ckptlib.json", ".metadata")
 

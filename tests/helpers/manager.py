@@ -7,7 +7,7 @@ import torch
 
 def refuse_lock_deletion(monkeypatch) -> None:
     """Make LocalStorage.delete fail with PermissionError for the manager's lock file only."""
-    from ckptlib.lock import LOCK_NAME
+    from ckptlib.manager.lock import LOCK_NAME
     from ckptlib.storage.local import LocalStorage
 
     real_delete = LocalStorage.delete

@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     import ckptlib
-    from ckptlib.format.copies import Copy
+    from ckptlib.format.read.copies import Copy
     from ckptlib.storage import LocalStorage
 
     base, out = os.path.abspath(argv[0]), argv[1]

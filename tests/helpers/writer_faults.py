@@ -1,4 +1,4 @@
-"""Faults inside the writer process of async_mode="process" saves (ckptlib.writer_process).
+"""Faults inside the writer process of async_mode="process" saves (ckptlib.saving.writer_process).
 
 A monkeypatch in the training process does not reach the writer process, so the fault travels
 with the save's storage instead: `FaultyShards` is a LocalStorage whose shard streams

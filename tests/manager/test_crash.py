@@ -28,7 +28,7 @@ import ckptlib
 from ckptlib import CheckpointManager, LockedError
 from ckptlib.format import classify
 from ckptlib.format.verify import verify
-from ckptlib.lock import LOCK_NAME, StaleLockWarning, _process_start
+from ckptlib.manager.lock import LOCK_NAME, StaleLockWarning, _process_start
 from ckptlib.storage import open_storage
 from ckptlib.testing import RankExited
 
@@ -210,7 +210,7 @@ def test_kill_during_save(tmp_path, dist_run, point, victim, committed, latest, 
 
 def _load_and_die(uri: str, victim: int):
     if dist.get_rank() == victim:  # dies where it would read (or, read once, receive) its items
-        from ckptlib.format.dcp_reader import CkptReader
+        from ckptlib.format.read.dcp_reader import CkptReader
 
         def read_data(self, plan, planner):
             _die()

@@ -18,13 +18,7 @@ import pytest
 import ckptlib
 from ckptlib.testing.harness.crash_operations import OPERATIONS, Operation
 from ckptlib.testing.harness.crash_points import Watch, run_case
-from ckptlib.testing.harness.crash_run import (
-    REPORT_COMMAND,
-    describe_failures,
-    enumerate_all,
-    report,
-    run_operation,
-)
+from ckptlib.testing.harness.crash_run import REPORT_COMMAND, describe_failures, enumerate_all, report, run_operation
 from ckptlib.testing.harness.crash_scene import Scene, state
 
 REPORT = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "crash-boundaries.md")

@@ -23,7 +23,7 @@ from helpers.manager import step_state
 
 from ckptlib import CheckpointManager
 from ckptlib.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointRemovedError
-from ckptlib.steps import step_dir
+from ckptlib.format.native.root import step_dir
 from ckptlib.storage import LocalStorage, is_remote
 
 

@@ -21,7 +21,7 @@ import pytest
 from helpers.interleave import Interleaved, InterleavedProxy
 
 from ckptlib.errors import LockedError
-from ckptlib.lock import LOCK_NAME, RootLock, StaleLockWarning
+from ckptlib.manager.lock import LOCK_NAME, RootLock, StaleLockWarning
 from ckptlib.storage import LocalStorage, is_remote, open_storage
 
 

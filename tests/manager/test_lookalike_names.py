@@ -16,9 +16,9 @@ import torch
 
 import ckptlib
 from ckptlib import CheckpointManager, OverwriteRefusedError, cli
-from ckptlib.collection import ForeignFilesWarning
-from ckptlib.format.deletion import is_own_file
-from ckptlib.steps import step_dir
+from ckptlib.format.native.deletion import is_own_file
+from ckptlib.format.native.root import step_dir
+from ckptlib.manager.cleanup import ForeignFilesWarning
 
 LOOKALIKES = [
     "ckptlib.json.bak",

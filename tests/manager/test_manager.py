@@ -14,8 +14,8 @@ import torch.distributed as dist
 import ckptlib
 from ckptlib import CheckpointExistsError, CheckpointManager, StalePointerWarning
 from ckptlib.errors import CheckpointNotFoundError
-from ckptlib.lock import StaleLockWarning
-from ckptlib.manager import ForeignFilesWarning
+from ckptlib.manager.lock import StaleLockWarning
+from ckptlib.manager.manager import ForeignFilesWarning
 
 
 def _state(value: float) -> dict:
@@ -272,7 +272,7 @@ def _stale_lock_of_an_exited_process(root):
     import json
     import socket
 
-    from ckptlib.lock import LOCK_NAME
+    from ckptlib.manager.lock import LOCK_NAME
 
     root.mkdir(parents=True)
     pid = os.getpid() + 1_000_000  # above pid_max: no process has it

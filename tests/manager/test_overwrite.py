@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 
 import ckptlib
 from ckptlib import CheckpointExistsError, CheckpointManager, NotACheckpointError, OverwriteRefusedError, cli
-from ckptlib.manager import ForeignFilesWarning
-from ckptlib.steps import step_dir
+from ckptlib.format.native.root import step_dir
+from ckptlib.manager.manager import ForeignFilesWarning
 from ckptlib.testing.fakes.s3_server import s3_client, s3_env
 
 

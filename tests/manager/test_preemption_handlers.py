@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ckptlib import CheckpointManager
-from ckptlib.preemption import PreemptionWatcher
+from ckptlib.manager.preemption import PreemptionWatcher
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -117,7 +117,7 @@ def test_a_handler_installed_on_top_keeps_reaching_the_one_before(user_handler):
 _SCRIPT = """
 import os, signal, sys, time
 from ckptlib import CheckpointManager
-from ckptlib.preemption import PreemptionWatcher
+from ckptlib.manager.preemption import PreemptionWatcher
 case = sys.argv[1]
 if case == "managers":
     first = CheckpointManager(sys.argv[2] + "/a", save_on_preemption=True)

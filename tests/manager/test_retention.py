@@ -16,7 +16,7 @@ import torch
 
 import ckptlib
 from ckptlib import CheckpointManager, KeepBest, KeepEvery, KeepLast, StalePointerWarning, StateError, cli
-from ckptlib.retention import AnyOf, StepRecord, to_delete
+from ckptlib.manager.policies import AnyOf, StepRecord, to_delete
 
 
 def _dirs(root) -> list[int]:

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 import ckptlib
-from ckptlib import CheckpointManager, EveryNSeconds, EveryNSteps, FinalStep, StateError, save_policy
-from ckptlib.save_policy import AnySavePolicy, AtSteps, SaveContext
+from ckptlib import CheckpointManager, EveryNSeconds, EveryNSteps, FinalStep, StateError
+from ckptlib.manager import policies as save_policy
+from ckptlib.manager.policies import AnySavePolicy, AtSteps, SaveContext
 
 
 def _dirs(root) -> list[int]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckptlib import CheckpointManager, StalePointerWarning, cli
-from ckptlib.steps import step_dir
+from ckptlib.format.native.root import step_dir
 
 STEPS = [9_999_999_998, 9_999_999_999, 10**10, 10**10 + 1]
 POINTERS = ["missing", "dangling", "uncommitted", "garbage", "older"]

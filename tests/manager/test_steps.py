@@ -17,7 +17,7 @@ import torch
 import ckptlib
 from ckptlib import CheckpointManager, cli
 from ckptlib.errors import StateError
-from ckptlib.steps import INT64_MAX, check_step, parse_step, step_dir
+from ckptlib.format.native.root import INT64_MAX, check_step, parse_step, step_dir
 
 BIG = [10**10 - 1, 10**10, 10**10 + 7, 10**12, 10**18, INT64_MAX]
 

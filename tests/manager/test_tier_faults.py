@@ -21,16 +21,10 @@ import pytest
 import torch
 from helpers.manager import step_state as _state
 
-import ckptlib.remote_tier as remote_tier
-from ckptlib import (
-    CopyFallbackWarning,
-    RemoteUnavailableWarning,
-    SkippedDamagedStepWarning,
-    StorageError,
-    UploadError,
-)
+import ckptlib.manager.cluster.remote_tier as remote_tier
+from ckptlib import CopyFallbackWarning, RemoteUnavailableWarning, SkippedDamagedStepWarning, StorageError, UploadError
 from ckptlib.format import MANIFEST_NAME, classify
-from ckptlib.manager import CheckpointManager
+from ckptlib.manager.manager import CheckpointManager
 from ckptlib.storage import open_storage
 
 

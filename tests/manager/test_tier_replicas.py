@@ -22,7 +22,7 @@ import shutil
 import pytest
 import torch
 
-from ckptlib.topology import Topology
+from ckptlib.manager.cluster.topology import Topology
 
 NODES = 2
 
@@ -98,7 +98,7 @@ def _save_with_fault(base: str, remote: str, fault: str) -> dict:
     import torch.distributed as dist
 
     import ckptlib
-    import ckptlib.replication as replication
+    import ckptlib.manager.cluster.replication as replication
 
     rank = dist.get_rank()
     if fault == "damaged" and rank == 2:
@@ -229,7 +229,7 @@ def _partner_dies(base: str, remote: str) -> dict:
     import torch.distributed as dist
 
     import ckptlib
-    import ckptlib.replication as replication
+    import ckptlib.manager.cluster.replication as replication
 
     if dist.get_rank() == 2:  # node 1's leader dies while it receives node 0's replicas
         real_take = replication._Incoming.take

@@ -31,7 +31,7 @@ def _one_rank_cannot_upload(base: str, remote: str) -> dict:
     import torch.distributed as dist
 
     import ckptlib
-    import ckptlib.remote_tier as remote_tier
+    import ckptlib.manager.cluster.remote_tier as remote_tier
     from ckptlib.format import classify
     from ckptlib.storage import open_storage
 
@@ -107,7 +107,7 @@ def test_copy_file_copies_verified_bytes_in_the_kernel_and_through_a_stream(tmp_
     import contextlib
     import io
 
-    from ckptlib.remote_tier import copy_file
+    from ckptlib.manager.cluster.remote_tier import copy_file
     from ckptlib.storage import open_storage
 
     src, data, crc = _copy_cases(tmp_path)
@@ -135,7 +135,7 @@ def test_copy_file_copies_verified_bytes_in_the_kernel_and_through_a_stream(tmp_
 
 def test_copy_file_refuses_a_local_copy_that_does_not_match_and_leaves_nothing(tmp_path):
     from ckptlib import CheckpointCorruptError
-    from ckptlib.remote_tier import copy_file
+    from ckptlib.manager.cluster.remote_tier import copy_file
     from ckptlib.storage import open_storage
 
     src, data, crc = _copy_cases(tmp_path)

@@ -22,13 +22,13 @@ import torch
 from helpers.manager import step_state as _state
 
 import ckptlib
-import ckptlib.remote_tier as remote_tier
+import ckptlib.manager.cluster.remote_tier as remote_tier
 from ckptlib import RemoteTier
 from ckptlib.errors import StateError, StorageError, UploadError
 from ckptlib.format import MANIFEST_NAME, classify
 from ckptlib.format.verify import verify
-from ckptlib.manager import CheckpointManager
-from ckptlib.retention import KeepLast
+from ckptlib.manager.manager import CheckpointManager
+from ckptlib.manager.policies import KeepLast
 from ckptlib.storage import open_storage
 from ckptlib.tiered import TieredCheckpointManager
 
@@ -232,7 +232,7 @@ _CRASHING_CHILD = textwrap.dedent(
     """
     import os, sys, time, torch
     sys.path.insert(0, sys.argv[3])
-    import ckptlib, ckptlib.remote_tier as remote_tier
+    import ckptlib, ckptlib.manager.cluster.remote_tier as remote_tier
     from helpers.manager import step_state
 
     real_copy = remote_tier.copy_file

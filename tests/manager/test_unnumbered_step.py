@@ -16,7 +16,7 @@ import torch
 import ckptlib
 from ckptlib import CheckpointManager
 from ckptlib.cli import main as cli_main
-from ckptlib.steps import step_dir
+from ckptlib.format.native.root import step_dir
 
 STEPS = [5, 9_999_999_999, 10_000_000_000, 12_345_678_901]
 

@@ -12,9 +12,9 @@ import pytest
 
 import ckptlib.storage.local as local
 from ckptlib.errors import NotARegularFileError, StorageError
-from ckptlib.format.deletion import is_own_file
-from ckptlib.format.manifest import MANIFEST_NAME
-from ckptlib.steps import DELETING_RE, step_dir
+from ckptlib.format.native.deletion import is_own_file
+from ckptlib.format.native.manifest import MANIFEST_NAME
+from ckptlib.format.native.root import DELETING_RE, step_dir
 from ckptlib.storage import LocalStorage
 
 

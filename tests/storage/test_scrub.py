@@ -1,4 +1,4 @@
-"""The one credential scrubber of every storage backend (ckptlib.storage.scrub): each kind of
+"""The one credential scrubber of every storage backend (ckptlib._scrub): each kind of
 secret, from the patterns and from the environment, in messages, chained exceptions and log
 lines; and each backend's errors and log lines with a password in its endpoint URL or a
 credential in the SDK's own error text. No emulator is needed: the endpoints are closed ports
@@ -13,9 +13,9 @@ from urllib.parse import quote
 import pytest
 from helpers.storage import LABELS, Faults, record_sleeps
 
+from ckptlib._scrub import REDACTED, guard_loggers, logger, scrub, scrub_exception
 from ckptlib.errors import StorageError
 from ckptlib.storage import open_storage
-from ckptlib.storage.scrub import REDACTED, guard_loggers, logger, scrub, scrub_exception
 from ckptlib.testing.fakes import emulators as em
 from ckptlib.testing.fakes.emulators import environ
 from ckptlib.testing.fakes.s3_server import s3_env

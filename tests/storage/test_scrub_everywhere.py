@@ -20,9 +20,9 @@ from helpers.storage import record_sleeps
 
 import ckptlib
 from ckptlib import CheckpointManager
+from ckptlib._runtime.observe import log_operation
 from ckptlib.cli import main as cli_main
 from ckptlib.errors import CheckpointError, StorageError
-from ckptlib.observe import log_operation
 from ckptlib.testing.fakes import emulators as em
 from ckptlib.testing.fakes.emulators import environ
 from ckptlib.testing.fakes.s3_server import s3_env
@@ -100,7 +100,7 @@ def test_every_checkpoint_error_is_scrubbed_but_keeps_state_keys(monkeypatch):
 def test_a_warning_that_quotes_a_backends_error_is_scrubbed(tmp_path, monkeypatch):
     """The lock that could not be removed after a save: its StaleLockWarning quotes the error,
     whose endpoint URL carries a password (and a signed URL), and shows neither."""
-    from ckptlib.lock import RootLock, StaleLockWarning
+    from ckptlib.manager.lock import RootLock, StaleLockWarning
 
     def unreachable(self):
         raise OSError(

@@ -27,9 +27,9 @@ from typing import Callable, Iterator
 
 import pytest
 
-from .emulators import azure_root, azurite_server, gcs_root, gcs_server
-from .faultproxy import FaultProxy
-from .s3_server import moto_server, s3_root
+from ckptlib.testing.fakes.emulators import azure_root, azurite_server, gcs_root, gcs_server
+from ckptlib.testing.fakes.faultproxy import FaultProxy
+from ckptlib.testing.fakes.s3_server import moto_server, s3_root
 
 __all__ = [
     "s3_server",

@@ -1,5 +1,5 @@
 """Test-only writers of the formats ckptlib reads but never writes in production: v0 per-rank
-sets (see ``ckptlib.format.v0.V0_FORMAT``), sharded safetensors (through the
+sets (see ``ckptlib.format.foreign.v0.V0_FORMAT``), sharded safetensors (through the
 ``safetensors`` package, an independent producer) and monolithic ``torch.save`` files.
 
 They take a *full* nested state (plain tensors and plain values) and lay it out the way an

@@ -27,7 +27,7 @@ from typing import Iterator
 
 import pytest
 
-from .emulators import environ, fresh_root, require
+from ckptlib.testing.fakes.emulators import environ, fresh_root, require
 
 __all__ = ["moto_server", "s3_root", "s3_env", "start_moto_server", "create_bucket", "remove_bucket", "s3_client"]
 

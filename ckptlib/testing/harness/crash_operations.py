@@ -18,8 +18,8 @@ import re
 import warnings
 from typing import Callable
 
-from .crash_points import Outcome
-from .crash_scene import (
+from ckptlib.testing.harness.crash_points import Outcome
+from ckptlib.testing.harness.crash_scene import (
     CHECKPOINT_FILES,
     Scene,
     assert_committed_or_absent,
@@ -56,8 +56,8 @@ def register(operation: Operation) -> Operation:
 def _quiet(fn, *args, **kwargs):
     """Call fn; a StaleLockWarning (a killed writer's lock) is expected, and so is the warning
     that a step directory keeps the user's file; anything else is not."""
-    from ckptlib import StaleLockWarning
-    from ckptlib.collection import ForeignFilesWarning
+    from ckptlib.manager.cleanup import ForeignFilesWarning
+    from ckptlib.manager.lock import StaleLockWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -124,21 +124,21 @@ register(Operation("async-save", ("local", "s3"), _prepare_save, _act_async_save
 
 
 def _prepare_manager(scene: Scene) -> None:
-    from ckptlib import CheckpointManager
+    from ckptlib.manager.manager import CheckpointManager
 
     CheckpointManager(scene.root, keep_last=1).save(1, state(1))
     scene.plant("notes.txt", f"{STEP(1)}/notes.txt")
 
 
 def _act_manager(scene: Scene) -> None:
-    from ckptlib import CheckpointManager
+    from ckptlib.manager.manager import CheckpointManager
 
     CheckpointManager(scene.root, keep_last=1).save(2, state(2))
 
 
 def _assert_latest(scene: Scene, allowed: set[int]) -> int:
     """`latest` names a committed step among `allowed`, which loads bit-exactly through the manager."""
-    from ckptlib import CheckpointManager
+    from ckptlib.manager.manager import CheckpointManager
 
     mgr = CheckpointManager(scene.root)
     latest = mgr.latest()
@@ -150,7 +150,7 @@ def _assert_latest(scene: Scene, allowed: set[int]) -> int:
 
 
 def _check_manager(scene: Scene, outcome: Outcome) -> None:
-    from ckptlib import CheckpointManager
+    from ckptlib.manager.manager import CheckpointManager
 
     scene.assert_user_files()
     _assert_latest(scene, {2} if outcome.status == "completed" else {1, 2})
@@ -170,7 +170,7 @@ register(Operation("manager-retention", ("local", "s3"), _prepare_manager, _act_
 
 
 def _prepare_gc(scene: Scene) -> None:
-    from ckptlib import CheckpointManager
+    from ckptlib.manager.manager import CheckpointManager
 
     mgr = CheckpointManager(scene.root)
     for step in (1, 2, 3):
@@ -180,13 +180,13 @@ def _prepare_gc(scene: Scene) -> None:
 
 
 def _act_gc(scene: Scene) -> list[str]:
-    from ckptlib import CheckpointManager
+    from ckptlib.manager.manager import CheckpointManager
 
     return CheckpointManager(scene.root, keep_last=1).gc()
 
 
 def _check_gc(scene: Scene, outcome: Outcome) -> None:
-    from ckptlib import CheckpointManager
+    from ckptlib.manager.manager import CheckpointManager
 
     scene.assert_user_files()
     _assert_latest(scene, {3})
@@ -336,7 +336,7 @@ def _act_tier(scene: Scene) -> None:
 
 
 def _check_tier(scene: Scene, outcome: Outcome) -> None:
-    from ckptlib import CheckpointManager
+    from ckptlib.manager.manager import CheckpointManager
 
     scene.assert_user_files()
     _assert_latest(scene, {2} if outcome.status == "completed" else {1, 2})

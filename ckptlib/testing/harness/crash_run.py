@@ -19,9 +19,9 @@ import tempfile
 import time
 import traceback
 
-from .crash_operations import OPERATIONS, Operation
-from .crash_points import Boundary, Outcome, run_case
-from .crash_scene import Scene, assert_named_error
+from ckptlib.testing.harness.crash_operations import OPERATIONS, Operation
+from ckptlib.testing.harness.crash_points import Boundary, Outcome, run_case
+from ckptlib.testing.harness.crash_scene import Scene, assert_named_error
 
 MODES = ("kill", "fail")
 REPORT_COMMAND = "python -m ckptlib.testing.harness.crash_run --write docs/crash-boundaries.md"

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .crash_points import Outcome, Watch
+from ckptlib.testing.harness.crash_points import Outcome, Watch
 
 #: A DCP checkpoint of one rank, as ckptlib commits it.
 CHECKPOINT_FILES = frozenset({".metadata", "__0_0.distcp", "ckptlib.json"})
@@ -166,7 +166,7 @@ def assert_committed_or_absent(scene: Scene, rel: str, step: int) -> bool:
     """root/rel is committed and loads step `step` exactly (True), or is no committed
     checkpoint and loading it fails with a CheckpointError (False)."""
     import ckptlib
-    from ckptlib.format import classify
+    from ckptlib.format.native.layout import classify
 
     where = scene.storage(rel)
     if classify(where) == "committed":

@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from . import launcher as _launcher
+from ckptlib.testing.harness import launcher as _launcher
 
 _MARKERS = {
     "elastic": "elastic: the save-at-N / load-at-M matrix (CPU, gloo)",

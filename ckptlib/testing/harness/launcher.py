@@ -56,10 +56,17 @@ __all__ = [
     "start_forkserver",
 ]
 
-from .forkserver import DEFAULT_PRELOAD, _preload, add_preload, forkserver_pid, start_forkserver  # noqa: F401  (_preload: tests slim the forkserver)
-from .launch_errors import RankError, RankExited, RankFailure, RankTimeout, RemoteError, SkipLaunch
-from .rank_process import _FdForChild, _rank_main, _RankSpec
-from .supervision import (
+from ckptlib.testing.harness.forkserver import DEFAULT_PRELOAD, _preload, add_preload, forkserver_pid, start_forkserver  # noqa: F401  (_preload: tests slim the forkserver)
+from ckptlib.testing.harness.launch_errors import (
+    RankError,
+    RankExited,
+    RankFailure,
+    RankTimeout,
+    RemoteError,
+    SkipLaunch,
+)
+from ckptlib.testing.harness.rank_process import _FdForChild, _rank_main, _RankSpec
+from ckptlib.testing.harness.supervision import (
     _clean_dump,
     _dump_stacks,
     _fn_name,

@@ -12,8 +12,8 @@ import signal
 import time
 import traceback
 
-from .launch_errors import RankExited, RankFailure, RemoteError
-from .rank_process import _READY
+from ckptlib.testing.harness.launch_errors import RankExited, RankFailure, RemoteError
+from ckptlib.testing.harness.rank_process import _READY
 
 _DUMP_WAIT = 1.0
 _DEATH_WINDOW = 1.0

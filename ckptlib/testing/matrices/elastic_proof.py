@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from typing import Any, Sequence
 
-from .training_spec import SpecError, as_training_spec, load_spec, resolve_reference
+from ckptlib.testing.matrices.training_spec import SpecError, as_training_spec, load_spec, resolve_reference
 
 
 class ElasticAssertionError(AssertionError):
@@ -55,7 +55,7 @@ def assert_elastic(
     object with the factory functions, or a reference ``"pkg.module:NAME"`` /
     ``"path/file.py:NAME"``. `layouts`: default the spec's. `pairs="covering"`: one case per
     (save layout, load layout) pair. Returns the ``validate.Report``."""
-    from . import parallel_layouts, validate
+    from ckptlib.testing.matrices import parallel_layouts, validate
 
     shipped, training_spec = _spec_arg(spec)
     sizes = sorted(set(int(n) for n in world_sizes))
@@ -79,8 +79,9 @@ def assert_elastic(
 
 
 def _launched(root, sizes, names, pairs, shipped, progress, timeout) -> dict:
-    from ..harness.launcher import RankError, launch
-    from . import validate
+    from ckptlib.testing.harness.launch_errors import RankError
+    from ckptlib.testing.harness.launcher import launch
+    from ckptlib.testing.matrices import validate
 
     with tempfile.TemporaryDirectory(prefix="assert-elastic-") as tmp:
         try:
@@ -116,7 +117,7 @@ def _in_group(root, sizes, names, pairs, shipped, progress) -> dict:
     """Every rank of the initialized group runs the pairs; every rank gets rank 0's report."""
     import torch.distributed as dist
 
-    from . import validate
+    from ckptlib.testing.matrices import validate
 
     made = tempfile.mkdtemp(prefix="assert-elastic-") if root is None and dist.get_rank() == 0 else None
     box = [root or made]

@@ -25,10 +25,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..._torch import parallel
-from . import matrix
-from . import parallel_layouts as lay
-from .models import build_transformer, transformer_loss
+from ckptlib._torch import parallel
+from ckptlib.testing.matrices import matrix
+from ckptlib.testing.matrices import parallel_layouts as lay
+from ckptlib.testing.matrices.models import build_transformer, transformer_loss
 
 
 @dataclasses.dataclass(frozen=True)

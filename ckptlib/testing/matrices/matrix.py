@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..._torch import parallel
+from ckptlib._torch import parallel
 
 WRAPPINGS = ("fsdp2", "ddp", "plain")
 OPTIMIZERS = ("adam", "adamw", "sgd")

@@ -1,5 +1,5 @@
 """Parallelism layouts a checkpoint is saved from and loaded into, for any model (a
-``ParallelLayout``; ``ckptlib.format.layout`` is another thing: what a checkpoint directory holds).
+``ParallelLayout``; ``ckptlib.format.native.layout`` is another thing: what a checkpoint directory holds).
 
 A layout is how a model's parameters are spread over ranks:
 
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..._torch import parallel
+from ckptlib._torch import parallel
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,11 +25,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from ... import _dist
-from ...state import ResizeWarning
-from . import layout_matrix, matrix
-from . import parallel_layouts as lay
-from .training_spec import SpecError, TrainingSpec, call_user
+from ckptlib._runtime import agree as _dist
+from ckptlib.state.state import ResizeWarning
+from ckptlib.testing.matrices import layout_matrix, matrix
+from ckptlib.testing.matrices import parallel_layouts as lay
+from ckptlib.testing.matrices.training_spec import SpecError, TrainingSpec, call_user
 
 FULL = StateDictOptions(full_state_dict=True)
 RESERVED = ("model", "step")

@@ -40,7 +40,7 @@ import sys
 import traceback
 from typing import Any, Callable, Sequence
 
-from ...errors import CheckpointError
+from ckptlib.errors import CheckpointError
 
 FACTORIES = (
     "build_model",

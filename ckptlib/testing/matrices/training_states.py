@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from ..._torch import parallel
-from . import layout_matrix, matrix
-from . import parallel_layouts as lay
-from .models import build_transformer, transformer_loss
+from ckptlib._torch import parallel
+from ckptlib.testing.matrices import layout_matrix, matrix
+from ckptlib.testing.matrices import parallel_layouts as lay
+from ckptlib.testing.matrices.models import build_transformer, transformer_loss
 
 FULL = StateDictOptions(full_state_dict=True)
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import layout_matrix, matrix
-from . import parallel_layouts as layouts_mod
-from .training_spec import SpecError
+from ckptlib.testing.matrices import layout_matrix, matrix
+from ckptlib.testing.matrices import parallel_layouts as layouts_mod
+from ckptlib.testing.matrices.training_spec import SpecError
 
 
 @dataclasses.dataclass
@@ -276,8 +276,8 @@ def _sides(spec: Any, optim: str):
             lambda uri, layout, expected, **kw: layout_matrix.load_layout(uri, layout, expected, optim, **kw),
             None,
         )
-    from . import spec_matrix
-    from .training_spec import as_training_spec, load_spec
+    from ckptlib.testing.matrices import spec_matrix
+    from ckptlib.testing.matrices.training_spec import as_training_spec, load_spec
 
     job = load_spec(spec) if isinstance(spec, str) else as_training_spec(spec)
     return (
@@ -289,8 +289,8 @@ def _sides(spec: Any, optim: str):
 
 def _cleanup(base: str) -> None:
     """Remove the run's checkpoints; a failure here must not hide the report."""
-    from ...errors import CheckpointError
-    from ...storage import open_storage
+    from ckptlib.errors import CheckpointError
+    from ckptlib.storage import open_storage
 
     try:
         open_storage(base).delete_tree()
@@ -299,7 +299,7 @@ def _cleanup(base: str) -> None:
 
 
 def default_wrap() -> str:
-    from ..._torch import parallel
+    from ckptlib._torch import parallel
 
     return "fsdp2" if parallel.fsdp2_cpu_reason() is None else "ddp"
 

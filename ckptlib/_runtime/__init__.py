@@ -1,0 +1,8 @@
+"""What every collective operation runs on: agreement rounds, teardown, the gc pause, logging.
+
+- `agree`: the collectives that make one rank's failure an error on every rank, never a hang
+  (agreement rounds, broadcasts, the rank-loss guard);
+- `teardown`: `exit_barrier()`, leaving a process group safely;
+- `gc_pause`: Python's cyclic collector paused for the length of a save or load;
+- `observe`: one INFO line per checkpoint operation on the `ckptlib` logger.
+"""

@@ -1,0 +1,7 @@
+"""`load`: fill a state from any checkpoint ckptlib reads, at any world size.
+
+- `loading`: `load` and `LoadResult`, collective in three steps (inspect, check, read);
+- `load_checks`: the checks each rank computes on its own (keys, shapes, dtype conversions);
+- `load_keys`: which keys a load fills and under which checkpoint keys (`only=`, `ignore_keys=`, `rename=`);
+- `read_exchange`: read once, exchange over the process group (the transport of shared reads).
+"""

@@ -1,0 +1,123 @@
+"""The checks of a load that each rank computes on its own: the keys and shapes the state asks
+for against the checkpoint's, the dtype conversions a load would make, and the size a load
+reports. `ckptlib.loading.loading` agrees on their outcome in one round."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ckptlib._torch import dcp_shims
+from ckptlib.errors import DtypeMismatchError, MissingKeysError, ShapeMismatchError, StateError
+from ckptlib.format.items.tensor_kinds import unsupported_tensor
+from ckptlib.format.native.aliases import satisfied_by_alias
+from ckptlib.format.native.layout import CheckpointInfo
+
+
+def _is_lossless(saved: torch.dtype, requested: torch.dtype) -> bool:
+    """Every value of `saved` is exactly representable in `requested` (a widening: fp16->fp32,
+    int32->int64, bool->int8); float<->int and narrowing conversions are lossy."""
+    if saved.is_complex != requested.is_complex or saved.is_floating_point != requested.is_floating_point:
+        return saved == torch.bool and not requested.is_complex
+    return torch.promote_types(saved, requested) == requested
+
+
+def describe_casts(casts: dict[str, tuple[torch.dtype, torch.dtype]]) -> str:
+    shown = [
+        f"{key} saved as {str(saved).replace('torch.', '')}, requested {str(requested).replace('torch.', '')}"
+        f"{'' if _is_lossless(saved, requested) else ' (lossy)'}"
+        for key, (saved, requested) in list(casts.items())[:20]
+    ]
+    return "; ".join(shown) + (f" ... ({len(casts)} in all)" if len(casts) > 20 else "")
+
+
+def check_request(
+    template: dict[str, Any],
+    info: CheckpointInfo,
+    strict: bool,
+    keep_if_absent: frozenset[str] = frozenset(),
+    cast: bool = False,
+) -> tuple[list[str], list[str], dict[str, tuple[torch.dtype, torch.dtype]], dict[str, str]]:
+    """Compare the requested keys with the checkpoint; return the missing ones, the absent ones
+    the state keeps its own value for (`LoadTarget.keep_if_absent`), the dtype conversions
+    the load will make ({key: (saved, requested)}, only with `cast`), and the absent ones an
+    alias fills ({key: the saved key whose value is the same memory}: a tied weight)."""
+    saved = info.metadata.state_dict_metadata
+    flat = dcp_shims.flatten_state_dict(template)[0]
+    refused = {key: reason for key, reason in ((k, unsupported_tensor(v)) for k, v in flat.items()) if reason}
+    if refused:
+        raise StateError(
+            f"{info.uri}: the state cannot be loaded into: "
+            + "; ".join(f"{key} is {reason}" for key, reason in list(refused.items())[:20]),
+            path=info.uri,
+        )
+    missing = sorted(k for k in flat if k not in saved)
+    if missing:  # a checkpoint from torch <= 2.3 keys nested plain values differently
+        old_flat = dcp_shims.flatten_state_dict_pre_2_4(template)[0]
+        old_missing = sorted(k for k in old_flat if k not in saved)
+        if len(old_missing) < len(missing):
+            flat, missing = old_flat, old_missing
+    # Kept only where the checkpoint holds the same param group (an optimizer it lacks stays missing).
+    groups = {k.rsplit(".", 1)[0] for k in saved}
+    kept = [k for k in missing if k in keep_if_absent and k.rsplit(".", 1)[0] in groups]
+    missing = [k for k in missing if k not in keep_if_absent]
+    aliased = satisfied_by_alias(missing, flat, saved)  # loading the saved name fills the other
+    missing = [k for k in missing if k not in aliased]
+    if missing and strict:
+        shown = ", ".join(missing[:20]) + (f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
+        raise MissingKeysError(f"{info.uri} lacks keys the state asks for: {shown}", keys=missing, path=info.uri)
+    problems = []
+    bad_keys = []
+    casts: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+    for key, value in flat.items():
+        meta = saved.get(key)
+        if meta is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            if not isinstance(meta, TensorStorageMetadata):
+                problems.append(f"{key}: a tensor in the state, a non-tensor object in the checkpoint")
+            elif tuple(value.shape) != tuple(meta.size):
+                problems.append(f"{key}: shape {tuple(value.shape)} in the state, {tuple(meta.size)} in the checkpoint")
+            else:
+                if value.dtype != meta.properties.dtype:
+                    casts[key] = (meta.properties.dtype, value.dtype)
+                continue
+            bad_keys.append(key)
+        elif isinstance(meta, TensorStorageMetadata):
+            problems.append(f"{key}: a {type(value).__name__} in the state, a tensor in the checkpoint")
+            bad_keys.append(key)
+    if problems:
+        problems += [
+            f"{key}: dtype {requested} in the state, {saved} in the checkpoint"
+            for key, (saved, requested) in casts.items()
+        ]
+        raise ShapeMismatchError(
+            f"{info.uri}: state does not match the checkpoint: " + "; ".join(problems[:20]),
+            keys=bad_keys + list(casts),
+            path=info.uri,
+        )
+    if casts and not cast:
+        raise DtypeMismatchError(
+            f"{info.uri}: dtypes differ from the checkpoint ({describe_casts(casts)}); pass cast=True to convert them",
+            keys=list(casts),
+            casts=casts,
+            path=info.uri,
+        )
+    return missing, kept, casts, aliased
+
+
+def checkpoint_size(info: CheckpointInfo) -> int | None:
+    """A checkpoint's size: its files per the manifest, else the bytes of its tensors."""
+    if info.manifest is not None:
+        return info.manifest.total_bytes
+    total = 0
+    for md in info.metadata.state_dict_metadata.values():
+        if isinstance(md, TensorStorageMetadata):
+            total += math.prod(md.size) * torch.empty((), dtype=md.properties.dtype).element_size()
+    return total
+
+
+__all__ = ["check_request", "checkpoint_size", "describe_casts"]

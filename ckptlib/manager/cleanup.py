@@ -1,0 +1,87 @@
+"""Retention and debris removal in a CheckpointManager root: which step directories go.
+
+Committed steps the retention policy does not keep go, and so does debris: a step directory
+whose save never committed, and what a crashed deletion left (`step_*.deleting-*`). The step
+`latest` names and the steps the caller protects (the save just committed) never go,
+whatever the policy says. Only a checkpoint's own files are deleted (`format.deletion`): a
+step directory holding files ckptlib did not write keeps them, with a ForeignFilesWarning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+from ckptlib.errors import CheckpointError, stacklevel_outside_ckptlib
+from ckptlib.format.native.deletion import describe_foreign, remove_checkpoint
+from ckptlib.format.native.manifest import MANIFEST_NAME, PENDING_NAME, Manifest
+from ckptlib.format.native.root import DELETING_RE, LATEST, parse_step, scan, step_dir
+from ckptlib.manager.policies import RetentionPolicy, StepRecord, to_delete
+from ckptlib.storage.base import Storage
+
+
+class ForeignFilesWarning(UserWarning):
+    """Retention or gc removed a step's checkpoint files but left files ckptlib did not write
+    (and their directory) in place."""
+
+
+def collect(
+    storage: Storage,
+    root_uri: str,
+    retention: RetentionPolicy,
+    *,
+    protect: set[int],
+    dry_run: bool = False,
+    on_removed: Callable[[int, int], None] | None = None,
+) -> list[str]:
+    """Apply `retention` and remove debris in the root at `storage`; returns the step
+    directories removed (or, `dry_run`, to be removed). Never removes what `latest` names
+    or `protect`. `on_removed(done, total)` follows the deletions (a progress bar)."""
+    steps = scan(storage)
+    pointed = parse_step(storage.read_pointer(LATEST) or "")
+    protected = set(protect) | ({pointed} if pointed is not None else set())
+    uses_metrics = getattr(retention, "uses_metrics", True)
+    records = [
+        StepRecord(s.step, saved_metrics(storage, s.name) if uses_metrics else {})
+        for s in steps
+        if s.state == "committed"
+    ]
+    doomed = {s: step_dir(s) for s in to_delete(retention, records, protected)}
+    for info in steps:
+        if info.state == "incomplete" and info.step not in protected:
+            doomed[info.step] = info.name
+    leftovers = [n for n in storage.list_children() if DELETING_RE.match(n)]
+    if not dry_run:
+        kept: dict[str, list[str]] = {}
+        total = len(doomed) + len(leftovers)
+        if on_removed is not None:
+            on_removed(0, total)
+        for done, name in enumerate([*doomed.values(), *leftovers], 1):  # leftovers: a deletion that crashed
+            foreign = remove_checkpoint(storage.child(name))
+            if foreign:
+                kept[name] = foreign
+            if on_removed is not None:
+                on_removed(done, total)
+        for info in steps:  # a commit that crashed between writing the manifest and this
+            if info.state == "committed" and info.step not in doomed and PENDING_NAME in info.files:
+                storage.child(info.name).delete([PENDING_NAME])
+        for name, foreign in kept.items():
+            warnings.warn(
+                f"{describe_foreign(f'{root_uri}/{name}', foreign)}; removed the checkpoint's own files and "
+                "left the directory with those in place",
+                ForeignFilesWarning,
+                stacklevel=stacklevel_outside_ckptlib(),
+            )
+    return sorted(doomed.values()) + sorted(leftovers)
+
+
+def saved_metrics(storage: Storage, name: str) -> dict[str, Any]:
+    """The metrics in a step's manifest; {} when it has none or cannot be read (never fatal)."""
+    where = f"{storage.uri.rstrip('/')}/{name}/{MANIFEST_NAME}"
+    try:
+        return dict(Manifest.from_bytes(storage.child(name).read(MANIFEST_NAME), where).metrics)
+    except (CheckpointError, OSError):
+        return {}
+
+
+__all__ = ["ForeignFilesWarning", "collect", "saved_metrics"]

@@ -1,0 +1,9 @@
+"""The cluster tier: node-local roots, peer replicas, a remote.
+
+- `cluster_tier`: the tier a CheckpointManager holds for `replicas=` / `remote=`;
+- `topology`: which ranks share a node's local root; `node_save`: one save into node-local roots;
+- `replication`: a node's shard files copied to its partner nodes through the process group;
+- `remote_tier`: `RemoteTier`, every rank uploading its own files and one commit;
+- `resume`: which step the tier resumes from and where its copies are (the inventory), and the
+  load from the nearest intact copy.
+"""

@@ -1,0 +1,421 @@
+"""The cluster tier a CheckpointManager holds: node-local roots, peer replicas, a remote.
+
+    CheckpointManager("/nvme/run1", keep_last=2, replicas=1,
+                      remote=RemoteTier("s3://bucket/run1", keep_last=10))
+
+Each rank passes its own node's local root (the same path on every node of a real cluster;
+no directory is shared between nodes). A save:
+
+- blocks only for the local write (`async_save=True`: only for staging): every rank writes its
+  shard into its own node's root and every node commits the step (`node_save.NodeLocalSave`),
+  then each node's leader applies the local retention to its own root;
+- then, in the background on a dedicated gloo group: the replicas (`replication`), then the
+  upload, every rank its own files, and one remote commit (`remote_tier`); the next save,
+  `wait()`, `gc()` and `close()` wait for it first and raise its failure on every rank.
+
+Every manifest records the save's place in the commit order (`format.manifest.CommitRecord`).
+`load()` resumes the newest resumable version in that order (`resume`) from the nearest
+intact copy of each file: the rank's own node, else a peer node, else the remote
+(`tier_load`). A resumed local step the remote lacks is uploaded afterwards, in the background.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+import warnings
+from typing import Any, Mapping
+
+from ckptlib._runtime import agree as _dist
+from ckptlib.errors import (
+    CheckpointExistsError,
+    CopiesExhaustedError,
+    RankLostError,
+    ReplicationError,
+    ReplicationRankLostError,
+    StateError,
+    stacklevel_outside_ckptlib,
+)
+from ckptlib.format.native.layout import classify
+from ckptlib.format.native.manifest import CommitRecord, Manifest
+from ckptlib.format.native.root import StalePointerWarning, step_dir
+from ckptlib.manager.cleanup import collect
+from ckptlib.manager.cluster.node_save import NodeLocalSave
+from ckptlib.manager.cluster.remote_tier import RemoteTier, as_remote
+from ckptlib.manager.cluster.replication import replicate, shard_name
+from ckptlib.manager.cluster.resume import (
+    Choice,
+    RemoteUnavailableWarning,
+    SkippedDamagedStepWarning,
+    add_remote,
+    choose,
+    fetch_files,
+    gather_versions,
+    load_version,
+    upload_assignment,
+    warn_all,
+)
+from ckptlib.manager.cluster.topology import FewerReplicasWarning, Topology, detect
+from ckptlib.manager.lock import RootLock
+from ckptlib.manager.policies import RetentionPolicy
+from ckptlib.saving import background_save
+from ckptlib.saving.background_save import AsyncSave
+from ckptlib.saving.saving import SaveResult, transact
+from ckptlib.storage.base import Storage
+
+
+class ClusterTier:
+    """What a CheckpointManager with `remote=` or `replicas=` delegates saves and loads to."""
+
+    def __init__(
+        self,
+        root: Storage,
+        *,
+        retention: RetentionPolicy,
+        remote: RemoteTier | None,
+        replicas: int,
+        node: Any,
+        group,
+        hold_lock: bool,
+        async_save: bool,
+        background_staging: bool,
+        async_mode: str = "thread",
+        plan_cache: Any = None,
+    ):
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            raise StateError(f"replicas must be a non-negative int, got {replicas!r}")
+        if remote is not None:
+            local_path, remote_path = root.local_path(), remote.storage.local_path()
+            if local_path is not None and remote_path is not None:
+                a, b = os.path.realpath(local_path), os.path.realpath(remote_path)
+                if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):
+                    raise StateError(f"the remote root {remote.uri!r} and the local root {root.uri!r} overlap")
+            remote.hold_lock = hold_lock
+        self.root = root
+        self.retention = retention
+        self.remote = remote
+        self.replicas = replicas
+        self.node = node
+        self.group = group
+        self.hold_lock = hold_lock
+        self.async_save = async_save
+        self.background_staging = background_staging
+        self.async_mode = async_mode
+        self.plan_cache = plan_cache  # the manager's (format.plan_cache)
+        self.topology: Topology | None = None
+        self._lock = RootLock(root)  # this node's root; its leader takes it
+        self._seq: int | None = None  # the largest commit seq seen (None: not looked yet)
+        self._latest: int | None = None  # the step last saved or resumed (the parent of the next save)
+        self._job: AsyncSave | None = None  # the background pipeline in flight
+        self._run = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
+
+    @classmethod
+    def create(cls, manager: Any, remote: Any, replicas: int, node: Any) -> "ClusterTier | None":
+        """The tier of a manager (its root, retention, group and save options), or None when
+        it has no remote, no replicas and no explicit node: a plain single-root manager."""
+        remote = as_remote(remote)
+        if remote is None and not replicas and node is None:
+            return None
+        return cls(
+            manager.storage,
+            retention=manager.retention,
+            remote=remote,
+            replicas=replicas,
+            node=node,
+            group=manager.process_group,
+            hold_lock=manager.hold_lock,
+            async_save=manager.async_save,
+            background_staging=manager.background_staging,
+            async_mode=manager.async_mode,
+            plan_cache=manager._plan_cache,
+        )
+
+    # -- collective set-up --------------------------------------------------------------
+    def setup(self) -> Topology:
+        """This job's nodes (collective, once)."""
+        if self.topology is None:
+            topology = detect(self.root, self.group, self.node)
+            self.replicas, why = topology.usable_replicas(self.replicas)
+            if why:
+                warnings.warn(why, FewerReplicasWarning, stacklevel=stacklevel_outside_ckptlib())
+            self.topology = topology
+        return self.topology
+
+    def _inventory(self, step: int | None) -> list[Choice]:
+        """Collective: the resumable versions, newest in commit order first (see `resume`),
+        warnings issued on every rank; learns the largest commit seq."""
+        topology = self.setup()
+        versions = gather_versions(self.root, topology, self.group)
+        remote = self.remote
+
+        def decide():
+            unreachable: list[str] = []
+            skipped: list[str] = []
+            reachable, latest = add_remote(versions, remote, unreachable) if remote else (False, None)
+            chosen = choose(
+                versions,
+                step,
+                where=self.root.uri,
+                remote_reachable=reachable,
+                remote_latest=latest,
+                skipped=skipped,
+            )
+            seqs = [v.order[1] for v in versions.values() if v.order[0] == 1]
+            return chosen, unreachable, skipped, max(seqs, default=0)
+
+        chosen, unreachable, skipped, seq = _dist.decide_on_rank0(decide, self.group)
+        warn_all(unreachable, RemoteUnavailableWarning)
+        warn_all(skipped, SkippedDamagedStepWarning)
+        self._seq = max(seq, self._seq or 0)
+        return chosen
+
+    # -- the node roots' locks ------------------------------------------------------------
+    def _lock_node(self) -> None:
+        assert self.topology is not None
+        if self.topology.is_leader:
+            self._lock.take()
+
+    def _unlock_node(self, *, force: bool = False) -> None:
+        if self.topology is not None and self.topology.is_leader and (force or not self.hold_lock):
+            try:
+                self._lock.release()
+            except Exception:  # noqa: BLE001 - a leftover lock of a dead process counts as stale
+                pass
+
+    # -- saving -------------------------------------------------------------------------
+    def save(self, step: int, state: Mapping[str, Any], metadata, metrics, overwrite: bool) -> SaveResult | AsyncSave:
+        """Save `step` into every node's root, then replicate and upload in the background.
+        The node roots stay locked until the background work (and each node's retention,
+        which runs last, off the blocking path) is done."""
+        topology = self.setup()
+        group = self.group
+        if self._seq is None:
+            chosen = self._inventory(None)
+            self._latest = chosen[0].step if chosen else None
+        name = step_dir(step)
+        background = self.remote is not None or self.replicas > 0
+        # One round: every leader locks its root, and each rank tells whether its node's root
+        # (and, rank 0, the remote as last seen) holds the step already.
+        here = topology.is_leader and classify(self.root.child(name)) == "committed"
+        known = topology.rank == 0 and self.remote is not None and step in self.remote.known_steps
+        _, rows = _dist.agree_sharing(self._lock_node, [int(here), int(known)], group)
+        try:
+            replace = self._replace_decision(step, name, overwrite, any(r[0] for r in rows), any(r[1] for r in rows))
+            if replace:
+                warnings.warn(replace, StalePointerWarning, stacklevel=stacklevel_outside_ckptlib())
+            record = CommitRecord(seq=(self._seq or 0) + 1, parent=self._latest, run=self._run, nodes=topology.nodes)
+            made: list[NodeLocalSave] = []
+
+            def make(storage, **kwargs):
+                made.append(NodeLocalSave(storage, topology=topology, commit_record=record, **kwargs))
+                return made[-1]
+
+            if background and not self.async_save:
+                background_save.async_group(group)  # collective on first use, so here and not in the thread
+            result = transact(
+                self.root.child(name),
+                state,
+                step=step,
+                metadata=metadata,
+                metrics=metrics,
+                overwrite=overwrite or bool(replace),
+                group=group,
+                asynchronous=self.async_save,
+                background_staging=self.background_staging,
+                async_mode=self.async_mode,
+                plan_cache=self.plan_cache,
+                after_commit=None if background else (lambda: self._after_node_commit(step)),
+                on_failure=self._unlock_node,
+                make_transaction=make,
+            )
+        except BaseException:
+            self._unlock_node()
+            raise
+        self._seq = record.seq
+        self._latest = step
+        if background:
+            write = result if isinstance(result, AsyncSave) else None
+            self._start(step, lambda: made[0].manifest_bytes, write, resumed=None)
+        return result
+
+    def _replace_decision(self, step: int, name: str, overwrite: bool, local: bool, remote: bool) -> str | None:
+        """Why an existing committed `step` (in a node's root: `local`; on the remote as last
+        seen: `remote`) may be replaced (a warning), None when nothing is there;
+        CheckpointExistsError for the step last saved or resumed. The same on every rank."""
+        where = ([self.root.uri] if local else []) + ([self.remote.uri] if remote and self.remote else [])
+        if not where or overwrite:
+            return None
+        if step == self._latest:
+            raise CheckpointExistsError(
+                f"step {step} is the newest committed checkpoint of {' and '.join(where)} (pass overwrite=True)",
+                path=f"{where[0]}/{name}",
+            )
+        return (
+            f"step {step} is committed under {' and '.join(where)} but is not the step this run resumed or saved "
+            f"last ({self._latest}): it was never resumed from (a crash, or a rollback); replacing it"
+        )
+
+    def _after_node_commit(self, step: int) -> None:
+        """Every rank once every node committed `step` (and, with a remote or replicas, once
+        they are done too): each leader applies its root's retention and unlocks it."""
+        if self.topology is not None and self.topology.is_leader:
+            try:
+                collect(self.root, self.root.uri, self.retention, protect={step})
+            finally:
+                self._unlock_node()
+
+    # -- the background pipeline ----------------------------------------------------------
+    def _start(self, step: int, manifest_bytes, write: AsyncSave | None, *, resumed: dict | None) -> None:
+        """Run the replicas (a new save) and the upload of `step` in the background on the
+        dedicated group; `resumed`: rank -> files, for an upload resumed after a load."""
+        group = self.group
+        bg = background_save.async_group(group)
+        topology = self.topology
+        assert topology is not None
+        local = self.root.child(step_dir(step))
+        rank = topology.rank
+
+        def pipeline():
+            data = manifest_bytes()
+            manifest = Manifest.from_bytes(data, f"{local.uri}/ckptlib.json")
+            result = failure = None
+            if resumed is None and self.replicas:
+                try:
+                    with _dist.peer_loss_as_error(f"replication of step {step}", bg, step=step, path=local.uri):
+                        replicate(local, manifest, topology, self.replicas, bg)
+                except RankLostError as exc:
+                    raise ReplicationRankLostError(
+                        exc.message, ranks=exc.ranks, step=exc.step, path=exc.path, rank=exc.rank
+                    ) from exc
+                except ReplicationError as exc:
+                    failure = exc  # the upload still runs: the remote copy does not need the replicas
+            if self.remote is not None:
+                if resumed is None:
+                    files = [shard_name(rank)] + ([".metadata"] if rank == 0 else [])
+                    files = [f for f in files if f in manifest.files]
+                else:
+                    files = resumed.get(rank, [])
+                result = self.remote.upload(step, data, local, files, bg, resumed=resumed is not None)
+            if failure is not None:
+                raise failure
+            return result
+
+        def work():
+            if write is not None and write.deliver() is None:
+                return None  # the write failed (its failure already seen); it unlocked the roots
+            if resumed is not None:
+                return pipeline()
+            try:
+                result = pipeline()
+            except RankLostError:  # the group is broken: no more collectives
+                self._unlock_node()
+                raise
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    _dist.agree(lambda: self._after_node_commit(step), bg)
+                raise
+            _dist.agree(lambda: self._after_node_commit(step), bg)
+            return result
+
+        job = AsyncSave(self.remote.uri if self.remote else local.uri, work, started=time.perf_counter())
+        self._job = job
+        background_save.register(group, job)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait for the background pipeline: its result, its failure raised once, None if none."""
+        job = self._job
+        if job is None:
+            return None
+        try:
+            return job.deliver(timeout)
+        finally:
+            if job.done():
+                self._job = None
+
+    # -- loading ------------------------------------------------------------------------
+    def load(self, state: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]):
+        """Collective: load the newest resumable version (of `step`) from the nearest copies;
+        None when there is nothing to resume. A version no intact copy is left of at read time
+        is skipped with a warning for the next one. Then, in the background, the version
+        loaded is uploaded if the remote lacks it and it is newer than the remote `latest`."""
+        topology = self.setup()
+        chosen = self._inventory(step)
+        for index, choice in enumerate(chosen):
+            local = self.root.child(step_dir(choice.step))
+            remote = self.remote.storage.child(step_dir(choice.step)) if self.remote is not None else None
+            manifest_bytes, metadata_bytes = fetch_files(choice, local, self.remote, topology, self.group)
+            try:
+                result = load_version(
+                    choice, manifest_bytes, metadata_bytes, topology, local, remote, state, self.group, kwargs
+                )
+            except CopiesExhaustedError as exc:
+                if index + 1 == len(chosen):
+                    raise
+                warn_all(
+                    [
+                        f"step {choice.step} has no intact copy of a file left ({exc}); loading step "
+                        f"{chosen[index + 1].step}"
+                    ],
+                    SkippedDamagedStepWarning,
+                )
+                continue
+            # every source this tier has is named, zeros included: {"local": ..., "remote": ...}
+            sources = ("local", "remote") if self.remote is not None else ("local",)
+            result.bytes_by_source = {**dict.fromkeys(sources, 0), **result.bytes_by_source}
+            if result.step is None:  # a step directory written without step=: the step its name gives
+                result.step = choice.step
+            self._latest = choice.step
+            if self._needs_upload(choice):
+                manifest = Manifest.from_bytes(manifest_bytes, f"{local.uri}/ckptlib.json")
+                assignment = upload_assignment(choice, manifest, topology)
+                self._start(choice.step, lambda data=manifest_bytes: data, None, resumed=assignment)
+            return result
+        return None
+
+    def _needs_upload(self, choice: Choice) -> bool:
+        """A version loaded from the local tiers that the remote lacks and is newer than its `latest`."""
+        return (
+            self.remote is not None
+            and choice.remote_reachable
+            and not choice.remote
+            and (choice.remote_latest is None or choice.order > choice.remote_latest)
+        )
+
+    def latest(self) -> int | None:
+        chosen = self._inventory(None)
+        return chosen[0].step if chosen else None
+
+    # -- gc and close ---------------------------------------------------------------------
+    def gc(self, *, dry_run: bool, on_removed) -> list[str]:
+        """Collective: the remote's retention (rank 0, returned), then every node's own."""
+        self.setup()
+        removed: list[str] = []
+        if self.remote is not None:
+            remote = self.remote
+            removed = _dist.decide_on_rank0(lambda: remote.gc(dry_run=dry_run, on_removed=on_removed), self.group)
+
+        def local() -> None:
+            if not self.topology.is_leader:
+                return
+            if dry_run:
+                collect(self.root, self.root.uri, self.retention, protect=set(), dry_run=True)
+                return
+            self._lock_node()
+            try:
+                collect(self.root, self.root.uri, self.retention, protect={self._latest} - {None})
+            finally:
+                self._unlock_node()
+
+        _dist.agree(local, self.group)
+        return removed
+
+    def close(self) -> None:
+        """Release the locks this process holds (no collective)."""
+        self._unlock_node(force=True)
+        if self.remote is not None:
+            self.remote.close()
+
+
+__all__ = ["ClusterTier"]

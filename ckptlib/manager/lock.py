@@ -1,0 +1,278 @@
+"""The root lock of a checkpoint directory: one writer at a time.
+
+Rank 0 creates `ckptlib.lock` atomically (through the storage's optional
+`create_exclusive`) before a save or gc and removes it afterwards (or keeps it until the
+manager's `close()` with `hold_lock=True`). A lock whose holder is gone (a dead pid on this
+host, checked by pid and process start time) is removed with a StaleLockWarning, so a
+crashed save never leaves the root locked for good; a holder on another host must be
+removed explicitly (`break_lock()`, `ckpt unlock`).
+
+Removing a stale lock is compare-and-delete by token: a writer first creates a claim
+(`ckptlib.manager.lock.break-<digest of the stale token>`, through `create_exclusive`, so one writer at
+a time holds it), then deletes the lock only if it still carries the stale token, then drops
+the claim. Two writers that both judged one lock stale can therefore never both hold the
+root: the second finds the claim taken, or finds the first one's fresh lock in its place. A
+claim left by a writer that died holding it is stale in turn and removed the same way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import socket
+import uuid
+import warnings
+from typing import Any
+
+from ckptlib.errors import CheckpointError, LockedError, stacklevel_outside_ckptlib, warn_scrubbed
+from ckptlib.storage.base import Storage, SupportsCreateExclusive
+
+LOCK_NAME = "ckptlib.lock"
+_CLAIM_PREFIX = LOCK_NAME + ".break-"  # + the digest of the token of the lock being removed
+_CLAIM_DEPTH = 2  # claims on claims (their breakers died too) followed at most this deep
+
+
+class StaleLockWarning(UserWarning):
+    """A lock left by a writer that no longer runs was removed."""
+
+
+# Tokens of the locks this process holds or is acquiring now: a lock file naming this process
+# with another token is a leftover (a release that failed), not a live holder.
+_LIVE_TOKENS: set[str] = set()
+
+
+def _process_start(pid: int) -> str | None:
+    """The kernel's start time of `pid` (Linux), to tell a live holder from a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(")") + 2 :].split()
+    return fields[19] if len(fields) > 19 else None  # field 22, counted after "pid (comm)"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, owned by someone else
+        return True
+    return True
+
+
+@dataclasses.dataclass
+class LockHolder:
+    """Who holds a root's lock, as its lock file says (fields are None when unreadable)."""
+
+    host: str | None = None
+    pid: int | None = None
+    start: str | None = None
+    token: str | None = None
+    created: str | None = None
+
+    @classmethod
+    def parse(cls, data: bytes) -> "LockHolder":
+        try:
+            doc = json.loads(data.decode("utf-8"))
+            pid = doc.get("pid")
+            return cls(
+                host=str(doc["host"]),
+                pid=pid if isinstance(pid, int) else None,
+                start=doc.get("start"),
+                token=str(doc["token"]),
+                created=doc.get("created"),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            return cls()
+
+    def describe(self) -> str:
+        if self.token is None:
+            return "an unknown holder (the lock file is unreadable)"
+        me = " (this process)" if self.pid == os.getpid() and self.host == socket.gethostname() else ""
+        return f"pid {self.pid} on host {self.host}{me}, since {self.created}"
+
+    def is_stale(self) -> bool:
+        """True only when the holder certainly no longer runs: its pid on this host is gone, or
+        was reused by a process that started later. A holder on another host is never stale."""
+        if self.host != socket.gethostname() or self.pid is None:
+            return False
+        if self.pid == os.getpid():
+            return self.token not in _LIVE_TOKENS
+        if not _pid_alive(self.pid):
+            return True
+        now = _process_start(self.pid)
+        return self.start is not None and now is not None and now != self.start
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class RootLock:
+    """`ckptlib.lock` in a checkpoint root, through the Storage protocol."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self.token: str | None = None
+        self._owner_pid: int | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.storage.uri.rstrip('/')}/{LOCK_NAME}"
+
+    def holder(self, name: str = LOCK_NAME) -> LockHolder | None:
+        """Who the lock file (or a claim) `name` names, None when there is none."""
+        try:
+            return LockHolder.parse(self.storage.read(name))
+        except FileNotFoundError:
+            return None
+        except CheckpointError:  # not a regular file (a FIFO, a directory): a holder nobody can name
+            return LockHolder()
+
+    def _create(self, data: bytes, name: str = LOCK_NAME) -> bool:
+        if isinstance(self.storage, SupportsCreateExclusive):
+            return bool(self.storage.create_exclusive(name, data))
+        # Best effort for a backend without an atomic create: check, write, read back. Two
+        # writers racing within one round trip can both win; see SupportsCreateExclusive.
+        if self.holder(name) is not None:
+            return False
+        self.storage.write(name, data)
+        try:
+            return self.storage.read(name) == data
+        except FileNotFoundError:
+            return False
+
+    def _remove_stale(self, name: str, stale: LockHolder, data: bytes, depth: int = 0) -> None:
+        """Delete lock file `name` only if it still names the `stale` holder (compare-and-delete
+        by token), under a claim one writer at a time can hold; a claim left by a breaker that
+        died is removed the same way. Without the claim (another writer is removing this very
+        lock) nothing is deleted: the caller tries again."""
+        claim = _CLAIM_PREFIX + hashlib.sha256(str(stale.token).encode()).hexdigest()[:32]
+        if not self._create(data, claim):
+            breaker = self.holder(claim)
+            if depth >= _CLAIM_DEPTH or breaker is None or not breaker.is_stale():
+                return
+            self._remove_stale(claim, breaker, data, depth + 1)
+            if not self._create(data, claim):
+                return
+        try:
+            current = self.holder(name)
+            if current is not None and current.token == stale.token:
+                self.storage.delete([name])
+        finally:
+            self.storage.delete([claim])
+
+    def acquire(self) -> None:
+        """Take the lock or raise LockedError naming the root and the holder."""
+        root = self.storage.uri
+        token = uuid.uuid4().hex
+        pid = os.getpid()
+        data = json.dumps(
+            {
+                "format": "ckptlib-lock",
+                "host": socket.gethostname(),
+                "pid": pid,
+                "start": _process_start(pid),
+                "token": token,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            }
+        ).encode()
+        holder = None
+        _LIVE_TOKENS.add(token)  # this process is alive and acquiring: its claims are not stale
+        try:
+            for _ in range(3):
+                if self._create(data):
+                    self.token, self._owner_pid = token, pid
+                    atexit.register(self._release_at_exit)
+                    return
+                holder = self.holder()
+                if holder is None:
+                    continue  # released between our attempt and the read: try again
+                if holder.is_stale():
+                    warnings.warn(
+                        f"{root}: removing a stale lock left by {holder.describe()} (that process no longer runs)",
+                        StaleLockWarning,
+                        stacklevel=stacklevel_outside_ckptlib(),
+                    )
+                    self._remove_stale(LOCK_NAME, holder, data)
+                    continue
+                break
+        finally:
+            if self.token != token:
+                _LIVE_TOKENS.discard(token)
+        described = holder.describe() if holder is not None else "writers that keep taking it"
+        err = LockedError(
+            f"{root} is locked by another writer: {described} (lock file {self.where}). Two managers must not "
+            f"write one root at once. If that writer is gone, remove the lock with "
+            f"CheckpointManager({root!r}).break_lock() or `ckpt unlock {root}`.",
+            path=root,
+        )
+        err.holder = holder.to_json() if holder is not None else None
+        raise err
+
+    def take(self) -> None:
+        """Take the lock, or confirm that the lock this object holds is still its own:
+        LockedError when it was removed meanwhile (another writer may have written the root)."""
+        if self.token is None:
+            self.acquire()
+            return
+        if self.held():
+            return
+        self.forget()
+        holder = self.holder()
+        raise LockedError(
+            f"{self.storage.uri}: this manager's lock ({self.where}) was removed while it held it"
+            + (f"; {holder.describe()} holds it now" if holder is not None else "")
+            + ". Another writer may have written this root; refusing to continue.",
+            path=self.storage.uri,
+        )
+
+    def drop(self) -> None:
+        """Release after a successful save or gc; a failure to remove the lock file only warns
+        (what it guarded is committed, and this process's leftover lock counts as stale)."""
+        try:
+            self.release()
+        except Exception as exc:  # noqa: BLE001 - reported, never fatal
+            warn_scrubbed(f"{self.where}: could not remove the lock ({exc})", StaleLockWarning)
+
+    def held(self) -> bool:
+        """Whether this object holds the lock and the lock file still says so."""
+        if self.token is None:
+            return False
+        holder = self.holder()
+        return holder is not None and holder.token == self.token
+
+    def release(self) -> None:
+        if self.token is None:
+            return
+        try:
+            if self.held():
+                self.storage.delete([LOCK_NAME])
+        finally:
+            self.forget()
+
+    def forget(self) -> None:
+        """Stop counting as the holder (without touching the lock file)."""
+        if self.token is not None:
+            _LIVE_TOKENS.discard(self.token)
+            self.token = None
+            atexit.unregister(self._release_at_exit)
+
+    def _release_at_exit(self) -> None:
+        if self._owner_pid == os.getpid():  # never from a forked child
+            with contextlib.suppress(Exception):
+                self.release()
+
+    def break_(self) -> LockHolder | None:
+        holder = self.holder()
+        self.storage.delete([LOCK_NAME])
+        return holder
+
+
+__all__ = ["LOCK_NAME", "LockHolder", "RootLock", "StaleLockWarning"]

@@ -1,0 +1,125 @@
+"""Preemption: remember that a termination signal arrived, so the training loop can save.
+
+The handler only records the signal number (no I/O, no collective, no lock: it may run in
+the middle of anything); `CheckpointManager.maybe_save` reads the flag and shares it with
+every rank in its one collective, so a signal that reached a single rank still makes all
+ranks save the same step.
+
+Several watchers (several managers) share one handler per signal, a `_Chain`: it records the
+signal for every open watcher, then calls the handler that was installed before it (from
+Python), on every signal, so a second signal before the manager acts still reaches it. Closing
+the watchers in any order puts back exactly the handler that was there before the first; a
+chain that a later handler still calls (someone installed theirs on top of ours) keeps doing
+what the handler before it did, the default action included, so no close order leaves a
+process that ignores SIGTERM.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any, Iterable
+
+from ckptlib.errors import StateError
+
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class _Chain:
+    """The handler of one signal while watchers watch it: records the signal for each of them,
+    then hands it to the handler installed before (`previous`)."""
+
+    def __init__(self, sig: signal.Signals, previous: Any):
+        self.sig = sig
+        self.previous = previous
+        self.watchers: list[PreemptionWatcher] = []
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        for watcher in list(self.watchers):
+            watcher._handle(signum, frame)
+        previous = self.previous
+        if self.watchers:
+            # Chain to a handler installed from Python; never to the default action (which would
+            # end the process before the save) nor to the KeyboardInterrupt raiser.
+            if callable(previous) and previous is not signal.default_int_handler:
+                previous(signum, frame)
+            return
+        # Nobody watches any more, yet a handler installed after ours still calls us: do what
+        # the handler before us would have done.
+        if callable(previous):
+            previous(signum, frame)
+        elif previous in (signal.SIG_DFL, None):
+            current = signal.signal(self.sig, signal.SIG_DFL)
+            try:
+                signal.raise_signal(self.sig)  # the default action: most often, the end of the process
+            finally:
+                signal.signal(self.sig, current)
+
+
+# The chain each signal's newest watcher joins (while it is still the installed handler).
+_CHAINS: dict[signal.Signals, _Chain] = {}
+
+
+def _join(sig: signal.Signals, watcher: "PreemptionWatcher") -> _Chain:
+    chain = _CHAINS.get(sig)
+    if chain is None or signal.getsignal(sig) is not chain:
+        chain = _Chain(sig, signal.getsignal(sig))
+        signal.signal(sig, chain)
+        _CHAINS[sig] = chain
+    chain.watchers.append(watcher)
+    return chain
+
+
+def _leave(chain: _Chain, watcher: "PreemptionWatcher") -> None:
+    if watcher in chain.watchers:
+        chain.watchers.remove(watcher)
+    if chain.watchers:
+        return
+    if _CHAINS.get(chain.sig) is chain:
+        del _CHAINS[chain.sig]
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(chain.sig) is chain:
+        signal.signal(chain.sig, chain.previous if chain.previous is not None else signal.SIG_DFL)
+
+
+class PreemptionWatcher:
+    """Records the first of `signals` that arrives (`received`) until `close()`."""
+
+    def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS):
+        self.signals = tuple(signal.Signals(s) for s in signals)
+        if not self.signals:
+            raise StateError("preemption_signals must name at least one signal")
+        if threading.current_thread() is not threading.main_thread():
+            raise StateError(
+                "save_on_preemption=True installs signal handlers, which Python allows only in the main "
+                "thread; create the CheckpointManager there"
+            )
+        self.received: int | None = None
+        self._chains: list[_Chain] = []
+        try:
+            for sig in self.signals:
+                self._chains.append(_join(sig, self))
+        except BaseException:
+            self.close()
+            raise
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+
+    def close(self) -> None:
+        """Stop watching; once no watcher is left, the handlers that were there before return.
+        One installed outside Python (faulthandler's) cannot be reinstalled from Python: the
+        default action returns."""
+        chains, self._chains = self._chains, []
+        for chain in reversed(chains):
+            _leave(chain, self)
+
+
+__all__ = ["DEFAULT_SIGNALS", "PreemptionWatcher", "signal_name"]

@@ -1,0 +1,334 @@
+"""`diff_checkpoints`: compare two checkpoints of any formats ckptlib reads, saved at any world
+sizes, tensor by tensor (`ckpt diff`).
+
+Keys are the flat DCP keys both sides' readers describe (`model.layers.0.weight`,
+`optim.state.layers.0.weight.exp_avg`; torch.save and safetensors model files under
+`model.`), so a checkpoint saved by 8 ranks compares with one saved by 3, or with its own
+safetensors export. Each tensor is read in blocks of whole rows (`block_bytes`, default 16 MiB,
+one row at least) straight from each side's reader, assembled from however many chunks each
+side stored it in, so memory stays a few blocks whatever the tensor or checkpoint size.
+
+Per tensor: bit-identical or not (its bytes), the elements beyond the tolerance (``|a - b| >
+atol + rtol * |b|``, NaN equal to NaN), the maximum absolute and relative difference and where
+the largest one is (its index and both values). Non-tensor entries (hyperparameters, counters)
+are compared with ``==``. Equal: the same keys, shapes and dtypes, every tensor within the
+tolerance and every other entry equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ckptlib.errors import CheckpointError
+from ckptlib.format.source import inspect_checkpoint, open_reader
+from ckptlib.format.streaming import SourceValues
+from ckptlib.storage import as_storage
+from ckptlib.storage.base import Storage
+
+BLOCK_BYTES = 16 << 20
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class DiffError(CheckpointError):
+    """Two checkpoints cannot be compared as asked (e.g. `only` names no entry of either)."""
+
+
+@dataclasses.dataclass
+class Side:
+    """One checkpoint of the comparison: what it is and its tensors' shapes and dtypes."""
+
+    uri: str
+    format: str
+    step: int | None
+    world_size: int | None
+    values: SourceValues
+
+    def describe(self) -> dict[str, Any]:
+        return {"uri": self.uri, "format": self.format, "step": self.step, "world_size": self.world_size}
+
+
+@dataclasses.dataclass
+class TensorDiff:
+    """How one tensor differs (`worst_*`: where the largest absolute difference is)."""
+
+    key: str
+    shape: list[int]
+    dtype_a: str
+    dtype_b: str
+    numel: int
+    bit_identical: bool = True
+    mismatched: int = 0  # elements beyond the tolerance
+    max_abs_diff: float = 0.0
+    max_rel_diff: float = 0.0
+    worst_index: list[int] | None = None
+    worst_a: Any = None
+    worst_b: Any = None
+
+    @property
+    def within_tolerance(self) -> bool:
+        return self.mismatched == 0 and self.dtype_a == self.dtype_b
+
+
+@dataclasses.dataclass
+class DiffReport:
+    a: dict[str, Any]
+    b: dict[str, Any]
+    atol: float
+    rtol: float
+    only_in_a: list[str]
+    only_in_b: list[str]
+    mismatched: list[dict[str, Any]]  # {"key", "a": {"shape", "dtype"}, "b": {...}}: not compared
+    tensors: list[TensorDiff]
+    objects: list[dict[str, Any]]  # {"key", "equal", "a", "b"}
+
+    @property
+    def equal(self) -> bool:
+        return (
+            not self.only_in_a
+            and not self.only_in_b
+            and not self.mismatched
+            and all(t.within_tolerance for t in self.tensors)
+            and all(o["equal"] for o in self.objects)
+        )
+
+    def summary(self) -> dict[str, int]:
+        return {
+            "tensors": len(self.tensors),
+            "bit_identical": sum(t.bit_identical for t in self.tensors),
+            "within_tolerance": sum(t.within_tolerance and not t.bit_identical for t in self.tensors),
+            "different": sum(not t.within_tolerance for t in self.tensors),
+            "shape_or_dtype_mismatch": len(self.mismatched),
+            "only_in_a": len(self.only_in_a),
+            "only_in_b": len(self.only_in_b),
+            "objects": len(self.objects),
+            "objects_different": sum(not o["equal"] for o in self.objects),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "equal": self.equal,
+            "a": self.a,
+            "b": self.b,
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "summary": self.summary(),
+            "only_in_a": self.only_in_a,
+            "only_in_b": self.only_in_b,
+            "mismatched": self.mismatched,
+            "tensors": [dict(dataclasses.asdict(t), within_tolerance=t.within_tolerance) for t in self.tensors],
+            "objects": self.objects,
+        }
+
+
+def _open(uri: str | os.PathLike | Storage, trusted: bool) -> Side:
+    storage = as_storage(uri)
+    info = inspect_checkpoint(storage, verify=True, trusted=trusted)
+    reader, info = open_reader(storage, info=info, verify=True, trusted=trusted)
+    return Side(
+        storage.uri, info.kind, info.step, info.world_size, SourceValues(reader, info.metadata, trusted=trusted)
+    )
+
+
+class _BlockPlanner(LoadPlanner):
+    """Hands a reader's tensor reads views of one block of a tensor (rows [start, start + n))."""
+
+    def __init__(self, block: torch.Tensor):
+        self.block = block
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        view = self.block
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, start, length)
+        return view
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        pass  # the reader copied into the view resolve_tensor gave it
+
+    def load_bytes(self, read_item, value) -> None:
+        raise DiffError(f"{read_item.dest_index.fqn}: a tensor read was answered with bytes")
+
+
+def read_block(side: Side, key: str, start: int, rows: int) -> torch.Tensor:
+    """Rows [start, start + rows) (along dim 0; elements of a 1-D tensor) of tensor `key`."""
+    md: TensorStorageMetadata = side.values.tensor_meta(key)
+    size = list(md.size)
+    if not size:  # a 0-d tensor
+        return side.values.tensor(key)
+    offsets = [start] + [0] * (len(size) - 1)
+    sizes = [rows] + size[1:]
+    block = torch.empty(sizes, dtype=md.properties.dtype)
+    if block.numel():
+        items = create_read_items_for_chunk_list(
+            key, md, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))]
+        )
+        side.values.reader.read_data(LoadPlan(items), _BlockPlanner(block)).wait()
+    return block
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.bool or not (t.is_floating_point() or t.is_complex()):
+        return t
+    return t.contiguous().view(_BITS[t.element_size()]) if t.element_size() in _BITS else t
+
+
+def _as_wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
+
+
+def _compare_block(diff: TensorDiff, a: torch.Tensor, b: torch.Tensor, base: int, atol: float, rtol: float) -> None:
+    """Fold one block (its first element is element `base` of the flat tensor) into `diff`."""
+    if a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)):
+        return
+    diff.bit_identical = False
+    wa, wb = _as_wide(a).reshape(-1), _as_wide(b).reshape(-1)
+    same = wa == wb
+    if wa.is_floating_point() or wa.is_complex():
+        same |= torch.isnan(wa) & torch.isnan(wb)
+    gap = torch.where(same, torch.zeros((), dtype=torch.float64), (wa - wb).abs().to(torch.float64))
+    gap = torch.nan_to_num(gap, nan=math.inf)  # NaN against a number, or inf - inf of opposite signs
+    scale = wb.abs().to(torch.float64)
+    diff.mismatched += int((gap > atol + rtol * scale).sum())
+    rel = torch.where(scale > 0, gap / scale, torch.where(gap > 0, math.inf, 0.0))
+    diff.max_rel_diff = max(diff.max_rel_diff, float(rel.max()))
+    worst = int(torch.argmax(gap))
+    if diff.worst_index is None or float(gap[worst]) > diff.max_abs_diff:
+        diff.max_abs_diff = float(gap[worst])
+        flat = base + worst
+        diff.worst_index = [int(i) for i in _unravel(flat, diff.shape)]
+        diff.worst_a, diff.worst_b = _scalar(a.reshape(-1)[worst]), _scalar(b.reshape(-1)[worst])
+
+
+def _unravel(flat: int, shape: list[int]) -> list[int]:
+    out = []
+    for size in reversed(shape):
+        out.append(flat % size)
+        flat //= size
+    return list(reversed(out))
+
+
+def _scalar(t: torch.Tensor) -> Any:
+    value = t.item()
+    if isinstance(value, complex):
+        return [value.real, value.imag]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN or infinity
+    return value
+
+
+def compare_tensor(
+    a: Side, b: Side, key: str, *, atol: float = 0.0, rtol: float = 0.0, block_bytes: int = BLOCK_BYTES, on_bytes=None
+) -> TensorDiff:
+    """`key` of `a` against `key` of `b` (the same shape), block by block."""
+    ma, mb = a.values.tensor_meta(key), b.values.tensor_meta(key)
+    shape = list(ma.size)
+    diff = TensorDiff(key, shape, str(ma.properties.dtype), str(mb.properties.dtype), math.prod(shape))
+    rows_total = shape[0] if shape else 1
+    row_elems = math.prod(shape[1:]) if shape else 1
+    item = max(a.values.nbytes(key), b.values.nbytes(key)) // max(diff.numel, 1) or 1
+    rows = max(1, block_bytes // max(1, row_elems * item))
+    for start in range(0, rows_total, rows):
+        n = min(rows, rows_total - start)
+        block_a, block_b = read_block(a, key, start, n), read_block(b, key, start, n)
+        _compare_block(diff, block_a, block_b, start * row_elems, atol, rtol)
+        if on_bytes is not None:
+            on_bytes(block_a.numel() * block_a.element_size() + block_b.numel() * block_b.element_size())
+    return diff
+
+
+def _objects_equal(x: Any, y: Any) -> bool:
+    try:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+        return bool(x == y)
+    except Exception:  # noqa: BLE001 - values that cannot be compared are different
+        return False
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def diff_checkpoints(
+    a: str | os.PathLike | Storage,
+    b: str | os.PathLike | Storage,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    only: str | None = None,
+    trusted: bool = False,
+    block_bytes: int = BLOCK_BYTES,
+    on_start: Callable[[int], None] | None = None,
+    on_tensor: Callable[[str, int], None] | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> DiffReport:
+    """Compare checkpoint `a` with checkpoint `b` (any formats, any saved world sizes) in one
+    process. `only`: compare just the keys under this top-level entry (e.g. "model").
+    Progress: `on_start(total bytes to read)`, `on_tensor(key, nbytes)` before each tensor,
+    `on_bytes(n)` after each block."""
+    if atol < 0 or rtol < 0 or not math.isfinite(atol) or not math.isfinite(rtol):
+        raise DiffError(f"atol and rtol must be finite and not negative, got atol={atol} rtol={rtol}")
+    side_a, side_b = _open(a, trusted), _open(b, trusted)
+
+    def keys(side: Side) -> list[str]:
+        every = side.values.tensor_keys + side.values.object_keys
+        return [k for k in every if only is None or k == only or k.startswith(only + ".")]
+
+    keys_a, keys_b = keys(side_a), keys(side_b)
+    if only is not None and not keys_a and not keys_b:
+        raise DiffError(f"--only {only}: neither {side_a.uri} nor {side_b.uri} has an entry {only!r}")
+    in_b = set(keys_b)
+    common = [k for k in keys_a if k in in_b]
+    report = DiffReport(
+        side_a.describe(),
+        side_b.describe(),
+        atol,
+        rtol,
+        sorted(set(keys_a) - in_b),
+        sorted(in_b - set(keys_a)),
+        [],
+        [],
+        [],
+    )
+    tensors_a, tensors_b = set(side_a.values.tensor_keys), set(side_b.values.tensor_keys)
+    if on_start is not None:
+        both = [k for k in common if k in tensors_a and k in tensors_b]
+        on_start(sum(side_a.values.nbytes(k) + side_b.values.nbytes(k) for k in both))
+    objects_a = side_a.values.objects() if any(k not in tensors_a for k in common) else {}
+    objects_b = side_b.values.objects() if any(k not in tensors_b for k in common) else {}
+    for key in common:
+        if key in tensors_a and key in tensors_b:
+            ma, mb = side_a.values.tensor_meta(key), side_b.values.tensor_meta(key)
+            if list(ma.size) != list(mb.size):
+                report.mismatched.append(
+                    {
+                        "key": key,
+                        "a": {"shape": list(ma.size), "dtype": str(ma.properties.dtype)},
+                        "b": {"shape": list(mb.size), "dtype": str(mb.properties.dtype)},
+                    }
+                )
+                continue
+            if on_tensor is not None:
+                on_tensor(key, side_a.values.nbytes(key) + side_b.values.nbytes(key))
+            report.tensors.append(
+                compare_tensor(side_a, side_b, key, atol=atol, rtol=rtol, block_bytes=block_bytes, on_bytes=on_bytes)
+            )
+        elif key in tensors_a or key in tensors_b:
+            kinds = ["a tensor" if key in tensors else "not a tensor" for tensors in (tensors_a, tensors_b)]
+            report.mismatched.append({"key": key, "a": {"kind": kinds[0]}, "b": {"kind": kinds[1]}})
+        else:
+            x, y = objects_a.get(key), objects_b.get(key)
+            equal = _objects_equal(x, y)
+            report.objects.append({"key": key, "equal": equal, "a": _shown(x), "b": _shown(y)})
+    return report
+
+
+__all__ = ["BLOCK_BYTES", "DiffError", "DiffReport", "TensorDiff", "compare_tensor", "diff_checkpoints", "read_block"]
