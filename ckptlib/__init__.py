@@ -42,17 +42,22 @@ from ckptlib.manager.cluster.remote_tier import RemoteTier
 from ckptlib.manager.cluster.resume import RemoteUnavailableWarning, SkippedDamagedStepWarning
 from ckptlib.manager.lock import StaleLockWarning
 from ckptlib.manager.manager import CheckpointManager
+from ckptlib.manager.options import Cluster, InitialLoad, Preemption
 from ckptlib.manager.policies import EveryNSeconds, EveryNSteps, FinalStep, KeepBest, KeepEvery, KeepLast
 from ckptlib.offline.convert import ConvertResult, convert
 from ckptlib.offline.export import ExportResult, export
+from ckptlib.saving.async_mode import AsyncMode
 from ckptlib.saving.background_save import AsyncSave
-from ckptlib.saving.saving import SaveResult, async_save, save, start_async_save
+from ckptlib.saving.saving import SaveResult, async_save, save
 from ckptlib.state.sampler import ElasticDistributedSampler, MergeSamplerProgress
 from ckptlib.state.state import KeepExistingRanks, MergingResizePolicy, RankLocal, ResizePolicy, ResizeWarning, RNGState
-from ckptlib.tiered import TieredCheckpointManager
 
 __all__ = [
+    "AsyncMode",
     "AsyncSave",
+    "Cluster",
+    "InitialLoad",
+    "Preemption",
     "async_save",
     "CastWarning",
     "DtypeMismatchError",
@@ -105,7 +110,6 @@ __all__ = [
     "StalePointerWarning",
     "StateError",
     "StorageError",
-    "TieredCheckpointManager",
     "UnsafeCheckpointError",
     "UploadError",
     "UploadRankLostError",
@@ -116,12 +120,3 @@ __all__ = [
     "load",
     "save",
 ]
-
-
-def __getattr__(name: str):
-    """`ckptlib.compat` (deprecated, see its docstring) loads on first use: nothing in the package imports it."""
-    if name == "compat":
-        import importlib
-
-        return importlib.import_module(f"{__name__}.compat")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -190,7 +190,7 @@ def run(args) -> int:
         args.root,
         keep_last=args.keep,
         save_policy=ckptlib.EveryNSteps(args.save_every) | ckptlib.FinalStep(args.steps),
-        save_on_preemption=True,  # SIGTERM/SIGUSR1: save the step reached, on every rank, then stop
+        preemption=True,
     )
 
     resumed = mgr.load(state)  # None: nothing to resume, start from step 0

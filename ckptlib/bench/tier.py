@@ -36,6 +36,7 @@ from typing import Any
 
 from ckptlib.bench import help_description
 from ckptlib.bench.rank_ops import barrier, local_bytes, make_state, rank_world, same_values, settle, timed
+from ckptlib.manager.options import Cluster
 
 BLOCKING_TARGET = 1.1
 UPLOAD_TARGET = 0.9
@@ -95,7 +96,7 @@ def rank_tier(base: str, remote_base: str, size_mib: int, reps: int) -> dict[str
             if method == "plain":
                 mgr = ckptlib.CheckpointManager(f"{run}/plain")
             else:
-                mgr = ckptlib.CheckpointManager(node_root, replicas=1, remote=RemoteTier(remote))
+                mgr = ckptlib.CheckpointManager(node_root, cluster=Cluster(replicas=1, remote=RemoteTier(remote)))
             mgr.save(1, state)
             mgr.wait()
             settle()
@@ -125,7 +126,7 @@ def rank_tier(base: str, remote_base: str, size_mib: int, reps: int) -> dict[str
                     shutil.rmtree(node_root, ignore_errors=True)
                 barrier()
             template = make_state(size_mib, fill=False)
-            mgr = ckptlib.CheckpointManager(node_root, replicas=1, remote=RemoteTier(remote))
+            mgr = ckptlib.CheckpointManager(node_root, cluster=Cluster(replicas=1, remote=RemoteTier(remote)))
             seconds = timed(lambda: mgr.load(template))
             result = mgr.last_load
             mgr.wait()

@@ -8,7 +8,8 @@ checkpoint there). User errors print one line, never a traceback.
 One module per command family: `validate_cmd` (validate), `inspect_cmds` (verify, inspect,
 ls), `plan_cmd` (plan: a resharded load's reads, from metadata), `diff_cmd` (diff), `gc_cmds`
 (gc, unlock), `convert_cmds` (convert, export), `bench_cmd` (bench, which runs
-`ckptlib.bench`); `parser` assembles them, `usage` holds what they share and `listing` how `ckpt ls` shows a root. `plan` and
+`ckptlib.bench`); `parser` assembles them, `usage` holds what they share and `listing` how
+`ckpt ls` shows a root. `plan` and
 `diff` exit 2 on every error (a CheckpointError), since their 1 means "does not fit" and
 "differs".
 """

@@ -115,10 +115,15 @@ class LockHolder:
 
 
 class RootLock:
-    """`ckptlib.lock` in a checkpoint root, through the Storage protocol."""
+    """`ckptlib.lock` in a checkpoint root, through the Storage protocol: the one lock helper of
+    every writer of a root (the manager's single root, each node's root, the remote).
 
-    def __init__(self, storage: Storage):
+    `hold=True`: once taken, the lock stays until `close()`; `done()` and `abandon()` (the ends
+    of one save or gc) then keep it."""
+
+    def __init__(self, storage: Storage, *, hold: bool = False):
         self.storage = storage
+        self.hold = hold
         self.token: str | None = None
         self._owner_pid: int | None = None
 
@@ -233,13 +238,27 @@ class RootLock:
             path=self.storage.uri,
         )
 
-    def drop(self) -> None:
-        """Release after a successful save or gc; a failure to remove the lock file only warns
-        (what it guarded is committed, and this process's leftover lock counts as stale)."""
+    def done(self) -> None:
+        """The end of a successful save or gc: release unless held; a failure to remove the lock
+        file only warns (what it guarded is committed, and this process's leftover lock counts
+        as stale)."""
+        if self.hold:
+            return
         try:
             self.release()
         except Exception as exc:  # noqa: BLE001 - reported, never fatal
             warn_scrubbed(f"{self.where}: could not remove the lock ({exc})", StaleLockWarning)
+
+    def abandon(self) -> None:
+        """The end of a failed save or gc: release unless held, never raising (the failure
+        being raised is the one to see; a leftover lock of this process counts as stale)."""
+        if not self.hold:
+            self.close()
+
+    def close(self) -> None:
+        """Release whether held or not, never raising (the owner is done with the root)."""
+        with contextlib.suppress(Exception):
+            self.release()
 
     def held(self) -> bool:
         """Whether this object holds the lock and the lock file still says so."""

@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import os
 import time
-import warnings
 
 from ckptlib import presets
 from ckptlib.errors import StateError, UnsupportedError
@@ -70,7 +69,6 @@ def convert(
     trusted: bool = False,
     verify: bool = True,
     max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE,
-    max_shard_bytes: int | None = None,
     preset: str | presets.Preset | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint at `src` into `dst`, in format `to`:
@@ -82,8 +80,7 @@ def convert(
     - ``"safetensors"``: the tensors under `prefix` (default ``"model"``), prefix stripped:
       ``dst`` is a directory (``model.safetensors``, or shards of at most `max_shard_size`
       plus ``model.safetensors.index.json``; bytes, or "5GB"/"2GiB" as Hugging Face counts,
-      default 5GB as `export`'s) or a path ending in ``.safetensors``. `max_shard_bytes` is
-      the deprecated name of `max_shard_size`.
+      default 5GB as `export`'s) or a path ending in ``.safetensors``.
 
     Refuses to write into an existing `dst` (CheckpointExistsError) unless ``force=True``,
     and even then replaces only what ckptlib wrote (`export`'s rule; for "dcp" that of
@@ -106,7 +103,6 @@ def convert(
             trusted=trusted,
             verify=verify,
             max_shard_size=max_shard_size,
-            max_shard_bytes=max_shard_bytes,
         )
 
 
@@ -121,19 +117,11 @@ def _convert(
     trusted: bool,
     verify: bool,
     max_shard_size: int | str | None,
-    max_shard_bytes: int | None,
 ) -> ConvertResult:
     if to == "ckptlib":
         to = "dcp"
     if to not in TARGETS:
         raise ValueError(f"to must be one of {TARGETS}, got {to!r}")
-    if max_shard_bytes is not None:
-        warnings.warn(
-            "convert(max_shard_bytes=) is deprecated; pass max_shard_size= (bytes, or '5GB' / '2GiB')",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        max_shard_size = max_shard_bytes
     shard_bytes = parse_size(max_shard_size)
     start = time.monotonic()
     src_storage = as_storage(src)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import warnings
 from typing import Any, Callable, Mapping
 
 import torch.distributed.checkpoint as dcp
@@ -29,7 +28,8 @@ from ckptlib.format.write import plan_cache as plan_caches
 from ckptlib.format.write.plan_cache import PlanCache, PlanReuse
 from ckptlib.format.write.save_planner import CkptSavePlanner
 from ckptlib.format.write.transaction import SaveTransaction
-from ckptlib.saving import background_save, rank_checks, writer_process
+from ckptlib.saving import background_save, rank_checks
+from ckptlib.saving.async_mode import AsyncMode
 from ckptlib.saving.background_save import AsyncSave
 from ckptlib.state.state import to_save_state_dict
 from ckptlib.storage import as_storage
@@ -110,7 +110,7 @@ def async_save(
     the write and the commit run in a background thread on a dedicated gloo group (see
     `ckptlib.saving.background_save`). `handle.wait()` returns the SaveResult or raises the failure.
 
-    `async_mode="process"`: the state is staged in shared memory and the shard is encoded,
+    `async_mode="process"` (`AsyncMode`'s writer): the state is staged in shared memory and the shard is encoded,
     checksummed, written and fsynced by a long-lived writer process of this rank, so the
     write does not compete with the training loop for the GIL; planning and the commit stay
     in the background thread, failures are raised as in thread mode (`ckptlib.saving.writer_process`).
@@ -130,20 +130,8 @@ def async_save(
         metrics=metrics,
         overwrite=overwrite,
         group=process_group,
-        asynchronous=True,
-        background_staging=background_staging,
-        async_mode=async_mode,
+        mode=AsyncMode(async_mode, background_staging),
     )
-
-
-def start_async_save(*args: Any, **kwargs: Any) -> AsyncSave:
-    """Deprecated: `async_save` (the same arguments)."""
-    warnings.warn(
-        "ckptlib.start_async_save is deprecated; call ckptlib.async_save",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return async_save(*args, **kwargs)
 
 
 def transact(
@@ -155,9 +143,7 @@ def transact(
     metrics: dict[str, float] | None,
     overwrite: bool,
     group,
-    asynchronous: bool = False,
-    background_staging: bool = False,
-    async_mode: str = "thread",
+    mode: AsyncMode | None = None,
     after_commit: Callable[[], None] | None = None,
     on_failure: Callable[[], None] | None = None,
     make_transaction: Callable[..., SaveTransaction] = SaveTransaction,
@@ -166,15 +152,16 @@ def transact(
     """The one save path: check the arguments and collect the state (one agreement round,
     which also decides whether the plans of `plan_cache` are reused: by default the
     module-level cache of this group and storage kind), then run a SaveTransaction with the
-    hooks (see `format.transaction.SaveTransaction`), now or, `asynchronous`, in the
+    hooks (see `format.transaction.SaveTransaction`), now or, with an async `mode`, in the
     background (an AsyncSave handle; its hooks run there), its shards written there or by this
-    rank's writer process (`async_mode="process"`). `make_transaction`: the transaction's
+    rank's writer process (`AsyncMode("process")`). `make_transaction`: the transaction's
     class (the cluster tier's `NodeLocalSave`), called with SaveTransaction's arguments."""
     started = time.perf_counter()
     writer = None
+    asynchronous = mode is not None
+    background_staging = asynchronous and mode.background_staging
     if asynchronous:
-        if writer_process.check_mode(async_mode) == "process":
-            writer = writer_process.writer()  # started now: it imports torch while the state is staged
+        writer = mode.start_writer()  # started now: it imports torch while the state is staged
         background_save.wait_inflight(group)  # one background save per group at a time
         bg_group = background_save.async_group(group)
     arena = writer.arena if writer is not None else None

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from typing import Any
 
 from ckptlib._scrub import scrub
@@ -111,17 +110,8 @@ class S3Storage(ObjectStorage):
 
     DEFAULTS = DEFAULTS
 
-    def __init__(
-        self, bucket: str, prefix: str = "", client: Any = None, *, read_retries: int | None = None, **options
-    ):
+    def __init__(self, bucket: str, prefix: str = "", client: Any = None, **options):
         self.bucket = validate_bucket(bucket)
-        if read_retries is not None:
-            warnings.warn(
-                "S3Storage(read_retries=) is deprecated and ignored: a response body that breaks off is "
-                "retried like every request, max_attempts tries in all",
-                DeprecationWarning,
-                stacklevel=2,
-            )
         self._sdk = client  # None: the process's shared default client, made on first use
         super().__init__("s3", bucket, prefix, **options)
 

@@ -9,7 +9,6 @@ import contextlib
 import hashlib
 import os
 import threading
-import warnings
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
@@ -350,18 +349,11 @@ _CLIENT_ENV = (
 )
 
 
-def make_client(*, max_attempts: int | None = None, max_pool_connections: int = 32, **config_kwargs: Any):
+def make_client(*, max_pool_connections: int = 32, **config_kwargs: Any):
     """A fresh boto3 S3 client from the standard AWS sources (env vars incl. AWS_ENDPOINT_URL,
     config files, profiles, instance roles) with timeouts suited to checkpoints and botocore's
     own retries off: every request is retried by `ObjectStorage.call`, so the two never multiply
     (tries: `S3Storage(max_attempts=)`, CKPTLIB_S3_MAX_ATTEMPTS or AWS_MAX_ATTEMPTS)."""
-    if max_attempts is not None:
-        warnings.warn(
-            "make_client(max_attempts=) is deprecated and ignored: botocore's retries are off, ckptlib "
-            "retries each request itself (S3Storage(max_attempts=) or CKPTLIB_S3_MAX_ATTEMPTS)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
     try:
         import boto3
         import botocore.session

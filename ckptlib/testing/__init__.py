@@ -21,17 +21,10 @@ Three rooms:
 the ``dist_run`` fixture, the ``@pytest.mark.world_size(n)`` marker, ``--backend``, and the fakes
 as fixtures (``s3_root``, ``gcs_root``, ``azure_root``, ``fault_proxy``, ...).
 
-The module paths from before the split (``ckptlib.testing.launcher``, ``.layouts``, ``.matrix``,
-``.s3_server``...) still import, with a DeprecationWarning (``_moved``). Importing this package
-does not import torch (torch is imported inside ``launch``).
+Importing this package does not import torch (torch is imported inside ``launch``).
 """
 
 import importlib
-import sys
-
-from ckptlib.testing import _moved
-
-_moved.install()
 
 _LAZY = {
     "LAYOUTS": "matrices.parallel_layouts",
@@ -58,13 +51,6 @@ _LAZY = {
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    if name in _moved.MOVED:  # `ckptlib.testing.matrix` as an attribute, or `from ckptlib.testing import matrix`
-        old = f"{__name__}.{name}"
-        if old not in sys.modules:
-            new = _moved.new_name(old)
-            _moved.warn_moved(old, new)
-            sys.modules[old] = importlib.import_module(new)
-        return sys.modules[old]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

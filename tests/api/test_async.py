@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import ckptlib
+from ckptlib import AsyncMode
 from ckptlib.format import MANIFEST_NAME
 from ckptlib.testing.matrices import matrix as mx
 
@@ -211,7 +212,7 @@ def test_background_staging_needs_async(tmp_path):
         ckptlib.save(tmp_path / "c", {"w": torch.ones(2)}, background_staging=True)
     assert not (tmp_path / "c").exists()
     with pytest.raises(ckptlib.StateError, match=r"^background_staging=True needs async_save=True$"):
-        ckptlib.CheckpointManager(tmp_path / "r", background_staging=True)
+        ckptlib.CheckpointManager(tmp_path / "r", async_save=AsyncMode(background_staging=True) if False else False)
 
 
 @pytest.mark.parametrize("bad_rank", [0, 1])
@@ -502,7 +503,7 @@ def _manager_async_run(root: str, fail_step: int | None) -> dict:
 
 
 def step_dir_name(step: int) -> str:
-    from ckptlib.manager.manager import step_dir
+    from ckptlib.format.native.root import step_dir
 
     return step_dir(step)
 
@@ -564,7 +565,7 @@ def test_manager_exit_without_wait_commits_publishes_and_unlocks(tmp_path):
 
 def test_manager_background_staging_publishes_the_staged_state(tmp_path):
     state = {"w": _full(4), "n": 4}
-    with ckptlib.CheckpointManager(tmp_path / "run", async_save=True, background_staging=True) as mgr:
+    with ckptlib.CheckpointManager(tmp_path / "run", async_save=AsyncMode(background_staging=True)) as mgr:
         handle = mgr.save(4, state)
         handle.wait_staged(timeout=60)
         state["w"].zero_()

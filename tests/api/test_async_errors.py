@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import ckptlib
 from ckptlib.format import MANIFEST_NAME
-from ckptlib.manager.manager import step_dir
+from ckptlib.format.native.root import step_dir
 from ckptlib.storage.local import LocalStorage
 
 

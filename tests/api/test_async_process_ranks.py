@@ -17,10 +17,10 @@ import torch.distributed as dist
 from helpers.writer_faults import FaultyShards
 
 import ckptlib
-from ckptlib import CheckpointManager, EveryNSteps
+from ckptlib import AsyncMode, CheckpointManager, EveryNSteps
 from ckptlib._torch import host_memory
 from ckptlib.format import MANIFEST_NAME
-from ckptlib.manager.manager import step_dir
+from ckptlib.format.native.root import step_dir
 from ckptlib.saving import background_save, staging_arena, writer_process
 from ckptlib.testing.matrices import matrix as mx
 
@@ -147,7 +147,7 @@ def test_fsdp2_saved_at_4_in_process_mode_loads_at_2(tmp_path, dist_run):
 
 
 def _manager_retention(root: str) -> dict:
-    mgr = CheckpointManager(root, keep_last=2, async_save=True, async_mode="process")
+    mgr = CheckpointManager(root, keep_last=2, async_save=AsyncMode("process"))
     pids = []
     for step in range(1, 5):
         mgr.save(step, _state(step)).wait(timeout=120)
@@ -175,7 +175,7 @@ def test_manager_retention_one_writer_per_rank_and_nothing_left_after_close(tmp_
 
 
 def _manager_writer_fails_on(root: str, bad_rank: int, fault: str) -> dict:
-    mgr = CheckpointManager(root, async_save=True, async_mode="process")
+    mgr = CheckpointManager(root, async_save=AsyncMode("process"))
     mgr.save(1, _state(1)).wait(timeout=120)
     if dist.get_rank() == bad_rank:  # only this rank's writer meets the fault, only in step 2
         mgr.storage = FaultyShards(mgr.storage.root, fault, under=step_dir(2))
@@ -228,9 +228,7 @@ def _wait_until_ignored(pid: int, sig: int) -> None:
 
 def _preempted_while_in_flight(root: str) -> dict:
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    mgr = CheckpointManager(
-        root, save_policy=EveryNSteps(100), save_on_preemption=True, async_save=True, async_mode="process"
-    )
+    mgr = CheckpointManager(root, save_policy=EveryNSteps(100), preemption=True, async_save=AsyncMode("process"))
     mgr.storage = FaultyShards(mgr.storage.root, "slow", delay=0.05, under=step_dir(1))  # step 1 stays in flight
     assert mgr.maybe_save(1, _state(1), force=True)
     in_flight = not mgr._pending.done()

@@ -86,12 +86,3 @@ def test_async_save_refuses_to_overwrite_committed(tmp_path):
     assert _load(tmp_path / "c", 2)["w"].tolist() == [1.0, 1.0]
     ckptlib.async_save(tmp_path / "c", {"w": torch.full((2,), 5.0)}, overwrite=True).wait(timeout=60)
     assert _load(tmp_path / "c", 2)["w"].tolist() == [5.0, 5.0]
-
-
-def test_start_async_save_is_a_deprecated_alias_of_async_save(tmp_path):
-    from ckptlib import start_async_save
-
-    with pytest.warns(DeprecationWarning, match="start_async_save is deprecated; call ckptlib.async_save"):
-        handle = start_async_save(tmp_path / "a", {"w": torch.ones(2)}, step=1)
-    assert handle.wait(timeout=60).step == 1
-    assert _load(tmp_path / "a", 2)["w"].tolist() == [1.0, 1.0]

@@ -20,6 +20,7 @@ from ckptlib import (
     CastWarning,
     CheckpointManager,
     CheckpointNotFoundError,
+    InitialLoad,
     MissingKeysError,
     ShapeMismatchError,
     StateError,
@@ -299,8 +300,6 @@ def test_initial_load_model_only_then_ignored_once_the_root_has_a_step(full_ckpt
     assert mgr.load(state) == 0 and mgr.initial_loaded
     assert _equal(_sd(model), saved) and optim.state_dict()["state"] == {} and state["epoch"] == -1
     assert mgr.last_load.uri == str(path) and mgr.last_load.step == 5  # the LoadResult of that load
-    with pytest.warns(DeprecationWarning, match=r"load_result\(\) is deprecated"):
-        assert mgr.load_result(state).uri == str(path)  # the old name, one more release
     model(torch.randn(2, 8)).sum().backward()
     optim.step()
     mgr.save(1, state)
@@ -320,7 +319,7 @@ def test_initial_load_with_optimizer_and_after_debris(full_ckpt, tmp_path):
     (root / "step_0000000003" / "ckptlib.pending").write_text("{}")  # a crashed first save
     model = Net(1)
     optim = torch.optim.AdamW(model.parameters(), lr=0.1)
-    mgr = CheckpointManager(root, initial_load=str(path), initial_load_only=("model", "optim"))
+    mgr = CheckpointManager(root, initial_load=InitialLoad(str(path), only=("model", "optim")))
     assert mgr.load({"model": model, "optim": optim}) == 0
     assert _equal(_sd(model), saved)
     assert torch.equal(optim.state_dict()["state"][0]["exp_avg"], saved_optim["state"][0]["exp_avg"])

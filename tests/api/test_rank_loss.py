@@ -15,7 +15,7 @@ import torch.distributed as dist
 import ckptlib
 from ckptlib import CheckpointManager, RankLostError
 from ckptlib.format import MANIFEST_NAME
-from ckptlib.manager.manager import step_dir
+from ckptlib.format.native.root import step_dir
 from ckptlib.testing import RankExited
 
 EXIT_CODE = 7

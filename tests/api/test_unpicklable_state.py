@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import ckptlib
-from ckptlib.manager.manager import step_dir
+from ckptlib.format.native.root import step_dir
 
 
 def _open_file():

@@ -13,7 +13,7 @@ import torch
 
 import ckptlib
 from ckptlib import CheckpointManager, cli
-from ckptlib.manager.manager import LOCK_NAME
+from ckptlib.manager.lock import LOCK_NAME
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 

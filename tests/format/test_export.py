@@ -120,13 +120,12 @@ def test_sharding_follows_hugging_face_layout(tmp_path, fmt):
 @pytest.mark.parametrize("size", [1000, "1KB"], ids=["bytes", "string"])
 def test_convert_shards_through_the_same_writer_as_export(tmp_path, size):
     """convert --to safetensors and export write through one writer path: the same knob
-    (max_shard_size, bytes or "1KB"), the same shards and index byte for byte; the old
-    `max_shard_bytes` still works, with a DeprecationWarning."""
+    (max_shard_size, bytes or "1KB"), the same shards and index byte for byte."""
     from ckptlib.offline.convert import convert
 
     tensors = {f"layer{i}.weight": torch.full((100,), float(i)) for i in range(5)}  # 400 bytes each
     ckptlib.save(str(tmp_path / "c"), {"model": tensors, "optim": {"lr": torch.tensor(0.1)}})
-    exported, converted, old = (str(tmp_path / name) for name in ("exported", "converted", "old"))
+    exported, converted = (str(tmp_path / name) for name in ("exported", "converted"))
     result = ckptlib.export(str(tmp_path / "c"), exported, model_only=True, max_shard_size=size)
     done = convert(str(tmp_path / "c"), converted, to="safetensors", max_shard_size=size)
     assert done.files == result.files and len(result.files) == 4  # 3 shards and the index
@@ -134,8 +133,6 @@ def test_convert_shards_through_the_same_writer_as_export(tmp_path, size):
         assert open(os.path.join(exported, name), "rb").read() == open(os.path.join(converted, name), "rb").read()
     record = json.loads(open(os.path.join(converted, EXPORT_RECORD)).read())
     assert record["complete"] is True and record["files"] == result.files and record["export_format"] == "safetensors"
-    with pytest.warns(DeprecationWarning, match=r"max_shard_bytes=\) is deprecated"):
-        assert convert(str(tmp_path / "c"), old, to="safetensors", max_shard_bytes=1000).files == result.files
     one = convert(str(tmp_path / "c"), str(tmp_path / "default"), to="safetensors")  # 5GB, as export's default
     assert one.files == ["model.safetensors"]
 

@@ -391,7 +391,7 @@ def test_convert_to_safetensors_is_readable_by_the_safetensors_package(tmp_path)
     assert diff(st.load_file(str(single / "model.safetensors")), ref["model"]) == []
 
     sharded = tmp_path / "sharded"
-    result = convert(fixture_path("torch_save"), str(sharded), to="safetensors", progress=False, max_shard_bytes=64)
+    result = convert(fixture_path("torch_save"), str(sharded), to="safetensors", progress=False, max_shard_size=64)
     assert "model.safetensors.index.json" in result.files and len(result.files) > 2
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     loaded = {}

@@ -1,6 +1,6 @@
 """ckptlib.testing's public names and module paths after its split into harness/, matrices/ and
-fakes/: the old paths keep importing for one release, as the very module of their new home, with a
-DeprecationWarning naming it; the new paths and the public names import without one.
+fakes/: the new paths and the public names import without a warning; the paths from before the
+split are gone in 0.2 (no shims in 0.x: CHANGELOG.md names each replacement).
 
 Each check runs in a fresh interpreter: an old path warns on its first import in a process."""
 
@@ -16,7 +16,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Written out here (not read from ckptlib.testing._moved) so that a path dropped there fails.
+# The paths from before the split (0.1) and their homes since.
 MOVED = {
     "launcher": "harness.launcher",
     "forkserver": "harness.forkserver",
@@ -66,42 +66,19 @@ def _run(body: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("form", ["import", "from-import"])
-def test_old_paths_are_the_new_modules_with_a_deprecation_warning(form):
-    statement = (
-        "importlib.import_module(f'ckptlib.testing.{old}')"
-        if form == "import"
-        else "getattr(__import__('ckptlib.testing', fromlist=[old]), old)"
-    )
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_old_paths_are_gone(old):
     out = _run(
         f"""
-        import importlib, sys
-        import ckptlib.testing
-        moved = {MOVED!r}
-        for old, new in moved.items():
-            with warnings.catch_warnings(record=True) as caught:
-                module = {statement}
-                again = importlib.import_module(f"ckptlib.testing.{{old}}")
-            target = sys.modules[f"ckptlib.testing.{{new}}"]
-            out[old] = {{
-                "same": module is target and again is target,
-                "name": module.__name__,
-                "spec": module.__spec__.name,
-                "warnings": [(w.category.__name__, str(w.message)) for w in caught],
-            }}
+        import importlib
+        try:
+            importlib.import_module("ckptlib.testing.{old}")
+            out["error"] = None
+        except ModuleNotFoundError as exc:
+            out["error"] = str(exc)
         """
     )
-    for old, new in MOVED.items():
-        got = out[old]
-        assert got["same"] and got["name"] == got["spec"] == f"ckptlib.testing.{new}", (old, got)
-        moved = [(c, m) for c, m in got["warnings"] if m.startswith(f"ckptlib.testing.{old} moved")]
-        assert moved == [
-            (
-                "DeprecationWarning",
-                f"ckptlib.testing.{old} moved to ckptlib.testing.{new}; the old path is deprecated and will be "
-                "removed in the next release",
-            )
-        ], (old, got["warnings"])
+    assert out["error"] == f"No module named 'ckptlib.testing.{old}'"
 
 
 def test_new_paths_plugin_and_public_names_import_without_a_warning():
@@ -127,23 +104,10 @@ def test_new_paths_plugin_and_public_names_import_without_a_warning():
     assert out["parallel_layout"] == "ParallelLayout"
 
 
-def test_layout_is_now_parallel_layout():
-    out = _run(
-        """
-        from ckptlib.testing.matrices import parallel_layouts
-        with warnings.catch_warnings(record=True) as caught:
-            out["same"] = parallel_layouts.Layout is parallel_layouts.ParallelLayout
-        out["warnings"] = [(w.category.__name__, str(w.message)) for w in caught]
-        """
-    )
-    assert out["same"]
-    assert out["warnings"] == [
-        [
-            "DeprecationWarning",
-            "ckptlib.testing.matrices.parallel_layouts.Layout is now ParallelLayout; the old name is deprecated and "
-            "will be removed in the next release",
-        ]
-    ]
+def test_the_old_layout_name_is_gone():
+    from ckptlib.testing.matrices import parallel_layouts
+
+    assert not hasattr(parallel_layouts, "Layout")
 
 
 def test_unknown_names_still_fail():

@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 import sys
 
+from ckptlib import Cluster
+
 
 def _resolve(path, dir_fd) -> str | None:
     if isinstance(path, int):
@@ -186,7 +188,9 @@ def main() -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            mgr = ckptlib.CheckpointManager(args.local_root, keep_last=3, replicas=args.replicas, remote=remote)
+            mgr = ckptlib.CheckpointManager(
+                args.local_root, keep_last=3, cluster=Cluster(replicas=args.replicas, remote=remote)
+            )
             if args.phase == "save":
                 steps = [int(s) for s in args.steps.split(",")]
                 out["uploads"] = []

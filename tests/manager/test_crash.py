@@ -363,12 +363,12 @@ def test_exit_releases_a_held_lock_but_not_from_a_forked_child(tmp_path):
     mgr.save(1, {"w": _full(1), "b": _bias(1), "step": 1})
     pid = os.fork()
     if pid == 0:  # a forked child (a DataLoader worker, say) exiting must not release it
-        mgr._lock._release_at_exit()
+        mgr.tier.lock._release_at_exit()
         os._exit(0 if (root / LOCK_NAME).exists() else 1)
     assert os.waitpid(pid, 0)[1] == 0
     assert (root / LOCK_NAME).exists()
-    mgr._lock._release_at_exit()  # what atexit runs at interpreter exit
-    assert not (root / LOCK_NAME).exists() and mgr._lock.token is None
+    mgr.tier.lock._release_at_exit()  # what atexit runs at interpreter exit
+    assert not (root / LOCK_NAME).exists() and mgr.tier.lock.token is None
 
 
 def test_lock_of_another_host_needs_break_lock(tmp_path):

@@ -14,8 +14,8 @@ import torch.distributed as dist
 import ckptlib
 from ckptlib import CheckpointExistsError, CheckpointManager, StalePointerWarning
 from ckptlib.errors import CheckpointNotFoundError
+from ckptlib.manager.cleanup import ForeignFilesWarning
 from ckptlib.manager.lock import StaleLockWarning
-from ckptlib.manager.manager import ForeignFilesWarning
 
 
 def _state(value: float) -> dict:

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 import ckptlib
 from ckptlib import CheckpointExistsError, CheckpointManager, NotACheckpointError, OverwriteRefusedError, cli
 from ckptlib.format.native.root import step_dir
-from ckptlib.manager.manager import ForeignFilesWarning
+from ckptlib.manager.cleanup import ForeignFilesWarning
 from ckptlib.testing.fakes.s3_server import s3_client, s3_env
 
 

@@ -82,8 +82,8 @@ def test_a_second_signal_before_the_manager_acts_reaches_every_handler_in_order(
     """Two signals arrive before maybe_save runs: the handler installed before is called for
     each, in order; the managers save once, naming the first signal."""
     _, calls = user_handler
-    with CheckpointManager(tmp_path / "a", save_on_preemption=True) as first:
-        with CheckpointManager(tmp_path / "b", save_on_preemption=True) as second:
+    with CheckpointManager(tmp_path / "a", preemption=True) as first:
+        with CheckpointManager(tmp_path / "b", preemption=True) as second:
             os.kill(os.getpid(), signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGUSR1)
             os.kill(os.getpid(), signal.SIGTERM)
@@ -120,8 +120,8 @@ from ckptlib import CheckpointManager
 from ckptlib.manager.preemption import PreemptionWatcher
 case = sys.argv[1]
 if case == "managers":
-    first = CheckpointManager(sys.argv[2] + "/a", save_on_preemption=True)
-    second = CheckpointManager(sys.argv[2] + "/b", save_on_preemption=True)
+    first = CheckpointManager(sys.argv[2] + "/a", preemption=True)
+    second = CheckpointManager(sys.argv[2] + "/b", preemption=True)
     first.close()
     second.close()
 else:  # a handler on top that chains to the closed watcher, whose handler before was the default

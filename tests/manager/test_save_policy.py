@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import ckptlib
-from ckptlib import CheckpointManager, EveryNSeconds, EveryNSteps, FinalStep, StateError
+from ckptlib import CheckpointManager, EveryNSeconds, EveryNSteps, FinalStep, Preemption, StateError
 from ckptlib.manager import policies as save_policy
 from ckptlib.manager.policies import AnySavePolicy, AtSteps, SaveContext
 
@@ -136,7 +136,7 @@ def test_bad_step_is_refused(tmp_path):
 def test_preemption_signal_saves_at_the_next_maybe_save(tmp_path, sig, async_save):
     root = tmp_path / "run"
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    mgr = CheckpointManager(root, save_policy=EveryNSteps(5), save_on_preemption=True, async_save=async_save)
+    mgr = CheckpointManager(root, save_policy=EveryNSteps(5), async_save=async_save, preemption=True)
     try:
         for step in range(1, 4):
             assert not mgr.maybe_save(step, _state(step))
@@ -162,7 +162,7 @@ def test_preemption_chains_to_a_python_handler_and_restores_it(tmp_path):
     usr1 = signal.getsignal(signal.SIGUSR1)
     try:
         mine = signal.getsignal(signal.SIGTERM)
-        with CheckpointManager(tmp_path / "run", save_on_preemption=True, preemption_signals=[signal.SIGTERM]) as mgr:
+        with CheckpointManager(tmp_path / "run", preemption=Preemption(signals=[signal.SIGTERM])) as mgr:
             assert signal.getsignal(signal.SIGUSR1) is usr1 and signal.getsignal(signal.SIGTERM) is not mine
             os.kill(os.getpid(), signal.SIGTERM)
             assert calls == [signal.SIGTERM]
@@ -174,7 +174,7 @@ def test_preemption_chains_to_a_python_handler_and_restores_it(tmp_path):
 
 def test_preemption_after_the_step_was_saved_does_not_save_it_again(tmp_path):
     root = tmp_path / "run"
-    with CheckpointManager(root, save_policy=EveryNSteps(2), save_on_preemption=True) as mgr:
+    with CheckpointManager(root, save_policy=EveryNSteps(2), preemption=True) as mgr:
         assert mgr.maybe_save(2, _state(2))
         os.kill(os.getpid(), signal.SIGTERM)
         assert not mgr.maybe_save(2, _state(2)) and mgr.preempted
@@ -184,7 +184,7 @@ def test_preemption_after_the_step_was_saved_does_not_save_it_again(tmp_path):
 def test_a_signal_is_handled_once(tmp_path):
     """The signal makes one save; later maybe_saves follow the policy again until another signal."""
     root = tmp_path / "run"
-    with CheckpointManager(root, save_policy=EveryNSteps(10), save_on_preemption=True) as mgr:
+    with CheckpointManager(root, save_policy=EveryNSteps(10), preemption=True) as mgr:
         os.kill(os.getpid(), signal.SIGTERM)
         assert mgr.maybe_save(4, _state(4)) and mgr.preempted
         assert [mgr.maybe_save(step, _state(step)) for step in (5, 6)] == [False, False]
@@ -213,7 +213,7 @@ def test_async_maybe_save_waits_for_the_save_in_flight_only_after_a_signal(tmp_p
 
     monkeypatch.setattr(LocalStorage, "open_writer", held_writer)
     root = tmp_path / "run"
-    with CheckpointManager(root, save_policy=EveryNSteps(2), save_on_preemption=True, async_save=True) as mgr:
+    with CheckpointManager(root, save_policy=EveryNSteps(2), async_save=True, preemption=True) as mgr:
         assert mgr.maybe_save(2, _state(2))  # staged; the write is held back
         assert not mgr.maybe_save(3, _state(3))
         assert mgr._pending is not None and not mgr._pending.done() and mgr.latest() is None
@@ -231,7 +231,7 @@ def test_preemption_needs_the_main_thread(tmp_path):
 
     def make():
         try:
-            CheckpointManager(tmp_path / "run", save_on_preemption=True)
+            CheckpointManager(tmp_path / "run", preemption=True)
         except StateError as exc:
             errors.append(str(exc))
 
@@ -268,11 +268,7 @@ def test_time_policy_follows_rank0s_clock(tmp_path, dist_run):
 def _preempt_one_rank(root: str, signalled_rank: int, at_step: int, async_save: bool):
     rank = dist.get_rank()
     mgr = CheckpointManager(
-        root,
-        save_policy=EveryNSteps(4),
-        save_on_preemption=True,
-        preemption_signals=[signal.SIGTERM],
-        async_save=async_save,
+        root, save_policy=EveryNSteps(4), async_save=async_save, preemption=Preemption(signals=[signal.SIGTERM])
     )
     saved = []
     w = torch.zeros(3)

@@ -22,7 +22,14 @@ import torch
 from helpers.manager import step_state as _state
 
 import ckptlib.manager.cluster.remote_tier as remote_tier
-from ckptlib import CopyFallbackWarning, RemoteUnavailableWarning, SkippedDamagedStepWarning, StorageError, UploadError
+from ckptlib import (
+    Cluster,
+    CopyFallbackWarning,
+    RemoteUnavailableWarning,
+    SkippedDamagedStepWarning,
+    StorageError,
+    UploadError,
+)
 from ckptlib.format import MANIFEST_NAME, classify
 from ckptlib.manager.manager import CheckpointManager
 from ckptlib.storage import open_storage
@@ -63,7 +70,7 @@ def _shard(local: str, step: int) -> str:
 
 def test_a_rollback_resumes_the_newest_commit_never_the_highest_step(tmp_path, remote, monkeypatch):
     local = str(tmp_path / "local")
-    mgr = CheckpointManager(local, remote=remote)
+    mgr = CheckpointManager(local, cluster=Cluster(remote=remote))
     for step in (10, 20):
         mgr.save(step, _state(step))
     mgr.wait()
@@ -82,7 +89,7 @@ def test_a_rollback_resumes_the_newest_commit_never_the_highest_step(tmp_path, r
     store = open_storage(remote)
     assert store.read_pointer("latest") == "step_0000000025"
 
-    restarted = CheckpointManager(local, remote=remote)
+    restarted = CheckpointManager(local, cluster=Cluster(remote=remote))
     assert restarted.latest() == 25
     state = _fresh()
     assert restarted.load(state) == 25  # not 30: 25 was committed after it
@@ -100,7 +107,7 @@ def test_a_rollback_resumes_the_newest_commit_never_the_highest_step(tmp_path, r
 @pytest.mark.parametrize("damage", ["truncated", "flipped"])
 def test_a_damaged_step_never_uploaded_is_skipped_and_blocks_nothing(tmp_path, remote, monkeypatch, damage):
     local = str(tmp_path / "local")
-    mgr = CheckpointManager(local, remote=remote)
+    mgr = CheckpointManager(local, cluster=Cluster(remote=remote))
     mgr.save(1, _state(1))
     mgr.wait()
     with monkeypatch.context() as patch:
@@ -119,7 +126,7 @@ def test_a_damaged_step_never_uploaded_is_skipped_and_blocks_nothing(tmp_path, r
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0xFF]))
 
-    restarted = CheckpointManager(local, remote=remote)
+    restarted = CheckpointManager(local, cluster=Cluster(remote=remote))
     state = _fresh()
     with pytest.warns(SkippedDamagedStepWarning, match="step 2"):
         assert restarted.load(state) == 1
@@ -138,7 +145,7 @@ def test_a_damaged_step_never_uploaded_is_skipped_and_blocks_nothing(tmp_path, r
 
 def test_a_damaged_local_copy_falls_back_to_the_intact_remote_one(tmp_path, remote):
     local = str(tmp_path / "local")
-    mgr = CheckpointManager(local, remote=remote)
+    mgr = CheckpointManager(local, cluster=Cluster(remote=remote))
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))
     mgr.wait()
@@ -149,7 +156,7 @@ def test_a_damaged_local_copy_falls_back_to_the_intact_remote_one(tmp_path, remo
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    restarted = CheckpointManager(local, remote=remote)
+    restarted = CheckpointManager(local, cluster=Cluster(remote=remote))
     state = _fresh()
     with pytest.warns(CopyFallbackWarning):
         assert restarted.load(state) == 2
@@ -189,7 +196,7 @@ def remote_down(request, tmp_path, monkeypatch):
 def test_a_remote_that_is_down_never_blocks_an_intact_local_step(tmp_path, remote_down):
     uri, take_down, bring_up = remote_down
     local = str(tmp_path / "local")
-    mgr = CheckpointManager(local, remote=uri)
+    mgr = CheckpointManager(local, cluster=Cluster(remote=uri))
     mgr.save(1, _state(1))
     mgr.wait()
     take_down()
@@ -199,7 +206,7 @@ def test_a_remote_that_is_down_never_blocks_an_intact_local_step(tmp_path, remot
     assert type(info.value) is UploadError
     mgr.close()
 
-    restarted = CheckpointManager(local, remote=uri)
+    restarted = CheckpointManager(local, cluster=Cluster(remote=uri))
     state = _fresh()
     with pytest.warns(RemoteUnavailableWarning, match="cannot read the remote root"):
         assert restarted.load(state) == 2
@@ -218,7 +225,7 @@ def test_a_remote_that_cannot_be_locked_is_an_upload_error(tmp_path, remote):
     store = open_storage(remote)
     lock = {"format": "ckptlib-lock", "host": "another-host", "pid": 4242, "token": "t", "created": "2026-01-01"}
     store.write("ckptlib.lock", json.dumps(lock).encode())
-    mgr = CheckpointManager(local, remote=remote)
+    mgr = CheckpointManager(local, cluster=Cluster(remote=remote))
     mgr.save(1, _state(1))
     with pytest.raises(UploadError, match=r"cannot lock the remote root: LockedError: .* another-host") as info:
         mgr.wait()

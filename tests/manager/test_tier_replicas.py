@@ -22,6 +22,7 @@ import shutil
 import pytest
 import torch
 
+from ckptlib import Cluster
 from ckptlib.manager.cluster.topology import Topology
 
 NODES = 2
@@ -58,7 +59,7 @@ def _root(base: str) -> str:
 def _save(base: str, remote: str | None, steps: list[int], replicas: int = 1) -> list:
     import ckptlib
 
-    mgr = ckptlib.CheckpointManager(_root(base), replicas=replicas, remote=remote)
+    mgr = ckptlib.CheckpointManager(_root(base), cluster=Cluster(replicas=replicas, remote=remote))
     for step in steps:
         mgr.save(step, _state(step))
     mgr.wait()
@@ -69,7 +70,7 @@ def _save(base: str, remote: str | None, steps: list[int], replicas: int = 1) ->
 def _resume(base: str, remote: str | None) -> dict:
     import ckptlib
 
-    mgr = ckptlib.CheckpointManager(_root(base), replicas=1, remote=remote)
+    mgr = ckptlib.CheckpointManager(_root(base), cluster=Cluster(replicas=1, remote=remote))
     state = _state(0, rank=0)
     step = mgr.load(state)
     mgr.close()
@@ -121,7 +122,7 @@ def _save_with_fault(base: str, remote: str, fault: str) -> dict:
             return real_writer(self, path)
 
         local_storage.LocalStorage.open_writer = open_writer
-    mgr = ckptlib.CheckpointManager(_root(base), replicas=1, remote=remote)
+    mgr = ckptlib.CheckpointManager(_root(base), cluster=Cluster(replicas=1, remote=remote))
     mgr.save(1, _state(1))
     out = {}
     try:
@@ -157,7 +158,7 @@ def _save_disk_full(base: str) -> dict:
     import ckptlib
     import ckptlib.storage.local as local_storage
 
-    mgr = ckptlib.CheckpointManager(_root(base), replicas=1)
+    mgr = ckptlib.CheckpointManager(_root(base), cluster=Cluster(replicas=1))
     mgr.save(1, _state(1))
     mgr.wait()
     if dist.get_rank() == 3:  # its shard's fsync finds the disk full, as a real full disk would
@@ -200,7 +201,7 @@ def _shared_root(base: str) -> dict:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        mgr = ckptlib.CheckpointManager(base, replicas=1)
+        mgr = ckptlib.CheckpointManager(base, cluster=Cluster(replicas=1))
         mgr.save(1, _state(1))
         state = _state(0, rank=0)
         mgr.load(state)
@@ -239,7 +240,7 @@ def _partner_dies(base: str, remote: str) -> dict:
             os._exit(1)
 
         replication._Incoming.take = take
-    mgr = ckptlib.CheckpointManager(_root(base), replicas=1, remote=remote)
+    mgr = ckptlib.CheckpointManager(_root(base), cluster=Cluster(replicas=1, remote=remote))
     mgr.save(1, _state(1))
     try:
         mgr.wait()

@@ -14,6 +14,8 @@ import os
 import pytest
 import torch
 
+from ckptlib import Cluster
+
 NODES = 2
 
 
@@ -48,7 +50,7 @@ def _one_rank_cannot_upload(base: str, remote: str) -> dict:
         copied.setdefault(os.path.basename(dst.uri.rstrip("/")), []).append(name)
 
     remote_tier.copy_file = copy
-    mgr = ckptlib.CheckpointManager(root, remote=remote)
+    mgr = ckptlib.CheckpointManager(root, cluster=Cluster(remote=remote))
     mgr.save(1, _state(1))
     out: dict = {"first": mgr.wait().step}
     down.append(1)

@@ -23,14 +23,15 @@ from helpers.manager import step_state as _state
 
 import ckptlib
 import ckptlib.manager.cluster.remote_tier as remote_tier
-from ckptlib import RemoteTier
+from ckptlib import AsyncMode, Cluster, RemoteTier
 from ckptlib.errors import StateError, StorageError, UploadError
 from ckptlib.format import MANIFEST_NAME, classify
 from ckptlib.format.verify import verify
+from ckptlib.manager.cluster.cluster_tier import ClusterTier
 from ckptlib.manager.manager import CheckpointManager
 from ckptlib.manager.policies import KeepLast
+from ckptlib.manager.single_root import SingleRoot
 from ckptlib.storage import open_storage
-from ckptlib.tiered import TieredCheckpointManager
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -59,55 +60,37 @@ def _fresh() -> dict:
 
 def test_constructor_arguments(tmp_path):
     local, far = str(tmp_path / "l"), str(tmp_path / "r")
-    mgr = CheckpointManager(local, keep_last=2, remote=RemoteTier(far, keep_last=5))
-    assert type(mgr) is CheckpointManager and mgr.tier is not None
+    mgr = CheckpointManager(local, keep_last=2, cluster=Cluster(remote=RemoteTier(far, keep_last=5)))
+    assert type(mgr) is CheckpointManager and isinstance(mgr.tier, ClusterTier)
     assert mgr.retention == KeepLast(2) and mgr.remote.retention == KeepLast(5)
     assert repr(mgr) == f"CheckpointManager({local!r}, remote={far!r})"
     plain = CheckpointManager(local)
-    assert plain.tier is None and plain.remote is None
-    assert CheckpointManager(local, remote=far).remote.retention == KeepLast(None)  # a URI keeps every step
-    assert CheckpointManager(local, remote=far, upload_concurrency=7).remote.upload_concurrency == 7
+    assert isinstance(plain.tier, SingleRoot) and plain.remote is None
+    assert CheckpointManager(local, cluster=Cluster(remote=far)).remote.retention == KeepLast(
+        None
+    )  # a URI keeps every step
+    concurrent = CheckpointManager(local, cluster=Cluster(remote=RemoteTier(far, upload_concurrency=7)))
+    assert concurrent.remote.upload_concurrency == 7
     with pytest.raises(StateError, match="overlap"):
-        CheckpointManager(local, remote=str(tmp_path / "l" / "remote"))
+        CheckpointManager(local, cluster=Cluster(remote=str(tmp_path / "l" / "remote")))
     with pytest.raises(StateError, match="replicas must be a non-negative int, got -1"):
-        CheckpointManager(local, replicas=-1)
+        Cluster(replicas=-1)
     with pytest.raises(StateError, match="upload_concurrency must be a positive int, got 0"):
         RemoteTier(far, upload_concurrency=0)
     with pytest.raises(StateError, match="remote must be a URI or a RemoteTier, got int 3"):
-        CheckpointManager(local, remote=3)
-    with pytest.raises(StateError, match="upload_concurrency needs a remote"):
-        CheckpointManager(local, upload_concurrency=2)
-    # async_save now combines with a remote
-    assert CheckpointManager(local, remote=far, async_save=True).tier.async_save
-
-
-def test_the_old_spelling_still_works_with_a_deprecation_warning(tmp_path):
-    local, far = str(tmp_path / "l"), str(tmp_path / "r")
-    with pytest.warns(DeprecationWarning, match=r"remote_root=URI, keep_local=N\) is deprecated") as caught:
-        mgr = CheckpointManager(local, remote_root=far, keep_local=2, keep_last=3, upload_concurrency=2)
-    assert caught[0].filename == __file__  # names the caller's line
-    assert type(mgr) is CheckpointManager
-    assert mgr.retention == KeepLast(2) and mgr.remote.retention == KeepLast(3) and mgr.remote.upload_concurrency == 2
-    with pytest.warns(DeprecationWarning):
-        assert CheckpointManager(local, remote_root=far).retention == KeepLast(1)  # keep_local's old default
-    with pytest.warns(DeprecationWarning, match="TieredCheckpointManager is deprecated"):
-        old = TieredCheckpointManager(local, remote_root=far, keep_local=1)
-    assert isinstance(old, CheckpointManager) and old.remote.uri == far
-    with pytest.raises(StateError, match="keep_local must be a positive int"):
-        CheckpointManager(local, remote_root=far, keep_local=0)
-    with pytest.raises(StateError, match="not both"):
-        CheckpointManager(local, remote_root=far, remote=far)
-    with pytest.raises(StateError, match="keep_local= goes with the deprecated remote_root="):
-        CheckpointManager(local, keep_local=1)
-    old.save(1, _state(1))
-    assert old.wait().uri == f"{far}/step_0000000001"
-    old.close()
+        Cluster(remote=3)
+    with pytest.raises(StateError, match="cluster must be a ckptlib.Cluster, got str"):
+        CheckpointManager(local, cluster=far)
+    # async_save combines with a remote
+    assert CheckpointManager(local, async_save=True, cluster=Cluster(remote=far)).tier.settings.mode == AsyncMode()
 
 
 @pytest.mark.parametrize("keep_local,keep_remote", [(1, 2), (2, None)], ids=["local1-remote2", "local2-remoteall"])
 def test_save_uploads_verifies_and_applies_both_retentions(tmp_path, remote, keep_local, keep_remote):
     local = str(tmp_path / "local")
-    mgr = CheckpointManager(local, keep_last=keep_local, remote=RemoteTier(remote, keep_last=keep_remote))
+    mgr = CheckpointManager(
+        local, keep_last=keep_local, cluster=Cluster(remote=RemoteTier(remote, keep_last=keep_remote))
+    )
     for step in (1, 2, 3, 4):
         result = mgr.save(step, _state(step))
         assert result.uri == f"{local}/step_{step:010d}"  # the blocking part: the local copy
@@ -134,7 +117,7 @@ def test_save_uploads_verifies_and_applies_both_retentions(tmp_path, remote, kee
 
 def test_load_prefers_the_local_copy_only_when_it_is_the_same(tmp_path, remote):
     local = str(tmp_path / "local")
-    mgr = CheckpointManager(local, keep_last=1, remote=remote)
+    mgr = CheckpointManager(local, keep_last=1, cluster=Cluster(remote=remote))
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))
     mgr.wait()
@@ -160,7 +143,7 @@ def test_load_prefers_the_local_copy_only_when_it_is_the_same(tmp_path, remote):
     mgr.close()
 
     # A fresh local disk (a new machine): everything comes from the remote root.
-    other = CheckpointManager(str(tmp_path / "new-local"), remote=remote)
+    other = CheckpointManager(str(tmp_path / "new-local"), cluster=Cluster(remote=remote))
     state = _fresh()
     assert other.load(state) == 2
     _assert_state(state, 2)
@@ -168,7 +151,7 @@ def test_load_prefers_the_local_copy_only_when_it_is_the_same(tmp_path, remote):
 
 def test_an_upload_failure_leaves_the_remote_latest_and_a_load_resumes_it(tmp_path, remote, monkeypatch):
     local = str(tmp_path / "local")
-    mgr = CheckpointManager(local, keep_last=1, remote=RemoteTier(remote, upload_concurrency=1))
+    mgr = CheckpointManager(local, keep_last=1, cluster=Cluster(remote=RemoteTier(remote, upload_concurrency=1)))
     mgr.save(1, _state(1))
     mgr.wait()
     real_copy = remote_tier.copy_file
@@ -205,7 +188,7 @@ def test_an_upload_failure_leaves_the_remote_latest_and_a_load_resumes_it(tmp_pa
 
 def test_a_damaged_local_copy_is_never_committed_remotely(tmp_path, remote):
     local = str(tmp_path / "local")
-    mgr = CheckpointManager(local, remote=remote)
+    mgr = CheckpointManager(local, cluster=Cluster(remote=remote))
     mgr.save(1, _state(1))
     mgr.wait()
 
@@ -247,7 +230,7 @@ _CRASHING_CHILD = textwrap.dedent(
 
     remote_tier.copy_file = slow_copy
     far = ckptlib.RemoteTier(sys.argv[2], upload_concurrency=1)
-    mgr = ckptlib.CheckpointManager(sys.argv[1], keep_last=1, remote=far)
+    mgr = ckptlib.CheckpointManager(sys.argv[1], keep_last=1, cluster=ckptlib.Cluster(remote=far))
     mgr.save(1, step_state(1))
     mgr.wait()
     mgr.save(2, step_state(2))
@@ -283,7 +266,7 @@ def test_killed_mid_upload_then_the_next_start_resumes(tmp_path, remote):
     # The crashed writer's locks (a dead pid on this host) are removed as stale by the next
     # start: the remote's by the upload it resumes, the local root's by its first save.
     with pytest.warns(ckptlib.StaleLockWarning) as caught:
-        mgr = CheckpointManager(local, keep_last=1, remote=RemoteTier(remote, keep_last=1))
+        mgr = CheckpointManager(local, keep_last=1, cluster=Cluster(remote=RemoteTier(remote, keep_last=1)))
         state = _fresh()
         assert mgr.load(state) == 2
         _assert_state(state, 2)
@@ -299,7 +282,9 @@ def test_killed_mid_upload_then_the_next_start_resumes(tmp_path, remote):
 
 
 def _ranks_save(local: str, remote: str) -> list:
-    mgr = CheckpointManager(local, keep_last=1, remote=RemoteTier(remote, keep_last=2), async_save=True)
+    mgr = CheckpointManager(
+        local, keep_last=1, async_save=True, cluster=Cluster(remote=RemoteTier(remote, keep_last=2))
+    )
     for step in (1, 2, 3):
         state = {"w": torch.full((5,), float(step * 10)), "step": step}
         handle = mgr.save(step, state)
@@ -335,7 +320,7 @@ def test_async_save_blocks_only_for_staging_and_the_next_save_waits_for_the_uplo
         real_copy(*args)
 
     monkeypatch.setattr(remote_tier, "copy_file", gated_copy)
-    mgr = CheckpointManager(str(tmp_path / "local"), remote=remote, async_save=True)
+    mgr = CheckpointManager(str(tmp_path / "local"), async_save=True, cluster=Cluster(remote=remote))
     handle = mgr.save(1, _state(1))
     assert handle.wait().uri.endswith("local/step_0000000001")  # the local write commits at once
     assert not mgr.tier._job.done()  # the upload waits at the gate
@@ -347,7 +332,7 @@ def test_async_save_blocks_only_for_staging_and_the_next_save_waits_for_the_uplo
 
 
 def test_overwrite_replaces_the_remote_latest_too(tmp_path, remote):
-    mgr = CheckpointManager(str(tmp_path / "local"), keep_last=2, remote=remote)
+    mgr = CheckpointManager(str(tmp_path / "local"), keep_last=2, cluster=Cluster(remote=remote))
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))
     mgr.wait()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckptlib
-from ckptlib import CheckpointManager
+from ckptlib import CheckpointManager, Cluster, RemoteTier
 from ckptlib.cli import main as cli_main
 from ckptlib.format.native.root import step_dir
 
@@ -50,7 +50,9 @@ def test_a_tiered_manager_returns_the_directory_step_too(tmp_path):
     os.makedirs(remote)
     weights = torch.nn.Linear(3, 2).state_dict()
     ckptlib.save(remote / step_dir(7), {"model": weights})  # seeded without step=
-    with CheckpointManager(str(tmp_path / "local"), remote_root=str(remote)) as mgr:
+    with CheckpointManager(
+        str(tmp_path / "local"), keep_last=1, cluster=Cluster(remote=RemoteTier(str(remote)))
+    ) as mgr:
         model = torch.nn.Linear(3, 2)
         assert mgr.load({"model": model}) == 7 and mgr.last_load.step == 7
         assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())

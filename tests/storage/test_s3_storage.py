@@ -253,15 +253,6 @@ def test_each_request_is_tried_max_attempts_times_in_all(s3_root, client, no_wai
     assert no_waits == pytest.approx([0.1, 0.2])
 
 
-def test_deprecated_retry_arguments_warn():
-    with pytest.warns(DeprecationWarning, match="read_retries"):
-        storage = S3Storage("bucket-name", "run", read_retries=2)
-    assert storage.max_attempts == 8
-    with pytest.warns(DeprecationWarning, match="max_attempts"):
-        client = make_client(max_attempts=2)
-    assert client.meta.config.retries["total_max_attempts"] == 1
-
-
 def test_exists_from_a_listing_without_key_count(store, client):
     """exists() trusts the listed objects when a ListObjectsV2 reply has no KeyCount (as some
     S3-compatible servers send it), and KeyCount when it has no Contents."""

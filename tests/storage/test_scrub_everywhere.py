@@ -19,7 +19,7 @@ import torch
 from helpers.storage import record_sleeps
 
 import ckptlib
-from ckptlib import CheckpointManager
+from ckptlib import CheckpointManager, Cluster, RemoteTier
 from ckptlib._runtime.observe import log_operation
 from ckptlib.cli import main as cli_main
 from ckptlib.errors import CheckpointError, StorageError
@@ -154,7 +154,7 @@ def test_manager_tiered_and_cli_paths_of_every_backend_never_show_the_password(
             CheckpointManager(root).save(1, state)
         with pytest.raises(CheckpointError) as loaded:
             CheckpointManager(root).load(state)
-        tiered = CheckpointManager(str(tmp_path / "local"), remote_root=root)
+        tiered = CheckpointManager(str(tmp_path / "local"), keep_last=1, cluster=Cluster(remote=RemoteTier(root)))
         with pytest.raises(CheckpointError) as uploaded:
             tiered.save(1, state)
             tiered.wait()

@@ -119,7 +119,8 @@ def inspect(where_: SourceFiles, uri: str, *, trusted: bool) -> SourceInfo:
         doc = torch_load(root, name, trusted=trusted, notes=notes)
         if not isinstance(doc, dict) or not {"world_size", "rank", "tensors"} <= set(doc):
             raise CheckpointCorruptError(
-                f"{where}: not a v0 rank file (needs world_size, rank, tensors; see ckptlib.format.foreign.v0.V0_FORMAT)",
+                f"{where}: not a v0 rank file (needs world_size, rank, tensors; "
+                "see ckptlib.format.foreign.v0.V0_FORMAT)",
                 path=where,
             )
         if doc["rank"] != rank:

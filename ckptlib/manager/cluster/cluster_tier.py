@@ -26,7 +26,7 @@ import os
 import time
 import uuid
 import warnings
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ckptlib._runtime import agree as _dist
 from ckptlib.errors import (
@@ -40,10 +40,9 @@ from ckptlib.errors import (
 )
 from ckptlib.format.native.layout import classify
 from ckptlib.format.native.manifest import CommitRecord, Manifest
-from ckptlib.format.native.root import StalePointerWarning, step_dir
+from ckptlib.format.native.root import StalePointerWarning, committed_steps, step_dir
 from ckptlib.manager.cleanup import collect
 from ckptlib.manager.cluster.node_save import NodeLocalSave
-from ckptlib.manager.cluster.remote_tier import RemoteTier, as_remote
 from ckptlib.manager.cluster.replication import replicate, shard_name
 from ckptlib.manager.cluster.resume import (
     Choice,
@@ -59,78 +58,52 @@ from ckptlib.manager.cluster.resume import (
 )
 from ckptlib.manager.cluster.topology import FewerReplicasWarning, Topology, detect
 from ckptlib.manager.lock import RootLock
-from ckptlib.manager.policies import RetentionPolicy
+from ckptlib.manager.single_root import TierSettings
 from ckptlib.saving import background_save
 from ckptlib.saving.background_save import AsyncSave
 from ckptlib.saving.saving import SaveResult, transact
 from ckptlib.storage.base import Storage
 
+if TYPE_CHECKING:
+    from ckptlib.manager.options import Cluster
+
 
 class ClusterTier:
-    """What a CheckpointManager with `remote=` or `replicas=` delegates saves and loads to."""
+    """The tier a CheckpointManager with `cluster=Cluster(...)` holds (`ckptlib.manager.single_root.Tier`)."""
 
-    def __init__(
-        self,
-        root: Storage,
-        *,
-        retention: RetentionPolicy,
-        remote: RemoteTier | None,
-        replicas: int,
-        node: Any,
-        group,
-        hold_lock: bool,
-        async_save: bool,
-        background_staging: bool,
-        async_mode: str = "thread",
-        plan_cache: Any = None,
-    ):
-        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
-            raise StateError(f"replicas must be a non-negative int, got {replicas!r}")
+    def __init__(self, root: Storage, settings: TierSettings, cluster: Cluster):
+        remote = cluster.remote
         if remote is not None:
             local_path, remote_path = root.local_path(), remote.storage.local_path()
             if local_path is not None and remote_path is not None:
                 a, b = os.path.realpath(local_path), os.path.realpath(remote_path)
                 if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):
                     raise StateError(f"the remote root {remote.uri!r} and the local root {root.uri!r} overlap")
-            remote.hold_lock = hold_lock
+            remote.lock.hold = settings.hold_lock
         self.root = root
-        self.retention = retention
+        self.settings = settings
+        self.retention = settings.retention
         self.remote = remote
-        self.replicas = replicas
-        self.node = node
-        self.group = group
-        self.hold_lock = hold_lock
-        self.async_save = async_save
-        self.background_staging = background_staging
-        self.async_mode = async_mode
-        self.plan_cache = plan_cache  # the manager's (format.plan_cache)
+        self.replicas = cluster.replicas
+        self.node = cluster.node
+        self.group = settings.group
         self.topology: Topology | None = None
-        self._lock = RootLock(root)  # this node's root; its leader takes it
+        self.lock = RootLock(root, hold=settings.hold_lock)  # this node's root; its leader takes it
         self._seq: int | None = None  # the largest commit seq seen (None: not looked yet)
         self._latest: int | None = None  # the step last saved or resumed (the parent of the next save)
         self._job: AsyncSave | None = None  # the background pipeline in flight
         self._run = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
 
-    @classmethod
-    def create(cls, manager: Any, remote: Any, replicas: int, node: Any) -> "ClusterTier | None":
-        """The tier of a manager (its root, retention, group and save options), or None when
-        it has no remote, no replicas and no explicit node: a plain single-root manager."""
-        remote = as_remote(remote)
-        if remote is None and not replicas and node is None:
-            return None
-        return cls(
-            manager.storage,
-            retention=manager.retention,
-            remote=remote,
-            replicas=replicas,
-            node=node,
-            group=manager.process_group,
-            hold_lock=manager.hold_lock,
-            async_save=manager.async_save,
-            background_staging=manager.background_staging,
-            async_mode=manager.async_mode,
-            plan_cache=manager._plan_cache,
-        )
+    def path(self, step: int) -> str:
+        """With a remote, the step's remote directory; else its directory in this node's root."""
+        return self.remote.path(step) if self.remote is not None else f"{self.root.uri.rstrip('/')}/{step_dir(step)}"
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first: the remote root's, else this node's."""
+        return self.remote.steps() if self.remote is not None else committed_steps(self.root)
+
+    def busy(self) -> bool:
+        return self._job is not None
 
     # -- collective set-up --------------------------------------------------------------
     def setup(self) -> Topology:
@@ -175,14 +148,12 @@ class ClusterTier:
     def _lock_node(self) -> None:
         assert self.topology is not None
         if self.topology.is_leader:
-            self._lock.take()
+            self.lock.take()
 
-    def _unlock_node(self, *, force: bool = False) -> None:
-        if self.topology is not None and self.topology.is_leader and (force or not self.hold_lock):
-            try:
-                self._lock.release()
-            except Exception:  # noqa: BLE001 - a leftover lock of a dead process counts as stale
-                pass
+    def _unlock_node(self) -> None:
+        """Each leader lets go of its root's lock (unless held), never raising."""
+        if self.topology is not None and self.topology.is_leader:
+            self.lock.abandon()
 
     # -- saving -------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any], metadata, metrics, overwrite: bool) -> SaveResult | AsyncSave:
@@ -212,7 +183,7 @@ class ClusterTier:
                 made.append(NodeLocalSave(storage, topology=topology, commit_record=record, **kwargs))
                 return made[-1]
 
-            if background and not self.async_save:
+            if background and self.settings.mode is None:
                 background_save.async_group(group)  # collective on first use, so here and not in the thread
             result = transact(
                 self.root.child(name),
@@ -222,10 +193,8 @@ class ClusterTier:
                 metrics=metrics,
                 overwrite=overwrite or bool(replace),
                 group=group,
-                asynchronous=self.async_save,
-                background_staging=self.background_staging,
-                async_mode=self.async_mode,
-                plan_cache=self.plan_cache,
+                mode=self.settings.mode,
+                plan_cache=self.settings.plan_cache,
                 after_commit=None if background else (lambda: self._after_node_commit(step)),
                 on_failure=self._unlock_node,
                 make_transaction=make,
@@ -413,7 +382,7 @@ class ClusterTier:
 
     def close(self) -> None:
         """Release the locks this process holds (no collective)."""
-        self._unlock_node(force=True)
+        self.lock.close()
         if self.remote is not None:
             self.remote.close()
 

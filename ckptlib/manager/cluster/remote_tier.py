@@ -24,7 +24,6 @@ import contextlib
 import errno
 import os
 import time
-import warnings
 from typing import Any, Iterator
 
 from ckptlib._runtime import agree as _dist
@@ -37,7 +36,6 @@ from ckptlib.errors import (
     StateError,
     UploadError,
     UploadRankLostError,
-    stacklevel_outside_ckptlib,
 )
 from ckptlib.format.items.checksum import crc32
 from ckptlib.format.native.manifest import MANIFEST_NAME, PENDING_NAME, Manifest
@@ -174,11 +172,10 @@ class RemoteTier:
         self.uri = os.fspath(uri)
         self.storage: Storage = open_storage(self.uri)
         self.retention = retention if retention is not None else KeepLast(keep_last)
-        self.hold_lock = False  # the manager's setting
         # Rank 0: the committed remote steps as last seen (the inventory, then each upload's
         # commit and retention), so a save never waits for the remote to ask it.
         self.known_steps: set[int] = set()
-        self._lock = RootLock(self.storage)
+        self.lock = RootLock(self.storage)  # its `hold` is the manager's hold_lock
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.uri!r})"
@@ -210,19 +207,14 @@ class RemoteTier:
     def take_lock(self) -> None:
         """Rank 0: take the remote root's lock (or confirm a held one); UploadError if it cannot."""
         try:
-            self._lock.take()
+            self.lock.take()
         except (LockedError, CheckpointError, OSError) as exc:
             raise UploadError(
                 f"{self.uri}: cannot lock the remote root: {type(exc).__name__}: {exc}", path=self.uri
             ) from exc
 
-    def release_lock(self, *, force: bool = False) -> None:
-        if force or not self.hold_lock:
-            with contextlib.suppress(Exception):
-                self._lock.release()
-
     def close(self) -> None:
-        self.release_lock(force=True)
+        self.lock.close()
 
     def gc(self, *, dry_run: bool = False, on_removed=None, protect: set[int] = frozenset()) -> list[str]:
         """Rank 0: the remote retention and debris removal, under the remote lock (not for a dry run)."""
@@ -232,7 +224,7 @@ class RemoteTier:
         try:
             return collect(self.storage, self.uri, self.retention, protect=set(protect), on_removed=on_removed)
         finally:
-            self.release_lock()
+            self.lock.abandon()
 
     # -- an upload ----------------------------------------------------------------------
     def upload(
@@ -267,7 +259,7 @@ class RemoteTier:
                 )
             except BaseException:
                 if rank == 0:
-                    self.release_lock()
+                    self.lock.abandon()
                 raise
         seconds = time.perf_counter() - started
         log_operation(
@@ -310,7 +302,7 @@ class RemoteTier:
             remote.write(PENDING_NAME, b'{"upload": "in progress"}', durable=False)
             return present
         except BaseException as exc:
-            self.release_lock()
+            self.lock.abandon()
             if isinstance(exc, CheckpointError):
                 raise
             raise UploadError(f"{where}: upload failed: {type(exc).__name__}: {exc}", path=where) from exc
@@ -373,11 +365,11 @@ class RemoteTier:
             removed = collect(self.storage, self.uri, self.retention, protect={step})
             self.known_steps = (self.known_steps | {step}) - {parse_step(name) for name in removed}
         except BaseException as exc:
-            self.release_lock()
+            self.lock.abandon()
             if isinstance(exc, UploadError):
                 raise
             raise UploadError(f"{where}: upload failed: {type(exc).__name__}: {exc}", path=where) from exc
-        self.release_lock()
+        self.lock.abandon()
         return moved
 
 
@@ -400,38 +392,4 @@ def as_remote(remote: Any) -> RemoteTier | None:
     raise StateError(f"remote must be a URI or a RemoteTier, got {type(remote).__name__} {remote!r}")
 
 
-def tier_arguments(
-    remote: Any,
-    remote_root: Any,
-    keep_local: int | None,
-    keep_last: int | None,
-    retention: RetentionPolicy | None,
-    upload_concurrency: int | None,
-) -> tuple[Any, int | None, RetentionPolicy | None]:
-    """The manager's (remote, keep_last, retention) from its arguments. The deprecated spelling
-    `remote_root=URI, keep_local=N` (keep_last/retention: the remote's) becomes
-    `keep_last=N, remote=RemoteTier(URI, keep_last=..., retention=...)`, with a DeprecationWarning."""
-    if remote_root is None and keep_local is None:
-        if upload_concurrency is not None:
-            if remote is None:
-                raise StateError("upload_concurrency needs a remote")
-            remote = as_remote(remote)
-            remote.upload_concurrency = _positive_concurrency(upload_concurrency)
-        return remote, keep_last, retention
-    if remote is not None:
-        raise StateError("pass remote= (or the deprecated remote_root=), not both")
-    if remote_root is None:
-        raise StateError("keep_local= goes with the deprecated remote_root=; pass keep_last= for this root")
-    if keep_local is not None and (not isinstance(keep_local, int) or isinstance(keep_local, bool) or keep_local < 1):
-        raise StateError(f"keep_local must be a positive int, got {keep_local!r}")
-    warnings.warn(
-        "CheckpointManager(root, remote_root=URI, keep_local=N) is deprecated; pass "
-        "keep_last=N, remote=RemoteTier(URI, keep_last=...) (keep_last/retention now keep the steps of root)",
-        DeprecationWarning,
-        stacklevel=stacklevel_outside_ckptlib(),
-    )
-    tier = RemoteTier(remote_root, keep_last=keep_last, retention=retention, upload_concurrency=upload_concurrency or 4)
-    return tier, 1 if keep_local is None else keep_local, None
-
-
-__all__ = ["RemoteTier", "as_remote", "copy_file", "remote_matches", "tier_arguments"]
+__all__ = ["RemoteTier", "as_remote", "copy_file", "remote_matches"]

@@ -18,6 +18,7 @@ import re
 import warnings
 from typing import Callable
 
+from ckptlib.manager.options import Cluster
 from ckptlib.testing.harness.crash_points import Outcome
 from ckptlib.testing.harness.crash_scene import (
     CHECKPOINT_FILES,
@@ -317,7 +318,7 @@ def _tier(scene: Scene):
     import ckptlib
 
     remote = ckptlib.RemoteTier(scene.root, keep_last=1, upload_concurrency=1)
-    return ckptlib.CheckpointManager(f"{scene.local}/node", keep_last=1, remote=remote)
+    return ckptlib.CheckpointManager(f"{scene.local}/node", keep_last=1, cluster=Cluster(remote=remote))
 
 
 def _prepare_tier(scene: Scene) -> None:

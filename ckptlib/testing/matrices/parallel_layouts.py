@@ -23,7 +23,6 @@ that the plan replaced) from the argument or the model's ``retie()`` (as
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -72,18 +71,6 @@ LAYOUTS: dict[str, ParallelLayout] = {
         ParallelLayout("fsdp1-flat", 0, (1, 2, 3, 4)),
     )
 }
-
-
-def __getattr__(name: str):
-    if name == "Layout":  # its name until the module was layouts.py beside format/layout.py
-        warnings.warn(
-            f"{__name__}.Layout is now ParallelLayout; the old name is deprecated and will be removed in the next "
-            "release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return ParallelLayout
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_layout(name: str) -> ParallelLayout:
