@@ -180,14 +180,14 @@ def run_ls(args: argparse.Namespace) -> int:
     from ckptlib import presets
     from ckptlib.errors import CheckpointError
     from ckptlib.format.native.manifest import MANIFEST_NAME, Manifest
-    from ckptlib.format.native.root import LATEST, step_dir
+    from ckptlib.format.native.root import LATEST, scan, step_dir
     from ckptlib.manager.manager import CheckpointManager
 
     mgr = CheckpointManager(args.root)
     if not mgr.storage.exists():
         raise UsageError(f"{args.root}: no such checkpoint root")
     preset = preset_of(args)
-    infos = mgr._scan() if preset is None else []
+    infos = scan(mgr.storage) if preset is None else []
     if preset is None and not infos:
         preset = presets.detect_root(mgr.storage)
     if preset is not None:

@@ -211,8 +211,11 @@ def test_background_staging_needs_async(tmp_path):
     with pytest.raises(TypeError, match="background_staging"):  # only async_save stages in the background
         ckptlib.save(tmp_path / "c", {"w": torch.ones(2)}, background_staging=True)
     assert not (tmp_path / "c").exists()
-    with pytest.raises(ckptlib.StateError, match=r"^background_staging=True needs async_save=True$"):
-        ckptlib.CheckpointManager(tmp_path / "r", async_save=AsyncMode(background_staging=True) if False else False)
+    with pytest.raises(ckptlib.StateError, match=r"^AsyncMode background_staging must be a bool, got 'yes'$"):
+        AsyncMode(background_staging="yes")
+    assert ckptlib.CheckpointManager(tmp_path / "r", async_save=AsyncMode(background_staging=True)).mode == AsyncMode(
+        "thread", True
+    )
 
 
 @pytest.mark.parametrize("bad_rank", [0, 1])

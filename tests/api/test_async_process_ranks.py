@@ -178,7 +178,7 @@ def _manager_writer_fails_on(root: str, bad_rank: int, fault: str) -> dict:
     mgr = CheckpointManager(root, async_save=AsyncMode("process"))
     mgr.save(1, _state(1)).wait(timeout=120)
     if dist.get_rank() == bad_rank:  # only this rank's writer meets the fault, only in step 2
-        mgr.storage = FaultyShards(mgr.storage.root, fault, under=step_dir(2))
+        mgr.storage = mgr.tier.storage = FaultyShards(mgr.storage.root, fault, under=step_dir(2))
     pid = writer_process.current().pid
     mgr.save(2, _state(2))
     try:
@@ -229,7 +229,9 @@ def _wait_until_ignored(pid: int, sig: int) -> None:
 def _preempted_while_in_flight(root: str) -> dict:
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
     mgr = CheckpointManager(root, save_policy=EveryNSteps(100), preemption=True, async_save=AsyncMode("process"))
-    mgr.storage = FaultyShards(mgr.storage.root, "slow", delay=0.05, under=step_dir(1))  # step 1 stays in flight
+    mgr.storage = mgr.tier.storage = FaultyShards(
+        mgr.storage.root, "slow", delay=0.05, under=step_dir(1)
+    )  # step 1 stays in flight
     assert mgr.maybe_save(1, _state(1), force=True)
     in_flight = not mgr._pending.done()
     pid = writer_process.current().pid

@@ -48,7 +48,7 @@ def _race(base: str, requested: int | None):
         storage = (
             InterleavedProxy(reader.storage, at, interrupt) if is_remote(root) else Interleaved(root, at, interrupt)
         )
-        reader.storage = storage
+        reader.storage = reader.tier.storage = storage
         got = {"model": {"w": torch.zeros(64, 33), "b": torch.zeros(7)}, "step": -1}
 
         def action():
