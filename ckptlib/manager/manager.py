@@ -116,9 +116,7 @@ class CheckpointManager:
         self.remote = None if cluster is None else cluster.remote
 
     def __repr__(self) -> str:
-        if self.remote is not None:
-            return f"CheckpointManager({self.root_uri!r}, remote={self.remote.uri!r})"
-        return f"CheckpointManager({self.root_uri!r})"
+        return f"CheckpointManager({self.tier.describe()})"
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -81,6 +81,9 @@ class Tier(Protocol):
     def close(self) -> None:
         """Release what this process holds (no collective)."""
 
+    def describe(self) -> str:
+        """The tier in a manager's repr: its root's URI, and what else it writes to."""
+
 
 class SingleRoot:
     """One root every rank sees (a shared filesystem or an object store): the manager's own
@@ -91,6 +94,9 @@ class SingleRoot:
         self.uri = uri  # the root as the user named it, for messages
         self.settings = settings
         self.lock = RootLock(storage, hold=settings.hold_lock)
+
+    def describe(self) -> str:
+        return repr(self.uri)
 
     def path(self, step: int) -> str:
         return f"{self.storage.uri.rstrip('/')}/{step_dir(step)}"

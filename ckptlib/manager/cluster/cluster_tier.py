@@ -105,6 +105,10 @@ class ClusterTier:
     def busy(self) -> bool:
         return self._job is not None
 
+    def describe(self) -> str:
+        where = repr(self.root.uri)
+        return f"{where}, remote={self.remote.uri!r}" if self.remote is not None else where
+
     # -- collective set-up --------------------------------------------------------------
     def setup(self) -> Topology:
         """This job's nodes (collective, once)."""
