@@ -1,4 +1,13 @@
-"""ckptlib: elastic sharded checkpointing for PyTorch on torch.distributed.checkpoint."""
+"""ckptlib: elastic sharded checkpointing for PyTorch on torch.distributed.checkpoint.
+
+This module is the public API (`save`, `async_save`, `load`, `CheckpointManager` and its
+option objects, `convert`, `export`, the errors); beside it, `errors` (every error and
+warning ckptlib raises), `dcp` (ckptlib as the storage of your own `dcp.save`/`dcp.load`),
+`_version` and `_scrub` (credentials scrubbed from every message). The packages follow the
+data flow: `cli/` -> `manager/` -> `saving/` / `loading/` -> `state/` -> `format/` ->
+`storage/`, with `_torch/` (the only private torch names) and `_runtime/` beneath;
+`offline/`, `presets/`, `integrations/`, `testing/` and `bench/` sit beside
+(docs/architecture.md walks one save and one load)."""
 
 from __future__ import annotations
 

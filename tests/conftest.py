@@ -12,3 +12,81 @@ import pytest
 # Asserts in the helpers fail with pytest's explanations, also in ranks (the launcher hands
 # every rewritten module to them).
 pytest.register_assert_rewrite("helpers")
+
+
+# ---------------------------------------------------------------- the default run's time budget
+#: Tests past the default run's budget (the README's test command: at most 12 minutes on a
+#: 2-core machine): the crash-boundary enumerations, torchrun end-to-end runs of the examples and
+#: of several simulated nodes, real benchmark runs, the slowest rank-loss cases. They carry the
+#: `extended` mark; `.ci/run` runs them after the default run with `--suite extended`; `-m EXPR`
+#: selects by its expression alone, `--suite all` runs both. Each entry is `path::function`, or
+#: `path::function[` followed by a part of the case id; every entry must match a collected test.
+EXTENDED = (
+    "manager/test_crash_boundaries.py::test_crash_at_every_write_boundary",
+    "elastic/test_cluster_tier.py::test_kill_one_node_mid_upload_then_resume_at_3_and_4",
+    "elastic/test_read_once_nodes.py::test_two_torchrun_nodes_read_each_item_once",
+    "elastic/test_multinode.py::test_torchrun_two_nodes_then_resume_on_one",
+    "cli/test_validate_spec.py::test_example_validates_from_the_command_line",
+    "cli/test_validate_spec.py::test_spec_under_torchrun_on_two_nodes",
+    "cli/test_validate.py::test_validate_under_torchrun",
+    "cli/test_example.py::test_torchrun_sigterm_saves_the_step_reached_then_resumes_on_2",
+    "cli/test_example.py::test_torchrun_crash_on_4_resume_on_2",
+    "cli/test_example.py::test_sigkill_mid_run_then_resume",
+    "cli/test_not_a_checkpoint_fast.py::test_a_large_prefix_is_refused_with_one_top_level_listing[azure",
+    "cli/test_bench_ceilings.py::test_ceilings_first_in_a_real_run",
+    "cli/test_bench_tier.py::test_bench_tier_reports_the_tier_beside_its_baselines",
+    "cli/test_bench_tensors.py::test_bench_tensors_ablation_times_both_collector_settings",
+    "api/test_async_process_ranks.py::test_fsdp2_saved_at_4_in_process_mode_loads_at_2",
+    "api/test_async_process.py::test_exit_without_wait_commits_and_stops_the_writer",
+    "api/test_rank_loss.py::test_survivors_of_a_rank_dying_mid_save_raise_rank_lost[manager-async",
+    "api/test_rank_loss.py::test_survivors_of_a_rank_dying_mid_save_raise_rank_lost[save-async",
+)
+SUITES = ("default", "extended", "all")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--suite",
+        choices=SUITES,
+        default="default",
+        help="default: the README's run (leaves out the `extended` tests, see tests/conftest.py EXTENDED); "
+        "extended: only those; all: both. With -m, the expression alone decides.",
+    )
+
+
+def _extended_entry(item: pytest.Item) -> str | None:
+    """The EXTENDED entry `item` matches, None if none: the same function (every case of it),
+    or, for an entry with a "[", the cases whose id starts so."""
+    path, _, name = item.nodeid.partition("::")
+    rel = path.removeprefix("tests/")
+    for entry in EXTENDED:
+        where, _, case = entry.partition("::")
+        if where == rel and (name.startswith(case) if "[" in case else name.split("[")[0] == case):
+            return entry
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    matched = set()
+    for item in items:
+        entry = _extended_entry(item)
+        if entry is not None:
+            matched.add(entry)
+            item.add_marker(pytest.mark.extended)
+    suite = config.getoption("suite")
+    if config.option.markexpr or suite == "all":
+        return
+    whole_run = not config.args or all(arg.rstrip("/") in ("tests", ".") for arg in config.args)
+    stale = sorted(set(EXTENDED) - matched)
+    if whole_run and stale and suite == "default":
+        raise pytest.UsageError(f"tests/conftest.py EXTENDED names no collected test: {stale}")
+    keep = (
+        (lambda item: item.get_closest_marker("extended") is None)
+        if suite == "default"
+        else (lambda item: item.get_closest_marker("extended") is not None)
+    )
+    dropped = [item for item in items if not keep(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if keep(item)]

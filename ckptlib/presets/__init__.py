@@ -9,8 +9,12 @@
 module and optimizer entries are called): the preset renames the client's keys onto them,
 finds the newest checkpoint of a save folder, allows the plain-data objects the client
 saves (and nothing more) without `trusted=True`, and reports the client's progress in
-`LoadResult.step` / `LoadResult.metadata`. `ckptlib.presets.composer_save.save` writes a
-checkpoint Composer autoresumes from.
+`LoadResult.step` / `LoadResult.metadata`.
+
+- `preset`: what every preset is (`Preset`); `PRESETS` here holds those `preset=` names;
+- `composer_layout`, `lightning_layout`, `titan_layout`: how Composer, Lightning and
+  torchtitan lay out their checkpoints;
+- `composer_save`: `save`, a ckptlib checkpoint Composer autoresumes from.
 """
 
 from __future__ import annotations

@@ -1,4 +1,12 @@
-"""Where checkpoint bytes live: `open_storage(uri)` for plain paths, file://, s3://, gs:// and az:// URIs."""
+"""Where checkpoint bytes live: `open_storage(uri)` for plain paths, file://, s3://, gs:// and az:// URIs.
+
+- `base`: the `Storage` protocol every backend implements (`open_storage` / `as_storage` here);
+- `local`: a local (or shared) filesystem: fsynced files, atomic renames, a `latest` symlink;
+- `objects`: one `Storage` over any object store, with `prefixed` its key space under a
+  prefix, `multipart` its streamed multipart writer and `transfer` the transfer settings;
+- `s3` (with `s3_client`, the boto3 requests), `gcs`, `azure`: the object stores' clients.
+
+Imports nothing of ckptlib above it but `errors` and `_scrub`."""
 
 from __future__ import annotations
 

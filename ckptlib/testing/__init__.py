@@ -17,7 +17,7 @@ Three rooms:
 - ``fakes/``: S3, GCS and Azure emulators on 127.0.0.1, a fault-injecting proxy, writers of
   legacy formats.
 
-``ckptlib.testing.plugin`` is the pytest plugin (``pytest_plugins = ["ckptlib.testing.plugin"]``):
+`plugin` (``ckptlib.testing.plugin``) is the pytest plugin (``pytest_plugins = ["ckptlib.testing.plugin"]``):
 the ``dist_run`` fixture, the ``@pytest.mark.world_size(n)`` marker, ``--backend``, and the fakes
 as fixtures (``s3_root``, ``gcs_root``, ``azure_root``, ``fault_proxy``, ...).
 

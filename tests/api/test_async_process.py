@@ -333,7 +333,7 @@ def test_disk_full_in_the_writer_removes_the_partial_shard(tmp_path):
 _ORPHAN_SCRIPT = textwrap.dedent(
     """
     import os, sys, time, torch, ckptlib
-    from ckptlib import writer_process
+    from ckptlib.saving import writer_process
     from helpers.writer_faults import FaultyShards
     handle = ckptlib.async_save(FaultyShards(sys.argv[1], "block"), {"w": torch.ones(4096)}, async_mode="process")
     while not os.path.exists(sys.argv[1] + ".blocked"):
@@ -367,7 +367,7 @@ def test_the_writer_exits_when_its_parent_dies(tmp_path, how):
 _EXIT_SCRIPT = textwrap.dedent(
     """
     import sys, torch, ckptlib
-    from ckptlib import writer_process
+    from ckptlib.saving import writer_process
     ckptlib.async_save(sys.argv[1], {"w": torch.arange(1 << 20, dtype=torch.float32)}, step=5, async_mode="process")
     print(writer_process.current().pid, flush=True)
     # no wait(): interpreter exit waits for the save, then stops the writer

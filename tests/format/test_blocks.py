@@ -273,7 +273,7 @@ import sys, zlib
 sys.modules["zlib_ng"] = sys.modules["zlib_ng.zlib_ng"] = None  # as if installed with --no-deps
 import torch, ckptlib
 from ckptlib import cli
-from ckptlib.format import checksum
+from ckptlib.format.items import checksum
 from ckptlib.format.native.layout import read_manifest
 from ckptlib.storage import open_storage
 assert checksum.crc32_combine is None and checksum.crc32 is zlib.crc32

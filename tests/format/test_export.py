@@ -423,7 +423,7 @@ TENSORS = 12  # 384 MiB: more than one tensor + 300 MiB, so a materialising expo
 _MEASURE = textwrap.dedent(
     """
     import resource, sys
-    import ckptlib, ckptlib.export, ckptlib.format.streaming, safetensors  # imports before the baseline
+    import ckptlib, ckptlib.offline.export, ckptlib.format.streaming, safetensors  # imports before the baseline
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     ckptlib.export(
         sys.argv[1], sys.argv[2], format=sys.argv[3], dtype=sys.argv[4] or None, max_shard_size="100MB", model_only=True

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import ckptlib
 from ckptlib.format.write import plan_cache, save_planner
 from ckptlib.format.write.dcp_writer import CkptWriter
+from ckptlib.saving.async_mode import AsyncMode
 from ckptlib.saving.saving import transact
 from ckptlib.storage import as_storage
 
@@ -208,9 +209,7 @@ def _save(path, state, cache, *, storage=None, asynchronous=False, background_st
         metrics=None,
         overwrite=False,
         group=None,
-        asynchronous=asynchronous,
-        background_staging=background_staging,
-        async_mode=async_mode,
+        mode=AsyncMode(async_mode, background_staging) if asynchronous else None,
         plan_cache=cache,
     )
     return result.wait() if asynchronous else result

@@ -3,5 +3,9 @@
 ``launcher`` (:func:`launch`, with ``forkserver``, ``rank_process``, ``supervision`` and the
 errors in ``launch_errors``) and ``dist_plugin``, the pytest side (``dist_run``, the
 ``world_size`` marker, ``--backend``), enabled through ``ckptlib.testing.plugin``.
+The crash harness: `crash_points` crashes an operation at each of its storage writes, in
+the scene `crash_scene` sets up, for the operations `crash_operations` registers; `crash_run`
+drives it and writes the report (docs/crash-boundaries.md).
+
 Imports only the standard library (and pytest, for the plugin): torch is imported in ``launch``.
 """
