@@ -1,5 +1,6 @@
-"""README's load/integrity documentation matches the code: the keywords `ckptlib.load` takes,
-the error classes ckptlib exports, and an Integrity section saying what `verify=False` skips."""
+"""The manual's load/integrity documentation matches the code: docs/api.md gives the keywords
+`ckptlib.load` takes and names every error class ckptlib exports, and docs/integrity.md says
+what a load checks, what is refused and what `verify=False` skips."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import re
 
 import ckptlib
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs")
 
 
-def _readme() -> str:
-    with open(README) as f:
+def _page(name: str) -> str:
+    with open(os.path.join(DOCS, name), encoding="utf-8") as f:
         return f.read()
 
 
@@ -23,16 +24,16 @@ def _section(text: str, title: str) -> str:
     return text[start:end]
 
 
-def test_readme_load_signature_lists_every_public_keyword():
-    documented = re.search(r"`ckptlib\.load\(uri, state, \*, ([^)]*)\)`", _readme().replace("\n  ", " "))
-    assert documented, "README documents ckptlib.load(uri, state, *, ...)"
+def test_api_page_load_signature_lists_every_public_keyword():
+    documented = re.search(r"`ckptlib\.load\(uri, state, \*, ([^)]*)\)`", _page("api.md").replace("\n  ", " "))
+    assert documented, "docs/api.md documents ckptlib.load(uri, state, *, ...)"
     names = [part.split("=")[0].strip() for part in documented.group(1).split(",")]
     public = [p for p in inspect.signature(ckptlib.load).parameters if p not in ("uri", "state", "process_group")]
     assert names == public
 
 
-def test_readme_names_every_exported_error():
-    text = _readme()
+def test_api_page_names_every_exported_error():
+    text = _page("api.md")
     errors = sorted(
         name
         for name in ckptlib.__all__
@@ -41,15 +42,14 @@ def test_readme_names_every_exported_error():
     assert [e for e in errors if f"`{e}`" not in text] == []
 
 
-def test_readme_integrity_section_says_what_is_checked_refused_and_skipped():
-    section = _section(_readme(), "Integrity")
-    for phrase in (
-        "What a load (with the default `verify=True`) and `ckpt verify` check:",
-        "What is refused, whatever `verify` says",
-        "What `verify=False` skips:",
-    ):
-        assert phrase in section
-    skipped = section[section.index("What `verify=False` skips:") :]
+def test_integrity_page_says_what_is_checked_refused_and_skipped():
+    text = _page("integrity.md")
+    checked = _section(text, "What a load checks")
+    assert "What a load (with the default `verify=True`) and `ckpt verify` check:" in checked
+    refused = _section(text, "What is refused")
+    assert "What is refused, whatever `verify` says" in refused
+    for phrase in ("pickles that would run code", "escape the checkpoint", "safetensors headers", "cannot be pickled"):
+        assert phrase in refused, phrase
+    skipped = _section(text, "What `verify=False` skips")
+    assert "What `verify=False` skips:" in skipped
     assert "CRC-32 of `.metadata` and of every item or block" in skipped
-    for refused in ("pickles that would run code", "escape the checkpoint", "safetensors headers", "cannot be pickled"):
-        assert refused in section, refused

@@ -1,4 +1,4 @@
-"""README's "Coming from torchtitan / Hugging Face / Composer / Lightning" recipes, run as
+"""docs/migrating.md's "Coming from torchtitan / Hugging Face / Composer / Lightning" recipes, run as
 written against the real packages (issue 28): each code block, with a prelude that builds
 what it names and an epilogue that checks what it did (tests/helpers/client_scripts/recipes.py)."""
 
@@ -17,7 +17,7 @@ ENV = {"torchtitan": "hf", "huggingface": "hf", "composer": "composer", "lightni
 
 
 def recipes() -> dict[str, str]:
-    with open(os.path.join(client_envs.REPO, "README.md")) as f:
+    with open(os.path.join(client_envs.REPO, "docs", "migrating.md"), encoding="utf-8") as f:
         text = f.read()
     section = text[text.index(SECTION) :]
     section = section[: section.index("\n## ", len(SECTION))]
@@ -27,7 +27,7 @@ def recipes() -> dict[str, str]:
     return found
 
 
-def test_the_readme_has_a_three_line_recipe_for_each_client():
+def test_the_migrating_page_has_a_three_line_recipe_for_each_client():
     found = recipes()
     assert sorted(found) == sorted(ENV)
     for code in found.values():

@@ -181,7 +181,7 @@ USER_SPEC = ckptlib.testing.ModelSpec(
     ids=lambda c: c.id,
 )
 def test_users_own_model_over_layout_pairs(case, tmp_path, dist_run):
-    """The README's example: dist_run over layout pairs of a model that is not ckptlib's."""
+    """docs/layouts.md's example: dist_run over layout pairs of a model that is not ckptlib's."""
     _skip_unavailable(case.save_layout, case.load_layout)
     uri = str(tmp_path / "ckpt")
     expected = dist_run(case.save_ws, ckptlib.testing.save_layout, uri, case.save_layout, spec=USER_SPEC)[0]

@@ -170,8 +170,8 @@ def test_emulator_ports_are_free_ports_on_loopback():
         s.bind(("127.0.0.1", port))  # free: nothing holds it
 
 
-def _readme_examples() -> list[str]:
-    with open(os.path.join(REPO, "README.md")) as f:
+def _testing_page_examples() -> list[str]:
+    with open(os.path.join(REPO, "docs", "testing.md"), encoding="utf-8") as f:
         text = f.read()
     start = text.index("\n## The test harness (also for your own suites)\n")
     section = text[start : text.index("\n## ", start + 1)]
@@ -181,8 +181,8 @@ def _readme_examples() -> list[str]:
 @pytest.mark.s3
 @pytest.mark.gcs
 @pytest.mark.azure
-def test_the_readme_examples_run(pytester):
-    examples = _readme_examples()
+def test_the_testing_page_examples_run(pytester):
+    examples = _testing_page_examples()
     assert len(examples) == 4 and all(e.startswith("def test_") for e in examples)
     pytester.makeconftest('pytest_plugins = ["ckptlib.testing.plugin"]\n')
     imports = [
@@ -191,5 +191,5 @@ def test_the_readme_examples_run(pytester):
         "from azure.storage.blob import BlobServiceClient",
         "from google.cloud import storage",
     ]
-    pytester.makepyfile(test_readme="\n".join(imports) + "\n\n\n" + "\n\n".join(examples))
+    pytester.makepyfile(test_testing_page="\n".join(imports) + "\n\n\n" + "\n\n".join(examples))
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=4)

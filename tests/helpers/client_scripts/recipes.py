@@ -1,4 +1,4 @@
-"""Runs one README recipe ("Coming from ...") against the real package (tests/clients/test_recipes.py):
+"""Runs one docs/migrating.md recipe ("Coming from ...") against the real package (tests/clients/test_recipes.py):
 
     recipes.py CLIENT RECIPE.py WORKDIR    (CLIENT: torchtitan, huggingface, composer, lightning)
 
