@@ -6,7 +6,7 @@
 Run it again with the same --root (at any world size that divides --batch) and it
 resumes from the newest committed checkpoint; the loss curve continues exactly where it
 stopped. SIGTERM or SIGUSR1 (to torchrun, or to any one rank) makes every rank save the
-step it reached and exit 0: `CheckpointManager(save_on_preemption=True)` with `maybe_save`.
+step it reached and exit 0: `CheckpointManager(preemption=True)` with `maybe_save`.
 See examples/README.md.
 
 Why the loss is bit-identical at every world size: the data of step s is a function of

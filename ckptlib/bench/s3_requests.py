@@ -1,5 +1,5 @@
 """S3 requests of a `ckptlib.save` and a `ckptlib.load`, counted on a moto server, and the
-formula that predicts them for any world size (issue 13; docs/benchmarks.md, "Simulated scale").
+formula that predicts them for any world size (issue 13; docs/history/benchmarks-results.md, "Simulated scale").
 
 A WSGI middleware in front of moto's app classifies every request the ranks send (LIST,
 HEAD, GET, PUT, multipart create/part/complete, DELETE, ...) and the object it names (shard

@@ -97,7 +97,7 @@ def load(
     state does not ask for are never an error. Shape differences are always errors.
     `cast`: a tensor whose dtype differs from the checkpoint's is a DtypeMismatchError
     (strict or not) unless cast=True, which converts it and warns (CastWarning) with the keys.
-    `verify`: check every byte read against the manifest's checksums (see README, Integrity).
+    `verify`: check every byte read against the manifest's checksums (see docs/integrity.md).
 
     Load control (see `ckptlib.loading.load_keys`): `only=("model",)` loads just those top-level
     entries of `state` (a model-only load of a full checkpoint); `ignore_keys` (globs on the

@@ -36,7 +36,7 @@ Rename = Callable[[str], str]
 @dataclasses.dataclass(frozen=True)
 class Entries:
     """The names a state gives its modules and optimizers (in the state's order), or the
-    names ckptlib's README uses ("model", "optim") when it has none."""
+    names ckptlib's docs use ("model", "optim") when it has none."""
 
     modules: tuple[str, ...]
     optimizers: tuple[str, ...]

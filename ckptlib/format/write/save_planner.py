@@ -5,8 +5,8 @@ DCP checks the global plan for overlapping chunks with a sweep along each tensor
 dimension (torch 2.13; older releases compare every pair of chunks). A row-sharded (FSDP)
 weight with more columns than rows, such as a (4096, 11008) projection, has every chunk
 spanning that whole dimension, so the sweep compares every pair: O(ranks^2) per tensor on
-the coordinator, minutes at thousands of ranks (docs/benchmarks.md, "Growth past this
-machine"). `CkptSavePlanner` builds the global plan with DCP's own steps (dedup of
+the coordinator, minutes at thousands of ranks (docs/history/benchmarks-rounds.md, "Growth past
+this machine"). `CkptSavePlanner` builds the global plan with DCP's own steps (dedup of
 replicated items, `create_default_global_save_plan`, the planner_data merge: the same in
 every torch of the window) and checks it with `structure.find_overlap`, which sweeps along
 the dimension with the most distinct offsets. A plan that passes is used as built; any other

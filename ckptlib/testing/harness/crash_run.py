@@ -165,7 +165,7 @@ def report(enumerated: dict[tuple[str, str], list[Boundary]]) -> str:
         "multipart start/part/complete/abort), then runs the operation once more per boundary",
         "and mode in a forked child: **kill** (SIGKILL just before the call) and **fail** (the",
         "call raises what the backend raises: ENOSPC, or S3's AccessDenied). After each case it",
-        'checks the invariants (README, "Integrity"; `crash_operations` says how, per operation):',
+        "checks the invariants (docs/integrity.md; `crash_operations` says how, per operation):",
         "",
         "- the last committed checkpoint loads bit-exactly, and `latest` names a committed step;",
         "- the user's files (planted in the root and in a step directory) are untouched, and",
