@@ -40,6 +40,14 @@ EXTENDED = (
     "api/test_async_process.py::test_exit_without_wait_commits_and_stops_the_writer",
     "api/test_rank_loss.py::test_survivors_of_a_rank_dying_mid_save_raise_rank_lost[manager-async",
     "api/test_rank_loss.py::test_survivors_of_a_rank_dying_mid_save_raise_rank_lost[save-async",
+    # the real clients' round trips (each client's recipe runs in the default run)
+    "clients/test_lightning.py::test_ckptlib_strategies_save_and_resume_elastically",
+    "clients/test_lightning.py::test_lightning_checkpoint_loads_bit_exactly_through_the_preset",
+    "clients/test_torchtitan.py::test_ckptlib_checkpoint_manager_interoperates_with_torchtitans",
+    "clients/test_torchtitan.py::test_torchtitan_checkpoint_loads_bit_exactly_through_the_preset",
+    "clients/test_torchtitan_state_hooks.py::test_torchtitan_fused_qkv_saves_and_reshards_bit_exact",
+    "clients/test_composer.py::test_composer_checkpoint_loads_bit_exactly_through_the_preset",
+    "clients/test_composer.py::test_a_ckptlib_save_in_composers_layout_autoresumes_in_composer",
 )
 SUITES = ("default", "extended", "all")
 

@@ -25,6 +25,7 @@ import sys
 import time
 
 import pytest
+from helpers.torchrun import kill_tree, process_tree
 
 from ckptlib._torch import parallel
 from ckptlib.testing import RankExited
@@ -148,35 +149,6 @@ def test_finished_run_is_not_retrained(reference, tmp_path, dist_run):
     dist_run(2, run_main, args(root, log, 6))
     assert open(log).read() == before
     assert read_log(log) == {s: reference[s] for s in range(1, 7)}
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and all its descendants (torchrun starts its workers in sessions of their own,
-    so killing torchrun's process group would leave them running)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        out.append(current)
-        todo.extend(children.get(current, []))
-    return out
-
-
-def kill_tree(pid: int) -> None:
-    for p in process_tree(pid):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import pytest
 
 from ckptlib import cli
 from ckptlib.testing.fakes.s3_server import s3_env
+from ckptlib.testing.harness.ports import free_port
 from ckptlib.testing.matrices.validate import Cell, Report
 
 
@@ -90,12 +90,6 @@ def test_validate_on_s3(s3_root, moto_server, capsys, monkeypatch):
     assert len(doc["cells"]) == 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(
     shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
@@ -111,7 +105,7 @@ def test_validate_under_torchrun(tmp_path):
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "ckptlib.cli",
         "validate",

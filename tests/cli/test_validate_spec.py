@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from helpers.torchrun import Nodes, torchrun_env
 
 from ckptlib.testing.fakes.s3_server import s3_env
 
@@ -107,61 +107,17 @@ def test_bad_spec_references_exit_2(ref, message):
 # --------------------------------------------------------------------------- two torchrun nodes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_nodes(argv: list[str], env: dict) -> list[tuple[int, str, str]]:
+def _two_nodes(argv: list[str], env: dict, logs) -> list[tuple[int, str, str]]:
     """One torchrun launcher per node (static rendezvous on 127.0.0.1), one rank each:
     [(exit code, stdout, stderr)] per node."""
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--nproc-per-node",
-                "1",
-                "--node-rank",
-                str(node),
-                "--rdzv-backend",
-                "static",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--max-restarts",
-                "0",
-                "-m",
-                "ckptlib.cli",
-                *argv,
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for node in range(2)
-    ]
-    out = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=500)
-            out.append((proc.returncode, stdout, stderr))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return out
+    with Nodes.start(["-m", "ckptlib.cli", *argv], [1, 1], logs, env=env, split_stderr=True) as nodes:
+        finished = nodes.wait(500)
+    assert finished, f"the two nodes did not finish:\n{nodes.tails()}"
+    return [(code, nodes.output(k), nodes.output(k, stderr=True)) for k, code in enumerate(nodes.returncodes())]
 
 
 def _torchrun_env(moto_server: str) -> dict:
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env = torchrun_env()
     for key, value in s3_env(moto_server).items():
         if value is None:
             env.pop(key, None)
@@ -173,10 +129,10 @@ def _torchrun_env(moto_server: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.s3
 @pytest.mark.timeout(600)
-def test_spec_under_torchrun_on_two_nodes(s3_root, moto_server):
+def test_spec_under_torchrun_on_two_nodes(s3_root, moto_server, tmp_path):
     """The ranks of two nodes share no directory: the checkpoints go to S3 (moto)."""
     argv = ["validate", "--spec", PLAIN, "--world-sizes", "1,2", "--root", s3_root, "--json", "--no-progress"]
-    (rc0, out0, err0), (rc1, out1, err1) = _two_nodes(argv, _torchrun_env(moto_server))
+    (rc0, out0, err0), (rc1, out1, err1) = _two_nodes(argv, _torchrun_env(moto_server), tmp_path / "nodes")
     assert rc0 == 0 and rc1 == 0, err0[-3000:] + err1[-3000:]
     doc = json.loads(out0)
     assert out1 == ""  # only rank 0 reports
@@ -190,7 +146,7 @@ def test_a_factory_failing_on_node_1_stops_both_nodes(s3_root, moto_server, tmp_
     spec = tmp_path / "failing_job.py"
     spec.write_text(textwrap.dedent(FAILING))
     argv = ["validate", "--spec", str(spec), "--world-sizes", "2", "--layouts", "ddp", "--root", s3_root]
-    (rc0, _, err0), (rc1, _, err1) = _two_nodes(argv, _torchrun_env(moto_server))
+    (rc0, _, err0), (rc1, _, err1) = _two_nodes(argv, _torchrun_env(moto_server), tmp_path / "nodes")
     assert rc0 != 0 and rc1 != 0
     for err in (err0, err1):  # rank 0 says it, and so does rank 1 (on node 1), where it started
         assert "ckpt validate: error: rank 1: build_model(0) raised ValueError: rank 1 has no weights" in err

@@ -16,23 +16,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from helpers.torchrun import LAUNCH_TIMEOUT, TESTS, Nodes
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKER = os.path.join(REPO, "tests", "helpers", "cluster_worker.py")
-LAUNCH_TIMEOUT = 180
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+WORKER = str(TESTS / "helpers" / "cluster_worker.py")
 
 
 class Cluster:
@@ -48,99 +39,46 @@ class Cluster:
     def root(self, node: int) -> str:
         return str(self.tmp / f"node{node}")
 
-    def launch(self, phase: str, per_node: list[int], out, *, env_by_node=None, extra=()) -> list[subprocess.Popen]:
+    def launch(self, phase: str, per_node: list[int], out, *, env_by_node=None, extra=()) -> Nodes:
         """One torchrun launcher per node (`per_node[k]` ranks on node k)."""
-        port = free_port()
-        procs = []
-        for node, nproc in enumerate(per_node):
-            env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", CKPTLIB_S3_MAX_ATTEMPTS="2")
-            env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        by_node = {}
+        for node in range(len(per_node)):
+            env = {"CKPTLIB_S3_MAX_ATTEMPTS": "2", "CKPT_AUDIT": str(self.audit / f"{phase}-node{node}")}
             env["CKPT_FORBIDDEN"] = os.pathsep.join(self.root(k) for k in range(2) if k != node)
-            env["CKPT_AUDIT"] = str(self.audit / f"{phase}-node{node}")
             env.update((env_by_node or {}).get(node, {}))
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nnodes={len(per_node)}",
-                f"--nproc-per-node={nproc}",
-                f"--node-rank={node}",
-                "--rdzv-backend=static",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--max-restarts=0",
-                WORKER,
-                phase,
-                "--local-root",
-                self.root(node),
-                "--out",
-                str(out),
-                "--remote",
-                self.remote,
-                "--replicas",
-                str(self.replicas),
-                *extra,
-            ]
-            log = open(out / f"launcher{node}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
-        return procs
+            by_node[node] = env
 
-    def results(self, phase: str, out, world: int) -> list[dict]:
+        def target(node: int) -> list[str]:
+            return [WORKER, phase, "--local-root", self.root(node), "--out", str(out), "--remote", self.remote]
+
+        extra = ["--replicas", str(self.replicas), *extra]
+        return Nodes.start(lambda node: target(node) + extra, per_node, out, env_by_node=by_node)
+
+    def results(self, phase: str, out, world: int, nodes: Nodes | None = None) -> list[dict]:
         found = []
         for rank in range(world):
             path = out / f"{phase}.rank{rank}.json"
-            assert path.exists(), f"rank {rank} wrote no result:\n{_logs(out)}"
+            assert path.exists(), f"rank {rank} wrote no result:\n{nodes.tails() if nodes else ''}"
             found.append(json.loads(path.read_text()))
         return found
 
     def run(self, phase: str, per_node: list[int], name: str, **kwargs) -> list[dict]:
         out = self.tmp / name
         out.mkdir()
-        procs = self.launch(phase, per_node, out, **kwargs)
-        _finish(procs)
-        return self.results(phase, out, sum(per_node))
+        with self.launch(phase, per_node, out, **kwargs) as nodes:
+            nodes.wait()
+            return self.results(phase, out, sum(per_node), nodes)
 
     def violations(self) -> list[str]:
         return [line for f in sorted(self.audit.iterdir()) for line in f.read_text().splitlines()]
 
 
-def _logs(out) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(out.glob("launcher*.log")))
-
-
-def _finish(procs: list[subprocess.Popen], timeout: float = LAUNCH_TIMEOUT) -> bool:
-    """Wait for the launchers; kill those still running after `timeout` (returns False then)."""
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            break
-    finished = all(proc.poll() is not None for proc in procs)
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return finished
-
-
-def _wait_for(predicate, what: str, timeout: float = LAUNCH_TIMEOUT, out=None) -> None:
+def _wait_for(predicate, what: str, nodes: Nodes, timeout: float = LAUNCH_TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}\n{_logs(out) if out else ''}")
+            raise AssertionError(f"timed out waiting for {what}\n{nodes.tails()}")
         time.sleep(0.1)
-
-
-def _kill_node(out, ranks: list[int], agent: subprocess.Popen) -> None:
-    """kill -9 a node: its workers (each in its own session, so by process group), then its agent."""
-    for rank in ranks:
-        pid = int((out / "pids" / f"rank{rank}").read_text())
-        try:
-            os.killpg(os.getpgid(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    agent.kill()
-    agent.wait()
 
 
 def _pointer(remote: str) -> str | None:
@@ -174,24 +112,20 @@ def test_kill_one_node_mid_upload_then_resume_at_3_and_4(tmp_path, remote_kind, 
     # -- save 1 and 2 on 2x2; node 1 is killed while its upload of step 2 hangs ----------
     out = tmp_path / "save"
     out.mkdir()
-    agents = cluster.launch("save", [2, 2], out, env_by_node={1: node1_env}, extra=["--steps", "1,2"])
-    try:
-        _wait_for(lambda: all((out / f"ready.rank{r}").exists() for r in range(4)), "step 1 on every rank", out=out)
+    with cluster.launch("save", [2, 2], out, env_by_node={1: node1_env}, extra=["--steps", "1,2"]) as nodes:
+        _wait_for(lambda: all((out / f"ready.rank{r}").exists() for r in range(4)), "step 1 on every rank", nodes)
         assert _pointer(remote) == "step_0000000001"
         if proxy is not None:
             proxy.stall_after(0)
         (out / "go").touch()
         if proxy is not None:
-            _wait_for(proxy.stalled.is_set, "node 1's upload to stall", out=out)
+            _wait_for(proxy.stalled.is_set, "node 1's upload to stall", nodes)
         else:
-            _wait_for(lambda: len(os.listdir(tmp_path / "held")) == 2, "node 1's uploads to hang", out=out)
-        _kill_node(out, [2, 3], agents[1])
+            _wait_for(lambda: len(os.listdir(tmp_path / "held")) == 2, "node 1's uploads to hang", nodes)
+        nodes.kill(1)
         # node 0's ranks fail (UploadRankLostError) and write their results; its agent would
         # then wait out torchrun's exit barrier for the dead agent (300 s): stopped here instead
-        _wait_for(lambda: all((out / f"save.rank{r}.json").exists() for r in (0, 1)), "node 0's results", out=out)
-        _kill_node(out, [0, 1], agents[0])
-    finally:
-        _finish(agents, timeout=5)
+        _wait_for(lambda: all((out / f"save.rank{r}.json").exists() for r in (0, 1)), "node 0's results", nodes)
     survivors = cluster.results("save", out, 2)
     for res in survivors:
         assert not res["ok"], res
@@ -231,7 +165,7 @@ def test_the_audit_hook_catches_a_rank_touching_another_root(tmp_path):
     (other / "x").write_text("x")
     record = tmp_path / "audit"
     code = (
-        f"import sys; sys.path.insert(0, {os.path.join(REPO, 'tests', 'helpers')!r}); import cluster_worker as w; "
+        f"import sys; sys.path.insert(0, {str(TESTS / 'helpers')!r}); import cluster_worker as w; "
         f"w.install_audit_hook([{str(other)!r}], {str(record)!r});\n"
         "import os\n"
         "for fn in (lambda: open(os.path.join(sys.argv[1], 'x')), lambda: os.listdir(sys.argv[1]),\n"

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
+from helpers.torchrun import REPO, Nodes
 
 from ckptlib._torch import parallel
 from ckptlib.testing.matrices import matrix as mx
@@ -170,14 +168,7 @@ def test_node_local_state_and_scratch_do_not_collide(tmp_path, dist_run):
 
 # --------------------------------------------------------------------------- real torchrun
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRAIN = os.path.join(REPO, "examples", "train.py")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+TRAIN = str(REPO / "examples" / "train.py")
 
 
 def run_example(argv: list[str]) -> int:
@@ -201,54 +192,12 @@ def test_torchrun_two_nodes_then_resume_on_one(tmp_path, dist_run):
     losses equal an uninterrupted single-rank run's bit for bit (the example is built to be
     world-size independent; see tests/cli/test_example.py)."""
     root, log = tmp_path / "ckpt", tmp_path / "loss.jsonl"
-    port = free_port()
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     common = ["--root", str(root), "--save-every", "3"]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                str(NODES),
-                "--nproc-per-node",
-                str(PER_NODE),
-                "--node-rank",
-                str(node),
-                "--rdzv-backend",
-                "static",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--max-restarts",
-                "0",
-                TRAIN,
-                *common,
-                "--steps",
-                "6",
-                "--loss-log",
-                str(log),
-            ],
-            env=env,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for node in range(NODES)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=240)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for node, (proc, out) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"node {node}:\n{out[-5000:]}"
+    first = [TRAIN, *common, "--steps", "6", "--loss-log", str(log)]
+    with Nodes.start(first, [PER_NODE] * NODES, tmp_path / "logs") as nodes:
+        finished = nodes.wait(240)
+    assert finished and nodes.returncodes() == [0] * NODES, nodes.tails(5000)
+    outputs = [nodes.output(node) for node in range(NODES)]
     assert "fresh start; 4 ranks" in outputs[0]
     manifest = json.loads((root / "step_0000000006" / "ckptlib.json").read_text())
     assert manifest["world_size"] == WORLD

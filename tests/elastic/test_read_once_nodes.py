@@ -9,27 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 from helpers.copies import node_dirs, shard_files
 from helpers.read_once_node import state
+from helpers.torchrun import TESTS, Nodes
 
 import ckptlib
 
 pytestmark = pytest.mark.elastic
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-WORKER = os.path.join(REPO, "tests", "helpers", "read_once_node.py")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+WORKER = str(TESTS / "helpers" / "read_once_node.py")
 
 
 def _save(path: str) -> None:
@@ -37,58 +27,13 @@ def _save(path: str) -> None:
 
 
 def _torchrun_two_nodes(base: str, out: str, *extra: str) -> list[dict]:
-    port = _free_port()
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep
-    )
     os.makedirs(out, exist_ok=True)
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--nproc-per-node",
-                "2",
-                "--node-rank",
-                str(node),
-                "--rdzv-backend",
-                "static",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--master-addr",
-                "127.0.0.1",
-                "--max-restarts",
-                "0",
-                WORKER,
-                base,
-                out,
-                *extra,
-            ],
-            env=env,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for node in range(2)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=300)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with Nodes.start([WORKER, base, out, *extra], [2, 2], os.path.join(out, "logs")) as nodes:
+        nodes.wait()
     reports = []
     for rank in range(4):
         path = os.path.join(out, f"rank{rank}.json")
-        assert os.path.exists(path), f"rank {rank} wrote no result:\n" + "\n".join(o[-4000:] for o in outputs)
+        assert os.path.exists(path), f"rank {rank} wrote no result:\n{nodes.tails()}"
         with open(path, encoding="utf-8") as f:
             reports.append(json.load(f))
     return reports

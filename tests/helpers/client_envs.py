@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 
 import pytest
+
+from ckptlib.testing.harness.ports import address_in_use, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(REPO, "tests", "helpers", "client_scripts")
@@ -44,12 +45,6 @@ def python(env: str) -> str:
     return exe
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _environ(workdir: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     env.update(
@@ -74,21 +69,25 @@ def run(env: str, script: str, *args: str, nproc: int = 0, workdir: str, timeout
     order. A failed run fails the test with its output; a rank that aborted in gloo's teardown
     after reporting (see TEARDOWN_ABORT) does not."""
     exe = python(env)
-    results = os.path.join(workdir, f"results-{script.removesuffix('.py')}-{_free_port()}")
+    results = os.path.join(workdir, f"results-{script.removesuffix('.py')}-{free_port()}")
     os.makedirs(results)
     environ = _environ(workdir)
     environ["CKPTLIB_RESULT_DIR"] = results
-    command = [exe, os.path.join(SCRIPTS, script), *args]
-    if nproc:
-        launcher = [exe, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc)]
-        launcher += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
-        command = launcher + command[1:]
-    try:
-        proc = subprocess.run(
-            command, cwd=workdir, env=environ, capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{script} {' '.join(args)} timed out after {timeout}s:\n{exc.stdout}\n{exc.stderr}")
+    for _attempt in range(3):
+        command = [exe, os.path.join(SCRIPTS, script), *args]
+        if nproc:
+            launcher = [exe, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc)]
+            launcher += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+            command = launcher + command[1:]
+        try:
+            proc = subprocess.run(
+                command, cwd=workdir, env=environ, capture_output=True, text=True, timeout=timeout, check=False
+            )
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"{script} {' '.join(args)} timed out after {timeout}s:\n{exc.stdout}\n{exc.stderr}")
+        # the launcher's port taken before it bound it (no rank ran): launch again on another
+        if not (nproc and proc.returncode != 0 and not os.listdir(results) and address_in_use(proc.stderr)):
+            break
     reports = sorted(f for f in os.listdir(results) if f.endswith(".json"))
     done = len(reports) == max(nproc, 1)
     if proc.returncode != 0 and not (done and TEARDOWN_ABORT in proc.stderr):

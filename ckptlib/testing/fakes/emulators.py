@@ -26,7 +26,6 @@ import importlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -36,6 +35,8 @@ import uuid
 from typing import Callable, ContextManager, Iterator
 
 import pytest
+
+from ckptlib.testing.harness.ports import free_port
 
 __all__ = [
     "gcs_server",
@@ -118,12 +119,6 @@ def fresh_root(
         yield f"{scheme}://{bucket}/run"
     finally:
         remove(endpoint, bucket)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

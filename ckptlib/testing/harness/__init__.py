@@ -5,7 +5,8 @@ errors in ``launch_errors``) and ``dist_plugin``, the pytest side (``dist_run``,
 ``world_size`` marker, ``--backend``), enabled through ``ckptlib.testing.plugin``.
 The crash harness: `crash_points` crashes an operation at each of its storage writes, in
 the scene `crash_scene` sets up, for the operations `crash_operations` registers; `crash_run`
-drives it and writes the report (docs/crash-boundaries.md).
+drives it and writes the report (docs/crash-boundaries.md). `ports` picks loopback ports for
+servers a test starts in another process (below the ephemeral range, so no connection takes them).
 
 Imports only the standard library (and pytest, for the plugin): torch is imported in ``launch``.
 """

@@ -28,16 +28,31 @@ class RemoteError(Exception):
 
 
 class RankExited(Exception):
-    """A rank ended without returning a result: it died, or the launcher killed it."""
+    """A rank ended without returning a result: it died, or the launcher killed it.
 
-    def __init__(self, rank: int, exitcode: int | None, reason: str):
+    ``stack_dump`` is where the rank was (its threads' stacks when it was killed, or the
+    traceback of the signal that killed it); the message ends with its last lines."""
+
+    #: How many lines of the stack dump the message shows.
+    SHOWN_LINES = 25
+
+    def __init__(self, rank: int, exitcode: int | None, reason: str, stack_dump: str = ""):
         super().__init__(f"rank {rank} {reason}")
         self.rank = rank
         self.exitcode = exitcode
         self.reason = reason
+        self.stack_dump = stack_dump
+
+    def __str__(self) -> str:
+        text = f"rank {self.rank} {self.reason}"
+        lines = self.stack_dump.strip().splitlines()
+        if lines:
+            text += f"; where it was (last {min(len(lines), self.SHOWN_LINES)} lines of its stacks):\n"
+            text += "\n".join(lines[-self.SHOWN_LINES :])
+        return text
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.exitcode, self.reason))
+        return (type(self), (self.rank, self.exitcode, self.reason, self.stack_dump))
 
 
 @dataclasses.dataclass

@@ -141,7 +141,9 @@ def launch(
       when it pickles, else :class:`RemoteError`; :class:`RankExited` for a rank that died
       or was killed) in place of its value instead of raising :class:`RankError`.
     - ``grace``: after the first failure the other ranks get this long to finish or fail
-      on their own before they are killed.
+      on their own before they are killed.  With ``return_exceptions`` every rank's result
+      is waited for (up to ``timeout``), and ``grace`` only bounds the exit of a rank that
+      returned (it may wait for a dead peer at an exit barrier).
     - ``pg_timeout``: the process group's timeout in the ranks (default ``timeout`` + 30 s
       so that the launcher, not a collective, notices a hang).
     - ``rendezvous``: ``"tcp"`` (a TCPStore hosted here on 127.0.0.1, port chosen by the
@@ -262,7 +264,7 @@ def launch(
         alive_r.close()
         alive_r = None
 
-        timed_out, grace_end = _supervise(ranks, timeout, grace)
+        timed_out, grace_end = _supervise(ranks, timeout, grace, wait_for_results=return_exceptions)
         leftover = [rk for rk in ranks if rk.alive]
         if leftover:
             _dump_stacks(leftover)
@@ -289,6 +291,8 @@ def launch(
                     rk.failure.stack_dump = _clean_dump(rk.read_stacks())  # fatal-signal traceback
                 if rk.failure.exitcode is None and rk.failure.kind == "error":
                     rk.failure.exitcode = rk.exitcode
+                if isinstance(rk.failure.exception, RankExited):
+                    rk.failure.exception.stack_dump = rk.failure.stack_dump
     finally:
         _terminate(ranks)
         for rk in ranks:

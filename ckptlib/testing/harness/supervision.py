@@ -168,18 +168,32 @@ def _make_error_failure(rk: _Rank) -> RankFailure:
     return RankFailure(rk.rank, "error", summary, exc, type_name, message, tb, rk.exitcode)
 
 
-def _supervise(ranks: list[_Rank], timeout: float, grace: float) -> tuple[bool, float | None]:
-    """Wait for every rank; returns (timed_out, grace) and fills in ``rk.failure``."""
+def _supervise(
+    ranks: list[_Rank], timeout: float, grace: float, wait_for_results: bool = False
+) -> tuple[bool, float | None]:
+    """Wait for every rank; returns (timed_out, grace end) and fills in ``rk.failure``.
+
+    After the first failure the others get ``grace`` seconds to finish; with
+    ``wait_for_results`` a rank that has not returned yet is waited for until the timeout
+    (its result is what the caller asked for, however long a loaded machine takes to produce
+    it), and only the exits of ranks that returned are cut to ``grace``."""
     deadline = time.monotonic() + timeout
     grace_end = None
+    results_in = False
     while True:
         live = [rk for rk in ranks if rk.alive]
         if not live:
             return False, grace_end
         now = time.monotonic()
-        limit = deadline if grace_end is None else min(deadline, grace_end)
+        pending = any(rk.outcome is None for rk in live)
+        if grace_end is not None and wait_for_results and not pending and not results_in:
+            results_in = True  # every live rank has returned: now only their exits are waited for
+            grace_end = now + grace
+        limit = deadline
+        if grace_end is not None and not (wait_for_results and pending):
+            limit = min(deadline, grace_end)
         if now >= limit:
-            return grace_end is None, grace_end
+            return now >= deadline, grace_end
         objs = []
         for rk in live:
             objs.append(rk.proc.sentinel)

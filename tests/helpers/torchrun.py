@@ -1,0 +1,196 @@
+"""Simulated nodes on this machine: one torchrun launcher per node, as a cluster runs them.
+
+`Nodes.start` starts them (a static rendezvous on `--node-rank`, or torchrun's elastic c10d
+rendezvous on a store the caller hosts); `wait` collects them, `kill` is the loss of a node
+(SIGKILL of its agent *and* every worker: torchrun starts each worker in a session of its own,
+so the agent's process group misses them), and leaving the `with` block kills what is left.
+Each launcher's output goes to a file (no pipe to fill), read back with `output(k)`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ckptlib.testing.harness.ports import address_in_use, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
+#: How long a whole launch may take before the test calls it hung (a loaded 2-core machine
+#: needs ~20-60 s for a torchrun launch, most of it importing torch).
+LAUNCH_TIMEOUT = 300.0
+
+
+def torchrun_env(**extra: str) -> dict[str, str]:
+    """The environment of a launcher: gloo on loopback, one OpenMP thread, ckptlib and tests/
+    importable, no torchrun variables of an enclosing run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "PYTEST_"))}
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants, from /proc (whatever session or group each is in)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        todo.extend(children.get(current, []))
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every descendant, found before the first dies (an orphaned worker is
+    re-parented to init and could no longer be found)."""
+    for p in process_tree(pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class Nodes:
+    """Launchers of one job, node k's output in `<logs>/node<k>.log` (stderr apart with
+    `split_stderr`, in `node<k>.err`)."""
+
+    def __init__(self, logs: Path, procs: list[subprocess.Popen], split_stderr: bool):
+        self.logs = Path(logs)
+        self.procs = procs
+        self.split_stderr = split_stderr
+
+    # ------------------------------------------------------------------ start
+    @classmethod
+    def start(
+        cls,
+        target: Sequence[str] | Callable[[int], Sequence[str]],
+        per_node: Sequence[int],
+        logs: Path,
+        *,
+        env: dict[str, str] | None = None,
+        env_by_node: dict[int, dict[str, str]] | None = None,
+        split_stderr: bool = False,
+        elastic: tuple[str, str] | None = None,
+        max_restarts: int = 0,
+        launcher_args: Sequence[str] = (),
+    ) -> Nodes:
+        """Start one launcher per entry of `per_node` (that many ranks on it) running `target`
+        (a script and its arguments, or `-m module ...`; or a function of the node giving them).
+
+        Static rendezvous (default): node k is `--node-rank k` of `len(per_node)`, node 0 hosts
+        the store on a fresh port; a port taken before node 0 bound it is retried on another.
+        `elastic=(endpoint, nnodes)`: torchrun's c10d rendezvous on a store the caller hosts at
+        `endpoint` (`is_host=false` on every agent, as on a cluster with a stable endpoint),
+        `--nnodes nnodes` (e.g. "1:2"), `--max-restarts max_restarts`."""
+        logs = Path(logs)
+        logs.mkdir(parents=True, exist_ok=True)
+        for _attempt in range(3):
+            port = free_port()
+            procs = []
+            for node, nproc in enumerate(per_node):
+                node_env = dict(env if env is not None else torchrun_env())
+                node_env.update((env_by_node or {}).get(node, {}))
+                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+                if elastic is None:
+                    cmd += [f"--nnodes={len(per_node)}", f"--node-rank={node}", "--rdzv-backend=static"]
+                    cmd += [f"--rdzv-endpoint=127.0.0.1:{port}", "--master-addr=127.0.0.1"]
+                else:
+                    endpoint, nnodes = elastic
+                    cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"]
+                    cmd += ["--rdzv-conf=is_host=false", "--rdzv-id=ckptlib-test"]
+                args = target(node) if callable(target) else target
+                cmd += [f"--max-restarts={max_restarts}", *launcher_args, *args]
+                procs.append(cls._popen(cmd, node_env, logs, node, split_stderr))
+            nodes = cls(logs, procs, split_stderr)
+            if elastic is not None or not nodes._port_taken():
+                return nodes
+            nodes.kill_all()
+        raise AssertionError(f"the rendezvous port was taken on 3 attempts:\n{nodes.tails()}")
+
+    @staticmethod
+    def _popen(cmd: list[str], env: dict[str, str], logs: Path, node: int, split: bool) -> subprocess.Popen:
+        out = open(logs / f"node{node}.log", "w")  # noqa: SIM115 - the child holds it; closed below
+        err = open(logs / f"node{node}.err", "w") if split else subprocess.STDOUT  # noqa: SIM115
+        try:
+            return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=err)
+        finally:
+            out.close()
+            if split:
+                err.close()
+
+    def _port_taken(self) -> bool:
+        """Whether node 0's launcher failed to bind the rendezvous port (it then exits at once,
+        before any worker starts; waits for node 0 only while it has not started a worker)."""
+        first = self.procs[0]
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while first.poll() is None and time.monotonic() < deadline:
+            if len(process_tree(first.pid)) > 1:  # workers started: the store is up
+                return False
+            time.sleep(0.1)
+        return first.poll() not in (None, 0) and address_in_use(self.output(0, stderr=True))
+
+    # ------------------------------------------------------------------ collect
+    def __enter__(self) -> Nodes:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill_all()
+
+    def wait(self, timeout: float = LAUNCH_TIMEOUT) -> bool:
+        """Wait for every launcher to exit; kill the whole job if one is still running after
+        `timeout` (returns False then)."""
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill_all()
+                return False
+        return True
+
+    def returncodes(self) -> list[int | None]:
+        return [proc.poll() for proc in self.procs]
+
+    def kill(self, node: int) -> None:
+        """The loss of node `node`: SIGKILL of its agent and every worker it started."""
+        kill_tree(self.procs[node].pid)
+        self.procs[node].wait()
+
+    def kill_all(self) -> None:
+        for node, proc in enumerate(self.procs):
+            if proc.poll() is None or len(process_tree(proc.pid)) > 1:
+                self.kill(node)
+
+    def worker_pids(self, node: int) -> list[int]:
+        """The pids of node `node`'s workers (the agent's descendants)."""
+        return [p for p in process_tree(self.procs[node].pid) if p != self.procs[node].pid]
+
+    # ------------------------------------------------------------------ output
+    def output(self, node: int, stderr: bool = False) -> str:
+        """Node `node`'s output so far (its stderr alone with `stderr` and `split_stderr`)."""
+        name = f"node{node}.err" if stderr and self.split_stderr else f"node{node}.log"
+        path = self.logs / name
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def tails(self, chars: int = 4000) -> str:
+        """The end of every launcher's output, for a failure message."""
+        parts = []
+        for node in range(len(self.procs)):
+            text = self.output(node) + (self.output(node, stderr=True) if self.split_stderr else "")
+            parts.append(f"--- node {node} (exit {self.procs[node].poll()})\n{text[-chars:]}")
+        return "\n".join(parts)
