@@ -34,6 +34,7 @@ from ckptlib.errors import (
     OverwriteRefusedError,
     RankLostError,
     RanksDisagreeError,
+    RemoteUnavailableError,
     ReplicationError,
     ReplicationRankLostError,
     ShapeMismatchError,
@@ -49,6 +50,7 @@ from ckptlib.format.native.root import StalePointerWarning
 from ckptlib.loading.loading import LoadResult, load
 from ckptlib.manager.cluster.remote_tier import RemoteTier
 from ckptlib.manager.cluster.resume import RemoteUnavailableWarning, SkippedDamagedStepWarning
+from ckptlib.manager.fresh_start import FreshStartWarning
 from ckptlib.manager.lock import StaleLockWarning
 from ckptlib.manager.manager import CheckpointManager
 from ckptlib.manager.options import Cluster, InitialLoad, Preemption
@@ -105,7 +107,9 @@ __all__ = [
     "RankLostError",
     "RanksDisagreeError",
     "RemoteTier",
+    "RemoteUnavailableError",
     "RemoteUnavailableWarning",
+    "FreshStartWarning",
     "ReplicationError",
     "ReplicationRankLostError",
     "RNGState",

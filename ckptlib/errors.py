@@ -174,6 +174,12 @@ class RankLostError(CheckpointError):
         self.step = step
 
 
+class RemoteUnavailableError(StorageError):
+    """The cluster tier's remote root could not be read while no node held a local step: whether
+    a committed step exists is unknown, so resuming nothing could retrain and then overwrite
+    it. `path` names the remote; `load(..., fresh_start_ok=True)` starts from scratch anyway."""
+
+
 class UploadError(StorageError):
     """Uploading a step to a tiered manager's remote root failed; the remote `latest` was not moved."""
 

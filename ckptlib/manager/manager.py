@@ -27,14 +27,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import warnings
 from typing import Any, Mapping
 
 from ckptlib._runtime import agree as _dist
-from ckptlib.errors import StateError
+from ckptlib.errors import StateError, stacklevel_outside_ckptlib
 from ckptlib.format.native.root import check_step, committed_steps
 from ckptlib.format.write.plan_cache import PlanCache
 from ckptlib.loading.loading import LoadResult
 from ckptlib.manager import policies as _save_policy
+from ckptlib.manager.fresh_start import FreshStartWarning, fresh_start_message, fresh_start_reason, nothing_to_resume
 from ckptlib.manager.lock import LockHolder
 from ckptlib.manager.options import Cluster, InitialLoad, Preemption, check_retention, make_tier
 from ckptlib.manager.policies import RetentionPolicy, SaveContext, SavePolicy, decide
@@ -281,14 +283,29 @@ class CheckpointManager:
         return self.tier.gc(dry_run=dry_run, on_removed=on_removed)
 
     # -- loading ------------------------------------------------------------------------
-    def load(self, state: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> int | None:
+    def load(
+        self,
+        state: Mapping[str, Any],
+        step: int | None = None,
+        *,
+        require: bool = False,
+        fresh_start_ok: bool = False,
+        **kwargs: Any,
+    ) -> int | None:
         """Load `step` (None: the newest committed) into `state` and return the step resumed
         from: None when there is nothing to resume, 0 after an `initial_load` (train from step
         0). Takes `load`'s options (`strict`, `only`, `ignore_keys`, `rename`...). The whole
         LoadResult is `last_load` afterwards (its `uri` names the initial_load checkpoint when
-        that was loaded)."""
+        that was loaded).
+
+        Nothing to resume at a root that does not exist (or is empty beside other runs'
+        roots) is a FreshStartWarning naming it; `require=True` makes any fresh start a
+        CheckpointNotFoundError. With a cluster tier, a remote that cannot be read while no
+        node holds a step is a RemoteUnavailableError (a committed step may exist there)
+        unless `fresh_start_ok=True`."""
         self.wait()  # a save or upload in flight: its failure surfaces before anything else
-        result = self.tier.load(state, None if step is None else check_step(step), kwargs)
+        chosen = None if step is None else check_step(step)
+        result = self.tier.load(state, chosen, kwargs, fresh_start_ok=fresh_start_ok)
         if result is None and self.initial_load is not None:
             result = load_initial(self.initial_load.path, self.initial_load.only, state, self.process_group, kwargs)
             self.initial_loaded = True
@@ -296,10 +313,24 @@ class CheckpointManager:
             return 0
         self.last_load = result
         if result is None:
+            self._fresh_start(require)
             return None
         self._last_save_step = result.step  # maybe_save does not save this step again
         self.initial_loaded = False
         return result.step
+
+    def _fresh_start(self, require: bool) -> None:
+        """Nothing to resume: an error with `require`, a warning where the root looks mistyped
+        (decided on rank 0, so every rank raises or warns alike)."""
+        reason, suspicious = _dist.decide_on_rank0(
+            lambda: fresh_start_reason(self.storage, self.root_uri), self.process_group
+        )
+        if require:
+            raise nothing_to_resume(self.root_uri, reason)
+        if suspicious:
+            warnings.warn(
+                fresh_start_message(self.root_uri, reason), FreshStartWarning, stacklevel=stacklevel_outside_ckptlib()
+            )
 
 
 __all__ = ["CheckpointManager"]

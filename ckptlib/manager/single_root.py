@@ -57,8 +57,12 @@ class Tier(Protocol):
     def save(self, step: int, state: Mapping[str, Any], metadata, metrics, overwrite: bool) -> SaveResult | AsyncSave:
         """Save and commit `step` (an AsyncSave with an async mode)."""
 
-    def load(self, state: Mapping[str, Any], step: int | None, options: dict[str, Any]) -> LoadResult | None:
-        """Load `step` (None: the newest committed) into `state`; None when there is nothing to resume."""
+    def load(
+        self, state: Mapping[str, Any], step: int | None, options: dict[str, Any], *, fresh_start_ok: bool = False
+    ) -> LoadResult | None:
+        """Load `step` (None: the newest committed) into `state`; None when there is nothing to
+        resume. `fresh_start_ok`: nothing to resume may be returned even where a tier cannot
+        tell that nothing exists (its remote unreachable); otherwise that is an error."""
 
     def latest(self) -> int | None:
         """The step `load` would resume from."""
@@ -196,9 +200,12 @@ class SingleRoot:
 
         return _dist.decide_on_rank0(run, group)
 
-    def load(self, state: Mapping[str, Any], step: int | None, options: dict[str, Any]) -> LoadResult | None:
+    def load(
+        self, state: Mapping[str, Any], step: int | None, options: dict[str, Any], *, fresh_start_ok: bool = False
+    ) -> LoadResult | None:
         """`step`, or the newest committed one (retried on the new `latest` if retention removes
-        it meanwhile); None when the root has no committed step."""
+        it meanwhile); None when the root has no committed step (one root knows that for sure,
+        so `fresh_start_ok` changes nothing)."""
         latest = self.latest if step is None else None
         if step is None:
             step = self.latest()

@@ -215,6 +215,15 @@ def _exit_while_rank_0_sleeps():
     os._exit(7)
 
 
+def _return_late_on_rank_0_after_rank_1_exits():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        time.sleep(3.0)  # longer than the grace below, however fast the machine
+        return "late result"
+    os._exit(7)
+
+
 def _print_rank():
     import torch.distributed as dist
 
@@ -402,6 +411,25 @@ def test_dead_rank_reports_the_stacks_of_the_others():
     assert err.failures[1].first and err.failures[0].kind == "killed"
     assert "_slow_sleeper_on_rank_0" in err.failures[0].stack_dump
     assert "_slow_sleeper_on_rank_0" in str(err)
+
+
+def test_with_return_exceptions_a_survivor_is_waited_for_past_the_grace():
+    """A survivor's result is what the caller asked for: collected when it returns, not cut
+    at `grace` after a peer died (a loaded machine takes longer)."""
+    results = launch(2, _return_late_on_rank_0_after_rank_1_exits, grace=0.5, timeout=120, return_exceptions=True)
+    assert results[0] == "late result"
+    assert isinstance(results[1], RankExited) and results[1].exitcode == 7
+
+
+def test_with_return_exceptions_a_hung_survivor_runs_to_the_timeout_and_says_where_it_was():
+    with pytest.raises(RankTimeout) as info:  # a timeout raises, return_exceptions or not
+        launch(2, _exit_while_rank_0_sleeps, grace=0.5, timeout=8, return_exceptions=True)
+    hung = info.value.results[0]
+    assert isinstance(hung, RankExited) and hung.reason == "was still running at the 8.0 s timeout; killed"
+    text = str(hung)
+    assert text.startswith("rank 0 was still running at the 8.0 s timeout; killed; where it was (last ")
+    assert "_slow_sleeper_on_rank_0" in text
+    assert pickle.loads(pickle.dumps(hung)).stack_dump == hung.stack_dump
 
 
 def test_rank_error_pickles():

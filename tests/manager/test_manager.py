@@ -43,7 +43,8 @@ def test_latest_is_one_relative_symlink(tmp_path):
 
 
 def test_autoresume_on_missing_and_empty_root(tmp_path):
-    assert CheckpointManager(tmp_path / "never-created").load(_state(0)) is None
+    with pytest.warns(ckptlib.FreshStartWarning, match="never-created: nothing to resume .it does not exist."):
+        assert CheckpointManager(tmp_path / "never-created").load(_state(0)) is None
     (tmp_path / "empty").mkdir()
     mgr = CheckpointManager(tmp_path / "empty")
     assert mgr.latest() is None and mgr.steps() == [] and mgr.load(_state(0)) is None
@@ -190,7 +191,8 @@ def test_a_new_manager_has_loaded_nothing_and_seen_no_signal(tmp_path):
     mgr = CheckpointManager(tmp_path / "run")  # save_on_preemption defaults to False: no handler
     assert {s: signal.getsignal(s) for s in before} == before
     assert (mgr.initial_loaded, mgr.preempted, mgr.preemption_signal) == (False, False, None)
-    assert mgr.load(_state(0)) is None  # an empty root, no initial_load
+    with pytest.warns(ckptlib.FreshStartWarning):  # a root that does not exist, no initial_load
+        assert mgr.load(_state(0)) is None
     assert (mgr.initial_loaded, mgr.preempted) == (False, False)
     assert mgr.maybe_save(1, _state(1)) is False  # no policy, no signal: no save
     assert (mgr.preempted, mgr.preemption_signal) == (False, None)

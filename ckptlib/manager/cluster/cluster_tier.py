@@ -33,6 +33,7 @@ from ckptlib.errors import (
     CheckpointExistsError,
     CopiesExhaustedError,
     RankLostError,
+    RemoteUnavailableError,
     ReplicationError,
     ReplicationRankLostError,
     StateError,
@@ -120,9 +121,11 @@ class ClusterTier:
             self.topology = topology
         return self.topology
 
-    def _inventory(self, step: int | None) -> list[Choice]:
+    def _inventory(self, step: int | None, refuse_unknown: bool = False) -> list[Choice]:
         """Collective: the resumable versions, newest in commit order first (see `resume`),
-        warnings issued on every rank; learns the largest commit seq."""
+        warnings issued on every rank; learns the largest commit seq. `refuse_unknown`: an
+        unreachable remote while no node holds any step is a RemoteUnavailableError (on
+        every rank) instead of "nothing to resume"."""
         topology = self.setup()
         versions = gather_versions(self.root, topology, self.group)
         remote = self.remote
@@ -131,6 +134,13 @@ class ClusterTier:
             unreachable: list[str] = []
             skipped: list[str] = []
             reachable, latest = add_remote(versions, remote, unreachable) if remote else (False, None)
+            if refuse_unknown and remote is not None and not reachable and not versions:
+                raise RemoteUnavailableError(
+                    f"{unreachable[0]} and no node holds a local step: whether a step was committed there is "
+                    "unknown, and resuming nothing could retrain it and then overwrite it. Retry once the remote "
+                    "answers, or load(..., fresh_start_ok=True) to start from scratch",
+                    path=remote.uri,
+                )
             chosen = choose(
                 versions,
                 step,
@@ -143,7 +153,7 @@ class ClusterTier:
             return chosen, unreachable, skipped, max(seqs, default=0)
 
         chosen, unreachable, skipped, seq = _dist.decide_on_rank0(decide, self.group)
-        warn_all(unreachable, RemoteUnavailableWarning)
+        warn_all([f"{why}; using the local tiers only" for why in unreachable], RemoteUnavailableWarning)
         warn_all(skipped, SkippedDamagedStepWarning)
         self._seq = max(seq, self._seq or 0)
         return chosen
@@ -308,13 +318,15 @@ class ClusterTier:
                 self._job = None
 
     # -- loading ------------------------------------------------------------------------
-    def load(self, state: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]):
+    def load(self, state: Mapping[str, Any], step: int | None, kwargs: dict[str, Any], *, fresh_start_ok=False):
         """Collective: load the newest resumable version (of `step`) from the nearest copies;
-        None when there is nothing to resume. A version no intact copy is left of at read time
-        is skipped with a warning for the next one. Then, in the background, the version
-        loaded is uploaded if the remote lacks it and it is newer than the remote `latest`."""
+        None when there is nothing to resume (known only when the remote answered or some node
+        holds a step: else a RemoteUnavailableError, unless `fresh_start_ok`). A version no
+        intact copy is left of at read time is skipped with a warning for the next one. Then,
+        in the background, the version loaded is uploaded if the remote lacks it and it is newer
+        than the remote `latest`."""
         topology = self.setup()
-        chosen = self._inventory(step)
+        chosen = self._inventory(step, refuse_unknown=not fresh_start_ok)
         for index, choice in enumerate(chosen):
             local = self.root.child(step_dir(choice.step))
             remote = self.remote.storage.child(step_dir(choice.step)) if self.remote is not None else None

@@ -4,7 +4,8 @@ Each node's leader lists its own local root: every committed step with its manif
 (a checkpoint *version*: the same step saved twice is two versions), its commit order and
 which of the manifest's files the node holds (present with the manifest's size; a torn or
 missing file is not held). Rank 0 adds the remote's committed steps (a remote it cannot
-reach is a RemoteUnavailableWarning, never an error: the local tiers still count).
+reach is a RemoteUnavailableWarning: the local tiers still count; with no local step either,
+a load cannot tell "nothing to resume" and raises RemoteUnavailableError).
 
 A version is resumable when every file of its manifest has a holder: some node, or the
 remote (which only ever commits complete, verified copies). The step to resume is the
@@ -158,9 +159,7 @@ def add_remote(
         listed = remote.versions()
         latest = remote.latest_order()
     except (CheckpointError, OSError) as exc:
-        unreachable.append(
-            f"{remote.uri}: cannot read the remote root ({type(exc).__name__}: {exc}); using the local tiers only"
-        )
+        unreachable.append(f"{remote.uri}: cannot read the remote root ({type(exc).__name__}: {exc})")
         return False, None
     for step, data in listed:
         try:
