@@ -17,10 +17,14 @@ once, so memory stays a few blocks whatever the checkpoint's size; nothing is wr
 
 Reports: keys only in A or only in B; tensors whose shape or dtype differ; for every common
 tensor whether it is bit-identical, how many elements differ by more than the tolerance
-(|a - b| > atol + rtol * |b|; NaN equals NaN), the largest absolute and relative difference and
-the index and both values of the largest; non-tensor entries compared with ==. The text
+(|a - b| > atol + rtol * max(|a|, |b|): the same verdict with A and B swapped), the largest
+absolute and relative difference and the index and both values of the largest; non-tensor
+entries equal when of the same type and value. Integers are compared as integers (exact past
+2^53); a finite value against inf, -inf or NaN always differs; the same infinity is equal;
+NaN equals NaN unless --no-equal-nan; -0.0 equals 0.0 unless --bitwise (elements equal only
+when their stored bits are; no tolerance). The text
 output lists what differs and a summary line, then EQUAL or DIFFERENT; --json prints the
-whole report (equal, a, b, atol, rtol, summary, only_in_a, only_in_b, mismatched, tensors,
+whole report (equal, a, b, atol, rtol, equal_nan, bitwise, summary, only_in_a, only_in_b, mismatched, tensors,
 objects). A differing dtype makes a tensor differ even when its values are within tolerance.
 
 Exit status: 0 equal (within --atol/--rtol; the default 0/0 means equal values); 1 they
@@ -49,7 +53,16 @@ def add_parser(commands) -> None:
     p.add_argument("a", metavar="A", help="a checkpoint: path, file://, s3://, gs:// or az:// URI, or a file")
     p.add_argument("b", metavar="B", help="the checkpoint to compare it with")
     p.add_argument("--atol", type=_tolerance, default=0.0, help="absolute tolerance (default 0)")
-    p.add_argument("--rtol", type=_tolerance, default=0.0, help="relative tolerance, times |b| (default 0)")
+    p.add_argument("--rtol", type=_tolerance, default=0.0, help="relative tolerance, times max(|a|, |b|) (default 0)")
+    p.add_argument(
+        "--equal-nan",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="NaN equals NaN (default); --no-equal-nan: a NaN differs even from itself",
+    )
+    p.add_argument(
+        "--bitwise", action="store_true", help="elements are equal only when their bits are (-0.0 differs from 0.0)"
+    )
     p.add_argument("--only", metavar="ENTRY", help="compare only the keys under this top-level entry, e.g. model")
     p.add_argument(
         "--show", type=int, default=20, metavar="N", help="list at most N differing tensors and keys (default 20)"
@@ -125,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
             args.b,
             atol=args.atol,
             rtol=args.rtol,
+            equal_nan=args.equal_nan,
+            bitwise=args.bitwise,
             only=args.only,
             trusted=args.trusted,
             on_start=on_start,
