@@ -102,9 +102,10 @@ def render(report, show: int = 20) -> str:
     for t in differing[:show]:
         where = "" if t.worst_index is None else f" at {t.worst_index} (A {t.worst_a!r}, B {t.worst_b!r})"
         dtype = f" dtype {t.dtype_a} vs {t.dtype_b};" if t.dtype_a != t.dtype_b else ""
+        gap = str(t.max_abs_diff) if isinstance(t.max_abs_diff, int) else f"{t.max_abs_diff:.6g}"  # ints exact
         lines.append(
             f"differs: {t.key}:{dtype} {t.mismatched} of {t.numel} elements beyond tolerance; max abs diff "
-            f"{t.max_abs_diff:.6g}{where}; max rel diff {t.max_rel_diff:.6g}"
+            f"{gap}{where}; max rel diff {t.max_rel_diff:.6g}"
         )
     if len(differing) > show:
         lines.append(f"... and {len(differing) - show} more differing tensors")

@@ -134,7 +134,7 @@ def test_negative_zero_equals_zero_unless_bitwise(tmp_path):
     ],
     ids=["int64-2^53", "int64-2^62", "int64-extremes", "uint64-2^63", "uint64-extremes", "uint32", "int32-extremes"],
 )
-def test_integers_compare_as_integers(tmp_path, a, b, dtype, gap):
+def test_integers_compare_as_integers(tmp_path, capsys, a, b, dtype, gap):
     ab, ba = both_ways(tmp_path, torch.tensor([a, 7], dtype=dtype), torch.tensor([b, 7], dtype=dtype))
     for report, (x, y) in ((ab, (a, b)), (ba, (b, a))):
         (t,) = report.tensors
@@ -147,6 +147,9 @@ def test_integers_compare_as_integers(tmp_path, a, b, dtype, gap):
             y,
         )
         assert type(t.max_abs_diff) is int
+    pa, pb = _files(tmp_path, {"x": torch.tensor([a, 7], dtype=dtype)}, {"x": torch.tensor([b, 7], dtype=dtype)})
+    assert cli.main(["diff", pa, pb]) == 1
+    assert f"max abs diff {gap} at [0] (A {a}, B {b})" in capsys.readouterr().out
     assert both_ways(tmp_path, torch.tensor([a], dtype=dtype), torch.tensor([a], dtype=dtype))[0].equal
 
 
