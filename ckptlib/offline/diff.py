@@ -38,6 +38,7 @@ from ckptlib.storage.base import Storage
 
 BLOCK_BYTES = 16 << 20
 EXACT = Rule()  # atol=rtol=0, NaN equal to NaN, -0.0 equal to 0.0
+SLICE = 1 << 20  # elements compared at once
 
 
 class DiffError(CheckpointError):
@@ -60,7 +61,8 @@ class Side:
 
 @dataclasses.dataclass
 class TensorDiff:
-    """How one tensor differs (`worst_*`: where the largest absolute difference is)."""
+    """How one tensor differs (`worst_*`: where the largest absolute difference of a differing
+    element is, or of any element when none differs; `max_abs_diff` is that difference)."""
 
     key: str
     shape: list[int]
@@ -107,7 +109,7 @@ class DiffReport:
     def summary(self) -> dict[str, int]:
         return {
             "tensors": len(self.tensors),
-            "bit_identical": sum(t.bit_identical for t in self.tensors),
+            "bit_identical": sum(t.bit_identical and t.within_tolerance for t in self.tensors),
             "within_tolerance": sum(t.within_tolerance and not t.bit_identical for t in self.tensors),
             "different": sum(not t.within_tolerance for t in self.tensors),
             "shape_or_dtype_mismatch": len(self.mismatched),
@@ -189,19 +191,23 @@ def read_block(side: Side, key: str, start: int, rows: int) -> torch.Tensor:
 
 
 def _fold(diff: TensorDiff, a: torch.Tensor, b: torch.Tensor, base: int, rule: Rule, best: list) -> None:
-    """Fold one block (its first element is element `base` of the flat tensor) into `diff`;
-    `best` holds the (differs, gap) of the worst element so far."""
-    found = compare_values(a, b, rule)
-    diff.bit_identical &= found.bit_identical
-    diff.mismatched += found.mismatched
-    diff.max_rel_diff = max(diff.max_rel_diff, found.max_rel_diff)
-    key = (found.worst_differs, found.max_abs_diff)
-    if (found.bit_identical and not found.mismatched) or (best and key <= best[0]):
-        return
-    best[:] = [key]
-    diff.max_abs_diff = found.max_abs_diff
-    diff.worst_index = [int(i) for i in _unravel(base + found.worst, diff.shape)]
-    diff.worst_a, diff.worst_b = _scalar(a.reshape(-1)[found.worst]), _scalar(b.reshape(-1)[found.worst])
+    """Fold one block (its first element is element `base` of the flat tensor) into `diff`,
+    `SLICE` elements at a time (the comparison's float64 temporaries stay small); `best` holds
+    the (differs, gap) of the worst element so far."""
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    for start in range(0, max(flat_a.numel(), 1), SLICE):
+        part_a, part_b = (flat_a[start : start + SLICE], flat_b[start : start + SLICE]) if a.dim() else (a, b)
+        found = compare_values(part_a, part_b, rule)
+        diff.bit_identical &= found.bit_identical
+        diff.mismatched += found.mismatched
+        diff.max_rel_diff = max(diff.max_rel_diff, found.max_rel_diff)
+        key = (found.worst_differs, found.max_abs_diff)
+        if (found.bit_identical and not found.mismatched) or (best and key <= best[0]):
+            continue
+        best[:] = [key]
+        diff.max_abs_diff = found.max_abs_diff
+        diff.worst_index = [int(i) for i in _unravel(base + start + found.worst, diff.shape)]
+        diff.worst_a, diff.worst_b = _scalar(part_a.reshape(-1)[found.worst]), _scalar(part_b.reshape(-1)[found.worst])
 
 
 def _unravel(flat: int, shape: list[int]) -> list[int]:

@@ -218,10 +218,14 @@ def same_object(x: Any, y: Any, rule: Rule) -> bool:
     if isinstance(x, (list, tuple)):
         return len(x) == len(y) and all(same_object(p, q, rule) for p, q in zip(x, y))
     if isinstance(x, dict):
-        return list(x) == list(y) and all(same_object(x[k], y[k], rule) for k in x)
+        return x.keys() == y.keys() and all(same_object(x[k], y[k], rule) for k in x)
+    if isinstance(x, np.ndarray) and x.dtype.kind in "biufc":
+        x, y = torch.from_numpy(x), torch.from_numpy(y)
     if isinstance(x, torch.Tensor):
         exact = Rule(equal_nan=rule.equal_nan, bitwise=rule.bitwise)
         return x.dtype == y.dtype and x.shape == y.shape and compare_values(x, y, exact).mismatched == 0
+    if isinstance(x, np.ndarray):
+        return x.dtype == y.dtype and bool(np.array_equal(x, y))
     try:
         return bool(x == y)
     except Exception:  # noqa: BLE001 - values that cannot be compared are different

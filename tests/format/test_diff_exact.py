@@ -106,6 +106,7 @@ def test_equal_nan_false_makes_nan_differ_from_itself(tmp_path):
     ab, ba = both_ways(tmp_path, a, a.clone(), equal_nan=False)
     assert (ab.equal, ba.equal, ab.tensors[0].mismatched, ab.tensors[0].bit_identical) == (False, False, 2, True)
     assert ab.to_json()["equal_nan"] is False
+    assert (ab.summary()["bit_identical"], ab.summary()["different"]) == (0, 1)  # a partition of the tensors
     complex_nan = torch.tensor([complex(1.0, NAN)])
     assert both_ways(tmp_path, complex_nan, complex_nan.clone())[0].equal
     assert not both_ways(tmp_path, complex_nan, complex_nan.clone(), equal_nan=False)[0].equal
@@ -347,3 +348,29 @@ def test_property_one_element_apart_differs_and_a_equals_a(case, tmp_path):
         assert report.equal and report.tensors[0].bit_identical
     bitwise = diff_checkpoints(pa, pb, bitwise=True)
     assert not bitwise.equal and bitwise.tensors[0].mismatched == 1
+
+
+def test_slices_of_a_block_find_the_worst_element(tmp_path, monkeypatch):
+    """A block is compared a slice at a time: the counts add up and the worst element is the
+    largest differing one of every slice, at its index in the tensor."""
+    import ckptlib.offline.diff as diff_module
+
+    monkeypatch.setattr(diff_module, "SLICE", 4)
+    a = torch.zeros(3, 5)
+    b = a.clone()
+    b[0, 1], b[2, 3], b[1, 4] = 1.0, 5.0, -2.0
+    ab, ba = both_ways(tmp_path, a, b)
+    for report, (x, y) in ((ab, (0.0, 5.0)), (ba, (5.0, 0.0))):
+        (t,) = report.tensors
+        assert (t.mismatched, t.max_abs_diff, t.worst_index, t.worst_a, t.worst_b) == (3, 5.0, [2, 3], x, y)
+    assert both_ways(tmp_path, torch.tensor(2.0), torch.tensor(3.0))[0].tensors[0].worst_index == []
+
+
+def test_numpy_objects_compare_by_dtype_and_value(tmp_path):
+    import numpy as np
+
+    a = {"t": torch.ones(1), "arr": np.array([1.0, np.nan]), "ints": np.array([2**53 + 1]), "s": np.array(["x"])}
+    b = {"t": torch.ones(1), "arr": np.array([1.0, np.nan]), "ints": np.array([2**53]), "s": np.array(["x"])}
+    pa, pb = _files(tmp_path, a, b)
+    equal = {o["key"]: o["equal"] for o in diff_checkpoints(pa, pb, trusted=True).objects}
+    assert equal == {"arr": True, "ints": False, "s": True}
