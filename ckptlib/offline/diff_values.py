@@ -85,7 +85,9 @@ def _beyond(gap: np.ndarray, tol: np.ndarray) -> np.ndarray:
     return (gap > np.where(huge, 0.0, floor).astype(np.uint64)) & ~huge
 
 
-def _result(mism, gap, rel, integral: bool, bits_same: bool) -> BlockResult:
+def _result(mism: np.ndarray, gap: np.ndarray, rel: np.ndarray, integral: bool, bits_same: bool) -> BlockResult:
+    """The counts and the worst element: the largest gap of a differing element (of any
+    element when none differs)."""
     n = int(mism.sum())
     order = np.flatnonzero(mism) if n else np.arange(len(gap))
     worst = int(order[int(np.argmax(gap[order]))]) if len(order) else 0
@@ -106,12 +108,12 @@ def _rel(gap: np.ndarray, scale: np.ndarray) -> np.ndarray:
         return np.where(scale > 0, gap / np.where(scale > 0, scale, 1.0), np.where(gap > 0, math.inf, 0.0))
 
 
-def _compare_ints(a: torch.Tensor, b: torch.Tensor, rule: Rule, bits_same: bool) -> BlockResult:
+def _compare_ints(a: torch.Tensor, b: torch.Tensor, rule: Rule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(differs, exact gap, relative gap) of each element of two integer tensors."""
     x, y = _ints(a), _ints(b)
     gap = _int_gap(x, y)
     scale = np.maximum(np.abs(x.astype(np.float64)), np.abs(y.astype(np.float64)))
-    mism = _beyond(gap, rule.atol + rule.rtol * scale)
-    return _result(mism, gap, _rel(gap, scale), True, bits_same)
+    return _beyond(gap, rule.atol + rule.rtol * scale), gap, _rel(gap, scale)
 
 
 def _int_equals_float(x: np.ndarray, f: np.ndarray) -> np.ndarray:
@@ -132,7 +134,8 @@ def _parts(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
     return flat.to(torch.float64).numpy(), None
 
 
-def _compare_floats(a: torch.Tensor, b: torch.Tensor, rule: Rule, bits_same: bool) -> BlockResult:
+def _compare_floats(a: torch.Tensor, b: torch.Tensor, rule: Rule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(differs, gap, relative gap) of each element, in float64 (see the module)."""
     (ar, ai), (br, bi) = _parts(a), _parts(b)
     int_vs_real = _is_int(a) != _is_int(b) and ai is None and bi is None
     if (ai is None) != (bi is None):  # a real tensor against a complex one: a zero imaginary part
@@ -164,38 +167,25 @@ def _compare_floats(a: torch.Tensor, b: torch.Tensor, rule: Rule, bits_same: boo
         tol = rule.atol + rule.rtol * scale
     mism = ~same & (forced | (gap > tol) | (tol == 0))
     gap = np.where(forced, math.inf, np.where(same, 0.0, gap))
-    return _result(mism, gap, _rel(gap, scale), False, bits_same)
+    return mism, gap, _rel(gap, scale)
 
 
 def compare_values(a: torch.Tensor, b: torch.Tensor, rule: Rule) -> BlockResult:
-    """Element by element, `a` against `b` (the same number of elements, any dtypes)."""
+    """Element by element, `a` against `b` (the same number of elements, any dtypes); with
+    `rule.bitwise` an element differs when its bits do (the gaps are still the numeric ones)."""
     bits_same = bit_identical(a, b)
+    integral = _is_int(a) and _is_int(b)
     exact = rule.equal_nan or not (a.is_floating_point() or a.is_complex())
     if a.numel() == 0 or (bits_same and (exact or not _has_nan(a))):
-        return BlockResult(0, bits_same, 0 if _is_int(a) and _is_int(b) else 0.0, 0.0, 0, False)
-    if _is_int(a) and _is_int(b):
-        result = _compare_ints(a, b, rule, bits_same)
-    else:
-        result = _compare_floats(a, b, rule, bits_same)
+        return BlockResult(0, bits_same, 0 if integral else 0.0, 0.0, 0, False)
+    mism, gap, rel = (_compare_ints if integral else _compare_floats)(a, b, rule)
     if rule.bitwise and a.dtype == b.dtype:
-        differ = (_bytes(a) != _bytes(b)).any(dim=1).numpy()
-        numeric = _compare_floats(a, b, Rule(), bits_same) if not _is_int(a) else result
-        return _bitwise(differ, numeric, a, b)
-    return result
+        mism = (_bytes(a) != _bytes(b)).any(dim=1).numpy()
+    return _result(mism, gap, rel, integral, bits_same)
 
 
 def _has_nan(t: torch.Tensor) -> bool:
     return bool(torch.isnan(t.reshape(-1).to(torch.complex128 if t.is_complex() else torch.float64)).any())
-
-
-def _bitwise(differ: np.ndarray, numeric: BlockResult, a: torch.Tensor, b: torch.Tensor) -> BlockResult:
-    """A bitwise verdict, with the numeric differences for the report; the worst element is a
-    differing one (the numeric worst when it differs)."""
-    n = int(differ.sum())
-    if not n:
-        return dataclasses.replace(numeric, mismatched=0, worst_differs=False)
-    worst = numeric.worst if differ[numeric.worst] else int(np.flatnonzero(differ)[0])
-    return dataclasses.replace(numeric, mismatched=n, worst=worst, worst_differs=True)
 
 
 def _same_float(x: float, y: float, rule: Rule) -> bool:
