@@ -17,10 +17,14 @@ once, so memory stays a few blocks whatever the checkpoint's size; nothing is wr
 
 Reports: keys only in A or only in B; tensors whose shape or dtype differ; for every common
 tensor whether it is bit-identical, how many elements differ by more than the tolerance
-(|a - b| > atol + rtol * |b|; NaN equals NaN), the largest absolute and relative difference and
-the index and both values of the largest; non-tensor entries compared with ==. The text
+(|a - b| > atol + rtol * max(|a|, |b|): the same verdict with A and B swapped), the largest
+absolute and relative difference and the index and both values of the largest; non-tensor
+entries equal when of the same type and value. Integers are compared as integers (exact past
+2^53); a finite value against inf, -inf or NaN always differs; the same infinity is equal;
+NaN equals NaN unless --no-equal-nan; -0.0 equals 0.0 unless --bitwise (elements equal only
+when their stored bits are; no tolerance). The text
 output lists what differs and a summary line, then EQUAL or DIFFERENT; --json prints the
-whole report (equal, a, b, atol, rtol, summary, only_in_a, only_in_b, mismatched, tensors,
+whole report (equal, a, b, atol, rtol, equal_nan, bitwise, summary, only_in_a, only_in_b, mismatched, tensors,
 objects). A differing dtype makes a tensor differ even when its values are within tolerance.
 
 Exit status: 0 equal (within --atol/--rtol; the default 0/0 means equal values); 1 they
@@ -49,7 +53,16 @@ def add_parser(commands) -> None:
     p.add_argument("a", metavar="A", help="a checkpoint: path, file://, s3://, gs:// or az:// URI, or a file")
     p.add_argument("b", metavar="B", help="the checkpoint to compare it with")
     p.add_argument("--atol", type=_tolerance, default=0.0, help="absolute tolerance (default 0)")
-    p.add_argument("--rtol", type=_tolerance, default=0.0, help="relative tolerance, times |b| (default 0)")
+    p.add_argument("--rtol", type=_tolerance, default=0.0, help="relative tolerance, times max(|a|, |b|) (default 0)")
+    p.add_argument(
+        "--equal-nan",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="NaN equals NaN (default); --no-equal-nan: a NaN differs even from itself",
+    )
+    p.add_argument(
+        "--bitwise", action="store_true", help="elements are equal only when their bits are (-0.0 differs from 0.0)"
+    )
     p.add_argument("--only", metavar="ENTRY", help="compare only the keys under this top-level entry, e.g. model")
     p.add_argument(
         "--show", type=int, default=20, metavar="N", help="list at most N differing tensors and keys (default 20)"
@@ -89,9 +102,10 @@ def render(report, show: int = 20) -> str:
     for t in differing[:show]:
         where = "" if t.worst_index is None else f" at {t.worst_index} (A {t.worst_a!r}, B {t.worst_b!r})"
         dtype = f" dtype {t.dtype_a} vs {t.dtype_b};" if t.dtype_a != t.dtype_b else ""
+        gap = str(t.max_abs_diff) if isinstance(t.max_abs_diff, int) else f"{t.max_abs_diff:.6g}"  # ints exact
         lines.append(
             f"differs: {t.key}:{dtype} {t.mismatched} of {t.numel} elements beyond tolerance; max abs diff "
-            f"{t.max_abs_diff:.6g}{where}; max rel diff {t.max_rel_diff:.6g}"
+            f"{gap}{where}; max rel diff {t.max_rel_diff:.6g}"
         )
     if len(differing) > show:
         lines.append(f"... and {len(differing) - show} more differing tensors")
@@ -125,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
             args.b,
             atol=args.atol,
             rtol=args.rtol,
+            equal_nan=args.equal_nan,
+            bitwise=args.bitwise,
             only=args.only,
             trusted=args.trusted,
             on_start=on_start,

@@ -39,7 +39,10 @@ rank. --spec REF (a training spec, as ckpt validate takes) gives the exact param
 TP plan the tp and fsdp2+tp layouts need (its model is built on the meta device: no memory).
 Per-rank state (ckptlib.RankLocal) is read as its default policy does; --rank-state merge when
 it merges on a resize (MergeSamplerProgress). Items of foreign formats (torch.save, v0,
-safetensors) are read by each rank for itself.
+safetensors) are read by each rank for itself: bytes needed count every element some rank
+reads once, the checkpoint's data every stored piece once. "exact" is false where a number is
+an estimate, or where torch.save/v0 files are read whole instead of memory-mapped (pre-zip
+files, object stores): the storage then reads more than the bytes shown.
 
 Exit status: 0 planned (and every rank fits in --host-memory, if given); 1 some rank's peak
 host memory exceeds --host-memory; 2 an error (no checkpoint at CKPT, a layout that cannot run
@@ -163,7 +166,12 @@ def render(report, ranges: bool = False) -> str:
         f"{hb(report.bytes_read_each_for_itself)} ({doc['amplification_each_for_itself']:.2f}x); peak host memory "
         f"{hb(doc['peak_host_bytes'])} on one rank"
     )
-    if not report.exact:
+    if not report.exact and report.format in ("torch_save", "v0"):
+        lines.append(
+            f"note: {report.format} files are read whole into memory here (not memory-mapped): the storage reads "
+            "more than the bytes read shown (the pieces each rank copies)"
+        )
+    elif not report.exact:
         lines.append("note: some item layouts could not be computed here; their reads are estimates")
     return "\n".join(lines)
 

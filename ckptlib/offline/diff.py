@@ -8,11 +8,13 @@ safetensors export. Each tensor is read in blocks of whole rows (`block_bytes`, 
 one row at least) straight from each side's reader, assembled from however many chunks each
 side stored it in, so memory stays a few blocks whatever the tensor or checkpoint size.
 
-Per tensor: bit-identical or not (its bytes), the elements beyond the tolerance (``|a - b| >
-atol + rtol * |b|``, NaN equal to NaN), the maximum absolute and relative difference and where
-the largest one is (its index and both values). Non-tensor entries (hyperparameters, counters)
-are compared with ``==``. Equal: the same keys, shapes and dtypes, every tensor within the
-tolerance and every other entry equal.
+Per tensor: bit-identical or not (its bytes), the elements that differ by the rules of
+`diff_values` (integers as integers; NaN equal to NaN unless `equal_nan=False`; a finite value
+against a non-finite one always different; -0.0 equal to 0.0 unless `bitwise=True`; beyond
+``atol + rtol * max(|a|, |b|)``), the maximum absolute and relative difference and where the
+largest one is (its index and both values). Non-tensor entries (hyperparameters, counters) are
+equal when of the same type and value. Equal: the same keys, shapes and dtypes, every tensor
+within the tolerance and every other entry equal; diff(A, B) and diff(B, A) agree.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from ckptlib.errors import CheckpointError
 from ckptlib.format.source import inspect_checkpoint, open_reader
 from ckptlib.format.streaming import SourceValues
+from ckptlib.offline.diff_values import Rule, compare_values, same_object
 from ckptlib.storage import as_storage
 from ckptlib.storage.base import Storage
 
 BLOCK_BYTES = 16 << 20
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+EXACT = Rule()  # atol=rtol=0, NaN equal to NaN, -0.0 equal to 0.0
+SLICE = 1 << 20  # elements compared at once
 
 
 class DiffError(CheckpointError):
@@ -57,7 +61,8 @@ class Side:
 
 @dataclasses.dataclass
 class TensorDiff:
-    """How one tensor differs (`worst_*`: where the largest absolute difference is)."""
+    """How one tensor differs (`worst_*`: where the largest absolute difference of a differing
+    element is, or of any element when none differs; `max_abs_diff` is that difference)."""
 
     key: str
     shape: list[int]
@@ -66,7 +71,7 @@ class TensorDiff:
     numel: int
     bit_identical: bool = True
     mismatched: int = 0  # elements beyond the tolerance
-    max_abs_diff: float = 0.0
+    max_abs_diff: float | int = 0.0  # an int (exact) for integer tensors
     max_rel_diff: float = 0.0
     worst_index: list[int] | None = None
     worst_a: Any = None
@@ -83,6 +88,8 @@ class DiffReport:
     b: dict[str, Any]
     atol: float
     rtol: float
+    equal_nan: bool
+    bitwise: bool
     only_in_a: list[str]
     only_in_b: list[str]
     mismatched: list[dict[str, Any]]  # {"key", "a": {"shape", "dtype"}, "b": {...}}: not compared
@@ -102,7 +109,7 @@ class DiffReport:
     def summary(self) -> dict[str, int]:
         return {
             "tensors": len(self.tensors),
-            "bit_identical": sum(t.bit_identical for t in self.tensors),
+            "bit_identical": sum(t.bit_identical and t.within_tolerance for t in self.tensors),
             "within_tolerance": sum(t.within_tolerance and not t.bit_identical for t in self.tensors),
             "different": sum(not t.within_tolerance for t in self.tensors),
             "shape_or_dtype_mismatch": len(self.mismatched),
@@ -119,13 +126,23 @@ class DiffReport:
             "b": self.b,
             "atol": self.atol,
             "rtol": self.rtol,
+            "equal_nan": self.equal_nan,
+            "bitwise": self.bitwise,
             "summary": self.summary(),
             "only_in_a": self.only_in_a,
             "only_in_b": self.only_in_b,
             "mismatched": self.mismatched,
-            "tensors": [dict(dataclasses.asdict(t), within_tolerance=t.within_tolerance) for t in self.tensors],
+            "tensors": [_tensor_json(t) for t in self.tensors],
             "objects": self.objects,
         }
+
+
+def _tensor_json(t: TensorDiff) -> dict[str, Any]:
+    doc = dict(dataclasses.asdict(t), within_tolerance=t.within_tolerance)
+    for name in ("max_abs_diff", "max_rel_diff"):
+        if isinstance(doc[name], float) and not math.isfinite(doc[name]):
+            doc[name] = str(doc[name])  # JSON has no NaN or infinity
+    return doc
 
 
 def _open(uri: str | os.PathLike | Storage, trusted: bool) -> Side:
@@ -173,37 +190,24 @@ def read_block(side: Side, key: str, start: int, rows: int) -> torch.Tensor:
     return block
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.bool or not (t.is_floating_point() or t.is_complex()):
-        return t
-    return t.contiguous().view(_BITS[t.element_size()]) if t.element_size() in _BITS else t
-
-
-def _as_wide(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
-
-
-def _compare_block(diff: TensorDiff, a: torch.Tensor, b: torch.Tensor, base: int, atol: float, rtol: float) -> None:
-    """Fold one block (its first element is element `base` of the flat tensor) into `diff`."""
-    if a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)):
-        return
-    diff.bit_identical = False
-    wa, wb = _as_wide(a).reshape(-1), _as_wide(b).reshape(-1)
-    same = wa == wb
-    if wa.is_floating_point() or wa.is_complex():
-        same |= torch.isnan(wa) & torch.isnan(wb)
-    gap = torch.where(same, torch.zeros((), dtype=torch.float64), (wa - wb).abs().to(torch.float64))
-    gap = torch.nan_to_num(gap, nan=math.inf)  # NaN against a number, or inf - inf of opposite signs
-    scale = wb.abs().to(torch.float64)
-    diff.mismatched += int((gap > atol + rtol * scale).sum())
-    rel = torch.where(scale > 0, gap / scale, torch.where(gap > 0, math.inf, 0.0))
-    diff.max_rel_diff = max(diff.max_rel_diff, float(rel.max()))
-    worst = int(torch.argmax(gap))
-    if diff.worst_index is None or float(gap[worst]) > diff.max_abs_diff:
-        diff.max_abs_diff = float(gap[worst])
-        flat = base + worst
-        diff.worst_index = [int(i) for i in _unravel(flat, diff.shape)]
-        diff.worst_a, diff.worst_b = _scalar(a.reshape(-1)[worst]), _scalar(b.reshape(-1)[worst])
+def _fold(diff: TensorDiff, a: torch.Tensor, b: torch.Tensor, base: int, rule: Rule, best: list) -> None:
+    """Fold one block (its first element is element `base` of the flat tensor) into `diff`,
+    `SLICE` elements at a time (the comparison's float64 temporaries stay small); `best` holds
+    the (differs, gap) of the worst element so far."""
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    for start in range(0, max(flat_a.numel(), 1), SLICE):
+        part_a, part_b = (flat_a[start : start + SLICE], flat_b[start : start + SLICE]) if a.dim() else (a, b)
+        found = compare_values(part_a, part_b, rule)
+        diff.bit_identical &= found.bit_identical
+        diff.mismatched += found.mismatched
+        diff.max_rel_diff = max(diff.max_rel_diff, found.max_rel_diff)
+        key = (found.worst_differs, found.max_abs_diff)
+        if (found.bit_identical and not found.mismatched) or (best and key <= best[0]):
+            continue
+        best[:] = [key]
+        diff.max_abs_diff = found.max_abs_diff
+        diff.worst_index = [int(i) for i in _unravel(base + start + found.worst, diff.shape)]
+        diff.worst_a, diff.worst_b = _scalar(part_a.reshape(-1)[found.worst]), _scalar(part_b.reshape(-1)[found.worst])
 
 
 def _unravel(flat: int, shape: list[int]) -> list[int]:
@@ -224,9 +228,9 @@ def _scalar(t: torch.Tensor) -> Any:
 
 
 def compare_tensor(
-    a: Side, b: Side, key: str, *, atol: float = 0.0, rtol: float = 0.0, block_bytes: int = BLOCK_BYTES, on_bytes=None
+    a: Side, b: Side, key: str, *, rule: Rule = EXACT, block_bytes: int = BLOCK_BYTES, on_bytes=None
 ) -> TensorDiff:
-    """`key` of `a` against `key` of `b` (the same shape), block by block."""
+    """`key` of `a` against `key` of `b` (the same shape), block by block, by `rule`."""
     ma, mb = a.values.tensor_meta(key), b.values.tensor_meta(key)
     shape = list(ma.size)
     diff = TensorDiff(key, shape, str(ma.properties.dtype), str(mb.properties.dtype), math.prod(shape))
@@ -234,22 +238,14 @@ def compare_tensor(
     row_elems = math.prod(shape[1:]) if shape else 1
     item = max(a.values.nbytes(key), b.values.nbytes(key)) // max(diff.numel, 1) or 1
     rows = max(1, block_bytes // max(1, row_elems * item))
+    best: list = []
     for start in range(0, rows_total, rows):
         n = min(rows, rows_total - start)
         block_a, block_b = read_block(a, key, start, n), read_block(b, key, start, n)
-        _compare_block(diff, block_a, block_b, start * row_elems, atol, rtol)
+        _fold(diff, block_a, block_b, start * row_elems, rule, best)
         if on_bytes is not None:
             on_bytes(block_a.numel() * block_a.element_size() + block_b.numel() * block_b.element_size())
     return diff
-
-
-def _objects_equal(x: Any, y: Any) -> bool:
-    try:
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
-        return bool(x == y)
-    except Exception:  # noqa: BLE001 - values that cannot be compared are different
-        return False
 
 
 def _shown(value: Any) -> str:
@@ -263,6 +259,8 @@ def diff_checkpoints(
     *,
     atol: float = 0.0,
     rtol: float = 0.0,
+    equal_nan: bool = True,
+    bitwise: bool = False,
     only: str | None = None,
     trusted: bool = False,
     block_bytes: int = BLOCK_BYTES,
@@ -271,11 +269,19 @@ def diff_checkpoints(
     on_bytes: Callable[[int], None] | None = None,
 ) -> DiffReport:
     """Compare checkpoint `a` with checkpoint `b` (any formats, any saved world sizes) in one
-    process. `only`: compare just the keys under this top-level entry (e.g. "model").
+    process, by the rules of `diff_values` (`equal_nan`: NaN equals NaN; `bitwise`: elements
+    equal only when their bits are, atol and rtol 0). `only`: compare just the keys under this
+    top-level entry (e.g. "model").
     Progress: `on_start(total bytes to read)`, `on_tensor(key, nbytes)` before each tensor,
     `on_bytes(n)` after each block."""
     if atol < 0 or rtol < 0 or not math.isfinite(atol) or not math.isfinite(rtol):
         raise DiffError(f"atol and rtol must be finite and not negative, got atol={atol} rtol={rtol}")
+    if bitwise and (atol or rtol or not equal_nan):
+        raise DiffError(
+            f"bitwise compares bits: atol and rtol must be 0 and NaN is equal only to the same bits, got "
+            f"atol={atol} rtol={rtol} equal_nan={equal_nan}"
+        )
+    rule = Rule(atol, rtol, equal_nan, bitwise)
     side_a, side_b = _open(a, trusted), _open(b, trusted)
 
     def keys(side: Side) -> list[str]:
@@ -288,15 +294,17 @@ def diff_checkpoints(
     in_b = set(keys_b)
     common = [k for k in keys_a if k in in_b]
     report = DiffReport(
-        side_a.describe(),
-        side_b.describe(),
-        atol,
-        rtol,
-        sorted(set(keys_a) - in_b),
-        sorted(in_b - set(keys_a)),
-        [],
-        [],
-        [],
+        a=side_a.describe(),
+        b=side_b.describe(),
+        atol=atol,
+        rtol=rtol,
+        equal_nan=equal_nan,
+        bitwise=bitwise,
+        only_in_a=sorted(set(keys_a) - in_b),
+        only_in_b=sorted(in_b - set(keys_a)),
+        mismatched=[],
+        tensors=[],
+        objects=[],
     )
     tensors_a, tensors_b = set(side_a.values.tensor_keys), set(side_b.values.tensor_keys)
     if on_start is not None:
@@ -319,16 +327,25 @@ def diff_checkpoints(
             if on_tensor is not None:
                 on_tensor(key, side_a.values.nbytes(key) + side_b.values.nbytes(key))
             report.tensors.append(
-                compare_tensor(side_a, side_b, key, atol=atol, rtol=rtol, block_bytes=block_bytes, on_bytes=on_bytes)
+                compare_tensor(side_a, side_b, key, rule=rule, block_bytes=block_bytes, on_bytes=on_bytes)
             )
         elif key in tensors_a or key in tensors_b:
             kinds = ["a tensor" if key in tensors else "not a tensor" for tensors in (tensors_a, tensors_b)]
             report.mismatched.append({"key": key, "a": {"kind": kinds[0]}, "b": {"kind": kinds[1]}})
         else:
             x, y = objects_a.get(key), objects_b.get(key)
-            equal = _objects_equal(x, y)
+            equal = same_object(x, y, rule)
             report.objects.append({"key": key, "equal": equal, "a": _shown(x), "b": _shown(y)})
     return report
 
 
-__all__ = ["BLOCK_BYTES", "DiffError", "DiffReport", "TensorDiff", "compare_tensor", "diff_checkpoints", "read_block"]
+__all__ = [
+    "BLOCK_BYTES",
+    "EXACT",
+    "DiffError",
+    "DiffReport",
+    "TensorDiff",
+    "compare_tensor",
+    "diff_checkpoints",
+    "read_block",
+]

@@ -9,8 +9,10 @@ memory the load needs (that part plus the largest buffer the reads hold at once)
 whole load: the bytes read against the bytes the load needs and the checkpoint's size, and
 what every rank reading for itself would read (the duplication read-once avoids).
 
-Nothing but the manifest and `.metadata` is read; no process group is made. How ranks ask
-for keys: `plan_layouts`; how readers turn that into reads: `plan_reads`.
+Nothing but the manifest and `.metadata` is read (of a foreign source: what inspecting it
+reads, and the first bytes of its torch.save files, to know whether they are memory-mapped);
+no process group is made. How ranks ask for keys: `plan_layouts`; how readers turn that into
+reads: `plan_reads`.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import os
 from typing import Any, Callable, Mapping, Sequence
 
 from ckptlib.format.foreign.foreign import SourceInfo
+from ckptlib.format.foreign.torch_save import memory_mapped
 from ckptlib.format.items.item_decoder import DeclaredChunks
 from ckptlib.format.items.ranged_io import _coalesce_ranges
 from ckptlib.format.source import inspect_checkpoint
 from ckptlib.offline.plan_layouts import LAYOUTS, PlanError, rank_plans
-from ckptlib.offline.plan_reads import RankReads, Target, ckpt_reads, foreign_reads, requests
+from ckptlib.offline.plan_reads import RankReads, Target, ckpt_reads, foreign_bytes, foreign_reads, requests
 from ckptlib.storage import as_storage
 from ckptlib.storage.base import Storage, SupportsDirectReads
 
@@ -130,6 +133,14 @@ def _rank_plan(reads: RankReads, state_bytes: int, object_store: Storage | None)
     )
 
 
+def _mapped(storage: Storage, info: SourceInfo, reads: RankReads) -> bool:
+    """Whether the files of a rank's piece reads are memory-mapped, so that only the bytes
+    copied are read (else the reader reads each torch.save or v0 file whole)."""
+    root = as_storage(info.file_root) if info.file_root is not None else storage
+    files = {r.file for r in reads.reads if r.offset < 0}
+    return all(memory_mapped(root, name) for name in files)
+
+
 def _target(storage: Storage, info, verify: bool) -> Target:
     manifest = info.manifest
     local = isinstance(storage, SupportsDirectReads) and hasattr(os, "preadv")
@@ -187,14 +198,15 @@ def plan_load(
     scheme = storage.uri.split("://", 1)[0] if "://" in storage.uri and object_store is not None else "local"
     if isinstance(info, SourceInfo):
         reads = foreign_reads(plans, metadata.storage_data, info, on_rank)
-        pieces = {(r.file, r.offset, r.length) for rr in reads for r in rr.reads}
-        needed = sum(length for _, _, length in pieces)
-        total = sum(getattr(loc, "end", 0) - getattr(loc, "begin", 0) for loc in metadata.storage_data.values())
+        needed, stored = foreign_bytes(plans, metadata)
         ranks = [_rank_plan(r, b, object_store) for r, b in zip(reads, state_bytes)]
+        if not all(_mapped(storage, info, r) for r in reads):
+            for r in ranks:
+                r.exact = False
         alone = sum(r.bytes_read for r in ranks)
         return LoadPlanReport(
             storage.uri, info.kind, info.step, info.world_size, world_size, layout, scheme, False,
-            total or needed, needed, ranks, alone,
+            stored, needed, ranks, alone,
         )  # fmt: skip
     target = _target(storage, info, verify)
     declared = DeclaredChunks(metadata)

@@ -7,9 +7,10 @@ coordinator runs, here on the predicted plans), how `format.dcp_reader.CkptReade
 tensor items straight into place, just the rows a reshard needs, verified by the file's
 checksum blocks around them; the others whole; object stores: the partial reads the same way,
 everything else in coalesced ranged reads) and what `ForeignReader` reads of torch.save,
-v0 and safetensors sources (each piece's bytes). Where a large item's data starts inside it
-comes from torch.save's archive of a tensor of that dtype and shape (`item_layout`, made from
-an untouched allocation: no data is written or read). A read is (file, offset, length, kind):
+v0 and safetensors sources (each piece's bytes; `foreign_bytes`: what they need, once).
+Where a large item's data starts inside it comes from torch.save's archive of a tensor of
+that dtype and shape (`item_layout`, made from an untouched allocation: no data is written or
+read). A read is (file, offset, length, kind):
 ``item`` (a stored item whole), ``rows`` (part of one), ``verify`` (checksum-block bytes around
 rows) and ``locate`` (the item's zip records that say where its data is; not counted in a
 load's `storage_bytes_read`, but requests on an object store).
@@ -23,6 +24,7 @@ import math
 from collections import defaultdict
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
@@ -335,22 +337,78 @@ def foreign_reads(
             if req.type == LoadItemType.BYTE_IO:
                 continue
             md = source_info.metadata.state_dict_metadata[req.storage_index.fqn]
-            itemsize = md.properties.dtype.itemsize
             begin = getattr(loc, "begin", None)
-            if begin is not None and list(md.size):  # safetensors: whole rows [first, first + n)
-                row = math.prod(list(md.size)[1:]) * itemsize
-                length = req.lengths[0] * row
-                reads.reads.append(Read(loc.file, begin + req.storage_offsets[0] * row, length, "rows"))
+            if begin is not None:  # safetensors: whole rows [first, first + n)
+                first, length = _rows(req, list(md.size), md.properties.dtype.itemsize, loc)
+                reads.reads.append(Read(loc.file, begin + first, length, "rows"))
             else:
-                length = math.prod(req.lengths) * itemsize
+                length = math.prod(req.lengths) * md.properties.dtype.itemsize
                 reads.reads.append(Read(loc.file, -1, length, "rows"))  # -1: a mapped file's pages
-            pieces.add((loc.file, req.storage_index.fqn))
+            pieces.add(req.storage_index)
             reads.hold(length)
         reads.items_needed = reads.items_read = len(pieces)
         out.append(reads)
         if on_rank is not None:
             on_rank()
     return out
+
+
+def _rows(req, size: list[int], itemsize: int, loc) -> tuple[int, int]:
+    """(offset in the tensor's data, length) of the rows a safetensors read item reads."""
+    if not size:
+        return 0, loc.end - loc.begin
+    row = math.prod(size[1:]) * itemsize
+    return req.storage_offsets[0] * row, req.lengths[0] * row
+
+
+def foreign_bytes(plans: Sequence[LoadPlan], metadata: Any) -> tuple[int, int]:
+    """(bytes some rank reads, each once; the stored tensor pieces' bytes) of a foreign source:
+    safetensors by the union of the byte ranges read in each file, mapped files (torch.save,
+    v0) by the union of the elements read of each stored piece."""
+    sdm, storage_data = metadata.state_dict_metadata, metadata.storage_data
+    ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    boxes: dict[Any, list] = defaultdict(list)
+    for plan in plans:
+        for req in plan.items:
+            if req.type == LoadItemType.BYTE_IO:
+                continue
+            loc = storage_data[req.storage_index]
+            md = sdm[req.storage_index.fqn]
+            if getattr(loc, "begin", None) is not None:
+                first, length = _rows(req, list(md.size), md.properties.dtype.itemsize, loc)
+                if length:
+                    ranges[loc.file].append((loc.begin + first, loc.begin + first + length))
+            else:
+                boxes[req.storage_index].append((tuple(req.storage_offsets), tuple(req.lengths)))
+    needed = sum(b - a for spans in ranges.values() for a, b in _coalesce_ranges(spans))
+    for index, found in boxes.items():
+        needed += _union_volume(found) * sdm[index.fqn].properties.dtype.itemsize
+    stored = 0
+    for index, loc in storage_data.items():
+        md = sdm[index.fqn]
+        if getattr(loc, "begin", None) is not None:
+            stored += loc.end - loc.begin
+        elif hasattr(md, "chunks"):
+            sizes = [c.sizes for c in md.chunks if tuple(c.offsets) == tuple(index.offset or ())]
+            stored += math.prod(sizes[0]) * md.properties.dtype.itemsize if sizes else 0
+    return needed, stored
+
+
+def _union_volume(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> int:
+    """The elements covered by boxes (offsets, lengths), each once (a grid of their edges)."""
+    boxes = [(o, n) for o, n in boxes if all(n)]
+    if not boxes:
+        return 0
+    edges = [sorted({o[d] for o, _ in boxes} | {o[d] + n[d] for o, n in boxes}) for d in range(len(boxes[0][0]))]
+    covered = np.zeros([len(e) - 1 for e in edges], dtype=bool)
+    for offsets, lengths in boxes:
+        where = tuple(slice(e.index(o), e.index(o + n)) for e, o, n in zip(edges, offsets, lengths))
+        covered[where] = True
+    widths = [np.diff(np.array(e, dtype=np.int64)) for e in edges]
+    if not widths:  # a 0-d tensor
+        return 1
+    cells = functools.reduce(np.multiply.outer, widths)
+    return int(cells[covered].sum())
 
 
 def requests(reads: Sequence[Read], read_chunk_size: int, max_concurrency: int) -> int:
@@ -365,4 +423,14 @@ def requests(reads: Sequence[Read], read_chunk_size: int, max_concurrency: int) 
     return total
 
 
-__all__ = ["ItemLayout", "Read", "RankReads", "Target", "ckpt_reads", "foreign_reads", "item_layout", "requests"]
+__all__ = [
+    "ItemLayout",
+    "Read",
+    "RankReads",
+    "Target",
+    "ckpt_reads",
+    "foreign_bytes",
+    "foreign_reads",
+    "item_layout",
+    "requests",
+]

@@ -42,6 +42,19 @@ def looks_like_torch_save(head: bytes) -> bool:
     return head.startswith(_ZIP_MAGIC) or head.startswith(_LEGACY_TORCH_MAGIC)
 
 
+def memory_mapped(root: Storage, name: str) -> bool:
+    """Whether `torch_load` memory-maps file `name` (a local zip-format torch.save file: a piece
+    of it costs just the pages copied), rather than reading it whole into memory."""
+    path = root.local_path(name)
+    if path is None or not os.path.isfile(path):  # never open a FIFO or a device
+        return False
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
+    except OSError:
+        return False
+
+
 def torch_load(root: Storage, name: str, *, trusted: bool, notes: list[str] | None = None) -> Any:
     """torch.load a file memory-mapped (local) or from its bytes (remote), weights_only unless trusted."""
     where = f"{root.uri}/{name}"
