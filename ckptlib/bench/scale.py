@@ -36,7 +36,7 @@ import json
 import multiprocessing
 import sys
 
-from ckptlib.bench import help_description
+from ckptlib.bench import counted, help_description
 from ckptlib.bench.scale_cell import measure_cell
 
 
@@ -149,7 +149,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
-    shapes = ", ".join(f"{m} {w} ranks" for w, m in markers.items())
+    shapes = ", ".join(f"{m} {counted(w, 'rank')}" for w, m in markers.items())
     fig.suptitle(f"ckpt bench scale: markers {shapes}; dotted: O(chunks) from the first point", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
