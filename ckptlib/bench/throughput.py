@@ -61,7 +61,6 @@ from typing import Any
 from ckptlib.bench import counted, help_description
 from ckptlib.bench.ceilings import measure as measure_ceilings
 from ckptlib.bench.cloud_sdk import run_cloud
-from ckptlib.bench.local_io import rank_io, rank_rss
 from ckptlib.bench.paired import load_average
 from ckptlib.bench.reshard_load import rank_reshard
 from ckptlib.bench.throughput_summary import ESTIMATORS, TARGETS, markdown, summarize
@@ -84,6 +83,7 @@ def _log(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ckptlib.bench.local_io import rank_io, rank_rss  # torch: not needed for --help
     from ckptlib.testing import launch
 
     cold = (not args.quick) and (not args.warm_only) and hasattr(os, "posix_fadvise")

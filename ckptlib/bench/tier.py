@@ -36,7 +36,6 @@ from typing import Any
 
 from ckptlib.bench import counted, help_description
 from ckptlib.bench.rank_ops import barrier, local_bytes, make_state, rank_world, same_values, settle, timed
-from ckptlib.manager.options import Cluster
 
 BLOCKING_TARGET = 1.1
 UPLOAD_TARGET = 0.9
@@ -79,6 +78,7 @@ def rank_tier(base: str, remote_base: str, size_mib: int, reps: int) -> dict[str
 
     import ckptlib
     from ckptlib.manager.cluster.remote_tier import RemoteTier
+    from ckptlib.manager.options import Cluster
     from ckptlib.storage import open_storage
 
     rank, world = rank_world()

@@ -52,8 +52,10 @@ def _env() -> dict[str, str]:
 def test_help_and_argument_errors_do_not_import_torch():
     commands = sorted(build_parser()._subparsers._group_actions[0].choices)
     assert {"inspect", "verify", "ls", "plan", "diff", "gc", "convert", "export", "unlock", "validate"} <= set(commands)
-    argvs = [["--help"], []] + [[c, "--help"] for c in commands if c != "bench"]
+    argvs = [["--help"], []] + [[c, "--help"] for c in commands]
+    argvs += [["bench", b, "--help"] for b in ("scale", "tier", "tensors", "async", "read-once")]
     argvs += [["inspect"], ["verify", "x", "--step", "seven"], ["gc"], ["no-such-command"], ["ls", "--bogus", "r"]]
+    argvs += [["bench", "--bogus"], ["bench", "scale", "--worlds", "many"]]
     run = subprocess.run(
         [sys.executable, "-c", PARSE_ONLY, str(REPO), json.dumps(argvs)],
         capture_output=True,
@@ -69,6 +71,7 @@ def test_help_and_argument_errors_do_not_import_torch():
     assert codes == {" ".join(a): 0 if "--help" in a else 2 for a in argvs}
     assert results["--help"]["first"] == "usage: ckpt [-h] COMMAND ..."
     assert results["inspect --help"]["first"].startswith("usage: ckpt inspect [-h]")
+    assert results["bench scale --help"]["first"].startswith("usage: ckpt bench scale [-h]")
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
