@@ -229,3 +229,17 @@ def test_inspect_lists_objects_one_per_line_and_all_of_them_in_json(tmp_path, ca
     assert max(len(line) for line in lines) < 100
     rc, out, _ = _ckpt(capsys, "inspect", "--json", tmp_path / "c")
     assert rc == 0 and json.loads(out)["objects"] == sorted(objects)
+
+
+def test_an_object_store_root(request, capsys):
+    pytest.importorskip("boto3")
+    root = request.getfixturevalue("s3_root")
+    mgr = CheckpointManager(root)
+    for step in (3, 5):
+        mgr.save(step, _state(step))
+    step5 = f"{root.rstrip('/')}/step_0000000005"
+    rc, out, err = _ckpt(capsys, "verify", root, "--no-progress")
+    assert (rc, err) == (0, "")
+    assert out == f"checkpoint root {root}: using step 5 (its latest), {step5}\n{step5}: OK\n"
+    rc, _, err = _ckpt(capsys, "inspect", root, "--step", "4")
+    assert rc == 2 and err == f"ckpt inspect: error: {root} has no committed step 4; committed steps: 3, 5\n"
