@@ -230,7 +230,8 @@ def markdown(results: dict[str, Any], s: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"{results['size_mib']} MiB, {counted(results['ranks'], 'rank')} on 2 nodes, remote {results['remote']}, "
-            f"{results['reps']} reps (medians); load average {results['machine']['load_average_at_start'][0]:.1f}",
+            f"{counted(results['reps'], 'rep')} (medians); load average "
+            f"{results['machine']['load_average_at_start'][0]:.1f}",
             "",
             "| measure | cluster tier | baseline | ratio | target |",
             "|---|---:|---:|---:|---|",
