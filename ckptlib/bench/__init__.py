@@ -19,7 +19,8 @@
   fresh spawns; needs a source checkout), `small_items` (per-item cost of small tensors),
   `s3_requests`, `storage_clients` (the cloud SDKs against obstore).
 
-Nothing here is imported by the library itself.
+Nothing here is imported by the library itself. `counted` words a count for the benchmarks'
+reports and for `ckpt`'s own lines.
 """
 
 
@@ -27,3 +28,8 @@ def help_description(doc: str) -> str:
     """A benchmark module's docstring as its `--help` description: every paragraph except the
     one that starts with "Run:" (argparse prints the usage itself)."""
     return "\n\n".join(p for p in doc.strip().split("\n\n") if not p.startswith("Run:"))
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`n` and the noun in the number it takes: "1 rank", "2 ranks", "1 process", "3 processes"."""
+    return f"{n} {noun if n == 1 else (plural or noun + 's')}"

@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Any
 
-from ckptlib.bench import help_description
+from ckptlib.bench import counted, help_description
 
 MODES = ("none", "thread", "process")
 TARGET_RATIO = 1.1  # process-mode step time <= 1.1x the step time without a save
@@ -168,8 +168,8 @@ def summarize(report: dict[str, Any]) -> list[dict[str, Any]]:
 def markdown(report: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     args = report["args"]
     lines = [
-        f"Step time while an async save of {args['mib']} MiB ({args['tensors']} tensors) runs; "
-        f"{args['reps']} repetitions, modes interleaved; loop: {args['ops']} x tanh((64, {args['width']}) @ "
+        f"Step time while an async save of {args['mib']} MiB ({counted(args['tensors'], 'tensor')}) runs; "
+        f"{counted(args['reps'], 'repetition')}, modes interleaved; loop: {args['ops']} x tanh((64, {args['width']}) @ "
         f"({args['width']}, {args['width']})), 1 thread.",
         "",
         "| mode | median step (ms) | x no save | p90 step (ms) | steps during save | blocked (ms) | save (s) |",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ckptlib.bench import counted
 from ckptlib.bench.paired import paired, shares, spread, starved, throughputs
 
 MiB = 1 << 20
@@ -249,12 +250,12 @@ def markdown_ceilings(ceil: dict[str, Any]) -> list[str]:
         )
 
     for row in ceil.get("disk", []):
-        setting = f"{row['size_mib']} MiB over {row['world']} process(es)"
+        setting = f"{row['size_mib']} MiB over {counted(row['world'], 'process', 'processes')}"
         line("disk: write + fsync", setting, row["write"], row["load"])
         line("disk: read, evicted", setting, row["read_cold"], row["load"])
         line("disk: read, page cache", setting, row["read_warm"], row["load"])
     for row in ceil.get("memcpy", []):
-        line("memory copy", f"{row['mib']} MiB, {row['threads']} thread(s)", row, row["load"])
+        line("memory copy", f"{row['mib']} MiB, {counted(row['threads'], 'thread')}", row, row["load"])
     for name, label in (("tcp", "loopback TCP"), ("gloo", "loopback gloo send/recv")):
         row = ceil.get(name)
         if row:

@@ -26,6 +26,7 @@ import socket
 import time
 from typing import Any
 
+from ckptlib.bench import counted
 from ckptlib.bench.paired import load_average, measured, sample, usage
 from ckptlib.bench.rank_ops import fsync_dir
 
@@ -319,7 +320,7 @@ def measure(args, launch, log) -> dict[str, Any]:
     directory = args.scratch
     for size in args.sizes:
         for ws in args.world_sizes:
-            log(f"ceiling: disk, {size} MiB over {ws} process(es)")
+            log(f"ceiling: disk, {size} MiB over {counted(ws, 'process', 'processes')}")
             try:
                 out["disk"].append({"size_mib": size, "world": ws, **disk(directory, size * MiB, ws, args.reps)})
             except (OSError, RuntimeError) as exc:

@@ -16,6 +16,7 @@ import io
 import os
 from typing import Any, Callable
 
+from ckptlib.bench import counted
 from ckptlib.bench.rank_ops import make_state, rank_world, same_values, timed_use
 
 BACKENDS = ("s3", "gcs", "azure")
@@ -153,7 +154,7 @@ def run_cloud(args, launch, log) -> list[dict[str, Any]]:
             with _server(backend) as (env, make, remove):
                 for size in args.cloud_sizes:
                     for ws in [w for w in args.world_sizes if w <= 2]:
-                        log(f"{backend}: {size} MiB at {ws} ranks")
+                        log(f"{backend}: {size} MiB at {counted(ws, 'rank')}")
                         container = make()
                         try:
                             out = launch(ws, rank_cloud, backend, env, container, size, args.reps, timeout=args.timeout)

@@ -9,7 +9,6 @@ import resource
 import time
 from typing import Any
 
-from ckptlib.bench import crc_meter
 from ckptlib.bench.rank_ops import (
     barrier,
     evict,
@@ -40,6 +39,7 @@ def rank_io(root: str, size_mib: int, reps: int, cold: bool, keep: str, do_async
     import torch.distributed.checkpoint as dcp
 
     import ckptlib
+    from ckptlib.bench import crc_meter
 
     rank, world = rank_world()
     state = make_state(size_mib)

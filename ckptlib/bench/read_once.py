@@ -35,7 +35,7 @@ import tempfile
 import time
 from typing import Any
 
-from ckptlib.bench import help_description
+from ckptlib.bench import counted, help_description
 from ckptlib.bench.rank_ops import MiB, barrier, rank_world, timed, warm
 
 TENSORS = 16
@@ -136,7 +136,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for layout in args.layouts:
             uri = f"{args.root.rstrip('/')}/{layout}-w{args.world}"
-            print(f"[bench read-once {time.strftime('%H:%M:%S')}] {layout} at {args.world} ranks", file=sys.stderr)
+            print(
+                f"[bench read-once {time.strftime('%H:%M:%S')}] {layout} at {counted(args.world, 'rank')}",
+                file=sys.stderr,
+            )
             out = launch(args.world, rank_read_once, uri, layout, args.size_mib, args.reps, local, timeout=args.timeout)
             row: dict[str, Any] = {"layout": layout, "world": args.world, "ok": all(r["ok"] for r in out)}
             for method in METHODS:

@@ -36,11 +36,12 @@ import json
 import multiprocessing
 import sys
 
-from ckptlib.bench import help_description
-from ckptlib.bench.scale_cell import measure_cell
+from ckptlib.bench import counted, help_description
 
 
 def _child(conn, world: int, tensors: int, dcp_max_chunks: int) -> None:
+    from ckptlib.bench.scale_cell import measure_cell  # torch: not needed for --help
+
     try:
         conn.send(measure_cell(world, tensors, dcp_max_chunks))
     except BaseException as exc:  # reported in the row, the grid goes on
@@ -149,7 +150,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
-    shapes = ", ".join(f"{m} {w} ranks" for w, m in markers.items())
+    shapes = ", ".join(f"{m} {counted(w, 'rank')}" for w, m in markers.items())
     fig.suptitle(f"ckpt bench scale: markers {shapes}; dotted: O(chunks) from the first point", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -186,15 +187,31 @@ def markdown(rows: list[dict]) -> list[str]:
     return out
 
 
+def _counts(text: str) -> list[int]:
+    """A comma-separated list of positive integers (`--worlds`, `--tensors`)."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ckpt bench scale",
         description=help_description(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--worlds", default="8,64,512,4096", help="comma-separated world sizes (default 8,64,512,4096)")
     parser.add_argument(
-        "--tensors", default="1000,10000,100000", help="comma-separated tensor counts (default 1000,10000,100000)"
+        "--worlds", type=_counts, default="8,64,512,4096", help="comma-separated world sizes (default 8,64,512,4096)"
+    )
+    parser.add_argument(
+        "--tensors",
+        type=_counts,
+        default="1000,10000,100000",
+        help="comma-separated tensor counts (default 1000,10000,100000)",
     )
     parser.add_argument(
         "--max-chunks", type=int, default=2_000_000, help="skip cells with more chunks (world x tensors)"
@@ -215,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="OUT.png", help="write the curves as a PNG (needs matplotlib)")
     parser.add_argument("--markdown", metavar="OUT.md", help="write the grid as a markdown table")
     args = parser.parse_args(argv)
-    worlds = [int(w) for w in args.worlds.split(",")]
+    worlds = args.worlds
     rows: list[dict] = []
 
     def emit(row: dict) -> None:
@@ -227,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = [json.loads(line) for line in f if line.strip()]
     else:
         for world in worlds:
-            for tensors in (int(t) for t in args.tensors.split(",")):
+            for tensors in args.tensors:
                 if world * tensors > args.max_chunks:
                     emit({"world": world, "tensors": tensors, "skipped": f"{world * tensors:,} chunks > --max-chunks"})
                 else:

@@ -34,7 +34,7 @@ import tempfile
 import time
 from typing import Any
 
-from ckptlib.bench import help_description
+from ckptlib.bench import counted, help_description
 from ckptlib.bench.rank_ops import barrier, rank_world, remove_tree, settle, timed, warm
 
 HIDDEN = 80
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for tensors in args.tensors:
             for world in args.world_sizes:
-                _log(f"{tensors} tensors at {world} ranks")
+                _log(f"{counted(tensors, 'tensor')} at {counted(world, 'rank')}")
                 out = launch(
                     world,
                     rank_tensors,

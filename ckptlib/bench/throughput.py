@@ -58,10 +58,9 @@ import tempfile
 import time
 from typing import Any
 
-from ckptlib.bench import help_description
+from ckptlib.bench import counted, help_description
 from ckptlib.bench.ceilings import measure as measure_ceilings
 from ckptlib.bench.cloud_sdk import run_cloud
-from ckptlib.bench.local_io import rank_io, rank_rss
 from ckptlib.bench.paired import load_average
 from ckptlib.bench.reshard_load import rank_reshard
 from ckptlib.bench.throughput_summary import ESTIMATORS, TARGETS, markdown, summarize
@@ -84,6 +83,7 @@ def _log(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ckptlib.bench.local_io import rank_io, rank_rss  # torch: not needed for --help
     from ckptlib.testing import launch
 
     cold = (not args.quick) and (not args.warm_only) and hasattr(os, "posix_fadvise")
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             kept: dict[int, str] = {}
             for ws in args.world_sizes:
                 keep = f"{root}/keep-{size}-w{ws}"
-                _log(f"io: {size} MiB at {ws} ranks")
+                _log(f"io: {size} MiB at {counted(ws, 'rank')}")
                 out = launch(
                     ws,
                     rank_io,
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 results["io"].append(entry)
             if not args.no_reshard and len(args.world_sizes) > 1:
                 for m in args.world_sizes:
-                    _log(f"reshard: {size} MiB into {m} ranks")
+                    _log(f"reshard: {size} MiB into {counted(m, 'rank')}")
                     modes = [True] if args.quick else [True, False]
                     out = launch(m, rank_reshard, kept, size, args.reps, modes, timeout=args.timeout)
                     usage = _per_rank(out, "usage")
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             )
             if not args.no_rss:
                 for ws in args.world_sizes:
-                    _log(f"rss: {size} MiB at {ws} ranks")
+                    _log(f"rss: {size} MiB at {counted(ws, 'rank')}")
                     dcp_path = f"{root}/rss-dcp-{size}-w{ws}"
                     ck_path = f"{root}/rss-ck-{size}-w{ws}"
                     row: dict[str, Any] = {"size_mib": size, "world": ws}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from ckptlib.bench import counted
 from ckptlib.bench.ceiling_summary import against_ceilings, markdown_against, markdown_ceilings, summarize_ceilings
 from ckptlib.bench.cloud_sdk import markdown_cloud, summarize_cloud
 from ckptlib.bench.paired import paired
@@ -43,6 +44,16 @@ ESTIMATORS = {"median": lambda values: _median(values), "best": _best}
 
 def _tp(size_mib: int, seconds: float) -> float:
     return size_mib / seconds if seconds and seconds == seconds else float("nan")
+
+
+def verify_share(verify_s: float | None, noverify_s: float | None) -> tuple[float, float]:
+    """(the share of a verified load's time that verifying adds, as measured): the measured
+    (verify - no verify) / verify, clamped to 0 when noise made the verified load the faster one
+    (a share cannot be negative; the table marks such a figure)."""
+    if not verify_s or not noverify_s:
+        return float("nan"), float("nan")
+    measured = (verify_s - noverify_s) / verify_s
+    return max(0.0, measured), measured
 
 
 def summarize(results: dict[str, Any], estimator: str = "median") -> dict[str, Any]:
@@ -96,12 +107,14 @@ def summarize(results: dict[str, Any], estimator: str = "median") -> dict[str, A
         row["vs_dcp"] = row["ckptlib"] / row["dcp"]
         row["vs_raw"] = row["ckptlib"] / row["raw"]
         summary["save"].append(row)
-        verdict["save_vs_dcp"].append((row["vs_dcp"], f"{size} MiB, {ws} ranks"))
+        verdict["save_vs_dcp"].append((row["vs_dcp"], f"{size} MiB, {counted(ws, 'rank')}"))
         fig = paired_save.get((size, ws))
         # the median of per-repetition ratios where the run has them (older JSON: ratio of medians)
-        verdict["save_vs_raw"].append((fig["paired"]["median"] if fig else row["vs_raw"], f"{size} MiB, {ws} ranks"))
+        verdict["save_vs_raw"].append(
+            (fig["paired"]["median"] if fig else row["vs_raw"], f"{size} MiB, {counted(ws, 'rank')}")
+        )
         if fig and fig["checksum_share"]["n"]:
-            verdict["save_checksum"].append((fig["checksum_share"]["median"], f"{size} MiB, {ws} ranks"))
+            verdict["save_checksum"].append((fig["checksum_share"]["median"], f"{size} MiB, {counted(ws, 'rank')}"))
         lrow = {"size_mib": size, "world": ws}
         for key in (
             "ckptlib_verify_warm",
@@ -114,14 +127,14 @@ def summarize(results: dict[str, Any], estimator: str = "median") -> dict[str, A
             "torch_cold",
         ):
             lrow[key] = _tp(size, t.get(f"load_{key}", float("nan")))
-        v, nv = t.get("load_ckptlib_verify_warm"), t.get("load_ckptlib_noverify_warm")
-        lrow["checksum_share"] = (v - nv) / v if v and nv else float("nan")
-        v, nv = t.get("load_ckptlib_verify_cold"), t.get("load_ckptlib_noverify_cold")
-        lrow["checksum_share_cold"] = (v - nv) / v if v and nv else float("nan")
+        for suffix, mode in (("", "warm"), ("_cold", "cold")):
+            share, measured = verify_share(t.get(f"load_ckptlib_verify_{mode}"), t.get(f"load_ckptlib_noverify_{mode}"))
+            lrow[f"checksum_share{suffix}"] = share
+            lrow[f"checksum_share{suffix}_measured"] = measured
         if lrow["checksum_share_cold"] == lrow["checksum_share_cold"]:
-            verdict["checksum_cold"].append((lrow["checksum_share_cold"], f"{size} MiB, {ws} ranks"))
+            verdict["checksum_cold"].append((lrow["checksum_share_cold"], f"{size} MiB, {counted(ws, 'rank')}"))
         summary["load"].append(lrow)
-        verdict["checksum"].append((lrow["checksum_share"], f"{size} MiB, {ws} ranks"))
+        verdict["checksum"].append((lrow["checksum_share"], f"{size} MiB, {counted(ws, 'rank')}"))
         if "save_async_total" in t:
             sync = t["save_ckptlib"]
             first = _median(e["async_blocking"].get("first", []))
@@ -144,9 +157,9 @@ def summarize(results: dict[str, Any], estimator: str = "median") -> dict[str, A
             summary["async"].append(arow)
             if size >= 256:
                 use = arow["steady_ratio"] if arow["steady_ratio"] == arow["steady_ratio"] else arow["first_ratio"]
-                verdict["async_block"].append((use, f"{size} MiB, {ws} ranks (steady state)"))
+                verdict["async_block"].append((use, f"{size} MiB, {counted(ws, 'rank')} (steady state)"))
                 if bg_block == bg_block:
-                    verdict["async_block_bg"].append((arow["bg_ratio"], f"{size} MiB, {ws} ranks"))
+                    verdict["async_block_bg"].append((arow["bg_ratio"], f"{size} MiB, {counted(ws, 'rank')}"))
     same = {
         (r["size_mib"], r["loaded"], r["verify"]): _median(r["times"])
         for r in results["reshard"]
@@ -194,11 +207,11 @@ def summarize(results: dict[str, Any], estimator: str = "median") -> dict[str, A
             row[f"{op}_over_base"] = (r[op] - r[f"{op}_baseline"]) / MiB
             row[f"{op}_extra"] = r.get(f"{op}_extra", float("nan")) / MiB
         summary["rss"].append(row)
-        verdict["rss"].append((row["load_ckptlib_mib"] / limit, f"{r['size_mib']} MiB, {r['world']} ranks"))
+        verdict["rss"].append((row["load_ckptlib_mib"] / limit, f"{r['size_mib']} MiB, {counted(r['world'], 'rank')}"))
     summary["cloud"] = summarize_cloud(_cloud_rows(results), _median)
     for r in summary["cloud"]:
         if "skipped" not in r:
-            where = f"{r['backend']} {r['size_mib']} MiB, {r['world']} ranks"
+            where = f"{r['backend']} {r['size_mib']} MiB, {counted(r['world'], 'rank')}"
             verdict["cloud_save"].append((r["save_ratio"], where))
             verdict["cloud_load"].append((r["load_ratio"], where))
     limits = {
@@ -238,6 +251,17 @@ def _f(x: float, digits: int = 0) -> str:
     return "–" if x is None or x != x else f"{x:.{digits}f}"
 
 
+def _share(row: dict[str, Any], suffix: str, clamped: list[str]) -> str:
+    """A load row's checksum share as a percentage, marked * (and its measured value kept in
+    `clamped`, as how much longer the unverified load took) when it was clamped to 0."""
+    share = row[f"checksum_share{suffix}"]
+    measured = row.get(f"checksum_share{suffix}_measured", share)
+    if measured == measured and measured < 0:
+        clamped.append(f"{row['size_mib']} MiB at {counted(row['world'], 'rank')}: {-100 * measured:.1f}% longer")
+        return f"{_f(100 * share, 1)}%\\*"
+    return f"{_f(100 * share, 1)}%"
+
+
 def markdown(results: dict[str, Any], summary: dict[str, Any], estimator: str = "median") -> str:
     out = []
     out.append(f"Command: `{results['command']}`  ")
@@ -247,7 +271,7 @@ def markdown(results: dict[str, Any], summary: dict[str, Any], estimator: str = 
     how = "medians" if estimator == "median" else "best (fastest) repetition of each"
     out.append(
         f"Machine: {m['cpus']} CPUs, Python {m['python']}, torch {m.get('torch')}, CRC-32 via `{m.get('crc32')}`; "
-        f"{results['reps']} repetitions, {how}; "
+        f"{counted(results['reps'], 'repetition')}, {how}; "
         f"loads {'warm and cold' if results['cold_loads'] else 'from the page cache'}."
     )
     load = results.get("load_average") or {}
@@ -275,17 +299,24 @@ def markdown(results: dict[str, Any], summary: dict[str, Any], estimator: str = 
         sep += "---:|---:|---:|---:|---:|"
     out.append(head)
     out.append(sep)
+    clamped = []
     for r in summary["load"]:
         line = (
             f"| {r['size_mib']} | {r['world']} | {_f(r['ckptlib_verify_warm'])} | {_f(r['ckptlib_noverify_warm'])} | "
-            f"{_f(r['dcp_warm'])} | {_f(r['torch_warm'])} | {_f(100 * r['checksum_share'], 1)}% |"
+            f"{_f(r['dcp_warm'])} | {_f(r['torch_warm'])} | {_share(r, '', clamped)} |"
         )
         if cold:
             line += (
                 f" {_f(r['ckptlib_verify_cold'])} | {_f(r['ckptlib_noverify_cold'])} | {_f(r['dcp_cold'])} | "
-                f"{_f(r['torch_cold'])} | {_f(100 * r['checksum_share_cold'], 1)}% |"
+                f"{_f(r['torch_cold'])} | {_share(r, '_cold', clamped)} |"
             )
         out.append(line)
+    if clamped:
+        out.append("")
+        out.append(
+            "\\* Noise on a shared machine: the load with verify=False took longer than the one with "
+            f"verify=True ({', '.join(clamped)}), so verifying's share is shown as 0% (clamped, not measured)."
+        )
     if summary["reshard"]:
         out.append("")
         out.append("### Resharded load (warm): saved at N, loaded at M, against the same state saved at M")
@@ -361,7 +392,10 @@ def markdown(results: dict[str, Any], summary: dict[str, Any], estimator: str = 
     bad = [e for e in results["io"] if not e["ok"]] + [r for r in _cloud_rows(results) if not r.get("ok", True)]
     if bad:
         out.append("")
-        out.append(f"**Round-trip check failed** in {len(bad)} configuration(s): loaded values differ from saved ones.")
+        out.append(
+            f"**Round-trip check failed** in {counted(len(bad), 'configuration')}: loaded values differ from "
+            "saved ones."
+        )
     for note in results["notes"]:
         out.append(f"\nNote: {note}.")
     return "\n".join(out)

@@ -34,9 +34,8 @@ import tempfile
 import time
 from typing import Any
 
-from ckptlib.bench import help_description
+from ckptlib.bench import counted, help_description
 from ckptlib.bench.rank_ops import barrier, local_bytes, make_state, rank_world, same_values, settle, timed
-from ckptlib.manager.options import Cluster
 
 BLOCKING_TARGET = 1.1
 UPLOAD_TARGET = 0.9
@@ -79,6 +78,7 @@ def rank_tier(base: str, remote_base: str, size_mib: int, reps: int) -> dict[str
 
     import ckptlib
     from ckptlib.manager.cluster.remote_tier import RemoteTier
+    from ckptlib.manager.options import Cluster
     from ckptlib.storage import open_storage
 
     rank, world = rank_world()
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 remote_base = f"s3://{create_bucket(endpoint, 'bench')}/tier"
             else:
                 env, remote_base = {}, f"{base}/remote"
-            _log(f"{args.size_mib} MiB at {args.ranks} ranks on 2 nodes, remote {args.remote}")
+            _log(f"{args.size_mib} MiB at {counted(args.ranks, 'rank')} on 2 nodes, remote {args.remote}")
             out = launch(
                 args.ranks,
                 rank_tier,
@@ -229,8 +229,9 @@ def markdown(results: dict[str, Any], s: dict[str, Any]) -> str:
 
     return "\n".join(
         [
-            f"{results['size_mib']} MiB, {results['ranks']} ranks on 2 nodes, remote {results['remote']}, "
-            f"{results['reps']} reps (medians); load average {results['machine']['load_average_at_start'][0]:.1f}",
+            f"{results['size_mib']} MiB, {counted(results['ranks'], 'rank')} on 2 nodes, remote {results['remote']}, "
+            f"{counted(results['reps'], 'rep')} (medians); load average "
+            f"{results['machine']['load_average_at_start'][0]:.1f}",
             "",
             "| measure | cluster tier | baseline | ratio | target |",
             "|---|---:|---:|---:|---|",

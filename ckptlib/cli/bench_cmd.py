@@ -95,7 +95,9 @@ def report_stdout() -> Iterator[None]:
     try:
         yield
     finally:
-        sys.stdout.flush()
-        sys.stdout = previous
-        os.dup2(saved, 1)
-        os.close(saved)
+        try:
+            sys.stdout.flush()  # BrokenPipeError when the report's reader went away: fd 1 is restored first
+        finally:
+            sys.stdout = previous
+            os.dup2(saved, 1)
+            os.close(saved)

@@ -7,6 +7,8 @@ import argparse
 import json
 import os
 
+from ckptlib.bench import counted
+from ckptlib.cli.roots import add_step, resolve_arg, step_number
 from ckptlib.cli.usage import (
     EXIT_OK,
     TRUSTED_HELP,
@@ -34,11 +36,12 @@ model*.safetensors files and index, not a config or tokenizer beside them) and r
 anything else. A checkpoint is never converted onto itself.
 
 Prints one line with the tensors, objects, bytes and seconds, then notes about the source and
-what was skipped.
+what was skipped. SRC may be a checkpoint root (a CheckpointManager's directory): its latest
+step is converted, or --step N, and the first line says which.
 
 Exit status: 0 converted; 1 DST already holds a checkpoint (without --force), the source is
-damaged or holds nothing to convert, a storage error; 2 no checkpoint at SRC, or DST holds
-files ckptlib may not replace.
+damaged or holds nothing to convert, a storage error; 2 no checkpoint at SRC (a root without
+committed steps, or without --step N), or DST holds files ckptlib may not replace.
 """
 
 EXPORT_DESCRIPTION = """
@@ -72,7 +75,7 @@ absolute path: the directory can be published as is). SRC may be a path or an s3
 or az:// URI; DST is local. Peak memory is about the largest tensor plus a few tens of MiB.
 
 Prints one line with the step, tensors, bytes, files, seconds and MiB/s, then the tensors and
-values not exported.
+values not exported; from a root, first the line that says which step it read.
 
 Exit status: 0 exported; 1 DST exists (without --force) or is not an export ckptlib wrote, the
 source is damaged, a storage error; 2 no checkpoint at SRC (or no such --step), a bad --dtype
@@ -87,7 +90,11 @@ def add_parsers(commands) -> None:
         help="convert any readable checkpoint to ckptlib/DCP, one torch.save file, or safetensors",
         description=CONVERT_DESCRIPTION,
     )
-    p.add_argument("src", help="the checkpoint to convert: a path, file://, s3://, gs:// or az:// URI")
+    p.add_argument(
+        "src",
+        help="the checkpoint to convert: a path, file://, s3://, gs:// or az:// URI, or a checkpoint root (its "
+        "latest step, or --step)",
+    )
     p.add_argument(
         "dst",
         help="where to write it: a directory or URI (--to dcp), a file (--to torch), a directory or a "
@@ -102,6 +109,7 @@ def add_parsers(commands) -> None:
         "tensors --to safetensors writes (default model)",
     )
     p.add_argument("--trusted", action="store_true", help=TRUSTED_HELP)
+    add_step(p)
     add_preset(p)
     add_no_progress(p)
     p.set_defaults(func=run_convert)
@@ -136,7 +144,12 @@ def add_parsers(commands) -> None:
     p.add_argument("--hf-config", default=None, metavar="PATH|DIR", help="copy this config.json (or a model dir's) in")
     p.add_argument("--copy-from", default=None, metavar="DIR", help="copy DIR's side files (tokenizer, README...) in")
     p.add_argument(
-        "--step", type=int, default=None, help="with a CheckpointManager root (or --preset's save folder): this step"
+        "--step",
+        type=step_number,
+        default=None,
+        metavar="N",
+        help="with a checkpoint root (a CheckpointManager's directory, or --preset's save folder): this step, not "
+        "its latest",
     )
     p.add_argument("--force", action="store_true", help="replace an export ckptlib wrote earlier at DST")
     p.add_argument("--trusted", action="store_true", help=TRUSTED_HELP)
@@ -185,9 +198,17 @@ def run_convert(args: argparse.Namespace) -> int:
     from ckptlib.offline.convert import convert
 
     preset = preset_of(args)
-    detect_format(args.src if preset is None else preset.resolve(open_uri(args.src)))  # missing: exit 2
+    if preset is None:
+        src = resolve_arg(args, args.src).uri
+    elif args.step is not None:
+        raise UsageError(
+            f"--step {args.step}: with --preset, SRC is that tool's save folder and its newest checkpoint is read"
+        )
+    else:
+        src = args.src
+    detect_format(src if preset is None else preset.resolve(open_uri(src)))  # missing: exit 2
     result = convert(
-        args.src,
+        src,
         args.dst,
         to=args.to,
         force=args.force,
@@ -198,7 +219,8 @@ def run_convert(args: argparse.Namespace) -> int:
     )
     print(
         f"converted {result.src} ({result.src_format}) -> {result.dst} ({result.to}): "
-        f"{result.tensors} tensors, {result.objects} objects, {result.tensor_bytes} bytes in {result.seconds:.2f}s"
+        f"{counted(result.tensors, 'tensor')}, {counted(result.objects, 'object')}, "
+        f"{counted(result.tensor_bytes, 'byte')} in {result.seconds:.2f}s"
     )
     for note in result.notes:
         print(f"note: {note}")
@@ -216,8 +238,10 @@ def run_export(args: argparse.Namespace) -> int:
         shard = parse_size(args.max_shard_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    preset = preset_of(args)
+    src, step = (resolve_arg(args, args.src).uri, None) if preset is None else (args.src, args.step)
     result = export(
-        args.src,
+        src,
         args.dst,
         format=args.format,
         dtype=dtype,
@@ -225,19 +249,19 @@ def run_export(args: argparse.Namespace) -> int:
         model_only=args.model_only,
         prefix=args.prefix,
         key_map=parse_key_map(args.key_map),
-        step=args.step,
+        step=step,
         force=args.force,
         progress=show_progress(args),
         trusted=args.trusted,
         hf_config=args.hf_config,
         copy_from=args.copy_from,
-        preset=preset_of(args),
+        preset=preset,
     )
     rate = result.mib_per_s
     print(
         f"exported {result.src} ({result.src_format}, step {'-' if result.step is None else result.step}) -> "
-        f"{result.dst} ({result.format}{', ' + result.dtype if result.dtype else ''}): {result.tensors} tensors, "
-        f"{result.bytes} bytes in {len(result.files)} file{'s' if len(result.files) != 1 else ''}, "
+        f"{result.dst} ({result.format}{', ' + result.dtype if result.dtype else ''}): "
+        f"{result.tensors} tensors, {counted(result.bytes, 'byte')} in {counted(len(result.files), 'file')}, "
         f"{result.seconds:.2f}s" + (f" ({rate:.1f} MiB/s)" if rate else "")
     )
     for name, kept in sorted(result.tied.items()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ckptlib.cli.roots import resolve_arg
 from ckptlib.cli.usage import EXIT_FAIL, EXIT_OK, EXIT_USAGE, TRUSTED_HELP, add_command, add_no_progress, progress_bar
 
 DESCRIPTION = """
@@ -50,8 +51,10 @@ def add_parser(commands) -> None:
         help="compare two checkpoints tensor by tensor (any formats, any world sizes); exit 1 when they differ",
         description=DESCRIPTION,
     )
-    p.add_argument("a", metavar="A", help="a checkpoint: path, file://, s3://, gs:// or az:// URI, or a file")
-    p.add_argument("b", metavar="B", help="the checkpoint to compare it with")
+    p.add_argument(
+        "a", metavar="A", help="a checkpoint (or a manager root: its latest step): path, file://, s3://, gs://, az://"
+    )
+    p.add_argument("b", metavar="B", help="the checkpoint (or manager root) to compare it with")
     p.add_argument("--atol", type=_tolerance, default=0.0, help="absolute tolerance (default 0)")
     p.add_argument("--rtol", type=_tolerance, default=0.0, help="relative tolerance, times max(|a|, |b|) (default 0)")
     p.add_argument(
@@ -125,6 +128,7 @@ def render(report, show: int = 20) -> str:
 def run(args: argparse.Namespace) -> int:
     from ckptlib.offline.diff import diff_checkpoints
 
+    args.a, args.b = resolve_arg(args, args.a).uri, resolve_arg(args, args.b).uri
     with progress_bar(args, "ckpt diff") as bar:
 
         def on_start(total: int) -> None:

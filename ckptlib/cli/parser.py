@@ -16,14 +16,16 @@ EPILOG = """
 A URI is a local path, file:///path, s3://bucket/prefix, gs://bucket/prefix or
 az://container/prefix (the clouds need ckptlib[s3], ckptlib[gcs] or ckptlib[azure]). A
 checkpoint is one saved directory; a checkpoint root is a CheckpointManager's directory of
-step directories.
+step directories. Every command that takes a checkpoint also takes a root: it reads the step
+the root's latest pointer names, or --step N, and its first line says which.
 
 Exit status: 0 success; 1 a check failed (a failing validate pair, a damaged checkpoint, a root
 locked by another writer, a storage or I/O error, two checkpoints that differ, a load plan that
 does not fit); 2 a usage error or a path that is not what the command needs (no checkpoint
-there), and every error of `plan` and `diff`; 130 interrupted. Errors are one line on stderr
-("ckpt COMMAND: error: ..."), never a traceback (a --spec whose own code failed adds its
-traceback). `ckpt COMMAND --help` describes each command.
+there), and every error of `plan` and `diff`; 130 interrupted; 141 stdout closed before the
+output ended (a pipe into head: the output stops there, without a message). Errors are one
+line on stderr ("ckpt COMMAND: error: ..."), never a traceback (a --spec whose own code failed
+adds its traceback). `ckpt COMMAND --help` describes each command.
 """
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ckptlib.cli.roots import add_step, resolve_arg
 from ckptlib.cli.usage import (
     EXIT_FAIL,
     EXIT_OK,
@@ -78,7 +79,10 @@ def add_parser(commands) -> None:
         help="dry run of a resharded load at M ranks: each rank's reads, bytes, files, requests and peak memory",
         description=DESCRIPTION,
     )
-    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint: path, file://, s3://, gs:// or az:// URI")
+    p.add_argument(
+        "checkpoint", metavar="CKPT", help="a checkpoint or a manager root: path, file://, s3://, gs:// or az:// URI"
+    )
+    add_step(p)
     p.add_argument("--world-size", "-n", type=_positive, required=True, metavar="M", help="ranks of the load")
     p.add_argument(
         "--layout",
@@ -138,7 +142,7 @@ def render(report, ranges: bool = False) -> str:
     if report.step is not None:
         src.append(f"step {report.step}")
     if report.saved_world_size is not None:
-        src.append(f"saved by {report.saved_world_size} ranks")
+        src.append(f"saved by {report.saved_world_size} rank{'s' if report.saved_world_size != 1 else ''}")
     once = "read once" if report.read_once else "each rank reads for itself"
     lines = [
         f"ckpt plan: {report.uri} ({', '.join(src)}) -> {report.world_size} ranks as {report.layout}, "
@@ -179,6 +183,7 @@ def render(report, ranges: bool = False) -> str:
 def run(args: argparse.Namespace) -> int:
     from ckptlib.offline.plan_load import plan_load
 
+    args.checkpoint = resolve_arg(args, args.checkpoint).uri
     params = tp = None
     if args.spec:
         from ckptlib.testing.matrices.training_spec import SpecError

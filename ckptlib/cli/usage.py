@@ -10,8 +10,12 @@ import textwrap
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
+EXIT_BROKEN_PIPE = 141  # stdout's reader went away (`| head`), as a shell reports SIGPIPE
 
-CHECKPOINT_URI_HELP = "a checkpoint directory: path, file://, s3://, gs:// or az:// URI"
+CHECKPOINT_URI_HELP = (
+    "a checkpoint directory, or a checkpoint root (its latest step, or --step): path, file://, s3://, gs:// or "
+    "az:// URI"
+)
 ROOT_URI_HELP = "a checkpoint root: path, file://, s3://, gs:// or az:// URI"
 NO_PROGRESS_HELP = "no progress bar (there is none when stderr is not a terminal either)"
 TRUSTED_HELP = (

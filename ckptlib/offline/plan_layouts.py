@@ -185,7 +185,10 @@ def rank_plans(
     if layout not in LAYOUTS:
         raise PlanError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
     if not supports(layout, world):
-        raise PlanError(f"layout {layout} cannot run on {world} ranks (2-D layouts need an even world size from 4)")
+        raise PlanError(
+            f"layout {layout} cannot run on {world} rank{'s' if world != 1 else ''} "
+            "(2-D layouts need an even world size from 4)"
+        )
     if layout in ("tp", "fsdp2+tp") and tp_plan_dims is None:
         raise PlanError(f"layout {layout} needs the model's TP plan to know which dims it shards: pass --spec")
     if rank_state not in ("keep", "merge"):

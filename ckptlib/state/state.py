@@ -399,7 +399,8 @@ def _rank_local_entry(
         # One copy per saved rank: a state_dict() may hand out the same object twice.
         template[name] = {_rank_key(r): copy.deepcopy(current()) for r in range(saved)}
         note = (
-            f"state[{name!r}]: saved by {saved} ranks, loading on {world_size}; rank {rank} merges "
+            f"state[{name!r}]: saved by {saved} rank{'s' if saved != 1 else ''}, loading on {world_size}; "
+            f"rank {rank} merges "
             f"every saved rank's per-rank state ({type(value.policy).__name__})"
         )
         return (lambda: restore(merge([template[name][_rank_key(r)] for r in range(saved)], rank, world_size))), note
@@ -408,7 +409,8 @@ def _rank_local_entry(
     if saved != world_size:
         what = f"restores saved rank {source}'s" if source is not None else "starts fresh"
         note = (
-            f"state[{name!r}]: saved by {saved} ranks, loading on {world_size}; rank {rank} {what} "
+            f"state[{name!r}]: saved by {saved} rank{'s' if saved != 1 else ''}, loading on {world_size}; "
+            f"rank {rank} {what} "
             f"per-rank state ({type(value.policy).__name__})"
         )
     if source is None:

@@ -78,7 +78,8 @@ def test_inspect_ckptlib_checkpoint(tmp_path, capsys):
     rc, out, _ = _ckpt(capsys, "inspect", "--json", path)
     assert rc == 0
     doc = json.loads(out)
-    assert list(doc) == ["format", "step", "world_size", "torch_version", "total_bytes", "tensors"]
+    assert list(doc) == ["format", "step", "world_size", "torch_version", "total_bytes", "tensors", "objects", "root"]
+    assert (doc["objects"], doc["root"]) == (["epoch"], None)
     manifest = json.loads((path / "ckptlib.json").read_text())
     assert doc["format"] == "ckptlib" and doc["step"] == 12 and doc["world_size"] == 1
     assert doc["torch_version"] == torch.__version__
@@ -100,7 +101,7 @@ def test_inspect_ckptlib_checkpoint(tmp_path, capsys):
         f"total bytes:   {doc['total_bytes']}",
         "tensors:       3",
     ]
-    assert lines[-1] == "objects:       1 (epoch)"
+    assert lines[-2:] == ["objects:       1", "  epoch"]
     assert lines[9].split() == ["model.weight", "(3,", "5)", "float32", "1", "chunk"]
 
 

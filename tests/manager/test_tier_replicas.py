@@ -37,7 +37,7 @@ def test_the_partner_rule():
     assert [topo.replica_rank(r, 0) for r in (5, 6, 7)] == [0, 1, 2]
     assert topo.usable_replicas(2) == (2, None)
     usable, why = topo.usable_replicas(3)
-    assert usable == 2 and "replicas=3 needs more than 3 nodes" in why
+    assert usable == 2 and "replicas=3 needs at least 4 nodes with their own local root" in why
     assert topo.leader(1) == 3 and Topology(4, topo.nodes).is_leader is False
 
 

@@ -136,7 +136,7 @@ def inspect(where_: SourceFiles, uri: str, *, trusted: bool) -> SourceInfo:
             missing = f"{root.uri}/rank_{rank}.pt"
             file_size(root, f"rank_{rank}.pt")  # a directory or FIFO there: NotARegularFileError naming it
             raise CheckpointCorruptError(
-                f"{missing} is missing: this v0 checkpoint was written by {world} ranks "
+                f"{missing} is missing: this v0 checkpoint was written by {world} rank{'s' if world != 1 else ''} "
                 f"({found[first]} says world_size={world}) and rank {rank}'s file is not there",
                 path=missing,
             )

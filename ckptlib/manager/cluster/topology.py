@@ -76,7 +76,7 @@ class Topology:
             return replicas, None
         usable = len(self.nodes) - 1
         return usable, (
-            f"replicas={replicas} needs more than {replicas} nodes with their own local root; this job has "
+            f"replicas={replicas} needs at least {replicas + 1} nodes with their own local root; this job has "
             f"{len(self.nodes)} ({_describe(self.nodes)}): keeping {usable} replica{'s' if usable != 1 else ''}"
         )
 

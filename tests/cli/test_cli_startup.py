@@ -1,0 +1,111 @@
+"""`ckpt`'s help and argument errors come back without importing torch, and a reader that goes
+away early (`ckpt ... | head`) ends the command quietly with status 141, as SIGPIPE would.
+
+Before: every command imported torch first (~8 s on a loaded machine, `--help` included), and
+`ckpt inspect BIG | head -1` printed "error: [Errno 32] Broken pipe".
+
+The startup check installs a bare `ckptlib` package (its path only) before importing
+`ckptlib.cli`, so it covers the CLI's own modules: `ckptlib/__init__.py` itself imports the
+whole library (torch with it) and is not the CLI's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import ckptlib
+from ckptlib.cli.parser import build_parser
+
+REPO = Path(__file__).resolve().parents[2]
+
+PARSE_ONLY = r"""
+import contextlib, io, json, os, sys, types
+
+package = types.ModuleType("ckptlib")
+package.__path__ = [os.path.join(sys.argv[1], "ckptlib")]
+sys.modules["ckptlib"] = package
+from ckptlib.cli import main
+
+results = {}
+for argv in json.loads(sys.argv[2]):
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    results[" ".join(argv)] = {"code": code, "torch": "torch" in sys.modules, "first": sink.getvalue().split("\n")[0]}
+print(json.dumps(results))
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_help_and_argument_errors_do_not_import_torch():
+    commands = sorted(build_parser()._subparsers._group_actions[0].choices)
+    assert {"inspect", "verify", "ls", "plan", "diff", "gc", "convert", "export", "unlock", "validate"} <= set(commands)
+    argvs = [["--help"], []] + [[c, "--help"] for c in commands]
+    argvs += [["bench", b, "--help"] for b in ("scale", "tier", "tensors", "async", "read-once")]
+    argvs += [["inspect"], ["verify", "x", "--step", "seven"], ["gc"], ["no-such-command"], ["ls", "--bogus", "r"]]
+    argvs += [["bench", "--bogus"], ["bench", "scale", "--worlds", "many"]]
+    run = subprocess.run(
+        [sys.executable, "-c", PARSE_ONLY, str(REPO), json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=_env(),
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    results = json.loads(run.stdout)
+    assert {argv: r["torch"] for argv, r in results.items()} == {" ".join(a): False for a in argvs}
+    codes = {argv: r["code"] for argv, r in results.items()}
+    assert codes == {" ".join(a): 0 if "--help" in a else 2 for a in argvs}
+    assert results["--help"]["first"] == "usage: ckpt [-h] COMMAND ..."
+    assert results["inspect --help"]["first"].startswith("usage: ckpt inspect [-h]")
+    assert results["bench scale --help"]["first"].startswith("usage: ckpt bench scale [-h]")
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
+    """A real pipe: the reader takes one line and closes it while the command still writes
+    (its output is several times a pipe's buffer), as `ckpt inspect BIG | head -1` does."""
+    ckptlib.save(tmp_path / "big", {f"layers.{i}.attention.projection.weight": torch.zeros(1) for i in range(3000)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptlib.cli", "inspect", str(tmp_path / "big")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env=_env(),
+    )
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141
+    assert first == f"checkpoint:    {tmp_path / 'big'}\n".encode() and err == b""
+
+
+def test_a_pipe_closed_before_the_first_line(tmp_path):
+    mgr = ckptlib.CheckpointManager(tmp_path / "run")
+    mgr.save(1, {"w": torch.ones(2)})
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "ckptlib.cli", "ls", str(tmp_path / "run")],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            cwd=REPO,
+            env=_env(),
+            timeout=300,
+        )
+    finally:
+        os.close(write_end)
+    assert (run.returncode, run.stderr) == (141, b"")
