@@ -53,7 +53,13 @@ class Net(nn.Module):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--root", required=True, help="checkpoint root (a path every rank can reach, or s3://...)")
+    p.add_argument(
+        "--root",
+        required=True,
+        help="checkpoint root (every rank reaches it, or s3://...); with --replicas/--remote: this node's local root",
+    )
+    p.add_argument("--replicas", type=int, default=0, help="the cluster tier: copies of each node's files on peers")
+    p.add_argument("--remote", default=None, help="the cluster tier: the remote root every step is uploaded to")
     p.add_argument("--steps", type=int, default=20, help="train until this step (inclusive)")
     p.add_argument("--save-every", type=int, default=5, help="save a checkpoint every N steps (and at the end)")
     p.add_argument("--keep", type=int, default=2, help="keep the newest N checkpoints")
@@ -83,6 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="testing: os._exit(17) on every rank right after the checkpoint of this step",
     )
     p.add_argument("--step-delay", type=float, default=0.0, help="testing: sleep this long after each step")
+    p.add_argument("--pause-file", default=None, help="testing: while this file exists, wait before each step")
     return p.parse_args(argv)
 
 
@@ -186,22 +193,29 @@ def run(args) -> int:
     model, optim, wrap = build(args, rank, world)
     replica = Net()
     state = {"model": model, "optim": optim, "step": 0}
+    tiered = args.replicas or args.remote
     mgr = ckptlib.CheckpointManager(
         args.root,
         keep_last=args.keep,
         save_policy=ckptlib.EveryNSteps(args.save_every) | ckptlib.FinalStep(args.steps),
         preemption=True,
+        cluster=ckptlib.Cluster(replicas=args.replicas, remote=args.remote) if tiered else None,
     )
 
     resumed = mgr.load(state)  # None: nothing to resume, start from step 0
     start = state["step"]
     if rank == 0:
         how = f"resumed from step {resumed}" if resumed is not None else "fresh start"
+        if resumed is not None and tiered:
+            how += f" (bytes by source {json.dumps(mgr.last_load.bytes_by_source, sort_keys=True)})"
         print(f"train.py: {how}; {world} ranks, {wrap}, torch {torch.__version__}", flush=True)
     for step in range(start + 1, args.steps + 1):
+        while args.pause_file and os.path.exists(args.pause_file):
+            time.sleep(0.05)
         loss = train_step(model, optim, replica, step, args, rank, world)
         if rank == 0:
-            log_line(args.log, {"step": step, "loss": loss, "world_size": world, "wrap": wrap})
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's elastic agent
+            log_line(args.log, {"step": step, "loss": loss, "world_size": world, "wrap": wrap, "restart": restart})
         state["step"] = step
         saved = mgr.maybe_save(step, state, metrics={"loss": loss}, metadata={"world_size": world, "wrap": wrap})
         if saved and step == args.crash_at_step:  # every rank returned from the save: it is committed

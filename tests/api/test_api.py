@@ -419,3 +419,31 @@ def test_plain_values_load_into_any_mutable_mapping_and_not_into_a_read_only_one
         ckptlib.load(tmp_path / "c", frozen)
     assert str(caught.value) == "cannot store loaded value for 'epoch': the state mapping is read-only"
     assert frozen["epoch"] == 0
+
+
+def test_the_public_names_import_on_first_use_and_all_resolve():
+    """`import ckptlib` imports no torch (its errors are there at once); every name of
+    `__all__` resolves to the object its defining module holds, and `dir()` lists it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ckptlib\n"
+        "assert 'torch' not in sys.modules, 'import ckptlib imported torch'\n"
+        "assert issubclass(ckptlib.RemoteUnavailableError, ckptlib.StorageError)\n"
+        "assert 'torch' not in sys.modules\n"
+        "import importlib\n"
+        "for name in ckptlib.__all__:\n"
+        "    value = getattr(ckptlib, name)\n"
+        "    assert name in dir(ckptlib), name\n"
+        "    module = ckptlib._ON_USE.get(name)\n"
+        "    if module and name != 'dcp':\n"
+        "        assert getattr(importlib.import_module(module), name) is value, name\n"
+        "try:\n"
+        "    ckptlib.load_result\n"
+        "except AttributeError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "module 'ckptlib' has no attribute 'load_result'"

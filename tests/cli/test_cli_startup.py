@@ -4,9 +4,9 @@ away early (`ckpt ... | head`) ends the command quietly with status 141, as SIGP
 Before: every command imported torch first (~8 s on a loaded machine, `--help` included), and
 `ckpt inspect BIG | head -1` printed "error: [Errno 32] Broken pipe".
 
-The startup check installs a bare `ckptlib` package (its path only) before importing
-`ckptlib.cli`, so it covers the CLI's own modules: `ckptlib/__init__.py` itself imports the
-whole library (torch with it) and is not the CLI's.
+The startup check imports the real `ckptlib` package first, as the `ckpt` entry point does:
+its public names that need torch are imported on first use (ckptlib/__init__.py), its errors
+at once.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from ckptlib.cli.parser import build_parser
 REPO = Path(__file__).resolve().parents[2]
 
 PARSE_ONLY = r"""
-import contextlib, io, json, os, sys, types
+import contextlib, io, json, os, sys
 
-package = types.ModuleType("ckptlib")
-package.__path__ = [os.path.join(sys.argv[1], "ckptlib")]
-sys.modules["ckptlib"] = package
+sys.path.insert(0, sys.argv[1])
+import ckptlib
+assert ckptlib.CheckpointError.__module__ == "ckptlib.errors" and "torch" not in sys.modules
 from ckptlib.cli import main
 
 results = {}

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -65,14 +66,41 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def _elastic_flags(elastic: tuple[str, str], rdzv_conf: dict[str, str] | None, run_id: str) -> list[str]:
+    endpoint, nnodes = elastic
+    conf = ",".join(f"{k}={v}" for k, v in {"is_host": "false", **(rdzv_conf or {})}.items())
+    return [
+        f"--nnodes={nnodes}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-conf={conf}",
+        f"--rdzv-id={run_id}",
+    ]
+
+
+def worker_with_rank(nodes: Nodes, rank: int) -> int | None:
+    """The node whose worker has global RANK=`rank` now (from the workers' environments)."""
+    for node in range(len(nodes.procs)):
+        for pid in nodes.worker_pids(node):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            except OSError:
+                continue
+            if env.get(b"RANK") == str(rank).encode() and b"LOCAL_RANK" in env:
+                return node
+    return None
+
+
 class Nodes:
     """Launchers of one job, node k's output in `<logs>/node<k>.log` (stderr apart with
     `split_stderr`, in `node<k>.err`)."""
 
-    def __init__(self, logs: Path, procs: list[subprocess.Popen], split_stderr: bool):
+    def __init__(self, logs: Path, procs: list[subprocess.Popen], split_stderr: bool, elastic_args=None):
         self.logs = Path(logs)
         self.procs = procs
         self.split_stderr = split_stderr
+        self._elastic_args = elastic_args  # how a node joins this job (`join`), if elastic
 
     # ------------------------------------------------------------------ start
     @classmethod
@@ -86,6 +114,7 @@ class Nodes:
         env_by_node: dict[int, dict[str, str]] | None = None,
         split_stderr: bool = False,
         elastic: tuple[str, str] | None = None,
+        rdzv_conf: dict[str, str] | None = None,
         max_restarts: int = 0,
         launcher_args: Sequence[str] = (),
     ) -> Nodes:
@@ -95,10 +124,12 @@ class Nodes:
         Static rendezvous (default): node k is `--node-rank k` of `len(per_node)`, node 0 hosts
         the store on a fresh port; a port taken before node 0 bound it is retried on another.
         `elastic=(endpoint, nnodes)`: torchrun's c10d rendezvous on a store the caller hosts at
-        `endpoint` (`is_host=false` on every agent, as on a cluster with a stable endpoint),
-        `--nnodes nnodes` (e.g. "1:2"), `--max-restarts max_restarts`."""
+        `endpoint` (`is_host=false` on every agent, as on a cluster with a stable endpoint, plus
+        `rdzv_conf`), `--nnodes nnodes` (e.g. "1:2"), `--max-restarts max_restarts`; more
+        nodes can `join` the running job then."""
         logs = Path(logs)
         logs.mkdir(parents=True, exist_ok=True)
+        run_id = f"ckptlib-test-{uuid.uuid4().hex[:8]}"  # one job: its own rendezvous on a shared store
         for _attempt in range(3):
             port = free_port()
             procs = []
@@ -110,17 +141,30 @@ class Nodes:
                     cmd += [f"--nnodes={len(per_node)}", f"--node-rank={node}", "--rdzv-backend=static"]
                     cmd += [f"--rdzv-endpoint=127.0.0.1:{port}", "--master-addr=127.0.0.1"]
                 else:
-                    endpoint, nnodes = elastic
-                    cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"]
-                    cmd += ["--rdzv-conf=is_host=false", "--rdzv-id=ckptlib-test"]
+                    cmd += _elastic_flags(elastic, rdzv_conf, run_id)
                 args = target(node) if callable(target) else target
                 cmd += [f"--max-restarts={max_restarts}", *launcher_args, *args]
                 procs.append(cls._popen(cmd, node_env, logs, node, split_stderr))
-            nodes = cls(logs, procs, split_stderr)
+            elastic_args = None if elastic is None else (elastic, rdzv_conf, run_id, max_restarts, tuple(launcher_args))
+            nodes = cls(logs, procs, split_stderr, elastic_args)
             if elastic is not None or not nodes._port_taken():
                 return nodes
             nodes.kill_all()
         raise AssertionError(f"the rendezvous port was taken on 3 attempts:\n{nodes.tails()}")
+
+    def join(self, args: Sequence[str], nproc: int, env: dict[str, str] | None = None) -> int:
+        """Start one more node's launcher in this elastic job (a replacement host joining);
+        returns its node index here."""
+        assert self._elastic_args is not None, "only an elastic job can grow"
+        elastic, rdzv_conf, run_id, max_restarts, launcher_args = self._elastic_args
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+        cmd += _elastic_flags(elastic, rdzv_conf, run_id)
+        cmd += [f"--max-restarts={max_restarts}", *launcher_args, *args]
+        node = len(self.procs)
+        self.procs.append(
+            self._popen(cmd, env if env is not None else torchrun_env(), self.logs, node, self.split_stderr)
+        )
+        return node
 
     @staticmethod
     def _popen(cmd: list[str], env: dict[str, str], logs: Path, node: int, split: bool) -> subprocess.Popen:

@@ -29,9 +29,10 @@ WHITELIST = (
     "create_module",
     # torch.nn.Module.__call__ runs forward (testing/matrices/models.py, matrix.py)
     "forward",
-    # a module's __getattr__ (PEP 562: testing/__init__.py's lazy names and old paths, testing/plugin.py,
-    # testing/matrices/parallel_layouts.py)
+    # a module's __getattr__ and __dir__ (PEP 562: ckptlib/__init__.py's and testing/__init__.py's
+    # names imported on first use, testing/plugin.py, testing/matrices/parallel_layouts.py)
     "__getattr__",
+    "__dir__",
     # the parameter of __exit__(self, *exc_info) (manager.py)
     "exc_info",
     # pytest's hooks and a hook parameter its hookspec names (testing/harness/dist_plugin.py)

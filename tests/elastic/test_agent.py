@@ -1,0 +1,151 @@
+"""The path users launch: torchrun's elastic agent (c10d rendezvous on a standalone store, the
+stable endpoint a cluster has, `is_host=false` on every agent, `--nnodes 1:2`,
+`--max-restarts`), two simulated hosts of 2 ranks, each with its own node-local root,
+examples/train.py with FSDP2, `replicas=1` and a directory remote.
+
+- Lose the host that runs rank 0 (SIGKILL of its agent and every worker, its disk wiped): the
+  survivors' agent restarts its workers at world 2 by itself, they resume the newest committed
+  step reading 0 bytes from the remote, and train to the end.
+- A replacement host with an empty disk: the job relaunched on it and the survivor grows back
+  to world 4; the new host's ranks get their bytes from the peer holding them, not the remote.
+- Every step's loss, before and after each restart, equals an uninterrupted one-process run's
+  bit for bit. Judged by the loss log and the launchers' output, not by exit codes alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+
+import pytest
+import torch.distributed as dist
+from helpers.torchrun import REPO, Nodes, worker_with_rank
+
+pytestmark = [pytest.mark.elastic, pytest.mark.slow]
+
+TRAIN = str(REPO / "examples" / "train.py")
+STEPS = 14
+#: The rendezvous' knobs a cluster sets too: a round closes 2 s after enough nodes joined
+#: (default 30 s), and a lost agent's heartbeat is missed after 3 x 2 s.
+RDZV_CONF = {"last_call_timeout": "2", "join_timeout": "300", "keep_alive_interval": "2"}
+#: Bounds of the whole scenario (events are waited for; these only stop a hung job).
+RUN_TIMEOUT = 420.0
+
+
+def _args(root, remote, log, pause, steps: int = STEPS) -> list[str]:
+    args = [TRAIN, "--root", str(root), "--replicas", "1", "--remote", str(remote), "--steps", str(steps)]
+    args += ["--save-every", "1", "--keep", "3", "--loss-log", str(log), "--pause-file", str(pause)]
+    return [*args, "--step-delay", "0.2", "--wrap", "fsdp2"]
+
+
+def _records(log) -> list[dict]:
+    if not os.path.exists(log):
+        return []
+    with open(log, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _wait_for(what: str, predicate, nodes: Nodes, timeout: float = RUN_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}\n{nodes.tails()}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """An uninterrupted one-process run: step -> loss."""
+    import importlib.util
+
+    from ckptlib.testing import launch
+
+    tmp = tmp_path_factory.mktemp("agent-ref")
+    spec = importlib.util.spec_from_file_location("ckptlib_example_train", TRAIN)
+    log = tmp / "loss.jsonl"
+    argv = ["--root", str(tmp / "ckpt"), "--steps", str(STEPS), "--save-every", "5", "--log", str(log)]
+    launch(1, _run_example, spec.origin, argv, timeout=180)
+    losses = {rec["step"]: rec["loss"] for rec in _records(log)}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+def _run_example(path: str, argv: list[str]) -> int:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ckptlib_example_train", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+@pytest.fixture
+def endpoint():
+    """The standalone rendezvous store (the cluster's stable endpoint), on a kernel-chosen port."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+    yield f"127.0.0.1:{store.port}"
+    del store
+
+
+def _resumes(text: str) -> list[tuple[int, dict, int]]:
+    """(step, bytes by source, world size) of every resume the launcher's output reports."""
+    found = re.findall(r"resumed from step (\d+) \(bytes by source (\{.*?\})\); (\d+) ranks", text)
+    return [(int(step), json.loads(sources), int(world)) for step, sources, world in found]
+
+
+def _start(endpoint, roots, remote, log, pause, logs, steps: int = STEPS) -> Nodes:
+    return Nodes.start(
+        lambda node: _args(roots[node], remote, log, pause, steps),
+        [2] * len(roots),
+        logs,
+        elastic=(endpoint, "1:2"),
+        rdzv_conf=RDZV_CONF,
+        max_restarts=3,
+    )
+
+
+@pytest.mark.timeout(900)
+def test_lose_rank_0s_host_the_survivors_resume_then_a_relaunch_grows_back(tmp_path, endpoint, reference):
+    hosts = [tmp_path / "host0", tmp_path / "host1", tmp_path / "host2"]
+    remote, log, pause = tmp_path / "remote", tmp_path / "loss.jsonl", tmp_path / "pause"
+    shrunk_to = STEPS // 2
+    with _start(endpoint, hosts[:2], remote, log, pause, tmp_path / "logs-1", steps=shrunk_to) as nodes:
+        _wait_for("step 4 trained at world 4", lambda: any(r["step"] >= 4 for r in _records(log)), nodes)
+        pause.touch()  # hold the job (before a step) while the host is lost
+        lost = worker_with_rank(nodes, 0)
+        assert lost is not None, nodes.tails()
+        survivor = 1 - lost
+        nodes.kill(lost)
+        shutil.rmtree(hosts[lost])
+        killed_at = max(r["step"] for r in _records(log))
+        pause.unlink()
+        # the survivors' agent restarts its workers at world 2 by itself; they resume and finish
+        finished = nodes.wait(RUN_TIMEOUT)
+        assert finished and nodes.returncodes()[survivor] == 0, nodes.tails()
+        first = nodes.output(survivor)
+
+    # a replacement host with an empty disk: the job relaunched on both grows back to world 4
+    alive = [hosts[survivor], hosts[2]]
+    with _start(endpoint, alive, remote, log, pause, tmp_path / "logs-2") as nodes:
+        finished = nodes.wait(RUN_TIMEOUT)
+        assert finished and nodes.returncodes() == [0, 0], nodes.tails()
+        second = nodes.output(0) + nodes.output(1)
+
+    records = _records(log)
+    for rec in records:  # every step trained, before or after a restart, is the reference's
+        assert rec["loss"] == reference[rec["step"]], (rec, reference[rec["step"]])
+    assert {r["step"] for r in records} == set(range(1, STEPS + 1))
+    at = {(r["world_size"], r["restart"]) for r in records}
+    assert (4, 0) in at and (2, 1) in at, at  # world 4, then the agent's restart at world 2
+    assert all(r["world_size"] == 4 for r in records if r["step"] > shrunk_to), records
+
+    shrink = _resumes(first)
+    assert [world for _, _, world in shrink] == [2], first[-6000:]
+    step, sources, _ = shrink[0]
+    assert killed_at - 1 <= step <= killed_at, (step, killed_at)  # the newest committed step
+    assert sources["remote"] == 0 and sources["local"] > 0, sources
+    grow = _resumes(second)
+    assert [(step, world) for step, _, world in grow] == [(shrunk_to, 4)], second[-6000:]
+    assert grow[0][1]["remote"] == 0, grow[0][1]  # the new host's ranks: from the peer, over the group
