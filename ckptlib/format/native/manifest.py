@@ -187,11 +187,13 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(r.size for r in self.files.values())
 
-    def commit_order(self) -> tuple:
+    def commit_order(self, named_by_latest: bool = False) -> tuple:
         """Sorts commits oldest first: manifests without a commit record before any with one
-        (by creation time, then step), the others by their record's seq."""
+        (the one its root's `latest` names, `named_by_latest`, newest of them; then by creation
+        time and step: a one-second stamp from the saving host's clock), the others by their
+        record's seq."""
         if self.commit is None:
-            return (0, 0, self.created, self.step or 0)
+            return (0, int(named_by_latest), self.created, self.step or 0)
         return (1, self.commit.seq, self.created, self.step or 0)
 
     def to_bytes(self) -> bytes:

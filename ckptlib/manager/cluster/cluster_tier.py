@@ -194,7 +194,7 @@ class ClusterTier:
             made: list[NodeLocalSave] = []
 
             def make(storage, **kwargs):
-                made.append(NodeLocalSave(storage, topology=topology, commit_record=record, **kwargs))
+                made.append(NodeLocalSave(storage, topology=topology, commit_record=record, root=self.root, **kwargs))
                 return made[-1]
 
             if background and self.settings.mode is None:

@@ -48,6 +48,7 @@ from ckptlib.format.native.manifest import (
     FileRecord,
     Manifest,
 )
+from ckptlib.format.native.root import LATEST, step_dir
 from ckptlib.format.write.transaction import (
     SaveReceipt,
     SaveTransaction,
@@ -71,10 +72,11 @@ class NodeLocalSave(SaveTransaction):
     docstring). `commit_record`: the manifest's commit record. `after_commit()` runs on every
     rank once every node committed; its failures reach every rank."""
 
-    def __init__(self, storage, *, topology: Topology, commit_record: CommitRecord, **kwargs: Any):
+    def __init__(self, storage, *, topology: Topology, commit_record: CommitRecord, root=None, **kwargs: Any):
         super().__init__(storage, **kwargs)
         self.topology = topology
         self.commit_record = commit_record
+        self.root = root  # the node's root: its `latest` names each step once committed there
         self.manifest_bytes: bytes | None = None  # every rank's, once DCP returned
         self._wrote_manifest = False
 
@@ -137,6 +139,10 @@ class NodeLocalSave(SaveTransaction):
         storage.write(MANIFEST_NAME, manifest_bytes)
         self._wrote_manifest = True
         storage.delete([PENDING_NAME])
+        if self.root is not None and manifest.step is not None:
+            # the newest commit of this root: every other reader of it (a plain manager, `ckpt
+            # gc`, `ckpt export ROOT`) then agrees with the tier, also after a rollback
+            self.root.set_pointer(LATEST, step_dir(manifest.step))
 
     # -- running it ---------------------------------------------------------------------
     def run(self, save: Callable[[Any], Metadata], group=None) -> int | None:

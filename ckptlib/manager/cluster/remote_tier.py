@@ -200,7 +200,7 @@ class RemoteTier:
         if step is None:
             return None
         try:
-            return _read_manifest(self.storage.child(step_dir(step))).commit_order()
+            return _read_manifest(self.storage.child(step_dir(step))).commit_order(named_by_latest=True)
         except (FileNotFoundError, CheckpointError):
             return None
 

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 from ckptlib._runtime import agree as _dist
 from ckptlib.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, warn_scrubbed
 from ckptlib.format.native.manifest import MANIFEST_NAME, METADATA_NAME, Manifest
-from ckptlib.format.native.root import scan, step_dir
+from ckptlib.format.native.root import LATEST, scan, step_dir
 from ckptlib.format.read.copies import Copies, Copy
 from ckptlib.loading.loading import LoadResult, load
 from ckptlib.manager.cluster.remote_tier import RemoteTier
@@ -124,6 +124,7 @@ class Choice:
 def node_copies(root: Storage) -> list[NodeCopy]:
     """A leader: every committed step of its own root, with the files it holds."""
     out = []
+    pointer = _pointer(root)
     for info in scan(root):
         if info.state != "committed":
             continue
@@ -134,8 +135,17 @@ def node_copies(root: Storage) -> list[NodeCopy]:
         except (CheckpointError, OSError):
             continue  # a damaged manifest: this node holds nothing of it
         held = frozenset(n for n, r in manifest.files.items() if info.files.get(n) == r.size)
-        out.append(NodeCopy(info.step, zlib.crc32(data), manifest.commit_order(), len(manifest.files), held))
+        order = manifest.commit_order(named_by_latest=info.name == pointer)
+        out.append(NodeCopy(info.step, zlib.crc32(data), order, len(manifest.files), held))
     return out
+
+
+def _pointer(root: Storage) -> str | None:
+    """The step directory a root's `latest` names (None: none, or unreadable)."""
+    try:
+        return root.read_pointer(LATEST)
+    except (CheckpointError, OSError):
+        return None
 
 
 def gather_versions(root: Storage, topology: Topology, group=None) -> dict[tuple[int, int], Version]:
@@ -161,13 +171,15 @@ def add_remote(
     except (CheckpointError, OSError) as exc:
         unreachable.append(f"{remote.uri}: cannot read the remote root ({type(exc).__name__}: {exc})")
         return False, None
+    pointer = _pointer(remote.storage)
     for step, data in listed:
         try:
             manifest = Manifest.from_bytes(data, f"{remote.path(step)}/{MANIFEST_NAME}")
         except CheckpointError:
             continue
         key = (step, zlib.crc32(data))
-        version = versions.setdefault(key, Version(step, key[1], manifest.commit_order(), len(manifest.files)))
+        order = manifest.commit_order(named_by_latest=step_dir(step) == pointer)
+        version = versions.setdefault(key, Version(step, key[1], order, len(manifest.files)))
         version.remote = True
     return True, latest
 
