@@ -29,8 +29,10 @@ value, no such root).
 
 UNLOCK_DESCRIPTION = """
 Remove the lock (ckptlib.lock) a writer left in a checkpoint root. A lock whose holder died on
-the same host is removed automatically; use this for a holder on another host that is known to
-be gone. Removing the lock of a live writer lets two writers interleave.
+the same host, or whose lease was not renewed for longer than the lease (CKPTLIB_LOCK_LEASE_S,
+default 120 s; any host), is removed automatically; use this for an older lock without a
+lease whose holder on another host is known to be gone. Removing the lock of a live writer
+lets two writers interleave.
 
 Prints whose lock it removed, or that the root was not locked.
 

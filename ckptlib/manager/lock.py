@@ -4,8 +4,13 @@ Rank 0 creates `ckptlib.lock` atomically (through the storage's optional
 `create_exclusive`) before a save or gc and removes it afterwards (or keeps it until the
 manager's `close()` with `hold_lock=True`). A lock whose holder is gone (a dead pid on this
 host, checked by pid and process start time) is removed with a StaleLockWarning, so a
-crashed save never leaves the root locked for good; a holder on another host must be
-removed explicitly (`break_lock()`, `ckpt unlock`).
+crashed save never leaves the root locked for good. A holder on another host cannot be
+checked that way; its lock carries a lease instead: while it holds the lock, the holder
+rewrites `ckptlib.lock.lease-<token>` every quarter of the lease (`CKPTLIB_LOCK_LEASE_S`,
+default 120 s), and a lock whose lease was not renewed for longer than that is stale whichever
+host wrote it (a node killed mid-upload, the job restarted elsewhere): warned, then taken.
+Hosts' clocks must agree to well within the lease. Locks written without a lease (before 0.2)
+on another host are removed only explicitly (`break_lock()`, `ckpt unlock`).
 
 Removing a stale lock is compare-and-delete by token: a writer first creates a claim
 (`ckptlib.manager.lock.break-<digest of the stale token>`, through `create_exclusive`, so one writer at
@@ -25,6 +30,8 @@ import hashlib
 import json
 import os
 import socket
+import threading
+import time
 import uuid
 import warnings
 from typing import Any
@@ -34,6 +41,20 @@ from ckptlib.storage.base import Storage, SupportsCreateExclusive
 
 LOCK_NAME = "ckptlib.lock"
 _CLAIM_PREFIX = LOCK_NAME + ".break-"  # + the digest of the token of the lock being removed
+LEASE_PREFIX = LOCK_NAME + ".lease-"  # + the holder's token: the time of its last renewal
+#: Seconds a lock stays valid without a renewal (the holder renews every quarter of it).
+DEFAULT_LEASE_SECONDS = 120.0
+
+
+def lease_seconds() -> float:
+    """The lease of the locks this process takes (`CKPTLIB_LOCK_LEASE_S`, default 120 s)."""
+    try:
+        value = float(os.environ.get("CKPTLIB_LOCK_LEASE_S", DEFAULT_LEASE_SECONDS))
+    except ValueError:
+        return DEFAULT_LEASE_SECONDS
+    return value if value > 0 else DEFAULT_LEASE_SECONDS
+
+
 _CLAIM_DEPTH = 2  # claims on claims (their breakers died too) followed at most this deep
 
 
@@ -76,18 +97,21 @@ class LockHolder:
     start: str | None = None
     token: str | None = None
     created: str | None = None
+    lease_s: float | None = None  # None: a lock without a lease (written before 0.2)
 
     @classmethod
     def parse(cls, data: bytes) -> "LockHolder":
         try:
             doc = json.loads(data.decode("utf-8"))
             pid = doc.get("pid")
+            lease = doc.get("lease_s")
             return cls(
                 host=str(doc["host"]),
                 pid=pid if isinstance(pid, int) else None,
                 start=doc.get("start"),
                 token=str(doc["token"]),
                 created=doc.get("created"),
+                lease_s=float(lease) if isinstance(lease, (int, float)) and lease > 0 else None,
             )
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
             return cls()
@@ -98,9 +122,14 @@ class LockHolder:
         me = " (this process)" if self.pid == os.getpid() and self.host == socket.gethostname() else ""
         return f"pid {self.pid} on host {self.host}{me}, since {self.created}"
 
+    def is_mine(self) -> bool:
+        """Whether this process holds (or is acquiring) this very lock."""
+        return self.host == socket.gethostname() and self.pid == os.getpid() and self.token in _LIVE_TOKENS
+
     def is_stale(self) -> bool:
-        """True only when the holder certainly no longer runs: its pid on this host is gone, or
-        was reused by a process that started later. A holder on another host is never stale."""
+        """True when the holder certainly no longer runs: its pid on this host is gone, or was
+        reused by a process that started later (see `RootLock` for the lease of a holder on
+        another host)."""
         if self.host != socket.gethostname() or self.pid is None:
             return False
         if self.pid == os.getpid():
@@ -126,6 +155,7 @@ class RootLock:
         self.hold = hold
         self.token: str | None = None
         self._owner_pid: int | None = None
+        self._renewer: _Renewer | None = None
 
     @property
     def where(self) -> str:
@@ -153,6 +183,26 @@ class RootLock:
         except FileNotFoundError:
             return False
 
+    def expired(self, holder: LockHolder) -> str | None:
+        """Why `holder`'s lease has expired (its last renewal, or the lock's creation, is older
+        than its lease), None while it holds: never for this process's own lock or a lock
+        without a lease."""
+        if holder.lease_s is None or holder.token is None or holder.is_mine():
+            return None
+        try:
+            last = float(self.storage.read(LEASE_PREFIX + holder.token).decode("ascii"))
+            what = "renewed"
+        except (FileNotFoundError, ValueError, UnicodeDecodeError, CheckpointError):
+            try:
+                last = datetime.datetime.fromisoformat(str(holder.created)).timestamp()
+            except (TypeError, ValueError):
+                return None
+            what = "taken"
+        idle = time.time() - last
+        if idle <= holder.lease_s:
+            return None
+        return f"its {holder.lease_s:.0f} s lease expired: last {what} {idle:.0f} s ago"
+
     def _remove_stale(self, name: str, stale: LockHolder, data: bytes, depth: int = 0) -> None:
         """Delete lock file `name` only if it still names the `stale` holder (compare-and-delete
         by token), under a claim one writer at a time can hold; a claim left by a breaker that
@@ -170,6 +220,8 @@ class RootLock:
             current = self.holder(name)
             if current is not None and current.token == stale.token:
                 self.storage.delete([name])
+                if name == LOCK_NAME and stale.token is not None:
+                    self.storage.delete([LEASE_PREFIX + stale.token])
         finally:
             self.storage.delete([claim])
 
@@ -178,6 +230,7 @@ class RootLock:
         root = self.storage.uri
         token = uuid.uuid4().hex
         pid = os.getpid()
+        lease = lease_seconds()
         data = json.dumps(
             {
                 "format": "ckptlib-lock",
@@ -186,6 +239,7 @@ class RootLock:
                 "start": _process_start(pid),
                 "token": token,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "lease_s": lease,
             }
         ).encode()
         holder = None
@@ -195,13 +249,15 @@ class RootLock:
                 if self._create(data):
                     self.token, self._owner_pid = token, pid
                     atexit.register(self._release_at_exit)
+                    self._renewer = _Renewer(self, token, lease)
                     return
                 holder = self.holder()
                 if holder is None:
                     continue  # released between our attempt and the read: try again
-                if holder.is_stale():
+                why = "that process no longer runs" if holder.is_stale() else self.expired(holder)
+                if why is not None:
                     warnings.warn(
-                        f"{root}: removing a stale lock left by {holder.describe()} (that process no longer runs)",
+                        f"{root}: removing a stale lock left by {holder.describe()} ({why})",
                         StaleLockWarning,
                         stacklevel=stacklevel_outside_ckptlib(),
                     )
@@ -270,18 +326,36 @@ class RootLock:
     def release(self) -> None:
         if self.token is None:
             return
+        token = self.token
         try:
+            self._stop_renewing()
             if self.held():
                 self.storage.delete([LOCK_NAME])
+            self.storage.delete([LEASE_PREFIX + token])
         finally:
             self.forget()
 
     def forget(self) -> None:
         """Stop counting as the holder (without touching the lock file)."""
+        self._stop_renewing()
         if self.token is not None:
             _LIVE_TOKENS.discard(self.token)
             self.token = None
             atexit.unregister(self._release_at_exit)
+
+    def renew(self) -> bool:
+        """Write the lease's renewal (now) while this object holds the lock; False once it
+        does not (the renewer then stops)."""
+        token = self.token
+        if token is None or not self.held():
+            return False
+        self.storage.write(LEASE_PREFIX + token, repr(time.time()).encode("ascii"), durable=False)
+        return True
+
+    def _stop_renewing(self) -> None:
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            renewer.stop()
 
     def _release_at_exit(self) -> None:
         if self._owner_pid == os.getpid():  # never from a forked child
@@ -291,7 +365,45 @@ class RootLock:
     def break_(self) -> LockHolder | None:
         holder = self.holder()
         self.storage.delete([LOCK_NAME])
+        if holder is not None and holder.token is not None:
+            self.storage.delete([LEASE_PREFIX + holder.token])
         return holder
 
 
-__all__ = ["LOCK_NAME", "LockHolder", "RootLock", "StaleLockWarning"]
+class _Renewer:
+    """A daemon thread renewing a held lock's lease every quarter of it, until stopped or the
+    lock is no longer its holder's (a failed renewal is retried at the next tick)."""
+
+    def __init__(self, lock: RootLock, token: str, lease: float):
+        self.lock = lock
+        self.token = token
+        self.interval = lease / 4
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"ckptlib-lock-lease {lock.where}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if self.lock.token != self.token:
+                return
+            try:
+                if not self.lock.renew():
+                    return
+            except Exception:  # noqa: BLE001 - a storage hiccup: the next tick tries again
+                continue
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+
+__all__ = [
+    "DEFAULT_LEASE_SECONDS",
+    "LEASE_PREFIX",
+    "LOCK_NAME",
+    "LockHolder",
+    "RootLock",
+    "StaleLockWarning",
+    "lease_seconds",
+]

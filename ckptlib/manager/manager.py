@@ -9,9 +9,9 @@ optional `create_exclusive`) before a save or gc and removes it afterwards, or k
 until `close()` with `hold_lock=True`; every rank learns the outcome, so a second writer
 gets LockedError on all its ranks instead of interleaving checkpoints (and retention never
 deletes a step another writer is still saving; the verl project fixed that bug, #4638). A
-lock whose holder is gone (a dead pid on this host) is removed with a StaleLockWarning, so
-a crashed save never leaves the root locked for good; a holder on another host must be
-removed explicitly (`break_lock()`, `ckpt unlock`).
+lock whose holder is gone (a dead pid on this host, or a lease its holder stopped renewing,
+on any host: `ckptlib.manager.lock`) is removed with a StaleLockWarning, so a crashed save
+never leaves the root locked for good.
 
 Where steps live is the tier the manager holds (`single_root.SingleRoot`, or the cluster
 tier of `cluster=`): the manager adds the save policy, preemption, async handles and the

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 import uuid
 import warnings
 
@@ -21,14 +22,18 @@ import pytest
 from helpers.interleave import Interleaved, InterleavedProxy
 
 from ckptlib.errors import LockedError
-from ckptlib.manager.lock import LOCK_NAME, RootLock, StaleLockWarning
+from ckptlib.manager.lock import LEASE_PREFIX, LOCK_NAME, RootLock, StaleLockWarning
 from ckptlib.storage import LocalStorage, is_remote, open_storage
 
 
-def _stale_lock(root: str) -> str:
-    """A lock left by a holder that no longer runs (this pid, a token no live lock has)."""
+def _stale_lock(root: str, kind: str = "dead-pid") -> str:
+    """A lock left by a holder that no longer runs: this pid with a token no live lock has
+    ("dead-pid"), or a holder on another host whose lease expired an hour ago ("lease")."""
     token = uuid.uuid4().hex
     doc = {"format": "ckptlib-lock", "host": socket.gethostname(), "pid": os.getpid(), "token": token, "start": None}
+    if kind == "lease":
+        doc.update(host="a-host-gone-for-good", pid=4242, created="2026-01-01T00:00:00+00:00", lease_s=60.0)
+        open_storage(root).write(LEASE_PREFIX + token, repr(time.time() - 3600).encode())
     open_storage(root).write(LOCK_NAME, json.dumps(doc).encode())
     return token
 
@@ -75,15 +80,16 @@ def base(request, tmp_path) -> str:
     return str(tmp_path) if request.param == "local" else request.getfixturevalue("s3_root")
 
 
-def test_every_interleaving_of_two_writers_breaking_one_stale_lock(base):
+@pytest.mark.parametrize("kind", ["dead-pid", "lease"])
+def test_every_interleaving_of_two_writers_breaking_one_stale_lock(base, kind):
     root = f"{base}/first"
-    _stale_lock(root)
+    _stale_lock(root, kind)
     _, ops = _race(root, None)  # B alone: how many storage operations it takes
     assert len(ops) >= 3, ops
     RootLock(open_storage(root)).break_()
     for at in range(len(ops) + 1):
         root = f"{base}/at{at}"
-        stale = _stale_lock(root)
+        stale = _stale_lock(root, kind)
         (a, b), _ = _race(root, at)
         holders = [w for w in (a, b) if isinstance(w, RootLock)]
         try:
