@@ -280,22 +280,60 @@ def _is_peer_loss(exc: BaseException) -> bool:
 
 def _roll_call(group, key: str, wait_s: float) -> list[int] | None:
     """Global ranks of `group` that did not check in under `key` in the rendezvous store within
-    `wait_s` seconds (survivors of the same broken collective all check in); None when the
-    store itself is unreachable (its host is gone too)."""
+    `wait_s` seconds and whose heartbeat stopped meanwhile (a survivor still blocked in the
+    broken collective, waiting on a peer that is itself in this roll call, is alive: its
+    heartbeat counter moves); None when the store itself is unreachable (its host is gone too)."""
     from ckptlib._torch import c10d
 
     try:
         store = c10d.default_store()
         ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
         store.set(f"{key}/{dist.get_rank()}", "1")
-        deadline = time.monotonic() + wait_s
+        beats = {r: store.add(f"{_HEARTBEAT_KEY}/{r}", 0) for r in ranks}
+        deadline = time.monotonic() + max(wait_s, 3 * _HEARTBEAT_SECONDS)
         while True:
             absent = [r for r in ranks if not store.check([f"{key}/{r}"])]
-            if not absent or time.monotonic() > deadline:
+            if not absent:
                 return absent
+            if time.monotonic() > deadline:
+                return [r for r in absent if store.add(f"{_HEARTBEAT_KEY}/{r}", 0) == beats[r]]
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store is gone: say so instead of naming ranks
         return None
+
+
+# Every process in a guarded collective beats in the store: a counter its own thread adds to
+# each second, so a roll call tells a dead rank (no beat) from one blocked in gloo (beating).
+_HEARTBEAT_KEY = "ckptlib/heartbeat"
+_HEARTBEAT_SECONDS = 1.0
+_heartbeat_started: set[int] = set()  # pids whose heartbeat runs (not inherited by a fork)
+
+
+def _start_heartbeat() -> None:
+    """This process's heartbeat thread, once (on a clone of the store: its own connection)."""
+    import os
+    import threading
+
+    from ckptlib._torch import c10d
+
+    if os.getpid() in _heartbeat_started:
+        return
+    _heartbeat_started.add(os.getpid())
+    try:
+        store = c10d.default_store().clone()
+    except Exception:  # noqa: BLE001 - no store to beat in: roll calls fall back to check-ins
+        return
+    key = f"{_HEARTBEAT_KEY}/{dist.get_rank()}"
+
+    def beat() -> None:
+        while True:
+            try:
+                store.add(key, 1)
+            except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
+                return
+            time.sleep(_HEARTBEAT_SECONDS)
+
+    threading.Thread(target=beat, name="ckptlib-heartbeat", daemon=True).start()
 
 
 @contextlib.contextmanager
@@ -307,6 +345,8 @@ def peer_loss_as_error(what: str, group=None, *, step: int | None = None, path: 
     the roll call's key is `what` and how many times this process entered it before.
     """
     serial = next(_guards.setdefault(what, itertools.count()))
+    if is_distributed():
+        _start_heartbeat()
     try:
         yield
     except RankLostError:

@@ -69,6 +69,11 @@ if TYPE_CHECKING:
     from ckptlib.manager.options import Cluster
 
 
+#: What a rank lost while the tier takes its inventory (topology, listings, the manifest
+#: broadcast) interrupts: the same words on every rank (the roll call's key).
+INVENTORY = "the cluster tier's inventory"
+
+
 class ClusterTier:
     """The tier a CheckpointManager with `cluster=Cluster(...)` holds (`ckptlib.manager.single_root.Tier`)."""
 
@@ -114,7 +119,8 @@ class ClusterTier:
     def setup(self) -> Topology:
         """This job's nodes (collective, once)."""
         if self.topology is None:
-            topology = detect(self.root, self.group, self.node)
+            with _dist.peer_loss_as_error(INVENTORY, self.group):
+                topology = detect(self.root, self.group, self.node)
             self.replicas, why = topology.usable_replicas(self.replicas)
             if why:
                 warnings.warn(why, FewerReplicasWarning, stacklevel=stacklevel_outside_ckptlib())
@@ -127,6 +133,10 @@ class ClusterTier:
         unreachable remote while no node holds any step is a RemoteUnavailableError (on
         every rank) instead of "nothing to resume"."""
         topology = self.setup()
+        with _dist.peer_loss_as_error(INVENTORY, self.group):
+            return self._take_inventory(topology, step, refuse_unknown)
+
+    def _take_inventory(self, topology: Topology, step: int | None, refuse_unknown: bool) -> list[Choice]:
         versions = gather_versions(self.root, topology, self.group)
         remote = self.remote
 
@@ -330,7 +340,8 @@ class ClusterTier:
         for index, choice in enumerate(chosen):
             local = self.root.child(step_dir(choice.step))
             remote = self.remote.storage.child(step_dir(choice.step)) if self.remote is not None else None
-            manifest_bytes, metadata_bytes = fetch_files(choice, local, self.remote, topology, self.group)
+            with _dist.peer_loss_as_error(INVENTORY, self.group, step=choice.step):
+                manifest_bytes, metadata_bytes = fetch_files(choice, local, self.remote, topology, self.group)
             try:
                 result = load_version(
                     choice, manifest_bytes, metadata_bytes, topology, local, remote, state, self.group, kwargs
