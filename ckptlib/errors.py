@@ -180,6 +180,16 @@ class RemoteUnavailableError(StorageError):
     it. `path` names the remote; `load(..., fresh_start_ok=True)` starts from scratch anyway."""
 
 
+class RankInterruptedError(CheckpointError):
+    """Another rank was interrupted (Ctrl-C, `sys.exit`) during a collective save or load; it
+    re-raised its KeyboardInterrupt or SystemExit itself. `ranks` names the interrupted ranks;
+    what was being saved is cleaned up as after any failure."""
+
+    def __init__(self, message: str, *, ranks=(), path: str | None = None, rank: int | None = None):
+        super().__init__(message, path=path, rank=rank)
+        self.ranks = list(ranks)
+
+
 class UploadError(StorageError):
     """Uploading a step to a tiered manager's remote root failed; the remote `latest` was not moved."""
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from ckptlib.errors import CheckpointError, RankLostError
+from ckptlib.errors import CheckpointError, RankInterruptedError, RankLostError
 
 T = TypeVar("T")
 
@@ -59,6 +59,19 @@ def portable_error(exc: BaseException, rank: int) -> CheckpointError:
         return err
     except Exception:
         return CheckpointError(f"rank {rank}: {err}", rank=rank)
+
+
+class InterruptedCollective(Exception):
+    """Carries a KeyboardInterrupt or SystemExit out of a rank's step inside a DCP collective,
+    which gathers only `Exception`s: so the other ranks learn of it instead of waiting, and the
+    rank that got it raises it again as itself (`unwrap_dcp_error`)."""
+
+    def __init__(self, interrupt: BaseException):
+        super().__init__(f"{type(interrupt).__name__}")
+        self.interrupt = interrupt
+
+    def __reduce__(self):
+        return (type(self), (self.interrupt,))
 
 
 def _flag_device(group) -> torch.device:
@@ -147,11 +160,16 @@ def _agree(
 ) -> tuple[T, list[list[int]]]:
     result: Any = None
     local_error: BaseException | None = None
+    interrupt: BaseException | None = None
     try:
         result = fn()
     except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
-        if not is_distributed() or isinstance(exc, KeyboardInterrupt):
+        if not is_distributed():
             raise
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # re-raised as itself here, named to the others
+            interrupt = exc
+            rank = dist.get_rank()
+            exc = RankInterruptedError(f"rank {rank} was interrupted ({type(exc).__name__})", ranks=[rank], rank=rank)
         local_error = exc
     if not is_distributed():
         if ballot is not None:
@@ -188,6 +206,8 @@ def _agree(
     portable = None if local_error is None else portable_error(local_error, dist.get_rank())
     gathered: list[Any] = [None] * get_world_size(group)
     dist.all_gather_object(gathered, portable, group=group)
+    if interrupt is not None:
+        raise interrupt.with_traceback(None) from None
     if local_error is not None:
         if portable is local_error:
             raise local_error

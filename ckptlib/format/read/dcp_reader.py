@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from ckptlib._runtime import agree as _dist
 from ckptlib.errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
 from ckptlib.format.items.checksum import crc32
 from ckptlib.format.items.item_decoder import DeclaredChunks
@@ -401,6 +402,8 @@ class CkptReader(DirectReads, PlannedReader):
                 raise held[0]
             for name, reqs in by_file.items():
                 self._read_file(name, reqs, planner)
+        except (KeyboardInterrupt, SystemExit) as exc:  # DCP gathers Exceptions only: carried
+            raise _dist.InterruptedCollective(exc) from None
         finally:
             self.__dict__.pop("_scratch_buf", None)
         fut: Future = Future()

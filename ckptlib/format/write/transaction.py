@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptlib._runtime import agree as _dist
 from ckptlib._torch import dcp_shims
-from ckptlib.errors import CheckpointError
+from ckptlib.errors import CheckpointError, RankInterruptedError
 from ckptlib.format.native.deletion import remove_failed_save
 from ckptlib.format.native.layout import commit_manifest, prepare_save_target
 from ckptlib.format.native.manifest import METADATA_NAME, FileRecord
@@ -54,8 +54,24 @@ class SaveReceipt:
 
 
 def unwrap_dcp_error(exc: BaseException) -> CheckpointError:
-    """Turn DCP's CheckpointException (failures gathered from all ranks) into a ckptlib error."""
-    failures = dcp_shims.dcp_failures(exc)
+    """Turn DCP's CheckpointException (failures gathered from all ranks) into a ckptlib error.
+
+    An interrupt (KeyboardInterrupt, SystemExit) is raised again as itself on the rank that got
+    it (short: no chain of DCP's wrappers); the other ranks get a RankInterruptedError naming it,
+    not a rank that "disappeared"."""
+    failures = [
+        (rank, inner.interrupt if isinstance(inner, _dist.InterruptedCollective) else inner)
+        for rank, inner in dcp_shims.dcp_failures(exc)
+    ]
+    interrupted = [(rank, inner) for rank, inner in failures if isinstance(inner, (KeyboardInterrupt, SystemExit))]
+    if interrupted:
+        me = _dist.get_rank()
+        for rank, inner in interrupted:
+            if rank == me:
+                raise inner.with_traceback(None) from None
+        ranks = [rank for rank, _ in interrupted]
+        kinds = ", ".join(f"rank {rank} was interrupted ({type(inner).__name__})" for rank, inner in interrupted)
+        return RankInterruptedError(f"{kinds}: the collective call stopped on every rank", ranks=ranks, rank=me)
     for rank, inner in failures:
         if isinstance(inner, CheckpointError):
             if inner.rank is None:  # raised on that rank (a decision for every rank has its rank set)
