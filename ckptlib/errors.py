@@ -158,6 +158,12 @@ class RanksDisagreeError(StateError):
         self.keys = list(keys)
 
 
+class NotCalledByEveryRankError(RanksDisagreeError):
+    """A collective save or load that some ranks never called (a save on rank 0 only): raised
+    on the ranks that did, once the process group's timeout ran out, naming the ranks that are
+    alive but did not take part (`ranks`)."""
+
+
 class StorageError(CheckpointError):
     """The storage backend failed permanently (permission denied, bucket missing, retries exhausted)."""
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from ckptlib.errors import CheckpointError, RankInterruptedError, RankLostError
+from ckptlib.errors import CheckpointError, NotCalledByEveryRankError, RankInterruptedError, RankLostError
 
 T = TypeVar("T")
 
@@ -286,6 +286,11 @@ _PEER_LOST_MARKERS = (
 _guards: dict[str, "itertools.count[int]"] = {}
 
 
+def _is_timeout(exc: BaseException) -> bool:
+    """Whether a collective failed because its peers never came (not because one broke)."""
+    return "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+
+
 def _is_peer_loss(exc: BaseException) -> bool:
     """A failure of the transport under a collective, not of ckptlib or the user's state
     (those reach the guard as CheckpointErrors: `agree` and DCP's error gathering wrap them)."""
@@ -298,11 +303,12 @@ def _is_peer_loss(exc: BaseException) -> bool:
     return any(marker in text for marker in _PEER_LOST_MARKERS)
 
 
-def _roll_call(group, key: str, wait_s: float) -> list[int] | None:
+def _roll_call(group, key: str, wait_s: float, alive: list[int] | None = None) -> list[int] | None:
     """Global ranks of `group` that did not check in under `key` in the rendezvous store within
     `wait_s` seconds and whose heartbeat stopped meanwhile (a survivor still blocked in the
     broken collective, waiting on a peer that is itself in this roll call, is alive: its
-    heartbeat counter moves); None when the store itself is unreachable (its host is gone too)."""
+    heartbeat counter moves; those are appended to `alive`); None when the store itself is
+    unreachable (its host is gone too)."""
     from ckptlib._torch import c10d
 
     try:
@@ -316,7 +322,10 @@ def _roll_call(group, key: str, wait_s: float) -> list[int] | None:
             if not absent:
                 return absent
             if time.monotonic() > deadline:
-                return [r for r in absent if store.add(f"{_HEARTBEAT_KEY}/{r}", 0) == beats[r]]
+                dead = [r for r in absent if store.add(f"{_HEARTBEAT_KEY}/{r}", 0) == beats[r]]
+                if alive is not None:
+                    alive.extend(r for r in absent if r not in dead)
+                return dead
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store is gone: say so instead of naming ranks
         return None
@@ -329,14 +338,15 @@ _HEARTBEAT_SECONDS = 1.0
 _heartbeat_started: set[int] = set()  # pids whose heartbeat runs (not inherited by a fork)
 
 
-def _start_heartbeat() -> None:
-    """This process's heartbeat thread, once (on a clone of the store: its own connection)."""
+def start_heartbeat() -> None:
+    """This process's heartbeat thread, once (on a clone of the store: its own connection);
+    nothing without a process group."""
     import os
     import threading
 
     from ckptlib._torch import c10d
 
-    if os.getpid() in _heartbeat_started:
+    if not is_distributed() or os.getpid() in _heartbeat_started:
         return
     _heartbeat_started.add(os.getpid())
     try:
@@ -365,8 +375,7 @@ def peer_loss_as_error(what: str, group=None, *, step: int | None = None, path: 
     the roll call's key is `what` and how many times this process entered it before.
     """
     serial = next(_guards.setdefault(what, itertools.count()))
-    if is_distributed():
-        _start_heartbeat()
+    start_heartbeat()
     try:
         yield
     except RankLostError:
@@ -374,7 +383,18 @@ def peer_loss_as_error(what: str, group=None, *, step: int | None = None, path: 
     except BaseException as exc:
         if not is_distributed() or not _is_peer_loss(exc):
             raise
-        absent = _roll_call(group, f"ckptlib/roll_call/{what}/{serial}", ROLL_CALL_SECONDS)
+        elsewhere: list[int] = []
+        absent = _roll_call(group, f"ckptlib/roll_call/{what}/{serial}", ROLL_CALL_SECONDS, elsewhere)
+        if absent == [] and elsewhere and _is_timeout(exc):
+            names = ", ".join(map(str, elsewhere))
+            raise NotCalledByEveryRankError(
+                f"{what} failed on rank {dist.get_rank()}: it is a collective call, which every rank must make, "
+                f"and rank{'s' if len(elsewhere) > 1 else ''} {names} (alive) did not make it within the process "
+                "group's timeout",
+                ranks=elsewhere,
+                path=path,
+                rank=dist.get_rank(),
+            ) from exc
         if absent is None:
             who = "a peer rank disappeared (the rendezvous store is unreachable as well)"
         elif absent:

@@ -1,11 +1,13 @@
 """Interrupts are interrupts (issue 37): a KeyboardInterrupt or SystemExit on one rank during a
 collective save or load is raised again as itself on that rank, short (no chain of DCP's
 wrappers), and the other ranks get a RankInterruptedError naming it, not a rank that
-"disappeared"; the save is cleaned up as after any failure and the committed steps stay."""
+"disappeared"; the save is cleaned up as after any failure and the committed steps stay.
+A save that some (alive) ranks never call says it is collective and names them."""
 
 from __future__ import annotations
 
 import os
+import time
 import traceback
 
 import pytest
@@ -110,3 +112,35 @@ def test_an_interrupt_during_a_load_is_itself_there_and_named_elsewhere(tmp_path
     assert (
         results[1]["message"] == "rank 0 was interrupted (KeyboardInterrupt): the collective call stopped on every rank"
     )
+
+
+def _save_on_rank_0_only(root: str) -> dict:
+    from ckptlib._torch import c10d
+
+    mgr = CheckpointManager(root)
+
+    store = c10d.default_store()
+    if dist.get_rank() == 0:
+        try:
+            mgr.save(1, {"w": torch.ones(8), "step": 1})
+        except BaseException as exc:  # noqa: BLE001
+            return _outcome(exc)
+        finally:
+            store.set("test/rank0-done", "1")
+        return {"type": None}
+    while not store.check(["test/rank0-done"]):  # alive, elsewhere (as a rank training on would be)
+        time.sleep(0.1)
+    return {"type": "waited"}
+
+
+def test_a_save_called_on_one_rank_only_says_it_is_collective(tmp_path, dist_run):
+    root = str(tmp_path / "run")
+    results = dist_run(2, _save_on_rank_0_only, root, pg_timeout=8, timeout=120)
+    got = results[0]
+    assert got["type"] == "NotCalledByEveryRankError" and got["ranks"] == [1], got
+    assert got["message"].startswith(
+        f"save of step 1 to {root} failed on rank 0: it is a collective call, which every rank "
+        "must make, and rank 1 (alive) did not make it within the process group's timeout"
+    ), got["message"]
+    assert results[1] == {"type": "waited"}
+    assert CheckpointManager(root).steps() == []

@@ -7,7 +7,10 @@ examples/train.py with FSDP2, `replicas=1` and a directory remote.
   survivors' agent restarts its workers at world 2 by itself, they resume the newest committed
   step reading 0 bytes from the remote, and train to the end.
 - A replacement host with an empty disk: the job relaunched on it and the survivor grows back
-  to world 4; the new host's ranks get their bytes from the peer holding them, not the remote.
+  to world 4, and so does a running job when the new host's agent joins it (membership
+  change); the new host's ranks get their bytes from the peer holding them, not the remote.
+  The agents run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (tests/helpers/torchrun.py
+  ELASTIC_ENV: without it torch 2.13's agents never complete a round after a join).
 - Every step's loss, before and after each restart, equals an uninterrupted one-process run's
   bit for bit. Judged by the loss log and the launchers' output, not by exit codes alone."""
 
@@ -149,3 +152,52 @@ def test_lose_rank_0s_host_the_survivors_resume_then_a_relaunch_grows_back(tmp_p
     grow = _resumes(second)
     assert [(step, world) for step, _, world in grow] == [(shrunk_to, 4)], second[-6000:]
     assert grow[0][1]["remote"] == 0, grow[0][1]  # the new host's ranks: from the peer, over the group
+
+
+@pytest.mark.timeout(900)
+def test_lose_rank_0s_host_then_a_replacement_joins_the_running_job(tmp_path, endpoint, reference):
+    """The membership change: a new host's agent joins the rendezvous while the shrunk job runs
+    (`--nnodes 1:2`); the agents restart everyone at world 4 and the new host's ranks get their
+    bytes from the peer."""
+    hosts = [tmp_path / "host0", tmp_path / "host1", tmp_path / "host2"]
+    remote, log, pause = tmp_path / "remote", tmp_path / "loss.jsonl", tmp_path / "pause"
+    with _start(endpoint, hosts[:2], remote, log, pause, tmp_path / "logs") as nodes:
+        _wait_for("step 4 trained at world 4", lambda: any(r["step"] >= 4 for r in _records(log)), nodes)
+        pause.touch()
+        lost = worker_with_rank(nodes, 0)
+        assert lost is not None, nodes.tails()
+        survivor = 1 - lost
+        nodes.kill(lost)
+        shutil.rmtree(hosts[lost])
+        killed_at = max(r["step"] for r in _records(log))
+        pause.unlink()
+        _wait_for(
+            "a step trained at world 2",
+            lambda: any(r["world_size"] == 2 and r["step"] > killed_at for r in _records(log)),
+            nodes,
+        )
+        # held while the new host joins, so the job cannot end first; the agents restart every
+        # worker at world 4 (their own "new nodes" line is INFO, which torchrun does not print)
+        pause.touch()
+        joined = nodes.join(_args(hosts[2], remote, log, pause), 2)
+        outputs = lambda: nodes.output(survivor) + nodes.output(joined)  # noqa: E731
+        _wait_for("the workers resuming at world 4", lambda: any(w == 4 for _, _, w in _resumes(outputs())), nodes)
+        pause.unlink()
+        finished = nodes.wait(RUN_TIMEOUT)
+        assert finished, nodes.tails()
+        codes = nodes.returncodes()
+        assert codes[survivor] == 0 and codes[joined] == 0, nodes.tails()
+        output = outputs()
+
+    records = _records(log)
+    for rec in records:
+        assert rec["loss"] == reference[rec["step"]], (rec, reference[rec["step"]])
+    assert {r["step"] for r in records} == set(range(1, STEPS + 1))
+    worlds = [r["world_size"] for r in records]
+    shrunk = worlds.index(2)
+    assert worlds[0] == 4 and 4 in worlds[shrunk:] and worlds[-1] == 4, worlds
+    resumes = _resumes(output)
+    assert [w for _, _, w in resumes] == [2, 4], output[-6000:]
+    assert resumes[0][1]["remote"] == 0 and resumes[0][1]["local"] > 0, resumes[0]
+    assert killed_at - 1 <= resumes[0][0] <= killed_at, (resumes[0], killed_at)
+    assert resumes[1][1]["remote"] == 0, resumes[1]  # the new host's ranks: from the peer, over the group

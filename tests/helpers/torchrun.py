@@ -66,6 +66,17 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+#: The elastic agents' environment. torch's c10d rendezvous shares its TCPStore with the workers
+#: by default and caches that store's address after a node's first round
+#: (dynamic_rendezvous.py:1209, torch 2.13): a group rank 0 that already hosts one never
+#: publishes MASTER_ADDR in a later round's prefix, so a joining node waits for it and the
+#: rank 0 agent for the joiner's role_info until both time out (growth never completes); and
+#: every restart's workers reuse the old store, reading the previous attempt's gloo addresses.
+#: Not sharing it makes rank 0 publish a fresh address every round (dynamic_rendezvous.py:1194).
+#: tests/helpers/agent_repro.py reproduces it without ckptlib.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
 def _elastic_flags(elastic: tuple[str, str], rdzv_conf: dict[str, str] | None, run_id: str) -> list[str]:
     endpoint, nnodes = elastic
     conf = ",".join(f"{k}={v}" for k, v in {"is_host": "false", **(rdzv_conf or {})}.items())
@@ -142,6 +153,7 @@ class Nodes:
                     cmd += [f"--rdzv-endpoint=127.0.0.1:{port}", "--master-addr=127.0.0.1"]
                 else:
                     cmd += _elastic_flags(elastic, rdzv_conf, run_id)
+                    node_env.update(ELASTIC_ENV)
                 args = target(node) if callable(target) else target
                 cmd += [f"--max-restarts={max_restarts}", *launcher_args, *args]
                 procs.append(cls._popen(cmd, node_env, logs, node, split_stderr))
@@ -161,9 +173,8 @@ class Nodes:
         cmd += _elastic_flags(elastic, rdzv_conf, run_id)
         cmd += [f"--max-restarts={max_restarts}", *launcher_args, *args]
         node = len(self.procs)
-        self.procs.append(
-            self._popen(cmd, env if env is not None else torchrun_env(), self.logs, node, self.split_stderr)
-        )
+        node_env = {**(env if env is not None else torchrun_env()), **ELASTIC_ENV}
+        self.procs.append(self._popen(cmd, node_env, self.logs, node, self.split_stderr))
         return node
 
     @staticmethod
