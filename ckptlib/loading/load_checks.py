@@ -4,6 +4,7 @@ reports. `ckptlib.loading.loading` agrees on their outcome in one round."""
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Any
 
@@ -68,7 +69,11 @@ def check_request(
     missing = [k for k in missing if k not in aliased]
     if missing and strict:
         shown = ", ".join(missing[:20]) + (f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
-        raise MissingKeysError(f"{info.uri} lacks keys the state asks for: {shown}", keys=missing, path=info.uri)
+        raise MissingKeysError(
+            f"{info.uri} lacks keys the state asks for: {shown}{missing_keys_hint(missing, template, saved)}",
+            keys=missing,
+            path=info.uri,
+        )
     problems = []
     bad_keys = []
     casts: dict[str, tuple[torch.dtype, torch.dtype]] = {}
@@ -121,3 +126,38 @@ def checkpoint_size(info: CheckpointInfo) -> int | None:
 
 
 __all__ = ["check_request", "checkpoint_size", "describe_casts"]
+
+
+def _entry_keys(entry: str, keys) -> list[str]:
+    return [k for k in keys if k == entry or k.startswith(entry + ".")]
+
+
+def missing_keys_hint(missing: list[str], template: Any, saved) -> str:
+    """What to do about `missing`: the checkpoint's top-level entries a mistyped entry of the
+    state resembles ("did you mean"), or `only=` / `strict=False` when whole entries of the state
+    (a module, an optimizer, a dict) are absent from a checkpoint that holds the others (a
+    model-only checkpoint loaded into a full state)."""
+    if not hasattr(template, "keys"):
+        return ""
+    lacking = set(missing)
+    entries = [e for e in template.keys() if isinstance(e, str) and not isinstance(template[e], torch.Tensor)]
+    absent = [e for e in entries if not _entry_keys(e, saved) and _entry_keys(e, lacking)]
+    if not absent:
+        return ""
+    saved_tops = sorted({k.split(".", 1)[0] for k in saved})
+    others = [t for t in saved_tops if t not in template]
+    hints, unmatched = [], []
+    for entry in absent:
+        close = difflib.get_close_matches(entry, others, n=1, cutoff=0.6)
+        if close:
+            hints.append(f"the state's {entry!r} is not in the checkpoint, which has {close[0]!r}: did you mean it?")
+        else:
+            unmatched.append(entry)
+    present = [e for e in template.keys() if isinstance(e, str) and _entry_keys(e, saved)]
+    if unmatched and present:
+        hints.append(
+            f"the checkpoint has no {', '.join(repr(e) for e in unmatched)} at all (it holds "
+            f"{', '.join(repr(t) for t in saved_tops[:10])}): load only={tuple(present)!r} to load the rest, "
+            "or strict=False to skip what it lacks"
+        )
+    return "".join(f"; {hint}" for hint in hints)

@@ -485,7 +485,10 @@ def test_absent_nested_plain_value_is_missing_under_its_flat_key(tmp_path):
     ckptlib.save(tmp_path / "ck", {"w": torch.ones(2)})
     with pytest.raises(MissingKeysError) as caught:
         ckptlib.load(tmp_path / "ck", {"w": torch.zeros(2), "meta": {"epoch": 1}})
-    assert str(caught.value) == f"{tmp_path / 'ck'} lacks keys the state asks for: meta.epoch"
+    assert str(caught.value) == (
+        f"{tmp_path / 'ck'} lacks keys the state asks for: meta.epoch; the checkpoint has no 'meta' at all (it "
+        "holds 'w'): load only=('w',) to load the rest, or strict=False to skip what it lacks"
+    )
     state = {"w": torch.zeros(2), "meta": {"epoch": 1}}
     result = ckptlib.load(tmp_path / "ck", state, strict=False)
     assert result.missing_keys == ["meta.epoch"]
@@ -528,3 +531,28 @@ def test_load_result_carries_metadata_and_metrics(tmp_path):
     result = ckptlib.load(tmp_path / "ck", {"w": torch.zeros(2)})
     assert (result.step, result.metadata, result.metrics, result.format) == (9, {"run": "a"}, {"loss": 0.25}, "ckptlib")
     assert result.seconds > 0 and result.mib_per_s == result.bytes / (1 << 20) / result.seconds
+
+
+@pytest.mark.parametrize(
+    "state, hint",
+    [
+        (
+            {"modle": {"a": torch.zeros(2), "b": torch.zeros(2)}, "optim": {"x": torch.zeros(1)}},
+            "modle.a, modle.b; the state's 'modle' is not in the checkpoint, which has 'model': did you mean it?",
+        ),
+        (
+            {"model": {"a": torch.zeros(2), "b": torch.zeros(2)}, "ema": {"a": torch.zeros(2)}},
+            "ema.a; the checkpoint has no 'ema' at all (it holds 'model', 'optim', 'step'): load only=('model',) "
+            "to load the rest, or strict=False to skip what it lacks",
+        ),
+        ({"model": {"a": torch.zeros(2), "c": torch.zeros(2)}}, "model.c"),  # a key inside an entry: no hint
+    ],
+    ids=["typo", "entry-absent", "key-absent"],
+)
+def test_missing_keys_say_what_to_do(tmp_path, state, hint):
+    ckptlib.save(
+        tmp_path / "ck", {"model": {"a": torch.ones(2), "b": torch.ones(2)}, "optim": {"x": torch.ones(1)}, "step": 1}
+    )
+    with pytest.raises(MissingKeysError) as caught:
+        ckptlib.load(tmp_path / "ck", state)
+    assert str(caught.value) == f"{tmp_path / 'ck'} lacks keys the state asks for: {hint}"
