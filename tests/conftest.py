@@ -40,6 +40,12 @@ EXTENDED = (
     "api/test_async_process.py::test_exit_without_wait_commits_and_stops_the_writer",
     "api/test_rank_loss.py::test_survivors_of_a_rank_dying_mid_save_raise_rank_lost[manager-async",
     "api/test_rank_loss.py::test_survivors_of_a_rank_dying_mid_save_raise_rank_lost[save-async",
+    # torchrun's elastic agent losing and regaining a host (about a minute each)
+    "elastic/test_agent.py::test_lose_rank_0s_host_the_survivors_resume_then_a_relaunch_grows_back",
+    "elastic/test_agent.py::test_lose_rank_0s_host_then_a_replacement_joins_the_running_job",
+    # every kill point of a manager save (the crash-boundary enumeration above covers each write)
+    "manager/test_crash.py::test_kill_during_save",
+    "format/test_output_errors.py::test_a_full_disk_is_a_storage_error_naming_the_file_and_leaves_nothing",
     # the real clients' round trips (each client's recipe runs in the default run)
     "clients/test_lightning.py::test_ckptlib_strategies_save_and_resume_elastically",
     "clients/test_lightning.py::test_lightning_checkpoint_loads_bit_exactly_through_the_preset",

@@ -328,10 +328,12 @@ class RootLock:
             return
         token = self.token
         try:
+            renewed = self._renewer is not None and self._renewer.renewed
             self._stop_renewing()
             if self.held():
                 self.storage.delete([LOCK_NAME])
-            self.storage.delete([LEASE_PREFIX + token])
+            if renewed:  # a lease file exists only once the lease was renewed
+                self.storage.delete([LEASE_PREFIX + token])
         finally:
             self.forget()
 
@@ -378,6 +380,7 @@ class _Renewer:
         self.lock = lock
         self.token = token
         self.interval = lease / 4
+        self.renewed = False  # whether the lease file was written (then release removes it)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"ckptlib-lock-lease {lock.where}", daemon=True)
         self._thread.start()
@@ -387,6 +390,7 @@ class _Renewer:
             if self.lock.token != self.token:
                 return
             try:
+                self.renewed = True  # set first: a renewal that fails half-way may have written it
                 if not self.lock.renew():
                     return
             except Exception:  # noqa: BLE001 - a storage hiccup: the next tick tries again
