@@ -60,6 +60,7 @@ _ON_USE = {
     "StalePointerWarning": "ckptlib.format.native.root",
     "LoadResult": "ckptlib.loading.loading",
     "load": "ckptlib.loading.loading",
+    "UnmatchedPatternWarning": "ckptlib.loading.load_keys",
     "RemoteTier": "ckptlib.manager.cluster.remote_tier",
     "RemoteUnavailableWarning": "ckptlib.manager.cluster.resume",
     "SkippedDamagedStepWarning": "ckptlib.manager.cluster.resume",
@@ -98,6 +99,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from ckptlib import dcp
     from ckptlib._runtime.teardown import exit_barrier
     from ckptlib.format.native.root import StalePointerWarning
+    from ckptlib.loading.load_keys import UnmatchedPatternWarning
     from ckptlib.loading.loading import LoadResult, load
     from ckptlib.manager.cluster.remote_tier import RemoteTier
     from ckptlib.manager.cluster.resume import RemoteUnavailableWarning, SkippedDamagedStepWarning
@@ -199,6 +201,7 @@ __all__ = [
     "StalePointerWarning",
     "StateError",
     "StorageError",
+    "UnmatchedPatternWarning",
     "UnsafeCheckpointError",
     "UploadError",
     "UploadRankLostError",

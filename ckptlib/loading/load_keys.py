@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import warnings
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ckptlib._torch import dcp_shims
-from ckptlib.errors import StateError
+from ckptlib.errors import StateError, stacklevel_outside_ckptlib
 
 Rename = Mapping[str, str] | Callable[[str], str]
 
@@ -107,6 +108,7 @@ def build_request(
     rename: Rename | None = None,
 ) -> KeyRequest:
     """Flatten `template`, drop ignored keys and translate state keys to checkpoint keys."""
+    saved_keys = list(saved_keys)
     patterns = _patterns(ignore_keys)
     flat, mapping = dcp_shims.flatten_state_dict(template)
     to_ckpt: dict[str, str] = {}
@@ -141,9 +143,30 @@ def build_request(
             raise StateError(f"state keys {key!r} and another both load from checkpoint key {ckpt_key!r}")
         request[ckpt_key] = value
         origin[ckpt_key] = mapping[key]
+    _warn_unmatched(patterns, rename, [*flat, *saved_keys])
     return KeyRequest(
         template=template, request=request, origin=origin, ignored=sorted(ignored), unsourced=sorted(unsourced)
     )
 
 
-__all__ = ["KeyRequest", "Rename", "build_request", "select_entries"]
+class UnmatchedPatternWarning(UserWarning):
+    """An `ignore_keys` pattern or a `rename` prefix that matches no key of the state or the
+    checkpoint: most often a typo, and the load does what it would without it."""
+
+
+def _warn_unmatched(patterns: Sequence[str], rename: Rename | None, keys: list[str]) -> None:
+    """Warn of each ignore_keys pattern and rename prefix that matches nothing in `keys` (the
+    state's flat keys and the checkpoint's; an entry's name counts as a key)."""
+    names = set(keys) | {key.split(".", 1)[0] for key in keys}
+    unmatched = [f"ignore_keys pattern {p!r}" for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if isinstance(rename, Mapping):
+        unmatched += [f"rename prefix {old!r}" for old in rename if not any(k.startswith(old) for k in keys)]
+    if unmatched:
+        warnings.warn(
+            f"{', '.join(unmatched)} matches no key of the state or the checkpoint (a typo?); it changes nothing",
+            UnmatchedPatternWarning,
+            stacklevel=stacklevel_outside_ckptlib(),
+        )
+
+
+__all__ = ["KeyRequest", "Rename", "UnmatchedPatternWarning", "build_request", "select_entries"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -556,3 +557,33 @@ def test_missing_keys_say_what_to_do(tmp_path, state, hint):
     with pytest.raises(MissingKeysError) as caught:
         ckptlib.load(tmp_path / "ck", state)
     assert str(caught.value) == f"{tmp_path / 'ck'} lacks keys the state asks for: {hint}"
+
+
+@pytest.mark.parametrize(
+    "options, said",
+    [
+        ({"ignore_keys": ["model.zz*"]}, "ignore_keys pattern 'model.zz*'"),
+        ({"rename": {"modle.": "model."}}, "rename prefix 'modle.'"),
+        ({"ignore_keys": ["optim*", "nope"]}, "ignore_keys pattern 'nope'"),
+    ],
+    ids=["ignore-typo", "rename-typo", "one-of-two"],
+)
+def test_a_pattern_that_matches_nothing_warns(tmp_path, options, said):
+    ckptlib.save(tmp_path / "ck", {"model": {"a": torch.ones(2)}, "optim": {"x": torch.ones(1)}})
+    state = {"model": {"a": torch.zeros(2)}, "optim": {"x": torch.zeros(1)}}
+    with pytest.warns(ckptlib.UnmatchedPatternWarning) as record:
+        ckptlib.load(tmp_path / "ck", state, strict=False, **options)
+    assert [str(w.message) for w in record if w.category is ckptlib.UnmatchedPatternWarning] == [
+        f"{said} matches no key of the state or the checkpoint (a typo?); it changes nothing"
+    ]
+    assert torch.equal(state["model"]["a"], torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "options", [{"ignore_keys": ["optim"]}, {"ignore_keys": ["optim.*"]}, {"rename": {"model.": "model."}}]
+)
+def test_patterns_that_match_are_quiet(tmp_path, options):
+    ckptlib.save(tmp_path / "ck", {"model": {"a": torch.ones(2)}, "optim": {"x": torch.ones(1)}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ckptlib.UnmatchedPatternWarning)
+        ckptlib.load(tmp_path / "ck", {"model": {"a": torch.zeros(2)}, "optim": {"x": torch.zeros(1)}}, **options)
