@@ -202,7 +202,7 @@ def test_bit_flip_is_detected(tmp_path):
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x01
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointCorruptError, match=r"__0_0.distcp: checksum mismatch in item at offset 0"):
+    with pytest.raises(CheckpointCorruptError, match=r"__0_0.distcp: checksum mismatch in tensor 'w' at offset 0"):
         ckptlib.load(tmp_path / "c", {"w": torch.zeros(1000)})
 
 

@@ -62,7 +62,7 @@ def test_a_damaged_local_copy_falls_back_to_the_remote(tmp_path):
     assert _exact(state)
     (warning,) = [w for w in caught if issubclass(w.category, ckptlib.CopyFallbackWarning)]
     text = str(warning.message)
-    assert f"the local copy {local}/{name} is unusable (checksum mismatch in item at offset" in text
+    assert f"the local copy {local}/{name} is unusable (checksum mismatch in tensor '" in text
     assert f"from the remote copy {remote}" in text
     assert result.bytes_by_source["remote"] > 0 and result.bytes_by_source["local"] > 0
     assert sum(result.bytes_by_source.values()) == result.storage_bytes_read >= result.bytes_needed
@@ -95,7 +95,10 @@ def test_every_copy_bad_names_the_file_and_every_copy(tmp_path):
         ckptlib.load(local, _state(-1.0), copies=copies)
     err = raised.value
     assert isinstance(err, ckptlib.CheckpointCorruptError) and not isinstance(err, ckptlib.CheckpointNotFoundError)
-    assert f"every copy of {name} (rank 0's shard) failed: local {local}/{name}: checksum mismatch in item" in str(err)
+    assert (
+        f"every copy of {name} (rank 0's shard) failed: local {local}/{name}: checksum mismatch in tensor 'model."
+        in str(err)
+    )
     assert f"; remote {remote}/{name}: missing" in str(err)
     assert err.file == name and [t[0] for t in err.tried] == ["local", "remote"]
 

@@ -144,7 +144,8 @@ CORRUPTIONS = [
     pytest.param(
         _flip_bit,
         CheckpointCorruptError,
-        r"__0_0\.distcp: checksum mismatch in item at offset \d+ \(length \d+\) \(rank 0's shard\)",
+        r"__0_0\.distcp: checksum mismatch in tensor '[^']+'( \(chunk at [^)]*\))? at offset \d+ "
+        r"\(length \d+\) \(rank 0's shard\)",
         r"__0_0\.distcp \(rank 0's shard\): checksum mismatch in item at offset \d+",
         id="bit-flip-in-shard",
     ),
@@ -548,7 +549,7 @@ def test_corrupt_shard_of_rank1_saved_at_3_loaded_at_2(tmp_path, dist_run, capsy
     results = dist_run(2, _load_sharded, uri, return_exceptions=True)
     assert [type(r) for r in results] == [CheckpointCorruptError] * 2
     for r in results:
-        assert f"{uri}/__1_0.distcp: checksum mismatch in item at offset" in str(r)
+        assert f"{uri}/__1_0.distcp: checksum mismatch in tensor 'w' (chunk at (3, 0)) at offset" in str(r)
         assert "(rank 1's shard)" in str(r) and str(r).startswith("rank ")
         assert r.values_ok
     rc, out, _ = _ckpt_cli(capsys, "verify", uri)

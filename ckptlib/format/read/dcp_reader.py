@@ -113,8 +113,21 @@ class CkptReader(DirectReads, PlannedReader):
             )
         if crc32(data) != expected[1]:
             raise CheckpointCorruptError(
-                f"{where}: checksum mismatch in item at offset {off} (length {len(data)}){whose(name)}", path=where
+                f"{where}: checksum mismatch in {self.item_name(name, off)} at offset {off} (length {len(data)})"
+                f"{whose(name)}",
+                path=where,
             )
+
+    def item_name(self, name: str, offset: int) -> str:
+        """The item of file `name` at `offset` as a user knows it: "tensor 'model.w'" (with its
+        chunk's offsets when sharded), "object 'step'"; "item" when no record names it."""
+        for index, info in (getattr(self, "storage_data", None) or {}).items():
+            if getattr(info, "relative_path", None) == name and getattr(info, "offset", None) == offset:
+                chunk = getattr(index, "offset", None)
+                where = f" (chunk at {tuple(chunk)})" if chunk is not None and any(chunk) else ""
+                kind = "tensor" if chunk is not None else "object"
+                return f"{kind} {index.fqn!r}{where}"
+        return "item"
 
     # -- reading ------------------------------------------------------------------------
     def _local_file(self, name: str) -> str | None:

@@ -198,8 +198,8 @@ class DirectReads:
                 done.update(range(lo // check.block_size, -(-hi // check.block_size)))
         if failure is not None:
             raise CheckpointCorruptError(
-                f"{where}: checksum mismatch in item at offset {info.offset} (length {info.length}){whose(name)}"
-                f"{failure}",
+                f"{where}: checksum mismatch in {self.item_name(name, info.offset)} at offset {info.offset} "
+                f"(length {info.length}){whose(name)}{failure}",
                 path=where,
             )
         if dest is not target:
