@@ -109,21 +109,28 @@ def _start(endpoint, roots, remote, log, pause, logs, steps: int = STEPS) -> Nod
     )
 
 
+def _lose_rank_0s_host(nodes: Nodes, hosts, log, pause) -> tuple[int, int]:
+    """Once step 4 is trained at world 4: SIGKILL the host running rank 0 (its agent and every
+    worker) while the job is held before a step, wipe its disk, let the job go on; returns (the
+    surviving host, the last step logged before the kill)."""
+    _wait_for("step 4 trained at world 4", lambda: any(r["step"] >= 4 for r in _records(log)), nodes)
+    pause.touch()
+    lost = worker_with_rank(nodes, 0)
+    assert lost is not None, nodes.tails()
+    nodes.kill(lost)
+    shutil.rmtree(hosts[lost])
+    killed_at = max(r["step"] for r in _records(log))
+    pause.unlink()
+    return 1 - lost, killed_at
+
+
 @pytest.mark.timeout(900)
 def test_lose_rank_0s_host_the_survivors_resume_then_a_relaunch_grows_back(tmp_path, endpoint, reference):
     hosts = [tmp_path / "host0", tmp_path / "host1", tmp_path / "host2"]
     remote, log, pause = tmp_path / "remote", tmp_path / "loss.jsonl", tmp_path / "pause"
     shrunk_to = STEPS // 2
     with _start(endpoint, hosts[:2], remote, log, pause, tmp_path / "logs-1", steps=shrunk_to) as nodes:
-        _wait_for("step 4 trained at world 4", lambda: any(r["step"] >= 4 for r in _records(log)), nodes)
-        pause.touch()  # hold the job (before a step) while the host is lost
-        lost = worker_with_rank(nodes, 0)
-        assert lost is not None, nodes.tails()
-        survivor = 1 - lost
-        nodes.kill(lost)
-        shutil.rmtree(hosts[lost])
-        killed_at = max(r["step"] for r in _records(log))
-        pause.unlink()
+        survivor, killed_at = _lose_rank_0s_host(nodes, hosts, log, pause)
         # the survivors' agent restarts its workers at world 2 by itself; they resume and finish
         finished = nodes.wait(RUN_TIMEOUT)
         assert finished and nodes.returncodes()[survivor] == 0, nodes.tails()
@@ -162,15 +169,7 @@ def test_lose_rank_0s_host_then_a_replacement_joins_the_running_job(tmp_path, en
     hosts = [tmp_path / "host0", tmp_path / "host1", tmp_path / "host2"]
     remote, log, pause = tmp_path / "remote", tmp_path / "loss.jsonl", tmp_path / "pause"
     with _start(endpoint, hosts[:2], remote, log, pause, tmp_path / "logs") as nodes:
-        _wait_for("step 4 trained at world 4", lambda: any(r["step"] >= 4 for r in _records(log)), nodes)
-        pause.touch()
-        lost = worker_with_rank(nodes, 0)
-        assert lost is not None, nodes.tails()
-        survivor = 1 - lost
-        nodes.kill(lost)
-        shutil.rmtree(hosts[lost])
-        killed_at = max(r["step"] for r in _records(log))
-        pause.unlink()
+        survivor, killed_at = _lose_rank_0s_host(nodes, hosts, log, pause)
         _wait_for(
             "a step trained at world 2",
             lambda: any(r["world_size"] == 2 and r["step"] > killed_at for r in _records(log)),

@@ -182,3 +182,26 @@ def record_sleeps(monkeypatch, end: str = "high") -> list[float]:
     monkeypatch.setattr(objects, "time", types.SimpleNamespace(sleep=sleeps.append))
     monkeypatch.setattr(objects, "random", JitterAt(end))
     return sleeps
+
+
+#: The LocalStorage calls a remote that is "down" fails (every read, listing and write).
+DOWN_CALLS = ("read", "write", "list", "list_children", "exists", "read_pointer", "create_exclusive", "open_writer")
+
+
+def local_remote_down(monkeypatch, uri: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(take_down, bring_up) for a directory remote at `uri`: while down, every LocalStorage call
+    under it raises StorageError ("connection refused"), as an unreachable endpoint would."""
+    import ckptlib.storage.local as local_storage
+    from ckptlib.errors import StorageError
+
+    down: list[int] = []
+    for name in DOWN_CALLS:
+        real = getattr(local_storage.LocalStorage, name)
+
+        def failing(self, *args, _real=real, **kwargs):
+            if down and self.uri.startswith(uri):
+                raise StorageError(f"{self.uri}: injected: connection refused")
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(local_storage.LocalStorage, name, failing)
+    return lambda: down.append(1), down.clear

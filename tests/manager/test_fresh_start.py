@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 from helpers.manager import step_state as _state
+from helpers.storage import local_remote_down
 
 import ckptlib
 from ckptlib import (
@@ -116,22 +117,9 @@ def test_require_fails_on_every_rank(tmp_path, dist_run):
 # ---------------------------------------------------------------- the cluster tier, remote down
 @pytest.fixture
 def remote_down(tmp_path, monkeypatch):
-    """(remote URI, take_down()): a directory remote whose storage calls fail once down."""
-    import ckptlib.storage.local as local_storage
-
+    """(remote URI, take_down(), bring_up()): a directory remote whose storage calls fail once down."""
     uri = str(tmp_path / "remote")
-    down = []
-    names = ("read", "write", "list", "list_children", "exists", "read_pointer", "create_exclusive", "open_writer")
-    for name in names:
-        real = getattr(local_storage.LocalStorage, name)
-
-        def failing(self, *args, _real=real, **kwargs):
-            if down and self.uri.startswith(uri):
-                raise StorageError(f"{self.uri}: injected: connection refused")
-            return _real(self, *args, **kwargs)
-
-        monkeypatch.setattr(local_storage.LocalStorage, name, failing)
-    return uri, lambda: down.append(1), down.clear
+    return (uri, *local_remote_down(monkeypatch, uri))
 
 
 def test_a_fresh_node_with_the_remote_down_refuses_to_start_from_scratch(tmp_path, remote_down):

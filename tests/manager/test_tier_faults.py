@@ -20,6 +20,7 @@ import warnings
 import pytest
 import torch
 from helpers.manager import step_state as _state
+from helpers.storage import local_remote_down
 
 import ckptlib.manager.cluster.remote_tier as remote_tier
 from ckptlib import (
@@ -176,20 +177,7 @@ def remote_down(request, tmp_path, monkeypatch):
         monkeypatch.setenv("CKPTLIB_S3_MAX_ATTEMPTS", "1")
         return request.getfixturevalue("s3_root"), lambda: proxy.cut_after(0), proxy.restore
     uri = str(tmp_path / "remote")
-    import ckptlib.storage.local as local_storage
-
-    down = []
-    names = ("read", "write", "list", "list_children", "exists", "read_pointer", "create_exclusive", "open_writer")
-    for name in names:
-        real = getattr(local_storage.LocalStorage, name)
-
-        def failing(self, *args, _real=real, **kwargs):
-            if down and self.uri.startswith(uri):
-                raise StorageError(f"{self.uri}: injected: connection refused")
-            return _real(self, *args, **kwargs)
-
-        monkeypatch.setattr(local_storage.LocalStorage, name, failing)
-    return uri, lambda: down.append(1), down.clear
+    return (uri, *local_remote_down(monkeypatch, uri))
 
 
 @pytest.mark.parametrize("remote_down", ["local", pytest.param("s3", marks=pytest.mark.s3)], indirect=True)
