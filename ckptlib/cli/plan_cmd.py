@@ -14,6 +14,7 @@ from ckptlib.cli.usage import (
     UsageError,
     add_command,
     add_no_progress,
+    int_at_least,
     progress_bar,
 )
 
@@ -53,14 +54,7 @@ at M ranks, a TP layout without --spec: a CheckpointError such as PlanError, one
 LAYOUT_NAMES = ("plain", "ddp", "fsdp2", "hsdp", "tp", "fsdp2+tp", "fsdp1", "fsdp1-flat")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+_positive = int_at_least(1, "a positive integer")
 
 
 def _size(text: str) -> int:

@@ -9,21 +9,14 @@ import dataclasses
 import warnings
 from typing import Any
 
-from ckptlib.cli.usage import UsageError, open_uri
+from ckptlib.cli.usage import UsageError, int_at_least, open_uri
 
 STEP_HELP = "when the path is a checkpoint root (a CheckpointManager's directory): read this step, not its latest"
 SHOWN_STEPS = 10
 
 
-def step_number(text: str) -> int:
-    """`--step`'s value: a non-negative integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a step number (an integer >= 0), got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a step number (an integer >= 0), got {text!r}")
-    return value
+#: `--step`'s value: a non-negative integer.
+step_number = int_at_least(0, "a step number (an integer >= 0)")
 
 
 def add_step(parser: argparse.ArgumentParser) -> None:

@@ -60,6 +60,22 @@ class HelpFormatter(argparse.HelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+def int_at_least(minimum: int, expected: str):
+    """An argparse `type` for an integer >= `minimum`; `expected` says what in the error
+    ("expected {expected}, got '...'")."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
 def add_command(commands, name: str, *, help: str, description: str) -> argparse.ArgumentParser:
     """A `ckpt NAME` subcommand with the shared help layout."""
     return commands.add_parser(name, help=help, description=description, formatter_class=HelpFormatter)
