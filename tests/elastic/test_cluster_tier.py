@@ -93,6 +93,7 @@ def remote_kind(request):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # four launches (~20-60 s each, more on a loaded machine)
 def test_kill_one_node_mid_upload_then_resume_at_3_and_4(tmp_path, remote_kind, request):
     if remote_kind == "s3":
         from ckptlib.testing.fakes.faultproxy import FaultProxy

@@ -13,7 +13,7 @@ import os
 import pytest
 from helpers.copies import node_dirs, shard_files
 from helpers.read_once_node import state
-from helpers.torchrun import TESTS, Nodes
+from helpers.torchrun import LAUNCH_TIMEOUT, TESTS, Nodes
 
 import ckptlib
 
@@ -40,6 +40,7 @@ def _torchrun_two_nodes(base: str, out: str, *extra: str) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 300)  # two launches, each bounded by Nodes.wait
 def test_two_torchrun_nodes_read_each_item_once(tmp_path, dist_run):
     saved, base = str(tmp_path / "saved"), str(tmp_path / "nodes")
     dist_run(4, _save, saved, timeout=120)

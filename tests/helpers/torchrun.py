@@ -24,6 +24,9 @@ TESTS = REPO / "tests"
 #: How long a whole launch may take before the test calls it hung (a loaded 2-core machine
 #: needs ~20-60 s for a torchrun launch, most of it importing torch).
 LAUNCH_TIMEOUT = 300.0
+#: How long a static job's launcher may wait without workers after another launcher failed
+#: before `Nodes.wait` calls it stuck in torchrun's exit barrier.
+BARRIER_GRACE = 5.0
 
 
 def torchrun_env(**extra: str) -> dict[str, str]:
@@ -208,15 +211,31 @@ class Nodes:
 
     def wait(self, timeout: float = LAUNCH_TIMEOUT) -> bool:
         """Wait for every launcher to exit; kill the whole job if one is still running after
-        `timeout` (returns False then)."""
+        `timeout` (returns False then).
+
+        In a static job a launcher whose worker failed exits at once, skipping torchrun's exit
+        barrier, and the others sit in that barrier for its 300 s (elastic/agent/server/api.py,
+        `_invoke_run`) - a gloo abort at teardown of one finished rank would hang the test.
+        Once a launcher has failed, the others' workers are done and they are still there
+        after `BARRIER_GRACE`, they are waiting for nobody: they are killed and the test judges
+        what the workers wrote."""
         deadline = time.monotonic() + timeout
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        idle_since: dict[int, float] = {}
+        while True:
+            codes = self.returncodes()
+            if all(code is not None for code in codes):
+                return True
+            if time.monotonic() >= deadline:
                 self.kill_all()
                 return False
-        return True
+            if self._elastic_args is None and any(code not in (None, 0) for code in codes):
+                now = time.monotonic()
+                for node, code in enumerate(codes):
+                    if code is not None or self.worker_pids(node):
+                        idle_since.pop(node, None)
+                    elif now - idle_since.setdefault(node, now) >= BARRIER_GRACE:
+                        self.kill(node)
+            time.sleep(0.2)
 
     def returncodes(self) -> list[int | None]:
         return [proc.poll() for proc in self.procs]
