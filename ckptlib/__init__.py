@@ -29,6 +29,7 @@ from ckptlib.errors import (
     CopiesExhaustedError,
     CopiesMissingError,
     CopyFallbackWarning,
+    DamagedCopyError,
     DtypeMismatchError,
     LockedError,
     MissingKeysError,
@@ -64,6 +65,7 @@ _ON_USE = {
     "RemoteTier": "ckptlib.manager.cluster.remote_tier",
     "RemoteUnavailableWarning": "ckptlib.manager.cluster.resume",
     "SkippedDamagedStepWarning": "ckptlib.manager.cluster.resume",
+    "UploadSkippedWarning": "ckptlib.manager.cluster.resume",
     "FreshStartWarning": "ckptlib.manager.fresh_start",
     "StaleLockWarning": "ckptlib.manager.lock",
     "CheckpointManager": "ckptlib.manager.manager",
@@ -102,7 +104,11 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from ckptlib.loading.load_keys import UnmatchedPatternWarning
     from ckptlib.loading.loading import LoadResult, load
     from ckptlib.manager.cluster.remote_tier import RemoteTier
-    from ckptlib.manager.cluster.resume import RemoteUnavailableWarning, SkippedDamagedStepWarning
+    from ckptlib.manager.cluster.resume import (
+        RemoteUnavailableWarning,
+        SkippedDamagedStepWarning,
+        UploadSkippedWarning,
+    )
     from ckptlib.manager.fresh_start import FreshStartWarning
     from ckptlib.manager.lock import StaleLockWarning
     from ckptlib.manager.manager import CheckpointManager
@@ -158,6 +164,7 @@ __all__ = [
     "CopiesExhaustedError",
     "CopiesMissingError",
     "CopyFallbackWarning",
+    "DamagedCopyError",
     "ConvertResult",
     "convert",
     "dcp",
@@ -197,6 +204,7 @@ __all__ = [
     "SaveResult",
     "ShapeMismatchError",
     "SkippedDamagedStepWarning",
+    "UploadSkippedWarning",
     "StaleLockWarning",
     "StalePointerWarning",
     "StateError",

@@ -85,6 +85,17 @@ class CopiesExhaustedError(CheckpointCorruptError):
         self.tried = [tuple(t) for t in tried]
 
 
+class DamagedCopyError(CheckpointCorruptError):
+    """A node's copy of a checkpoint file read for an upload is missing or does not match its
+    manifest. `file` names the file, `rank` the rank that read it. The cluster tier sets the
+    copy aside (`<file>.damaged`) and uploads the file from another node's copy; this error is
+    raised only when no other copy is left."""
+
+    def __init__(self, message: str, *, file: str, path: str | None = None, rank: int | None = None):
+        super().__init__(message, path=path, rank=rank)
+        self.file = file
+
+
 class CopiesMissingError(CopiesExhaustedError, CheckpointNotFoundError):
     """CopiesExhaustedError where no copy tried holds the file at all (none is damaged)."""
 

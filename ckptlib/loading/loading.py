@@ -42,6 +42,19 @@ from ckptlib.storage import as_storage
 from ckptlib.storage.base import Storage
 
 
+@dataclasses.dataclass(frozen=True, order=True)
+class UnusableCopy:
+    """A copy of one checkpoint file that a load could not use (`ckptlib.format.read.copies`):
+    its `key` (which copy, across ranks), the `file`'s name, its `label` ("local", "replica",
+    "remote"), its `uri` and what was wrong with it."""
+
+    key: str
+    file: str
+    label: str
+    uri: str
+    problem: str
+
+
 @dataclasses.dataclass
 class LoadResult:
     """What a load restored: the checkpoint's step, saved world size, user metadata, and the
@@ -67,6 +80,9 @@ class LoadResult:
     bytes_by_source: dict[str, int] = dataclasses.field(default_factory=dict)  # per copy label, all ranks
     bytes_received: int = 0  # item bytes this rank received from other ranks
     bytes_needed: int | None = None  # the distinct stored items the load read (None: foreign formats)
+    # every copy of a file some rank found missing, short or damaged and read past (the same on
+    # every rank): what the cluster tier sets aside so that no later upload or load trusts it
+    unusable_copies: list[UnusableCopy] = dataclasses.field(default_factory=list)
 
     @property
     def mib_per_s(self) -> float | None:
@@ -356,7 +372,13 @@ def _load(
     role = getattr(reader, "role", None)
     labels = role.labels if role is not None else ()
     own = getattr(reader, "bytes_by_source", {})
-    mine = [reader.bytes_read, getattr(reader, "bytes_received", 0), *(own.get(label, 0) for label in labels)]
+    unusable = getattr(reader, "unusable", {})
+    mine = [
+        reader.bytes_read,
+        getattr(reader, "bytes_received", 0),
+        len(unusable),
+        *(own.get(label, 0) for label in labels),
+    ]
     shared = [mine]
 
     def agree_and_share(fn):
@@ -372,6 +394,11 @@ def _load(
     apply_all(request.target, steps)
     steps.local(give_back)
     steps.finish()
+    if any(row[2] for row in shared):  # rare: one more round, only when some copy failed somewhere
+        found = {}
+        for rows in _dist.all_gather_object(sorted(unusable.items()), group):
+            found.update((pair, entry) for pair, entry in rows)
+        unusable = found
     result = LoadResult(
         uri=storage.uri,
         step=info.step,
@@ -389,6 +416,7 @@ def _load(
         bytes_by_source=_by_source(shared, labels, storage),
         bytes_received=mine[1],
         bytes_needed=role.bytes_needed if role is not None else None,
+        unusable_copies=sorted(UnusableCopy(key, name, *entry) for (key, name), entry in unusable.items()),
     )
     log_operation(
         "load",
@@ -408,8 +436,8 @@ def _by_source(rows: list[list[int]], labels: Sequence[str], storage) -> dict[st
     if not labels:
         total = sum(row[0] for row in rows)
         return {default_label(storage): total} if total else {}
-    sums = {label: sum(row[2 + i] for row in rows) for i, label in enumerate(labels)}
+    sums = {label: sum(row[3 + i] for row in rows) for i, label in enumerate(labels)}
     return {label: n for label, n in sums.items() if n}
 
 
-__all__ = ["LoadResult", "load"]
+__all__ = ["LoadResult", "UnusableCopy", "load"]

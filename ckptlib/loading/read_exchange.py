@@ -157,6 +157,8 @@ def exclude_failed(reader: Any, exc: BaseException, world: int) -> bool:
     for _, f in exhausted:
         seen = reader.tried.setdefault(f.file, [])
         seen.extend(entry for entry in f.tried if entry not in seen)
+        for pair, entry in zip(f.failed_copies, f.tried):  # both in the order the copies were tried
+            reader.unusable.setdefault(tuple(pair), tuple(entry))
     shown = "; ".join(f"rank {rank}: {f.message}" for rank, f in exhausted)
     warn_scrubbed(
         f"{reader.storage.uri}: {shown}; loading again, reading those files from other ranks' copies",

@@ -228,9 +228,11 @@ def read_over_copies(
             if reader.plain:
                 raise
             tried.append((copy, exc))
+            where = f"{copy.storage.uri}/{name}"
+            reader.unusable[(copy.key, name)] = (copy.label, where, problem_of(exc, where))
             pending = [entry for entry in pending if not done(entry)]
             if index + 1 < len(chain):
-                nxt, where = chain[index + 1], f"{copy.storage.uri}/{name}"
+                nxt = chain[index + 1]
                 warn_scrubbed(
                     f"the {copy.label} copy {where} is unusable ({problem_of(exc, where)}); reading "
                     f"{describe_file(name)} from the {nxt.label} copy {nxt.storage.uri}",

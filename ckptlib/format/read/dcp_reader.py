@@ -81,6 +81,8 @@ class CkptReader(DirectReads, PlannedReader):
         self.copies = copies if copies is not None else Copies.single(storage)
         self.excluded: frozenset[tuple[str, str]] = frozenset()  # (copy key, file) that failed on some rank
         self.tried: dict[str, list[tuple[str, str, str]]] = {}  # file -> (label, uri, problem) of failed copies
+        # (copy key, file) -> (label, uri, problem): every copy this rank found unusable, fallen back from or not
+        self.unusable: dict[tuple[str, str], tuple[str, str, str]] = {}
         self.exchange: shared_reads.Transport | None = None  # set by ckptlib.loading.read_exchange
         self.read_once = True
         self.bytes_by_source: dict[str, int] = {}

@@ -5,5 +5,7 @@
 - `replication`: a node's shard files copied to its partner nodes through the process group;
 - `remote_tier`: `RemoteTier`, every rank uploading its own files and one commit;
 - `resume`: which step the tier resumes from and where its copies are (the inventory), and the
-  load from the nearest intact copy.
+  load from the nearest intact copy;
+- `damaged`: a node's copy that a load or an upload found damaged is set aside, and its file
+  uploaded from another node's copy.
 """

@@ -22,6 +22,7 @@ intact copy of each file: the rank's own node, else a peer node, else the remote
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 import uuid
@@ -32,6 +33,7 @@ from ckptlib._runtime import agree as _dist
 from ckptlib.errors import (
     CheckpointExistsError,
     CopiesExhaustedError,
+    DamagedCopyError,
     RankLostError,
     RemoteUnavailableError,
     ReplicationError,
@@ -43,17 +45,20 @@ from ckptlib.format.native.layout import classify
 from ckptlib.format.native.manifest import CommitRecord, Manifest
 from ckptlib.format.native.root import StalePointerWarning, committed_steps, step_dir
 from ckptlib.manager.cleanup import collect
+from ckptlib.manager.cluster.damaged import damaged_by_node, reassign, set_aside, without
 from ckptlib.manager.cluster.node_save import NodeLocalSave
-from ckptlib.manager.cluster.replication import replicate, shard_name
+from ckptlib.manager.cluster.replication import replicate
 from ckptlib.manager.cluster.resume import (
     Choice,
     RemoteUnavailableWarning,
     SkippedDamagedStepWarning,
+    UploadSkippedWarning,
     add_remote,
     choose,
     fetch_files,
     gather_versions,
     load_version,
+    own_files,
     upload_assignment,
     warn_all,
 )
@@ -260,24 +265,28 @@ class ClusterTier:
                 self._unlock_node()
 
     # -- the background pipeline ----------------------------------------------------------
-    def _start(self, step: int, manifest_bytes, write: AsyncSave | None, *, resumed: dict | None) -> None:
+    def _start(
+        self, step: int, manifest_bytes, write: AsyncSave | None, *, resumed: dict | None, holders: dict | None = None
+    ) -> None:
         """Run the replicas (a new save) and the upload of `step` in the background on the
-        dedicated group; `resumed`: rank -> files, for an upload resumed after a load."""
+        dedicated group; `resumed`: rank -> files, for an upload resumed after a load, and
+        `holders`: node -> the files of its copy that are intact."""
         group = self.group
         bg = background_save.async_group(group)
         topology = self.topology
         assert topology is not None
         local = self.root.child(step_dir(step))
-        rank = topology.rank
 
         def pipeline():
             data = manifest_bytes()
             manifest = Manifest.from_bytes(data, f"{local.uri}/ckptlib.json")
             result = failure = None
+            replicated = False
             if resumed is None and self.replicas:
                 try:
                     with _dist.peer_loss_as_error(f"replication of step {step}", bg, step=step, path=local.uri):
                         replicate(local, manifest, topology, self.replicas, bg)
+                    replicated = True
                 except RankLostError as exc:
                     raise ReplicationRankLostError(
                         exc.message, ranks=exc.ranks, step=exc.step, path=exc.path, rank=exc.rank
@@ -286,11 +295,10 @@ class ClusterTier:
                     failure = exc  # the upload still runs: the remote copy does not need the replicas
             if self.remote is not None:
                 if resumed is None:
-                    files = [shard_name(rank)] + ([".metadata"] if rank == 0 else [])
-                    files = [f for f in files if f in manifest.files]
+                    assignment, held = own_files(topology, manifest, self.replicas if replicated else 0)
                 else:
-                    files = resumed.get(rank, [])
-                result = self.remote.upload(step, data, local, files, bg, resumed=resumed is not None)
+                    assignment, held = resumed, holders or {}
+                result = self._upload(step, data, manifest, local, assignment, held, bg, resumed is not None)
             if failure is not None:
                 raise failure
             return result
@@ -315,6 +323,20 @@ class ClusterTier:
         job = AsyncSave(self.remote.uri if self.remote else local.uri, work, started=time.perf_counter())
         self._job = job
         background_save.register(group, job)
+
+    def _upload(self, step, data, manifest, local, assignment, holders, group, resumed: bool) -> SaveResult:
+        """Collective: upload `step`, each rank its `assignment`; a node copy found damaged on
+        the way is set aside and its file uploaded from another node's copy (`damaged`)."""
+        assert self.remote is not None and self.topology is not None
+        rank = self.topology.rank
+        while True:
+            try:
+                return self.remote.upload(step, data, local, assignment.get(rank, []), group, resumed=resumed)
+            except DamagedCopyError as exc:
+                if exc.rank == rank:
+                    set_aside(local, exc.file, manifest)
+                assignment, holders = reassign(exc, assignment, holders, self.topology)
+                resumed = True  # what the failed attempt uploaded completely stays
 
     def wait(self, timeout: float | None = None) -> Any:
         """Wait for the background pipeline: its result, its failure raised once, None if none."""
@@ -363,21 +385,42 @@ class ClusterTier:
             if result.step is None:  # a step directory written without step=: the step its name gives
                 result.step = choice.step
             self._latest = choice.step
-            if self._needs_upload(choice):
-                manifest = Manifest.from_bytes(manifest_bytes, f"{local.uri}/ckptlib.json")
+            manifest = Manifest.from_bytes(manifest_bytes, f"{local.uri}/ckptlib.json")
+            damaged = damaged_by_node(result.unusable_copies, topology)
+            if damaged:  # never trusted again: not by the upload below, nor by a later inventory
+                if topology.is_leader:
+                    for name in sorted(damaged.get(topology.node, ())):
+                        set_aside(local, name, manifest)
+                choice = dataclasses.replace(choice, holders=without(choice.holders, damaged))
+            if self._needs_upload(choice, manifest):
                 assignment = upload_assignment(choice, manifest, topology)
-                self._start(choice.step, lambda data=manifest_bytes: data, None, resumed=assignment)
+                self._start(
+                    choice.step, lambda data=manifest_bytes: data, None, resumed=assignment, holders=choice.holders
+                )
             return result
         return None
 
-    def _needs_upload(self, choice: Choice) -> bool:
-        """A version loaded from the local tiers that the remote lacks and is newer than its `latest`."""
-        return (
+    def _needs_upload(self, choice: Choice, manifest: Manifest) -> bool:
+        """A version loaded from the local tiers that the remote lacks and is newer than its
+        `latest` (warned and left when some file of it has no intact node copy left)."""
+        if not (
             self.remote is not None
             and choice.remote_reachable
             and not choice.remote
             and (choice.remote_latest is None or choice.order > choice.remote_latest)
-        )
+        ):
+            return False
+        unheld = sorted(name for name in manifest.files if not any(name in h for h in choice.holders.values()))
+        if unheld:
+            warn_all(
+                [
+                    f"step {choice.step} is not uploaded to {self.remote.uri}: no node holds an intact copy of "
+                    f"{', '.join(unheld[:10])}"
+                ],
+                UploadSkippedWarning,
+            )
+            return False
+        return True
 
     def latest(self) -> int | None:
         chosen = self._inventory(None)

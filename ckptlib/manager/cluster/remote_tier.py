@@ -31,6 +31,8 @@ from ckptlib._runtime.observe import log_operation
 from ckptlib.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointNotFoundError,
+    DamagedCopyError,
     LockedError,
     RankLostError,
     StateError,
@@ -327,8 +329,11 @@ class RemoteTier:
                     return
             try:
                 copy_file(local, remote, fname, record.size, record.crc32)
-            except CheckpointCorruptError:
-                raise
+            except (CheckpointCorruptError, CheckpointNotFoundError, FileNotFoundError) as exc:
+                problem = exc.message if isinstance(exc, CheckpointError) else f"{local.uri}/{fname}: missing"
+                raise DamagedCopyError(
+                    f"rank {rank}: {problem}", file=fname, path=f"{local.uri.rstrip('/')}/{fname}", rank=rank
+                ) from exc
             except Exception as exc:  # noqa: BLE001 - one error naming this rank and the object
                 raise UploadError(
                     f"rank {rank}: {where}/{fname}: upload failed: {type(exc).__name__}: {exc}",

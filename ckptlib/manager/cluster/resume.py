@@ -27,7 +27,9 @@ from ckptlib.format.native.manifest import MANIFEST_NAME, METADATA_NAME, Manifes
 from ckptlib.format.native.root import LATEST, scan, step_dir
 from ckptlib.format.read.copies import Copies, Copy
 from ckptlib.loading.loading import LoadResult, load
+from ckptlib.manager.cluster.damaged import node_key
 from ckptlib.manager.cluster.remote_tier import RemoteTier
+from ckptlib.manager.cluster.replication import shard_name, transfers
 from ckptlib.manager.cluster.topology import Topology
 from ckptlib.storage.base import Storage
 
@@ -37,7 +39,7 @@ def copies_for(choice: Choice, topology: Topology, local: Storage, remote: Stora
     mine = frozenset(choice.holders.get(topology.node, frozenset()))
     found = []
     if mine:
-        found.append(Copy("local", local, files=mine, key=f"node{topology.node}:{local.uri}"))
+        found.append(Copy("local", local, files=mine, key=node_key(topology.node, local.uri)))
     if remote is not None and choice.remote:
         found.append(Copy("remote", remote))
     return Copies(found)
@@ -64,6 +66,11 @@ def load_version(
 class SkippedDamagedStepWarning(UserWarning):
     """A committed step newer (in commit order) than the one resumed cannot be used: a file
     of it has no intact copy anywhere. It was skipped."""
+
+
+class UploadSkippedWarning(UserWarning):
+    """A resumed step the remote lacks was not uploaded: some file of it has no intact copy on
+    any node (the load did not need it, or read it from a copy it then set aside)."""
 
 
 class RemoteUnavailableWarning(UserWarning):
@@ -231,6 +238,23 @@ def warn_all(texts: list[str], category: type[Warning]) -> None:
         warn_scrubbed(text, category)  # they may quote a storage error (an endpoint's password)
 
 
+def own_files(topology: Topology, manifest: Manifest, replicas: int) -> tuple[dict[int, list[str]], dict]:
+    """A new save's upload: (rank -> files it uploads: its own shard, rank 0 also `.metadata`;
+    node -> files its root holds: its ranks' shards, `.metadata`, and its partners' shards when
+    `replicas` were made), the holders being where a damaged file is uploaded from instead."""
+    assignment: dict[int, list[str]] = {}
+    held: dict[int, set[str]] = {}
+    for node, ranks in enumerate(topology.nodes):
+        held[node] = {METADATA_NAME} & set(manifest.files)
+        for rank in ranks:
+            files = [shard_name(rank)] + ([METADATA_NAME] if rank == 0 else [])
+            assignment[rank] = [f for f in files if f in manifest.files]
+            held[node] |= {shard_name(rank)} & set(manifest.files)
+    for _src, dst, name in transfers(topology, replicas, manifest) if replicas else ():
+        held[topology.node_of(dst)].add(name)
+    return assignment, {node: frozenset(files) for node, files in held.items()}
+
+
 def upload_assignment(choice: Choice, manifest: Manifest, topology: Topology) -> dict[int, list[str]]:
     """Rank -> files it uploads for a resumed upload: each file to a rank of the lowest node
     holding it, spread over that node's ranks."""
@@ -273,6 +297,7 @@ __all__ = [
     "NodeCopy",
     "RemoteUnavailableWarning",
     "SkippedDamagedStepWarning",
+    "UploadSkippedWarning",
     "Version",
     "add_remote",
     "choose",
@@ -280,5 +305,6 @@ __all__ = [
     "gather_versions",
     "warn_all",
     "node_copies",
+    "own_files",
     "upload_assignment",
 ]
