@@ -41,6 +41,7 @@ from ckptlib.errors import (
     RankInterruptedError,
     RankLostError,
     RanksDisagreeError,
+    RemoteLagError,
     RemoteUnavailableError,
     ReplicationError,
     ReplicationRankLostError,
@@ -66,6 +67,8 @@ _ON_USE = {
     "RemoteUnavailableWarning": "ckptlib.manager.cluster.resume",
     "SkippedDamagedStepWarning": "ckptlib.manager.cluster.resume",
     "UploadSkippedWarning": "ckptlib.manager.cluster.resume",
+    "RemoteLag": "ckptlib.manager.cluster.remote_lag",
+    "RemoteLagReport": "ckptlib.manager.cluster.remote_lag",
     "FreshStartWarning": "ckptlib.manager.fresh_start",
     "StaleLockWarning": "ckptlib.manager.lock",
     "CheckpointManager": "ckptlib.manager.manager",
@@ -103,6 +106,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from ckptlib.format.native.root import StalePointerWarning
     from ckptlib.loading.load_keys import UnmatchedPatternWarning
     from ckptlib.loading.loading import LoadResult, load
+    from ckptlib.manager.cluster.remote_lag import RemoteLag, RemoteLagReport
     from ckptlib.manager.cluster.remote_tier import RemoteTier
     from ckptlib.manager.cluster.resume import (
         RemoteUnavailableWarning,
@@ -192,6 +196,9 @@ __all__ = [
     "RankLostError",
     "RanksDisagreeError",
     "RemoteTier",
+    "RemoteLag",
+    "RemoteLagError",
+    "RemoteLagReport",
     "RemoteUnavailableError",
     "RemoteUnavailableWarning",
     "FreshStartWarning",

@@ -211,6 +211,12 @@ class UploadError(StorageError):
     """Uploading a step to a tiered manager's remote root failed; the remote `latest` was not moved."""
 
 
+class RemoteLagError(UploadError):
+    """The remote has been unreachable for longer than `Cluster(remote_lag=RemoteLag(...))`
+    allows (steps not uploaded, or seconds since the oldest of them): names the remote, the
+    steps and the last failure. Every step stays committed locally."""
+
+
 class UploadRankLostError(UploadError, RankLostError):
     """A rank disappeared while the ranks uploaded a step (a node killed mid-upload): both an
     UploadError (the remote `latest` was not moved) and a RankLostError (`ranks` names them)."""

@@ -190,6 +190,13 @@ class CheckpointManager:
         """The step `load()` would resume from, or None when the root has no checkpoint."""
         return self.tier.latest()
 
+    @property
+    def remote_lag(self):
+        """With a remote: the saved steps it lacks because it was unreachable, how long since
+        the oldest of them, the last failure (a `RemoteLagReport`; empty when up to date). None
+        without a remote. See `Cluster(remote_lag=RemoteLag(...))` for making it an error."""
+        return self.tier.remote_lag()
+
     def path(self, step: int) -> str:
         return self.tier.path(step)
 

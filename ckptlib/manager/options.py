@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from ckptlib.errors import StateError
 from ckptlib.manager.cluster.cluster_tier import ClusterTier
+from ckptlib.manager.cluster.remote_lag import RemoteLag
 from ckptlib.manager.cluster.remote_tier import RemoteTier
 from ckptlib.manager.policies import KeepLast, RetentionPolicy, SavePolicy
 from ckptlib.manager.preemption import DEFAULT_SIGNALS
@@ -26,11 +27,14 @@ class Cluster:
     """The cluster tier: the manager's root is this node's local root, each node's files go to
     `replicas` partner nodes, and every step is uploaded to `remote` (a URI, keeping every
     step, or a `RemoteTier` with its own retention). `node`: this node's identity (default:
-    torchrun's GROUP_RANK, else the hostname; see `ckptlib.manager.cluster.topology`)."""
+    torchrun's GROUP_RANK, else the hostname; see `ckptlib.manager.cluster.topology`).
+    `remote_lag`: how far the remote may fall behind while unreachable before a save fails
+    (default: no limit, uploads retried; `ckptlib.manager.cluster.remote_lag`)."""
 
     replicas: int = 0
     remote: str | os.PathLike | RemoteTier | None = None
     node: Any = None
+    remote_lag: RemoteLag = RemoteLag()
 
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 0:
@@ -40,6 +44,9 @@ class Cluster:
             raise StateError(f"remote must be a URI or a RemoteTier, got {type(remote).__name__} {remote!r}")
         if isinstance(remote, (str, os.PathLike)):
             object.__setattr__(self, "remote", RemoteTier(remote))
+        if not isinstance(self.remote_lag, RemoteLag):
+            lag = self.remote_lag
+            raise StateError(f"remote_lag must be a RemoteLag, got {type(lag).__name__} {lag!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,6 +88,10 @@ class Tier(Protocol):
     def describe(self) -> str:
         """The tier in a manager's repr: its root's URI, and what else it writes to."""
 
+    def remote_lag(self) -> Any:
+        """The steps a remote lacks for want of it (`remote_lag.RemoteLagReport`; no
+        collective); None for a tier without a remote."""
+
 
 class SingleRoot:
     """One root every rank sees (a shared filesystem or an object store): the manager's own
@@ -101,6 +105,9 @@ class SingleRoot:
 
     def describe(self) -> str:
         return repr(self.uri)
+
+    def remote_lag(self) -> None:
+        return None
 
     def path(self, step: int) -> str:
         return f"{self.storage.uri.rstrip('/')}/{step_dir(step)}"

@@ -6,6 +6,8 @@
 - `remote_tier`: `RemoteTier`, every rank uploading its own files and one commit;
 - `resume`: which step the tier resumes from and where its copies are (the inventory), and the
   load from the nearest intact copy;
+- `remote_lag`: how far the remote may fall behind while unreachable before a save fails, and
+  when an upload is tried again;
 - `damaged`: a node's copy that a load or an upload found damaged is set aside, and its file
   uploaded from another node's copy.
 """

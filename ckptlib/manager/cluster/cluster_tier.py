@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 import uuid
@@ -40,6 +41,7 @@ from ckptlib.errors import (
     ReplicationRankLostError,
     StateError,
     stacklevel_outside_ckptlib,
+    warn_scrubbed,
 )
 from ckptlib.format.native.layout import classify
 from ckptlib.format.native.manifest import CommitRecord, Manifest
@@ -47,6 +49,7 @@ from ckptlib.format.native.root import StalePointerWarning, committed_steps, ste
 from ckptlib.manager.cleanup import collect
 from ckptlib.manager.cluster.damaged import damaged_by_node, reassign, set_aside, without
 from ckptlib.manager.cluster.node_save import NodeLocalSave
+from ckptlib.manager.cluster.remote_lag import LagState, RemoteLagReport
 from ckptlib.manager.cluster.replication import replicate
 from ckptlib.manager.cluster.resume import (
     Choice,
@@ -103,6 +106,8 @@ class ClusterTier:
         self._seq: int | None = None  # the largest commit seq seen (None: not looked yet)
         self._latest: int | None = None  # the step last saved or resumed (the parent of the next save)
         self._job: AsyncSave | None = None  # the background pipeline in flight
+        self._lag = LagState(cluster.remote_lag)  # steps the remote lacks for want of it
+        self._notices: list[str] = []  # warnings of the pipeline, given at the next wait
         self._run = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
 
     def path(self, step: int) -> str:
@@ -298,7 +303,10 @@ class ClusterTier:
                     assignment, held = own_files(topology, manifest, self.replicas if replicated else 0)
                 else:
                     assignment, held = resumed, holders or {}
-                result = self._upload(step, data, manifest, local, assignment, held, bg, resumed is not None)
+                upload = functools.partial(
+                    self._upload, step, data, manifest, local, assignment, held, bg, resumed is not None
+                )
+                result = self._remote_copy(step, upload, bg)
             if failure is not None:
                 raise failure
             return result
@@ -338,8 +346,22 @@ class ClusterTier:
                 assignment, holders = reassign(exc, assignment, holders, self.topology)
                 resumed = True  # what the failed attempt uploaded completely stays
 
+    def _remote_copy(self, step: int, upload, group) -> SaveResult | None:
+        """Collective: `upload()` under the remote-lag policy (`remote_lag.LagState.attempt`);
+        a step left local is warned of at the next wait."""
+        assert self.remote is not None
+        result, notice = self._lag.attempt(self.remote.uri, step, upload, group)
+        if notice is not None:
+            self._notices.append(notice)
+        return result
+
+    def remote_lag(self) -> RemoteLagReport | None:
+        """The steps not uploaded yet (no collective); None without a remote."""
+        return None if self.remote is None else self._lag.report()
+
     def wait(self, timeout: float | None = None) -> Any:
-        """Wait for the background pipeline: its result, its failure raised once, None if none."""
+        """Wait for the background pipeline: its result, its failure raised once, None if none
+        (a step left local for want of the remote: RemoteUnavailableWarning, here)."""
         job = self._job
         if job is None:
             return None
@@ -348,6 +370,9 @@ class ClusterTier:
         finally:
             if job.done():
                 self._job = None
+                notices, self._notices = self._notices, []
+                for text in notices:
+                    warn_scrubbed(text, RemoteUnavailableWarning)
 
     # -- loading ------------------------------------------------------------------------
     def load(self, state: Mapping[str, Any], step: int | None, kwargs: dict[str, Any], *, fresh_start_ok=False):

@@ -36,6 +36,7 @@ from ckptlib.errors import (
     LockedError,
     RankLostError,
     StateError,
+    StorageError,
     UploadError,
     UploadRankLostError,
 )
@@ -211,9 +212,8 @@ class RemoteTier:
         try:
             self.lock.take()
         except (LockedError, CheckpointError, OSError) as exc:
-            raise UploadError(
-                f"{self.uri}: cannot lock the remote root: {type(exc).__name__}: {exc}", path=self.uri
-            ) from exc
+            err = UploadError(f"{self.uri}: cannot lock the remote root: {type(exc).__name__}: {exc}", path=self.uri)
+            raise (err if isinstance(exc, LockedError) else unreachable(err)) from exc
 
     def close(self) -> None:
         self.lock.close()
@@ -305,9 +305,11 @@ class RemoteTier:
             return present
         except BaseException as exc:
             self.lock.abandon()
-            if isinstance(exc, CheckpointError):
+            own = isinstance(exc, CheckpointError) and not isinstance(exc, StorageError)
+            kept = own or isinstance(exc, UploadError)
+            if kept or not isinstance(exc, Exception):
                 raise
-            raise UploadError(f"{where}: upload failed: {type(exc).__name__}: {exc}", path=where) from exc
+            raise unreachable(UploadError(f"{where}: upload failed: {type(exc).__name__}: {exc}", path=where)) from exc
 
     def _send(
         self,
@@ -329,16 +331,19 @@ class RemoteTier:
                     return
             try:
                 copy_file(local, remote, fname, record.size, record.crc32)
-            except (CheckpointCorruptError, CheckpointNotFoundError, FileNotFoundError) as exc:
-                problem = exc.message if isinstance(exc, CheckpointError) else f"{local.uri}/{fname}: missing"
-                raise DamagedCopyError(
-                    f"rank {rank}: {problem}", file=fname, path=f"{local.uri.rstrip('/')}/{fname}", rank=rank
-                ) from exc
             except Exception as exc:  # noqa: BLE001 - one error naming this rank and the object
-                raise UploadError(
-                    f"rank {rank}: {where}/{fname}: upload failed: {type(exc).__name__}: {exc}",
-                    path=f"{where}/{fname}",
-                    rank=rank,
+                source = f"{local.uri.rstrip('/')}/{fname}"
+                if isinstance(exc, CheckpointCorruptError) or (
+                    isinstance(exc, (CheckpointNotFoundError, FileNotFoundError)) and not _present(local, fname)
+                ):
+                    problem = exc.message if isinstance(exc, CheckpointError) else f"{source}: missing"
+                    raise DamagedCopyError(f"rank {rank}: {problem}", file=fname, path=source, rank=rank) from exc
+                raise unreachable(
+                    UploadError(
+                        f"rank {rank}: {where}/{fname}: upload failed: {type(exc).__name__}: {exc}",
+                        path=f"{where}/{fname}",
+                        rank=rank,
+                    )
                 ) from exc
 
         todo = sorted(set(files))
@@ -371,11 +376,25 @@ class RemoteTier:
             self.known_steps = (self.known_steps | {step}) - {parse_step(name) for name in removed}
         except BaseException as exc:
             self.lock.abandon()
-            if isinstance(exc, UploadError):
+            if isinstance(exc, UploadError) or not isinstance(exc, Exception):
                 raise
-            raise UploadError(f"{where}: upload failed: {type(exc).__name__}: {exc}", path=where) from exc
+            raise unreachable(UploadError(f"{where}: upload failed: {type(exc).__name__}: {exc}", path=where)) from exc
         self.lock.abandon()
         return moved
+
+
+def unreachable(err: UploadError) -> UploadError:
+    """`err`, marked as the remote's being unreachable (`remote_lag.tolerated`): the step stays
+    local and a later save tries again. The mark travels with the error to every rank."""
+    err.unreachable = True
+    return err
+
+
+def _present(local: Storage, name: str) -> bool:
+    try:
+        return name in local.list(name)
+    except (OSError, CheckpointError):
+        return False
 
 
 def _positive_concurrency(value: Any) -> int:
