@@ -6,8 +6,9 @@ that reason; not a lock another writer holds, not a lost rank, not a damaged loc
 leaves the step local, says so with a `RemoteUnavailableWarning` naming the steps not yet
 remote, and is tried again at a later save: after `RemoteLag.retry_after` seconds, doubling
 after each failure up to `MAX_BACKOFF`, the newest step is uploaded (uploads of the saves in
-between are skipped, not queued, unless skipping one would pass the limit). The remote `latest` still only ever names a complete,
-verified copy. `mgr.remote_lag` reports where it stands.
+between are skipped, not queued, unless skipping one would pass the limit). The remote
+`latest` still only ever names a complete, verified copy. `mgr.remote_lag` reports where it
+stands.
 
 Strictness is opt-in: `RemoteLag(steps=N)` makes the save that leaves more than N steps not
 uploaded fail (`RemoteLagError`, an `UploadError`; `steps=0`: every failed upload is an
