@@ -95,7 +95,13 @@ def add_parser(commands) -> None:
     )
     p.add_argument("--only", action="append", metavar="ENTRY", help="plan a load of just this top-level entry "
                    "(repeatable), as load(only=...)")  # fmt: skip
-    p.add_argument("--no-read-once", action="store_true", help="every rank reads what it needs itself")
+    once = p.add_mutually_exclusive_group()
+    once.add_argument(
+        "--read-once",
+        action="store_true",
+        help="read shared items once and exchange them (the default decides by storage)",
+    )
+    once.add_argument("--no-read-once", action="store_true", help="every rank reads what it needs itself")
     p.add_argument("--no-verify", action="store_true", help="a load with verify=False (no checksum-block reads)")
     p.add_argument("--host-memory", type=_size, metavar="SIZE", help="exit 1 if a rank's peak host memory exceeds "
                    "SIZE (bytes, or like 64GiB)")  # fmt: skip
@@ -195,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
             tp_dims=tp,
             rank_state=args.rank_state,
             only=args.only,
-            read_once=not args.no_read_once,
+            read_once=True if args.read_once else False if args.no_read_once else "auto",
             verify=not args.no_verify,
             trusted=args.trusted,
             on_rank=lambda: bar.update(1),

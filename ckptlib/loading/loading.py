@@ -34,7 +34,7 @@ from ckptlib.format.read.copies import Copies, as_copies, default_label, info_fr
 from ckptlib.format.read.dcp_reader import CkptReader
 from ckptlib.format.read.load_planner import SafeLoadPlanner
 from ckptlib.format.source import inspect_checkpoint, open_reader
-from ckptlib.loading import read_exchange
+from ckptlib.loading import read_cost, read_exchange
 from ckptlib.loading.load_checks import check_request, checkpoint_size, describe_casts
 from ckptlib.loading.load_keys import KeyRequest, Rename, build_request, select_entries
 from ckptlib.state.state import CollectiveSteps, LoadTarget, apply_all, to_load_target
@@ -83,6 +83,7 @@ class LoadResult:
     # every copy of a file some rank found missing, short or damaged and read past (the same on
     # every rank): what the cluster tier sets aside so that no later upload or load trusts it
     unusable_copies: list[UnusableCopy] = dataclasses.field(default_factory=list)
+    read_once: bool = False  # whether items several ranks needed were read once and exchanged
 
     @property
     def mib_per_s(self) -> float | None:
@@ -104,7 +105,7 @@ def load(
     preset: str | presets.Preset | None = None,
     copies: Copies | Sequence | Mapping | None = None,
     info: CheckpointInfo | tuple[bytes | None, bytes] | None = None,
-    read_once: bool = True,
+    read_once: bool | str = "auto",
 ) -> LoadResult:
     """Load a checkpoint into `state` in place, at any world size; return what was loaded.
 
@@ -129,11 +130,14 @@ def load(
 
     Reads: `copies` (this rank's copies of the checkpoint, each file read from the first that
     holds it intact) and `info` (its manifest and `.metadata`, already read): the cluster
-    tier's entry point, see `ckptlib.format.read.copies`. `read_once=False` lets every rank read
-    what it needs itself, as plain DCP does (by default an item several ranks need is read by
-    one of them and sent to the others).
+    tier's entry point, see `ckptlib.format.read.copies`. `read_once=True`: an item several ranks
+    need is read by one of them and sent to the others; `False`: every rank reads what it needs
+    itself, as plain DCP does; `"auto"` (the default): read once from object stores, network
+    filesystems and copies, directly from a local disk (`ckptlib.loading.read_cost`). What the
+    load did is `LoadResult.read_once`.
     """
     started = time.perf_counter()
+    read_cost.check(read_once)
     storage = as_storage(uri)
     if preset is not None:
         return _load_with_preset(
@@ -291,7 +295,7 @@ def _load(
     rename: Rename | None,
     copies,
     given_info,
-    read_once: bool,
+    read_once: bool | str,
     started: float,
 ) -> LoadResult:
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
@@ -347,7 +351,8 @@ def _load(
 
     reader, _ = open_reader(storage, info=info, verify=verify, trusted=trusted, copies=copy_set)
     if isinstance(reader, CkptReader):
-        read_exchange.prepare(reader, group, read_once=read_once)  # collective on a group's first load
+        once = read_cost.wanted(read_once, storage, copy_set)
+        read_exchange.prepare(reader, group, read_once=once)  # collective on a group's first load
     while True:  # again only when copies failed and others remain (read_exchange.exclude_failed)
         # Every other key was checked above, so a partial load skips only the kept and the aliased ones.
         planner = SafeLoadPlanner(
@@ -416,6 +421,7 @@ def _load(
         bytes_by_source=_by_source(shared, labels, storage),
         bytes_received=mine[1],
         bytes_needed=role.bytes_needed if role is not None else None,
+        read_once=role.read_once if role is not None else False,
         unusable_copies=sorted(UnusableCopy(key, name, *entry) for (key, name), entry in unusable.items()),
     )
     log_operation(

@@ -26,6 +26,7 @@ from ckptlib.format.foreign.torch_save import memory_mapped
 from ckptlib.format.items.item_decoder import DeclaredChunks
 from ckptlib.format.items.ranged_io import _coalesce_ranges
 from ckptlib.format.source import inspect_checkpoint
+from ckptlib.loading import read_cost
 from ckptlib.offline.plan_layouts import LAYOUTS, PlanError, rank_plans
 from ckptlib.offline.plan_reads import RankReads, Target, ckpt_reads, foreign_bytes, foreign_reads, requests
 from ckptlib.storage import as_storage
@@ -166,7 +167,7 @@ def plan_load(
     tp_dims: Mapping[str, int | None] | None = None,
     rank_state: str = "keep",
     only: Sequence[str] | None = None,
-    read_once: bool = True,
+    read_once: bool | str = "auto",
     verify: bool = True,
     trusted: bool = False,
     on_rank: Callable[[], None] | None = None,
@@ -181,6 +182,7 @@ def plan_load(
         raise PlanError(f"world size must be a positive integer, got {world_size!r}")
     if layout not in LAYOUTS:
         raise PlanError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+    read_cost.check(read_once)
     storage = as_storage(uri)
     info = inspect_checkpoint(storage, verify=verify, trusted=trusted)
     metadata = info.metadata
@@ -210,7 +212,7 @@ def plan_load(
         )  # fmt: skip
     target = _target(storage, info, verify)
     declared = DeclaredChunks(metadata)
-    once = read_once and world_size > 1
+    once = read_cost.wanted(read_once, storage, None) and world_size > 1
     reads, schedule = ckpt_reads(plans, metadata.storage_data, declared, target, read_once=once, on_rank=on_rank)
     alone_reads, _ = ckpt_reads(plans, metadata.storage_data, declared, target, read_once=False)
     records = {(rec.relative_path, rec.offset, rec.length) for rec in metadata.storage_data.values()}

@@ -40,16 +40,18 @@ def _load_and_report(path: str, options: dict) -> dict:
         "by_source": result.bytes_by_source,
         "received": result.bytes_received,
         "needed": result.bytes_needed,
+        "read_once": result.read_once,
     }
 
 
 def test_replicated_state_is_read_once(tmp_path, dist_run):
     path = str(tmp_path / "c")
     ckptlib.save(path, _state(0.0))
-    once = dist_run(4, _load_and_report, path, {}, timeout=120)
+    once = dist_run(4, _load_and_report, path, {"read_once": True}, timeout=120)
     every = dist_run(4, _load_and_report, path, {"read_once": False}, timeout=120)
     needed = once[0]["needed"]
     assert needed > 8 * 256 * 1024 * 4
+    assert [r["read_once"] for r in once] == [True] * 4 and [r["read_once"] for r in every] == [False] * 4
     for results in (once, every):
         assert all(r["exact"] for r in results)
         assert [r["by_rank"] for r in results] == [[r["read"] for r in results]] * 4  # every rank has the list
@@ -92,7 +94,7 @@ def test_a_single_process_load_reports_its_reads(tmp_path):
 
 def _load_with(path: str, case: str) -> dict:
     """Load the replicated state at 4 ranks with one option (`case`); what came back."""
-    state, options = _state(-1.0), {}
+    state, options = _state(-1.0), {"read_once": True}
     if case == "verify_off":
         options["verify"] = False
     elif case == "cast":
@@ -158,7 +160,7 @@ def _resume_progress(path: str) -> dict:
     from ckptlib.state.sampler import MergeSamplerProgress
 
     loader = _sampler_loader()
-    result = ckptlib.load(path, {"data": ckptlib.RankLocal(loader, policy=MergeSamplerProgress())})
+    result = ckptlib.load(path, {"data": ckptlib.RankLocal(loader, policy=MergeSamplerProgress())}, read_once=True)
     seen = [i for batch in loader for i in batch.tolist()]
     return {"seen": seen, "received": result.bytes_received, "sum": sum(result.storage_bytes_read_by_rank)}
 
@@ -182,7 +184,7 @@ def _load_on_subgroup(path: str) -> dict | None:
     if dist.get_rank() == 0:
         return None
     state = _state(-1.0)
-    result = ckptlib.load(path, state, process_group=group)
+    result = ckptlib.load(path, state, process_group=group, read_once=True)
     expected = _state(0.0)
     return {
         "exact": all(torch.equal(state["model"][k], v) for k, v in expected["model"].items()),
@@ -205,7 +207,7 @@ def test_read_once_on_a_subgroup(tmp_path, dist_run):
 
 def _load_expecting_failure(path: str) -> tuple:
     try:
-        ckptlib.load(path, _state(-1.0))
+        ckptlib.load(path, _state(-1.0), read_once=True)
     except ckptlib.CheckpointError as exc:
         return type(exc).__name__, str(exc)
     return ("ok",)
@@ -234,7 +236,7 @@ def test_a_plain_dcp_checkpoint_is_read_once_too(tmp_path, dist_run):
     path = str(tmp_path / "c")
     state = _state(0.0)
     dcp.save({"model": state["model"], "extra": state["extra"], "step": 7}, storage_writer=dcp.FileSystemWriter(path))
-    results = dist_run(4, _load_and_report, path, {}, timeout=120)
+    results = dist_run(4, _load_and_report, path, {"read_once": True}, timeout=120)
     assert all(r["exact"] for r in results)
     needed = results[0]["needed"]
     assert needed <= sum(results[0]["by_rank"]) <= 1.1 * needed and all(r["received"] > 0 for r in results)

@@ -16,5 +16,9 @@ def test_bench_read_once_reports_bytes_side_by_side(tmp_path):
     assert once["needed"] == every["needed"] > 1 << 20
     assert once["storage"] == once["needed"] and once["received"] == once["needed"]  # each rank gets the other half
     assert every["storage"] == 2 * every["needed"] and every["received"] == 0
-    assert "| ddp | 2 | read-once |" in run.stderr and "met (≤ 1.1)" in run.stderr
+    default = row["default"]  # a local disk: every rank reads for itself
+    assert default["storage"] == every["storage"] and default["received"] == 0
+    assert (once["read_once"], every["read_once"], default["read_once"]) == (True, False, False)
+    assert "| ddp | 2 | read-once | yes |" in run.stderr and "met (≤ 1.1x needed)" in run.stderr
+    assert "| ddp | 2 | default | no |" in run.stderr and "x every-rank's time ≤ 1.15)" in run.stderr
     assert list(tmp_path.iterdir()) == []  # the scratch directory is removed

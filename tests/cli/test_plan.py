@@ -85,7 +85,7 @@ class HiddenFiles(LocalStorage):
         return data
 
 
-def load_measured(uri: str, layout: str, how: str = "local", verify: bool = True) -> dict:
+def load_measured(uri: str, layout: str, how: str = "local", verify: bool = True, read_once="auto") -> dict:
     """Rank body: load `uri` into the model at `layout`; every shard-file read this rank made."""
     import ckptlib.format.read.dcp_reader as dcp_reader
     import ckptlib.format.read.direct_reads as direct_reads
@@ -121,7 +121,7 @@ def load_measured(uri: str, layout: str, how: str = "local", verify: bool = True
 
         objects.ObjectStorage._get = counting
     model, optim = lm.build(SPEC, layout, "adamw", seed=1)
-    result = ckptlib.load(target, {"model": model, "optim": optim, "step": -1}, verify=verify)
+    result = ckptlib.load(target, {"model": model, "optim": optim, "step": -1}, verify=verify, read_once=read_once)
     return {
         "reads": reads,
         "by_rank": result.storage_bytes_read_by_rank,
@@ -170,22 +170,26 @@ def _assert_agrees(plan, measured: list[dict], *, requests: bool = False) -> Non
             assert planned.reads == len(got["reads"]), f"rank {rank}: read calls"
 
 
-CASES = [
-    (2, "fsdp2", 3, "fsdp2", True),
-    (2, "fsdp2", 3, "fsdp2", False),
-    (3, "ddp", 4, "hsdp", True),
-    (2, "fsdp2", 2, "ddp", True),
-    (2, "fsdp2", 3, "tp", True),
-    (4, "fsdp2+tp", 1, "plain", True),
+CASES = [  # read once where it matters (forced: the default reads a local disk directly), and the default
+    (2, "fsdp2", 3, "fsdp2", True, True),
+    (2, "fsdp2", 3, "fsdp2", False, True),
+    (3, "ddp", 4, "hsdp", True, True),
+    (3, "ddp", 4, "hsdp", True, "auto"),
+    (2, "fsdp2", 2, "ddp", True, True),
+    (2, "fsdp2", 3, "tp", True, True),
+    (4, "fsdp2+tp", 1, "plain", True, True),
 ]
 
 
 @pytest.mark.parametrize(
-    "n,save_layout,m,load_layout,verify",
+    "n,save_layout,m,load_layout,verify,once",
     CASES,
-    ids=[f"save{n}-{a}-load{m}-{b}{'' if v else '-noverify'}" for n, a, m, b, v in CASES],
+    ids=[
+        f"save{n}-{a}-load{m}-{b}{'' if v else '-noverify'}{'-default' if o == 'auto' else ''}"
+        for n, a, m, b, v, o in CASES
+    ],
 )
-def test_plan_matches_the_reads_of_a_real_load(saved, n, save_layout, m, load_layout, verify):
+def test_plan_matches_the_reads_of_a_real_load(saved, n, save_layout, m, load_layout, verify, once):
     from ckptlib.testing import launch
 
     uri = saved(n, save_layout)
@@ -194,10 +198,10 @@ def test_plan_matches_the_reads_of_a_real_load(saved, n, save_layout, m, load_la
         from ckptlib.cli.plan_cmd import spec_model_facts
 
         params, tp = spec_model_facts(f"{__file__}:SPEC", load_layout)
-    plan = plan_load(uri, m, load_layout, params=params, tp_dims=tp, verify=verify)
-    measured = launch(m, load_measured, uri, load_layout, "local", verify, timeout=240)
+    plan = plan_load(uri, m, load_layout, params=params, tp_dims=tp, verify=verify, read_once=once)
+    measured = launch(m, load_measured, uri, load_layout, "local", verify, once, timeout=240)
     _assert_agrees(plan, measured)
-    assert plan.exact and plan.storage == "local" and plan.read_once == (m > 1)
+    assert plan.exact and plan.storage == "local" and plan.read_once == (m > 1 and once is True)
 
 
 def test_plan_matches_reads_through_storage_read(saved):
@@ -288,7 +292,7 @@ def rank_state_round_trip(uri: str, merge: bool, save: bool) -> list[int]:
     if save:
         ckptlib.save(uri, state)
         return []
-    return ckptlib.load(uri, state).storage_bytes_read_by_rank
+    return ckptlib.load(uri, state, read_once=True).storage_bytes_read_by_rank
 
 
 @pytest.mark.parametrize("merge", [False, True], ids=["keep", "merge"])
@@ -300,7 +304,7 @@ def test_per_rank_state_on_a_resize(tmp_path, merge):
     uri = str(tmp_path / "ckpt")
     launch(3, rank_state_round_trip, uri, merge, True, timeout=240)
     measured = launch(2, rank_state_round_trip, uri, merge, False, timeout=240)[0]
-    plan = plan_load(uri, 2, "plain", rank_state="merge" if merge else "keep")
+    plan = plan_load(uri, 2, "plain", rank_state="merge" if merge else "keep", read_once=True)
     assert [r.bytes_read for r in plan.ranks] == measured
     history = 16384 * 4
     if merge:
@@ -361,11 +365,14 @@ def local_state_bytes(layout: str) -> int:
 
 def test_text_output_and_host_memory_limit(saved, capsys):
     uri = saved(2, "fsdp2")
-    assert cli.main(["plan", uri, "-n", "4", "--layout", "hsdp", "--ranges", "--no-progress"]) == 0
-    out = capsys.readouterr().out.splitlines()
+    assert cli.main(["plan", uri, "-n", "4", "--layout", "hsdp", "--no-progress"]) == 0
+    head = f"ckpt plan: {uri} (ckptlib, step 2, saved by 2 ranks) -> 4 ranks as hsdp, local storage, "
     assert (
-        out[0] == f"ckpt plan: {uri} (ckptlib, step 2, saved by 2 ranks) -> 4 ranks as hsdp, local storage, read once"
-    )
+        capsys.readouterr().out.splitlines()[0] == head + "each rank reads for itself"
+    )  # the default, on a local disk
+    assert cli.main(["plan", uri, "-n", "4", "--layout", "hsdp", "--ranges", "--read-once", "--no-progress"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == head + "read once"
     assert out[1].split() == ["rank", "items", "read", "received", "sent", "files", "reads", "state", "peak", "host"]
     assert any(line.startswith("rank 3 __") for line in out) and out[-1].startswith("whole load: reads ")
     assert cli.main(["plan", uri, "-n", "4", "--host-memory", "1KiB"]) == 1

@@ -2,7 +2,8 @@
 the load needs, for DDP, HSDP (2x2) and FSDP2+TP (2x2), on local disk and on S3 (moto), with the
 state bit-exact; and the negative control: with `read_once=False` (every rank reads what it
 needs itself, as plain DCP does) the same loads read about as many times the bytes as there
-are replicas. On S3 the bytes are counted twice: by `LoadResult` and by the GETs each rank made.
+are replicas; the default (`read_once="auto"`) does the first on S3 and the second on a local
+disk. On S3 the bytes are counted twice: by `LoadResult` and by the GETs each rank made.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ WORLD = 4
 WITHOUT = {"ddp": 3.5, "hsdp": 1.8, "fsdp2+tp": 1.3}
 
 
-def _load_reporting(uri: str, layout: str, expected: dict, read_once: bool, count_gets: bool) -> dict:
+def _load_reporting(uri: str, layout: str, expected: dict, read_once: bool | str, count_gets: bool) -> dict:
     """A rank: load at `layout`, compare with `expected`, and report what it read (and, on S3,
     the shard-file bytes its GETs returned)."""
     import torch.distributed as dist
@@ -63,6 +64,7 @@ def _load_reporting(uri: str, layout: str, expected: dict, read_once: bool, coun
         "by_source": result.bytes_by_source,
         "received": result.bytes_received,
         "needed": result.bytes_needed,
+        "read_once": result.read_once,
         "shard_gets": sum(n for name, n in gets if name.endswith(".distcp")),
     }
 
@@ -102,3 +104,15 @@ def test_read_once_sums(layout, where, tmp_path, dist_run, request):
     assert sum(every[0]["by_rank"]) >= WITHOUT[layout] * needed, (every[0]["by_rank"], needed)
     if where == "s3":
         assert [r["shard_gets"] for r in every] == every[0]["by_rank"]
+
+    # The default (read_once="auto") reads once from S3 and directly from a local disk.
+    default = dist_run(WORLD, _load_reporting, uri, layout, expected, "auto", False, **env)
+    for r in default:
+        assert r["problems"] == [], f"rank {r['rank']}: {r['problems']}"
+    assert [r["read_once"] for r in once + every] == [True] * WORLD + [False] * WORLD
+    assert [r["read_once"] for r in default] == [where == "s3"] * WORLD
+    reads = [r["read"] for r in default]
+    if where == "s3":
+        assert 0.99 * needed <= sum(reads) <= 1.1 * needed and sum(r["received"] for r in default) > 0, reads
+    else:
+        assert reads == every[0]["by_rank"] and all(r["received"] == 0 for r in default), reads

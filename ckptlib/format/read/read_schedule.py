@@ -149,6 +149,7 @@ class RankRole:
     bytes_needed: int
     labels: tuple[str, ...] = ()  # every rank's copy labels, in one order (the accounting's)
     tight: frozenset[str] = frozenset()  # files whose gaps between this rank's items others read
+    read_once: bool = True  # the load reads shared items once (every rank asked for it)
 
 
 @dataclasses.dataclass
@@ -172,7 +173,7 @@ class ReadSchedule:
             out[reader] += key[2]
         return out
 
-    def roles(self, labels: tuple[str, ...] = ()) -> list[RankRole]:
+    def roles(self, labels: tuple[str, ...] = (), read_once: bool = True) -> list[RankRole]:
         """Every rank's part, in one pass over the rounds."""
         rounds: list[list[RoundRole]] = [[] for _ in range(self.world)]
         shared: list[set[ItemKey]] = [set() for _ in range(self.world)]
@@ -194,6 +195,7 @@ class ReadSchedule:
                 self.bytes_needed,
                 labels,
                 self.tight[rank] if self.tight else frozenset(),
+                read_once,
             )
             for rank in range(self.world)
         ]
@@ -445,7 +447,7 @@ def plan_roles(
             f"this load must send items between ranks (some rank has no copy of a file), but rank {unable[0]} "
             "cannot: load through ckptlib.load, which gives every rank the exchange"
         )
-    return schedule.roles(tuple(sorted({label for info in infos for label in info.labels})))
+    return schedule.roles(tuple(sorted({label for info in infos for label in info.labels})), read_once)
 
 
 def requested_bytes(lengths: Sequence[int], whole: Sequence[int] | None, item_length: int, itemsize: int) -> int:
