@@ -50,6 +50,7 @@ from ckptlib.errors import (
     StorageError,
     UnsafeCheckpointError,
     UnsupportedError,
+    UnusedKeysError,
     UploadError,
     UploadRankLostError,
     WriterProcessError,
@@ -59,6 +60,8 @@ from ckptlib.errors import (
 _ON_USE = {
     "dcp": "ckptlib.dcp",
     "exit_barrier": "ckptlib._runtime.teardown",
+    "on_metrics": "ckptlib._runtime.observe",
+    "MetricsCallbackWarning": "ckptlib._runtime.observe",
     "StalePointerWarning": "ckptlib.format.native.root",
     "LoadResult": "ckptlib.loading.loading",
     "load": "ckptlib.loading.loading",
@@ -102,6 +105,7 @@ _ON_USE = {
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from ckptlib import dcp
+    from ckptlib._runtime.observe import MetricsCallbackWarning, on_metrics
     from ckptlib._runtime.teardown import exit_barrier
     from ckptlib.format.native.root import StalePointerWarning
     from ckptlib.loading.load_keys import UnmatchedPatternWarning
@@ -186,6 +190,7 @@ __all__ = [
     "LockedError",
     "MergeSamplerProgress",
     "MergingResizePolicy",
+    "MetricsCallbackWarning",
     "MissingKeysError",
     "NoCopyError",
     "NotACheckpointError",
@@ -222,8 +227,10 @@ __all__ = [
     "UploadRankLostError",
     "WriterProcessError",
     "UnsupportedError",
+    "UnusedKeysError",
     "__version__",
     "exit_barrier",
     "load",
+    "on_metrics",
     "save",
 ]

@@ -128,6 +128,14 @@ class MissingKeysError(CheckpointError):
         self.keys = list(keys)
 
 
+class UnusedKeysError(CheckpointError):
+    """The checkpoint holds keys no rank's state asks for (a load with allow_unused=False)."""
+
+    def __init__(self, message: str, *, keys=(), path: str | None = None, rank: int | None = None):
+        super().__init__(message, path=path, rank=rank)
+        self.keys = list(keys)
+
+
 class ShapeMismatchError(CheckpointError):
     """A tensor's shape or dtype differs between the caller's state and the checkpoint."""
 

@@ -5,8 +5,9 @@ reports. `ckptlib.loading.loading` agrees on their outcome in one round."""
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import math
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -41,11 +42,12 @@ def check_request(
     strict: bool,
     keep_if_absent: frozenset[str] = frozenset(),
     cast: bool = False,
-) -> tuple[list[str], list[str], dict[str, tuple[torch.dtype, torch.dtype]], dict[str, str]]:
+) -> tuple[list[str], list[str], dict[str, tuple[torch.dtype, torch.dtype]], dict[str, str], set[str]]:
     """Compare the requested keys with the checkpoint; return the missing ones, the absent ones
     the state keeps its own value for (`LoadTarget.keep_if_absent`), the dtype conversions
-    the load will make ({key: (saved, requested)}, only with `cast`), and the absent ones an
-    alias fills ({key: the saved key whose value is the same memory}: a tied weight)."""
+    the load will make ({key: (saved, requested)}, only with `cast`), the absent ones an
+    alias fills ({key: the saved key whose value is the same memory}: a tied weight), and the
+    checkpoint keys the request reads."""
     saved = info.metadata.state_dict_metadata
     flat = dcp_shims.flatten_state_dict(template)[0]
     refused = {key: reason for key, reason in ((k, unsupported_tensor(v)) for k, v in flat.items()) if reason}
@@ -111,7 +113,26 @@ def check_request(
             casts=casts,
             path=info.uri,
         )
-    return missing, kept, casts, aliased
+    return missing, kept, casts, aliased, {k for k in flat if k in saved} | set(aliased.values())
+
+
+def unused_candidates(
+    saved: Iterable[str], used: set[str], excluded: Sequence[str], patterns: Sequence[str]
+) -> set[str]:
+    """The checkpoint keys this rank's request leaves unused, less those under `excluded`
+    top-level entries (left out by `only=`, per-rank state) and those `ignore_keys` names."""
+
+    def left_out(key: str) -> bool:
+        return any(key == name or key.startswith(name + ".") for name in excluded) or any(
+            fnmatch.fnmatchcase(key, p) for p in patterns
+        )
+
+    return {key for key in saved if key not in used and not left_out(key)}
+
+
+def describe_unused(keys: Sequence[str]) -> str:
+    shown = ", ".join(keys[:20]) + (f" ... ({len(keys)} in all)" if len(keys) > 20 else "")
+    return f"{len(keys)} checkpoint key{'s' if len(keys) != 1 else ''} the state does not ask for: {shown}"
 
 
 def checkpoint_size(info: CheckpointInfo) -> int | None:
@@ -125,7 +146,7 @@ def checkpoint_size(info: CheckpointInfo) -> int | None:
     return total
 
 
-__all__ = ["check_request", "checkpoint_size", "describe_casts"]
+__all__ = ["check_request", "checkpoint_size", "describe_casts", "describe_unused", "unused_candidates"]
 
 
 def _entry_keys(entry: str, keys) -> list[str]:

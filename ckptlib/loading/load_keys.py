@@ -28,7 +28,8 @@ from ckptlib.errors import StateError, stacklevel_outside_ckptlib
 Rename = Mapping[str, str] | Callable[[str], str]
 
 
-def _patterns(ignore_keys: Sequence[str] | str | None) -> list[str]:
+def ignore_patterns(ignore_keys: Sequence[str] | str | None) -> list[str]:
+    """`ignore_keys=` as a list of glob strings (StateError otherwise)."""
     patterns = [ignore_keys] if isinstance(ignore_keys, str) else list(ignore_keys or [])
     if not all(isinstance(p, str) for p in patterns):
         raise StateError(f"ignore_keys must be glob strings, got {ignore_keys!r}")
@@ -52,7 +53,7 @@ def select_entries(
         unknown = [name for name in only if name not in state]
         if unknown:
             raise StateError(f"only= names {unknown} that the state does not have (it has {sorted(state)})")
-    patterns = _patterns(ignore_keys)
+    patterns = ignore_patterns(ignore_keys)
     if only is None and not any(_whole_entry_ignored(name, patterns) for name in state):
         return state
     return {
@@ -109,7 +110,7 @@ def build_request(
 ) -> KeyRequest:
     """Flatten `template`, drop ignored keys and translate state keys to checkpoint keys."""
     saved_keys = list(saved_keys)
-    patterns = _patterns(ignore_keys)
+    patterns = ignore_patterns(ignore_keys)
     flat, mapping = dcp_shims.flatten_state_dict(template)
     to_ckpt: dict[str, str] = {}
     if rename is not None:

@@ -28,16 +28,22 @@ from ckptlib._runtime import agree as _dist
 from ckptlib._runtime.gc_pause import gc_paused
 from ckptlib._runtime.observe import log_operation, mib_per_s
 from ckptlib._torch import dcp_shims
-from ckptlib.errors import CastWarning, MissingKeysError, stacklevel_outside_ckptlib
+from ckptlib.errors import CastWarning, MissingKeysError, UnusedKeysError, stacklevel_outside_ckptlib
 from ckptlib.format.native.layout import CheckpointInfo
 from ckptlib.format.read.copies import Copies, as_copies, default_label, info_from_bytes, open_from_copies
 from ckptlib.format.read.dcp_reader import CkptReader
 from ckptlib.format.read.load_planner import SafeLoadPlanner
 from ckptlib.format.source import inspect_checkpoint, open_reader
 from ckptlib.loading import read_cost, read_exchange
-from ckptlib.loading.load_checks import check_request, checkpoint_size, describe_casts
-from ckptlib.loading.load_keys import KeyRequest, Rename, build_request, select_entries
-from ckptlib.state.state import CollectiveSteps, LoadTarget, apply_all, to_load_target
+from ckptlib.loading.load_checks import (
+    check_request,
+    checkpoint_size,
+    describe_casts,
+    describe_unused,
+    unused_candidates,
+)
+from ckptlib.loading.load_keys import KeyRequest, Rename, build_request, ignore_patterns, select_entries
+from ckptlib.state.state import CollectiveSteps, LoadTarget, RankLocal, apply_all, to_load_target
 from ckptlib.storage import as_storage
 from ckptlib.storage.base import Storage
 
@@ -84,6 +90,7 @@ class LoadResult:
     # every rank): what the cluster tier sets aside so that no later upload or load trusts it
     unusable_copies: list[UnusableCopy] = dataclasses.field(default_factory=list)
     read_once: bool = False  # whether items several ranks needed were read once and exchanged
+    unused_keys: list[str] = dataclasses.field(default_factory=list)  # checkpoint keys no rank asked for
 
     @property
     def mib_per_s(self) -> float | None:
@@ -106,12 +113,16 @@ def load(
     copies: Copies | Sequence | Mapping | None = None,
     info: CheckpointInfo | tuple[bytes | None, bytes] | None = None,
     read_once: bool | str = "auto",
+    allow_unused: bool = True,
 ) -> LoadResult:
     """Load a checkpoint into `state` in place, at any world size; return what was loaded.
 
     `strict`: keys the state asks for but the checkpoint lacks are errors; with strict=False
     they are skipped and listed in `LoadResult.missing_keys`. Keys in the checkpoint that the
-    state does not ask for are never an error. Shape differences are always errors.
+    state does not ask for are listed in `LoadResult.unused_keys` (and a note);
+    `allow_unused=False` makes them an UnusedKeysError before anything is read (keys left out
+    on purpose by `only=`/`ignore_keys`, and other ranks' per-rank state, are not unused).
+    Shape differences are always errors.
     `cast`: a tensor whose dtype differs from the checkpoint's is a DtypeMismatchError
     (strict or not) unless cast=True, which converts it and warns (CastWarning) with the keys.
     `verify`: check every byte read against the manifest's checksums (see docs/integrity.md).
@@ -155,6 +166,7 @@ def load(
             copies=copies,
             info=info,
             read_once=read_once,
+            allow_unused=allow_unused,
         )
     with _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri), gc_paused():
         return _load(
@@ -171,6 +183,7 @@ def load(
             copies=copies,
             given_info=info,
             read_once=read_once,
+            allow_unused=allow_unused,
             started=started,
         )
 
@@ -206,6 +219,7 @@ class _Request:
     kept: list[str]  # absent optimizer hyperparameters the state keeps (LoadTarget.keep_if_absent)
     casts: dict
     aliased: dict[str, str] = dataclasses.field(default_factory=dict)  # absent keys their tied alias fills
+    unused: set[str] = dataclasses.field(default_factory=set)  # checkpoint keys this rank leaves unread
 
     @property
     def template(self) -> dict[str, Any]:
@@ -277,8 +291,30 @@ def _prepare_request(
             path=info.uri,
         )
     request = target.template if keyed is None else keyed.request
-    missing, kept, casts, aliased = check_request(request, info, strict, target.keep_if_absent, cast)
-    return _Request(selected, target, keyed, sorted(missing + unsourced), kept, casts, aliased)
+    missing, kept, casts, aliased, used = check_request(request, info, strict, target.keep_if_absent, cast)
+    saved = info.metadata.state_dict_metadata
+    excluded = [name for name in state if name not in selected or isinstance(state[name], RankLocal)]
+    if only is not None:  # a partial load: the checkpoint's other entries are left out on purpose
+        chosen = (only,) if isinstance(only, str) else tuple(only)
+        excluded += sorted({key.split(".", 1)[0] for key in saved} - set(chosen))
+    unused = unused_candidates(saved, used, excluded, ignore_patterns(ignore_keys))
+    return _Request(selected, target, keyed, sorted(missing + unsourced), kept, casts, aliased, unused)
+
+
+class _UnusedKeys:
+    """A Ballot: every rank votes 1 for each checkpoint key it reads or leaves out on purpose;
+    after the MAX reduction, the keys no rank voted for are the load's unused keys."""
+
+    def __init__(self, keys: Sequence[str]):
+        self.keys = list(keys)
+        self.votes = [1] * len(self.keys)  # what a rank whose checks failed votes
+        self.found: list[str] = []
+
+    def mark(self, request: _Request) -> None:
+        self.votes = [0 if key in request.unused else 1 for key in self.keys]
+
+    def counted(self, reduced: list[int]) -> None:
+        self.found = [key for key, vote in zip(self.keys, reduced) if not vote]
 
 
 def _load(
@@ -296,6 +332,7 @@ def _load(
     copies,
     given_info,
     read_once: bool | str,
+    allow_unused: bool,
     started: float,
 ) -> LoadResult:
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
@@ -314,24 +351,33 @@ def _load(
         return inspect_checkpoint(storage, verify=verify, trusted=trusted)
 
     info = _dist.decide_on_rank0(inspect, group)
-    request, copy_set = _dist.agree(
-        lambda: (
-            _prepare_request(
-                state,
-                info,
-                rank=rank,
-                world=world,
-                strict=strict,
-                cast=cast,
-                only=only,
-                ignore_keys=ignore_keys,
-                rename=rename,
-                group=group,
-            ),
-            own_copies(),
-        ),
-        group,
-    )
+    unused_keys = _UnusedKeys(sorted(info.metadata.state_dict_metadata))
+
+    def prepared() -> tuple[_Request, Copies | None]:
+        checked = _prepare_request(
+            state,
+            info,
+            rank=rank,
+            world=world,
+            strict=strict,
+            cast=cast,
+            only=only,
+            ignore_keys=ignore_keys,
+            rename=rename,
+            group=group,
+        )
+        unused_keys.mark(checked)
+        return checked, own_copies()
+
+    request, copy_set = _dist.agree(prepared, group, unused_keys)  # the unused keys ride in its one round
+    unused = unused_keys.found
+    if unused and not allow_unused:
+        raise UnusedKeysError(
+            f"{storage.uri}: {describe_unused(unused)}; load them into the state, leave them out with only= or "
+            "ignore_keys=, or pass allow_unused=True",
+            keys=unused,
+            path=storage.uri,
+        )
     if request.casts:
         warnings.warn(
             f"{storage.uri}: converted to the dtypes the state asked for: {describe_casts(request.casts)}",
@@ -339,6 +385,8 @@ def _load(
             stacklevel=stacklevel_outside_ckptlib(),
         )
     notes = list(request.target.notes)
+    if unused:
+        notes.append(f"unused: {describe_unused(unused)}")
     if request.kept:
         notes.append(
             f"the checkpoint lacks optimizer hyperparameters {', '.join(request.kept)} (the torch that saved it did "
@@ -422,6 +470,7 @@ def _load(
         bytes_received=mine[1],
         bytes_needed=role.bytes_needed if role is not None else None,
         read_once=role.read_once if role is not None else False,
+        unused_keys=unused,
         unusable_copies=sorted(UnusableCopy(key, name, *entry) for (key, name), entry in unusable.items()),
     )
     log_operation(
@@ -433,6 +482,8 @@ def _load(
         world_size=world,
         saved_world_size=result.world_size,
         rank=rank,
+        bytes_read=sum(result.storage_bytes_read_by_rank),
+        bytes_by_source=dict(result.bytes_by_source),
     )
     return result
 

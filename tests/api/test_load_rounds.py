@@ -72,9 +72,9 @@ def _agreements_of_a_load(path: str, options: dict) -> int:
     round, whose one collective also gathers each rank's bytes read)."""
     real, real_sharing, rounds = _dist.agree, _dist.agree_sharing, []
 
-    def counted(fn, group=None):
+    def counted(fn, group=None, ballot=None, **kwargs):
         rounds.append(fn)
-        return real(fn, group)
+        return real(fn, group, ballot, **kwargs)
 
     def counted_sharing(fn, values, group=None):
         rounds.append(fn)
