@@ -4,5 +4,7 @@
   (agreement rounds, broadcasts, the rank-loss guard);
 - `teardown`: `exit_barrier()`, leaving a process group safely;
 - `gc_pause`: Python's cyclic collector paused for the length of a save or load;
-- `observe`: one INFO line per checkpoint operation on the `ckptlib` logger.
+- `observe`: one INFO line per checkpoint operation on the `ckptlib` logger, and the metrics
+  callbacks (`on_metrics`);
+- `progress`: the progress of a save or load on rank 0 (`progress=`).
 """

@@ -1,6 +1,7 @@
 """The checks of a load that each rank computes on its own: the keys and shapes the state asks
 for against the checkpoint's, the dtype conversions a load would make, and the size a load
-reports. `ckptlib.loading.loading` agrees on their outcome in one round."""
+reports, and the checkpoint keys a request leaves unused (`UnusedKeys`, the ballot that
+gathers them). `ckptlib.loading.loading` agrees on their outcome in one round."""
 
 from __future__ import annotations
 
@@ -117,17 +118,40 @@ def check_request(
 
 
 def unused_candidates(
-    saved: Iterable[str], used: set[str], excluded: Sequence[str], patterns: Sequence[str]
+    saved: Iterable[str], used: set[str], left_out: Sequence[str], only, patterns: Sequence[str]
 ) -> set[str]:
-    """The checkpoint keys this rank's request leaves unused, less those under `excluded`
-    top-level entries (left out by `only=`, per-rank state) and those `ignore_keys` names."""
+    """The checkpoint keys this rank's request leaves unused, less those under top-level
+    entries left out on purpose (`left_out`: the state's entries it does not load, per-rank
+    state; with `only=`, every entry it does not name) and those `ignore_keys` names."""
+    saved = list(saved)
+    excluded = list(left_out)
+    if only is not None:  # a partial load: the checkpoint's other entries are left out on purpose
+        chosen = (only,) if isinstance(only, str) else tuple(only)
+        excluded += sorted({key.split(".", 1)[0] for key in saved} - set(chosen))
 
-    def left_out(key: str) -> bool:
+    def skipped(key: str) -> bool:
         return any(key == name or key.startswith(name + ".") for name in excluded) or any(
             fnmatch.fnmatchcase(key, p) for p in patterns
         )
 
-    return {key for key in saved if key not in used and not left_out(key)}
+    return {key for key in saved if key not in used and not skipped(key)}
+
+
+class UnusedKeys:
+    """A Ballot of the load's agreement round: every rank votes 1 for each checkpoint key it
+    reads or leaves out on purpose; after the MAX reduction, the keys no rank voted for are
+    the load's unused keys (`found`)."""
+
+    def __init__(self, keys: Sequence[str]):
+        self.keys = list(keys)
+        self.votes = [1] * len(self.keys)  # what a rank whose checks failed votes
+        self.found: list[str] = []
+
+    def mark(self, unused: set[str]) -> None:
+        self.votes = [0 if key in unused else 1 for key in self.keys]
+
+    def counted(self, reduced: list[int]) -> None:
+        self.found = [key for key, vote in zip(self.keys, reduced) if not vote]
 
 
 def describe_unused(keys: Sequence[str]) -> str:
@@ -146,7 +170,14 @@ def checkpoint_size(info: CheckpointInfo) -> int | None:
     return total
 
 
-__all__ = ["check_request", "checkpoint_size", "describe_casts", "describe_unused", "unused_candidates"]
+__all__ = [
+    "UnusedKeys",
+    "check_request",
+    "checkpoint_size",
+    "describe_casts",
+    "describe_unused",
+    "unused_candidates",
+]
 
 
 def _entry_keys(entry: str, keys) -> list[str]:

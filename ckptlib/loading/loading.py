@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckptlib import presets
 from ckptlib._runtime import agree as _dist
+from ckptlib._runtime import progress as progress_bars
 from ckptlib._runtime.gc_pause import gc_paused
 from ckptlib._runtime.observe import log_operation, mib_per_s
 from ckptlib._torch import dcp_shims
@@ -36,6 +37,7 @@ from ckptlib.format.read.load_planner import SafeLoadPlanner
 from ckptlib.format.source import inspect_checkpoint, open_reader
 from ckptlib.loading import read_cost, read_exchange
 from ckptlib.loading.load_checks import (
+    UnusedKeys,
     check_request,
     checkpoint_size,
     describe_casts,
@@ -114,6 +116,7 @@ def load(
     info: CheckpointInfo | tuple[bytes | None, bytes] | None = None,
     read_once: bool | str = "auto",
     allow_unused: bool = True,
+    progress: Any = None,
 ) -> LoadResult:
     """Load a checkpoint into `state` in place, at any world size; return what was loaded.
 
@@ -145,10 +148,12 @@ def load(
     need is read by one of them and sent to the others; `False`: every rank reads what it needs
     itself, as plain DCP does; `"auto"` (the default): read once from object stores, network
     filesystems and copies, directly from a local disk (`ckptlib.loading.read_cost`). What the
-    load did is `LoadResult.read_once`.
+    load did is `LoadResult.read_once`. `progress`: a bar on stderr (None: when it is a
+    terminal; True, False) or `fn(op, done, total)`, on rank 0 (`ckptlib._runtime.progress`).
     """
     started = time.perf_counter()
     read_cost.check(read_once)
+    progress_bars.check(progress)
     storage = as_storage(uri)
     if preset is not None:
         return _load_with_preset(
@@ -167,8 +172,14 @@ def load(
             info=info,
             read_once=read_once,
             allow_unused=allow_unused,
+            progress=progress,
         )
-    with _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri), gc_paused():
+    rank = _dist.get_rank(process_group)
+    with (
+        _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri),
+        gc_paused(),
+        progress_bars.reporting("load", storage.uri, progress, rank),
+    ):
         return _load(
             storage,
             state,
@@ -292,29 +303,9 @@ def _prepare_request(
         )
     request = target.template if keyed is None else keyed.request
     missing, kept, casts, aliased, used = check_request(request, info, strict, target.keep_if_absent, cast)
-    saved = info.metadata.state_dict_metadata
-    excluded = [name for name in state if name not in selected or isinstance(state[name], RankLocal)]
-    if only is not None:  # a partial load: the checkpoint's other entries are left out on purpose
-        chosen = (only,) if isinstance(only, str) else tuple(only)
-        excluded += sorted({key.split(".", 1)[0] for key in saved} - set(chosen))
-    unused = unused_candidates(saved, used, excluded, ignore_patterns(ignore_keys))
+    left_out = [name for name in state if name not in selected or isinstance(state[name], RankLocal)]
+    unused = unused_candidates(info.metadata.state_dict_metadata, used, left_out, only, ignore_patterns(ignore_keys))
     return _Request(selected, target, keyed, sorted(missing + unsourced), kept, casts, aliased, unused)
-
-
-class _UnusedKeys:
-    """A Ballot: every rank votes 1 for each checkpoint key it reads or leaves out on purpose;
-    after the MAX reduction, the keys no rank voted for are the load's unused keys."""
-
-    def __init__(self, keys: Sequence[str]):
-        self.keys = list(keys)
-        self.votes = [1] * len(self.keys)  # what a rank whose checks failed votes
-        self.found: list[str] = []
-
-    def mark(self, request: _Request) -> None:
-        self.votes = [0 if key in request.unused else 1 for key in self.keys]
-
-    def counted(self, reduced: list[int]) -> None:
-        self.found = [key for key, vote in zip(self.keys, reduced) if not vote]
 
 
 def _load(
@@ -351,7 +342,7 @@ def _load(
         return inspect_checkpoint(storage, verify=verify, trusted=trusted)
 
     info = _dist.decide_on_rank0(inspect, group)
-    unused_keys = _UnusedKeys(sorted(info.metadata.state_dict_metadata))
+    unused_keys = UnusedKeys(sorted(info.metadata.state_dict_metadata))
 
     def prepared() -> tuple[_Request, Copies | None]:
         checked = _prepare_request(
@@ -366,7 +357,7 @@ def _load(
             rename=rename,
             group=group,
         )
-        unused_keys.mark(checked)
+        unused_keys.mark(checked.unused)
         return checked, own_copies()
 
     request, copy_set = _dist.agree(prepared, group, unused_keys)  # the unused keys ride in its one round

@@ -31,6 +31,7 @@ import warnings
 from typing import Any, Mapping
 
 from ckptlib._runtime import agree as _dist
+from ckptlib._runtime import progress as progress_bars
 from ckptlib.errors import StateError, stacklevel_outside_ckptlib
 from ckptlib.format.native.root import check_step, committed_steps
 from ckptlib.format.write.plan_cache import PlanCache
@@ -69,6 +70,7 @@ class CheckpointManager:
         initial_load: str | os.PathLike | InitialLoad | None = None,
         process_group=None,
         hold_lock: bool = False,
+        progress: Any = None,
     ):
         """`retention`: a policy from `ckptlib.manager.policies` (`KeepLast(3) | KeepBest(2, "loss")`);
         `keep_last=N` is short for `KeepLast(N)`. `save_policy` decides when `maybe_save` saves.
@@ -91,7 +93,13 @@ class CheckpointManager:
 
         `hold_lock=False`: the root is locked during each save and gc. `hold_lock=True`: the
         first save or gc takes the lock and keeps it until `close()` (or the end of a `with`
-        block, or interpreter exit), so no other writer can use the root between saves."""
+        block, or interpreter exit), so no other writer can use the root between saves.
+
+        `progress`: the saves' and loads' progress as `ckptlib.save` shows it (None: a bar on
+        stderr when it is a terminal; True, False, or `fn(op, done, total)`), rank 0 only; a
+        load's own `progress=` wins."""
+        progress_bars.check(progress)
+        self.progress = progress
         self.retention = check_retention(keep_last, retention, save_policy)
         self.mode = AsyncMode.of(async_save)
         self.preemption = Preemption.of(preemption)
@@ -114,7 +122,7 @@ class CheckpointManager:
             self.mode.start_writer()  # a process writer imports torch while the training sets up
         self._pending = None  # the AsyncSave in flight (async_save)
         _dist.start_heartbeat()  # a rank that never calls save tells a roll call it is alive
-        settings = TierSettings(self.retention, process_group, hold_lock, self.mode, PlanCache())
+        settings = TierSettings(self.retention, process_group, hold_lock, self.mode, PlanCache(), progress)
         self.tier = make_tier(self.storage, self.root_uri, settings, cluster)
         self.remote = None if cluster is None else cluster.remote
 
@@ -313,6 +321,7 @@ class CheckpointManager:
         unless `fresh_start_ok=True`."""
         self.wait()  # a save or upload in flight: its failure surfaces before anything else
         chosen = None if step is None else check_step(step)
+        kwargs.setdefault("progress", self.progress)
         result = self.tier.load(state, chosen, kwargs, fresh_start_ok=fresh_start_ok)
         if result is None and self.initial_load is not None:
             result = load_initial(self.initial_load.path, self.initial_load.only, state, self.process_group, kwargs)

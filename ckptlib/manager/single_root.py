@@ -40,13 +40,15 @@ from ckptlib.storage.base import Storage
 @dataclasses.dataclass
 class TierSettings:
     """What a manager hands its tier: the root's retention, the process group, the lock
-    setting, the async mode (None: saves block) and the manager's plan cache."""
+    setting, the async mode (None: saves block), the manager's plan cache and its saves'
+    `progress=`."""
 
     retention: RetentionPolicy
     group: Any
     hold_lock: bool
     mode: AsyncMode | None
     plan_cache: PlanCache
+    progress: Any = None
 
 
 class Tier(Protocol):
@@ -146,6 +148,7 @@ class SingleRoot:
                 after_commit=lambda: self._publish(step),
                 on_failure=self._abandon,
                 plan_cache=self.settings.plan_cache,
+                progress=self.settings.progress,
             )
         except BaseException:
             self._abandon()

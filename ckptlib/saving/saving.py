@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 import torch.distributed.checkpoint as dcp
 
 from ckptlib._runtime import agree as _dist
+from ckptlib._runtime import progress as progress_bars
 from ckptlib._runtime.gc_pause import gc_paused
 from ckptlib._runtime.observe import log_operation, mib_per_s
 from ckptlib._torch import dcp_shims
@@ -75,13 +76,16 @@ def save(
     metrics: dict[str, float] | None = None,
     overwrite: bool = False,
     process_group=None,
+    progress: Any = None,
 ) -> SaveResult:
     """Save `state` as a sharded DCP checkpoint at `uri` and commit it with a manifest.
 
     Collective: every rank of `process_group` calls it with its own shard of the state.
     `metrics` (name -> number, rank 0's values) go into the manifest for retention
     (`KeepBest`) and listings; NaN and infinities are stored as null.
-    For a save that returns once the state is staged, see `async_save`.
+    For a save that returns once the state is staged, see `async_save`. `progress`: a bar on
+    stderr (None: when it is a terminal; True, False) or `fn(op, done, total)`, on rank 0
+    (`ckptlib._runtime.progress`).
     """
     return transact(
         as_storage(uri),
@@ -91,6 +95,7 @@ def save(
         metrics=metrics,
         overwrite=overwrite,
         group=process_group,
+        progress=progress,
     )
 
 
@@ -105,6 +110,7 @@ def async_save(
     process_group=None,
     background_staging: bool = False,
     async_mode: str = "thread",
+    progress: Any = None,
 ) -> AsyncSave:
     """`save`, returning an `AsyncSave` handle as soon as the state is staged to CPU memory;
     the write and the commit run in a background thread on a dedicated gloo group (see
@@ -131,6 +137,7 @@ def async_save(
         overwrite=overwrite,
         group=process_group,
         mode=AsyncMode(async_mode, background_staging),
+        progress=progress,
     )
 
 
@@ -148,6 +155,7 @@ def transact(
     on_failure: Callable[[], None] | None = None,
     make_transaction: Callable[..., SaveTransaction] = SaveTransaction,
     plan_cache: PlanCache | None = None,
+    progress: Any = None,
 ) -> SaveResult | AsyncSave:
     """The one save path: check the arguments and collect the state (one agreement round,
     which also decides whether the plans of `plan_cache` are reused: by default the
@@ -155,8 +163,10 @@ def transact(
     hooks (see `format.transaction.SaveTransaction`), now or, with an async `mode`, in the
     background (an AsyncSave handle; its hooks run there), its shards written there or by this
     rank's writer process (`AsyncMode("process")`). `make_transaction`: the transaction's
-    class (the cluster tier's `NodeLocalSave`), called with SaveTransaction's arguments."""
+    class (the cluster tier's `NodeLocalSave`), called with SaveTransaction's arguments;
+    `progress` as `save` takes it."""
     started = time.perf_counter()
+    progress_bars.check(progress)
     writer = None
     asynchronous = mode is not None
     background_staging = asynchronous and mode.background_staging
@@ -191,7 +201,8 @@ def transact(
         shard_backend=writer,
     )
     if not asynchronous:
-        result = _write(transaction, state_dict, group, reuse)
+        with progress_bars.reporting("save", storage.uri, progress, rank):
+            result = _write(transaction, state_dict, group, reuse)
         result.seconds = time.perf_counter() - started
         _log_save(result, rank)
         return result
@@ -207,7 +218,8 @@ def transact(
         # Preparing the target (removing debris) waits for the disk, so it runs in the
         # background too, still before any shard is written; its errors
         # (CheckpointExistsError) come from wait().
-        result = _write(transaction, state_dict, bg_group, reuse)
+        with progress_bars.reporting("save", storage.uri, progress, rank):
+            result = _write(transaction, state_dict, bg_group, reuse)
         result.seconds = time.perf_counter() - started
         result.blocked_seconds = handle.blocking_seconds
         _log_save(result, rank)

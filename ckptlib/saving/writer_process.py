@@ -39,6 +39,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ckptlib._runtime import progress
 from ckptlib.errors import CheckpointError, StateError, WriterProcessError, stacklevel_outside_ckptlib
 from ckptlib.format.native.manifest import FileRecord
 from ckptlib.format.write.dcp_writer import InProcessShards, _tensor_for_save
@@ -240,8 +241,11 @@ class WriterProcess:
         with transaction.writing_shard(name):
             items = [self._describe(data) for data in payloads]
             self.start()  # replaces a writer that died since the last save
+            progress.add_total(planned_bytes)
             with self._lock:
-                return self._request(sent_storage, name, planned_bytes, items, where)
+                record = self._request(sent_storage, name, planned_bytes, items, where)
+            progress.advance(record.size)
+            return record
 
     def _describe(self, data: Any) -> tuple:
         if isinstance(data, io.BytesIO):

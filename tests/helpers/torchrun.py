@@ -26,7 +26,7 @@ TESTS = REPO / "tests"
 LAUNCH_TIMEOUT = 300.0
 #: How long a static job's launcher may wait without workers after another launcher failed
 #: before `Nodes.wait` calls it stuck in torchrun's exit barrier.
-BARRIER_GRACE = 5.0
+BARRIER_GRACE = 20.0
 
 
 def torchrun_env(**extra: str) -> dict[str, str]:

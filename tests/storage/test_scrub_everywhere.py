@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import warnings
 
 import pytest
 import torch
 from helpers.storage import record_sleeps
 
 import ckptlib
-from ckptlib import CheckpointManager, Cluster, RemoteTier
+from ckptlib import CheckpointManager, Cluster, RemoteLag, RemoteTier, RemoteUnavailableWarning
 from ckptlib._runtime.observe import log_operation
 from ckptlib.cli import main as cli_main
 from ckptlib.errors import CheckpointError, StorageError
@@ -155,13 +156,23 @@ def test_manager_tiered_and_cli_paths_of_every_backend_never_show_the_password(
         with pytest.raises(CheckpointError) as loaded:
             CheckpointManager(root).load(state)
         tiered = CheckpointManager(str(tmp_path / "local"), keep_last=1, cluster=Cluster(remote=RemoteTier(root)))
-        with pytest.raises(CheckpointError) as uploaded:
+        with pytest.warns(RemoteUnavailableWarning) as left_local:  # the step stays local: a warning
             tiered.save(1, state)
             tiered.wait()
+        tiered.close()
+        strict = Cluster(remote=RemoteTier(root), remote_lag=RemoteLag(steps=0))
+        strict_tier = CheckpointManager(str(tmp_path / "strict"), keep_last=1, cluster=strict)
+        with pytest.raises(CheckpointError) as uploaded, warnings.catch_warnings(record=True) as also:
+            warnings.simplefilter("always")
+            strict_tier.save(1, state)
+            strict_tier.wait()
         try:
-            tiered.close()
+            strict_tier.close()
         except CheckpointError as exc:  # the upload's failure, if save() had not raised it yet
             assert _chain_clean(exc), str(exc)
+    assert any("could not be uploaded" in str(w.message) for w in left_local), [str(w.message) for w in left_local]
+    for caught in [*left_local, *also]:
+        assert _clean(str(caught.message)), str(caught.message)
     for info in (saved, loaded, uploaded):
         assert _chain_clean(info.value), str(info.value)
     assert caplog.records and _clean(caplog.text)

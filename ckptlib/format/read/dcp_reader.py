@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ckptlib._runtime import agree as _dist
+from ckptlib._runtime import progress
 from ckptlib.errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
 from ckptlib.format.items.checksum import crc32
 from ckptlib.format.items.item_decoder import DeclaredChunks
@@ -160,6 +161,7 @@ class CkptReader(DirectReads, PlannedReader):
                     f"{where}: shard file is truncated{whose(name)}: {exc}", path=where
                 ) from exc
             self.bytes_read += length
+            progress.advance(length)
             for req, info in by_span[(off, length)]:
                 start = info.offset - off
                 data = blob[start : start + info.length]
@@ -224,6 +226,7 @@ class CkptReader(DirectReads, PlannedReader):
                 data = memoryview(bytearray(info.length))
                 got = _pread_into(fd, data, info.offset)
                 self.bytes_read += got
+                progress.advance(got)
                 if got != info.length:
                     raise CheckpointCorruptError(
                         f"{where}: shard file is truncated{whose(name)}: {path}: wanted {info.length} bytes at "
@@ -355,6 +358,7 @@ class CkptReader(DirectReads, PlannedReader):
         except EOFError as exc:
             raise CheckpointCorruptError(f"{where}: shard file is truncated{whose(name)}: {exc}", path=where) from exc
         self.bytes_read += got
+        progress.advance(got)
         if got != view.nbytes:
             raise CheckpointCorruptError(
                 f"{where}: shard file is truncated{whose(name)}: wanted {view.nbytes} bytes at offset {offset}, "

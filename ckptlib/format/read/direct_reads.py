@@ -9,6 +9,7 @@ import sys
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner
 
+from ckptlib._runtime import progress
 from ckptlib._torch import serialization
 from ckptlib.errors import CheckpointCorruptError
 from ckptlib.format.items.block_checks import _CRC_CHUNK, _BlockCheck, _ItemCheck
@@ -60,6 +61,7 @@ class DirectReads:
                 raise EOFError(f"short read at offset {pos}")
             check.feed(scratch[:n])
             self.bytes_read += n
+            progress.advance(n)
             pos += n
 
     def _check_for(self, name: str, info, begin: int, end: int, item_crc: int, parsed: list[tuple[int, int]]):
@@ -172,6 +174,7 @@ class DirectReads:
                     chunk = view[pos : pos + chunk_size]
                     n = read_into(chunk, rows_lo + pos)
                     self.bytes_read += n
+                    progress.advance(n)
                     if n != chunk.nbytes:
                         raise EOFError(f"short read at offset {rows_lo + pos}")
                     if check is not None:

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ckptlib._runtime import progress
 from ckptlib._torch import dcp_shims
 from ckptlib.format.items import item_encoder
 from ckptlib.format.items.block_checks import _CrcSink, block_size_for
@@ -67,6 +68,7 @@ def write_shard(stream, payloads: Iterable[Any], planned_bytes: int) -> FileReco
     back to back into `stream`, checksumming them in the same pass; the shard's FileRecord.
     `planned_bytes` (the tensors' bytes) sets the checksum block size."""
     sink = _CrcSink(stream, block_size_for(planned_bytes))
+    progress.add_total(planned_bytes)
     items: list[tuple[int, int, int]] = []
     offset = 0
     for data in payloads:
@@ -88,6 +90,7 @@ def write_shard(stream, payloads: Iterable[Any], planned_bytes: int) -> FileReco
         del data  # never hold this item while the next one is resolved
         length = sink.pos - offset
         sink.end_item(length)
+        progress.advance(length)
         items.append((offset, length, sink.item_crc))
         offset = sink.pos
     sink.end_file()

@@ -229,6 +229,7 @@ class ClusterTier:
                 group=group,
                 mode=self.settings.mode,
                 plan_cache=self.settings.plan_cache,
+                progress=self.settings.progress,
                 after_commit=None if background else (lambda: self._after_node_commit(step)),
                 on_failure=self._unlock_node,
                 make_transaction=make,
