@@ -2,6 +2,7 @@
 
 - `agree`: the collectives that make one rank's failure an error on every rank, never a hang
   (agreement rounds, broadcasts, the rank-loss guard);
+- `check_in`: a public collective call checks that every rank makes it (fails in seconds);
 - `teardown`: `exit_barrier()`, leaving a process group safely;
 - `gc_pause`: Python's cyclic collector paused for the length of a save or load;
 - `observe`: one INFO line per checkpoint operation on the `ckptlib` logger, and the metrics

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 import traceback
 from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
@@ -331,6 +332,20 @@ def _roll_call(group, key: str, wait_s: float, alive: list[int] | None = None) -
         return None
 
 
+def _check_in(call: str, what: str, group, *, step, path) -> None:
+    from ckptlib._runtime.check_in import check_in
+    from ckptlib._torch import c10d
+
+    try:
+        store = c10d.default_store()
+        ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+    except Exception:  # noqa: BLE001 - no store to check in at: the collectives' own checks remain
+        return
+    # counted per group: its ranks make its calls equally often, as they make its collectives
+    serial = next(_entries.setdefault((call, tuple(ranks)), itertools.count()))
+    check_in(store, call, what, serial, ranks, _HEARTBEAT_KEY, path=path, step=step)
+
+
 # Every process in a guarded collective beats in the store: a counter its own thread adds to
 # each second, so a roll call tells a dead rank (no beat) from one blocked in gloo (beating).
 _HEARTBEAT_KEY = "ckptlib/heartbeat"
@@ -366,6 +381,38 @@ def start_heartbeat() -> None:
     threading.Thread(target=beat, name="ckptlib-heartbeat", daemon=True).start()
 
 
+_depth = threading.local()  # how many guards and public calls this thread is inside
+_entries: dict[tuple, "itertools.count[int]"] = {}  # public calls made, by (kind, group ranks): check-in keys
+
+
+@contextlib.contextmanager
+def called_by_every_rank(
+    call: str, what: str, group=None, *, step: int | None = None, path: str | None = None
+) -> Iterator[None]:
+    """A public collective call (`save`, `load`, a manager's save), before its first collective:
+    check that every rank of `group` makes it (`check_in`: NotCalledByEveryRankError in
+    seconds, not at the process group's timeout). Inside another such call or a guard of this
+    thread (a load inside the cluster tier's inventory) nothing more is checked."""
+    depth = getattr(_depth, "n", 0)
+    check_every_rank_calls(call, what, group, step=step, path=path)
+    _depth.n = depth + 1
+    try:
+        yield
+    finally:
+        _depth.n = depth
+
+
+def check_every_rank_calls(
+    call: str, what: str, group=None, *, step: int | None = None, path: str | None = None
+) -> None:
+    """`called_by_every_rank`'s check alone, for a call that makes no other public call inside.
+    `call` names the kind of call ("save", "load": ranks may pass different paths, their own
+    node's) and keys the check-in; `what` describes it in the error."""
+    if getattr(_depth, "n", 0) == 0 and is_distributed():
+        start_heartbeat()
+        _check_in(call, what, group, step=step, path=path)
+
+
 @contextlib.contextmanager
 def peer_loss_as_error(what: str, group=None, *, step: int | None = None, path: str | None = None) -> Iterator[None]:
     """Turn a broken collective under `what` (e.g. "save of step 2 to /ckpt") into a
@@ -376,6 +423,8 @@ def peer_loss_as_error(what: str, group=None, *, step: int | None = None, path: 
     """
     serial = next(_guards.setdefault(what, itertools.count()))
     start_heartbeat()
+    depth = getattr(_depth, "n", 0)
+    _depth.n = depth + 1
     try:
         yield
     except RankLostError:
@@ -413,3 +462,5 @@ def peer_loss_as_error(what: str, group=None, *, step: int | None = None, path: 
             path=path,
             rank=dist.get_rank(),
         ) from exc
+    finally:
+        _depth.n = depth

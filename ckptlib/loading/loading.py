@@ -155,48 +155,49 @@ def load(
     read_cost.check(read_once)
     progress_bars.check(progress)
     storage = as_storage(uri)
-    if preset is not None:
-        return _load_with_preset(
-            presets.get(preset),
-            storage,
-            state,
-            strict=strict,
-            cast=cast,
-            verify=verify,
-            trusted=trusted,
-            process_group=process_group,
-            only=only,
-            ignore_keys=ignore_keys,
-            rename=rename,
-            copies=copies,
-            info=info,
-            read_once=read_once,
-            allow_unused=allow_unused,
-            progress=progress,
-        )
-    rank = _dist.get_rank(process_group)
-    with (
-        _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri),
-        gc_paused(),
-        progress_bars.reporting("load", storage.uri, progress, rank),
-    ):
-        return _load(
-            storage,
-            state,
-            strict=strict,
-            cast=cast,
-            verify=verify,
-            trusted=trusted,
-            group=process_group,
-            only=only,
-            ignore_keys=ignore_keys,
-            rename=rename,
-            copies=copies,
-            given_info=info,
-            read_once=read_once,
-            allow_unused=allow_unused,
-            started=started,
-        )
+    with _dist.called_by_every_rank("load", f"load of {storage.uri}", process_group, path=storage.uri):
+        if preset is not None:
+            return _load_with_preset(
+                presets.get(preset),
+                storage,
+                state,
+                strict=strict,
+                cast=cast,
+                verify=verify,
+                trusted=trusted,
+                process_group=process_group,
+                only=only,
+                ignore_keys=ignore_keys,
+                rename=rename,
+                copies=copies,
+                info=info,
+                read_once=read_once,
+                allow_unused=allow_unused,
+                progress=progress,
+            )
+        rank = _dist.get_rank(process_group)
+        with (
+            _dist.peer_loss_as_error(f"load of {storage.uri}", process_group, path=storage.uri),
+            gc_paused(),
+            progress_bars.reporting("load", storage.uri, progress, rank),
+        ):
+            return _load(
+                storage,
+                state,
+                strict=strict,
+                cast=cast,
+                verify=verify,
+                trusted=trusted,
+                group=process_group,
+                only=only,
+                ignore_keys=ignore_keys,
+                rename=rename,
+                copies=copies,
+                given_info=info,
+                read_once=read_once,
+                allow_unused=allow_unused,
+                started=started,
+            )
 
 
 def _load_with_preset(

@@ -268,11 +268,11 @@ class CheckpointManager:
         unless `overwrite=True`. Its old files are removed before the new ones are written, so
         a crash during that save leaves `latest` falling back to the newest other committed step."""
         step = check_step(step)
-        self.wait()  # the previous async save: its failure surfaces here, before anything else
-        with _dist.peer_loss_as_error(
-            f"save of step {step} to {self.root_uri}", self.process_group, step=step, path=self.path(step)
-        ):
-            return self._save(step, state, metadata, metrics, overwrite)
+        what = f"save of step {step} to {self.root_uri}"
+        with _dist.called_by_every_rank("manager.save", what, self.process_group, step=step, path=self.path(step)):
+            self.wait()  # the previous async save: its failure surfaces here, before anything else
+            with _dist.peer_loss_as_error(what, self.process_group, step=step, path=self.path(step)):
+                return self._save(step, state, metadata, metrics, overwrite)
 
     def _save(
         self,
@@ -319,10 +319,13 @@ class CheckpointManager:
         CheckpointNotFoundError. With a cluster tier, a remote that cannot be read while no
         node holds a step is a RemoteUnavailableError (a committed step may exist there)
         unless `fresh_start_ok=True`."""
-        self.wait()  # a save or upload in flight: its failure surfaces before anything else
         chosen = None if step is None else check_step(step)
         kwargs.setdefault("progress", self.progress)
-        result = self.tier.load(state, chosen, kwargs, fresh_start_ok=fresh_start_ok)
+        with _dist.called_by_every_rank(
+            "manager.load", f"load from {self.root_uri}", self.process_group, path=self.root_uri
+        ):
+            self.wait()  # a save or upload in flight: its failure surfaces before anything else
+            result = self.tier.load(state, chosen, kwargs, fresh_start_ok=fresh_start_ok)
         if result is None and self.initial_load is not None:
             result = load_initial(self.initial_load.path, self.initial_load.only, state, self.process_group, kwargs)
             self.initial_loaded = True

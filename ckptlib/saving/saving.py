@@ -167,6 +167,7 @@ def transact(
     `progress` as `save` takes it."""
     started = time.perf_counter()
     progress_bars.check(progress)
+    _dist.check_every_rank_calls("save", _saving(storage, step), group, step=step, path=storage.uri)
     writer = None
     asynchronous = mode is not None
     background_staging = asynchronous and mode.background_staging

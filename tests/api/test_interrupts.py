@@ -134,13 +134,26 @@ def _save_on_rank_0_only(root: str) -> dict:
 
 
 def test_a_save_called_on_one_rank_only_says_it_is_collective(tmp_path, dist_run):
+    """Found by the check-in at the call (CKPTLIB_CALL_GRACE), long before the process group's
+    timeout (here 10 minutes)."""
     root = str(tmp_path / "run")
-    results = dist_run(2, _save_on_rank_0_only, root, pg_timeout=8, timeout=120)
+    results = dist_run(2, _save_on_rank_0_only, root, pg_timeout=600, env={"CKPTLIB_CALL_GRACE": "3"}, timeout=120)
+    got = results[0]
+    assert got["type"] == "NotCalledByEveryRankError" and got["ranks"] == [1], got
+    assert got["message"] == (
+        f"save of step 1 to {root} on rank 0: it is a collective call, which every rank of its group must make, "
+        "and rank 1 (alive) did not make it within 3 s (CKPTLIB_CALL_GRACE)"
+    ), got["message"]
+    assert results[1] == {"type": "waited"}
+    assert CheckpointManager(root).steps() == []
+
+
+def test_without_the_check_in_the_process_groups_timeout_says_it(tmp_path, dist_run):
+    root = str(tmp_path / "run")
+    results = dist_run(2, _save_on_rank_0_only, root, pg_timeout=8, env={"CKPTLIB_CALL_GRACE": "0"}, timeout=120)
     got = results[0]
     assert got["type"] == "NotCalledByEveryRankError" and got["ranks"] == [1], got
     assert got["message"].startswith(
         f"save of step 1 to {root} failed on rank 0: it is a collective call, which every rank "
         "must make, and rank 1 (alive) did not make it within the process group's timeout"
     ), got["message"]
-    assert results[1] == {"type": "waited"}
-    assert CheckpointManager(root).steps() == []

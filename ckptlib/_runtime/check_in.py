@@ -1,0 +1,112 @@
+"""A collective call made by some ranks only fails in seconds, not at the process group's timeout.
+
+Every rank entering a public collective (`save`, `async_save`, `load`, a manager's save) checks
+in under the call's name in the rendezvous store before its first collective: one append of
+its rank and one counter increment; the last to arrive sets a key the others wait on. A rank
+whose group has not all checked in within `CKPTLIB_CALL_GRACE` seconds (default 60) raises
+NotCalledByEveryRankError naming the ranks that did not call, which are alive (their
+heartbeat counter moves, or never started); a missing rank whose heartbeat stopped is lost
+(RankLostError, within a few seconds). Waiting costs no requests beyond the store's blocking
+wait; the missing ranks are looked up only after the first seconds.
+
+Without a store, with a one-rank group or `CKPTLIB_CALL_GRACE=0` nothing is checked: the
+collective's own timeout and the roll call (`agree.peer_loss_as_error`) remain.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import zlib
+
+import torch.distributed as dist
+
+from ckptlib.errors import NotCalledByEveryRankError, RankLostError
+
+DEFAULT_GRACE_SECONDS = 60.0
+LIVENESS_AFTER_SECONDS = 3.0  # missing ranks' heartbeats are looked at after this long
+MAX_LOOKED_AT = 64  # heartbeats read per look (the missing ranks of a huge group: the first)
+_BEAT_SECONDS = 1.0  # agree's heartbeat period
+
+
+def grace_seconds() -> float:
+    """`CKPTLIB_CALL_GRACE` (seconds; 0 turns the check-in off), DEFAULT_GRACE_SECONDS unset."""
+    text = os.environ.get("CKPTLIB_CALL_GRACE", "")
+    try:
+        value = float(text) if text.strip() else DEFAULT_GRACE_SECONDS
+    except ValueError:
+        return DEFAULT_GRACE_SECONDS
+    return max(value, 0.0)
+
+
+def check_in(
+    store, call: str, what: str, serial: int, ranks: list[int], heartbeat_key: str, *, path=None, step=None
+) -> None:
+    """Wait until every rank of `ranks` (global ranks) made its `serial`-th call of kind `call`
+    (described by `what` in errors); raise as the module says when some did not."""
+    grace = grace_seconds()
+    if grace <= 0 or len(ranks) <= 1:
+        return
+    me = dist.get_rank()
+    tag = zlib.crc32(",".join(map(str, ranks)).encode())
+    base = f"ckptlib/check_in/{call}/{serial}/{tag:08x}"
+    try:
+        store.append(f"{base}/ranks", f"{me},")
+        if store.add(f"{base}/count", 1) >= len(ranks):
+            store.set(f"{base}/all", "1")
+            return
+    except Exception:  # noqa: BLE001 - no usable store: the collectives' own checks remain
+        return
+    started = time.monotonic()
+    seen: dict[int, tuple[int, float]] = {}  # a missing rank's heartbeat count, and since when
+    while True:
+        try:
+            store.wait([f"{base}/all"], datetime.timedelta(seconds=1.0))
+            return
+        except Exception as exc:  # noqa: BLE001 - a timeout is the wait's way of saying "not yet"
+            if "timeout" not in str(exc).lower():
+                return  # the store is gone: the collective will say what happened
+        now = time.monotonic()
+        waited = now - started
+        if waited < LIVENESS_AFTER_SECONDS:
+            continue
+        try:
+            arrived = {int(r) for r in store.get(f"{base}/ranks").decode().split(",") if r}
+            missing = [r for r in ranks if r not in arrived]
+            beats = {r: store.add(f"{heartbeat_key}/{r}", 0) for r in missing[:MAX_LOOKED_AT]}
+        except Exception:  # noqa: BLE001
+            return
+        if not missing:
+            continue  # the last one is setting the key
+        for r, n in beats.items():
+            if r not in seen or seen[r][0] != n:
+                seen[r] = (n, now)
+        # stopped: it beat once, then not for three beats (a rank that never beat is alive
+        # somewhere that starts no heartbeat: it is judged at the grace)
+        lost = [r for r, (n, since) in seen.items() if r in beats and n > 0 and now - since >= 3 * _BEAT_SECONDS]
+        if lost:
+            raise RankLostError(
+                f"{what} on rank {me}: rank{'s' if len(lost) > 1 else ''} {_names(lost)} disappeared before "
+                f"making this collective call (its heartbeat stopped)",
+                ranks=lost,
+                step=step,
+                path=path,
+                rank=me,
+            )
+        if waited >= grace:
+            raise NotCalledByEveryRankError(
+                f"{what} on rank {me}: it is a collective call, which every rank of its group must make, and "
+                f"rank{'s' if len(missing) > 1 else ''} {_names(missing)} (alive) did not make it within "
+                f"{grace:g} s (CKPTLIB_CALL_GRACE)",
+                ranks=missing,
+                path=path,
+                rank=me,
+            )
+
+
+def _names(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:20])) + (f" ... ({len(ranks)} in all)" if len(ranks) > 20 else "")
+
+
+__all__ = ["DEFAULT_GRACE_SECONDS", "check_in", "grace_seconds"]

@@ -1,0 +1,150 @@
+"""A collective call some ranks never make fails in seconds on the ranks that made it
+(issue 37, item 4: `ckptlib._runtime.check_in`), naming the ranks that did not and saying the
+call is collective; a rank that died before the call is named as lost; ranks that all call
+pass, and a call inside another one is not checked twice."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckptlib
+from ckptlib import NotCalledByEveryRankError, RankLostError
+from ckptlib._runtime import check_in as check_in_module
+from ckptlib._runtime.check_in import check_in, grace_seconds
+
+BEAT = "test/heartbeat"
+
+
+@pytest.fixture
+def as_rank_0(monkeypatch):
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setenv("CKPTLIB_CALL_GRACE", "2")
+    monkeypatch.setattr(check_in_module, "LIVENESS_AFTER_SECONDS", 0.5)
+    return dist.HashStore()
+
+
+def test_every_rank_calling_passes(as_rank_0):
+    store = as_rank_0
+    base = f"ckptlib/check_in/op/0/{_tag([0, 1])}"
+
+    def rank_1_arrives():  # as check_in on rank 1 would, the last one in
+        time.sleep(0.5)
+        store.append(f"{base}/ranks", "1,")
+        store.add(f"{base}/count", 1)
+        store.set(f"{base}/all", "1")
+
+    late = threading.Thread(target=rank_1_arrives)
+    late.start()
+    check_in(store, "op", "op", 0, [0, 1], BEAT)  # returns once rank 1 checked in
+    late.join()
+    assert store.get(f"{base}/ranks") == b"0,1," and store.add(f"{base}/count", 0) == 2
+
+
+def _tag(ranks) -> str:
+    import zlib
+
+    return f"{zlib.crc32(','.join(map(str, ranks)).encode()):08x}"
+
+
+def test_an_alive_rank_that_never_calls_is_named(as_rank_0):
+    store = as_rank_0
+    stop = threading.Event()
+
+    def beating():  # rank 1 trains on: its heartbeat moves
+        while not stop.is_set():
+            store.add(f"{BEAT}/1", 1)
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=beating)
+    thread.start()
+    try:
+        with pytest.raises(NotCalledByEveryRankError) as info:
+            check_in(store, "save", "save of step 3 to /ckpt", 0, [0, 1, 2], BEAT, path="/ckpt")
+    finally:
+        stop.set()
+        thread.join()
+    assert str(info.value) == (
+        "save of step 3 to /ckpt on rank 0: it is a collective call, which every rank of its group must make, and "
+        "ranks 1, 2 (alive) did not make it within 2 s (CKPTLIB_CALL_GRACE)"
+    )
+    assert info.value.ranks == [1, 2] and info.value.path == "/ckpt"
+
+
+def test_a_rank_whose_heartbeat_stopped_is_lost(as_rank_0, monkeypatch):
+    monkeypatch.setenv("CKPTLIB_CALL_GRACE", "120")  # found by its heartbeat, long before the grace
+    store = as_rank_0
+    store.add(f"{BEAT}/1", 7)  # it beat, then died
+    with pytest.raises(RankLostError, match=re.escape("load of /ckpt on rank 0: rank 1 disappeared before making")):
+        check_in(store, "load", "load of /ckpt", 0, [0, 1], BEAT)
+
+
+@pytest.mark.parametrize(("text", "value"), [("", 60.0), ("5", 5.0), ("0", 0.0), ("-3", 0.0), ("soon", 60.0)])
+def test_the_grace_comes_from_the_environment(monkeypatch, text, value):
+    monkeypatch.setenv("CKPTLIB_CALL_GRACE", text)
+    assert grace_seconds() == value
+
+
+def _calls(path: str, who: str) -> dict:
+    """Rank 0 or 1 alone makes a call; the other waits (alive) until it returns."""
+    from ckptlib._torch import c10d
+
+    store = c10d.default_store()
+    rank = dist.get_rank()
+    caller = 0 if who != "load-on-1" else 1
+    if rank == caller:
+        try:
+            if who == "save":
+                ckptlib.save(path, {"w": torch.ones(4)})
+            elif who == "async":
+                ckptlib.async_save(path, {"w": torch.ones(4)}).result()
+            else:
+                ckptlib.load(path, {"w": torch.zeros(4)})
+        except ckptlib.CheckpointError as exc:
+            return {"type": type(exc).__name__, "message": str(exc), "ranks": list(exc.ranks)}
+        finally:
+            store.set("test/caller-done", "1")
+        return {"type": None}
+    while not store.check(["test/caller-done"]):
+        time.sleep(0.1)
+    return {"type": "waited"}
+
+
+@pytest.mark.parametrize("who", ["save", "async", "load-on-1"])
+def test_a_call_made_by_one_rank_fails_there_in_seconds(tmp_path, dist_run, who):
+    path = str(tmp_path / "c")
+    if who == "load-on-1":
+        ckptlib.save(path, {"w": torch.ones(4)})
+    results = dist_run(2, _calls, path, who, pg_timeout=600, env={"CKPTLIB_CALL_GRACE": "3"}, timeout=120)
+    caller, other = (0, 1) if who != "load-on-1" else (1, 0)
+    got = results[caller]
+    what = f"load of {path}" if who == "load-on-1" else f"save to {path}"
+    assert got == {
+        "type": "NotCalledByEveryRankError",
+        "message": f"{what} on rank {caller}: it is a collective call, which every rank of its group must make, "
+        f"and rank {other} (alive) did not make it within 3 s (CKPTLIB_CALL_GRACE)",
+        "ranks": [other],
+    }
+    assert results[other] == {"type": "waited"}
+
+
+def _load_own_copy(base: str) -> bool:
+    state = {"w": torch.zeros(4)}
+    ckptlib.load(f"{base}{dist.get_rank()}", state)  # each rank its own node's copy
+    return torch.equal(state["w"], torch.ones(4))
+
+
+def test_ranks_loading_their_own_paths_make_the_same_call(tmp_path, dist_run):
+    """The check-in is keyed by the kind of call, not its path: ranks that each load their own
+    node's copy (the cluster tier's node-local roots) are one call."""
+    import shutil
+
+    ckptlib.save(str(tmp_path / "c"), {"w": torch.ones(4)})
+    for rank in range(2):
+        shutil.copytree(tmp_path / "c", tmp_path / f"c{rank}")
+    assert dist_run(2, _load_own_copy, str(tmp_path / "c"), env={"CKPTLIB_CALL_GRACE": "3"}, timeout=120) == [True] * 2
