@@ -205,3 +205,18 @@ def local_remote_down(monkeypatch, uri: str) -> tuple[Callable[[], None], Callab
 
         monkeypatch.setattr(local_storage.LocalStorage, name, failing)
     return lambda: down.append(1), down.clear
+
+
+def remote_that_goes_down(
+    request, tmp_path, monkeypatch, kind: str
+) -> tuple[str, Callable[[], None], Callable[[], None]]:
+    """(remote URI, take_down(), bring_up()) of `kind`: "s3", an S3 remote behind a fault proxy
+    (one attempt per request), or "local", a directory remote whose storage calls fail."""
+    if kind == "s3":
+        proxy = request.getfixturevalue("fault_proxy")(request.getfixturevalue("s3_server"))
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
+        monkeypatch.setenv("CKPTLIB_S3_MAX_ATTEMPTS", "1")
+        return request.getfixturevalue("s3_root"), lambda: proxy.cut_after(0), proxy.restore
+    uri = str(tmp_path / "remote")
+    return (uri, *local_remote_down(monkeypatch, uri))

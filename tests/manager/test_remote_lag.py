@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 from helpers.manager import step_state as _state
-from helpers.storage import local_remote_down
+from helpers.storage import local_remote_down, remote_that_goes_down
 
 from ckptlib import Cluster, RemoteLag, RemoteLagError, RemoteLagReport, RemoteUnavailableWarning, StateError
 from ckptlib.loading.loading import load
@@ -23,14 +23,7 @@ from ckptlib.storage import open_storage
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
 def remote_down(request, tmp_path, monkeypatch):
     """(remote URI, take_down(), bring_up())."""
-    if request.param == "s3":
-        proxy = request.getfixturevalue("fault_proxy")(request.getfixturevalue("s3_server"))
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
-        monkeypatch.setenv("CKPTLIB_S3_MAX_ATTEMPTS", "1")
-        return request.getfixturevalue("s3_root"), lambda: proxy.cut_after(0), proxy.restore
-    uri = str(tmp_path / "remote")
-    return (uri, *local_remote_down(monkeypatch, uri))
+    return remote_that_goes_down(request, tmp_path, monkeypatch, request.param)
 
 
 def _remote_holds(uri: str, step: int) -> bool:

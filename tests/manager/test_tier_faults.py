@@ -22,7 +22,7 @@ import warnings
 import pytest
 import torch
 from helpers.manager import step_state as _state
-from helpers.storage import local_remote_down
+from helpers.storage import remote_that_goes_down
 
 import ckptlib.manager.cluster.remote_tier as remote_tier
 from ckptlib import (
@@ -177,14 +177,7 @@ def test_a_damaged_local_copy_falls_back_to_the_intact_remote_one(tmp_path, remo
 def remote_down(request, tmp_path, monkeypatch):
     """(remote URI, take_down(), bring_up()): an S3 remote behind a fault proxy, or a
     directory remote whose storage calls fail."""
-    if request.param == "s3":
-        proxy = request.getfixturevalue("fault_proxy")(request.getfixturevalue("s3_server"))
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
-        monkeypatch.setenv("CKPTLIB_S3_MAX_ATTEMPTS", "1")
-        return request.getfixturevalue("s3_root"), lambda: proxy.cut_after(0), proxy.restore
-    uri = str(tmp_path / "remote")
-    return (uri, *local_remote_down(monkeypatch, uri))
+    return remote_that_goes_down(request, tmp_path, monkeypatch, request.param)
 
 
 @pytest.mark.parametrize("remote_down", ["local", pytest.param("s3", marks=pytest.mark.s3)], indirect=True)
