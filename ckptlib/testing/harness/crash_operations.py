@@ -314,11 +314,14 @@ register(Operation("export", ("local",), _prepare_export, _act_export, _check_ex
 
 
 def _tier(scene: Scene):
-    """A manager whose node-local root is local/node and whose remote is the scene's root."""
+    """A manager whose node-local root is local/node and whose remote is the scene's root; a
+    failed upload is an error here (`RemoteLag(steps=0)`), so each boundary's failure is seen
+    raised (the default leaves the step local with a warning: tests/manager/test_remote_lag.py)."""
     import ckptlib
 
     remote = ckptlib.RemoteTier(scene.root, keep_last=1, upload_concurrency=1)
-    return ckptlib.CheckpointManager(f"{scene.local}/node", keep_last=1, cluster=Cluster(remote=remote))
+    cluster = Cluster(remote=remote, remote_lag=ckptlib.RemoteLag(steps=0))
+    return ckptlib.CheckpointManager(f"{scene.local}/node", keep_last=1, cluster=cluster)
 
 
 def _prepare_tier(scene: Scene) -> None:
