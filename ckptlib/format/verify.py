@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ckptlib.errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
 from ckptlib.format.items.checksum import crc32, crc32_combine
 from ckptlib.format.items.ranged_io import _RangeReader
-from ckptlib.format.native.file_names import shard_rank
+from ckptlib.format.native.file_names import item_name, shard_rank
 from ckptlib.format.native.layout import classify, is_ckptlib_metadata, not_a_checkpoint_error, open_checkpoint
 from ckptlib.format.native.manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
 from ckptlib.format.native.safe_pickle import safe_loads
@@ -81,7 +81,12 @@ def _cap(problems: list[Problem]) -> list[Problem]:
 
 
 def _checksum_problems(
-    storage: Storage, name: str, record: FileRecord, read_chunk: int, on_bytes: Callable[[int], None] | None = None
+    storage: Storage,
+    name: str,
+    record: FileRecord,
+    read_chunk: int,
+    on_bytes: Callable[[int], None] | None = None,
+    storage_data: dict | None = None,
 ) -> list[Problem]:
     """Read `name` once, in `read_chunk` pieces, and compare the whole-file, item and block
     CRCs. Each byte is checksummed once: the pieces between item and block boundaries are,
@@ -132,7 +137,10 @@ def _checksum_problems(
     except EOFError as exc:
         return [Problem(name, f"is shorter than its listed size ({exc})")]
     bad = [(off, length) for (off, length, crc), actual in zip(items, got) if crc != actual]
-    problems = [Problem(name, f"checksum mismatch in item at offset {off} (length {length})") for off, length in bad]
+    problems = [
+        Problem(name, f"checksum mismatch in {item_name(storage_data, name, off)} at offset {off} (length {length})")
+        for off, length in bad
+    ]
     if whole != record.crc32 and not bad:
         problems.append(
             Problem(name, f"checksum mismatch (whole file: crc32 {whole:08x}, the manifest says {record.crc32:08x})")
@@ -279,7 +287,8 @@ def verify(
                     )
                 )
             else:
-                problems.extend(_checksum_problems(storage, name, record, read_chunk, on_bytes))
+                stored = metadata.storage_data if metadata is not None else None
+                problems.extend(_checksum_problems(storage, name, record, read_chunk, on_bytes, stored))
         for name in sorted(listing):
             if name not in manifest.files and name not in (MANIFEST_NAME, PENDING_NAME):
                 problems.append(Problem(name, "is not listed in the manifest (not part of the checkpoint)", "note"))

@@ -146,7 +146,7 @@ CORRUPTIONS = [
         CheckpointCorruptError,
         r"__0_0\.distcp: checksum mismatch in tensor '[^']+'( \(chunk at [^)]*\))? at offset \d+ "
         r"\(length \d+\) \(rank 0's shard\)",
-        r"__0_0\.distcp \(rank 0's shard\): checksum mismatch in item at offset \d+",
+        r"__0_0\.distcp \(rank 0's shard\): checksum mismatch in (tensor|object) '[^']+'.* at offset \d+",
         id="bit-flip-in-shard",
     ),
     pytest.param(
@@ -553,7 +553,9 @@ def test_corrupt_shard_of_rank1_saved_at_3_loaded_at_2(tmp_path, dist_run, capsy
         assert "(rank 1's shard)" in str(r) and str(r).startswith("rank ")
         assert r.values_ok
     rc, out, _ = _ckpt_cli(capsys, "verify", uri)
-    assert rc == 1 and f"{uri}/__1_0.distcp (rank 1's shard): checksum mismatch in item at offset" in out
+    assert rc == 1 and re.search(
+        re.escape(f"{uri}/__1_0.distcp (rank 1's shard): checksum mismatch in ") + r"(tensor|object) '", out
+    )
 
 
 # ---------------------------------------------------------------- through the Storage protocol: S3
@@ -574,7 +576,9 @@ def test_verify_inspect_and_lock_on_s3(s3_root, capsys):
     data[len(data) // 2] ^= 0x10
     storage.write("__0_0.distcp", bytes(data))
     rc, out, _ = _ckpt_cli(capsys, "verify", path)
-    assert rc == 1 and f"{path}/__0_0.distcp (rank 0's shard): checksum mismatch in item at offset" in out
+    assert rc == 1 and re.search(
+        re.escape(f"{path}/__0_0.distcp (rank 0's shard): checksum mismatch in ") + r"(tensor|object) '", out
+    )
     target = _target()
     with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp: checksum mismatch"):
         ckptlib.load(path, target)
@@ -604,7 +608,7 @@ def test_verify_shows_twenty_findings_of_a_kind_per_file_then_counts_the_rest(tm
         data[offset + length - 1] ^= 0xFF  # the last byte of each item: tensor bytes
     (d / "__0_0.distcp").write_bytes(bytes(data))
     found = [(p.file, p.kind, p.message) for p in verify(d) if p.file == "__0_0.distcp"]
-    shown = [f for f in found if f[2].startswith("checksum mismatch in item at offset")]
+    shown = [f for f in found if re.match(r"checksum mismatch in (tensor|object) '", f[2])]
     assert len(shown) == 20 and all(kind == "corrupt" for _, kind, _ in shown)
     rest = [f for f in found if f not in shown]
     assert rest == (
@@ -620,3 +624,20 @@ def test_an_object_of_more_than_a_mebibyte_loads_exactly(tmp_path):
     state = {"data": {"ids": [], "epoch": 0}, "w": torch.zeros(4)}
     ckptlib.load(tmp_path / "c", state)
     assert state["data"] == {"ids": ids, "epoch": 3} and torch.equal(state["w"], torch.arange(4.0))
+
+
+def test_verify_names_the_damaged_tensor(tmp_path):
+    """`ckpt verify` names the tensor a checksum mismatch is in, as a load does."""
+    from ckptlib.cli import main as cli_main
+
+    path = str(tmp_path / "c")
+    ckptlib.save(path, {"model": {"w": torch.arange(100000.0)}, "step": 1})
+    shard = os.path.join(path, "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        f.write(b"\xff\xff\xff\xff")
+    from ckptlib.format.verify import verify
+
+    problems = [p for p in verify(path) if "checksum" in p.message]
+    assert [p.message.split(" at offset ")[0] for p in problems] == ["checksum mismatch in tensor 'model.w'"]
+    assert cli_main(["verify", path, "--no-progress"]) == 1

@@ -37,7 +37,7 @@ from ckptlib.format.items.checksum import crc32
 from ckptlib.format.items.item_decoder import DeclaredChunks
 from ckptlib.format.items.ranged_io import _MAX_SPAN, _coalesce, _MemReader, _pread_into
 from ckptlib.format.native import plan_codec
-from ckptlib.format.native.file_names import whose
+from ckptlib.format.native.file_names import item_name, whose
 from ckptlib.format.native.manifest import METADATA_NAME, Manifest, check_name
 from ckptlib.format.native.safe_pickle import load_object
 from ckptlib.format.native.stream_transforms import Transforms, decoded_limit, descriptors_of
@@ -122,15 +122,8 @@ class CkptReader(DirectReads, PlannedReader):
             )
 
     def item_name(self, name: str, offset: int) -> str:
-        """The item of file `name` at `offset` as a user knows it: "tensor 'model.w'" (with its
-        chunk's offsets when sharded), "object 'step'"; "item" when no record names it."""
-        for index, info in (getattr(self, "storage_data", None) or {}).items():
-            if getattr(info, "relative_path", None) == name and getattr(info, "offset", None) == offset:
-                chunk = getattr(index, "offset", None)
-                where = f" (chunk at {tuple(chunk)})" if chunk is not None and any(chunk) else ""
-                kind = "tensor" if chunk is not None else "object"
-                return f"{kind} {index.fqn!r}{where}"
-        return "item"
+        """The item of file `name` at `offset` as a user knows it (`file_names.item_name`)."""
+        return item_name(getattr(self, "storage_data", None), name, offset)
 
     # -- reading ------------------------------------------------------------------------
     def _local_file(self, name: str) -> str | None:
