@@ -15,7 +15,7 @@ pytest.register_assert_rewrite("helpers")
 
 
 # ---------------------------------------------------------------- the default run's time budget
-#: Tests past the default run's budget (the README's test command: about 19 minutes on a
+#: Tests past the default run's budget (the README's test command: about 20 minutes on a
 #: 2-core machine): the crash-boundary enumerations, torchrun end-to-end runs of the examples and
 #: of several simulated nodes, real benchmark runs, the slowest rank-loss cases. They carry the
 #: `extended` mark; `.ci/run` runs them after the default run with `--suite extended`; `-m EXPR`
