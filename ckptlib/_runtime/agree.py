@@ -343,7 +343,7 @@ def _check_in(call: str, what: str, group, *, step, path) -> None:
         return
     # counted per group: its ranks make its calls equally often, as they make its collectives
     serial = next(_entries.setdefault((call, tuple(ranks)), itertools.count()))
-    check_in(store, call, what, serial, ranks, _HEARTBEAT_KEY, path=path, step=step)
+    check_in(store, call, what, serial, ranks, (_HEARTBEAT_KEY, _HEARTBEAT_SECONDS), path=path, step=step)
 
 
 # Every process in a guarded collective beats in the store: a counter its own thread adds to

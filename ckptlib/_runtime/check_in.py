@@ -27,7 +27,6 @@ from ckptlib.errors import NotCalledByEveryRankError, RankLostError
 DEFAULT_GRACE_SECONDS = 60.0
 LIVENESS_AFTER_SECONDS = 3.0  # missing ranks' heartbeats are looked at after this long
 MAX_LOOKED_AT = 64  # heartbeats read per look (the missing ranks of a huge group: the first)
-_BEAT_SECONDS = 1.0  # agree's heartbeat period
 
 
 def grace_seconds() -> float:
@@ -41,10 +40,20 @@ def grace_seconds() -> float:
 
 
 def check_in(
-    store, call: str, what: str, serial: int, ranks: list[int], heartbeat_key: str, *, path=None, step=None
+    store,
+    call: str,
+    what: str,
+    serial: int,
+    ranks: list[int],
+    heartbeat: tuple[str, float],
+    *,
+    path=None,
+    step=None,
 ) -> None:
     """Wait until every rank of `ranks` (global ranks) made its `serial`-th call of kind `call`
-    (described by `what` in errors); raise as the module says when some did not."""
+    (described by `what` in errors); raise as the module says when some did not. `heartbeat`:
+    the store key prefix of the ranks' heartbeat counters and their period in seconds."""
+    heartbeat_key, beat_seconds = heartbeat
     grace = grace_seconds()
     if grace <= 0 or len(ranks) <= 1:
         return
@@ -84,7 +93,7 @@ def check_in(
                 seen[r] = (n, now)
         # stopped: it beat once, then not for three beats (a rank that never beat is alive
         # somewhere that starts no heartbeat: it is judged at the grace)
-        lost = [r for r, (n, since) in seen.items() if r in beats and n > 0 and now - since >= 3 * _BEAT_SECONDS]
+        lost = [r for r, (n, since) in seen.items() if r in beats and n > 0 and now - since >= 3 * beat_seconds]
         if lost:
             raise RankLostError(
                 f"{what} on rank {me}: rank{'s' if len(lost) > 1 else ''} {_names(lost)} disappeared before "

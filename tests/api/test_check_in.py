@@ -18,7 +18,7 @@ from ckptlib import NotCalledByEveryRankError, RankLostError
 from ckptlib._runtime import check_in as check_in_module
 from ckptlib._runtime.check_in import check_in, grace_seconds
 
-BEAT = "test/heartbeat"
+BEAT = ("test/heartbeat", 1.0)
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_an_alive_rank_that_never_calls_is_named(as_rank_0):
 
     def beating():  # rank 1 trains on: its heartbeat moves
         while not stop.is_set():
-            store.add(f"{BEAT}/1", 1)
+            store.add(f"{BEAT[0]}/1", 1)
             time.sleep(0.2)
 
     thread = threading.Thread(target=beating)
@@ -79,7 +79,7 @@ def test_an_alive_rank_that_never_calls_is_named(as_rank_0):
 def test_a_rank_whose_heartbeat_stopped_is_lost(as_rank_0, monkeypatch):
     monkeypatch.setenv("CKPTLIB_CALL_GRACE", "120")  # found by its heartbeat, long before the grace
     store = as_rank_0
-    store.add(f"{BEAT}/1", 7)  # it beat, then died
+    store.add(f"{BEAT[0]}/1", 7)  # it beat, then died
     with pytest.raises(RankLostError, match=re.escape("load of /ckpt on rank 0: rank 1 disappeared before making")):
         check_in(store, "load", "load of /ckpt", 0, [0, 1], BEAT)
 
