@@ -6,7 +6,9 @@
 Run it again with the same --root (at any world size that divides --batch) and it
 resumes from the newest committed checkpoint; the loss curve continues exactly where it
 stopped. SIGTERM or SIGUSR1 (to torchrun, or to any one rank) makes every rank save the
-step it reached and exit 0: `CheckpointManager(preemption=True)` with `maybe_save`.
+step it reached and exit 0: `CheckpointManager(preemption=True)` with `maybe_save`. Under
+torchrun's elastic agent, when one host's agent is signalled, the other hosts' ranks exit 75
+instead (`mgr.preemption_exit_code()`), so their agents restart them at the smaller size.
 See examples/README.md.
 
 Why the loss is bit-identical at every world size: the data of step s is a function of
@@ -223,13 +225,15 @@ def run(args) -> int:
             sys.stdout.flush()
             os._exit(17)
         if mgr.preempted:  # every rank saw it in maybe_save, and the step is committed
-            if rank == 0:
+            code = mgr.preemption_exit_code()  # 75 under an elastic agent on a host not preempted
+            if rank == 0 or (code and os.environ.get("LOCAL_RANK") == "0"):
                 print(
-                    f"train.py: {mgr.preemption_signal or 'a preemption signal'} received; saved step {step}, exiting",
+                    f"train.py: {mgr.preemption_signal or 'a preemption signal'} received; saved step {step}, exiting"
+                    + (f" with {code} (another host was preempted: the agent restarts this one)" if code else ""),
                     flush=True,
                 )
             mgr.close()
-            return 0
+            return code
         if args.step_delay:
             time.sleep(args.step_delay)
     mgr.close()

@@ -43,6 +43,7 @@ EXTENDED = (
     # torchrun's elastic agent losing and regaining a host (about a minute each)
     "elastic/test_agent.py::test_lose_rank_0s_host_the_survivors_resume_then_a_relaunch_grows_back",
     "elastic/test_agent.py::test_lose_rank_0s_host_then_a_replacement_joins_the_running_job",
+    "elastic/test_agent.py::test_sigterm_to_one_agent_saves_the_step_reached_and_the_rest_restarts_smaller",
     # every kill point of a manager save (the crash-boundary enumeration above covers each write)
     "manager/test_crash.py::test_kill_during_save",
     "format/test_output_errors.py::test_a_full_disk_is_a_storage_error_naming_the_file_and_leaves_nothing",

@@ -41,7 +41,7 @@ from ckptlib.manager.fresh_start import FreshStartWarning, fresh_start_message, 
 from ckptlib.manager.lock import LockHolder
 from ckptlib.manager.options import Cluster, InitialLoad, Preemption, check_retention, make_tier
 from ckptlib.manager.policies import RetentionPolicy, SaveContext, SavePolicy, decide
-from ckptlib.manager.preemption import PreemptionWatcher, signal_name
+from ckptlib.manager.preemption import PreemptionWatcher, exit_code_after_preemption, signal_name
 from ckptlib.manager.root_load import load_initial
 from ckptlib.manager.single_root import TierSettings
 from ckptlib.saving import background_save
@@ -149,6 +149,18 @@ class CheckpointManager:
             self.tier.close()
 
     # -- async saves --------------------------------------------------------------------
+    @property
+    def preempted_here(self) -> bool:
+        """Whether this process itself received a preemption signal (not only a peer)."""
+        return self._watcher is not None and self._watcher.seen is not None
+
+    def preemption_exit_code(self) -> int:
+        """The exit status for a rank that stops after `preempted`: 0, except under torchrun's
+        elastic agent with restarts left on a rank whose host was not signalled, which returns
+        `RESTART_EXIT_CODE` (75) so its agent restarts it at the new world size
+        (`ckptlib.manager.preemption.exit_code_after_preemption`)."""
+        return exit_code_after_preemption(self.preempted_here)
+
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Wait for the async save in flight, if any: its SaveResult, or its failure raised
         unless it was already raised elsewhere (by the handle's wait()/result(), or an earlier

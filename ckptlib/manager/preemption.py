@@ -12,10 +12,16 @@ the watchers in any order puts back exactly the handler that was there before th
 chain that a later handler still calls (someone installed theirs on top of ours) keeps doing
 what the handler before it did, the default action included, so no close order leaves a
 process that ignores SIGTERM.
+
+Under torchrun's elastic agent a preempted host's agent forwards the signal to its own workers
+only: every rank saves the step reached, the signalled ranks exit 0 and the others exit with
+`RESTART_EXIT_CODE` (`exit_code_after_preemption`), so their agents restart them at the
+smaller world size instead of ending the job (docs/tier.md, "Under torchrun's elastic agent").
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any, Iterable
@@ -23,6 +29,24 @@ from typing import Any, Iterable
 from ckptlib.errors import StateError
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+#: The exit status of a rank that saved because *another* host was preempted, under torchrun's
+#: elastic agent with restarts left (EX_TEMPFAIL): its agent restarts it at the new world size.
+RESTART_EXIT_CODE = 75
+
+
+def exit_code_after_preemption(signalled_here: bool, env=None) -> int:
+    """0 when this rank was signalled itself, or when no elastic agent will restart it (a
+    static launch, or no restarts left: the job ends and is relaunched); else
+    `RESTART_EXIT_CODE`, so the surviving hosts' agents restart their workers without the
+    preempted one (a 0 would end the job on those hosts)."""
+    env = os.environ if env is None else env
+    if signalled_here:
+        return 0
+    try:
+        restarts_left = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+    return RESTART_EXIT_CODE if restarts_left > 0 else 0
 
 
 def signal_name(signum: int) -> str:
@@ -101,6 +125,7 @@ class PreemptionWatcher:
                 "thread; create the CheckpointManager there"
             )
         self.received: int | None = None
+        self.seen: int | None = None  # the first signal this process received (kept once handled)
         self._chains: list[_Chain] = []
         try:
             for sig in self.signals:
@@ -112,6 +137,8 @@ class PreemptionWatcher:
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is None:
             self.received = signum
+        if self.seen is None:
+            self.seen = signum
 
     def close(self) -> None:
         """Stop watching; once no watcher is left, the handlers that were there before return.
@@ -122,4 +149,4 @@ class PreemptionWatcher:
             _leave(chain, self)
 
 
-__all__ = ["DEFAULT_SIGNALS", "PreemptionWatcher", "signal_name"]
+__all__ = ["DEFAULT_SIGNALS", "RESTART_EXIT_CODE", "PreemptionWatcher", "exit_code_after_preemption", "signal_name"]

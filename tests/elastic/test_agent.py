@@ -1,7 +1,8 @@
 """The path users launch: torchrun's elastic agent (c10d rendezvous on a standalone store, the
 stable endpoint a cluster has, `is_host=false` on every agent, `--nnodes 1:2`,
 `--max-restarts`), two simulated hosts of 2 ranks, each with its own node-local root,
-examples/train.py with FSDP2, `replicas=1` and a directory remote.
+examples/train.py with FSDP2, `replicas=1` and a remote (a directory; S3 on moto too for the
+relaunch case).
 
 - Lose the host that runs rank 0 (SIGKILL of its agent and every worker, its disk wiped): the
   survivors' agent restarts its workers at world 2 by itself, they resume the newest committed
@@ -11,6 +12,9 @@ examples/train.py with FSDP2, `replicas=1` and a directory remote.
   change); the new host's ranks get their bytes from the peer holding them, not the remote.
   The agents run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (tests/helpers/torchrun.py
   ELASTIC_ENV: without it torch 2.13's agents never complete a round after a join).
+- A spot reclaim: SIGTERM to one host's agent; every rank saves the step reached within the
+  agent's shutdown timeout, the other host's ranks exit 75 so its agent restarts them at world
+  2, and they resume that step from local copies.
 - Every step's loss, before and after each restart, equals an uninterrupted one-process run's
   bit for bit. Judged by the loss log and the launchers' output, not by exit codes alone."""
 
@@ -20,11 +24,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import time
 
 import pytest
 import torch.distributed as dist
-from helpers.torchrun import REPO, Nodes, worker_with_rank
+from helpers.torchrun import REPO, Nodes, torchrun_env, worker_with_rank
 
 pytestmark = [pytest.mark.elastic, pytest.mark.slow]
 
@@ -37,9 +42,9 @@ RDZV_CONF = {"last_call_timeout": "2", "join_timeout": "300", "keep_alive_interv
 RUN_TIMEOUT = 420.0
 
 
-def _args(root, remote, log, pause, steps: int = STEPS) -> list[str]:
+def _args(root, remote, log, pause, steps: int = STEPS, save_every: int = 1) -> list[str]:
     args = [TRAIN, "--root", str(root), "--replicas", "1", "--remote", str(remote), "--steps", str(steps)]
-    args += ["--save-every", "1", "--keep", "3", "--loss-log", str(log), "--pause-file", str(pause)]
+    args += ["--save-every", str(save_every), "--keep", "3", "--loss-log", str(log), "--pause-file", str(pause)]
     return [*args, "--step-delay", "0.2", "--wrap", "fsdp2"]
 
 
@@ -98,11 +103,12 @@ def _resumes(text: str) -> list[tuple[int, dict, int]]:
     return [(int(step), json.loads(sources), int(world)) for step, sources, world in found]
 
 
-def _start(endpoint, roots, remote, log, pause, logs, steps: int = STEPS) -> Nodes:
+def _start(endpoint, roots, remote, log, pause, logs, steps: int = STEPS, save_every: int = 1, env=None) -> Nodes:
     return Nodes.start(
-        lambda node: _args(roots[node], remote, log, pause, steps),
+        lambda node: _args(roots[node], remote, log, pause, steps, save_every),
         [2] * len(roots),
         logs,
+        env=env,
         elastic=(endpoint, "1:2"),
         rdzv_conf=RDZV_CONF,
         max_restarts=3,
@@ -124,12 +130,26 @@ def _lose_rank_0s_host(nodes: Nodes, hosts, log, pause) -> tuple[int, int]:
     return 1 - lost, killed_at
 
 
+def _remote(kind: str, tmp_path, request) -> tuple[str, dict[str, str] | None]:
+    """The remote root and the launchers' environment: a directory, or a bucket on moto."""
+    if kind == "dir":
+        return str(tmp_path / "remote"), None
+    from ckptlib.testing.fakes.s3_server import s3_env
+
+    root = request.getfixturevalue("s3_root")
+    aws = s3_env(request.getfixturevalue("moto_server"), str(tmp_path / "aws"))  # None: remove
+    env = {k: v for k, v in torchrun_env().items() if aws.get(k, "") is not None}
+    return root, {**env, **{k: v for k, v in aws.items() if v is not None}}
+
+
 @pytest.mark.timeout(900)
-def test_lose_rank_0s_host_the_survivors_resume_then_a_relaunch_grows_back(tmp_path, endpoint, reference):
+@pytest.mark.parametrize("remote_kind", ["dir", "s3"], ids=["remote-dir", "remote-s3"])
+def test_lose_rank_0s_host_the_survivors_resume_then_a_relaunch_grows_back(tmp_path, endpoint, reference, remote_kind, request):
     hosts = [tmp_path / "host0", tmp_path / "host1", tmp_path / "host2"]
-    remote, log, pause = tmp_path / "remote", tmp_path / "loss.jsonl", tmp_path / "pause"
+    log, pause = tmp_path / "loss.jsonl", tmp_path / "pause"
+    remote, env = _remote(remote_kind, tmp_path, request)
     shrunk_to = STEPS // 2
-    with _start(endpoint, hosts[:2], remote, log, pause, tmp_path / "logs-1", steps=shrunk_to) as nodes:
+    with _start(endpoint, hosts[:2], remote, log, pause, tmp_path / "logs-1", steps=shrunk_to, env=env) as nodes:
         survivor, killed_at = _lose_rank_0s_host(nodes, hosts, log, pause)
         # the survivors' agent restarts its workers at world 2 by itself; they resume and finish
         finished = nodes.wait(RUN_TIMEOUT)
@@ -138,7 +158,7 @@ def test_lose_rank_0s_host_the_survivors_resume_then_a_relaunch_grows_back(tmp_p
 
     # a replacement host with an empty disk: the job relaunched on both grows back to world 4
     alive = [hosts[survivor], hosts[2]]
-    with _start(endpoint, alive, remote, log, pause, tmp_path / "logs-2") as nodes:
+    with _start(endpoint, alive, remote, log, pause, tmp_path / "logs-2", env=env) as nodes:
         finished = nodes.wait(RUN_TIMEOUT)
         assert finished and nodes.returncodes() == [0, 0], nodes.tails()
         second = nodes.output(0) + nodes.output(1)
@@ -200,3 +220,45 @@ def test_lose_rank_0s_host_then_a_replacement_joins_the_running_job(tmp_path, en
     assert resumes[0][1]["remote"] == 0 and resumes[0][1]["local"] > 0, resumes[0]
     assert killed_at - 1 <= resumes[0][0] <= killed_at, (resumes[0], killed_at)
     assert resumes[1][1]["remote"] == 0, resumes[1]  # the new host's ranks: from the peer, over the group
+
+
+@pytest.mark.timeout(900)
+def test_sigterm_to_one_agent_saves_the_step_reached_and_the_rest_restarts_smaller(tmp_path, endpoint, reference):
+    """A spot reclaim: SIGTERM to the agent of rank 0's host. The agent forwards it to its own
+    workers only, within its shutdown timeout every rank saves the step reached (no periodic
+    save would have: --save-every is past the end), the signalled host's ranks exit 0 and the
+    other's exit 75, so its agent restarts them at world 2; they resume that very step from
+    local copies (0 bytes from the remote) after the preempted host's disk is gone."""
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    remote, log, pause = tmp_path / "remote", tmp_path / "loss.jsonl", tmp_path / "pause"
+    with _start(endpoint, hosts, remote, log, pause, tmp_path / "logs", save_every=100) as nodes:
+        _wait_for("step 4 trained at world 4", lambda: any(r["step"] >= 4 for r in _records(log)), nodes)
+        pause.touch()  # held before a step, so the step the signal finds is known
+        time.sleep(1.0)  # a step in flight when the pause began finishes and is logged
+        preempted = worker_with_rank(nodes, 0)
+        assert preempted is not None, nodes.tails()
+        reached = max(r["step"] for r in _records(log)) + 1  # the step the ranks train next, then save
+        nodes.procs[preempted].send_signal(signal.SIGTERM)
+        _wait_for("the agent forwarding the signal", lambda: "death signal" in nodes.output(preempted), nodes, 60)
+        pause.unlink()
+        _wait_for("the preempted host's agent exiting", lambda: nodes.returncodes()[preempted] is not None, nodes)
+        assert not nodes.worker_pids(preempted), nodes.tails()  # every worker exited by itself
+        shutil.rmtree(hosts[preempted])  # the reclaimed host's disk is gone with it
+        survivor = 1 - preempted
+        finished = nodes.wait(RUN_TIMEOUT)
+        assert finished and nodes.returncodes()[survivor] == 0, nodes.tails()
+        preempted_out, survivor_out = nodes.output(preempted), nodes.output(survivor)
+
+    assert "SIGKILL" not in preempted_out, preempted_out[-6000:]  # no worker outlived the shutdown timeout
+    said = f"SIGTERM received; saved step {reached}, exiting"
+    assert said in preempted_out + survivor_out, (preempted_out[-6000:], survivor_out[-6000:])
+    assert f"{said} with 75 (another host was preempted" in survivor_out, survivor_out[-6000:]
+    records = _records(log)
+    for rec in records:
+        assert rec["loss"] == reference[rec["step"]], (rec, reference[rec["step"]])
+    assert {r["step"] for r in records} == set(range(1, STEPS + 1))  # no step lost, none skipped
+    assert [r["step"] for r in records if r["restart"] == 0][-1] == reached, records
+    assert all(r["world_size"] == 2 and r["restart"] == 1 for r in records if r["step"] > reached), records
+    resumes = _resumes(survivor_out)
+    assert [(step, world) for step, _, world in resumes] == [(reached, 2)], survivor_out[-6000:]
+    assert resumes[0][1]["remote"] == 0 and resumes[0][1]["local"] > 0, resumes[0]

@@ -282,7 +282,13 @@ def _preempt_one_rank(root: str, signalled_rank: int, at_step: int, async_save: 
         if mgr.preempted:
             break
     mgr.close()
-    return saved, step, mgr.preempted, mgr.preemption_signal
+    static_code = mgr.preemption_exit_code()  # no elastic agent: the job ends, every rank 0
+    os.environ.update(TORCHELASTIC_MAX_RESTARTS="3", TORCHELASTIC_RESTART_COUNT="1")  # an agent, restarts left
+    elastic_code = mgr.preemption_exit_code()
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "3"  # none left: a restart would fail the job
+    spent_code = mgr.preemption_exit_code()
+    codes = (static_code, elastic_code, spent_code)
+    return saved, step, mgr.preempted, mgr.preemption_signal, mgr.preempted_here, codes
 
 
 class _Holder:
@@ -311,9 +317,12 @@ def test_a_signal_on_one_rank_makes_every_rank_save(tmp_path, dist_run, signalle
     root = str(tmp_path / "run")
     results = dist_run(3, _preempt_one_rank, root, signalled_rank, 6, async_save)
     expected_signal = "SIGTERM"
-    for saved, stopped_at, preempted, sig in results:
+    for rank, (saved, stopped_at, preempted, sig, here, codes) in enumerate(results):
         assert saved == [4, 6] and stopped_at == 6 and preempted
         assert sig == expected_signal  # every rank knows which signal it was
+        assert here == (rank == signalled_rank)
+        # under an elastic agent with restarts left, a rank not signalled asks to be restarted
+        assert codes == ((0, 0, 0) if rank == signalled_rank else (0, 75, 0)), (rank, codes)
     assert _dirs(root) == [4, 6] and os.readlink(os.path.join(root, "latest")) == "step_0000000006"
     resumed = dist_run(3, _resume_rank_local, root)
     total = sum(range(1, 7))
