@@ -7,6 +7,9 @@ The crash harness: `crash_points` crashes an operation at each of its storage wr
 the scene `crash_scene` sets up, for the operations `crash_operations` registers; `crash_run`
 drives it and writes the report (docs/crash-boundaries.md). `ports` picks loopback ports for
 servers a test starts in another process (below the ephemeral range, so no connection takes them).
+`nodes` runs simulated hosts, one torchrun launcher each (static or elastic c10d rendezvous), and
+loses one the way a host is lost (its agent and every worker SIGKILLed), for the tests and
+`ckpt bench recovery`.
 
 Imports only the standard library (and pytest, for the plugin): torch is imported in ``launch``.
 """
