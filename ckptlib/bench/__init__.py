@@ -12,6 +12,9 @@
   plain save, concurrent SDK uploads and the remote bytes read.
 - `ckpt bench async` (`async_modes`): a training loop's step time while an async save runs,
   without a save and in async_mode "thread" and "process".
+- `ckpt bench recovery` (`recovery`, its ranks in `recovery_worker`, its report in
+  `recovery_summary`): a lost host under torchrun's elastic agent timed phase by phase, peer
+  against remote restores, and the step slowdown of every-step saves to an in-memory tier.
 - `ckpt bench scale` (`scale`, with `s3_requests`): coordinator planning time and memory and
   record sizes at simulated world sizes (one cell each: `scale_cell`); S3 request counts of
   real saves and loads.

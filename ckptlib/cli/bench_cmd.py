@@ -13,7 +13,7 @@ from ckptlib.cli.usage import add_command
 DESCRIPTION = """
 Benchmarks that measure ckptlib side by side with its baselines in one run; every one has its
 own options (`ckpt bench --help`, `ckpt bench scale --help`, `ckpt bench tensors --help`,
-`ckpt bench async --help`, `ckpt bench read-once --help`):
+`ckpt bench async --help`, `ckpt bench read-once --help`, `ckpt bench recovery --help`):
 
 - ckpt bench [--quick] [--json [OUT]] [--plot OUT.png] ...: this machine's ceilings first
   (parallel write + fsync and read of the scratch disk, memory copy, loopback TCP and gloo),
@@ -28,13 +28,18 @@ own options (`ckpt bench --help`, `ckpt bench scale --help`, `ckpt bench tensors
   and the remote bytes a resume reads (local tiers intact; one node's root lost, replicas=1).
 - ckpt bench async: a CPU-bound training loop's step time while an async save runs, without a
   save and with async_mode="thread" and "process", interleaved in one run.
+- ckpt bench recovery [--remote s3|dir]: a lost host under torchrun's elastic agent (2 simulated
+  hosts x 2 ranks, FSDP2, replicas=1), timed phase by phase: detection, rendezvous, setup, load,
+  first step; the same resume from peers' replicas against the remote; and the step slowdown of
+  an async save every step to an in-memory tier (/dev/shm) with the thread and process writers.
 - ckpt bench read-once: storage bytes read (all ranks) and time of DDP and HSDP loads with
   read-once against every rank reading for itself.
 
 Scratch checkpoints go to a temporary directory that is removed. The tables go to stdout
 (with --json and no file: the JSON report to stdout, the tables to stderr).
 
-Exit status: 0, or 1 when a load did not return exactly the values saved; 2 usage error.
+Exit status: 0, or 1 when a load did not return exactly the values saved (recovery: also when a
+resume from peers read the remote); 2 usage error.
 """
 
 
@@ -50,7 +55,7 @@ def add_parser(commands) -> None:
 
 
 def run_bench(bench_args: list[str]) -> int:
-    """`ckpt bench [scale | tensors | async | read-once | tier] ARGS...`: the benchmark's own exit code."""
+    """`ckpt bench [scale | tensors | async | read-once | tier | recovery] ARGS...`: the benchmark's own exit code."""
     with report_stdout():
         if bench_args[:1] == ["scale"]:
             from ckptlib.bench import scale
@@ -68,6 +73,10 @@ def run_bench(bench_args: list[str]) -> int:
             from ckptlib.bench import async_modes
 
             return async_modes.main(bench_args[1:])
+        if bench_args[:1] == ["recovery"]:
+            from ckptlib.bench import recovery
+
+            return recovery.main(bench_args[1:])
         if bench_args[:1] == ["read-once"]:
             from ckptlib.bench import read_once
 
