@@ -31,6 +31,7 @@ from ckptlib.errors import (
     CopyFallbackWarning,
     DamagedCopyError,
     DtypeMismatchError,
+    LocalLimitError,
     LockedError,
     MissingKeysError,
     NoCopyError,
@@ -46,6 +47,7 @@ from ckptlib.errors import (
     ReplicationError,
     ReplicationRankLostError,
     ShapeMismatchError,
+    StagingCapError,
     StateError,
     StorageError,
     UnsafeCheckpointError,
@@ -70,6 +72,8 @@ _ON_USE = {
     "RemoteUnavailableWarning": "ckptlib.manager.cluster.resume",
     "SkippedDamagedStepWarning": "ckptlib.manager.cluster.resume",
     "UploadSkippedWarning": "ckptlib.manager.cluster.resume",
+    "LocalUsage": "ckptlib.manager.local_budget",
+    "memory_root": "ckptlib.manager.local_budget",
     "RemoteLag": "ckptlib.manager.cluster.remote_lag",
     "RemoteLagReport": "ckptlib.manager.cluster.remote_lag",
     "FreshStartWarning": "ckptlib.manager.fresh_start",
@@ -118,6 +122,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         UploadSkippedWarning,
     )
     from ckptlib.manager.fresh_start import FreshStartWarning
+    from ckptlib.manager.local_budget import LocalUsage, memory_root
     from ckptlib.manager.lock import StaleLockWarning
     from ckptlib.manager.manager import CheckpointManager
     from ckptlib.manager.options import Cluster, InitialLoad, Preemption
@@ -187,6 +192,8 @@ __all__ = [
     "KeepExistingRanks",
     "KeepLast",
     "LoadResult",
+    "LocalLimitError",
+    "LocalUsage",
     "LockedError",
     "MergeSamplerProgress",
     "MergingResizePolicy",
@@ -219,6 +226,7 @@ __all__ = [
     "UploadSkippedWarning",
     "StaleLockWarning",
     "StalePointerWarning",
+    "StagingCapError",
     "StateError",
     "StorageError",
     "UnmatchedPatternWarning",
@@ -231,6 +239,7 @@ __all__ = [
     "__version__",
     "exit_barrier",
     "load",
+    "memory_root",
     "on_metrics",
     "save",
 ]

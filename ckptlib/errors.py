@@ -187,6 +187,16 @@ class StorageError(CheckpointError):
     """The storage backend failed permanently (permission denied, bucket missing, retries exhausted)."""
 
 
+class LocalLimitError(StorageError):
+    """A save would take a node's root past `Cluster(max_local_bytes=...)` or past its
+    filesystem's free space (the in-memory tier's bound); refused before anything was written.
+    `node`, `held`, `need` and `limit` are the figures of the node that refused."""
+
+    def __init__(self, message: str, *, path=None, rank=None, node=None, held=None, need=None, limit=None):
+        super().__init__(message, path=path, rank=rank)
+        self.node, self.held, self.need, self.limit = node, held, need, limit
+
+
 class RankLostError(CheckpointError):
     """A peer rank disappeared (its process died or its connection broke) during a collective
     save or load; `ranks` are those that did not answer, `step` the step being saved or loaded."""
@@ -250,6 +260,16 @@ class LockedError(CheckpointError):
 class WriterProcessError(CheckpointError):
     """The writer process of an async save with async_mode="process" died (or never became
     ready) while it wrote this rank's shard; the save failed and the next one starts a new one."""
+
+
+class StagingCapError(StateError):
+    """An async save with `AsyncMode(max_staging_bytes=N)` holds a tensor larger than N: it
+    cannot be staged in pieces of at most N bytes. Raised on every rank before anything is
+    written; `key` is the tensor's, `nbytes` its size (this rank's shard) and `cap` N."""
+
+    def __init__(self, message: str, *, key=None, nbytes=None, cap=None, path=None, rank=None):
+        super().__init__(message, path=path, rank=rank)
+        self.key, self.nbytes, self.cap = key, nbytes, cap
 
 
 def stacklevel_outside_ckptlib() -> int:

@@ -10,5 +10,7 @@
 - `root_load`: loading one step of a root while others may delete it, and the initial load;
 - `fresh_start`: nothing to resume where the root looks mistyped (a warning; `require=True`);
 - `lock`: the root lock, one writer at a time; `cleanup`: which step directories retention and
-  debris removal delete; `preemption`: a termination signal remembered, so the loop can save.
+  debris removal delete; `preemption`: a termination signal remembered, so the loop can save;
+- `local_budget`: what a node's root holds, reported and bounded (the in-memory tier's bound,
+  `Cluster(max_local_bytes=...)`, and `memory_root`);
 - `cluster/`: node-local roots, peer replicas and a remote."""

@@ -217,6 +217,12 @@ class CheckpointManager:
         without a remote. See `Cluster(remote_lag=RemoteLag(...))` for making it an error."""
         return self.tier.remote_lag()
 
+    def local_usage(self):
+        """What this rank's root holds (`LocalUsage`: bytes held, the newest step's size, the
+        limit, free bytes, the filesystem and whether it is memory); None for a root that is
+        not a local directory. No collective."""
+        return self.tier.local_usage()
+
     def path(self, step: int) -> str:
         return self.tier.path(step)
 

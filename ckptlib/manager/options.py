@@ -29,12 +29,17 @@ class Cluster:
     step, or a `RemoteTier` with its own retention). `node`: this node's identity (default:
     torchrun's GROUP_RANK, else the hostname; see `ckptlib.manager.cluster.topology`).
     `remote_lag`: how far the remote may fall behind while unreachable before a save fails
-    (default: no limit, uploads retried; `ckptlib.manager.cluster.remote_lag`)."""
+    (default: no limit, uploads retried; `ckptlib.manager.cluster.remote_lag`).
+    `max_local_bytes`: the most a node's root may hold (its steps and the replicas it keeps);
+    a save past it, or past the root's free space, is refused on every rank before anything is
+    written (`LocalLimitError`); a root on tmpfs is always held to its free space
+    (`ckptlib.manager.local_budget`: the in-memory tier)."""
 
     replicas: int = 0
     remote: str | os.PathLike | RemoteTier | None = None
     node: Any = None
     remote_lag: RemoteLag = RemoteLag()
+    max_local_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 0:
@@ -44,6 +49,9 @@ class Cluster:
             raise StateError(f"remote must be a URI or a RemoteTier, got {type(remote).__name__} {remote!r}")
         if isinstance(remote, (str, os.PathLike)):
             object.__setattr__(self, "remote", RemoteTier(remote))
+        limit = self.max_local_bytes
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0):
+            raise StateError(f"max_local_bytes must be a positive int (bytes) or None, got {limit!r}")
         if not isinstance(self.remote_lag, RemoteLag):
             lag = self.remote_lag
             raise StateError(f"remote_lag must be a RemoteLag, got {type(lag).__name__} {lag!r}")

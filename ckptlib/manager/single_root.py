@@ -28,6 +28,7 @@ from ckptlib.format.native.root import (
 from ckptlib.format.write.plan_cache import PlanCache
 from ckptlib.loading.loading import LoadResult
 from ckptlib.manager.cleanup import collect
+from ckptlib.manager.local_budget import LocalUsage, usage
 from ckptlib.manager.lock import RootLock
 from ckptlib.manager.policies import RetentionPolicy
 from ckptlib.manager.root_load import load_step
@@ -94,6 +95,10 @@ class Tier(Protocol):
         """The steps a remote lacks for want of it (`remote_lag.RemoteLagReport`; no
         collective); None for a tier without a remote."""
 
+    def local_usage(self) -> Any:
+        """What this rank's root holds on its filesystem (`local_budget.LocalUsage`; no
+        collective); None for a root that is not a local directory."""
+
 
 class SingleRoot:
     """One root every rank sees (a shared filesystem or an object store): the manager's own
@@ -110,6 +115,10 @@ class SingleRoot:
 
     def remote_lag(self) -> None:
         return None
+
+    def local_usage(self) -> LocalUsage | None:
+        path = self.storage.local_path()
+        return None if path is None else usage(path, None, self.storage)
 
     def path(self, step: int) -> str:
         return f"{self.storage.uri.rstrip('/')}/{step_dir(step)}"

@@ -144,7 +144,9 @@ def _remote(kind: str, tmp_path, request) -> tuple[str, dict[str, str] | None]:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("remote_kind", ["dir", "s3"], ids=["remote-dir", "remote-s3"])
-def test_lose_rank_0s_host_the_survivors_resume_then_a_relaunch_grows_back(tmp_path, endpoint, reference, remote_kind, request):
+def test_lose_rank_0s_host_the_survivors_resume_then_a_relaunch_grows_back(
+    tmp_path, endpoint, reference, remote_kind, request
+):
     hosts = [tmp_path / "host0", tmp_path / "host1", tmp_path / "host2"]
     log, pause = tmp_path / "loss.jsonl", tmp_path / "pause"
     remote, env = _remote(remote_kind, tmp_path, request)

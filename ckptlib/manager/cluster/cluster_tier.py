@@ -66,6 +66,7 @@ from ckptlib.manager.cluster.resume import (
     warn_all,
 )
 from ckptlib.manager.cluster.topology import FewerReplicasWarning, Topology, detect
+from ckptlib.manager.local_budget import LocalBudget, LocalUsage
 from ckptlib.manager.lock import RootLock
 from ckptlib.manager.single_root import TierSettings
 from ckptlib.saving import background_save
@@ -103,6 +104,7 @@ class ClusterTier:
         self.group = settings.group
         self.topology: Topology | None = None
         self.lock = RootLock(root, hold=settings.hold_lock)  # this node's root; its leader takes it
+        self.budget = LocalBudget(cluster.max_local_bytes, root)
         self._seq: int | None = None  # the largest commit seq seen (None: not looked yet)
         self._latest: int | None = None  # the step last saved or resumed (the parent of the next save)
         self._job: AsyncSave | None = None  # the background pipeline in flight
@@ -205,8 +207,10 @@ class ClusterTier:
         # (and, rank 0, the remote as last seen) holds the step already.
         here = topology.is_leader and classify(self.root.child(name)) == "committed"
         known = topology.rank == 0 and self.remote is not None and step in self.remote.known_steps
-        _, rows = _dist.agree_sharing(self._lock_node, [int(here), int(known)], group)
+        budget = self.budget.figures(topology.is_leader, state)  # the in-memory tier's bound
+        _, rows = _dist.agree_sharing(self._lock_node, [int(here), int(known), *budget], group)
         try:
+            self.budget.check([r[2:] for r in rows], topology, self.replicas)
             replace = self._replace_decision(step, name, overwrite, any(r[0] for r in rows), any(r[1] for r in rows))
             if replace:
                 warnings.warn(replace, StalePointerWarning, stacklevel=stacklevel_outside_ckptlib())
@@ -355,6 +359,9 @@ class ClusterTier:
         if notice is not None:
             self._notices.append(notice)
         return result
+
+    def local_usage(self) -> LocalUsage | None:
+        return self.budget.report() if self.budget.path is not None else None
 
     def remote_lag(self) -> RemoteLagReport | None:
         """The steps not uploaded yet (no collective); None without a remote."""

@@ -1,0 +1,207 @@
+"""The bound on what a node's root holds, and the report of it: the in-memory tier.
+
+A node root on tmpfs (`/dev/shm`, `ckptlib.memory_root`) with `replicas=1` is a checkpoint in
+the peers' memory: the files are RAM, so a save must not fill it (tmpfs past its pages pushes
+the training itself into swap or the OOM killer). With `Cluster(max_local_bytes=N)` every
+save first checks, on every node, that what the root holds plus what the save adds stays
+within N and within the filesystem's free space; otherwise every rank raises
+`LocalLimitError` naming the node, its root and the three figures, before anything is
+written (nothing saved earlier is touched). What a save adds is the newest step's size on
+that node (its own files and the replicas it keeps: steps of one job are the same size), or,
+for the first save, the bytes this node's ranks hold in the state times 1 + replicas (an upper
+bound: a replicated tensor counts on every rank). `usage()` is the report
+(`CheckpointManager.local_usage()`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+import torch
+
+from ckptlib.errors import LocalLimitError, StateError, UnsupportedError
+from ckptlib.format.native.root import committed_steps, step_dir
+from ckptlib.loading.read_cost import filesystem_type
+
+#: Filesystems whose files are memory.
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalUsage:
+    """What this node's root holds: `held_bytes` (every file under it), `newest_step_bytes`
+    (the newest committed step: its files and the replicas kept for partners), `limit_bytes`
+    (`max_local_bytes`, None for no limit), `free_bytes` (the filesystem's), `filesystem`
+    ("tmpfs", "ext4", ...) and `in_memory` (a tmpfs or ramfs: lost when the host goes)."""
+
+    root: str
+    held_bytes: int
+    newest_step_bytes: int
+    limit_bytes: int | None
+    free_bytes: int | None
+    filesystem: str
+
+    @property
+    def in_memory(self) -> bool:
+        return self.filesystem in MEMORY_FILESYSTEMS
+
+
+def tree_bytes(path: str) -> int:
+    """The bytes the files under `path` take (allocated blocks, so a sparse file counts as
+    what it holds); 0 for a missing path."""
+    total = 0
+    for parent, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(parent, name))
+            except OSError:
+                continue  # removed meanwhile (retention, a crashed save's debris)
+            total += max(st.st_blocks * 512, 0)
+    return total
+
+
+def free_bytes(path: str) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def usage(root_path: str, limit: int | None, root_storage: Any = None) -> LocalUsage:
+    """The report of the node root at `root_path` (a directory)."""
+    newest = 0
+    if root_storage is not None:
+        steps = committed_steps(root_storage)
+        if steps:
+            newest = tree_bytes(os.path.join(root_path, step_dir(steps[-1])))
+    existing = root_path if os.path.isdir(root_path) else os.path.dirname(root_path.rstrip("/")) or "/"
+    return LocalUsage(
+        root=root_path,
+        held_bytes=tree_bytes(root_path),
+        newest_step_bytes=newest,
+        limit_bytes=limit,
+        free_bytes=free_bytes(existing),
+        filesystem=filesystem_type(existing),
+    )
+
+
+def state_bytes(state: Mapping[str, Any]) -> int:
+    """The bytes of the tensors this rank holds in `state` (a DTensor's local shard; modules
+    and optimizers through their state_dict, which holds references, not copies)."""
+    seen: set[int] = set()
+
+    def walk(value: Any) -> int:
+        if isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            key = id(local)
+            if key in seen:
+                return 0
+            seen.add(key)
+            return local.numel() * local.element_size()
+        if isinstance(value, Mapping):
+            return sum(walk(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return sum(walk(v) for v in value)
+        state_dict = getattr(value, "state_dict", None)
+        if callable(state_dict):
+            return walk(state_dict())
+        return 0
+
+    return walk(state)
+
+
+def need_bytes(report: LocalUsage, rank_bytes: int) -> int:
+    """What the next save adds to this node's root: the newest step's size, else (the first
+    save) `rank_bytes`, the node's ranks' state bytes times 1 + replicas."""
+    return report.newest_step_bytes or rank_bytes
+
+
+def check(node: int, report: LocalUsage, need: int) -> None:
+    """LocalLimitError when `need` more bytes would pass the limit or the free space."""
+    over_limit = report.limit_bytes is not None and report.held_bytes + need > report.limit_bytes
+    over_free = report.free_bytes is not None and need > report.free_bytes
+    if not (over_limit or over_free):
+        return
+    bound = (
+        f"max_local_bytes={report.limit_bytes}"
+        if over_limit
+        else f"the {report.free_bytes} bytes free on its {report.filesystem or 'filesystem'}"
+    )
+    raise LocalLimitError(
+        f"node {node}: a save would need about {need} more bytes in {report.root!r}, which holds "
+        f"{report.held_bytes}: past {bound}; nothing was written (keep fewer steps, raise the limit, "
+        "or give the root more space)",
+        path=report.root,
+        node=node,
+        held=report.held_bytes,
+        need=need,
+        limit=report.limit_bytes,
+    )
+
+
+class LocalBudget:
+    """The cluster tier's bound: the figures each rank adds to the save's one agreement round
+    (none when there is no limit and the root is not in memory) and the check of every node
+    from them, so every rank raises the same LocalLimitError, or none does."""
+
+    def __init__(self, limit: int | None, root: Any):
+        self.limit = limit
+        self.root = root
+        self.path = root.local_path()
+        self.active = self.path is not None and (limit is not None or self.report().in_memory)
+        self._rank_bytes: int | None = None  # this rank's state bytes, counted once (the first save)
+
+    def report(self) -> LocalUsage:
+        return usage(self.path, self.limit, self.root)
+
+    def figures(self, is_leader: bool, state: Mapping[str, Any]) -> list[int]:
+        """[rank bytes, held, newest step, free (-1: unknown)]; held and after only on a leader."""
+        if not self.active:
+            return []
+        if self._rank_bytes is None:
+            self._rank_bytes = state_bytes(state)
+        if not is_leader:
+            return [self._rank_bytes, 0, 0, -1]
+        r = self.report()
+        return [self._rank_bytes, r.held_bytes, r.newest_step_bytes, -1 if r.free_bytes is None else r.free_bytes]
+
+    def check(self, rows: list[list[int]], topology: Any, replicas: int) -> None:
+        """Every rank: each node's need against its leader's figures (`rows`: every rank's)."""
+        if not self.active:
+            return
+        kind = filesystem_type(self.path if os.path.isdir(self.path) else os.path.dirname(self.path))
+        for node, ranks in enumerate(topology.nodes):
+            held, newest, free = rows[ranks[0]][1:4]
+            report = LocalUsage(self.root.uri, held, newest, self.limit, None if free < 0 else free, kind)
+            check(node, report, need_bytes(report, sum(rows[r][0] for r in ranks) * (1 + replicas)))
+
+
+def memory_root(job: str, base: str = "/dev/shm") -> str:
+    """The node root of the in-memory tier for `job`: `<base>/ckptlib/<job>` on a tmpfs (or
+    ramfs), created with mode 0700; UnsupportedError naming `base` when it is not memory."""
+    if not job or "/" in job or job in (".", ".."):
+        raise StateError(f"memory_root's job must be a plain name (no '/'), got {job!r}")
+    kind = filesystem_type(base) if os.path.isdir(base) else ""
+    if kind not in MEMORY_FILESYSTEMS:
+        raise UnsupportedError(
+            f"{base!r} is not a memory filesystem ({kind or 'missing or unknown'}); the in-memory tier needs a "
+            "tmpfs such as /dev/shm (in a container: --shm-size, or an emptyDir with medium: Memory)"
+        )
+    path = os.path.join(base, "ckptlib", job)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+__all__ = [
+    "LocalBudget",
+    "LocalUsage",
+    "MEMORY_FILESYSTEMS",
+    "check",
+    "memory_root",
+    "need_bytes",
+    "state_bytes",
+    "usage",
+]
