@@ -35,6 +35,7 @@ EXTENDED = (
     "cli/test_not_a_checkpoint_fast.py::test_a_large_prefix_is_refused_with_one_top_level_listing[azure",
     "cli/test_bench_ceilings.py::test_ceilings_first_in_a_real_run",
     "cli/test_bench_tier.py::test_bench_tier_reports_the_tier_beside_its_baselines",
+    "cli/test_bench_recovery.py::test_bench_recovery_quick_times_every_phase_and_resumes_from_peers",
     "cli/test_bench_tensors.py::test_bench_tensors_ablation_times_both_collector_settings",
     "api/test_async_process_ranks.py::test_fsdp2_saved_at_4_in_process_mode_loads_at_2",
     "api/test_async_process.py::test_exit_without_wait_commits_and_stops_the_writer",

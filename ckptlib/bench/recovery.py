@@ -23,13 +23,14 @@ without checkpoints, interleaved in one run (4 ranks on 2 simulated nodes).
 Goals: restore from peers >= 5x faster than from S3 at the same size; in-memory tier step
 slowdown <= 1.05x with the process writer. A missed goal is reported as missed.
 
-Run: ckpt bench recovery [--size-mib 64] [--reps 3] [--remote s3|dir] [--quick]
+Run: ckpt bench recovery [--size-mib 64] [--reps 3] [--steps 8] [--remote s3|dir] [--quick]
                          [--json [OUT]] [--dir DIR] [--timeout 600]
 
 Exit status: 0; 1 when a resume was not bit-exact (the first step's loss after the restart
 differs from the loss logged for that step before the kill, or a restored state's digest from
-the saved one), resumed another step, a resume from peers read bytes from the remote, or the
-scenario did not complete; 2 usage error.
+the saved one), resumed another step, a resume from peers read bytes from the remote, the
+remote restore did not read every shard byte from the remote, or the scenario did not complete;
+2 usage error.
 """
 
 from __future__ import annotations
