@@ -97,10 +97,23 @@ def endpoint():
     del store
 
 
-def _resumes(text: str) -> list[tuple[int, dict, int]]:
-    """(step, bytes by source, world size) of every resume the launcher's output reports."""
+#: What a gloo rank prints when it aborts at teardown after barrier + destroy_process_group
+#: (about 1 run in 20 on this machine, without ckptlib too): under the agent that exit is a
+#: failure, so the agent restarts the finished job, which resumes its last step and trains nothing.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _resumes(text: str, last_step: int | None = None) -> list[tuple[int, dict, int]]:
+    """(step, bytes by source, world size) of every resume the launcher's output reports; with
+    `last_step`, leaving out resumes of that step after a gloo teardown abort (nothing left to
+    train: the job had finished), which any other cause of such a resume fails."""
     found = re.findall(r"resumed from step (\d+) \(bytes by source (\{.*?\})\); (\d+) ranks", text)
-    return [(int(step), json.loads(sources), int(world)) for step, sources, world in found]
+    resumes = [(int(step), json.loads(sources), int(world)) for step, sources, world in found]
+    if last_step is None:
+        return resumes
+    kept = [r for r in resumes if r[0] != last_step]
+    assert len(kept) == len(resumes) or TEARDOWN_ABORT in text, text[-6000:]
+    return kept
 
 
 def _start(endpoint, roots, remote, log, pause, logs, steps: int = STEPS, save_every: int = 1, env=None) -> Nodes:
@@ -173,12 +186,12 @@ def test_lose_rank_0s_host_the_survivors_resume_then_a_relaunch_grows_back(
     assert (4, 0) in at and (2, 1) in at, at  # world 4, then the agent's restart at world 2
     assert all(r["world_size"] == 4 for r in records if r["step"] > shrunk_to), records
 
-    shrink = _resumes(first)
+    shrink = _resumes(first, last_step=shrunk_to)
     assert [world for _, _, world in shrink] == [2], first[-6000:]
     step, sources, _ = shrink[0]
     assert killed_at - 1 <= step <= killed_at, (step, killed_at)  # the newest committed step
     assert sources["remote"] == 0 and sources["local"] > 0, sources
-    grow = _resumes(second)
+    grow = _resumes(second, last_step=STEPS)
     assert [(step, world) for step, _, world in grow] == [(shrunk_to, 4)], second[-6000:]
     assert grow[0][1]["remote"] == 0, grow[0][1]  # the new host's ranks: from the peer, over the group
 
@@ -217,7 +230,7 @@ def test_lose_rank_0s_host_then_a_replacement_joins_the_running_job(tmp_path, en
     worlds = [r["world_size"] for r in records]
     shrunk = worlds.index(2)
     assert worlds[0] == 4 and 4 in worlds[shrunk:] and worlds[-1] == 4, worlds
-    resumes = _resumes(output)
+    resumes = _resumes(output, last_step=STEPS)
     assert [w for _, _, w in resumes] == [2, 4], output[-6000:]
     assert resumes[0][1]["remote"] == 0 and resumes[0][1]["local"] > 0, resumes[0]
     assert killed_at - 1 <= resumes[0][0] <= killed_at, (resumes[0], killed_at)
@@ -261,6 +274,6 @@ def test_sigterm_to_one_agent_saves_the_step_reached_and_the_rest_restarts_small
     assert {r["step"] for r in records} == set(range(1, STEPS + 1))  # no step lost, none skipped
     assert [r["step"] for r in records if r["restart"] == 0][-1] == reached, records
     assert all(r["world_size"] == 2 and r["restart"] == 1 for r in records if r["step"] > reached), records
-    resumes = _resumes(survivor_out)
+    resumes = _resumes(survivor_out, last_step=STEPS)
     assert [(step, world) for step, _, world in resumes] == [(reached, 2)], survivor_out[-6000:]
     assert resumes[0][1]["remote"] == 0 and resumes[0][1]["local"] > 0, resumes[0]
