@@ -80,10 +80,12 @@ class CheckpointManager:
         background (on a dedicated gloo group, never the caller's). The next `save()`, `gc()`,
         `wait()` and `close()` wait for it first, and raise its failure if it failed (on every
         rank); a failed save never moves `latest`. At interpreter exit the save in flight is
-        waited for before the lock is released. `AsyncMode("process")`: the shards are written
-        by a writer process per rank, from shared memory, started here (it imports torch while
-        the model is built); `close()` stops it. `AsyncMode(background_staging=True)`: `save()`
-        returns before the state is copied (see `ckptlib.async_save`).
+        waited for before the lock is released. The shards are written by a writer process per
+        rank, from shared memory, started here (it imports torch while the model is built;
+        `close()` stops it): the default where memfd exists, `AsyncMode("process")`; or by the
+        background thread, `AsyncMode("thread")`. `AsyncMode(background_staging=True)`: `save()`
+        returns before the state is copied; `AsyncMode(max_staging_bytes=N)`: at most N bytes of
+        staging copies (see `ckptlib.async_save`).
 
         `cluster`: node-local roots, peer replicas and a remote (`Cluster`, docs/tier.md);
         `retention`/`keep_last` keep this node's root. `preemption=True` (or a `Preemption`
@@ -144,7 +146,7 @@ class CheckpointManager:
         finally:
             if self._watcher is not None:
                 self._watcher.close()
-            if self.mode is not None and self.mode.writer == "process":
+            if self.mode is not None and self.mode.writer_here() == "process":
                 background_save.release_staging(shared_only=True)  # the writer process and its memory
             self.tier.close()
 

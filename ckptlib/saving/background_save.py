@@ -34,7 +34,9 @@ running statistics). Without such buffers, calling `wait_staged()` right before
 
 Memory: the staging copy (about one state per rank) is kept and reused by the next async
 save of a state with the same tensor shapes, so steady-state saves copy into memory that is
-already mapped (no page faults); `release_staging()` frees it.
+already mapped (no page faults); `release_staging()` frees it. With
+`AsyncMode(max_staging_bytes=N)` nothing is copied up front: the tensors are copied in pieces of
+at most N as they are written (`capped_staging`).
 """
 
 from __future__ import annotations
@@ -52,9 +54,9 @@ import torch.distributed as dist
 from ckptlib._runtime import agree as _dist
 from ckptlib._runtime.teardown import exit_barrier
 from ckptlib.errors import CheckpointError
-from ckptlib.saving import writer_process
+from ckptlib.saving import capped_staging, writer_process
 
-__all__ = ["AsyncSave", "release_staging"]
+__all__ = ["AsyncSave", "release_pools", "release_staging"]
 
 _lock = threading.Lock()
 _groups: dict[Any, Any] = {}  # caller's group (None: default) -> dedicated gloo group
@@ -124,6 +126,11 @@ class AsyncSave:
         if self.staged_seconds is None:  # the work ended without completing the copy
             self._observed = True
             raise self._error if self._error is not None else CheckpointError(f"async save to {self.uri} never staged")
+
+    def until_staged(self) -> None:
+        """Wait until the copy is complete or the save ended, raising nothing (the failure stays
+        for `wait()`): how `async_save` with a staging cap returns once its last piece is copied."""
+        self._staged.wait()
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -347,6 +354,15 @@ def stage(state_dict: dict[str, Any], group=None, arena=None) -> dict[str, Any]:
     return staged
 
 
+def release_pools(group=None) -> None:
+    """Free the staging buffers kept for `group`'s next uncapped save (a capped save of the
+    group holds nothing else: `capped_staging`)."""
+    with _lock:
+        pools = [_staging.pop(key) for key in list(_staging) if key[0] == _group_key(group)]
+    for pool in pools:
+        pool.release_unused(StagingPool())
+
+
 def release_staging(*, shared_only: bool = False) -> None:
     """Free the staging buffers kept for the next async save (after waiting for saves in
     flight), and stop the writer process of async_mode="process" saves if one runs.
@@ -357,6 +373,7 @@ def release_staging(*, shared_only: bool = False) -> None:
         pools = [_staging.pop(key) for key in keys]
     for pool in pools:
         pool.release_unused(StagingPool())
+    capped_staging.release()
     writer_process.shutdown()
 
 

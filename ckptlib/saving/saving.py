@@ -29,7 +29,7 @@ from ckptlib.format.write import plan_cache as plan_caches
 from ckptlib.format.write.plan_cache import PlanCache, PlanReuse
 from ckptlib.format.write.save_planner import CkptSavePlanner
 from ckptlib.format.write.transaction import SaveTransaction
-from ckptlib.saving import background_save, rank_checks
+from ckptlib.saving import background_save, capped_staging, rank_checks
 from ckptlib.saving.async_mode import AsyncMode
 from ckptlib.saving.background_save import AsyncSave
 from ckptlib.state.state import to_save_state_dict
@@ -46,7 +46,11 @@ class SaveResult:
     Planning: `planning_seconds` is this rank's own planning work (not the collectives'
     waits), `global_plan_seconds` the coordinator's global plan (the same on every rank), and
     `plan_reused` whether the save reused the plans of the previous save of the same
-    structure (`ckptlib.format.write.plan_cache`) instead of planning."""
+    structure (`ckptlib.format.write.plan_cache`) instead of planning.
+
+    `staging_peak_bytes` (async saves): the most bytes of staging copies this rank held at once
+    (the whole staged shard; with `AsyncMode(max_staging_bytes=N)` at most N); None for a
+    synchronous save."""
 
     uri: str
     step: int | None
@@ -57,6 +61,7 @@ class SaveResult:
     planning_seconds: float | None = None
     global_plan_seconds: float | None = None
     plan_reused: bool = False
+    staging_peak_bytes: int | None = None
 
     @property
     def bytes(self) -> int:
@@ -109,7 +114,8 @@ def async_save(
     overwrite: bool = False,
     process_group=None,
     background_staging: bool = False,
-    async_mode: str = "thread",
+    async_mode: str = "auto",
+    max_staging_bytes: int | None = None,
     progress: Any = None,
 ) -> AsyncSave:
     """`save`, returning an `AsyncSave` handle as soon as the state is staged to CPU memory;
@@ -117,10 +123,17 @@ def async_save(
     `ckptlib.saving.background_save`). `handle.wait()` returns the SaveResult or raises the failure.
 
     `async_mode="process"` (`AsyncMode`'s writer): the state is staged in shared memory and the shard is encoded,
-    checksummed, written and fsynced by a long-lived writer process of this rank, so the
-    write does not compete with the training loop for the GIL; planning and the commit stay
-    in the background thread, failures are raised as in thread mode (`ckptlib.saving.writer_process`).
+    checksummed, written and fsynced by a long-lived writer process of this rank (one per
+    process, started by the first such save and reused by every later one), so the write does
+    not compete with the training loop for the GIL; planning and the commit stay in the
+    background thread, failures are raised as in thread mode (`ckptlib.saving.writer_process`).
     Where it cannot work (no memfd: not Linux) it falls back to "thread" with a RuntimeWarning.
+    `"thread"`: the shard is written by the background thread itself. `"auto"` (the default):
+    "process" where memfd exists, else "thread" (silently).
+
+    `max_staging_bytes=N`: never more than N bytes of staging copies; the tensors are copied
+    and written in pieces of at most N (`ckptlib.saving.capped_staging`), and the call returns
+    once the last piece is copied. A tensor larger than N: StagingCapError, before anything is written.
 
     `background_staging=True`: return before the staging copy, which then runs first in the
     background. Nothing may change the state until `handle.wait_staged()` returned: not an
@@ -136,7 +149,7 @@ def async_save(
         metrics=metrics,
         overwrite=overwrite,
         group=process_group,
-        mode=AsyncMode(async_mode, background_staging),
+        mode=AsyncMode(async_mode, background_staging, max_staging_bytes),
         progress=progress,
     )
 
@@ -171,13 +184,14 @@ def transact(
     writer = None
     asynchronous = mode is not None
     background_staging = asynchronous and mode.background_staging
+    cap = mode.max_staging_bytes if asynchronous else None
     if asynchronous:
         writer = mode.start_writer()  # started now: it imports torch while the state is staged
         background_save.wait_inflight(group)  # one background save per group at a time
         bg_group = background_save.async_group(group)
     arena = writer.arena if writer is not None else None
     rank, world = _dist.get_rank(group), _dist.get_world_size(group)
-    stage = asynchronous and not background_staging
+    stage = asynchronous and not background_staging and cap is None  # a capped save stages as it writes
     if plan_cache is None:
         plan_cache = plan_caches.shared(plan_caches.group_ranks(group), type(storage))
     reuse = plan_caches.PlanReuse(plan_cache, group)
@@ -185,11 +199,16 @@ def transact(
     with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
         (user_metadata, user_metrics, step), state_dict = _dist.agree(
             lambda: _check_and_collect(
-                state, step, metadata, metrics, group, stage=stage, arena=arena, vote=vote, where=storage.uri
+                state, step, metadata, metrics, group, stage=stage, cap=cap, arena=arena, vote=vote, where=storage.uri
             ),
             group,
             ballot=vote,
         )
+    backend, ring = writer, None
+    if cap is not None:
+        background_save.release_pools(group)  # the cap bounds everything this group's saves hold
+        ring = capped_staging.ring_for(group, cap, capped_staging.tensor_sizes(state_dict), arena)
+        backend = capped_staging.CappedShards(ring, lambda: handle.mark_staged(), writer)
     transaction = make_transaction(
         storage,
         world_size=world,
@@ -199,7 +218,7 @@ def transact(
         overwrite=overwrite,
         after_commit=after_commit,
         on_failure=on_failure,
-        shard_backend=writer,
+        shard_backend=backend,
     )
     if not asynchronous:
         with progress_bars.reporting("save", storage.uri, progress, rank):
@@ -210,19 +229,25 @@ def transact(
 
     def work() -> SaveResult:
         nonlocal state_dict
-        if background_staging:
+        if background_staging and ring is not None:  # staged while written: only the vote here
+            state_dict = _dist.agree(lambda: _voted(reuse, state_dict), bg_group, reuse)
+        elif background_staging:
             # Every rank learns of a copy that failed on one (on the background's group).
             state_dict = _dist.agree(
                 lambda: _voted(reuse, background_save.stage(state_dict, group, arena)), bg_group, reuse
             )
             handle.mark_staged()
+        staged_bytes = None if ring is not None else sum(capped_staging.tensor_sizes(state_dict).values())
         # Preparing the target (removing debris) waits for the disk, so it runs in the
         # background too, still before any shard is written; its errors
         # (CheckpointExistsError) come from wait().
         with progress_bars.reporting("save", storage.uri, progress, rank):
             result = _write(transaction, state_dict, bg_group, reuse)
         result.seconds = time.perf_counter() - started
-        result.blocked_seconds = handle.blocking_seconds
+        result.blocked_seconds = (
+            handle.staged_seconds if ring is not None and not background_staging else handle.blocking_seconds
+        )
+        result.staging_peak_bytes = ring.peak if ring is not None else staged_bytes
         _log_save(result, rank)
         return result
 
@@ -231,9 +256,12 @@ def transact(
         work,
         blocking_seconds=time.perf_counter() - started,
         started=started,
-        staged=not background_staging,
+        staged=stage,
     )
     background_save.register(group, handle)
+    if ring is not None and not background_staging:  # returns once the last piece is copied
+        handle.until_staged()
+        handle.blocking_seconds = time.perf_counter() - started
     return handle
 
 
@@ -245,6 +273,7 @@ def _check_and_collect(
     group,
     *,
     stage: bool = False,
+    cap: int | None = None,
     arena=None,
     vote: PlanReuse | None = None,
     where: str = "",
@@ -252,7 +281,8 @@ def _check_and_collect(
     """Every check of a save's arguments and the state dict to write (staged to CPU memory
     when `stage`), run inside one collective round (`_dist.agree`), where `vote` says
     whether the state's structure is the one its plan cache holds. Every rank must pass the
-    same step (checked in that round: RanksDisagreeError on every rank otherwise)."""
+    same step (checked in that round: RanksDisagreeError on every rank otherwise). With a
+    staging `cap`, a tensor larger than it is refused here (StagingCapError)."""
     # agreed first: a rank failing here must not skip the collective steps the others then take
     user_metadata, checked_metrics, checked_step = _dist.agree(
         lambda: (check_metadata_json(metadata), check_metrics(metrics), None if step is None else check_step(step)),
@@ -263,6 +293,8 @@ def _check_and_collect(
     state_dict = to_save_state_dict(state, rank=_dist.get_rank(group), agree=_dist.agreement(group))
     if rank_checks.replicas_checked() and _dist.is_distributed():
         rank_checks.check_replicas(state_dict, group, where)
+    if cap is not None:
+        capped_staging.check_fits(capped_staging.tensor_sizes(state_dict), cap, rank=_dist.get_rank(group), where=where)
     if stage:
         state_dict = background_save.stage(state_dict, group, arena)  # the copy the background writes
     return (user_metadata, checked_metrics, checked_step), _voted(vote, state_dict)

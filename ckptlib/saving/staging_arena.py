@@ -143,14 +143,27 @@ class StagingArena:
             if span is not None and span[0] in self.segments:
                 self.segments[span[0]].give_back(span[1], span[2])
 
+    def reserve(self, nbytes: int) -> Segment:
+        """A segment of exactly `nbytes`, all of it taken (no `tensor` lands in it): the ring of
+        a capped save (`capped_staging`), which places its pieces itself; `unreserve` frees it."""
+        with self._lock:
+            segment = self._new_segment(nbytes, exact=True)
+            segment.take(nbytes)
+        return segment
+
+    def unreserve(self, segment: Segment) -> None:
+        with self._lock:
+            if segment.id in self.segments:
+                self._drop(segment)
+
     def trim(self) -> None:
         """Unmap every segment with nothing in it (the writer process is told by `dropped()`)."""
         with self._lock:
             for segment in [s for s in self.segments.values() if s.live == 0]:
                 self._drop(segment)
 
-    def _new_segment(self, nbytes: int) -> Segment:
-        size = -(-nbytes // _MIN_SEGMENT) * _MIN_SEGMENT
+    def _new_segment(self, nbytes: int, exact: bool = False) -> Segment:
+        size = nbytes if exact else -(-nbytes // _MIN_SEGMENT) * _MIN_SEGMENT
         fd = os.memfd_create(f"ckptlib-staging-{self._next_id}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)

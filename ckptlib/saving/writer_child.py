@@ -10,9 +10,12 @@ in place from the staging segments (`staging_arena`) it mapped once; objects arr
 Messages: an 8-byte length, then a pickle; a message may carry file descriptors (a new
 segment's memfd), attached to its length with SCM_RIGHTS.
 - parent -> child: ("segment", id, size) + fd | ("drop", id) | ("write", pickled storage,
-  name, planned bytes, items) | ("exit",)
+  name, planned bytes, items) | ("stream", pickled storage, name, planned bytes), then
+  ("item", item) per item and ("end",) | ("exit",)
 - child -> parent: ("ready", pid) once, then one ("ok", FileRecord) or ("error", exception)
-  per write.
+  per write; during a stream (a capped save, `capped_staging`) first one ("written",) per item,
+  once it is written (the parent then reuses its staging bytes), also for the items a failed
+  write skipped.
 
 Lifetime: the child ignores the signals a job scheduler sends a whole job (`IGNORED_SIGNALS`:
 the training process decides what they mean, and may still need the writer for its last
@@ -140,6 +143,60 @@ def _write(request: tuple, segments: dict[int, mmap.mmap]) -> tuple:
         return ("error", _portable(exc))
 
 
+class _Stream:
+    """The items of a streamed write, received as `write_shard` reaches them; each one is
+    answered ("written",) when the next is asked for, or by `drain` after a failure."""
+
+    def __init__(self, sock: socket.socket, segments: dict[int, mmap.mmap]):
+        self.sock, self.segments = sock, segments
+        self.unanswered = 0
+        self.ended = False
+
+    def items(self):
+        while True:
+            self._answer()
+            received = recv(self.sock)
+            if received is None:
+                raise EOFError("the training process closed the socket mid-stream")
+            message = received[0]
+            if message[0] == "end":
+                self.ended = True
+                return
+            self.unanswered += 1
+            yield from _payloads([message[1]], self.segments)
+
+    def _answer(self) -> None:
+        while self.unanswered:
+            send(self.sock, ("written",))
+            self.unanswered -= 1
+
+    def drain(self) -> None:
+        """After a failed write: answer every item received or still to come, up to ("end",)."""
+        self._answer()
+        while not self.ended:
+            received = recv(self.sock)
+            if received is None or received[0][0] == "end":
+                self.ended = True
+            else:
+                send(self.sock, ("written",))
+
+
+def _write_streamed(request: tuple, sock: socket.socket, segments: dict[int, mmap.mmap]) -> tuple:
+    from ckptlib.format.write.dcp_writer import write_shard
+
+    _, storage_bytes, name, planned = request
+    stream = _Stream(sock, segments)
+    try:
+        storage = pickle.loads(storage_bytes)
+        with storage.open_writer(name) as out:
+            record = write_shard(out, stream.items(), planned)
+        return ("ok", record)
+    except Exception as exc:  # noqa: BLE001 - the parent raises it in the save
+        answer = ("error", _portable(exc))
+    stream.drain()
+    return answer
+
+
 def _portable(exc: BaseException) -> BaseException:
     """`exc` if it survives pickling, else a CheckpointError with its type and message."""
     try:
@@ -174,6 +231,8 @@ def main(fd: int, parent_pid: int) -> None:
             _unmap(segments.pop(message[1], None))
         elif kind == "write":
             send(sock, _write(message, segments))
+        elif kind == "stream":
+            send(sock, _write_streamed(message, sock, segments))
         else:
             break
     for mapping in segments.values():

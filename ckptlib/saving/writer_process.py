@@ -25,6 +25,7 @@ not inherit it.
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import os
@@ -43,11 +44,13 @@ from ckptlib._runtime import progress
 from ckptlib.errors import CheckpointError, StateError, WriterProcessError, stacklevel_outside_ckptlib
 from ckptlib.format.native.manifest import FileRecord
 from ckptlib.format.write.dcp_writer import InProcessShards, _tensor_for_save
-from ckptlib.saving import writer_child
+from ckptlib.saving import capped_staging, writer_child
 from ckptlib.saving.staging_arena import StagingArena, unavailable_reason
 
 MODES = ("thread", "process")
+WRITERS = ("auto",) + MODES  # "auto": the process where it can work (`check_mode`)
 READY_TIMEOUT_S = 600.0  # a loaded machine can take minutes to import torch
+_END = object()
 
 _lock = threading.Lock()
 _writer: "WriterProcess | None" = None
@@ -55,10 +58,13 @@ _warned: set[str] = set()
 
 
 def check_mode(async_mode: Any) -> str:
-    """`async_mode` as given when it is one of MODES; "thread" (with a warning, once) where a
-    writer process cannot work on this machine. StateError for anything else."""
-    if async_mode not in MODES:
-        raise StateError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
+    """The writer `async_mode` (one of WRITERS) runs here: "process" or "thread" as given,
+    "thread" (with a warning, once) where a writer process cannot work on this machine; "auto"
+    is "process" where it can and "thread" elsewhere, silently. StateError for anything else."""
+    if async_mode not in WRITERS:
+        raise StateError(f"async_mode must be 'auto', 'thread' or 'process', got {async_mode!r}")
+    if async_mode == "auto":
+        return "process" if unavailable_reason() is None else "thread"
     if async_mode == "process":
         reason = unavailable_reason()
         if reason is not None:
@@ -227,15 +233,8 @@ class WriterProcess:
     def write_shard(self, transaction, name: str, payloads: Iterable[Any], planned_bytes: int) -> FileRecord:
         """Encode and write shard `name` in the writer process (see dcp_writer.ShardBackend)."""
         storage = transaction.storage
-        try:
-            if type(storage).__module__ == "__main__":  # the writer process does not run the caller's script
-                raise TypeError("its class is defined in __main__")
-            sent_storage = pickle.dumps(storage)
-        except Exception as exc:  # noqa: BLE001 - a storage that cannot travel is written here
-            _warn_once(
-                f'async_mode="process": {type(storage).__name__} ({storage.uri}) cannot be sent to the writer '
-                f"process ({type(exc).__name__}: {exc}); its shards are written in the background thread"
-            )
+        sent_storage = _sendable(storage)
+        if sent_storage is None:
             return InProcessShards().write_shard(transaction, name, payloads, planned_bytes)
         where = f"{storage.uri.rstrip('/')}/{name}"
         with transaction.writing_shard(name):
@@ -246,6 +245,79 @@ class WriterProcess:
                 record = self._request(sent_storage, name, planned_bytes, items, where)
             progress.advance(record.size)
             return record
+
+    def write_streamed(
+        self, transaction, name: str, payloads: Iterable[Any], planned_bytes: int, ring, on_staged
+    ) -> FileRecord:
+        """`write_shard` of a capped save (`capped_staging`): each tensor is copied into `ring`
+        (a segment of this arena) and sent as the writer process reaches it; a piece's bytes are
+        reused once the process answers that it wrote it. `on_staged()` once the last is copied."""
+        storage = transaction.storage
+        sent_storage = _sendable(storage)
+        if sent_storage is None:
+            pieces = capped_staging.staged_pieces(payloads, ring, on_staged)
+            return InProcessShards().write_shard(transaction, name, pieces, planned_bytes)
+        where = f"{storage.uri.rstrip('/')}/{name}"
+        with transaction.writing_shard(name):
+            self.start()
+            progress.add_total(planned_bytes)
+            with self._lock:
+                try:
+                    record = self._stream(sent_storage, name, planned_bytes, payloads, ring, on_staged, where)
+                finally:
+                    ring.clear()  # whatever happened, no piece is in use any more
+            progress.advance(record.size)
+            return record
+
+    def _stream(self, storage: bytes, name: str, planned: int, payloads, ring, on_staged, where: str) -> FileRecord:
+        owned: collections.deque[bool] = collections.deque()  # per item sent and not yet written: in the ring?
+
+        def written() -> None:  # the process wrote the oldest item sent
+            answer = writer_child.recv(self._sock)
+            if answer is None or answer[0][0] != "written":
+                raise OSError("the writer process stopped answering")
+            if owned.popleft():
+                ring.free_oldest()
+
+        try:
+            self._await_ready()
+            assert self._sock is not None
+            self._send_segments()
+            writer_child.send(self._sock, ("stream", storage, name, planned))
+            items = iter(payloads)
+            current = next(items, _END)
+            if current is _END:
+                on_staged()
+            while current is not _END:
+                piece = None
+                if capped_staging.stageable(current):
+                    while (piece := ring.put(current)) is None:
+                        written()
+                item = self._describe(current if piece is None else piece)
+                following = next(items, _END)
+                if following is _END:
+                    on_staged()
+                writer_child.send(self._sock, ("item", item))
+                owned.append(piece is not None)
+                del piece
+                current = following
+            writer_child.send(self._sock, ("end",))
+            while owned:
+                written()
+            answer = writer_child.recv(self._sock)
+        except OSError:
+            answer = None
+        except BaseException:  # not ready, or interrupted mid-stream: this process is of no more use
+            self._discard()
+            raise
+        return self._answered(answer, where)
+
+    def _send_segments(self) -> None:
+        assert self._sock is not None
+        for segment_id in self.arena.dropped():
+            writer_child.send(self._sock, ("drop", segment_id))
+        for segment in self.arena.unsent():
+            writer_child.send(self._sock, ("segment", segment.id, segment.size), [segment.fd])
 
     def _describe(self, data: Any) -> tuple:
         if isinstance(data, io.BytesIO):
@@ -265,11 +337,8 @@ class WriterProcess:
     def _request(self, storage: bytes, name: str, planned_bytes: int, items: list[tuple], where: str) -> FileRecord:
         try:
             self._await_ready()
+            self._send_segments()
             assert self._sock is not None
-            for segment_id in self.arena.dropped():
-                writer_child.send(self._sock, ("drop", segment_id))
-            for segment in self.arena.unsent():
-                writer_child.send(self._sock, ("segment", segment.id, segment.size), [segment.fd])
             writer_child.send(self._sock, ("write", storage, name, planned_bytes, items))
             answer = writer_child.recv(self._sock)
         except OSError:
@@ -277,6 +346,10 @@ class WriterProcess:
         except BaseException:  # not ready, or interrupted mid-message: this process is of no more use
             self._discard()
             raise
+        return self._answered(answer, where)
+
+    def _answered(self, answer, where: str) -> FileRecord:
+        """The FileRecord of a write's answer, or its failure raised (None: the process is gone)."""
         if answer is None:
             how = self._how()
             pid = self.pid
@@ -292,6 +365,21 @@ class WriterProcess:
         raise CheckpointError(f"the background writer process failed writing {where}: {value}", path=where)
 
 
+def _sendable(storage) -> bytes | None:
+    """`storage` pickled for the writer process; None (with a warning, once) when it cannot
+    travel: its shards are then written in the background thread."""
+    try:
+        if type(storage).__module__ == "__main__":  # the writer process does not run the caller's script
+            raise TypeError("its class is defined in __main__")
+        return pickle.dumps(storage)
+    except Exception as exc:  # noqa: BLE001 - a storage that cannot travel is written here
+        _warn_once(
+            f'async_mode="process": {type(storage).__name__} ({storage.uri}) cannot be sent to the writer '
+            f"process ({type(exc).__name__}: {exc}); its shards are written in the background thread"
+        )
+        return None
+
+
 def _after_fork_in_child() -> None:
     """A forked child (a data-loader worker) has no writer: the parent's stays the parent's."""
     global _writer, _lock
@@ -303,4 +391,4 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__ = ["MODES", "WriterProcess", "check_mode", "current", "shutdown", "writer"]
+__all__ = ["MODES", "WRITERS", "WriterProcess", "check_mode", "current", "shutdown", "writer"]

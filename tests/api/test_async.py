@@ -145,7 +145,8 @@ def _async_with_failing_rank(uri: str, bad_rank: int):
             raise OSError(28, "No space left on device (injected)")
 
         LocalStorage.open_writer = broken_writer
-    handle = ckptlib.async_save(uri, _state(5), step=5)
+    # the fault is patched into this process: the thread writer (the writer process's: test_async_process*.py)
+    handle = ckptlib.async_save(uri, _state(5), step=5, async_mode="thread")
     try:
         handle.wait(timeout=60)
     except ckptlib.CheckpointError as exc:
@@ -214,7 +215,7 @@ def test_background_staging_needs_async(tmp_path):
     with pytest.raises(ckptlib.StateError, match=r"^AsyncMode background_staging must be a bool, got 'yes'$"):
         AsyncMode(background_staging="yes")
     assert ckptlib.CheckpointManager(tmp_path / "r", async_save=AsyncMode(background_staging=True)).mode == AsyncMode(
-        "thread", True
+        "auto", True
     )
 
 
@@ -485,7 +486,8 @@ def _manager_async_run(root: str, fail_step: int | None) -> dict:
             return original(self, path)
 
         LocalStorage.open_writer = broken
-    mgr = ckptlib.CheckpointManager(root, keep_last=2, async_save=True)
+    # a fault patched into this process reaches the thread writer only (the writer process's: test_async_process*.py)
+    mgr = ckptlib.CheckpointManager(root, keep_last=2, async_save=True if fail_step is None else AsyncMode("thread"))
     state = _state(1)
     seen = {"errors": [], "latest_after_save": []}
     for step in (1, 2, 3, 4):

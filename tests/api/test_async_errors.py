@@ -105,7 +105,8 @@ def _manager_failure_seen_by_handle(root: str) -> dict:
             return original(self, path)
 
         LocalStorage.open_writer = broken
-    mgr = ckptlib.CheckpointManager(root, async_save=True)
+    # the fault is patched into this process: the thread writer (the writer process's: test_async_process*.py)
+    mgr = ckptlib.CheckpointManager(root, async_save=ckptlib.AsyncMode("thread"))
     mgr.save(1, _state(1)).wait(timeout=60)
     handle = mgr.save(2, _state(2))
     try:

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -182,12 +183,12 @@ def test_background_staging_in_process_mode(tmp_path):
 
 
 def test_unknown_async_mode_is_refused():
-    with pytest.raises(ckptlib.StateError, match="async_mode must be 'thread' or 'process', got 'fork'"):
+    with pytest.raises(ckptlib.StateError, match="async_mode must be 'auto', 'thread' or 'process', got 'fork'"):
         ckptlib.async_save("/nonexistent/never", {"w": torch.ones(1)}, async_mode="fork")
 
 
 def test_the_manager_checks_async_mode(tmp_path):
-    with pytest.raises(ckptlib.StateError, match="async_mode must be 'thread' or 'process', got 'fork'"):
+    with pytest.raises(ckptlib.StateError, match="async_mode must be 'auto', 'thread' or 'process', got 'fork'"):
         ckptlib.CheckpointManager(tmp_path, async_save=AsyncMode("fork"))
     with pytest.raises(ckptlib.StateError, match=r"^async_save must be a bool or an AsyncMode, got str 'process'$"):
         ckptlib.CheckpointManager(tmp_path, async_save="process")
@@ -217,6 +218,28 @@ def test_without_memfd_process_mode_falls_back_to_a_thread(tmp_path, monkeypatch
         handle = ckptlib.async_save(tmp_path / "a", {"w": torch.ones(4)}, async_mode="process")
     assert handle.wait(timeout=60).total_bytes > 0
     assert writer_process.current() is None
+
+
+def test_the_default_writer_falls_back_to_a_thread_silently_without_memfd(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_process, "unavailable_reason", lambda: "no memfd here (injected)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "auto" chose nothing the user asked for: no warning
+        handle = ckptlib.async_save(tmp_path / "a", {"w": torch.ones(4)})
+        assert handle.wait(timeout=60).total_bytes > 0
+        assert ckptlib.CheckpointManager(tmp_path / "m", async_save=True).mode.writer_here() == "thread"
+    assert writer_process.current() is None
+
+
+def test_the_default_writer_is_one_process_reused_by_every_async_save(tmp_path):
+    """With memfd, `async_save` with no mode writes in the writer process, started by the first
+    call and reused by the next ones (no start-up per call); the manager starts it at once."""
+    for step in (1, 2, 3):
+        ckptlib.async_save(tmp_path / f"s{step}", _state(step), step=step).wait(timeout=120)
+    writer = writer_process.current()
+    assert writer is not None and writer.starts == 1 and writer.bytes_sent_whole == 0
+    background_save.release_staging()
+    ckptlib.CheckpointManager(tmp_path / "m", async_save=True)
+    assert writer_process.current() is not None and writer_process.current().process.poll() is None
 
 
 # --------------------------------------------------------------------------- failures
