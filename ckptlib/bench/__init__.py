@@ -10,8 +10,9 @@
 - `ckpt bench tensors` (`tensor_counts`): save and load time per tensor count against raw DCP.
 - `ckpt bench tier` (`tier`): the cluster tier's blocking save, upload and resume against a
   plain save, concurrent SDK uploads and the remote bytes read.
-- `ckpt bench async` (`async_modes`): a training loop's step time while an async save runs,
-  without a save and in async_mode "thread" and "process".
+- `ckpt bench async` (`async_modes`, its rank body `async_ranks`): a training loop's step time
+  while an async save runs, without a save and in async_mode "thread" and "process", the first
+  save's latency and a save's host memory, with and without a staging cap.
 - `ckpt bench recovery` (`recovery`, its ranks in `recovery_worker`, its report in
   `recovery_summary`): a lost host under torchrun's elastic agent timed phase by phase, peer
   against remote restores, and the step slowdown of every-step saves to an in-memory tier.

@@ -26,8 +26,10 @@ own options (`ckpt bench --help`, `ckpt bench scale --help`, `ckpt bench tensors
 - ckpt bench tier [--remote s3|dir]: the cluster tier on 2 simulated nodes: a save's blocking
   time against a plain local save, its upload against concurrent SDK uploads of the same files,
   and the remote bytes a resume reads (local tiers intact; one node's root lost, replicas=1).
-- ckpt bench async: a CPU-bound training loop's step time while an async save runs, without a
-  save and with async_mode="thread" and "process", interleaved in one run.
+- ckpt bench async: a CPU-bound and an I/O-light training loop's step time while an async save
+  runs, without a save and with async_mode="thread" and "process", interleaved in one run at 1,
+  2 and 4 ranks; each writer's first-save latency and memory, and a save's peak host memory
+  against its shard with and without max_staging_bytes.
 - ckpt bench recovery [--remote s3|dir]: a lost host under torchrun's elastic agent (2 simulated
   hosts x 2 ranks, FSDP2, replicas=1), timed phase by phase: detection, rendezvous, setup, load,
   first step; the same resume from peers' replicas against the remote; and the step slowdown of
