@@ -21,7 +21,10 @@
   real saves and loads.
 - run as `python -m ckptlib.bench.NAME`: `launch_speed` (the distributed test harness against
   fresh spawns; needs a source checkout), `small_items` (per-item cost of small tensors),
-  `s3_requests`, `storage_clients` (the cloud SDKs against obstore).
+  `s3_requests`, `storage_clients` (the cloud SDKs against obstore), `gpu_async` (on one GPU:
+  the blocking time and step slowdown of async saves of CUDA state, thread, process and
+  background staging against DCP's process checkpointer with pinned memory; `--device cpu` is a
+  dry run; `ci/gpu.sh` runs it).
 
 Nothing here is imported by the library itself. `counted` words a count for the benchmarks'
 reports and for `ckpt`'s own lines.
