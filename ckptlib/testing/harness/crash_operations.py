@@ -114,7 +114,9 @@ def _act_save(scene: Scene) -> None:
 def _act_async_save(scene: Scene) -> None:
     import ckptlib
 
-    ckptlib.async_save(scene.uri("ck2"), state(2)).wait()
+    # The thread writer: the probes see this process's writes only, and the default ("auto")
+    # writes the shard from a writer process, whose boundaries would go unenumerated.
+    ckptlib.async_save(scene.uri("ck2"), state(2), async_mode="thread").wait()
 
 
 register(Operation("save", ("local", "s3"), _prepare_save, _act_save, _check_save))
