@@ -42,7 +42,9 @@ def _exit_in_shard_write() -> None:
 
 
 def _save_and_lose(root: str, victim: int, how: str) -> dict:
-    mgr = CheckpointManager(root, async_save=(how == "manager-async"))
+    # The thread writer: the death is injected into this process's shard write (the default
+    # writer process writes the shard itself; its own death is tests/api/test_async_process*.py's)
+    mgr = CheckpointManager(root, async_save=ckptlib.AsyncMode("thread") if how == "manager-async" else False)
     first = mgr.save(1, _state(1))
     if how == "manager-async":
         first.wait(timeout=60)
@@ -52,7 +54,7 @@ def _save_and_lose(root: str, victim: int, how: str) -> dict:
         if how == "save":
             ckptlib.save(os.path.join(root, "plain"), _state(2), step=2)
         elif how == "save-async":
-            ckptlib.async_save(os.path.join(root, "plain"), _state(2), step=2).wait(timeout=60)
+            ckptlib.async_save(os.path.join(root, "plain"), _state(2), step=2, async_mode="thread").wait(timeout=60)
         elif how == "manager":
             mgr.save(2, _state(2))
         else:

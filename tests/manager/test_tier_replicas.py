@@ -24,6 +24,7 @@ import torch
 
 from ckptlib import Cluster
 from ckptlib.manager.cluster.topology import Topology
+from ckptlib.storage import open_storage
 
 NODES = 2
 
@@ -262,6 +263,15 @@ def test_a_partner_node_lost_during_replication_is_an_error_on_every_survivor(tm
     # return_exceptions: every survivor's result is waited for however long it takes; only
     # their exits (waiting for the dead rank at the async groups' exit barrier) are cut short
     results = dist_run(4, _partner_dies, str(tmp_path), remote, nodes=NODES, return_exceptions=True)
+    if any(isinstance(results[r], RankExited) and results[r].exitcode == -11 for r in (0, 1, 3)):
+        # gloo itself can die with SIGSEGV in a survivor's collective as the lost peer's
+        # connection resets (seen once in a full run; tests/api/test_rank_loss.py sees it too):
+        # nothing reached the remote then either, and the scenario runs once more, so a
+        # systematic crash still fails.
+        assert open_storage(remote).read_pointer("latest") is None
+        base = tmp_path / "rerun"
+        remote = str(base / "remote")
+        results = dist_run(4, _partner_dies, str(base), remote, nodes=NODES, return_exceptions=True)
     assert isinstance(results[2], RankExited), results[2]
     for rank in (0, 1, 3):
         res = results[rank]
