@@ -48,18 +48,21 @@ class LocalUsage:
         return self.filesystem in MEMORY_FILESYSTEMS
 
 
-def tree_bytes(path: str) -> int:
-    """The bytes the files under `path` take (allocated blocks, so a sparse file counts as
-    what it holds); 0 for a missing path."""
-    total = 0
+def entry_bytes(path: str) -> dict[str, int]:
+    """The bytes the files under `path` take (allocated blocks, so a sparse file counts as what
+    it holds), by the top-level entry they are in (a step directory, `latest`, ...), in one
+    walk; empty for a missing path."""
+    sizes: dict[str, int] = {}
     for parent, _dirs, files in os.walk(path):
+        top = os.path.relpath(parent, path).split(os.sep)[0]
         for name in files:
             try:
                 st = os.lstat(os.path.join(parent, name))
             except OSError:
                 continue  # removed meanwhile (retention, a crashed save's debris)
-            total += max(st.st_blocks * 512, 0)
-    return total
+            key = name if top == "." else top
+            sizes[key] = sizes.get(key, 0) + st.st_blocks * 512
+    return sizes
 
 
 def free_bytes(path: str) -> int | None:
@@ -70,21 +73,27 @@ def free_bytes(path: str) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def usage(root_path: str, limit: int | None, root_storage: Any = None) -> LocalUsage:
-    """The report of the node root at `root_path` (a directory)."""
+def existing(path: str) -> str:
+    """`path`, or its parent while it is not created yet: where its filesystem is asked about."""
+    return path if os.path.isdir(path) else os.path.dirname(path.rstrip("/")) or "/"
+
+
+def usage(root_path: str, limit: int | None, root_storage: Any = None, filesystem: str | None = None) -> LocalUsage:
+    """The report of the node root at `root_path` (a directory); `filesystem` when known."""
+    sizes = entry_bytes(root_path)
     newest = 0
     if root_storage is not None:
         steps = committed_steps(root_storage)
         if steps:
-            newest = tree_bytes(os.path.join(root_path, step_dir(steps[-1])))
-    existing = root_path if os.path.isdir(root_path) else os.path.dirname(root_path.rstrip("/")) or "/"
+            newest = sizes.get(step_dir(steps[-1]), 0)
+    where = existing(root_path)
     return LocalUsage(
         root=root_path,
-        held_bytes=tree_bytes(root_path),
+        held_bytes=sum(sizes.values()),
         newest_step_bytes=newest,
         limit_bytes=limit,
-        free_bytes=free_bytes(existing),
-        filesystem=filesystem_type(existing),
+        free_bytes=free_bytes(where),
+        filesystem=filesystem_type(where) if filesystem is None else filesystem,
     )
 
 
@@ -151,14 +160,15 @@ class LocalBudget:
         self.limit = limit
         self.root = root
         self.path = root.local_path()
-        self.active = self.path is not None and (limit is not None or self.report().in_memory)
+        self.filesystem = "" if self.path is None else filesystem_type(existing(self.path))  # asked once
+        self.active = self.path is not None and (limit is not None or self.filesystem in MEMORY_FILESYSTEMS)
         self._rank_bytes: int | None = None  # this rank's state bytes, counted once (the first save)
 
     def report(self) -> LocalUsage:
-        return usage(self.path, self.limit, self.root)
+        return usage(self.path, self.limit, self.root, self.filesystem)
 
     def figures(self, is_leader: bool, state: Mapping[str, Any]) -> list[int]:
-        """[rank bytes, held, newest step, free (-1: unknown)]; held and after only on a leader."""
+        """[rank bytes, held, newest step, free (-1: unknown)]; the last three only on a leader."""
         if not self.active:
             return []
         if self._rank_bytes is None:
@@ -172,10 +182,9 @@ class LocalBudget:
         """Every rank: each node's need against its leader's figures (`rows`: every rank's)."""
         if not self.active:
             return
-        kind = filesystem_type(self.path if os.path.isdir(self.path) else os.path.dirname(self.path))
         for node, ranks in enumerate(topology.nodes):
             held, newest, free = rows[ranks[0]][1:4]
-            report = LocalUsage(self.root.uri, held, newest, self.limit, None if free < 0 else free, kind)
+            report = LocalUsage(self.root.uri, held, newest, self.limit, None if free < 0 else free, self.filesystem)
             check(node, report, need_bytes(report, sum(rows[r][0] for r in ranks) * (1 + replicas)))
 
 
