@@ -27,7 +27,7 @@
   dry run; `ci/gpu.sh` runs it).
 
 Nothing here is imported by the library itself. `counted` words a count for the benchmarks'
-reports and for `ckpt`'s own lines.
+reports and for `ckpt`'s own lines; `emit` prints a benchmark's tables and writes its JSON report.
 """
 
 
@@ -35,6 +35,25 @@ def help_description(doc: str) -> str:
     """A benchmark module's docstring as its `--help` description: every paragraph except the
     one that starts with "Run:" (argparse prints the usage itself)."""
     return "\n\n".join(p for p in doc.strip().split("\n\n") if not p.startswith("Run:"))
+
+
+def emit(text: str, report, json_to: str | None) -> None:
+    """A benchmark's tables and its JSON report: the tables to stdout, or to stderr when the
+    report goes to stdout (`--json` without a file, `json_to == "-"`); else the report to the
+    file `json_to`, if any."""
+    import json
+    import sys
+
+    to_stdout = json_to == "-"
+    print(text, file=sys.stderr if to_stdout else sys.stdout)
+    if not json_to:
+        return
+    if to_stdout:
+        json.dump(report, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        with open(json_to, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
 
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:

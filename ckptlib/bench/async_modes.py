@@ -34,7 +34,6 @@ Run: ckpt bench async [--ranks 1 2 4] [--mib 128] [--tensors 128] [--reps 3] [--
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -43,7 +42,7 @@ import tempfile
 import time
 from typing import Any
 
-from ckptlib.bench import counted, help_description
+from ckptlib.bench import counted, emit, help_description
 from ckptlib.bench.async_ranks import LOOPS, MODES, SAVE_MODES, rank_async, ratio
 
 TARGET_RATIO = 1.1  # process-mode step time on the cpu loop <= 1.1x the step time without a save
@@ -252,19 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     report["seconds"] = time.perf_counter() - started
     rows = summarize(report)
-    to_stdout = args.json == "-"
-    print(
-        markdown(report, rows) + f"\n\nWall time of the benchmark: {report['seconds']:.0f} s.",
-        file=sys.stderr if to_stdout else sys.stdout,
-    )
-    if args.json:
-        out = {"results": report, "summary": rows}
-        if to_stdout:
-            json.dump(out, sys.stdout, indent=1)
-            sys.stdout.write("\n")
-        else:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
+    text = markdown(report, rows) + f"\n\nWall time of the benchmark: {report['seconds']:.0f} s."
+    emit(text, {"results": report, "summary": rows}, args.json)
     return 0 if report["ok"] else 1
 
 

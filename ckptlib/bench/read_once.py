@@ -29,7 +29,6 @@ Exit status: 0 when every load was bit-exact, 1 when one was not, 2 usage error.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -38,7 +37,7 @@ import tempfile
 import time
 from typing import Any
 
-from ckptlib.bench import counted, help_description
+from ckptlib.bench import counted, emit, help_description
 from ckptlib.bench.rank_ops import MiB, barrier, rank_world, timed, warm
 
 TENSORS = 16
@@ -223,15 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if "hsdp" in args.layouts and (args.world < 4 or args.world % 2):
         parser.error("hsdp needs an even --world of at least 4")
     results = run(args)
-    to_stdout = args.json == "-"
-    print(markdown(results), file=sys.stderr if to_stdout else sys.stdout)
-    if args.json:
-        if to_stdout:
-            json.dump(results, sys.stdout, indent=1)
-            sys.stdout.write("\n")
-        else:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+    emit(markdown(results), results, args.json)
     return 0 if all(r["ok"] for r in results["rows"]) else 1
 
 

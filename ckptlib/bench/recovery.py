@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Any
 
-from ckptlib.bench import help_description
+from ckptlib.bench import emit, help_description
 from ckptlib.bench.recovery_summary import checks, markdown, phases, slowdown, summarize
 from ckptlib.bench.recovery_worker import rank_slowdown
 
@@ -216,14 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ckpt bench recovery: {exc}", file=sys.stderr)
         return 1
     text = markdown(report)
-    if args.json == "-":
-        print(text, file=sys.stderr)
-        print(json.dumps(report, indent=1))
-    else:
-        print(text)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(report, f, indent=1)
+    emit(text, report, args.json)
     if not report["ok"]:
         failed = sorted({k for r in report["reps"] for k, ok in r["checks"].items() if not ok})
         print(f"ckpt bench recovery: failed checks: {failed or ['the in-memory loads back']}", file=sys.stderr)

@@ -24,7 +24,6 @@ Exit status: 0 when every load was bit-exact, 1 when one was not, 2 usage error.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -34,7 +33,7 @@ import tempfile
 import time
 from typing import Any
 
-from ckptlib.bench import counted, help_description
+from ckptlib.bench import counted, emit, help_description
 from ckptlib.bench.rank_ops import barrier, rank_world, remove_tree, settle, timed, warm
 
 HIDDEN = 80
@@ -315,22 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args)
     results["seconds"] = time.perf_counter() - started
     rows = summarize(results)
-    to_stdout = args.json == "-"
     extra = ablation_markdown(rows)
-    print(
-        markdown(rows)
-        + (f"\n\n{extra}" if extra else "")
-        + f"\n\nWall time of the benchmark: {results['seconds']:.0f} s.",
-        file=sys.stderr if to_stdout else sys.stdout,
+    text = markdown(rows) + (f"\n\n{extra}" if extra else "")
+    emit(
+        text + f"\n\nWall time of the benchmark: {results['seconds']:.0f} s.",
+        {"results": results, "summary": rows},
+        args.json,
     )
-    if args.json:
-        report = {"results": results, "summary": rows}
-        if to_stdout:
-            json.dump(report, sys.stdout, indent=1)
-            sys.stdout.write("\n")
-        else:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
     return 0 if all(r["ok"] for r in results["rows"]) else 1
 
 

@@ -24,7 +24,6 @@ Exit status: 0 when every load was bit-exact and no resume after a lost node rea
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -34,7 +33,7 @@ import tempfile
 import time
 from typing import Any
 
-from ckptlib.bench import counted, help_description
+from ckptlib.bench import counted, emit, help_description
 from ckptlib.bench.rank_ops import barrier, local_bytes, make_state, rank_world, same_values, settle, timed
 
 BLOCKING_TARGET = 1.1
@@ -273,14 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(results)
     results["summary"] = summary
     text = markdown(results, summary)
-    if args.json == "-":
-        print(text, file=sys.stderr)
-        print(json.dumps(results, indent=1))
-    else:
-        print(text)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(results, f, indent=1)
+    emit(text, results, args.json)
     return 0 if results["ok"] and summary["remote_fraction_node1_lost"] == 0 else 1
 
 
