@@ -19,6 +19,7 @@ import warnings
 
 import pytest
 import torch
+from helpers.saved_state import assert_equal, shard_bytes
 from helpers.writer_faults import BLOCKED_SUFFIX, FaultyShards
 
 import ckptlib
@@ -58,18 +59,6 @@ def _zeros_like(state: dict) -> dict:
     out = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
     out["objects"] = {"epoch": 0, "name": "", "sizes": []}
     return out
-
-
-def _assert_equal(got: dict, want: dict) -> None:
-    for key, value in want.items():
-        if isinstance(value, torch.Tensor):
-            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
-        else:
-            assert got[key] == value, key
-
-
-def _shard_bytes(path) -> dict[str, bytes]:
-    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path)) if n.endswith(".distcp")}
 
 
 def _memfd_fds() -> list[str]:
@@ -113,10 +102,10 @@ def test_process_mode_writes_the_bytes_a_synchronous_save_writes(tmp_path):
     result = handle.wait(timeout=120)
     assert (result.step, result.world_size) == (3, 1) and result.blocked_seconds == handle.blocking_seconds
     ckptlib.save(tmp_path / "sync", _state(3), step=3)
-    assert _shard_bytes(tmp_path / "async") == _shard_bytes(tmp_path / "sync")
+    assert shard_bytes(tmp_path / "async") == shard_bytes(tmp_path / "sync")
     got = _zeros_like(_state(3))
     assert ckptlib.load(tmp_path / "async", got).step == 3
-    _assert_equal(got, _state(3))
+    assert_equal(got, _state(3))
     assert ckptlib.format.verify(str(tmp_path / "async")) == []
     writer = writer_process.current()
     assert writer is not None and writer.pid != os.getpid() and not _gone(writer.pid, within=0)
@@ -209,7 +198,7 @@ def test_a_storage_that_cannot_be_pickled_is_written_in_the_background_thread(tm
         result = handle.wait(timeout=120)
     assert result.step == 4
     ckptlib.save(tmp_path / "sync", _state(4), step=4)
-    assert _shard_bytes(tmp_path / "a") == _shard_bytes(tmp_path / "sync")
+    assert shard_bytes(tmp_path / "a") == shard_bytes(tmp_path / "sync")
 
 
 def test_without_memfd_process_mode_falls_back_to_a_thread(tmp_path, monkeypatch):
@@ -281,7 +270,7 @@ def test_the_writer_exiting_mid_file_fails_the_save_and_the_next_one_starts_a_ne
     assert writer_process.current().pid != pid and writer_process.current().starts == 2
     got = _zeros_like(_state(2))
     assert ckptlib.load(tmp_path / "b", got).step == 2
-    _assert_equal(got, _state(2))
+    assert_equal(got, _state(2))
 
 
 def test_kill_9_of_the_writer_mid_file_fails_the_save(tmp_path):
@@ -314,7 +303,7 @@ def test_a_writer_killed_between_saves_is_replaced_with_a_warning(tmp_path):
     assert handle.wait(timeout=120).step == 2
     got = _zeros_like(_state(2))
     ckptlib.load(tmp_path / "b", got)
-    _assert_equal(got, _state(2))
+    assert_equal(got, _state(2))
 
 
 def test_the_writer_ignores_a_schedulers_sigterm(tmp_path):

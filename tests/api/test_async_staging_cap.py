@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.saved_state import assert_equal, shard_bytes
 from helpers.writer_faults import FaultyShards
 
 import ckptlib
@@ -50,18 +51,6 @@ def _zeros_like(state: dict) -> dict:
     return out
 
 
-def _assert_equal(got: dict, want: dict) -> None:
-    for key, value in want.items():
-        if isinstance(value, torch.Tensor):
-            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
-        else:
-            assert got[key] == value, key
-
-
-def _shards(path) -> dict[str, bytes]:
-    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path)) if n.endswith(".distcp")}
-
-
 @pytest.mark.parametrize("background", [False, True])
 @pytest.mark.parametrize("writer", WRITERS)
 def test_a_capped_save_holds_at_most_the_cap_and_loads_back_bit_exact(tmp_path, writer, background):
@@ -83,10 +72,10 @@ def test_a_capped_save_holds_at_most_the_cap_and_loads_back_bit_exact(tmp_path, 
         assert writer_process.current().arena.mapped_bytes() <= CAP
         assert writer_process.current().bytes_sent_whole == 0  # every piece read from shared memory
     ckptlib.save(tmp_path / "sync", _state(1), step=1)
-    assert _shards(tmp_path / "capped") == _shards(tmp_path / "sync")
+    assert shard_bytes(tmp_path / "capped") == shard_bytes(tmp_path / "sync")
     got = _zeros_like(state)
     assert ckptlib.load(tmp_path / "capped", got).step == 1
-    _assert_equal(got, _state(1))
+    assert_equal(got, _state(1))
 
 
 def test_an_uncapped_save_reports_the_whole_shard_as_its_staging_peak(tmp_path):
@@ -103,7 +92,7 @@ def test_the_manager_saves_capped_steps(tmp_path, writer):
             assert m.save(step, _state(step)).wait(timeout=120).staging_peak_bytes <= CAP
         got = _zeros_like(_state(0))
         assert m.load(got) == 2
-    _assert_equal(got, _state(2))
+    assert_equal(got, _state(2))
 
 
 @pytest.mark.parametrize("writer", WRITERS)
@@ -149,7 +138,7 @@ def test_a_write_error_mid_stream_fails_the_save_and_the_next_one_commits(tmp_pa
     assert (writer_process.current().pid if writer == "process" else None) == pid  # the same writer
     got = _zeros_like(_state(2))
     ckptlib.load(tmp_path / "next", got)
-    _assert_equal(got, _state(2))
+    assert_equal(got, _state(2))
 
 
 def _capped_round(uri: str, writer: str) -> dict:
