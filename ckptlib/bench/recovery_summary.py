@@ -21,8 +21,17 @@ def phases(events: list[dict], lost_at: float, stopped_at: float) -> dict[str, A
     detect (host lost to the survivors' workers stopped, `stopped_at`), rendezvous (to the last
     restarted worker's process group up), setup (to the last rank's load start: model, manager),
     load (the slowest rank's `mgr.load`), first_step (the last load's end to the first step
-    trained by every rank) - their total, and what the resume read and computed."""
-    after = [e for e in events if e["t"] > lost_at]
+    trained by every rank) - their total, and what the resume read and computed.
+
+    Only the restarted workers count: per rank, the first process started after the loss. An
+    old worker still logs a step it finished as the host went, and the agent starts another
+    worker if a restarted one dies (gloo's teardown abort): those are left out and the later
+    starts counted in `later_worker_starts`."""
+    first_pid: dict[int, int] = {}
+    for e in sorted((e for e in events if e["t"] > lost_at and e["kind"] == "started"), key=lambda e: e["t"]):
+        first_pid.setdefault(e["rank"], e["pid"])
+    all_after = [e for e in events if e["t"] > lost_at]
+    after = [e for e in all_after if first_pid.get(e["rank"]) == e["pid"]]
     started = [e for e in after if e["kind"] == "started"]
     load_start = [e for e in after if e["kind"] == "load_start"]
     load_end = [e for e in after if e["kind"] == "load_end"]
@@ -44,15 +53,17 @@ def phases(events: list[dict], lost_at: float, stopped_at: float) -> dict[str, A
         "resume_bytes_by_source": load_end[0]["bytes_by_source"],
         "first_step": first,
         "first_step_loss": [e["loss"] for e in steps if e["step"] == first],
+        "later_worker_starts": sum(e["kind"] == "started" for e in all_after) - len(first_pid),
     }
     before = [e for e in events if e["t"] <= lost_at]
     out["loss_before_kill"] = sorted({e["loss"] for e in before if e["kind"] == "step" and e["step"] == first})
     out["saved_digest"] = sorted({e["digest"] for e in before if e["kind"] == "saved"})
-    out["restore"] = {
-        e["source"]: {k: e[k] for k in ("seconds", "step", "bytes_by_source", "checkpoint_bytes", "digest")}
-        for e in after
-        if e["kind"] == "restore" and e["rank"] == 0
-    }
+    restarted = {e["pid"] for e in all_after if e["kind"] == "started"}
+    restores = [e for e in all_after if e["kind"] == "restore" and e["rank"] == 0 and e["pid"] in restarted]
+    out["restore"] = {}  # each source's first restore, a later worker's if the first died before it
+    for e in sorted(restores, key=lambda e: e["t"]):
+        fields = {k: e[k] for k in ("seconds", "step", "bytes_by_source", "checkpoint_bytes", "digest")}
+        out["restore"].setdefault(e["source"], fields)
     return out
 
 
@@ -157,6 +168,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"Bytes by source (repetition 1): resume {first['resume_bytes_by_source']}, "
         f"restore from peers {first['restore']['peer']['bytes_by_source']}, "
         f"from the remote {first['restore']['remote']['bytes_by_source']}.",
+    ]
+    later = [str(i + 1) for i, r in enumerate(reps) if r.get("later_worker_starts")]
+    if later:
+        lines.append(
+            f"The agent restarted the workers again after the recovery in repetition {', '.join(later)} "
+            "(a worker died after it; the phases time the first restart)."
+        )
+    lines += [
         "",
         "| in-memory tier, async save every step | median step | slowdown |",
         "|---|---:|---:|",

@@ -17,17 +17,17 @@ SHARDS = 1000  # shard-file bytes of the made-up checkpoint
 def _events() -> list[dict]:
     """A job at world 4 that saved step 2 and trained step 3 before the host was lost at t=10;
     two restarted workers at world 2 (the survivors' workers stopped at t=11)."""
-    before = [{"kind": "started", "t": 1.0, "rank": r, "world": 4, "restart": 0} for r in range(4)] + [
-        {"kind": "saved", "t": 4.0, "rank": 0, "step": 2, "digest": 77},
-        {"kind": "step", "t": 5.0, "rank": 0, "step": 3, "loss": 0.25},
-        {"kind": "step", "t": 5.0, "rank": 3, "step": 3, "loss": 0.25},
+    before = [{"kind": "started", "t": 1.0, "rank": r, "world": 4, "restart": 0, "pid": 100 + r} for r in range(4)] + [
+        {"kind": "saved", "t": 4.0, "rank": 0, "step": 2, "digest": 77, "pid": 100},
+        {"kind": "step", "t": 5.0, "rank": 0, "step": 3, "loss": 0.25, "pid": 100},
+        {"kind": "step", "t": 5.0, "rank": 3, "step": 3, "loss": 0.25, "pid": 103},
     ]
     peer, remote = {"local": SHARDS, "remote": 0}, {"local": 0, "remote": SHARDS}
     after = []
     for rank, (started, load_start, load_end, seconds, stepped) in enumerate(
         [(14.0, 15.0, 16.0, 0.75, 16.5), (14.5, 15.25, 16.25, 0.875, 16.75)]
     ):
-        who = {"rank": rank, "world": 2, "restart": 1}
+        who = {"rank": rank, "world": 2, "restart": 1, "pid": 200 + rank}
         after += [
             {"kind": "started", "t": started, **who},
             {"kind": "load_start", "t": load_start, **who},
@@ -53,6 +53,36 @@ def test_phases_follow_one_another_from_the_loss_to_the_first_step():
     assert (rep["world_size"], rep["ranks_restarted"], rep["resumed_step"], rep["first_step"]) == (2, 2, 2, 3)
     assert rep["loss_before_kill"] == [0.25] and rep["saved_digest"] == [77]
     assert rep["restore"]["remote"]["seconds"] == 1.0 and rep["restore"]["peer"]["bytes_by_source"]["remote"] == 0
+    assert rep["first_step_loss"] == [0.25, 0.25] and rep["later_worker_starts"] == 0
+    assert all(checks(rep, save_step=2).values()), checks(rep, save_step=2)
+
+
+def test_an_old_worker_finishing_a_step_as_the_host_goes_is_not_a_restarted_one():
+    """The bench kills the host once any rank trained step 3; a survivor's old worker can log its
+    own step 3 just after (CI saw three first-step losses at world 2)."""
+    events = _events() + [{"kind": "step", "t": 10.5, "rank": 2, "world": 4, "step": 3, "loss": 0.25, "pid": 102}]
+    rep = phases(events, lost_at=10.0, stopped_at=11.0)
+    assert rep["first_step_loss"] == [0.25, 0.25] and rep["ranks_restarted"] == 2
+    assert rep["total_seconds"] == 6.75 and rep["later_worker_starts"] == 0
+
+
+def test_a_second_restart_is_counted_and_leaves_the_first_recovery_timed():
+    """A restarted worker dying at teardown (gloo's abort) makes the agent start the group again:
+    its events are not the recovery's; the first restore of each source is kept."""
+    later = []
+    for rank in (0, 1):
+        who = {"rank": rank, "world": 2, "restart": 2, "pid": 300 + rank}
+        later += [
+            {"kind": "started", "t": 30.0, **who},
+            {"kind": "load_end", "t": 31.0, "seconds": 9.0, "step": 2, "bytes_by_source": {"local": 1}, **who},
+            {"kind": "step", "t": 32.0, "step": 3, "loss": 0.25, **who},
+            {"kind": "restore", "t": 33.0, "source": "peer", "seconds": 9.0, "step": 2, "bytes_by_source": {}}
+            | {"checkpoint_bytes": 1, "digest": 78, **who},
+        ]
+    rep = phases(_events() + later, lost_at=10.0, stopped_at=11.0)
+    assert rep["later_worker_starts"] == 2 and rep["first_step_loss"] == [0.25, 0.25]
+    assert (rep["total_seconds"], rep["load_seconds"]) == (6.75, 0.875)
+    assert rep["restore"]["peer"]["seconds"] == 0.125 and rep["restore"]["peer"]["digest"] == 77
     assert all(checks(rep, save_step=2).values()), checks(rep, save_step=2)
 
 
