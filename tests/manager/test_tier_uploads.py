@@ -114,17 +114,20 @@ def test_copy_file_copies_verified_bytes_in_the_kernel_and_through_a_stream(tmp_
     import contextlib
     import io
 
+    from ckptlib.manager.cluster import remote_tier
     from ckptlib.manager.cluster.remote_tier import copy_file
     from ckptlib.storage import open_storage
 
     src, data, crc = _copy_cases(tmp_path)
-    sent = []
-    real_sendfile = os.sendfile
+    sent, opened = [], []
+    real_sendfile, real_open_regular = os.sendfile, remote_tier.open_regular
     monkeypatch.setattr(os, "sendfile", lambda *args: sent.append(args[3]) or real_sendfile(*args))
+    monkeypatch.setattr(remote_tier, "open_regular", lambda p: opened.append(p) or real_open_regular(p))
     dst = open_storage(str(tmp_path / "dst"))
-    copy_file(src, dst, "__0_0.distcp", len(data), crc)  # file to file: sendfile, then read back
+    copy_file(src, dst, "__0_0.distcp", len(data), crc)  # file to file: checksummed, then sendfile
     assert (tmp_path / "dst" / "__0_0.distcp").read_bytes() == data
-    assert sum(sent) == len(data)
+    assert sent == [1 << 20] * 24 + [12345]  # 1 MiB pieces, each checksummed just before its copy
+    assert opened == [str(tmp_path / "src" / "__0_0.distcp")]  # the remote copy is not read back
 
     class Stream:  # an object store's writer: no descriptor, bytes only through write()
         def __init__(self):
@@ -155,5 +158,8 @@ def test_copy_file_refuses_a_local_copy_that_does_not_match_and_leaves_nothing(t
         copy_file(src, dst, "__0_0.distcp", len(data), crc)
     path.write_bytes(data[:-10])  # short
     with pytest.raises(CheckpointCorruptError, match=rf"\({len(data) - 10} bytes, crc32 "):
+        copy_file(src, dst, "__0_0.distcp", len(data), crc)
+    path.write_bytes(b"")  # empty: nothing to map
+    with pytest.raises(CheckpointCorruptError, match=r"\(0 bytes, crc32 00000000; the manifest says"):
         copy_file(src, dst, "__0_0.distcp", len(data), crc)
     assert not (tmp_path / "dst" / "__0_0.distcp").exists()

@@ -6,8 +6,8 @@ An upload is collective. Rank 0 locks the remote root (a root it cannot lock is 
 UploadError) and marks the step pending; every rank then streams the files assigned to it
 (normally its own shard; rank 0 also `.metadata`) from its node's local root,
 `upload_concurrency` at a time, each checked against the manifest's CRC-32 on the way (to a
-directory remote: copied in the kernel, and the remote copy read back and checked; a local
-copy that does not match is a CheckpointCorruptError). The ranks agree on the
+directory remote: each 1 MiB piece checksummed, then copied in the kernel; a local copy that
+does not match is a CheckpointCorruptError). The ranks agree on the
 outcome once; only when every rank succeeded does rank 0 check the remote sizes, write the
 manifest (the local bytes), move the remote `latest` (only forward in commit order: an
 abandoned branch never takes it back) and apply the remote retention. Any failure on any
@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
+import mmap
 import os
 import time
 from typing import Any, Iterator
@@ -52,63 +53,59 @@ from ckptlib.storage.base import Storage, SupportsDirectReads
 from ckptlib.storage.local import open_regular
 
 COPY_CHUNK = 8 << 20  # bytes read from the local file and handed to the remote writer at a time
+PIECE = 1 << 20  # bytes of a local file checksummed, then copied by the kernel, at a time (stays in L2)
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the mapping in at once (Linux)
 
 
-def _crc_of(path: str, size: int) -> tuple[int, int]:
-    """(CRC-32, bytes) of the first `size` bytes of the file at `path`, read into one buffer."""
-    fd, _ = open_regular(path)
-    try:
-        view = memoryview(bytearray(min(COPY_CHUNK, max(size, 1))))
-        crc = done = 0
-        while done < size:
-            got = os.preadv(fd, [view[: min(len(view), size - done)]], done)
-            if not got:
-                break
-            crc = crc32(view[:got], crc)
-            done += got
-        return crc, done
-    finally:
-        os.close(fd)
-
-
-def _kernel_copy(src_path: str, out: Any, size: int) -> int | None:
-    """Copy up to `size` bytes of `src_path` into the open file `out` inside the kernel
-    (sendfile: on a loaded machine, ~4x faster here than a write() of the same bytes from
-    user space); None when `out` has no descriptor or the file system cannot (nothing written)."""
+def _kernel_copy(src_path: str, out: Any, size: int) -> tuple[int, int] | None:
+    """(CRC-32, bytes) of up to `size` bytes of `src_path` copied into the open file `out`
+    inside the kernel, one PIECE at a time (sendfile: here several times faster than a write()
+    of the same bytes from user space), each piece checksummed from a mapping of the source
+    just before the kernel copies it, so the copy reads it from the CPU's cache and the remote
+    copy is not read back (docs/benchmarks.md, "The cluster tier against a directory remote").
+    None when `out` has no descriptor or the file system cannot (nothing written). The mapping
+    is never longer than the file, and ckptlib never truncates a committed step's file."""
     try:
         out_fd = out.fileno()
     except (AttributeError, OSError, ValueError):  # an object stream (io.UnsupportedOperation)
         return None
     out.flush()
-    fd, _ = open_regular(src_path)
+    fd, file_size = open_regular(src_path)
     try:
-        sent = 0
-        while sent < size:
-            try:
-                n = os.sendfile(out_fd, fd, sent, min(8 * COPY_CHUNK, size - sent))
-            except OSError as exc:
-                if sent == 0 and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                    return None
-                raise
-            if not n:
-                break
-            sent += n
-        return sent
+        length = min(size, file_size)
+        if length == 0:
+            return 0, 0
+        with mmap.mmap(fd, length, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ) as mapped:
+            crc = sent = 0
+            with memoryview(mapped) as view:
+                while sent < length:
+                    end = min(sent + PIECE, length)
+                    with view[sent:end] as part:
+                        crc = crc32(part, crc)
+                    while sent < end:
+                        try:
+                            n = os.sendfile(out_fd, fd, sent, end - sent)
+                        except OSError as exc:
+                            if sent == 0 and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                                return None
+                            raise
+                        if not n:
+                            return crc, sent
+                        sent += n
+        return crc, sent
     finally:
         os.close(fd)
 
 
 def copy_file(src: Storage, dst: Storage, name: str, size: int, expected_crc: int) -> None:
-    """Copy `name` from `src` to `dst`, checking the bytes against the manifest's CRC: file to
-    file, copied in the kernel and the remote copy itself read back; else streamed in chunks,
-    the bytes sent checked on the way."""
+    """Copy `name` from `src` to `dst`, checking the bytes against the manifest's CRC on the
+    way: file to file, copied in the kernel (`_kernel_copy`); else streamed in chunks."""
     path = src.direct_read_path(name) if isinstance(src, SupportsDirectReads) else None
     with dst.open_writer(name) as out:
         target = getattr(out, "name", None)
-        sent = _kernel_copy(path, out, size) if path is not None and isinstance(target, str) else None
-        if sent is not None:
-            assert isinstance(target, str)
-            crc, sent = _crc_of(target, sent)
+        copied = _kernel_copy(path, out, size) if path is not None and isinstance(target, str) else None
+        if copied is not None:
+            crc, sent = copied
         else:
             crc = sent = 0
             while sent < size:
