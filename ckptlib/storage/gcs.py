@@ -26,12 +26,14 @@ from ckptlib.storage.transfer import MiB, Transfer, env_options
 
 log = logger(__name__)
 
-#: GCS's defaults. One request up to 64 MiB (google-cloud-storage itself sends an upload of any
-#: size as one request): GCS has no native multipart, so each part is a temporary object to
-#: upload, compose and delete, requests a smaller object does not need. Beyond it, 16 MiB
-#: parts; no part limit (composed 32 at a time, in rounds). The rest is every backend's.
+#: GCS's defaults. One request up to 150 MiB, gsutil's and gcloud's parallel composite upload
+#: threshold (google-cloud-storage itself sends an upload of any size as one request): GCS has
+#: no native multipart, so each part is a temporary object to upload, compose and delete,
+#: requests a smaller object does not need. The buffer it holds is about the 8 x 16 MiB parts
+#: a composed upload has in flight. Beyond it, 16 MiB parts; no part limit (composed 32 at a
+#: time, in rounds). The rest is every backend's.
 DEFAULTS = Transfer(
-    multipart_threshold=64 * MiB,
+    multipart_threshold=150 * MiB,
     part_size=16 * MiB,
     max_concurrency=8,
     read_chunk_size=32 * MiB,
