@@ -128,6 +128,11 @@ def test_copy_file_copies_verified_bytes_in_the_kernel_and_through_a_stream(tmp_
     assert (tmp_path / "dst" / "__0_0.distcp").read_bytes() == data
     assert sent == [1 << 20] * 24 + [12345]  # 1 MiB pieces, each checksummed just before its copy
     assert opened == [str(tmp_path / "src" / "__0_0.distcp")]  # the remote copy is not read back
+    sent.clear()
+    monkeypatch.setattr(remote_tier, "WINDOW", 5 << 19)  # 2.5 MiB mapped at a time: pieces end at windows
+    copy_file(src, dst, "__0_0.distcp", len(data), crc)
+    assert (tmp_path / "dst" / "__0_0.distcp").read_bytes() == data
+    assert sent[:3] == [1 << 20, 1 << 20, 1 << 19] and sum(sent) == len(data)
 
     class Stream:  # an object store's writer: no descriptor, bytes only through write()
         def __init__(self):

@@ -54,7 +54,8 @@ from ckptlib.storage.local import open_regular
 
 COPY_CHUNK = 8 << 20  # bytes read from the local file and handed to the remote writer at a time
 PIECE = 1 << 20  # bytes of a local file checksummed, then copied by the kernel, at a time (stays in L2)
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the mapping in at once (Linux)
+WINDOW = 64 << 20  # bytes of a local file mapped at a time (a multiple of mmap.ALLOCATIONGRANULARITY)
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault a window in at once (Linux)
 
 
 def _kernel_copy(src_path: str, out: Any, size: int) -> tuple[int, int] | None:
@@ -75,23 +76,26 @@ def _kernel_copy(src_path: str, out: Any, size: int) -> tuple[int, int] | None:
         length = min(size, file_size)
         if length == 0:
             return 0, 0
-        with mmap.mmap(fd, length, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ) as mapped:
-            crc = sent = 0
-            with memoryview(mapped) as view:
-                while sent < length:
-                    end = min(sent + PIECE, length)
-                    with view[sent:end] as part:
-                        crc = crc32(part, crc)
-                    while sent < end:
-                        try:
-                            n = os.sendfile(out_fd, fd, sent, end - sent)
-                        except OSError as exc:
-                            if sent == 0 and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                                return None
-                            raise
-                        if not n:
-                            return crc, sent
-                        sent += n
+        crc = sent = 0
+        for start in range(0, length, WINDOW):  # mapped a window at a time: a shard may exceed memory
+            size_here = min(WINDOW, length - start)
+            flags = mmap.MAP_SHARED | _MAP_POPULATE
+            with mmap.mmap(fd, size_here, flags=flags, prot=mmap.PROT_READ, offset=start) as mapped:
+                with memoryview(mapped) as view:
+                    while sent < start + size_here:
+                        end = min(sent + PIECE, start + size_here)
+                        with view[sent - start : end - start] as part:
+                            crc = crc32(part, crc)
+                        while sent < end:
+                            try:
+                                n = os.sendfile(out_fd, fd, sent, end - sent)
+                            except OSError as exc:
+                                if sent == 0 and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                                    return None
+                                raise
+                            if not n:
+                                return crc, sent
+                            sent += n
         return crc, sent
     finally:
         os.close(fd)
