@@ -23,7 +23,7 @@ from typing import Any, Iterable
 from ckptlib._scrub import guard_loggers, scrub
 from ckptlib.errors import StorageError
 from ckptlib.storage.base import check_relative
-from ckptlib.storage.objects import Exists, ObjectStorage, new_token
+from ckptlib.storage.objects import Exists, IntoView, ObjectStorage, new_token
 from ckptlib.storage.transfer import MiB, Transfer, env_options
 
 #: Azure's defaults. One request up to 64 MiB (the SDK's own max_single_put_size default):
@@ -167,6 +167,7 @@ class AzureClient:
     scheme = "az"
     label = "Azure Blob"
     delete_batch = 1
+    writes_into = True  # downloader.readinto: each chunk written in place
 
     def __init__(self, service: Any, container: str):
         self.sdk = service
@@ -188,7 +189,9 @@ class AzureClient:
                 raise Exists(key) from exc
             raise
 
-    def get(self, key: str, start: int, end: int | None) -> tuple[bytes | None, int | None]:
+    def get(
+        self, key: str, start: int, end: int | None, into: memoryview | None = None
+    ) -> tuple[bytes | memoryview | None, int | None]:
         from azure.core.exceptions import HttpResponseError
 
         length = None if end is None else end - start + 1
@@ -196,7 +199,12 @@ class AzureClient:
             downloader = self._blob(key).download_blob(
                 offset=start if (start or length) else None, length=length, max_concurrency=1
             )
-            return downloader.readall(), downloader.size if end is None else None
+            total = downloader.size if end is None else None
+            if into is None:
+                return downloader.readall(), total
+            sink = IntoView(into)
+            downloader.readinto(sink)
+            return sink.filled(), total
         except HttpResponseError as exc:
             if getattr(exc, "status_code", None) == 416:
                 return None, None
@@ -265,6 +273,10 @@ class AzureClient:
             return "transient"
         if isinstance(exc, aex.HttpResponseError) and getattr(exc, "status_code", None) in _TRANSIENT_STATUS:
             return "transient"
+        if isinstance(exc, aex.HttpResponseError) and isinstance(
+            exc.__cause__, (aex.IncompleteReadError, aex.ServiceResponseError)
+        ):
+            return "transient"  # the downloader's own three tries at a body that broke off, given up
         if isinstance(exc, (ConnectionError, TimeoutError)):
             return "transient"
         return "permanent"

@@ -9,13 +9,15 @@ Guarantees, the same on every object store:
   large ones as parts uploaded by a bounded pool while the caller keeps writing (memory stays
   below about `(max_concurrency + 2) * part_size`), committed in one call at the end
   (multipart.py). An exception inside the context aborts: no object is created.
-* Reads are ranged GETs, split into parallel chunk GETs for large ranges (prefixed.py);
+* Reads are ranged GETs, split into parallel chunk GETs for large ranges (prefixed.py), a
+  large one into one buffer that the SDK writes each answer into where it can (`IntoView`);
   FileNotFoundError for a missing object, EOFError for a short one, like a local file.
 * Every request is retried here, and only here, on transient errors (HTTP 408/409/429/5xx,
   connection resets, timeouts, a body that breaks off): `max_attempts` tries in all with
   exponential back-off and jitter (`backoff`). The SDKs' own retries are off, so the two never
-  multiply. A permanent error, or retries exhausted, is a `StorageError` naming the URI and
-  the operation, scrubbed of credentials (scrub.py).
+  multiply (but for azure-storage-blob's downloader, which reads a broken body three times
+  itself whatever its policy). A permanent error, or retries exhausted, is a `StorageError`
+  naming the URI and the operation, scrubbed of credentials (scrub.py).
 """
 
 from __future__ import annotations
@@ -56,13 +58,18 @@ class ObjectClient(Protocol):
     label: str  # "S3", "GCS", "Azure Blob": for messages
     sdk: Any  # the SDK client the calls go through (`ObjectStorage.client`)
     delete_batch: int  # how many keys one `delete` request takes
+    writes_into: bool  # whether `get(into=...)` has the SDK write the answer in place (else a copy)
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False, content_type: str | None = None) -> None:
         """One-request upload; `Exists` when if_absent and an object is there."""
 
-    def get(self, key: str, start: int, end: int | None) -> tuple[bytes | None, int | None]:
+    def get(
+        self, key: str, start: int, end: int | None, into: memoryview | None = None
+    ) -> tuple[bytes | memoryview | None, int | None]:
         """Bytes [start, end] (inclusive; None: to the end) and the object size if known;
-        (None, size) when start is at or past the end. `get(key, 0, None)` asks for no range."""
+        (None, size) when start is at or past the end. `get(key, 0, None)` asks for no range.
+        With `into` (end - start + 1 bytes) the response is written there (`IntoView`) and
+        the data returned is the part of `into` it filled."""
 
     def size(self, key: str) -> int:
         """The object's size."""
@@ -95,6 +102,30 @@ class ObjectClient(Protocol):
 
     def secrets(self) -> Iterable[str]:
         """Credential strings to scrub beyond those in the environment (scrub.environment_secrets)."""
+
+
+class IntoView:
+    """A write-only stream over a caller's buffer, for SDKs that download into a file object:
+    each response chunk is copied straight into place. More bytes than the buffer holds (the
+    service ignored the range) is an error, never a silent truncation."""
+
+    def __init__(self, view: memoryview):
+        self.view = view
+        self.pos = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes | memoryview) -> int:
+        n = memoryview(data).nbytes
+        if self.pos + n > self.view.nbytes:
+            raise ValueError(f"the response holds more than the {self.view.nbytes} bytes asked for")
+        self.view[self.pos : self.pos + n] = data
+        self.pos += n
+        return n
+
+    def filled(self) -> memoryview:
+        return self.view[: self.pos]
 
 
 class ObjectStorage(PrefixedObjects):
@@ -285,8 +316,16 @@ class ObjectStorage(PrefixedObjects):
             raise
         writer.finish()
 
-    def _get(self, key: str, where: str, start: int, end: int | None) -> tuple[bytes | None, int | None]:
-        return self.call("get", where, lambda: self.api.get(key, start, end), absent_ok=True)
+    @property
+    def writes_into(self) -> bool:  # type: ignore[override]
+        return self.api.writes_into
+
+    def _get(
+        self, key: str, where: str, start: int, end: int | None, into: memoryview | None = None
+    ) -> tuple[bytes | memoryview | None, int | None]:
+        if into is None:
+            return self.call("get", where, lambda: self.api.get(key, start, end), absent_ok=True)
+        return self.call("get", where, lambda: self.api.get(key, start, end, into=into), absent_ok=True)
 
     def _head(self, key: str, where: str) -> int:
         return self.call("head", where, lambda: self.api.size(key), absent_ok=True)

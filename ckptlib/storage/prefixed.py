@@ -7,6 +7,11 @@ import concurrent.futures
 
 from ckptlib.storage.base import DELETE_FIRST, check_list_prefix, check_relative
 
+#: Ranged reads of at least this many bytes go into a buffer allocated once where the client
+#: writes answers in place (`read`); smaller ones (manifests, pointers, item headers) return
+#: the client's own bytes.
+INTO_MIN = 1 << 20
+
 
 class PrefixedObjects:
     """Objects below `uri` (`<scheme>://container/prefix`), whose keys start with `prefix`.
@@ -18,10 +23,14 @@ class PrefixedObjects:
     prefix: str
     read_chunk_size: int
     max_concurrency: int
+    writes_into: bool = False  # whether `_get(into=...)` writes an answer in place (no copy after)
 
-    def _get(self, key: str, where: str, start: int, end: int | None) -> tuple[bytes | None, int | None]:
+    def _get(
+        self, key: str, where: str, start: int, end: int | None, into: memoryview | None = None
+    ) -> tuple[bytes | memoryview | None, int | None]:
         """Bytes [start, end] (end inclusive, None: to the end) and the object size if known;
-        data is None when `start` lies at or past the end. FileNotFoundError if absent."""
+        data is None when `start` lies at or past the end. FileNotFoundError if absent. With
+        `into` (end - start + 1 bytes) the response lands there and data is the filled part."""
         raise NotImplementedError
 
     def _head(self, key: str, where: str) -> object:
@@ -50,10 +59,11 @@ class PrefixedObjects:
         return None
 
     # -- reads ---------------------------------------------------------------------------
-    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
-        """Bytes [offset, offset+length) by ranged GET; a range over 2 * read_chunk_size is
-        fetched as parallel chunk GETs into one buffer and returned as a bytearray (no second
-        copy). FileNotFoundError: no such key; EOFError: the object is shorter."""
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes | bytearray:
+        """Bytes [offset, offset+length) by ranged GET, split into parallel chunk GETs over
+        2 * read_chunk_size. A split read, or one of at least INTO_MIN bytes on a client that
+        writes answers in place (`writes_into`), is a bytearray allocated once and filled by
+        the answers. FileNotFoundError: no such key; EOFError: the object is shorter."""
         key = self._key(path)
         where = self._where(path)
         if offset < 0 or (length is not None and length < 0):
@@ -64,46 +74,66 @@ class PrefixedObjects:
         if length is None:
             data, _total = self._get(key, where, offset, None)
             return data if data is not None else b""
-        if length > 2 * self.read_chunk_size and self.max_concurrency > 1:
-            return self._parallel_read(key, where, offset, length)
+        split = length > 2 * self.read_chunk_size and self.max_concurrency > 1
+        if split or (length >= INTO_MIN and self.writes_into):
+            out = bytearray(length)
+            self._fill(key, where, offset, memoryview(out))
+            return out
         data, total = self._get(key, where, offset, offset + length - 1)
         if data is None or len(data) != length:
-            got = 0 if data is None else len(data)
-            raise EOFError(
-                f"{where}: wanted {length} bytes at offset {offset}, "
-                f"object holds {total if total is not None else offset + got}"
-            )
+            size = self._size(key, where, offset, data, total)
+            raise EOFError(f"{where}: wanted {length} bytes at offset {offset}, object holds {size}")
         return data
 
-    def _parallel_read(self, key: str, where: str, offset: int, length: int) -> bytearray:
-        """Split a large range into read_chunk_size ranged GETs run by a bounded pool."""
-        out = bytearray(length)
+    def _size(self, key: str, where: str, start: int, data, total: int | None) -> int:
+        """The object's size after a short answer at `start`: as the service reported it, else
+        where the answer's bytes ended, else (nothing came back: GCS and Azure answer a range
+        past the end without the size) as a HEAD gives it."""
+        if total is not None:
+            return total
+        if data:
+            return start + len(data)
+        return int(self._head(key, where))  # type: ignore[call-overload]
+
+    def _fill(self, key: str, where: str, offset: int, view: memoryview) -> None:
+        """The object's bytes from `offset` into all of `view`: one ranged GET, or over
+        2 * read_chunk_size, read_chunk_size GETs run by a bounded pool, each answer written
+        into its slice by the client (`writes_into`) or copied there."""
+        length = view.nbytes
         chunk = self.read_chunk_size
-        spans = [(a, min(chunk, length - a)) for a in range(0, length, chunk)]
-        # Chunks that came back short, as the object size each implies: the size the service
-        # reported, else where the chunk's bytes ended (the smallest such end is the size).
+        if length > 2 * chunk and self.max_concurrency > 1:
+            spans = [(a, min(chunk, length - a)) for a in range(0, length, chunk)]
+        else:
+            spans = [(0, length)]
+        # Spans that came back short, as the object size each implies (the smallest is the size).
         short: list[int] = []
 
         def fetch(rel: int, n: int) -> None:
-            data, total = self._get(key, where, offset + rel, offset + rel + n - 1)
+            part = view[rel : rel + n]
+            into = part if self.writes_into else None
+            data, total = self._get(key, where, offset + rel, offset + rel + n - 1, into=into)
             if data is None or len(data) != n:
-                short.append(total if total is not None else offset + rel + len(data or b""))
-                return
-            out[rel : rel + n] = data
+                short.append(self._size(key, where, offset + rel, data, total))
+            elif into is None:
+                part[:] = data
 
-        workers = min(self.max_concurrency, len(spans))
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"ckptlib-{self.scheme}-read") as pool:
-            futures = [pool.submit(fetch, a, n) for a, n in spans]
-            try:
-                for fut in futures:
-                    fut.result()
-            except BaseException:
-                for fut in futures:
-                    fut.cancel()
-                raise
+        if len(spans) == 1:
+            fetch(*spans[0])
+        else:
+            workers = min(self.max_concurrency, len(spans))
+            with concurrent.futures.ThreadPoolExecutor(
+                workers, thread_name_prefix=f"ckptlib-{self.scheme}-read"
+            ) as pool:
+                futures = [pool.submit(fetch, a, n) for a, n in spans]
+                try:
+                    for fut in futures:
+                        fut.result()
+                except BaseException:
+                    for fut in futures:
+                        fut.cancel()
+                    raise
         if short:
             raise EOFError(f"{where}: wanted {length} bytes at offset {offset}, object holds {min(short)}")
-        return out
 
     # -- listing -------------------------------------------------------------------------
     def _listed(self, rel: str) -> bool:

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from ckptlib._scrub import guard_loggers, logger, scrub
 from ckptlib.errors import StorageError
-from ckptlib.storage.objects import Exists
+from ckptlib.storage.objects import Exists, IntoView
 
 log = logger(__name__)
 
@@ -127,6 +127,7 @@ class S3Client:
     scheme = "s3"
     label = "S3"
     delete_batch = DELETE_BATCH
+    writes_into = False  # botocore reads a body into bytes however it is asked: copying it costs a pass
 
     def __init__(self, sdk: Any, bucket: str):
         self.sdk = sdk
@@ -147,7 +148,9 @@ class S3Client:
                 raise Exists(key) from exc
             raise
 
-    def get(self, key: str, start: int, end: int | None) -> tuple[bytes | None, int | None]:
+    def get(
+        self, key: str, start: int, end: int | None, into: memoryview | None = None
+    ) -> tuple[bytes | memoryview | None, int | None]:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
         if start or end is not None:
             kwargs["Range"] = f"bytes={start}-" + ("" if end is None else str(end))
@@ -168,6 +171,10 @@ class S3Client:
         total = _total_size(response.get("ContentRange"))
         if total is None and "Range" not in kwargs:
             total = response.get("ContentLength")
+        if into is not None:  # one copy, as botocore's readinto would make (urllib3 reads, then copies)
+            sink = IntoView(into)
+            sink.write(data)
+            return sink.filled(), total
         return data, total
 
     def size(self, key: str) -> int:

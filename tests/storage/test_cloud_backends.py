@@ -342,3 +342,53 @@ def test_no_account_configured_says_what_to_set(monkeypatch):
     pytest.importorskip("azure.storage.blob")
     with pytest.raises(StorageError, match="AZURE_STORAGE_CONNECTION_STRING"):
         open_storage("az://some-container/run").exists()
+
+
+@pytest.mark.parametrize("chunks", [1, 12], ids=["one-get", "12-chunk-gets"])
+def test_a_download_that_breaks_off_is_read_again(cloud, root, proxy, monkeypatch, chunks):
+    """A large ranged read lands in one buffer (the SDK writes each answer into place); an
+    answer whose body breaks off part-way is sent again and the bytes come back whole, also
+    when the read is split into parallel chunk GETs (1 MiB chunks here)."""
+    data = bytes(range(256)) * (12 * MiB // 256) + b"tail"
+    if chunks > 1:
+        monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_READ_CHUNK_SIZE", str(MiB))
+    store = open_storage(root)
+    store.write("x.bin", data)
+    before = proxy.requests
+    proxy.break_downloads(1, after=MiB // 2 if chunks == 1 else 5 * MiB // 2)
+    got = store.read("x.bin", 4, 12 * MiB)
+    assert proxy.broken == 1
+    assert proxy.requests - before == chunks + 1  # the broken answer's GET, sent again
+    assert bytes(got) == data[4 : 4 + 12 * MiB]
+
+
+def test_downloads_that_keep_breaking_off_are_a_storage_error(cloud, root, proxy, monkeypatch):
+    """Every try's answer breaks off: the read is retried as transient, then gives up naming the
+    object. Azure's downloader tries a broken body three times itself (azure-storage-blob
+    does that whatever its retry policy), so there each of ckptlib's tries is three GETs."""
+    monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_MAX_ATTEMPTS", "3")
+    data = bytes(range(256)) * (4 * MiB // 256)
+    store = open_storage(root)
+    store.write("x.bin", data)
+    before = proxy.requests
+    proxy.break_downloads(100, after=MiB // 2)
+    with pytest.raises(StorageError) as info:
+        store.read("x.bin", 0, 4 * MiB)
+    assert proxy.requests - before == 3 * (3 if cloud == "azure" else 1)
+    assert f"{root}/x.bin" in str(info.value)
+    assert str(info.value).endswith("(gave up after 3 attempts)")
+
+
+@pytest.mark.parametrize("chunks", [1, 4], ids=["one-get", "4-chunk-gets"])
+def test_a_large_read_past_the_end_is_an_eof_naming_the_size(cloud, root, monkeypatch, chunks):
+    """A large read (into one buffer) that runs past the object's end, or starts beyond it, is
+    an EOFError giving the object's size, as a short small read is."""
+    if chunks > 1:
+        monkeypatch.setenv(f"CKPTLIB_{scheme(cloud)}_READ_CHUNK_SIZE", str(MiB))
+    store = open_storage(root)
+    size = 3 * MiB + 7
+    store.write("x.bin", bytes(size))
+    for offset, length in ((MiB, chunks * MiB + 3 * MiB), (size + 5, 2 * MiB)):
+        with pytest.raises(EOFError) as info:
+            store.read("x.bin", offset, length)
+        assert str(info.value) == f"{root}/x.bin: wanted {length} bytes at offset {offset}, object holds {size}"

@@ -6,10 +6,12 @@
         proxy.cut_after(5 << 20, restore_after=0.5)   # ... for half a second
         proxy.stall_after(0)                     # uploads hang (connections held open, nothing sent on)
         proxy.stalled.wait()                     # ... until a request is held that way
+        proxy.break_downloads(1, after=1 << 20)  # the next answer breaks off after 1 MiB
         proxy.restore()                          # ... and comes back
 
 It understands just enough HTTP/1.1 (request heads and Content-Length bodies on the
-client-to-server side) to count requests; responses are piped through untouched. HTTP
+client-to-server side) to count requests; responses are piped through untouched unless
+`break_downloads` cuts one off. HTTP
 clients do not pipeline, so a request head arriving means the previous response is complete
 and a 503 can be answered in its place. Every fault is bounded: a burst is a count, an outage
 lasts until `restore()`.
@@ -33,6 +35,9 @@ class FaultProxy:
         self._restore_after: float | None = None
         self._down = False
         self._stall_budget: int | None = None
+        self._breaks = 0
+        self._break_after = 0
+        self._break_budget = 0
         self._flowing = threading.Event()
         self._flowing.set()
         self.stalled = threading.Event()  # set once stall_after() holds a request
@@ -41,6 +46,7 @@ class FaultProxy:
         self.injected = 0
         self.refused = 0
         self.outages = 0
+        self.broken = 0
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1", 0))
@@ -74,8 +80,15 @@ class FaultProxy:
             self.stalled.clear()
             self._flowing.clear()
 
+    def break_downloads(self, count: int, *, after: int) -> None:
+        """The next `count` times `after` bytes have come back from the server (since the last
+        break), drop that connection there: an answer whose body breaks off mid-way."""
+        with self._lock:
+            self._breaks, self._break_after, self._break_budget = count, after, after
+
     def restore(self) -> None:
         with self._lock:
+            self._breaks = 0
             self._down = False
             self._cut_budget = None
             self._restore_after = None
@@ -189,7 +202,7 @@ class FaultProxy:
                     upstream = socket.create_connection(self.upstream, timeout=None)
                     with self._lock:
                         self._conns.add(upstream)
-                    threading.Thread(target=_pipe, args=(upstream, client), daemon=True).start()
+                    threading.Thread(target=self._pipe_down, args=(upstream, client), daemon=True).start()
                 if not self._count_upload(len(head) + 4):
                     return
                 upstream.sendall(head + _CRLF2)
@@ -221,6 +234,40 @@ class FaultProxy:
                         self._conns.discard(sock)
                     _kill(sock)
 
+    def _download_budget(self, n: int) -> int | None:
+        """Of `n` bytes from the server, how many to pass before breaking the connection (None:
+        all of them, no break due)."""
+        with self._lock:
+            if self._breaks <= 0:
+                return None
+            if n < self._break_budget:
+                self._break_budget -= n
+                return None
+            keep = self._break_budget
+            self._breaks -= 1
+            self.broken += 1
+            self._break_budget = self._break_after
+            return keep
+
+    def _pipe_down(self, src: socket.socket, dst: socket.socket) -> None:
+        """Pipe the server's answers to the client, breaking off where `break_downloads` says;
+        either side closing closes both."""
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                keep = self._download_budget(len(data))
+                if keep is not None:
+                    dst.sendall(data[:keep])
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _kill(dst)
+            _kill(src)
+
 
 def _body_framing(head: bytes) -> tuple[int, bool]:
     length, chunked = 0, False
@@ -232,20 +279,6 @@ def _body_framing(head: bytes) -> tuple[int, bool]:
         elif name == b"transfer-encoding" and b"chunked" in value.lower():
             chunked = True
     return length, chunked
-
-
-def _pipe(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while True:
-            data = src.recv(65536)
-            if not data:
-                break
-            dst.sendall(data)
-    except OSError:
-        pass
-    finally:
-        _kill(dst)
-        _kill(src)
 
 
 def _kill(sock: socket.socket) -> None:
