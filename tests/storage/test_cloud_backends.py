@@ -8,6 +8,7 @@ tests/cli/.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -392,3 +393,38 @@ def test_a_large_read_past_the_end_is_an_eof_naming_the_size(cloud, root, monkey
         with pytest.raises(EOFError) as info:
             store.read("x.bin", offset, length)
         assert str(info.value) == f"{root}/x.bin: wanted {length} bytes at offset {offset}, object holds {size}"
+
+
+def test_large_reads_hand_the_sdk_one_buffer_where_it_writes_in_place(cloud, root, monkeypatch):
+    """On GCS (in one read of the body, `single_shot_download`) and Azure a read of 1 MiB or
+    more hands the SDK one buffer to write the answer into, and that buffer is what `read`
+    returns; a smaller read, and any read on S3 (botocore reads into bytes whatever it is
+    asked), takes the SDK's own bytes."""
+    from google.cloud.storage import Blob
+
+    from ckptlib.storage import azure, gcs, s3_client
+
+    client = {"s3": s3_client.S3Client, "gcs": gcs.GCSClient, "azure": azure.AzureClient}[cloud]
+    seen, downloads = [], []
+    real_get, real_download = client.get, Blob.download_to_file
+
+    def get(self, key, start, end, into=None):
+        seen.append((end - start + 1, into is not None))
+        return real_get(self, key, start, end, into=into)
+
+    @functools.wraps(real_download)  # its signature: the option is looked up there
+    def download_to_file(self, file_obj, *args, **kwargs):
+        downloads.append(kwargs.get("single_shot_download"))
+        return real_download(self, file_obj, *args, **kwargs)
+
+    monkeypatch.setattr(client, "get", get)
+    monkeypatch.setattr(Blob, "download_to_file", download_to_file)
+    store = open_storage(root)
+    data = bytes(range(256)) * (2 * MiB // 256) + b"tail"
+    store.write("x.bin", data)
+    big, small = store.read("x.bin", 3, 2 * MiB), store.read("x.bin", 3, 1000)
+    assert bytes(big) == data[3 : 3 + 2 * MiB] and bytes(small) == data[3:1003]
+    in_place = cloud != "s3"
+    assert seen == [(2 * MiB, in_place), (1000, False)]
+    assert isinstance(big, bytearray if in_place else bytes)
+    assert downloads == ([True] if cloud == "gcs" else [])
