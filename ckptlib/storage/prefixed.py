@@ -23,7 +23,7 @@ class PrefixedObjects:
     prefix: str
     read_chunk_size: int
     max_concurrency: int
-    writes_into: bool = False  # whether `_get(into=...)` writes an answer in place (no copy after)
+    writes_into: bool = False  # whether `_get(into=...)` has the SDK write an answer in place (else a copy)
 
     def _get(
         self, key: str, where: str, start: int, end: int | None, into: memoryview | None = None
@@ -97,8 +97,8 @@ class PrefixedObjects:
 
     def _fill(self, key: str, where: str, offset: int, view: memoryview) -> None:
         """The object's bytes from `offset` into all of `view`: one ranged GET, or over
-        2 * read_chunk_size, read_chunk_size GETs run by a bounded pool, each answer written
-        into its slice by the client (`writes_into`) or copied there."""
+        2 * read_chunk_size, read_chunk_size GETs run by a bounded pool, each answer put into
+        its slice by the client (written there by the SDK where `writes_into`, else copied)."""
         length = view.nbytes
         chunk = self.read_chunk_size
         if length > 2 * chunk and self.max_concurrency > 1:
@@ -109,13 +109,9 @@ class PrefixedObjects:
         short: list[int] = []
 
         def fetch(rel: int, n: int) -> None:
-            part = view[rel : rel + n]
-            into = part if self.writes_into else None
-            data, total = self._get(key, where, offset + rel, offset + rel + n - 1, into=into)
+            data, total = self._get(key, where, offset + rel, offset + rel + n - 1, into=view[rel : rel + n])
             if data is None or len(data) != n:
                 short.append(self._size(key, where, offset + rel, data, total))
-            elif into is None:
-                part[:] = data
 
         if len(spans) == 1:
             fetch(*spans[0])

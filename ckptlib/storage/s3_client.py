@@ -171,7 +171,7 @@ class S3Client:
         total = _total_size(response.get("ContentRange"))
         if total is None and "Range" not in kwargs:
             total = response.get("ContentLength")
-        if into is not None:  # one copy, as botocore's readinto would make (urllib3 reads, then copies)
+        if into is not None:  # a chunk of a split read: one copy (botocore's readinto makes one too)
             sink = IntoView(into)
             sink.write(data)
             return sink.filled(), total
