@@ -41,6 +41,9 @@ def _run(argv: list[str]) -> int:
     if argv[:1] == ["bench"]:
         return run_bench(argv[1:])
     parser = build_parser()
+    if not argv:  # a bare `ckpt`: the help, as `ckpt --help` prints it
+        parser.print_help()
+        return EXIT_OK
     args = parser.parse_args(argv)
     from ckptlib._scrub import scrub_message
 

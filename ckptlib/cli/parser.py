@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ckptlib._version import __version__
 from ckptlib.cli import bench_cmd, convert_cmds, diff_cmd, gc_cmds, inspect_cmds, plan_cmd, validate_cmd
 from ckptlib.cli.usage import HelpFormatter
 
@@ -31,6 +32,7 @@ adds its traceback). `ckpt COMMAND --help` describes each command.
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckpt", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"ckpt (ckptlib) {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     validate_cmd.add_parser(commands)
     inspect_cmds.add_parsers(commands)

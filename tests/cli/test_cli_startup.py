@@ -52,7 +52,7 @@ def _env() -> dict[str, str]:
 def test_help_and_argument_errors_do_not_import_torch():
     commands = sorted(build_parser()._subparsers._group_actions[0].choices)
     assert {"inspect", "verify", "ls", "plan", "diff", "gc", "convert", "export", "unlock", "validate"} <= set(commands)
-    argvs = [["--help"], []] + [[c, "--help"] for c in commands]
+    argvs = [["--help"], [], ["--version"]] + [[c, "--help"] for c in commands]
     argvs += [["bench", b, "--help"] for b in ("scale", "tier", "tensors", "async", "read-once")]
     argvs += [["inspect"], ["verify", "x", "--step", "seven"], ["gc"], ["no-such-command"], ["ls", "--bogus", "r"]]
     argvs += [["bench", "--bogus"], ["bench", "scale", "--worlds", "many"]]
@@ -68,8 +68,11 @@ def test_help_and_argument_errors_do_not_import_torch():
     results = json.loads(run.stdout)
     assert {argv: r["torch"] for argv, r in results.items()} == {" ".join(a): False for a in argvs}
     codes = {argv: r["code"] for argv, r in results.items()}
-    assert codes == {" ".join(a): 0 if "--help" in a else 2 for a in argvs}
-    assert results["--help"]["first"] == "usage: ckpt [-h] COMMAND ..."
+    quiet_ok = {"", "--version"}  # a bare `ckpt` prints its help; --version its version
+    assert codes == {" ".join(a): 0 if "--help" in a or " ".join(a) in quiet_ok else 2 for a in argvs}
+    assert results["--help"]["first"] == "usage: ckpt [-h] [--version] COMMAND ..."
+    assert results[""]["first"] == results["--help"]["first"]
+    assert results["--version"]["first"] == f"ckpt (ckptlib) {ckptlib.__version__}"
     assert results["inspect --help"]["first"].startswith("usage: ckpt inspect [-h]")
     assert results["bench scale --help"]["first"].startswith("usage: ckpt bench scale [-h]")
 
