@@ -20,8 +20,8 @@ all-reduce, whose summation order depends on the world size. FSDP2 shards parame
 AdamW state (what ckptlib checkpoints and reshards); the layers' input widths are
 multiples of 32 so every shard is a whole number of SIMD blocks and the elementwise
 optimizer math runs through the same kernel path for every element at every world size.
-Where ckptlib._torch.parallel says FSDP2 cannot run on CPU (torch 2.6) the model is wrapped in DDP
-(replicated) instead; the gradient is computed the same way.
+Where FSDP2 cannot run on CPU (torch 2.6: its CPU stream lacks `record_event`) the model is
+wrapped in DDP (replicated) instead; the gradient is computed the same way.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import torch.distributed as dist
 from torch import nn
 
 import ckptlib
-from ckptlib._torch import parallel
 
 IN_DIM, HIDDEN, OUT_DIM = 64, 96, 8  # input widths 64 and 96: multiples of 32 (see above)
 
@@ -81,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--wrap",
         choices=["auto", "fsdp2", "ddp"],
         default="auto",
-        help="auto: FSDP2 where ckptlib._torch.parallel says it runs on this device, else DDP",
+        help="auto: FSDP2 where it trains on CPU with this torch (not 2.6), else DDP",
     )
     p.add_argument("--backend", default="gloo", help="process group backend when torchrun starts us")
     p.add_argument(
@@ -103,15 +102,24 @@ def batch(seed: int, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+def fsdp2_trains_on_cpu() -> bool:
+    """FSDP2 on a CPU mesh records events on `torch.cpu.Stream`, which torch 2.6 lacks."""
+    return hasattr(getattr(torch.cpu, "Stream", None), "record_event")
+
+
 def build(args, rank: int, world: int):
     torch.manual_seed(args.seed)
     model = Net()  # same init on every rank
     wrap = args.wrap
     if wrap == "auto":
-        wrap = "fsdp2" if parallel.fsdp2_cpu_reason() is None else "ddp"
+        wrap = "fsdp2" if fsdp2_trains_on_cpu() else "ddp"
     if wrap == "fsdp2":
-        fully_shard = parallel.require_fsdp2_cpu()  # UnsupportedError with the reason on torch 2.6
-        mesh = parallel.init_device_mesh_fn()("cpu", (world,))
+        if not fsdp2_trains_on_cpu():
+            raise SystemExit(f"train.py: FSDP2 cannot train on CPU with torch {torch.__version__}: use --wrap ddp")
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
         fully_shard(model.inp, mesh=mesh)
         fully_shard(model.out, mesh=mesh)
         model = fully_shard(model, mesh=mesh)
@@ -169,8 +177,9 @@ def train_step(model, optim, replica: Net, step: int, args, rank: int, world: in
     for name, p in model.named_parameters():
         g_full = pieces[name.removeprefix("module.")].view(p.shape)
         if hasattr(p, "device_mesh"):  # an FSDP2 DTensor shard: take this rank's piece
-            dtensor = parallel.dtensor_api()
-            p.grad = dtensor.distribute_tensor(g_full, p.device_mesh, p.placements)
+            from torch.distributed.tensor import distribute_tensor
+
+            p.grad = distribute_tensor(g_full, p.device_mesh, p.placements)
         else:
             p.grad = g_full.clone()
     optim.step()

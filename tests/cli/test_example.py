@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers.torchrun import kill_tree, process_tree
@@ -234,6 +235,8 @@ def test_torchrun_sigterm_saves_the_step_reached_then_resumes_on_2(reference, tm
         assert proc.returncode == 0, err[-3000:]  # every worker exited 0 after the save
     else:
         assert "exitcode  : -" not in err and "SIGKILL" not in err, err[-3000:]  # no worker was killed
+        # torchrun itself was signalled: it re-raises SignalException and exits 1 (examples/README.md)
+        assert proc.returncode == 1 and "SignalException" in err, (proc.returncode, err[-3000:])
     saved = [s for s in range(3, reached, 3)] + [reached]
     assert sorted(os.listdir(root)) == ["latest"] + [f"step_{s:010d}" for s in saved[-2:]]  # --keep 2
     assert os.readlink(root / "latest") == f"step_{reached:010d}"
@@ -267,9 +270,28 @@ def test_fsdp2_probe_matches_reality(dist_run):
     FSDP2 actually trains on CPU with this torch: on 2.6 it must fail with record_event."""
     outcomes = dist_run(2, fsdp2_step)
     reason = parallel.fsdp2_cpu_reason()
+    assert _example().fsdp2_trains_on_cpu() == (reason is None)  # the example's own check agrees
     if reason is None:
         assert outcomes == ["ok", "ok"]
     else:
         assert all(o != "ok" for o in outcomes), f"probe says unsupported ({reason}) but FSDP2 trained"
         if parallel.fully_shard_fn() is not None:
             assert any("record_event" in o for o in outcomes), outcomes
+
+
+def test_examples_import_only_public_ckptlib_names():
+    """A user copies an example: every `ckptlib` module and name it imports is public (no `_`
+    component). Before: examples/train.py imported `ckptlib._torch.parallel`."""
+    import ast
+
+    private = []
+    for path in sorted(Path(REPO, "examples").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ckptlib":
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "ckptlib"]
+            else:
+                continue
+            private += [f"{path.name}: {n}" for n in names if any(p.startswith("_") for p in n.split("."))]
+    assert private == []
