@@ -7,8 +7,9 @@ wheel's METADATA named no license at all.
 from __future__ import annotations
 
 import importlib.metadata
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

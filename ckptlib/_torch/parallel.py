@@ -6,7 +6,7 @@ What moved or changed inside the window (2.6 .. newest): FSDP2's `fully_shard` i
 the `torch.cpu.Stream` stand-in to have `record_event`, which 2.6's lacks (`fsdp2_cpu_reason`).
 2.7 cannot run three matrix layouts on CPU: FSDP2+TP of uneven dims, HSDP on gloo, FSDP1 with
 shardless ranks (`layout_gap_reason`). DTensor is public at `torch.distributed.tensor` (2.5+),
-formerly `torch.distributed._tensor` (`dtensor_api`).
+formerly `torch.distributed._tensor` (`ckptlib._torch.probes.dtensor_module_name`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from ckptlib._torch.probes import dtensor_module_name, import_first
+from ckptlib._torch.probes import import_first
 from ckptlib.errors import UnsupportedError
 
 
@@ -168,14 +168,6 @@ def checkpoint_wrapper_fn() -> Callable[..., Any]:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     return checkpoint_wrapper
-
-
-def dtensor_api() -> Any:
-    """The DTensor module (DTensor, distribute_tensor, Shard, Replicate); UnsupportedError if absent."""
-    name = dtensor_module_name()
-    if name is None:
-        raise UnsupportedError(f"torch {torch.__version__} has no DTensor")
-    return importlib.import_module(name)
 
 
 def init_device_mesh_fn() -> Callable[..., Any]:

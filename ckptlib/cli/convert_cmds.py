@@ -4,6 +4,7 @@ time (`ckptlib.convert` and `ckptlib.export` do the work)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -14,6 +15,7 @@ from ckptlib.cli.usage import (
     TRUSTED_HELP,
     UsageError,
     add_command,
+    add_json,
     add_no_progress,
     add_preset,
     open_uri,
@@ -109,6 +111,7 @@ def add_parsers(commands) -> None:
         "tensors --to safetensors writes (default model)",
     )
     p.add_argument("--trusted", action="store_true", help=TRUSTED_HELP)
+    add_json(p, "src, dst, src_format, to, tensors, objects, tensor_bytes, files, skipped, notes, seconds")
     add_step(p)
     add_preset(p)
     add_no_progress(p)
@@ -153,6 +156,7 @@ def add_parsers(commands) -> None:
     )
     p.add_argument("--force", action="store_true", help="replace an export ckptlib wrote earlier at DST")
     p.add_argument("--trusted", action="store_true", help=TRUSTED_HELP)
+    add_json(p, "src, dst, src_format, format, step, world_size, dtype, tensors, bytes, files, skipped, seconds, tied")
     add_preset(p)
     add_no_progress(p)
     p.set_defaults(func=run_export)
@@ -217,6 +221,9 @@ def run_convert(args: argparse.Namespace) -> int:
         trusted=args.trusted,
         preset=preset,
     )
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result), indent=1))
+        return EXIT_OK
     print(
         f"converted {result.src} ({result.src_format}) -> {result.dst} ({result.to}): "
         f"{counted(result.tensors, 'tensor')}, {counted(result.objects, 'object')}, "
@@ -257,6 +264,9 @@ def run_export(args: argparse.Namespace) -> int:
         copy_from=args.copy_from,
         preset=preset,
     )
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result), indent=1))
+        return EXIT_OK
     rate = result.mib_per_s
     print(
         f"exported {result.src} ({result.src_format}, step {'-' if result.step is None else result.step}) -> "

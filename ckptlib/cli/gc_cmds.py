@@ -4,8 +4,9 @@ the writer lock)."""
 from __future__ import annotations
 
 import argparse
+import json
 
-from ckptlib.cli.usage import EXIT_OK, ROOT_URI_HELP, UsageError, add_command, add_no_progress, progress_bar
+from ckptlib.cli.usage import EXIT_OK, ROOT_URI_HELP, UsageError, add_command, add_json, add_no_progress, progress_bar
 
 GC_DESCRIPTION = """
 Apply retention to ROOT and remove incomplete debris (only files ckptlib wrote: a step
@@ -62,6 +63,11 @@ def add_gc_parser(commands) -> None:
         action="store_true",
         help="first remove the root's lock, whoever holds it (only when that writer is known to be gone)",
     )
+    add_json(
+        p,
+        "root, dry_run, removed (the step directories removed, or that would be) and lock_removed (the lock --force "
+        "removed, or null)",
+    )
     add_no_progress(p)
     p.set_defaults(func=run_gc)
 
@@ -69,6 +75,7 @@ def add_gc_parser(commands) -> None:
 def add_unlock_parser(commands) -> None:
     p = add_command(commands, "unlock", help="remove a checkpoint root's writer lock", description=UNLOCK_DESCRIPTION)
     p.add_argument("root", help=ROOT_URI_HELP)
+    add_json(p, "root and removed (the lock removed: {token, host, pid, created, ...}, or null when not locked)")
     p.set_defaults(func=run_unlock)
 
 
@@ -101,8 +108,10 @@ def run_gc(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.root}: no such checkpoint root")
     if args.force and not args.dry_run:
         holder = mgr.break_lock()
-        if holder is not None:
+        if holder is not None and not args.json:
             print(f"removed the lock held by {holder.describe()}")
+    else:
+        holder = None
     bar = progress_bar(args, "ckpt gc", unit="dir")
 
     def on_removed(done: int, total: int) -> None:
@@ -115,6 +124,15 @@ def run_gc(args: argparse.Namespace) -> int:
         removed = mgr.gc(dry_run=args.dry_run, on_removed=on_removed)
     finally:
         bar.close()
+    if args.json:
+        doc = {
+            "root": mgr.storage.uri,
+            "dry_run": args.dry_run,
+            "removed": list(removed),
+            "lock_removed": None if holder is None else holder.to_json(),
+        }
+        print(json.dumps(doc, indent=1))
+        return EXIT_OK
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
         print(f"{verb} {mgr.storage.uri.rstrip('/')}/{name}")
@@ -129,7 +147,9 @@ def run_unlock(args: argparse.Namespace) -> int:
     if not mgr.storage.exists():
         raise UsageError(f"{args.root}: no such checkpoint root")
     holder = mgr.break_lock()
-    if holder is None:
+    if args.json:
+        print(json.dumps({"root": mgr.storage.uri, "removed": None if holder is None else holder.to_json()}, indent=1))
+    elif holder is None:
         print(f"{mgr.storage.uri}: not locked")
     else:
         print(f"{mgr.storage.uri}: removed the lock held by {holder.describe()}")

@@ -86,6 +86,13 @@ def add_parsers(commands) -> None:
         description=VERIFY_DESCRIPTION,
     )
     p.add_argument("uri", help=CHECKPOINT_URI_HELP)
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON with the keys checkpoint, format, intact (true/false), problems (a list of {file, kind, "
+        "message, line}; kind is corrupt, missing, unsafe, incomplete or note) and root (as inspect --json); the "
+        "exit status is the same",
+    )
     add_step(p)
     add_preset(p)
     add_no_progress(p)
@@ -155,6 +162,18 @@ def run_verify(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     errors = [p for p in problems if p.is_error]
+    if args.json:
+        doc = {
+            "checkpoint": storage.uri,
+            "format": fmt,
+            "intact": not errors,
+            "problems": [
+                {"file": p.file, "kind": p.kind, "message": p.message, "line": p.line(storage.uri)} for p in problems
+            ],
+            "root": resolved.to_json(),
+        }
+        print(json.dumps(doc, indent=1))
+        return EXIT_FAIL if errors else EXIT_OK
     for p in problems:
         print(p.line(storage.uri))
     if errors:

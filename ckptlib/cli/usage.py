@@ -81,6 +81,11 @@ def add_command(commands, name: str, *, help: str, description: str) -> argparse
     return commands.add_parser(name, help=help, description=description, formatter_class=HelpFormatter)
 
 
+def add_json(parser: argparse.ArgumentParser, keys: str) -> None:
+    """`--json`: the command's report as one JSON object with `keys` on stdout, nothing else."""
+    parser.add_argument("--json", action="store_true", help=f"print the report as JSON with the keys {keys}")
+
+
 def add_no_progress(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
 
