@@ -278,29 +278,33 @@ def _single_checkpoint_row(storage) -> tuple[str, dict] | None:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    from ckptlib import presets
+    """A root of ckptlib steps is listed from its manifests alone, without importing torch (a
+    fraction of a second); another tool's folder or a single checkpoint file needs the presets
+    and readers, which do."""
     from ckptlib.format.native.root import LATEST, scan, step_dir
-    from ckptlib.manager.manager import CheckpointManager
+    from ckptlib.manager.lock import RootLock
     from ckptlib.storage.base import root_is_file
 
-    mgr = CheckpointManager(args.root)
-    a_file = root_is_file(mgr.storage)  # a torch.save or safetensors file: one checkpoint, at most
-    if not a_file and not mgr.storage.exists():
+    storage = open_uri(args.root)
+    a_file = root_is_file(storage)  # a torch.save or safetensors file: one checkpoint, at most
+    if not a_file and not storage.exists():
         raise UsageError(f"{args.root}: no such checkpoint root")
     preset = preset_of(args)
-    infos = scan(mgr.storage) if preset is None and not a_file else []
+    infos = scan(storage) if preset is None and not a_file else []
     if preset is None and not infos and not a_file:
-        preset = presets.detect_root(mgr.storage)
-    single = _single_checkpoint_row(mgr.storage) if preset is None and not infos else None
+        from ckptlib import presets
+
+        preset = presets.detect_root(storage)
+    single = _single_checkpoint_row(storage) if preset is None and not infos else None
     if preset is not None:
-        infos = preset.scan(mgr.storage)
-        pointer = preset.latest(mgr.storage)
+        infos = preset.scan(storage)
+        pointer = preset.latest(storage)
     else:
-        pointer = None if single is not None else mgr.storage.read_pointer(LATEST)
-    holder = None if a_file else mgr.lock_holder()
+        pointer = None if single is not None else storage.read_pointer(LATEST)
+    holder = None if a_file else RootLock(storage).holder()
     rows = [
         _row(
-            mgr.storage.child(info.name),
+            storage.child(info.name),
             info.name,
             info.step,
             info.state,

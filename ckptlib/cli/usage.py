@@ -129,7 +129,9 @@ def add_preset(parser: argparse.ArgumentParser) -> None:
 
 def preset_of(args: argparse.Namespace):
     """The `ckptlib.presets` preset `--preset` names, or None."""
-    from ckptlib import presets
-
     name = getattr(args, "preset", None)
-    return None if name is None else presets.get(name)
+    if name is None:
+        return None
+    from ckptlib import presets  # imports torch: only when a preset is named
+
+    return presets.get(name)

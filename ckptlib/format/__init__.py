@@ -13,23 +13,50 @@ by `streaming`; `verify` checks one checkpoint offline (with `safetensors_check`
 safetensors files).
 """
 
-from ckptlib.format.native.file_names import shard_rank
-from ckptlib.format.native.layout import (
-    CheckpointInfo,
-    classify,
-    commit,
-    open_checkpoint,
-    prepare_save_target,
-    read_metadata,
-)
-from ckptlib.format.native.manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME, FileRecord, Manifest
-from ckptlib.format.native.structure import Problem
-from ckptlib.format.read.dcp_reader import CkptReader
-from ckptlib.format.read.load_planner import SafeLoadPlanner
-from ckptlib.format.source import detect_format, inspect_checkpoint, open_reader
-from ckptlib.format.verify import summarize, verify
-from ckptlib.format.write.dcp_writer import CkptWriter
-from ckptlib.format.write.save_planner import CkptSavePlanner
+import importlib
+from typing import Any
+
+#: Each public name and the module it lives in, imported on first use: a package import stays
+#: free of torch, so `ckpt ls` reads a root's manifests without it (see ckptlib/cli/inspect_cmds.py).
+_ON_USE = {
+    "shard_rank": "ckptlib.format.native.file_names",
+    "CheckpointInfo": "ckptlib.format.native.layout",
+    "classify": "ckptlib.format.native.layout",
+    "commit": "ckptlib.format.native.layout",
+    "open_checkpoint": "ckptlib.format.native.layout",
+    "prepare_save_target": "ckptlib.format.native.layout",
+    "read_metadata": "ckptlib.format.native.layout",
+    "MANIFEST_NAME": "ckptlib.format.native.manifest",
+    "METADATA_NAME": "ckptlib.format.native.manifest",
+    "PENDING_NAME": "ckptlib.format.native.manifest",
+    "FileRecord": "ckptlib.format.native.manifest",
+    "Manifest": "ckptlib.format.native.manifest",
+    "Problem": "ckptlib.format.native.structure",
+    "CkptReader": "ckptlib.format.read.dcp_reader",
+    "SafeLoadPlanner": "ckptlib.format.read.load_planner",
+    "detect_format": "ckptlib.format.source",
+    "inspect_checkpoint": "ckptlib.format.source",
+    "open_reader": "ckptlib.format.source",
+    "summarize": "ckptlib.format.verify",
+    "verify": "ckptlib.format.verify",
+    "CkptWriter": "ckptlib.format.write.dcp_writer",
+    "CkptSavePlanner": "ckptlib.format.write.save_planner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name on first use: imported from its module, then kept here."""
+    module = _ON_USE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptlib.format' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_ON_USE))
+
 
 __all__ = [
     "CheckpointInfo",

@@ -18,10 +18,7 @@ import json
 import os
 import stat
 import zlib
-from typing import Any
-
-import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from typing import TYPE_CHECKING, Any
 
 from ckptlib._version import __version__
 from ckptlib.errors import (
@@ -44,9 +41,10 @@ from ckptlib.format.native.manifest import (
     FileRecord,
     Manifest,
 )
-from ckptlib.format.native.safe_pickle import safe_loads
-from ckptlib.format.native.structure import structure_problems
 from ckptlib.storage.base import Storage, list_top, root_is_file
+
+if TYPE_CHECKING:  # torch is imported where a function needs it: `ckpt ls` reads manifests without it
+    from torch.distributed.checkpoint.metadata import Metadata
 
 
 def is_ckptlib_metadata(metadata: Any) -> bool:
@@ -89,7 +87,9 @@ def _read_metadata(
             raise CheckpointCorruptError(
                 f"{where}: checksum mismatch (size {len(blob)} vs {record.size} in the manifest)", path=where
             )
-    metadata = safe_loads(blob, where)
+    metadata = _safe_loads(blob, where)
+    from torch.distributed.checkpoint.metadata import Metadata
+
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{where}: holds {type(metadata).__name__}, not DCP Metadata", path=where)
     return metadata, blob
@@ -133,7 +133,7 @@ class CheckpointInfo:
 
 def _info_from_bytes(uri: str, kind: str, manifest_blob: bytes | None, metadata_blob: bytes) -> CheckpointInfo:
     manifest = None if manifest_blob is None else Manifest.from_bytes(manifest_blob, f"{uri}/{MANIFEST_NAME}")
-    return CheckpointInfo(uri, kind, manifest, safe_loads(metadata_blob, f"{uri}/{METADATA_NAME}"))
+    return CheckpointInfo(uri, kind, manifest, _safe_loads(metadata_blob, f"{uri}/{METADATA_NAME}"))
 
 
 def _missing_or_resized(manifest: Manifest, listing: dict[str, int]) -> list[tuple[str, str]]:
@@ -168,7 +168,7 @@ def _marked_by_ckptlib(storage: Storage) -> bool:
     """Whether `.metadata` says ckptlib wrote it (unreadable or unsafe metadata: no; loading it
     raises the real error later)."""
     try:
-        return is_ckptlib_metadata(safe_loads(storage.read(METADATA_NAME), f"{storage.uri}/{METADATA_NAME}"))
+        return is_ckptlib_metadata(_safe_loads(storage.read(METADATA_NAME), f"{storage.uri}/{METADATA_NAME}"))
     except (CheckpointError, OSError, EOFError):
         return False
 
@@ -273,6 +273,8 @@ def open_checkpoint(storage: Storage, *, verify: bool = True, check_files: bool 
             )
     metadata, blob = _read_metadata(storage, manifest, verify=verify, listed_size=listing.get(METADATA_NAME))
 
+    from ckptlib.format.native.structure import structure_problems
+
     errors = [p for p in structure_problems(metadata, manifest, listing, exhaustive=False) if p.is_error]
     if errors:
         cls = UnsafeCheckpointError if any(p.kind == "unsafe" for p in errors) else CheckpointCorruptError
@@ -335,7 +337,7 @@ def commit_manifest(
         step=step,
         metadata=metadata,
         metrics=dict(metrics or {}),
-        torch_version=torch.__version__,
+        torch_version=_torch_version(),
         ckptlib_version=__version__,
     )
     commit(storage, manifest, synced=synced)
@@ -358,3 +360,16 @@ def commit(storage: Storage, manifest: Manifest, *, synced: tuple[str, ...] = ()
     storage.sync(unsynced, names_only=sorted(set(manifest.files) - set(unsynced)))
     storage.write(MANIFEST_NAME, manifest.to_bytes())
     storage.delete([PENDING_NAME])
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _safe_loads(blob: bytes, where: str) -> Any:
+    """`safe_pickle.safe_loads`, imported on first use (it needs torch: a root is scanned without)."""
+    from ckptlib.format.native.safe_pickle import safe_loads
+
+    return safe_loads(blob, where)
