@@ -121,11 +121,13 @@ class OverwriteRefusedError(CheckpointExistsError, NotACheckpointError):
 
 
 class MissingKeysError(CheckpointError):
-    """Keys the caller asked for are not in the checkpoint (strict load)."""
+    """Keys the caller asked for are not in the checkpoint (strict load): `.keys`; `.unused`:
+    the checkpoint's keys the state did not ask for (a renamed layer shows up in both)."""
 
-    def __init__(self, message: str, *, keys=(), path: str | None = None, rank: int | None = None):
+    def __init__(self, message: str, *, keys=(), unused=(), path: str | None = None, rank: int | None = None):
         super().__init__(message, path=path, rank=rank)
         self.keys = list(keys)
+        self.unused = list(unused)
 
 
 class UnusedKeysError(CheckpointError):

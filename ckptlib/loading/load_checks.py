@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -71,10 +71,13 @@ def check_request(
     aliased = satisfied_by_alias(missing, flat, saved)  # loading the saved name fills the other
     missing = [k for k in missing if k not in aliased]
     if missing and strict:
-        shown = ", ".join(missing[:20]) + (f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
+        unused = sorted(k for k in saved if k not in flat)
+        shapes = {k: tuple(v.shape) for k, v in flat.items() if k in set(missing) and isinstance(v, torch.Tensor)}
         raise MissingKeysError(
-            f"{info.uri} lacks keys the state asks for: {shown}{missing_keys_hint(missing, template, saved)}",
+            f"{info.uri} lacks keys the state asks for: {_listed(missing)}"
+            f"{missing_keys_hint(missing, template, saved, unused, shapes)}",
             keys=missing,
+            unused=unused,
             path=info.uri,
         )
     problems = []
@@ -184,13 +187,87 @@ def _entry_keys(entry: str, keys) -> list[str]:
     return [k for k in keys if k == entry or k.startswith(entry + ".")]
 
 
-def missing_keys_hint(missing: list[str], template: Any, saved) -> str:
-    """What to do about `missing`: the checkpoint's top-level entries a mistyped entry of the
-    state resembles ("did you mean"), or `only=` / `strict=False` when whole entries of the state
-    (a module, an optimizer, a dict) are absent from a checkpoint that holds the others (a
-    model-only checkpoint loaded into a full state)."""
+def _listed(keys: list[str], limit: int = 20) -> str:
+    return ", ".join(keys[:limit]) + (f" ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def missing_keys_hint(
+    missing: list[str], template: Any, saved, unused: list[str] = (), shapes: dict[str, tuple] | None = None
+) -> str:
+    """What to do about `missing`: wrap a flat state dict under the entry the checkpoint keeps
+    its keys in; `rename=` when the checkpoint holds the same keys under another prefix (a
+    renamed layer), with the checkpoint's `unused` keys listed; the checkpoint's top-level
+    entries a mistyped entry of the state resembles ("did you mean"); or `only=` /
+    `strict=False` when whole entries of the state (a module, an optimizer, a dict) are absent
+    from a checkpoint that holds the others (a model-only checkpoint loaded into a full state).
+    `shapes`: the missing tensors' shapes (a rename only pairs tensors of the same shape)."""
     if not hasattr(template, "keys"):
         return ""
+    wrap = _wrap_hint(missing, template, saved)
+    if wrap:
+        return wrap
+    saved_shapes = {k: tuple(m.size) for k, m in saved.items() if isinstance(m, TensorStorageMetadata)}
+    renamed = _rename_hint(missing, unused, lambda m, u: (shapes or {}).get(m) == saved_shapes.get(u))
+    return (
+        renamed
+        + _entry_hint(missing, template, saved)
+        + (
+            f"; the checkpoint's keys the state does not ask for: {_listed(list(unused))}"
+            if unused and not renamed
+            else ""
+        )
+    )
+
+
+def _wrap_hint(missing: list[str], template: Any, saved) -> str:
+    """A flat state dict (`model.state_dict()`: tensors at the top) whose keys the checkpoint
+    keeps under one entry ("model.weight"): say to pass {entry: model}."""
+    if not all(isinstance(template[k], torch.Tensor) for k in template.keys()):
+        return ""
+    entries = {k.split(".", 1)[0] for k in saved if "." in k and k.split(".", 1)[1] in set(missing)}
+    found = [e for e in sorted(entries) if all(f"{e}.{k}" in saved for k in missing)]
+    if not found:
+        return ""
+    entry = found[0]
+    return (
+        f"; the state is a flat state dict (tensors at its top level) and the checkpoint keeps these keys under "
+        f"{entry!r} ({entry}.{missing[0]}, ...): pass {{{entry!r}: model}} (the module, or its state_dict) as the "
+        "state"
+    )
+
+
+def _rename_hint(missing: list[str], unused: list[str], same_shape: Callable[[str, str], bool]) -> str:
+    """The prefix rename (checkpoint prefix -> state prefix, as `rename=` takes it) that turns
+    the most unused checkpoint keys into missing state keys of the same shape, when one does
+    without turning any other unused key into a key the state lacks."""
+    lacking, spare = set(missing), list(unused)
+    candidates: dict[tuple[str, str], int] = {}
+    for m in missing:
+        for u in spare:
+            mp, up = m.split("."), u.split(".")
+            n = 0
+            while n < min(len(mp), len(up)) - 1 and mp[-1 - n] == up[-1 - n]:
+                n += 1
+            if n == 0:
+                continue
+            pair = (".".join(up[:-n]) + ".", ".".join(mp[:-n]) + ".")
+            candidates[pair] = candidates.get(pair, 0) + 1
+    best = None
+    for (old, new), _ in sorted(candidates.items(), key=lambda kv: (-kv[1], kv[0])):
+        moved = [u for u in spare if u.startswith(old)]
+        if moved and all(new + u[len(old) :] in lacking and same_shape(new + u[len(old) :], u) for u in moved):
+            best = (old, new, moved)
+            break
+    if best is None or (best[0].count(".") == 1 and best[1].count(".") == 1):
+        return ""  # a whole top-level entry: `_entry_hint`'s "did you mean" says it better
+    old, new, moved = best
+    return (
+        f"; the checkpoint has {_listed(moved, 5)} that the state does not ask for: if the layer was renamed, load "
+        f"with rename={{{old!r}: {new!r}}}"
+    )
+
+
+def _entry_hint(missing: list[str], template: Any, saved) -> str:
     lacking = set(missing)
     entries = [e for e in template.keys() if isinstance(e, str) and not isinstance(template[e], torch.Tensor)]
     absent = [e for e in entries if not _entry_keys(e, saved) and _entry_keys(e, lacking)]

@@ -46,6 +46,7 @@ from ckptlib.loading.load_checks import (
 )
 from ckptlib.loading.load_keys import KeyRequest, Rename, build_request, ignore_patterns, select_entries
 from ckptlib.state.state import CollectiveSteps, LoadTarget, RankLocal, apply_all, to_load_target
+from ckptlib.state.state_checks import check_call
 from ckptlib.storage import as_storage
 from ckptlib.storage.base import Storage
 
@@ -154,6 +155,7 @@ def load(
     started = time.perf_counter()
     read_cost.check(read_once)
     progress_bars.check(progress)
+    check_call("load", uri, state)
     storage = as_storage(uri)
     with _dist.called_by_every_rank("load", f"load of {storage.uri}", process_group, path=storage.uri):
         if preset is not None:

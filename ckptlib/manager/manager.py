@@ -47,6 +47,7 @@ from ckptlib.manager.single_root import TierSettings
 from ckptlib.saving import background_save
 from ckptlib.saving.async_mode import AsyncMode
 from ckptlib.saving.saving import SaveResult
+from ckptlib.state.state_checks import check_manager_call
 from ckptlib.storage import open_storage
 from ckptlib.storage.base import Storage
 
@@ -245,6 +246,7 @@ class CheckpointManager:
         After a preemption signal the save is synchronous (an async save in flight is waited
         for too), and `preempted` becomes True on every rank: the loop should stop. A step this
         manager already saved or loaded is not saved again."""
+        check_manager_call("maybe_save", self.root_uri, state, step)
         step = check_step(step)
         watcher = self._watcher
         policy = self.save_policy
@@ -287,6 +289,7 @@ class CheckpointManager:
         with a StalePointerWarning; the step `latest` names is refused (CheckpointExistsError)
         unless `overwrite=True`. Its old files are removed before the new ones are written, so
         a crash during that save leaves `latest` falling back to the newest other committed step."""
+        check_manager_call("save", self.root_uri, state, step)
         step = check_step(step)
         what = f"save of step {step} to {self.root_uri}"
         with _dist.called_by_every_rank("manager.save", what, self.process_group, step=step, path=self.path(step)):
@@ -339,6 +342,7 @@ class CheckpointManager:
         CheckpointNotFoundError. With a cluster tier, a remote that cannot be read while no
         node holds a step is a RemoteUnavailableError (a committed step may exist there)
         unless `fresh_start_ok=True`."""
+        check_manager_call("load", self.root_uri, state)
         chosen = None if step is None else check_step(step)
         kwargs.setdefault("progress", self.progress)
         with _dist.called_by_every_rank(

@@ -33,6 +33,7 @@ from ckptlib.saving import background_save, capped_staging, rank_checks
 from ckptlib.saving.async_mode import AsyncMode
 from ckptlib.saving.background_save import AsyncSave
 from ckptlib.state.state import to_save_state_dict
+from ckptlib.state.state_checks import check_call
 from ckptlib.storage import as_storage
 from ckptlib.storage.base import Storage
 
@@ -92,6 +93,7 @@ def save(
     stderr (None: when it is a terminal; True, False) or `fn(op, done, total)`, on rank 0
     (`ckptlib._runtime.progress`).
     """
+    check_call("save", uri, state)
     return transact(
         as_storage(uri),
         state,
@@ -141,6 +143,7 @@ def async_save(
     running statistics). Without such buffers, calling it right before `optimizer.step()`
     lets the device-to-host copy overlap forward and backward on a GPU.
     """
+    check_call("async_save", uri, state)
     return transact(
         as_storage(uri),
         state,

@@ -1,8 +1,10 @@
-"""Checks of a state dict before anything is written: every value pickles, and no two entries
-flatten to one DCP key. Each failure is a StateError naming the key."""
+"""Checks of a state dict before anything is written: the arguments of the call are what it
+takes (`check_call`), every value pickles, and no two entries flatten to one DCP key. Each
+failure is a StateError naming the key."""
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any, Mapping
 
@@ -11,6 +13,69 @@ import torch
 from ckptlib._torch import dcp_shims
 from ckptlib.errors import StateError
 from ckptlib.format.items.tensor_kinds import unsupported_tensor
+from ckptlib.storage.base import Storage
+
+
+def check_call(call: str, uri: Any, state: Any) -> None:
+    """`ckptlib.<call>(uri, state)` given what it takes: a path, URI or Storage first and a
+    mapping of names to objects second. DCP's order (`dcp.save(state_dict, checkpoint_id=...)`)
+    and a bare module or state dict are StateErrors that show the right call."""
+    where = isinstance(uri, (str, os.PathLike, Storage))
+    if not where and isinstance(uri, Mapping) and isinstance(state, (str, os.PathLike)):
+        raise StateError(
+            f"ckptlib.{call}(uri, state) takes the path first: call ckptlib.{call}({os.fspath(state)!r}, state) "
+            f"(DCP's dcp.{call}(state_dict, checkpoint_id=...) takes them the other way round)",
+            path=os.fspath(state),
+        )
+    if not where:
+        raise StateError(
+            f"ckptlib.{call}(uri, state): uri must be a path, a URI (file://, s3://, gs://, az://) or a Storage, "
+            f"got {type(uri).__name__}"
+        )
+    if isinstance(state, torch.nn.Module):
+        raise StateError(
+            f"ckptlib.{call}({_shown(uri)}, state): state must be a mapping of names to objects, got the module "
+            f"{type(state).__name__}: pass {{'model': model}}"
+        )
+    if not isinstance(state, Mapping):
+        raise StateError(
+            f"ckptlib.{call}({_shown(uri)}, state): state must be a mapping of names to objects (e.g. "
+            f"{{'model': model, 'optim': optim}}), got {type(state).__name__}"
+        )
+
+
+def check_manager_call(call: str, root: str, state: Any, step: Any = None) -> None:
+    """`CheckpointManager.<call>` given a state mapping (and, for the saves, the step first): a
+    path where the state belongs (the manager reads its own root) or `save(state, step)` is a
+    StateError that shows the right call."""
+    if call != "load" and isinstance(step, Mapping) and isinstance(state, int) and not isinstance(state, bool):
+        raise StateError(
+            f"CheckpointManager.{call}(step, state) takes the step first: call manager.{call}({state}, state)",
+            path=root,
+        )
+    if isinstance(state, (str, os.PathLike)):
+        raise StateError(
+            f"CheckpointManager.{call}(state): state must be a mapping of names to objects, got the path "
+            f"{os.fspath(state)!r}: the manager reads and writes its own root ({root}); to load a checkpoint "
+            "elsewhere, call ckptlib.load(path, state) or give CheckpointManager(initial_load=path)",
+            path=root,
+        )
+    if isinstance(state, torch.nn.Module):
+        raise StateError(
+            f"CheckpointManager.{call}: state must be a mapping of names to objects, got the module "
+            f"{type(state).__name__}: pass {{'model': model}}",
+            path=root,
+        )
+    if not isinstance(state, Mapping):
+        raise StateError(
+            f"CheckpointManager.{call}: state must be a mapping of names to objects (e.g. {{'model': model, "
+            f"'optim': optim}}), got {type(state).__name__}",
+            path=root,
+        )
+
+
+def _shown(uri: Any) -> str:
+    return repr(uri.uri) if isinstance(uri, Storage) else repr(os.fspath(uri))
 
 
 def check_flat_keys(state: Mapping[str, Any], state_dict: dict[str, Any]) -> None:

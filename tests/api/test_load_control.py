@@ -539,14 +539,19 @@ def test_load_result_carries_metadata_and_metrics(tmp_path):
     [
         (
             {"modle": {"a": torch.zeros(2), "b": torch.zeros(2)}, "optim": {"x": torch.zeros(1)}},
-            "modle.a, modle.b; the state's 'modle' is not in the checkpoint, which has 'model': did you mean it?",
+            "modle.a, modle.b; the state's 'modle' is not in the checkpoint, which has 'model': did you mean it?; "
+            "the checkpoint's keys the state does not ask for: model.a, model.b, step",
         ),
         (
             {"model": {"a": torch.zeros(2), "b": torch.zeros(2)}, "ema": {"a": torch.zeros(2)}},
             "ema.a; the checkpoint has no 'ema' at all (it holds 'model', 'optim', 'step'): load only=('model',) "
-            "to load the rest, or strict=False to skip what it lacks",
+            "to load the rest, or strict=False to skip what it lacks; the checkpoint's keys the state does not ask "
+            "for: optim.x, step",
         ),
-        ({"model": {"a": torch.zeros(2), "c": torch.zeros(2)}}, "model.c"),  # a key inside an entry: no hint
+        (  # a key inside an entry: its unused neighbours listed, no rename between different names
+            {"model": {"a": torch.zeros(2), "c": torch.zeros(2)}},
+            "model.c; the checkpoint's keys the state does not ask for: model.b, optim.x, step",
+        ),
     ],
     ids=["typo", "entry-absent", "key-absent"],
 )
