@@ -18,7 +18,13 @@ from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from ckptlib.errors import CheckpointError, NotCalledByEveryRankError, RankInterruptedError, RankLostError
+from ckptlib.errors import (
+    CheckpointError,
+    NotCalledByEveryRankError,
+    RankInterruptedError,
+    RankLostError,
+    stacklevel_outside_ckptlib,
+)
 
 T = TypeVar("T")
 
@@ -240,6 +246,17 @@ def decide_on_rank0(fn: Callable[[], T], group=None) -> T:
     if status == "error":
         raise value
     return value
+
+
+def warn_once(message: str, category: type[Warning], group=None) -> None:
+    """A warning every rank of `group` would give alike (decided on rank 0, or agreed), given
+    once per job: by its rank 0 only, not once per rank (`FreshStartWarning` on 64 ranks was 64
+    lines)."""
+    if is_distributed() and get_rank(group) != 0:
+        return
+    import warnings
+
+    warnings.warn(message, category, stacklevel=stacklevel_outside_ckptlib())
 
 
 def all_gather_object(obj: Any, group=None) -> list[Any]:

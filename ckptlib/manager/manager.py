@@ -27,12 +27,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import warnings
 from typing import Any, Mapping
 
 from ckptlib._runtime import agree as _dist
 from ckptlib._runtime import progress as progress_bars
-from ckptlib.errors import StateError, stacklevel_outside_ckptlib
+from ckptlib.errors import StateError
 from ckptlib.format.native.root import check_step, committed_steps
 from ckptlib.format.write.plan_cache import PlanCache
 from ckptlib.loading.loading import LoadResult
@@ -371,10 +370,8 @@ class CheckpointManager:
         )
         if require:
             raise nothing_to_resume(self.root_uri, reason)
-        if suspicious:
-            warnings.warn(
-                fresh_start_message(self.root_uri, reason), FreshStartWarning, stacklevel=stacklevel_outside_ckptlib()
-            )
+        if suspicious:  # decided on rank 0: said once per job
+            _dist.warn_once(fresh_start_message(self.root_uri, reason), FreshStartWarning, self.process_group)
 
 
 __all__ = ["CheckpointManager"]

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from typing import Any, Callable, Mapping, Protocol
 
 from ckptlib._runtime import agree as _dist
 from ckptlib._runtime.observe import log_operation
-from ckptlib.errors import stacklevel_outside_ckptlib
 from ckptlib.format.native.root import (
     LATEST,
     StalePointerWarning,
@@ -129,7 +127,7 @@ class SingleRoot:
     def latest(self) -> int | None:
         step, warning = _dist.decide_on_rank0(lambda: resolve_latest(self.storage, self.uri), self.settings.group)
         if warning:
-            warnings.warn(warning, StalePointerWarning, stacklevel=stacklevel_outside_ckptlib())
+            _dist.warn_once(warning, StalePointerWarning, self.settings.group)
         return step
 
     def save(self, step: int, state: Mapping[str, Any], metadata, metrics, overwrite: bool) -> SaveResult | AsyncSave:
@@ -144,7 +142,7 @@ class SingleRoot:
                 else _dist.decide_on_rank0(lambda: replace_reason(self.storage, self.uri, step), group)
             )
             if replace:
-                warnings.warn(replace, StalePointerWarning, stacklevel=stacklevel_outside_ckptlib())
+                _dist.warn_once(replace, StalePointerWarning, group)
             return transact(
                 self.storage.child(step_dir(step)),
                 state,

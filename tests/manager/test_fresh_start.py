@@ -199,3 +199,42 @@ def test_the_refusal_is_on_every_rank_of_every_node(tmp_path, dist_run):
     ckptlib.save(os.path.join(remote, "step_0000000001"), _state(1), step=1)
     results = dist_run(4, _fresh_node_remote_down, str(tmp_path), remote, nodes=2)
     assert results == ["RemoteUnavailableError"] * 4
+
+
+def _warnings_on_this_rank(root: str, action: str) -> list[str]:
+    import torch.distributed as dist
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr = CheckpointManager(root)
+        if action == "fresh":
+            mgr.load(_fresh())
+        else:  # a latest that names an uncommitted step: every rank resolves it alike
+            mgr.latest()
+        mgr.close()
+    dist.barrier()
+    said = (FreshStartWarning, ckptlib.StalePointerWarning)
+    return [f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, said)]
+
+
+@pytest.mark.parametrize("action", ["fresh", "stale-latest"])
+def test_a_warning_every_rank_would_give_is_given_once_per_job(tmp_path, dist_run, action):
+    """Decided on rank 0, said by rank 0 alone: 4 ranks print one FreshStartWarning (or one
+    StalePointerWarning), not four."""
+    root = str(tmp_path / "runs" / "AA")
+    if action == "stale-latest":
+        CheckpointManager(root).save(3, _state(3))
+        os.symlink("step_0000000009", os.path.join(root, "latest.tmp"))
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    results = dist_run(4, _warnings_on_this_rank, root, action)
+    if action == "fresh":
+        want = (
+            f"FreshStartWarning: {root}: nothing to resume (it does not exist); training starts from scratch. "
+            "Is the root's path right? load(require=True) makes this an error"
+        )
+    else:
+        want = (
+            f"StalePointerWarning: {root}/latest points to 'step_0000000009', which is not a committed checkpoint; "
+            "using step 3"
+        )
+    assert results == [[want], [], [], []]

@@ -212,8 +212,8 @@ class ClusterTier:
         try:
             self.budget.check([r[2:] for r in rows], topology, self.replicas)
             replace = self._replace_decision(step, name, overwrite, any(r[0] for r in rows), any(r[1] for r in rows))
-            if replace:
-                warnings.warn(replace, StalePointerWarning, stacklevel=stacklevel_outside_ckptlib())
+            if replace:  # agreed: said once per job
+                _dist.warn_once(replace, StalePointerWarning, group)
             record = CommitRecord(seq=(self._seq or 0) + 1, parent=self._latest, run=self._run, nodes=topology.nodes)
             made: list[NodeLocalSave] = []
 
