@@ -147,7 +147,14 @@ def _spec_layouts(args: argparse.Namespace) -> None:
             raise UsageError(f"spec {args.spec}: LAYOUTS: {exc}") from None
 
 
+#: torch's C++ warnings (c10d's "socket.cpp ... timed out" while a rank waits for the store)
+#: would print above the report; a level the user set is kept. Read when torch loads, so it is
+#: set before anything imports torch here, and the ranks' forkserver inherits it.
+QUIET_TORCH_CPP = ("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault(*QUIET_TORCH_CPP)
     from ckptlib.testing.matrices import validate
     from ckptlib.testing.matrices.training_spec import SpecError
 
