@@ -23,6 +23,7 @@ pytest.register_assert_rewrite("helpers")
 #: `path::function[` followed by a part of the case id; every entry must match a collected test.
 EXTENDED = (
     "manager/test_crash_boundaries.py::test_crash_at_every_write_boundary",
+    "harness/test_nothing_outlives.py::test_sigkill_of_a_running_suite_leaves_no_process[xdist",
     "elastic/test_cluster_tier.py::test_kill_one_node_mid_upload_then_resume_at_3_and_4",
     "elastic/test_read_once_nodes.py::test_two_torchrun_nodes_read_each_item_once",
     "elastic/test_multinode.py::test_torchrun_two_nodes_then_resume_on_one",

@@ -36,6 +36,7 @@ from typing import Callable, ContextManager, Iterator
 
 import pytest
 
+from ckptlib.testing.harness.parent_death import preexec_die_with_parent
 from ckptlib.testing.harness.ports import free_port
 
 __all__ = [
@@ -165,7 +166,12 @@ def _process(cmd: list[str], ready_url_for_port, name: str) -> Iterator[tuple[in
         port = free_port()
         log = tempfile.NamedTemporaryFile(prefix=f"ckptlib-{name}-", suffix=".log", delete=False)
         process = subprocess.Popen(
-            cmd(port), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            cmd(port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=preexec_die_with_parent(),  # a killed pytest takes its emulators along
         )
         try:
             _wait_http(ready_url_for_port(port), process, log.name)

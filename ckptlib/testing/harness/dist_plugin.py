@@ -24,12 +24,14 @@ registers the fakes' fixtures, ``ckptlib.testing.fakes.fixtures``).
 from __future__ import annotations
 
 import inspect
+import os
 import pickle
 import time
 
 import pytest
 
 from ckptlib.testing.harness import launcher as _launcher
+from ckptlib.testing.harness.parent_death import die_with_parent
 
 _MARKERS = {
     "elastic": "elastic: the save-at-N / load-at-M matrix (CPU, gloo)",
@@ -94,6 +96,8 @@ def pytest_configure(config: pytest.Config) -> None:
         if name not in existing:
             config.addinivalue_line("markers", line)
     _launcher.add_preload(["pytest", "_pytest.assertion.rewrite", *config.getini("dist_preload")])
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # an xdist worker ends with the pytest that started it
+        die_with_parent()
 
 
 def _uses_dist(item: pytest.Item) -> bool:

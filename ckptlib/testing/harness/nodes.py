@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ckptlib.testing.harness.parent_death import preexec_die_with_parent
 from ckptlib.testing.harness.ports import address_in_use, free_port
 
 #: How long a whole launch may take before it counts as hung (a loaded 2-core machine
@@ -204,7 +205,11 @@ class Nodes:
         out = open(logs / f"node{node}.log", "w")  # noqa: SIM115 - the child holds it; closed below
         err = open(logs / f"node{node}.err", "w") if split else subprocess.STDOUT  # noqa: SIM115
         try:
-            return subprocess.Popen(cmd, env=env, cwd=cls.cwd, stdout=out, stderr=err)
+            # the launcher ends with the test process (its workers, in sessions of their own, are
+            # ended by `Nodes.close`, or when their agent's rendezvous store goes)
+            return subprocess.Popen(
+                cmd, env=env, cwd=cls.cwd, stdout=out, stderr=err, preexec_fn=preexec_die_with_parent()
+            )
         finally:
             out.close()
             if split:

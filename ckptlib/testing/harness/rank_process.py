@@ -4,7 +4,6 @@ set-up, the call of `fn`, results and errors sent back, and dying with the launc
 from __future__ import annotations
 
 import atexit
-import ctypes
 import dataclasses
 import faulthandler
 import importlib.abc
@@ -17,6 +16,8 @@ import threading
 import time
 import traceback
 from typing import Any
+
+from ckptlib.testing.harness.parent_death import die_with_parent
 
 _READY = b"R"
 _UP_KEY = "ckptlib.testing/up"
@@ -59,14 +60,6 @@ class _RankSpec:
 
 
 _stack_file = None  # keeps the faulthandler file open for the rank's lifetime
-
-
-def _set_pdeathsig() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the forkserver
-    except Exception:
-        pass
 
 
 def _watch_launcher(conn) -> None:
@@ -157,7 +150,7 @@ def _pack_error(exc: BaseException, note: str | None = None) -> bytes:
 def _rank_main(spec: _RankSpec) -> None:
     """Entry point of every rank (runs in the forked child)."""
     global _stack_file
-    _set_pdeathsig()
+    die_with_parent()  # with the forkserver
     threading.Thread(
         target=_watch_launcher, args=(spec.alive_conn,), daemon=True, name="ckptlib-launcher-watch"
     ).start()
