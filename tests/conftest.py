@@ -58,6 +58,25 @@ EXTENDED = (
     "clients/test_composer.py::test_composer_checkpoint_loads_bit_exactly_through_the_preset",
     "clients/test_composer.py::test_a_ckptlib_save_in_composers_layout_autoresumes_in_composer",
 )
+#: The quick tier (`pytest -m smoke`, a few minutes on 2 cores): save at N ranks and load at M
+#: (FSDP2, AdamW, bit-exact), the manager's resume and retention, S3 (moto) at 2 -> 3 ranks, and
+#: the CLI. Entries as in EXTENDED, a "]"-closed case id naming one case; none may be extended.
+SMOKE = (
+    "elastic/test_elastic.py::test_save_n_load_m[save4-load3-fsdp2-adamw]",
+    "elastic/test_elastic.py::test_save_n_load_m[save1-load2-fsdp2-adamw]",
+    "elastic/test_elastic.py::test_save_n_load_m[save2-load1-fsdp2-adamw]",
+    "elastic/test_elastic.py::test_manager_round_trip_across_world_sizes[save4-load2-fsdp2-adamw-via-manager]",
+    "elastic/test_s3_elastic.py::test_fsdp2_adamw_save2_load3",
+    "manager/test_manager.py::test_autoresume_on_missing_and_empty_root",
+    "manager/test_manager.py::test_retention_keeps_newest",
+    "manager/test_manager.py::test_stale_pointer_falls_back_with_warning",
+    "manager/test_manager.py::test_saving_an_existing_step_is_refused",
+    "api/test_call_mistakes.py::test_a_renamed_layer_lists_the_unused_keys_and_the_rename",
+    "cli/test_cli.py::test_verify_intact",
+    "cli/test_cli.py::test_inspect_ckptlib_checkpoint",
+    "cli/test_cli.py::test_ls_text_and_json",
+    "cli/test_json_reports.py::test_gc_json_reports_what_it_removes",
+)
 SUITES = ("default", "extended", "all")
 
 
@@ -71,12 +90,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def _extended_entry(item: pytest.Item) -> str | None:
-    """The EXTENDED entry `item` matches, None if none: the same function (every case of it),
-    or, for an entry with a "[", the cases whose id starts so."""
+def _extended_entry(item: pytest.Item, entries: tuple[str, ...] = EXTENDED) -> str | None:
+    """The entry of `entries` (EXTENDED, SMOKE) `item` matches, None if none: the same function
+    (every case of it), or, for an entry with a "[", the cases whose id starts so."""
     path, _, name = item.nodeid.partition("::")
     rel = path.removeprefix("tests/")
-    for entry in EXTENDED:
+    for entry in entries:
         where, _, case = entry.partition("::")
         if where == rel and (name.startswith(case) if "[" in case else name.split("[")[0] == case):
             return entry
@@ -85,19 +104,25 @@ def _extended_entry(item: pytest.Item) -> str | None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    matched = set()
+    matched, smoke = set(), set()
     for item in items:
         entry = _extended_entry(item)
         if entry is not None:
             matched.add(entry)
             item.add_marker(pytest.mark.extended)
+        quick = _extended_entry(item, SMOKE)
+        if quick is not None:
+            if entry is not None:
+                raise pytest.UsageError(f"tests/conftest.py SMOKE names an extended test: {item.nodeid}")
+            smoke.add(quick)
+            item.add_marker(pytest.mark.smoke)
     suite = config.getoption("suite")
     if config.option.markexpr or suite == "all":
         return
     whole_run = not config.args or all(arg.rstrip("/") in ("tests", ".") for arg in config.args)
-    stale = sorted(set(EXTENDED) - matched)
+    stale = sorted(set(EXTENDED) - matched) + sorted(set(SMOKE) - smoke)
     if whole_run and stale and suite == "default":
-        raise pytest.UsageError(f"tests/conftest.py EXTENDED names no collected test: {stale}")
+        raise pytest.UsageError(f"tests/conftest.py EXTENDED or SMOKE names no collected test: {stale}")
     keep = (
         (lambda item: item.get_closest_marker("extended") is None)
         if suite == "default"
