@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 
 import ckptlib
 from ckptlib import presets
+from ckptlib._torch import dcp_shims
 from ckptlib.cli import main as cli_main
 from ckptlib.storage import as_storage
 
@@ -130,6 +131,15 @@ def test_the_newest_folder_is_read(case, tmp_path, capsys):
     result = ckptlib.load(root, state, preset=preset)
     assert os.path.basename(result.uri.rstrip("/")) == newest
     assert torch.equal(state["model"]["w"], torch.full((3,), values[newest]))
+    assert cli_main(["inspect", root, "--preset", preset]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"checkpoint:    {root}/{newest}"
+    assert cli_main(["verify", root, "--preset", preset, "--no-progress"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"{root}/{newest}: OK"
+    out = str(tmp_path / "converted.pt")
+    assert cli_main(["convert", root, out, "--to", "torch", "--preset", preset, "--no-progress"]) == 0
+    assert capsys.readouterr().out.startswith(f"converted {root}/{newest} (dcp) -> {out}")
+    (converted,) = dcp_shims.flatten_state_dict(torch.load(out, weights_only=True))[0].values()
+    assert torch.equal(converted, torch.full((3,), values[newest]))
 
 
 def test_lightning_listing_orders_every_folder(tmp_path, capsys):

@@ -26,14 +26,16 @@ from ckptlib._torch import dcp_shims
 from ckptlib.offline.diff import diff_checkpoints
 
 
-def _state(epoch: int = 3, flip: bool = False) -> dict:
+def _state(epoch: int = 3, flip: bool = False, wide: bool = False) -> dict:
     w = torch.arange(12.0).reshape(4, 3)
     if flip:
         w[2, 1] = 7.5
     return {
         "model": {"w": w, "b": torch.tensor([1, 2, 3], dtype=torch.int64)},
         "optim": {
-            "state": {"w": {"step": torch.tensor(5.0), "exp_avg": torch.ones(4, 3)}},
+            "state": {
+                "w": {"step": torch.tensor(5.0), "exp_avg": torch.ones(4, 3, dtype=torch.float64 if wide else None)}
+            },
             "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w", "b"]}],
         },
         "meta": {"epoch": epoch, "tag": "golden", "sched": {"milestones": [2, 4]}},
@@ -103,6 +105,7 @@ KINDS = [
     "ckptlib",
     "torch_save",
 ]
+EXP_AVG = "optim.state.w.exp_avg"
 TENSORS = ["model.w", "model.b", "optim.state.w.step", "optim.state.w.exp_avg"]
 OBJECTS = [
     "optim.param_groups.0.lr",
@@ -148,7 +151,7 @@ def test_one_change_is_different_and_named(a_kind, b_kind, tmp_path, capsys):
     """A changed element of a tensor and a changed value inside a whole-pickled dict: each is
     DIFFERENT, named by its current key, both ways round; nothing else is reported."""
     a = write(a_kind, str(tmp_path / "a"))
-    for change, key in (({"flip": True}, "model.w"), ({"epoch": 4}, "meta.epoch")):
+    for change, key in (({"flip": True}, "model.w"), ({"epoch": 4}, "meta.epoch"), ({"wide": True}, EXP_AVG)):
         b = write(b_kind, str(tmp_path / f"b-{key}"), **change)
         for x, y in ((a, b), (b, a)):
             report = diff_checkpoints(x, y)
@@ -162,6 +165,8 @@ def test_one_change_is_different_and_named(a_kind, b_kind, tmp_path, capsys):
         assert rc == 1 and out.splitlines()[-1] == "DIFFERENT"
         if key == "meta.epoch":
             assert "differs: meta.epoch: 3 vs 4" in out.splitlines()
+        elif key == EXP_AVG:  # a dtype differs, even where torch 1.13 pickled the tensor inside a dict
+            assert f"differs: {EXP_AVG}: dtype torch.float32 vs torch.float64; 0 of 12 elements beyond tolerance" in out
         else:
             assert "differs: model.w: 1 of 12 elements beyond tolerance; max abs diff 0.5 at [2, 1] (A 7.0, B 7.5)" in (
                 out
