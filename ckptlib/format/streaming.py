@@ -89,11 +89,13 @@ class SourceValues:
             _dcp_load({fqn: out}, self.reader, self._planner())
         return out
 
-    def objects(self) -> dict[str, Any]:
-        """Every non-tensor value (small: hyper-parameters, counters), by flat key."""
-        if not self.object_keys:
+    def objects(self, keys: list[str] | None = None) -> dict[str, Any]:
+        """Every non-tensor value (small: hyper-parameters, counters), by flat key (only `keys`
+        when given)."""
+        wanted = self.object_keys if keys is None else keys
+        if not wanted:
             return {}
-        template: dict[str, Any] = {k: None for k in self.object_keys}
+        template: dict[str, Any] = {k: None for k in wanted}
         _dcp_load(template, self.reader, self._planner())
         return template
 
@@ -104,17 +106,19 @@ class SourceValues:
             dcp_shims.set_element(root, self.paths[fqn], value)
         return root
 
-    def current_keys(self) -> CurrentKeys:
+    def current_keys(self, objects: Callable[[str], bool] | None = None) -> CurrentKeys:
         """This checkpoint keyed by this torch's flattening rules, whichever rules wrote it:
         torch 1.13 stored flat dotted keys and pickled every value it was handed whole (a dict
         of hyper-parameters, even a dict holding tensors), torch 2.0-2.3 pickled whole every
         nested value holding no tensor, 2.4+ keys each leaf. The same state comes out with the
-        same keys whatever wrote it (what `ckpt convert` writes and `ckpt diff` compares)."""
+        same keys whatever wrote it (what `ckpt convert` writes and `ckpt diff` compares).
+        `objects`: which stored non-tensor entries to read (by stored key; default all)."""
         placeholders = {
             fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta")
             for fqn, md in ((k, self.tensor_meta(k)) for k in self.tensor_keys)
         }
-        state = self.nested({**placeholders, **self.objects()})
+        chosen = None if objects is None else [k for k in self.object_keys if objects(k)]
+        state = self.nested({**placeholders, **self.objects(chosen)})
         try:
             flat, mappings = dcp_shims.flatten_state_dict(state)
         except ValueError as exc:  # "duplicated flatten key a.b": {"a": {"b": ..}} beside a flat "a.b"

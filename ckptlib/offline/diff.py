@@ -177,16 +177,21 @@ def _tensor_json(t: TensorDiff) -> dict[str, Any]:
     return doc
 
 
-def _open(uri: str | os.PathLike | Storage, trusted: bool) -> Side:
+def _open(uri: str | os.PathLike | Storage, trusted: bool, only: str | None = None) -> Side:
     storage = as_storage(uri)
     info = inspect_checkpoint(storage, verify=True, trusted=trusted)
     reader, info = open_reader(storage, info=info, verify=True, trusted=trusted)
     values = SourceValues(reader, info.metadata, trusted=trusted, uri=storage.uri)
     side = Side(storage.uri, info.kind, info.step, info.world_size, values)
+
+    def wanted(key: str) -> bool:  # the objects `only` may need (one stored whole may hold it)
+        return only is None or key == only or key.startswith(only + ".") or only.startswith(key + ".")
+
     try:
-        current = values.current_keys()
+        current = values.current_keys(wanted)
     except StateError:  # two entries share a key under today's rules: compare the keys as stored
-        current = CurrentKeys({}, {k: k for k in values.tensor_keys}, values.objects())
+        chosen = [k for k in values.object_keys if wanted(k)]
+        current = CurrentKeys({}, {k: k for k in values.tensor_keys}, values.objects(chosen))
     side.stored = current.stored
     for key, value in current.values.items():
         (side.inline if isinstance(value, torch.Tensor) else side.objects)[key] = value
@@ -324,7 +329,7 @@ def diff_checkpoints(
             f"atol={atol} rtol={rtol} equal_nan={equal_nan}"
         )
     rule = Rule(atol, rtol, equal_nan, bitwise)
-    side_a, side_b = _open(a, trusted), _open(b, trusted)
+    side_a, side_b = _open(a, trusted, only), _open(b, trusted, only)
 
     def keys(side: Side) -> list[str]:
         return [k for k in side.keys if only is None or k == only or k.startswith(only + ".")]

@@ -207,3 +207,33 @@ def test_entries_that_would_share_a_key_today(tmp_path, capsys):
     assert err == (
         f"ckpt convert: error: {path}: two entries have one key under this torch's rules: duplicated flatten key a.b\n"
     )
+
+
+class UsersConfig:
+    """A user's class: unpickling it needs `trusted`."""
+
+    def __init__(self, lr: float):
+        self.lr = lr
+
+
+@pytest.mark.parametrize("kind", ["torch2.0-whole-objects", "torch2.4-flattened", "ckptlib"])
+def test_only_reads_no_other_entry(kind, tmp_path, capsys):
+    """`--only model` compares the model without unpickling other entries (a user's class in
+    `extra` needs --trusted); without --only that entry is refused as before, naming it."""
+    paths = []
+    for name, flip in (("a", False), ("b", True)):
+        state = {**_state(flip=flip), "extra": {"config": UsersConfig(0.1)}}
+        path = str(tmp_path / name)
+        if kind == "ckptlib":
+            ckptlib.save(path, state)
+        else:
+            _plain_dcp(path, state, flatten=True, pre_24=kind.startswith("torch2.0"))
+        paths.append(path)
+    rc = cli.main(["diff", *paths, "--only", "model", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert (rc, out.splitlines()[-1], err) == (1, "DIFFERENT", "")
+    assert [line.split(":")[1] for line in out.splitlines() if line.startswith("differs")] == [" model.w"]
+    assert "2 tensors compared: 1 bit-identical" in out
+    rc = cli.main(["diff", *paths, "--no-progress"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "UsersConfig" in err and err.startswith("ckpt diff: error: ")
