@@ -4,8 +4,9 @@ operate on checkpoint roots.
 Exit codes: 0 success, 1 a check failed (validation failure, damaged checkpoint, a locked
 root, a storage error), 2 usage errors or a path that is not what the command needs (no
 checkpoint there), 141 stdout closed early (a pipe into `head`: quietly, as SIGPIPE would).
-User errors print one line, never a traceback. A command that takes a checkpoint also takes a
-CheckpointManager root (its latest step, or `--step`): `roots` resolves it.
+User errors print one line, never a traceback; so does each warning ("ckpt COMMAND: warning:
+..."). A command that takes a checkpoint also takes a CheckpointManager root (its latest
+step, or `--step`): `roots` resolves it.
 
 One module per command family: `validate_cmd` (validate), `inspect_cmds` (verify, inspect,
 ls), `plan_cmd` (plan: a resharded load's reads, from metadata), `diff_cmd` (diff), `gc_cmds`
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from typing import Sequence
 
 from ckptlib.cli.bench_cmd import report_stdout, run_bench
@@ -50,8 +52,15 @@ def _run(argv: list[str]) -> int:
     def report(exc: BaseException) -> None:  # never a credential on the terminal, whatever raised it
         print(scrub_message(f"ckpt {args.command}: error: {exc}"), file=sys.stderr)
 
+    def warn(message, category, filename, lineno, file=None, line=None) -> None:
+        # one line per warning, as errors are: never Python's "file:line: Category:" header and
+        # the source line of the entry point (`sys.exit(main())`)
+        print(scrub_message(f"ckpt {args.command}: warning: {message}"), file=sys.stderr)
+
     try:
-        code = args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = warn
+            code = args.func(args)
         sys.stdout.flush()  # a reader that went away is noticed here, not at interpreter exit
         return code
     except BrokenPipeError:

@@ -12,9 +12,12 @@ DESCRIPTION = """
 Compare two checkpoints tensor by tensor: after a resume, a conversion or an export, which
 tensors differ, where and by how much. A and B may be any formats ckptlib reads (ckptlib,
 plain DCP, torch.save, v0, safetensors) saved at any world sizes: keys are the flat DCP keys
-(model.layers.0.weight, optim.state.layers.0.weight.exp_avg; a torch.save or safetensors model
-file's tensors under model.). Each tensor is read in blocks of rows (16 MiB) from both sides at
-once, so memory stays a few blocks whatever the checkpoint's size; nothing is written.
+of this torch's rules (model.layers.0.weight, optim.state.layers.0.weight.exp_avg,
+optim.param_groups.0.lr; a torch.save or safetensors model file's tensors under model.), also
+for checkpoints of torch 1.13-2.3, whose nested values were stored whole (re-keyed as
+ckpt convert re-keys them, so a conversion compares EQUAL with its source). Each tensor is
+read in blocks of rows (16 MiB) from both sides at once, so memory stays a few blocks
+whatever the checkpoint's size; nothing is written.
 
 Reports: keys only in A or only in B; tensors whose shape or dtype differ; for every common
 tensor whether it is bit-identical, how many elements differ by more than the tolerance

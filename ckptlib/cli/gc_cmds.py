@@ -18,11 +18,13 @@ are CheckpointManager's retention policies (KeepLast | KeepEvery | KeepBest).
 
 Debris: step directories whose save never committed, and what an interrupted deletion left
 behind. Steps that hold only files ckptlib did not write (foreign in `ckpt ls`) are never
-touched. Prints one line per step directory removed and their count; --dry-run prints what
-would be removed and removes nothing.
+touched. Prints one line per step directory removed and their count (a step directory that
+also holds other files is not removed: a one-line warning on stderr names those files);
+--dry-run prints exactly what the real run would remove and removes nothing.
 
-Takes the root's lock: fails (exit 1) while a writer holds it (--dry-run does not take it;
---force removes it first).
+Takes the root's lock: fails (exit 1) while a writer holds it (--force removes it first);
+--dry-run does not take it, but fails alike while another writer holds it (with --force it
+says it would remove the lock).
 
 Exit status: 0 done; 1 the root is locked, or a storage error; 2 usage error (no rule, a bad
 value, no such root).
@@ -66,7 +68,7 @@ def add_gc_parser(commands) -> None:
     add_json(
         p,
         "root, dry_run, removed (the step directories removed, or that would be) and lock_removed (the lock --force "
-        "removed, or null)",
+        "removed, or would remove with --dry-run, or null)",
     )
     add_no_progress(p)
     p.set_defaults(func=run_gc)
@@ -106,12 +108,13 @@ def run_gc(args: argparse.Namespace) -> int:
     mgr = CheckpointManager(args.root, retention=retention)
     if not mgr.storage.exists():
         raise UsageError(f"{args.root}: no such checkpoint root")
-    if args.force and not args.dry_run:
-        holder = mgr.break_lock()
+    holder = None
+    if args.force:
+        holder = mgr.lock_holder() if args.dry_run else mgr.break_lock()
         if holder is not None and not args.json:
-            print(f"removed the lock held by {holder.describe()}")
-    else:
-        holder = None
+            print(f"{'would remove' if args.dry_run else 'removed'} the lock held by {holder.describe()}")
+    elif args.dry_run:
+        mgr.check_lock()  # the real run's LockedError: a dry run reports what the real run would do
     bar = progress_bar(args, "ckpt gc", unit="dir")
 
     def on_removed(done: int, total: int) -> None:

@@ -22,6 +22,7 @@ serialized blob alive while it asks for the next one, hence about 3x for DCP tar
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Iterator
 
@@ -32,7 +33,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptlib._torch import dcp_shims
-from ckptlib.errors import CheckpointError
+from ckptlib.errors import CheckpointError, StateError
 from ckptlib.format.read.load_planner import SafeLoadPlanner
 from ckptlib.format.write.dcp_writer import CkptWriter
 
@@ -51,8 +52,9 @@ def _dcp_load(template: dict, reader: StorageReader, planner) -> None:
 class SourceValues:
     """The full values of a checkpoint, read through its DCP reader in this process only."""
 
-    def __init__(self, reader: StorageReader, metadata: Metadata, *, trusted: bool = False):
+    def __init__(self, reader: StorageReader, metadata: Metadata, *, trusted: bool = False, uri: str = "checkpoint"):
         self.reader = reader
+        self.uri = uri  # what errors name
         self.metadata = metadata
         self.trusted = trusted
         sdm = metadata.state_dict_metadata
@@ -87,11 +89,13 @@ class SourceValues:
             _dcp_load({fqn: out}, self.reader, self._planner())
         return out
 
-    def objects(self) -> dict[str, Any]:
-        """Every non-tensor value (small: hyper-parameters, counters), by flat key."""
-        if not self.object_keys:
+    def objects(self, keys: list[str] | None = None) -> dict[str, Any]:
+        """Every non-tensor value (small: hyper-parameters, counters), by flat key (only `keys`
+        when given)."""
+        wanted = self.object_keys if keys is None else keys
+        if not wanted:
             return {}
-        template: dict[str, Any] = {k: None for k in self.object_keys}
+        template: dict[str, Any] = {k: None for k in wanted}
         _dcp_load(template, self.reader, self._planner())
         return template
 
@@ -101,6 +105,45 @@ class SourceValues:
         for fqn, value in leaves.items():
             dcp_shims.set_element(root, self.paths[fqn], value)
         return root
+
+    def current_keys(self, objects: Callable[[str], bool] | None = None) -> CurrentKeys:
+        """This checkpoint keyed by this torch's flattening rules, whichever rules wrote it:
+        torch 1.13 stored flat dotted keys and pickled every value it was handed whole (a dict
+        of hyper-parameters, even a dict holding tensors), torch 2.0-2.3 pickled whole every
+        nested value holding no tensor, 2.4+ keys each leaf. The same state comes out with the
+        same keys whatever wrote it (what `ckpt convert` writes and `ckpt diff` compares).
+        `objects`: which stored non-tensor entries to read (by stored key; default all)."""
+        placeholders = {
+            fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta")
+            for fqn, md in ((k, self.tensor_meta(k)) for k in self.tensor_keys)
+        }
+        chosen = None if objects is None else [k for k in self.object_keys if objects(k)]
+        state = self.nested({**placeholders, **self.objects(chosen)})
+        try:
+            flat, mappings = dcp_shims.flatten_state_dict(state)
+        except ValueError as exc:  # "duplicated flatten key a.b": {"a": {"b": ..}} beside a flat "a.b"
+            raise StateError(f"{self.uri}: two entries have one key under this torch's rules: {exc}") from None
+        by_path = {self.paths[k]: k for k in self.tensor_keys}
+        stored: dict[str, str] = {}
+        values: dict[str, Any] = {}
+        for key, value in flat.items():
+            fqn = by_path.get(tuple(mappings[key]))
+            if fqn is not None and value is placeholders[fqn]:
+                stored[key] = fqn
+            else:  # a plain value, or a tensor that was pickled inside a whole object
+                values[key] = value
+        return CurrentKeys(state, stored, values)
+
+
+@dataclasses.dataclass
+class CurrentKeys:
+    """`SourceValues.current_keys`: `state` the nested state (stored tensors as meta tensors),
+    `stored` current key -> the stored tensor's own key, `values` current key -> every other
+    leaf (hyper-parameters; tensors that were pickled inside a whole object, in memory)."""
+
+    state: dict[str, Any]
+    stored: dict[str, str]
+    values: dict[str, Any]
 
 
 # --------------------------------------------------------------------------- DCP
@@ -132,24 +175,19 @@ def save_dcp_streaming(
     Keys are re-flattened with this torch's rules from the source's nesting, so an old
     (pre-2.4) checkpoint comes out with current keys. Returns what `dcp.save` returns.
     """
-    leaves: dict[str, Any] = {}
-    for fqn in source.tensor_keys:
-        md = source.tensor_meta(fqn)
-        leaves[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta")
-    leaves.update(source.objects())
-    state = source.nested(leaves)
-    _, mappings = dcp_shims.flatten_state_dict(state)
-    by_path = {source.paths[k]: k for k in source.tensor_keys}
+    keys = source.current_keys()
 
     def fetch(new_fqn: str) -> torch.Tensor:
-        fqn = by_path[tuple(mappings[new_fqn])]
+        if new_fqn not in keys.stored:  # a tensor torch 1.13 pickled inside a whole object
+            return keys.values[new_fqn]
+        fqn = keys.stored[new_fqn]
         tensor = source.tensor(fqn)
         if on_tensor is not None:
             on_tensor(fqn, tensor.numel() * tensor.element_size())
         return tensor
 
     with dcp_shims.quiet_single_process():
-        return dcp_shims.dcp_save_no_dist(state, storage_writer=writer, planner=_StreamingSavePlanner(fetch))
+        return dcp_shims.dcp_save_no_dist(keys.state, storage_writer=writer, planner=_StreamingSavePlanner(fetch))
 
 
 def iter_tensors(source: SourceValues) -> Iterator[tuple[str, torch.Tensor]]:
@@ -158,4 +196,4 @@ def iter_tensors(source: SourceValues) -> Iterator[tuple[str, torch.Tensor]]:
         yield fqn, source.tensor(fqn)
 
 
-__all__ = ["SourceValues", "iter_tensors", "save_dcp_streaming"]
+__all__ = ["CurrentKeys", "SourceValues", "iter_tensors", "save_dcp_streaming"]

@@ -13,7 +13,7 @@ import warnings
 from typing import Any, Callable
 
 from ckptlib.errors import CheckpointError, stacklevel_outside_ckptlib
-from ckptlib.format.native.deletion import describe_foreign, remove_checkpoint
+from ckptlib.format.native.deletion import describe_foreign, foreign_files, remove_checkpoint
 from ckptlib.format.native.manifest import MANIFEST_NAME, PENDING_NAME, Manifest
 from ckptlib.format.native.root import DELETING_RE, LATEST, parse_step, scan, step_dir
 from ckptlib.manager.policies import RetentionPolicy, StepRecord, to_delete
@@ -35,8 +35,10 @@ def collect(
     on_removed: Callable[[int, int], None] | None = None,
 ) -> list[str]:
     """Apply `retention` and remove debris in the root at `storage`; returns the step
-    directories removed (or, `dry_run`, to be removed). Never removes what `latest` names
-    or `protect`. `on_removed(done, total)` follows the deletions (a progress bar)."""
+    directories removed (or, `dry_run`, that would be): only those gone, never one kept for
+    files ckptlib did not write (its own files are removed and a ForeignFilesWarning names
+    the rest; a dry run warns alike). Never removes what `latest` names or `protect`.
+    `on_removed(done, total)` follows the deletions (a progress bar)."""
     steps = scan(storage)
     pointed = parse_step(storage.read_pointer(LATEST) or "")
     protected = set(protect) | ({pointed} if pointed is not None else set())
@@ -51,28 +53,42 @@ def collect(
         if info.state == "incomplete" and info.step not in protected:
             doomed[info.step] = info.name
     leftovers = [n for n in storage.list_children() if DELETING_RE.match(n)]
-    if not dry_run:
-        kept: dict[str, list[str]] = {}
-        total = len(doomed) + len(leftovers)
-        if on_removed is not None:
-            on_removed(0, total)
-        for done, name in enumerate([*doomed.values(), *leftovers], 1):  # leftovers: a deletion that crashed
+    listings = {info.name: info.files for info in steps}
+    removed: list[str] = []
+    kept: dict[str, list[str]] = {}
+    total = len(doomed) + len(leftovers)
+    if on_removed is not None and not dry_run:
+        on_removed(0, total)
+    for done, name in enumerate([*doomed.values(), *leftovers], 1):  # leftovers: a deletion that crashed
+        if dry_run:  # what remove_checkpoint would leave: the files ckptlib did not write
+            listing = listings.get(name)
+            foreign = foreign_files(storage.child(name).list() if listing is None else listing)
+            gone = not foreign
+        else:
             foreign = remove_checkpoint(storage.child(name))
-            if foreign:
-                kept[name] = foreign
+            gone = not storage.child(name).exists()  # reported only when it is gone
             if on_removed is not None:
                 on_removed(done, total)
+        if foreign:
+            kept[name] = foreign
+        if gone:
+            removed.append(name)
+    if not dry_run:
         for info in steps:  # a commit that crashed between writing the manifest and this
             if info.state == "committed" and info.step not in doomed and PENDING_NAME in info.files:
                 storage.child(info.name).delete([PENDING_NAME])
-        for name, foreign in kept.items():
-            warnings.warn(
-                f"{describe_foreign(f'{root_uri}/{name}', foreign)}; removed the checkpoint's own files and "
-                "left the directory with those in place",
-                ForeignFilesWarning,
-                stacklevel=stacklevel_outside_ckptlib(),
-            )
-    return sorted(doomed.values()) + sorted(leftovers)
+    verb = (
+        "would remove the checkpoint's own files and leave"
+        if dry_run
+        else "removed the checkpoint's own files and left"
+    )
+    for name, foreign in kept.items():
+        warnings.warn(
+            f"{describe_foreign(f'{root_uri}/{name}', foreign)}; {verb} the directory with those in place",
+            ForeignFilesWarning,
+            stacklevel=stacklevel_outside_ckptlib(),
+        )
+    return sorted(n for n in doomed.values() if n in removed) + sorted(n for n in leftovers if n in removed)
 
 
 def saved_metrics(storage: Storage, name: str) -> dict[str, Any]:

@@ -267,6 +267,11 @@ class RootLock:
         finally:
             if self.token != token:
                 _LIVE_TOKENS.discard(token)
+        raise self.locked_error(holder)
+
+    def locked_error(self, holder: LockHolder | None) -> LockedError:
+        """The LockedError `acquire` raises while `holder` holds the root."""
+        root = self.storage.uri
         described = holder.describe() if holder is not None else "writers that keep taking it"
         err = LockedError(
             f"{root} is locked by another writer: {described} (lock file {self.where}). Two managers must not "
@@ -275,7 +280,18 @@ class RootLock:
             path=root,
         )
         err.holder = holder.to_json() if holder is not None else None
-        raise err
+        return err
+
+    def check(self) -> None:
+        """Raise the LockedError `take` would raise now, without taking the lock (a dry run):
+        a live holder other than this object. A free lock, this object's own, or a stale one
+        (which `take` removes) passes."""
+        holder = self.holder()
+        if holder is None or (self.token is not None and holder.token == self.token):
+            return
+        if holder.is_stale() or self.expired(holder) is not None:
+            return
+        raise self.locked_error(holder)
 
     def take(self) -> None:
         """Take the lock, or confirm that the lock this object holds is still its own:

@@ -191,6 +191,11 @@ class CheckpointManager:
         """Who holds the root's lock now, or None."""
         return self.tier.lock.holder()
 
+    def check_lock(self) -> None:
+        """Raise the LockedError a gc or save would raise now (another live writer holds the
+        root's lock), without taking it: what `ckpt gc --dry-run` reports."""
+        _dist.decide_on_rank0(self.tier.lock.check, self.process_group)
+
     def break_lock(self) -> LockHolder | None:
         """Remove the root's lock whoever holds it; returns the holder it named (or None).
 

@@ -127,7 +127,7 @@ def _convert(
     src_storage = as_storage(src)
     info = inspect_checkpoint(src_storage, verify=verify, prefix=prefix, trusted=trusted)
     reader, info = open_reader(src_storage, info=info, verify=verify, prefix=prefix, trusted=trusted)
-    source = SourceValues(reader, info.metadata, trusted=trusted)
+    source = SourceValues(reader, info.metadata, trusted=trusted, uri=info.uri)
     notes = list(info.notes) if isinstance(info, SourceInfo) else []
 
     dst_target: str | Storage = as_storage(dst) if to == "dcp" else _local_path(dst, to)

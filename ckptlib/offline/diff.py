@@ -1,10 +1,14 @@
 """`diff_checkpoints`: compare two checkpoints of any formats ckptlib reads, saved at any world
 sizes, tensor by tensor (`ckpt diff`).
 
-Keys are the flat DCP keys both sides' readers describe (`model.layers.0.weight`,
-`optim.state.layers.0.weight.exp_avg`; torch.save and safetensors model files under
-`model.`), so a checkpoint saved by 8 ranks compares with one saved by 3, or with its own
-safetensors export. Each tensor is read in blocks of whole rows (`block_bytes`, default 16 MiB,
+Keys are the flat DCP keys of this torch's flattening rules (`model.layers.0.weight`,
+`optim.state.layers.0.weight.exp_avg`, `optim.param_groups.0.lr`; torch.save and safetensors
+model files under `model.`), whichever rules each side was saved with: torch 1.13's flat
+dotted keys and whole-pickled values and torch 2.0-2.3's whole-pickled nested values are
+re-keyed as `ckpt convert` re-keys them (`SourceValues.current_keys`), so a checkpoint compares
+equal with its conversion, and one saved by 8 ranks with one saved by 3, or with its own
+safetensors export. (Where two stored entries would share a key today, the keys are compared
+as stored.) Each tensor is read in blocks of whole rows (`block_bytes`, default 16 MiB,
 one row at least) straight from each side's reader, assembled from however many chunks each
 side stored it in, so memory stays a few blocks whatever the tensor or checkpoint size.
 
@@ -29,9 +33,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ckptlib.errors import CheckpointError
+from ckptlib.errors import CheckpointError, StateError
 from ckptlib.format.source import inspect_checkpoint, open_reader
-from ckptlib.format.streaming import SourceValues
+from ckptlib.format.streaming import CurrentKeys, SourceValues
 from ckptlib.offline.diff_values import Rule, compare_values, same_object
 from ckptlib.storage import as_storage
 from ckptlib.storage.base import Storage
@@ -47,16 +51,44 @@ class DiffError(CheckpointError):
 
 @dataclasses.dataclass
 class Side:
-    """One checkpoint of the comparison: what it is and its tensors' shapes and dtypes."""
+    """One checkpoint of the comparison, keyed by this torch's flattening rules whichever torch
+    wrote it (`SourceValues.current_keys`): `stored` key -> the tensor's own stored key,
+    `inline` key -> a tensor torch 1.13 pickled inside a whole object (in memory), `objects`
+    key -> every other value."""
 
     uri: str
     format: str
     step: int | None
     world_size: int | None
     values: SourceValues
+    stored: dict[str, str] = dataclasses.field(default_factory=dict)
+    inline: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    objects: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
         return {"uri": self.uri, "format": self.format, "step": self.step, "world_size": self.world_size}
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self.stored) + list(self.inline) + list(self.objects)
+
+    def is_tensor(self, key: str) -> bool:
+        return key in self.stored or key in self.inline
+
+    def shape(self, key: str) -> list[int]:
+        if key in self.inline:
+            return list(self.inline[key].shape)
+        return list(self.values.tensor_meta(self.stored[key]).size)
+
+    def dtype(self, key: str) -> torch.dtype:
+        if key in self.inline:
+            return self.inline[key].dtype
+        return self.values.tensor_meta(self.stored[key]).properties.dtype
+
+    def nbytes(self, key: str) -> int:
+        if key in self.inline:
+            return self.inline[key].numel() * self.inline[key].element_size()
+        return self.values.nbytes(self.stored[key])
 
 
 @dataclasses.dataclass
@@ -145,13 +177,25 @@ def _tensor_json(t: TensorDiff) -> dict[str, Any]:
     return doc
 
 
-def _open(uri: str | os.PathLike | Storage, trusted: bool) -> Side:
+def _open(uri: str | os.PathLike | Storage, trusted: bool, only: str | None = None) -> Side:
     storage = as_storage(uri)
     info = inspect_checkpoint(storage, verify=True, trusted=trusted)
     reader, info = open_reader(storage, info=info, verify=True, trusted=trusted)
-    return Side(
-        storage.uri, info.kind, info.step, info.world_size, SourceValues(reader, info.metadata, trusted=trusted)
-    )
+    values = SourceValues(reader, info.metadata, trusted=trusted, uri=storage.uri)
+    side = Side(storage.uri, info.kind, info.step, info.world_size, values)
+
+    def wanted(key: str) -> bool:  # the objects `only` may need (one stored whole may hold it)
+        return only is None or key == only or key.startswith(only + ".") or only.startswith(key + ".")
+
+    try:
+        current = values.current_keys(wanted)
+    except StateError:  # two entries share a key under today's rules: compare the keys as stored
+        chosen = [k for k in values.object_keys if wanted(k)]
+        current = CurrentKeys({}, {k: k for k in values.tensor_keys}, values.objects(chosen))
+    side.stored = current.stored
+    for key, value in current.values.items():
+        (side.inline if isinstance(value, torch.Tensor) else side.objects)[key] = value
+    return side
 
 
 class _BlockPlanner(LoadPlanner):
@@ -175,16 +219,20 @@ class _BlockPlanner(LoadPlanner):
 
 def read_block(side: Side, key: str, start: int, rows: int) -> torch.Tensor:
     """Rows [start, start + rows) (along dim 0; elements of a 1-D tensor) of tensor `key`."""
-    md: TensorStorageMetadata = side.values.tensor_meta(key)
+    if key in side.inline:
+        whole = side.inline[key]
+        return whole.narrow(0, start, rows) if whole.dim() else whole
+    fqn = side.stored[key]
+    md: TensorStorageMetadata = side.values.tensor_meta(fqn)
     size = list(md.size)
     if not size:  # a 0-d tensor
-        return side.values.tensor(key)
+        return side.values.tensor(fqn)
     offsets = [start] + [0] * (len(size) - 1)
     sizes = [rows] + size[1:]
     block = torch.empty(sizes, dtype=md.properties.dtype)
     if block.numel():
         items = create_read_items_for_chunk_list(
-            key, md, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))]
+            fqn, md, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))]
         )
         side.values.reader.read_data(LoadPlan(items), _BlockPlanner(block)).wait()
     return block
@@ -231,12 +279,11 @@ def compare_tensor(
     a: Side, b: Side, key: str, *, rule: Rule = EXACT, block_bytes: int = BLOCK_BYTES, on_bytes=None
 ) -> TensorDiff:
     """`key` of `a` against `key` of `b` (the same shape), block by block, by `rule`."""
-    ma, mb = a.values.tensor_meta(key), b.values.tensor_meta(key)
-    shape = list(ma.size)
-    diff = TensorDiff(key, shape, str(ma.properties.dtype), str(mb.properties.dtype), math.prod(shape))
+    shape = a.shape(key)
+    diff = TensorDiff(key, shape, str(a.dtype(key)), str(b.dtype(key)), math.prod(shape))
     rows_total = shape[0] if shape else 1
     row_elems = math.prod(shape[1:]) if shape else 1
-    item = max(a.values.nbytes(key), b.values.nbytes(key)) // max(diff.numel, 1) or 1
+    item = max(a.nbytes(key), b.nbytes(key)) // max(diff.numel, 1) or 1
     rows = max(1, block_bytes // max(1, row_elems * item))
     best: list = []
     for start in range(0, rows_total, rows):
@@ -282,11 +329,10 @@ def diff_checkpoints(
             f"atol={atol} rtol={rtol} equal_nan={equal_nan}"
         )
     rule = Rule(atol, rtol, equal_nan, bitwise)
-    side_a, side_b = _open(a, trusted), _open(b, trusted)
+    side_a, side_b = _open(a, trusted, only), _open(b, trusted, only)
 
     def keys(side: Side) -> list[str]:
-        every = side.values.tensor_keys + side.values.object_keys
-        return [k for k in every if only is None or k == only or k.startswith(only + ".")]
+        return [k for k in side.keys if only is None or k == only or k.startswith(only + ".")]
 
     keys_a, keys_b = keys(side_a), keys(side_b)
     if only is not None and not keys_a and not keys_b:
@@ -306,34 +352,31 @@ def diff_checkpoints(
         tensors=[],
         objects=[],
     )
-    tensors_a, tensors_b = set(side_a.values.tensor_keys), set(side_b.values.tensor_keys)
     if on_start is not None:
-        both = [k for k in common if k in tensors_a and k in tensors_b]
-        on_start(sum(side_a.values.nbytes(k) + side_b.values.nbytes(k) for k in both))
-    objects_a = side_a.values.objects() if any(k not in tensors_a for k in common) else {}
-    objects_b = side_b.values.objects() if any(k not in tensors_b for k in common) else {}
+        both = [k for k in common if side_a.is_tensor(k) and side_b.is_tensor(k)]
+        on_start(sum(side_a.nbytes(k) + side_b.nbytes(k) for k in both))
     for key in common:
-        if key in tensors_a and key in tensors_b:
-            ma, mb = side_a.values.tensor_meta(key), side_b.values.tensor_meta(key)
-            if list(ma.size) != list(mb.size):
+        if side_a.is_tensor(key) and side_b.is_tensor(key):
+            shape_a, shape_b = side_a.shape(key), side_b.shape(key)
+            if shape_a != shape_b:
                 report.mismatched.append(
                     {
                         "key": key,
-                        "a": {"shape": list(ma.size), "dtype": str(ma.properties.dtype)},
-                        "b": {"shape": list(mb.size), "dtype": str(mb.properties.dtype)},
+                        "a": {"shape": shape_a, "dtype": str(side_a.dtype(key))},
+                        "b": {"shape": shape_b, "dtype": str(side_b.dtype(key))},
                     }
                 )
                 continue
             if on_tensor is not None:
-                on_tensor(key, side_a.values.nbytes(key) + side_b.values.nbytes(key))
+                on_tensor(key, side_a.nbytes(key) + side_b.nbytes(key))
             report.tensors.append(
                 compare_tensor(side_a, side_b, key, rule=rule, block_bytes=block_bytes, on_bytes=on_bytes)
             )
-        elif key in tensors_a or key in tensors_b:
-            kinds = ["a tensor" if key in tensors else "not a tensor" for tensors in (tensors_a, tensors_b)]
+        elif side_a.is_tensor(key) or side_b.is_tensor(key):
+            kinds = ["a tensor" if side.is_tensor(key) else "not a tensor" for side in (side_a, side_b)]
             report.mismatched.append({"key": key, "a": {"kind": kinds[0]}, "b": {"kind": kinds[1]}})
         else:
-            x, y = objects_a.get(key), objects_b.get(key)
+            x, y = side_a.objects[key], side_b.objects[key]
             equal = same_object(x, y, rule)
             report.objects.append({"key": key, "equal": equal, "a": _shown(x), "b": _shown(y)})
     return report

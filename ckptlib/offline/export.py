@@ -89,7 +89,7 @@ def _preset_source(storage: Storage, step: int | None, preset: presets.Preset) -
     """A client's checkpoint: `storage` itself, the newest in its save folder, or its `step`."""
     if step is None:
         return preset.resolve(storage)
-    for info in preset.scan(storage):
+    for info in reversed(preset.scan(storage)):  # the newest of that step (Lightning's -v1 after its name)
         if info.step == step and info.state in ("committed", "dcp"):
             return storage.child(info.name)
     raise CheckpointNotFoundError(f"{storage.uri} has no {preset.name} checkpoint of step {step}", path=storage.uri)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptlib.format.native.root import StepInfo
 from ckptlib.presets.preset import Entries, Preset, Rename, read_objects
 from ckptlib.storage.base import Storage
 
@@ -53,6 +54,12 @@ class ComposerPreset(Preset):
     name = "composer"
     client = "MosaicML Composer 0.32 (sharded state_dict_type)"
     folder_re = re.compile(r"^ep(?P<epoch>\d+)-ba(?P<step>\d+)$")
+
+    def newness(self, info: StepInfo) -> tuple:
+        """The batch (the step), then the epoch: Composer names its epoch-end save of batch B
+        `ep{E+1}-ba{B}`, after an `ep{E}-ba{B}` of the same batch."""
+        match = self.folder_re.match(info.name)
+        return (info.step, int(match.group("epoch")) if match else 0)
 
     def latest(self, root: Storage) -> str | None:
         """What `latest-rank0.pt` names (a symlink, or the object store's `.symlink` object),

@@ -3,7 +3,8 @@
 A preset is a small object with no state of its own. It knows
 
 - the client's folders: how a checkpoint directory in its save folder is named
-  (`step_of`), and which one is the newest (`latest`), so `resolve` turns a save folder into
+  (`step_of`), how new each is (`newness`: numbers, never names) and which one is the newest
+  (`latest`), so `resolve` turns a save folder into
   the checkpoint to read and `ckpt ls` lists the folder;
 - the client's keys: `rename(state)` maps a checkpoint key to the key of a ckptlib state
   (`{"model": module, "optim": optimizer}`, whatever the entries are called), and
@@ -106,9 +107,16 @@ class Preset:
         match = self.folder_re.match(name)
         return int(match.group("step")) if match else None
 
+    def newness(self, info: StepInfo) -> tuple:
+        """How new a checkpoint folder is, as numbers compared in order (bigger is newer; a
+        tie falls back to the name): its step. A client whose names hold more (an epoch, a
+        version counter) adds them."""
+        return (info.step,)
+
     def scan(self, root: Storage) -> list[StepInfo]:
-        """The checkpoint folders under a save folder, oldest first ("dcp": a complete plain DCP save)."""
-        return scan(root, parse=self.step_of, dcp_state="dcp")
+        """The checkpoint folders under a save folder, oldest first by `newness` ("dcp": a
+        complete plain DCP save)."""
+        return sorted(scan(root, parse=self.step_of, dcp_state="dcp"), key=lambda s: (self.newness(s), s.name))
 
     def latest(self, root: Storage) -> str | None:
         """The name of the newest complete checkpoint folder under `root`, or None."""

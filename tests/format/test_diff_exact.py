@@ -374,3 +374,45 @@ def test_numpy_objects_compare_by_dtype_and_value(tmp_path):
     pa, pb = _files(tmp_path, a, b)
     equal = {o["key"]: o["equal"] for o in diff_checkpoints(pa, pb, trusted=True).objects}
     assert equal == {"arr": True, "ints": False, "s": True}
+
+
+BELOW = math.nextafter  # the float just below a bound: just outside the tolerance
+
+
+@pytest.mark.parametrize(
+    "atol, rtol, equal",
+    [
+        (1.0, 0.0, True),
+        (BELOW(1.0, 0.0), 0.0, False),
+        (0.0, 0.25, True),  # 0.25 * max(|3|, |4|) = 1
+        (0.0, BELOW(0.25, 0.0), False),
+        (0.5, 0.125, True),  # 0.5 + 0.125 * 4 = 1
+        (0.5 - 2**-53, 0.125, False),  # the sum is the float just below 1
+    ],
+    ids=["atol-at-gap", "atol-just-below", "rtol-at-gap", "rtol-just-below", "both-at-gap", "both-just-below"],
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.int32], ids=str)
+def test_a_gap_just_inside_the_tolerance_is_equal_just_outside_differs(tmp_path, capsys, atol, rtol, equal, dtype):
+    """3 against 4 (a gap of 1, exact in every dtype): equal at a tolerance of exactly 1, DIFFERENT
+    and reported at the float just below, both ways round, from the command line."""
+    pa, pb = _files(tmp_path, {"x": torch.tensor([3, 7], dtype=dtype)}, {"x": torch.tensor([4, 7], dtype=dtype)})
+    for x, y, (va, vb) in ((pa, pb, (3, 4)), (pb, pa, (4, 3))):
+        rc = cli.main(["diff", x, y, "--atol", repr(atol), "--rtol", repr(rtol), "--no-progress"])
+        out = capsys.readouterr().out
+        assert (rc, out.splitlines()[-1]) == ((0, "EQUAL") if equal else (1, "DIFFERENT")), out
+        shown = (va, vb) if dtype == torch.int32 else (float(va), float(vb))
+        where = f"at [0] (A {shown[0]!r}, B {shown[1]!r})"
+        line = f"differs: model.x: 1 of 2 elements beyond tolerance; max abs diff 1 {where}"
+        assert [ln for ln in out.splitlines() if ln.startswith("differs")] == (
+            [] if equal else [line + "; max rel diff 0.25"]
+        )
+        assert f"1 tensors compared: 0 bit-identical, {int(equal)} equal within" in out
+
+
+@pytest.mark.parametrize("tolerance", [[], ["--atol", "1e9", "--rtol", "1"]], ids=["exact", "any-tolerance"])
+def test_a_dtype_difference_is_reported_whatever_the_tolerance(tmp_path, capsys, tolerance):
+    pa, pb = _files(tmp_path, {"x": torch.tensor([3.0, 7.0])}, {"x": torch.tensor([3.0, 7.0], dtype=torch.float64)})
+    assert cli.main(["diff", pa, pb, "--no-progress", *tolerance]) == 1
+    out = capsys.readouterr().out
+    assert "differs: model.x: dtype torch.float32 vs torch.float64; 0 of 2 elements beyond tolerance" in out
+    assert out.splitlines()[-1] == "DIFFERENT"

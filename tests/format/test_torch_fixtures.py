@@ -10,6 +10,7 @@ torch 1.13's `.metadata` load at all (its classes were pickled under
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -184,3 +185,76 @@ def test_torch_113_per_item_files_load_in_one_process():
     result = ckptlib.load(path, state)
     assert result.format == "dcp" and result.world_size == 2
     assert diff(state, {"extra": ref["extra"], "meta": ref["meta"]}) == []
+
+
+# --------------------------------------------------------------------------- ckpt diff over every era's keys
+
+# Before: `ckpt diff` compared the keys as stored, so every fixture of torch 1.13 and 2.0-2.3
+# (whose `meta` and `optim.param_groups` were pickled whole) was DIFFERENT from its own
+# reference and from its own conversion ("only in A: meta; only in B: meta.epoch, meta.tag").
+
+DIFF_FIXTURES = [n for n in FIXTURE_NAMES if "model" in reference(n)]
+
+
+def _diff_summary(out: str) -> str:
+    return next(line for line in out.splitlines() if " tensors compared: " in line)
+
+
+@pytest.mark.parametrize("name", DIFF_FIXTURES)
+def test_diff_against_its_reference_is_equal(name, tmp_path, capsys):
+    ref = os.path.join(os.path.dirname(fixture_path(name)), "reference.pt")
+    flat = dcp_shims.flatten_state_dict(reference(name))[0]
+    tensors = sum(isinstance(v, torch.Tensor) for v in flat.values())
+    objects = len(flat) - tensors
+    for a, b in ((fixture_path(name), ref), (ref, fixture_path(name))):
+        rc, out, err = _ckpt(capsys, "diff", a, b, "--no-progress")
+        assert (rc, out.splitlines()[-1]) == (0, "EQUAL"), out + err
+        assert _diff_summary(out) == (
+            f"{tensors} tensors compared: {tensors} bit-identical, 0 equal within atol=0 rtol=0, 0 different; 0 "
+            f"shape/kind mismatches; 0 keys only in A, 0 only in B; {objects} other entries, 0 different"
+        )
+
+
+@pytest.mark.parametrize("to", ["dcp", "torch", "safetensors"])
+@pytest.mark.parametrize("name", DIFF_FIXTURES)
+def test_diff_against_its_conversion_is_equal(name, to, tmp_path, capsys):
+    """diff(source, convert(source)) for every target `ckpt convert` writes (safetensors holds
+    the model alone: compared with --only model)."""
+    dst = tmp_path / ("converted.pt" if to == "torch" else "converted")
+    rc, _, err = _ckpt(capsys, "convert", fixture_path(name), dst, "--to", to, "--no-progress")
+    assert rc == 0, err
+    only = ["--only", "model"] if to == "safetensors" else []
+    for a, b in ((fixture_path(name), dst), (dst, fixture_path(name))):
+        rc, out, err = _ckpt(capsys, "diff", a, b, "--no-progress", *only)
+        assert (rc, out.splitlines()[-1]) == (0, "EQUAL"), out + err
+        assert "0 different; 0 shape/kind mismatches; 0 keys only in A, 0 only in B;" in out
+
+
+@pytest.mark.parametrize("name", DIFF_FIXTURES)
+def test_diff_names_one_changed_value(name, tmp_path, capsys):
+    """One element of one model tensor, `meta.epoch` and `optim.param_groups.0.lr` (each pickled
+    whole inside a bigger value by torch 1.13-2.3), changed one at a time in the reference:
+    DIFFERENT, and only that key is named."""
+    ref = reference(name)
+    flat = dcp_shims.flatten_state_dict(ref)[0]
+    tensor_key = next(k for k in sorted(flat) if k.startswith("model.") and flat[k].is_floating_point())
+    changes = [tensor_key] + [k for k in ("meta.epoch", "optim.param_groups.0.lr") if k in flat]
+    for key in changes:
+        changed = copy.deepcopy(ref)
+        path = dcp_shims.flatten_state_dict(changed)[1][key]
+        if key == tensor_key:
+            leaf = changed
+            for part in path:
+                leaf = leaf[part]
+            leaf.reshape(-1)[0] += 1.0
+            expected = f"differs: {key}: 1 of {leaf.numel()} elements beyond tolerance; max abs diff 1 at "
+        else:
+            dcp_shims.set_element(changed, path, flat[key] * 2)
+            expected = f"differs: {key}: {flat[key]!r} vs {flat[key] * 2!r}"
+        torch.save(changed, tmp_path / "changed.pt")
+        rc, out, err = _ckpt(capsys, "diff", fixture_path(name), tmp_path / "changed.pt", "--no-progress")
+        assert (rc, out.splitlines()[-1]) == (1, "DIFFERENT"), out + err
+        assert [line for line in out.splitlines() if line.startswith("differs")] == [
+            next(line for line in out.splitlines() if line.startswith(expected))
+        ], out
+        assert "shape/kind mismatches; 0 keys only in A, 0 only in B;" in out

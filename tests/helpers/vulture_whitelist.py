@@ -25,6 +25,8 @@ WHITELIST = (
     "readable",
     "seekable",
     "writable",
+    # the warnings module calls it for every warning shown (cli/__init__.py: one line per warning)
+    "showwarning",
     # importlib's loader protocol (testing/harness/rank_process.py, testing/_moved.py)
     "create_module",
     # torch.nn.Module.__call__ runs forward (testing/matrices/models.py, matrix.py)
