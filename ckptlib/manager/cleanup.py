@@ -3,7 +3,8 @@
 Committed steps the retention policy does not keep go, and so does debris: a step directory
 whose save never committed, and what a crashed deletion left (`step_*.deleting-*`). The step
 `latest` names and the steps the caller protects (the save just committed) never go,
-whatever the policy says. Only a checkpoint's own files are deleted (`format.deletion`): a
+whatever the policy says. `fence(what)` runs before each deletion (a lock holder's check
+that the root is still its own: `RootLock.fence`) and stops the rest by raising. Only a checkpoint's own files are deleted (`format.deletion`): a
 step directory holding files ckptlib did not write keeps them, with a ForeignFilesWarning.
 """
 
@@ -33,6 +34,7 @@ def collect(
     protect: set[int],
     dry_run: bool = False,
     on_removed: Callable[[int, int], None] | None = None,
+    fence: Callable[[str], None] | None = None,
 ) -> list[str]:
     """Apply `retention` and remove debris in the root at `storage`; returns the step
     directories removed (or, `dry_run`, to be removed). Never removes what `latest` names
@@ -57,6 +59,8 @@ def collect(
         if on_removed is not None:
             on_removed(0, total)
         for done, name in enumerate([*doomed.values(), *leftovers], 1):  # leftovers: a deletion that crashed
+            if fence is not None:
+                fence(f"remove {name}")
             foreign = remove_checkpoint(storage.child(name))
             if foreign:
                 kept[name] = foreign
@@ -64,6 +68,8 @@ def collect(
                 on_removed(done, total)
         for info in steps:  # a commit that crashed between writing the manifest and this
             if info.state == "committed" and info.step not in doomed and PENDING_NAME in info.files:
+                if fence is not None:
+                    fence(f"remove the pending marker of {info.name}")
                 storage.child(info.name).delete([PENDING_NAME])
         for name, foreign in kept.items():
             warnings.warn(
