@@ -37,8 +37,9 @@ WRITER_A = r"""
 import json, os, signal, sys
 import torch
 import ckptlib.manager.cleanup as cleanup
-from ckptlib import CheckpointManager
+from ckptlib import CheckpointManager, Cluster
 from ckptlib.format.write.transaction import SaveTransaction
+from ckptlib.manager.cluster.node_save import NodeLocalSave
 from ckptlib.manager.single_root import SingleRoot
 
 root, case = sys.argv[1], sys.argv[2]
@@ -68,7 +69,8 @@ def stop_after(owner, name):
     setattr(owner, name, wrapper)
 
 hold = case in ("close", "commit-held")
-mgr = CheckpointManager(root, keep_last=None if case == "gc" else 1, hold_lock=hold)
+cluster = Cluster() if case.startswith("node-") else None  # this node's root, its leader's lock
+mgr = CheckpointManager(root, keep_last=None if case == "gc" else 1, hold_lock=hold, cluster=cluster)
 if case == "gc":
     CheckpointManager(root).save(100, state(100))
     CheckpointManager(root).save(300, state(300))
@@ -77,10 +79,13 @@ else:
 if case in ("commit", "commit-held"):
     stop_before(SaveTransaction, "commit")  # shards written, manifest not yet
     act = lambda: mgr.save(300, state(300))
+elif case == "node-commit":
+    stop_before(NodeLocalSave, "_commit_node")  # the leader's files written, its manifest not yet
+    act = lambda: mgr.save(300, state(300))
 elif case == "latest":
     stop_before(SingleRoot, "_publish")  # step 300 committed, `latest` not moved yet
     act = lambda: mgr.save(300, state(300))
-elif case == "retention":
+elif case in ("retention", "node-retention"):
     stop_after(cleanup, "to_delete")  # `latest` moved to 300; step 100 chosen for deletion
     act = lambda: mgr.save(300, state(300))
 elif case == "gc":
@@ -105,8 +110,10 @@ except Exception as exc:
 REFUSED = {
     "commit": "commit step 300",
     "commit-held": "commit step 300",
+    "node-commit": "commit step 300",
     "latest": "move latest to step 300",
     "retention": "remove step_0000000100",
+    "node-retention": "remove step_0000000100",
     "gc": "remove step_0000000100",
     "overwrite": "overwrite step 100",
     "close": "release the lock",
@@ -115,8 +122,10 @@ REFUSED = {
 STEPS_AFTER = {
     "commit": [100, 200],
     "commit-held": [100, 200],
+    "node-commit": [100, 200],
     "latest": [100, 200, 300],
     "retention": [100, 200, 300],
+    "node-retention": [100, 200, 300],
     "gc": [100, 200, 300],
     "overwrite": [100, 200],
     "close": [100, 200],
