@@ -34,12 +34,13 @@ from ckptlib.storage import open_storage
 LEASE_S = 2.0
 
 WRITER_A = r"""
-import json, os, signal, sys
+import json, os, signal, sys, threading
 import torch
 import ckptlib.manager.cleanup as cleanup
 from ckptlib import CheckpointManager, Cluster
 from ckptlib.format.write.transaction import SaveTransaction
 from ckptlib.manager.cluster.node_save import NodeLocalSave
+from ckptlib.manager.cluster.remote_tier import RemoteTier
 from ckptlib.manager.single_root import SingleRoot
 
 root, case = sys.argv[1], sys.argv[2]
@@ -49,7 +50,9 @@ def state(step, value=None):
 
 def stop():
     print("stopping", flush=True)
-    os.kill(os.getpid(), signal.SIGSTOP)
+    # To this thread (the background one of an upload too): it stops before its next bytecode,
+    # with every other thread of the process.
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 def stop_before(owner, name):
     real = getattr(owner, name)
@@ -70,18 +73,29 @@ def stop_after(owner, name):
 
 hold = case in ("close", "commit-held")
 cluster = Cluster() if case.startswith("node-") else None  # this node's root, its leader's lock
-mgr = CheckpointManager(root, keep_last=None if case == "gc" else 1, hold_lock=hold, cluster=cluster)
+if case.startswith("remote-"):  # `root` is the remote root, the upload's lock
+    cluster = Cluster(remote=RemoteTier(root, keep_last=1))
+    mgr = CheckpointManager(root + "-node", hold_lock=hold, cluster=cluster)
+else:
+    mgr = CheckpointManager(root, keep_last=None if case == "gc" else 1, hold_lock=hold, cluster=cluster)
 if case == "gc":
     CheckpointManager(root).save(100, state(100))
     CheckpointManager(root).save(300, state(300))
 else:
     mgr.save(100, state(100))
+    mgr.wait()
 if case in ("commit", "commit-held"):
     stop_before(SaveTransaction, "commit")  # shards written, manifest not yet
     act = lambda: mgr.save(300, state(300))
 elif case == "node-commit":
     stop_before(NodeLocalSave, "_commit_node")  # the leader's files written, its manifest not yet
     act = lambda: mgr.save(300, state(300))
+elif case == "remote-commit":
+    stop_before(RemoteTier, "_commit")  # every file uploaded, the remote manifest not written yet
+    act = lambda: (mgr.save(300, state(300)), mgr.wait())
+elif case == "remote-retention":
+    stop_after(cleanup, "to_delete")  # the remote `latest` moved to 300; step 100 chosen for deletion
+    act = lambda: (mgr.save(300, state(300)), mgr.wait())
 elif case == "latest":
     stop_before(SingleRoot, "_publish")  # step 300 committed, `latest` not moved yet
     act = lambda: mgr.save(300, state(300))
@@ -111,9 +125,11 @@ REFUSED = {
     "commit": "commit step 300",
     "commit-held": "commit step 300",
     "node-commit": "commit step 300",
+    "remote-commit": "commit step 300",
     "latest": "move latest to step 300",
     "retention": "remove step_0000000100",
     "node-retention": "remove step_0000000100",
+    "remote-retention": "remove step_0000000100",
     "gc": "remove step_0000000100",
     "overwrite": "overwrite step 100",
     "close": "release the lock",
@@ -123,9 +139,11 @@ STEPS_AFTER = {
     "commit": [100, 200],
     "commit-held": [100, 200],
     "node-commit": [100, 200],
+    "remote-commit": [100, 200],
     "latest": [100, 200, 300],
     "retention": [100, 200, 300],
     "node-retention": [100, 200, 300],
+    "remote-retention": [100, 200, 300],
     "gc": [100, 200, 300],
     "overwrite": [100, 200],
     "close": [100, 200],
