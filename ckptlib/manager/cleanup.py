@@ -4,8 +4,9 @@ Committed steps the retention policy does not keep go, and so does debris: a ste
 whose save never committed, and what a crashed deletion left (`step_*.deleting-*`). The step
 `latest` names and the steps the caller protects (the save just committed) never go,
 whatever the policy says. `fence(what)` runs before each deletion (a lock holder's check
-that the root is still its own: `RootLock.fence`) and stops the rest by raising. Only a checkpoint's own files are deleted (`format.deletion`): a
-step directory holding files ckptlib did not write keeps them, with a ForeignFilesWarning.
+that the root is still its own: `RootLock.fence`) and stops the rest by raising. Only a
+checkpoint's own files are deleted (`format.deletion`): a step directory holding files
+ckptlib did not write keeps them, with a ForeignFilesWarning.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import torch
 
 from ckptlib import CheckpointManager
 from ckptlib.errors import LockedError
-from ckptlib.manager.lock import LEASE_PREFIX, LOCK_NAME, RootLock, StaleLockWarning
+from ckptlib.manager.lock import LEASE_PREFIX, LOCK_NAME, StaleLockWarning
 from ckptlib.storage import open_storage
 
 LEASE_S = 2.0
@@ -117,7 +117,8 @@ try:
     act()
     print(json.dumps({"raised": None}), flush=True)
 except Exception as exc:
-    print(json.dumps({"raised": type(exc).__name__, "message": str(exc), "path": getattr(exc, "path", None)}), flush=True)
+    outcome = {"raised": type(exc).__name__, "message": str(exc), "path": getattr(exc, "path", None)}
+    print(json.dumps(outcome), flush=True)
 """
 
 # What A's continued run must refuse, as its LockedError says it.

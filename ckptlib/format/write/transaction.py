@@ -105,7 +105,8 @@ class SaveTransaction:
 
     Hooks: `fence(what)` runs on the coordinator before each irreversible step ("overwrite" or
     "prepare": removing what the target holds; "commit": writing the manifest) and raises to
-    stop it (the manager's lock lost: `RootLock.fence`); `after_commit()` runs on rank 0 once the save committed (its errors reach every
+    stop it (the manager's lock lost: `RootLock.fence`); `after_commit()` runs on rank 0 once
+    the save committed (its errors reach every
     rank; the checkpoint stays committed); `on_failure()` runs on every rank after a failed
     save was cleaned up, or after `after_commit` failed. `shard_backend`: where this rank's
     shard is encoded and written (`dcp_writer.ShardBackend`; None: in the calling thread).

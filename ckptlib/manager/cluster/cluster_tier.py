@@ -477,7 +477,9 @@ class ClusterTier:
                 return
             self._lock_node()
             try:
-                collect(self.root, self.root.uri, self.retention, protect={self._latest} - {None}, fence=self.lock.fence)
+                collect(
+                    self.root, self.root.uri, self.retention, protect={self._latest} - {None}, fence=self.lock.fence
+                )
             finally:
                 self._unlock_node()
 

@@ -228,7 +228,12 @@ class RemoteTier:
         self.take_lock()
         try:
             return collect(
-                self.storage, self.uri, self.retention, protect=set(protect), on_removed=on_removed, fence=self.lock.fence
+                self.storage,
+                self.uri,
+                self.retention,
+                protect=set(protect),
+                on_removed=on_removed,
+                fence=self.lock.fence,
             )
         finally:
             self.lock.abandon()
