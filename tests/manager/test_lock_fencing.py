@@ -254,3 +254,75 @@ def test_a_paused_holder_whose_lease_nobody_took_goes_on(tmp_path, monkeypatch):
     assert float(open_storage(root).read(LEASE_PREFIX + lock.token).decode()) >= resumed  # renewed, then committed
     mgr.close()
     assert sorted(os.listdir(root)) == ["latest", "step_0000000002"]
+
+
+def _paused_rank(root: str, case: str, pidfile: str) -> tuple | None:
+    """A rank of a 2-rank writer A: rank 0 (the lock holder) stops itself just before the
+    irreversible step `case`; rank 1 waits for it in the save's collective. Returns what the
+    save of step 300 raised on this rank."""
+    import threading
+
+    import torch.distributed as dist
+
+    from ckptlib.errors import CheckpointError
+    from ckptlib.format.write.transaction import SaveTransaction
+    from ckptlib.manager.single_root import SingleRoot
+
+    os.environ["CKPTLIB_LOCK_LEASE_S"] = str(LEASE_S)
+    mgr = CheckpointManager(root, keep_last=1)
+    mgr.save(100, _state(100))
+    if dist.get_rank() == 0:
+        owner, name = {"commit": (SaveTransaction, "commit"), "latest": (SingleRoot, "_publish")}[case]
+        real = getattr(owner, name)
+
+        def stop_first(*args, **kwargs):
+            setattr(owner, name, real)
+            with open(pidfile, "w") as f:
+                f.write(str(os.getpid()))
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+            return real(*args, **kwargs)
+
+        setattr(owner, name, stop_first)
+    try:
+        mgr.save(300, _state(300))
+    except CheckpointError as exc:
+        return type(exc).__name__, str(exc), exc.path
+    return None
+
+
+@pytest.mark.parametrize("case", ["commit", "latest"])
+def test_every_rank_of_a_paused_writer_raises_the_lost_lock(tmp_path, dist_run, case):
+    """The fence runs on rank 0, which holds the lock; its LockedError reaches every rank of the
+    save (through DCP's final round for the commit, rank 0's decision for `latest`)."""
+    import threading
+
+    root, pidfile = str(tmp_path / "run"), str(tmp_path / "a.pid")
+    results: list = []
+    ranks = threading.Thread(target=lambda: results.append(dist_run(2, _paused_rank, root, case, pidfile)))
+    ranks.start()
+    try:
+        deadline = time.monotonic() + 240
+        while not (os.path.exists(pidfile) and open(pidfile).read()):
+            assert ranks.is_alive() and time.monotonic() < deadline, "rank 0 never stopped"
+            time.sleep(0.05)
+        a_pid = int(open(pidfile).read())
+        while open(f"/proc/{a_pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.02)
+        mgr_b = CheckpointManager(root, hold_lock=True)
+        warning = _take_over(mgr_b, 200, _state(200))
+        assert f"removing a stale lock left by pid {a_pid} on host " in warning
+        b_holder = mgr_b.lock_holder()
+    finally:
+        if os.path.exists(pidfile) and open(pidfile).read():
+            os.kill(int(open(pidfile).read()), signal.SIGCONT)
+        ranks.join(300)
+    what = {"commit": "commit step 300", "latest": "move latest to step 300"}[case]
+    message = (
+        f"{root}: this manager's lock ({root}/{LOCK_NAME}) was removed while it held it; "
+        f"pid {os.getpid()} on host {socket.gethostname()}, since {b_holder.created} holds it now. "
+        f"Another writer may have written this root; refusing to {what}."
+    )
+    assert results == [[("LockedError", message, root)] * 2]
+    assert _steps(root) == ([100, 200] if case == "commit" else [100, 200, 300])
+    assert os.readlink(os.path.join(root, "latest")) == "step_0000000200"
+    mgr_b.close()
