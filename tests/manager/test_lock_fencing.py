@@ -37,7 +37,7 @@ WRITER_A = r"""
 import json, os, signal, sys, threading
 import torch
 import ckptlib.manager.cleanup as cleanup
-from ckptlib import CheckpointManager, Cluster
+from ckptlib import AsyncMode, CheckpointManager, Cluster
 from ckptlib.format.write.transaction import SaveTransaction
 from ckptlib.manager.cluster.node_save import NodeLocalSave
 from ckptlib.manager.cluster.remote_tier import RemoteTier
@@ -72,12 +72,15 @@ def stop_after(owner, name):
     setattr(owner, name, wrapper)
 
 hold = case in ("close", "commit-held")
+mode = {"latest-async": "thread"}.get(case)
 cluster = Cluster() if case.startswith("node-") else None  # this node's root, its leader's lock
 if case.startswith("remote-"):  # `root` is the remote root, the upload's lock
     cluster = Cluster(remote=RemoteTier(root, keep_last=1))
     mgr = CheckpointManager(root + "-node", hold_lock=hold, cluster=cluster)
 else:
-    mgr = CheckpointManager(root, keep_last=None if case == "gc" else 1, hold_lock=hold, cluster=cluster)
+    keep = None if case == "gc" else 1
+    async_save = AsyncMode(mode) if mode else False
+    mgr = CheckpointManager(root, keep_last=keep, hold_lock=hold, cluster=cluster, async_save=async_save)
 if case == "gc":
     CheckpointManager(root).save(100, state(100))
     CheckpointManager(root).save(300, state(300))
@@ -96,9 +99,9 @@ elif case == "remote-commit":
 elif case == "remote-retention":
     stop_after(cleanup, "to_delete")  # the remote `latest` moved to 300; step 100 chosen for deletion
     act = lambda: (mgr.save(300, state(300)), mgr.wait())
-elif case == "latest":
-    stop_before(SingleRoot, "_publish")  # step 300 committed, `latest` not moved yet
-    act = lambda: mgr.save(300, state(300))
+elif case in ("latest", "latest-async"):
+    stop_before(SingleRoot, "_publish")  # step 300 committed, `latest` not moved yet (async: the background's)
+    act = lambda: (mgr.save(300, state(300)), mgr.wait())
 elif case in ("retention", "node-retention"):
     stop_after(cleanup, "to_delete")  # `latest` moved to 300; step 100 chosen for deletion
     act = lambda: mgr.save(300, state(300))
@@ -128,6 +131,7 @@ REFUSED = {
     "node-commit": "commit step 300",
     "remote-commit": "commit step 300",
     "latest": "move latest to step 300",
+    "latest-async": "move latest to step 300",
     "retention": "remove step_0000000100",
     "node-retention": "remove step_0000000100",
     "remote-retention": "remove step_0000000100",
@@ -142,6 +146,7 @@ STEPS_AFTER = {
     "node-commit": [100, 200],
     "remote-commit": [100, 200],
     "latest": [100, 200, 300],
+    "latest-async": [100, 200, 300],
     "retention": [100, 200, 300],
     "node-retention": [100, 200, 300],
     "remote-retention": [100, 200, 300],

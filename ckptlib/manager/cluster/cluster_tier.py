@@ -487,10 +487,13 @@ class ClusterTier:
         return removed
 
     def close(self) -> None:
-        """Release the locks this process holds (no collective)."""
-        self.lock.close()
-        if self.remote is not None:
-            self.remote.close()
+        """Release the locks this process holds (no collective); LockedError for one lost while
+        held, after releasing the other."""
+        try:
+            self.lock.close()
+        finally:
+            if self.remote is not None:
+                self.remote.close()
 
 
 __all__ = ["ClusterTier"]
