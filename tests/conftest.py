@@ -46,6 +46,13 @@ EXTENDED = (
     "elastic/test_agent.py::test_lose_rank_0s_host_the_survivors_resume_then_a_relaunch_grows_back",
     "elastic/test_agent.py::test_lose_rank_0s_host_then_a_replacement_joins_the_running_job",
     "elastic/test_agent.py::test_sigterm_to_one_agent_saves_the_step_reached_and_the_rest_restarts_smaller",
+    # a paused lock holder refuses each irreversible step (the siblings of these cases run by default)
+    "manager/test_lock_fencing.py::test_a_paused_holder_refuses_its_next_irreversible_step_after_losing_the_lease[commit-held",
+    "manager/test_lock_fencing.py::test_a_paused_holder_refuses_its_next_irreversible_step_after_losing_the_lease[gc",
+    "manager/test_lock_fencing.py::test_a_paused_holder_refuses_its_next_irreversible_step_after_losing_the_lease[node-retention",
+    "manager/test_lock_fencing.py::test_a_paused_holder_refuses_its_next_irreversible_step_after_losing_the_lease[remote-retention",
+    "manager/test_lock_fencing.py::test_every_rank_of_a_paused_writer_raises_the_lost_lock[latest",
+    "manager/test_lock_fencing.py::test_a_paused_holder_refuses_its_next_irreversible_step_after_losing_the_lease[latest-async",
     # every kill point of a manager save (the crash-boundary enumeration above covers each write)
     "manager/test_crash.py::test_kill_during_save",
     "format/test_output_errors.py::test_a_full_disk_is_a_storage_error_naming_the_file_and_leaves_nothing",

@@ -3,8 +3,10 @@
 Committed steps the retention policy does not keep go, and so does debris: a step directory
 whose save never committed, and what a crashed deletion left (`step_*.deleting-*`). The step
 `latest` names and the steps the caller protects (the save just committed) never go,
-whatever the policy says. Only a checkpoint's own files are deleted (`format.deletion`): a
-step directory holding files ckptlib did not write keeps them, with a ForeignFilesWarning.
+whatever the policy says. `fence(what)` runs before each deletion (a lock holder's check
+that the root is still its own: `RootLock.fence`) and stops the rest by raising. Only a
+checkpoint's own files are deleted (`format.deletion`): a step directory holding files
+ckptlib did not write keeps them, with a ForeignFilesWarning.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def collect(
     protect: set[int],
     dry_run: bool = False,
     on_removed: Callable[[int, int], None] | None = None,
+    fence: Callable[[str], None] | None = None,
 ) -> list[str]:
     """Apply `retention` and remove debris in the root at `storage`; returns the step
     directories removed (or, `dry_run`, that would be): only those gone, never one kept for
@@ -65,6 +68,8 @@ def collect(
             foreign = foreign_files(storage.child(name).list() if listing is None else listing)
             gone = not foreign
         else:
+            if fence is not None:
+                fence(f"remove {name}")
             foreign = remove_checkpoint(storage.child(name))
             gone = not storage.child(name).exists()  # reported only when it is gone
             if on_removed is not None:
@@ -76,6 +81,8 @@ def collect(
     if not dry_run:
         for info in steps:  # a commit that crashed between writing the manifest and this
             if info.state == "committed" and info.step not in doomed and PENDING_NAME in info.files:
+                if fence is not None:
+                    fence(f"remove the pending marker of {info.name}")
                 storage.child(info.name).delete([PENDING_NAME])
     verb = (
         "would remove the checkpoint's own files and leave"

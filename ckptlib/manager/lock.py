@@ -17,7 +17,19 @@ Removing a stale lock is compare-and-delete by token: a writer first creates a c
 a time holds it), then deletes the lock only if it still carries the stale token, then drops
 the claim. Two writers that both judged one lock stale can therefore never both hold the
 root: the second finds the claim taken, or finds the first one's fresh lock in its place. A
-claim left by a writer that died holding it is stale in turn and removed the same way.
+claim left by a writer that died holding it is stale in turn and removed the same way. Under
+the claim the lock must also still be stale: a holder that renewed its lease meanwhile keeps it.
+
+Every irreversible step a holder takes is fenced by its lease (`RootLock.fence`): writing a
+step's manifest, removing an overwritten step's files, moving `latest`, each deletion of
+retention or gc, releasing the lock. Just before it, the holder re-reads the lock file: a lock
+that no longer carries its token (its lease ran out while the process was paused, SIGSTOP
+stopping its renewer too, and another writer took the root) is LockedError naming the new
+holder and the step, and the step is not taken; a release never deletes a lock file that is
+not its own. A lease that ran more than half out (judged from the times the lock and its lease
+file carry) is renewed first, then the lock is read again, so the holder acts with at least
+half a lease left. Without conditional writes in the storage a window of two storage round
+trips remains (a writer that judged the lease expired just before the renewal landed).
 """
 
 from __future__ import annotations
@@ -56,6 +68,14 @@ def lease_seconds() -> float:
 
 
 _CLAIM_DEPTH = 2  # claims on claims (their breakers died too) followed at most this deep
+
+
+def _created(holder: LockHolder) -> float | None:
+    """The time a lock was taken, as its lock file says (None when unreadable)."""
+    try:
+        return datetime.datetime.fromisoformat(str(holder.created)).timestamp()
+    except (TypeError, ValueError):
+        return None
 
 
 class StaleLockWarning(UserWarning):
@@ -156,6 +176,8 @@ class RootLock:
         self.token: str | None = None
         self._owner_pid: int | None = None
         self._renewer: _Renewer | None = None
+        self._lease_written = False  # whether a lease file may exist (then release removes it)
+        self._last_renewal: float | None = None  # the time the last lease file written carries
 
     @property
     def where(self) -> str:
@@ -193,9 +215,8 @@ class RootLock:
             last = float(self.storage.read(LEASE_PREFIX + holder.token).decode("ascii"))
             what = "renewed"
         except (FileNotFoundError, ValueError, UnicodeDecodeError, CheckpointError):
-            try:
-                last = datetime.datetime.fromisoformat(str(holder.created)).timestamp()
-            except (TypeError, ValueError):
+            last = _created(holder)
+            if last is None:
                 return None
             what = "taken"
         idle = time.time() - last
@@ -218,12 +239,19 @@ class RootLock:
                 return
         try:
             current = self.holder(name)
-            if current is not None and current.token == stale.token:
+            if current is not None and current.token == stale.token and self._still_stale(name, current):
                 self.storage.delete([name])
                 if name == LOCK_NAME and stale.token is not None:
                     self.storage.delete([LEASE_PREFIX + stale.token])
         finally:
             self.storage.delete([claim])
+
+    def _still_stale(self, name: str, current: LockHolder) -> bool:
+        """Under the claim, whether lock file `name` is still stale: its holder may have renewed
+        the lease since it was judged (a paused holder that came back)."""
+        if name != LOCK_NAME or current.is_stale():
+            return True
+        return self.expired(current) is not None
 
     def acquire(self) -> None:
         """Take the lock or raise LockedError naming the root and the holder."""
@@ -248,6 +276,7 @@ class RootLock:
             for _ in range(3):
                 if self._create(data):
                     self.token, self._owner_pid = token, pid
+                    self._lease_written, self._last_renewal = False, None
                     atexit.register(self._release_at_exit)
                     self._renewer = _Renewer(self, token, lease)
                     return
@@ -299,16 +328,38 @@ class RootLock:
         if self.token is None:
             self.acquire()
             return
-        if self.held():
-            return
-        self.forget()
+        self.fence("continue")
+
+    def fence(self, what: str) -> None:
+        """Before an irreversible step (`what`: "commit step 300"): confirm that the lock file
+        still carries this object's token, renewing first a lease that ran more than half out.
+        A lock lost meanwhile (the lease ran out and another writer took the root, or the lock
+        was broken) is LockedError naming the root, the holder now and `what`; this object then
+        stops counting as the holder, and the step must not be taken."""
+        token = self.token
         holder = self.holder()
-        raise LockedError(
-            f"{self.storage.uri}: this manager's lock ({self.where}) was removed while it held it"
-            + (f"; {holder.describe()} holds it now" if holder is not None else "")
-            + ". Another writer may have written this root; refusing to continue.",
-            path=self.storage.uri,
-        )
+        if token is not None and holder is not None and holder.token == token and self._running_out(holder):
+            self._write_lease(token)
+            holder = self.holder()
+        if token is None or holder is None or holder.token != token:
+            self.forget()
+            err = LockedError(
+                f"{self.storage.uri}: this manager's lock ({self.where}) was removed while it held it"
+                + (f"; {holder.describe()} holds it now" if holder is not None else "")
+                + f". Another writer may have written this root; refusing to {what}.",
+                path=self.storage.uri,
+            )
+            err.holder = holder.to_json() if holder is not None else None
+            raise err
+
+    def _running_out(self, holder: LockHolder) -> bool:
+        """Whether more than half of this holder's lease has passed since its last renewal (or
+        the lock's creation), by the times the lease file and the lock file carry: what another
+        writer judges the lease by."""
+        if holder.lease_s is None:
+            return False
+        times = [t for t in (self._last_renewal, _created(holder)) if t is not None]
+        return not times or time.time() - max(times) > holder.lease_s / 2
 
     def done(self) -> None:
         """The end of a successful save or gc: release unless held; a failure to remove the lock
@@ -325,12 +376,18 @@ class RootLock:
         """The end of a failed save or gc: release unless held, never raising (the failure
         being raised is the one to see; a leftover lock of this process counts as stale)."""
         if not self.hold:
-            self.close()
+            with contextlib.suppress(Exception):
+                self.release()
 
     def close(self) -> None:
-        """Release whether held or not, never raising (the owner is done with the root)."""
-        with contextlib.suppress(Exception):
+        """Release whether held or not (the owner is done with the root): never raising, except
+        LockedError when the lock was lost while held (another writer may have written the root)."""
+        try:
             self.release()
+        except LockedError:
+            raise
+        except Exception:  # noqa: BLE001 - a leftover lock of this process counts as stale
+            pass
 
     def held(self) -> bool:
         """Whether this object holds the lock and the lock file still says so."""
@@ -340,18 +397,34 @@ class RootLock:
         return holder is not None and holder.token == self.token
 
     def release(self) -> None:
+        """Remove the lock file, fenced like every irreversible step: a lock no longer this
+        object's is LockedError, and the lock file (the new holder's) stays."""
         if self.token is None:
             return
         token = self.token
         try:
-            renewed = self._renewer is not None and self._renewer.renewed
             self._stop_renewing()
-            if self.held():
-                self.storage.delete([LOCK_NAME])
-            if renewed:  # a lease file exists only once the lease was renewed
-                self.storage.delete([LEASE_PREFIX + token])
+            try:
+                self.fence("release the lock")
+            except LockedError:
+                self._drop_lease(token, quietly=True)
+                raise
+            self.storage.delete([LOCK_NAME])
+            self._drop_lease(token)
         finally:
             self.forget()
+
+    def _drop_lease(self, token: str, *, quietly: bool = False) -> None:
+        """Remove this object's own lease file (named by its token: never another holder's),
+        if one was written."""
+        if not self._lease_written:
+            return
+        self._lease_written = False
+        try:
+            self.storage.delete([LEASE_PREFIX + token])
+        except Exception:  # noqa: BLE001 - `quietly`: the error being raised is the one to see
+            if not quietly:
+                raise
 
     def forget(self) -> None:
         """Stop counting as the holder (without touching the lock file)."""
@@ -367,8 +440,15 @@ class RootLock:
         token = self.token
         if token is None or not self.held():
             return False
-        self.storage.write(LEASE_PREFIX + token, repr(time.time()).encode("ascii"), durable=False)
+        self._write_lease(token)
         return True
+
+    def _write_lease(self, token: str) -> None:
+        self._lease_written = True  # set first: a write that fails half-way may have left it
+        now = time.time()
+        self.storage.write(LEASE_PREFIX + token, repr(now).encode("ascii"), durable=False)
+        if self.token == token:
+            self._last_renewal = now
 
     def _stop_renewing(self) -> None:
         renewer, self._renewer = self._renewer, None
@@ -396,7 +476,6 @@ class _Renewer:
         self.lock = lock
         self.token = token
         self.interval = lease / 4
-        self.renewed = False  # whether the lease file was written (then release removes it)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"ckptlib-lock-lease {lock.where}", daemon=True)
         self._thread.start()
@@ -406,7 +485,6 @@ class _Renewer:
             if self.lock.token != self.token:
                 return
             try:
-                self.renewed = True  # set first: a renewal that fails half-way may have written it
                 if not self.lock.renew():
                     return
             except Exception:  # noqa: BLE001 - a storage hiccup: the next tick tries again

@@ -11,7 +11,9 @@ gets LockedError on all its ranks instead of interleaving checkpoints (and reten
 deletes a step another writer is still saving; the verl project fixed that bug, #4638). A
 lock whose holder is gone (a dead pid on this host, or a lease its holder stopped renewing,
 on any host: `ckptlib.manager.lock`) is removed with a StaleLockWarning, so a crashed save
-never leaves the root locked for good.
+never leaves the root locked for good. A writer that lost its lock meanwhile (paused past its
+lease while another writer took the root) refuses its next irreversible step (a commit,
+moving `latest`, a deletion, the release) with LockedError: `RootLock.fence`.
 
 Where steps live is the tier the manager holds (`single_root.SingleRoot`, or the cluster
 tier of `cluster=`): the manager adds the save policy, preemption, async handles and the
@@ -140,7 +142,8 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for an async save in flight (raising its failure), stop the writer process
         (AsyncMode("process")), then release the root's lock if this manager holds it (rank 0;
-        no collective)."""
+        no collective): LockedError when the lock was lost while held (another writer took the
+        root; its lock file stays)."""
         try:
             self.wait()
         finally:

@@ -156,6 +156,7 @@ class SingleRoot:
                 on_failure=self._abandon,
                 plan_cache=self.settings.plan_cache,
                 progress=self.settings.progress,
+                fence=lambda what: self.lock.fence(f"{what} step {step}"),
             )
         except BaseException:
             self._abandon()
@@ -169,6 +170,7 @@ class SingleRoot:
     def _publish(self, step: int) -> None:
         """Rank 0, once `step` committed: move `latest` to it, then retention."""
         try:
+            self.lock.fence(f"move latest to step {step}")
             self.storage.set_pointer(LATEST, step_dir(step))
             self._collect(protect={step})
         except BaseException:
@@ -186,6 +188,7 @@ class SingleRoot:
             protect=protect,
             dry_run=dry_run,
             on_removed=on_removed,
+            fence=None if dry_run else self.lock.fence,
         )
 
     def gc(self, *, dry_run: bool, on_removed) -> list[str]:

@@ -172,6 +172,7 @@ def transact(
     make_transaction: Callable[..., SaveTransaction] = SaveTransaction,
     plan_cache: PlanCache | None = None,
     progress: Any = None,
+    fence: Callable[[str], None] | None = None,
 ) -> SaveResult | AsyncSave:
     """The one save path: check the arguments and collect the state (one agreement round,
     which also decides whether the plans of `plan_cache` are reused: by default the
@@ -180,7 +181,8 @@ def transact(
     background (an AsyncSave handle; its hooks run there), its shards written there or by this
     rank's writer process (`AsyncMode("process")`). `make_transaction`: the transaction's
     class (the cluster tier's `NodeLocalSave`), called with SaveTransaction's arguments;
-    `progress` as `save` takes it."""
+    `progress` as `save` takes it; `fence` the transaction's (a lock holder's check before each
+    irreversible step)."""
     started = time.perf_counter()
     progress_bars.check(progress)
     _dist.check_every_rank_calls("save", _saving(storage, step), group, step=step, path=storage.uri)
@@ -222,6 +224,7 @@ def transact(
         after_commit=after_commit,
         on_failure=on_failure,
         shard_backend=backend,
+        **({} if fence is None else {"fence": fence}),
     )
     if not asynchronous:
         with progress_bars.reporting("save", storage.uri, progress, rank):

@@ -145,3 +145,29 @@ def test_a_claim_left_by_a_dead_breaker_does_not_block_for_good(tmp_path):
         assert sorted(os.listdir(root)) == [LOCK_NAME]
     finally:
         writer.release()
+
+
+def test_a_holder_that_renews_while_a_breaker_holds_the_claim_keeps_its_lock(tmp_path):
+    """A holder whose lease ran out (paused) comes back and renews it after another writer
+    judged the lock stale and took the claim to remove it: under the claim the breaker reads
+    the lease again and leaves the lock alone (LockedError), so the holder's fenced steps stay
+    its own. Before, the breaker deleted the lock on the token alone and both held the root."""
+    dry = str(tmp_path / "dry")
+    _stale_lock(dry, "lease")
+    _, ops = _race(dry, None)  # B alone: where it creates its claim
+    claim_at = next(i for i, (op, _, name) in enumerate(ops) if op == "create_exclusive" and ".break-" in str(name))
+    root = str(tmp_path / "root")
+    stale = _stale_lock(root, "lease")
+
+    def holder_renews() -> None:  # the paused holder is back and renews its lease
+        open_storage(root).write(LEASE_PREFIX + stale, repr(time.time()).encode())
+
+    breaker = RootLock(Interleaved(root, claim_at + 1, holder_renews))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StaleLockWarning)
+        with pytest.raises(LockedError) as info:
+            breaker.acquire()
+    assert breaker.storage.interrupted
+    assert str(info.value).startswith(f"{root} is locked by another writer: pid 4242 on host a-host-gone-for-good")
+    assert _lock_token(root) == stale
+    assert sorted(os.listdir(root)) == [LOCK_NAME, LEASE_PREFIX + stale]  # the claim is gone

@@ -6,12 +6,13 @@ manager, `convert --to dcp`). It runs inside DCP's own collective rounds, throug
 own:
 
 - `prepare()`: on the coordinator, in DCP's planning round, before any rank writes: the
+  `fence` hook confirms the writer may still write there (the manager's root lock), then the
   target is made ready (`layout.prepare_save_target`: debris removed, an overwrite checked,
   the pending marker written);
 - `open_shard(name)`: every rank writes its shard file through it (a shard it started and
   did not finish is known, for the cleanup);
-- `commit(files)`: on the coordinator, in DCP's final round, after `.metadata`: the manifest
-  is written last (`layout.commit_manifest`);
+- `commit(files)`: on the coordinator, in DCP's final round, after `.metadata`: `fence` again,
+  then the manifest is written last (`layout.commit_manifest`);
 - then the `after_commit` hook runs on rank 0 once every rank returned from DCP, its outcome
   shared with every rank (`_dist.decide_on_rank0`): the manager moves `latest` and applies
   retention there;
@@ -102,7 +103,10 @@ class SaveTransaction:
     """A save of `world_size` ranks into `storage`, committed with a manifest (`step`, user
     `metadata` and `metrics`) or not at all. `overwrite`: replace a committed checkpoint there.
 
-    Hooks: `after_commit()` runs on rank 0 once the save committed (its errors reach every
+    Hooks: `fence(what)` runs on the coordinator before each irreversible step ("overwrite" or
+    "prepare": removing what the target holds; "commit": writing the manifest) and raises to
+    stop it (the manager's lock lost: `RootLock.fence`); `after_commit()` runs on rank 0 once
+    the save committed (its errors reach every
     rank; the checkpoint stays committed); `on_failure()` runs on every rank after a failed
     save was cleaned up, or after `after_commit` failed. `shard_backend`: where this rank's
     shard is encoded and written (`dcp_writer.ShardBackend`; None: in the calling thread).
@@ -121,6 +125,7 @@ class SaveTransaction:
         on_failure: Callable[[], None] | None = None,
         shard_backend: ShardBackend | None = None,
         self_cleaning: bool = False,
+        fence: Callable[[str], None] | None = None,
     ):
         self.storage = storage
         self.world_size = world_size
@@ -130,6 +135,7 @@ class SaveTransaction:
         self.overwrite = overwrite
         self.after_commit = after_commit
         self.on_failure = on_failure
+        self.fence = fence
         self.shard_backend = shard_backend  # where the shard is written (None: this thread)
         # For the cleanup of a failed save: whether this process coordinates the save (DCP
         # tells the writer), whether its prepare step ran, and the shard file this rank
@@ -152,6 +158,8 @@ class SaveTransaction:
     def prepare(self) -> None:
         """Coordinator, before any rank writes: make the target ready for this save."""
         with _on_coordinator():
+            if self.fence is not None:
+                self.fence("overwrite" if self.overwrite else "prepare")
             prepare_save_target(self.storage, overwrite=self.overwrite, world_size=self.world_size)
         self.prepared = True
 
@@ -173,6 +181,8 @@ class SaveTransaction:
         """Coordinator, after `.metadata` is written: the manifest, last. `metadata` (what DCP
         broadcasts back to every rank) then becomes this save's receipt."""
         with _on_coordinator():
+            if self.fence is not None:
+                self.fence("commit")
             commit_manifest(
                 self.storage,
                 files,

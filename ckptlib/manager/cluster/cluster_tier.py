@@ -237,6 +237,7 @@ class ClusterTier:
                 after_commit=None if background else (lambda: self._after_node_commit(step)),
                 on_failure=self._unlock_node,
                 make_transaction=make,
+                fence=lambda what: self.lock.fence(f"{what} step {step}"),  # on each leader
             )
         except BaseException:
             self._unlock_node()
@@ -270,7 +271,7 @@ class ClusterTier:
         they are done too): each leader applies its root's retention and unlocks it."""
         if self.topology is not None and self.topology.is_leader:
             try:
-                collect(self.root, self.root.uri, self.retention, protect={step})
+                collect(self.root, self.root.uri, self.retention, protect={step}, fence=self.lock.fence)
             finally:
                 self._unlock_node()
 
@@ -476,7 +477,9 @@ class ClusterTier:
                 return
             self._lock_node()
             try:
-                collect(self.root, self.root.uri, self.retention, protect={self._latest} - {None})
+                collect(
+                    self.root, self.root.uri, self.retention, protect={self._latest} - {None}, fence=self.lock.fence
+                )
             finally:
                 self._unlock_node()
 
@@ -484,10 +487,13 @@ class ClusterTier:
         return removed
 
     def close(self) -> None:
-        """Release the locks this process holds (no collective)."""
-        self.lock.close()
-        if self.remote is not None:
-            self.remote.close()
+        """Release the locks this process holds (no collective); LockedError for one lost while
+        held, after releasing the other."""
+        try:
+            self.lock.close()
+        finally:
+            if self.remote is not None:
+                self.remote.close()
 
 
 __all__ = ["ClusterTier"]

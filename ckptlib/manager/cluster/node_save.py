@@ -87,6 +87,8 @@ class NodeLocalSave(SaveTransaction):
 
     def _prepare_node(self) -> None:
         if self.topology.is_leader:
+            if self.fence is not None:  # this node's root lock, still the leader's
+                self.fence("overwrite" if self.overwrite else "prepare")
             prepare_save_target(self.storage, overwrite=self.overwrite, world_size=self.world_size)
             self.prepared = True
 
@@ -119,6 +121,8 @@ class NodeLocalSave(SaveTransaction):
         checked by size and made durable, then the manifest."""
         if not self.topology.is_leader:
             return
+        if self.fence is not None:  # this node's root lock, still the leader's
+            self.fence("commit")
         storage = self.storage
         manifest = Manifest.from_bytes(manifest_bytes, f"{storage.uri}/{MANIFEST_NAME}")
         if METADATA_NAME not in storage.list(METADATA_NAME):  # node 0's came from CkptWriter, fsynced
@@ -142,6 +146,8 @@ class NodeLocalSave(SaveTransaction):
         if self.root is not None and manifest.step is not None:
             # the newest commit of this root: every other reader of it (a plain manager, `ckpt
             # gc`, `ckpt export ROOT`) then agrees with the tier, also after a rollback
+            if self.fence is not None:
+                self.fence("move latest to")
             self.root.set_pointer(LATEST, step_dir(manifest.step))
 
     # -- running it ---------------------------------------------------------------------

@@ -10,7 +10,9 @@ directory remote: each 1 MiB piece checksummed, then copied in the kernel; a loc
 does not match is a CheckpointCorruptError). The ranks agree on the
 outcome once; only when every rank succeeded does rank 0 check the remote sizes, write the
 manifest (the local bytes), move the remote `latest` (only forward in commit order: an
-abandoned branch never takes it back) and apply the remote retention. Any failure on any
+abandoned branch never takes it back) and apply the remote retention; each of those steps
+(and uncommitting an older copy) is fenced by the remote lock's lease (`RootLock.fence`): a
+lock lost meanwhile is LockedError and the step is not taken. Any failure on any
 rank leaves the remote `latest` as it was, on every rank, as an UploadError naming the rank
 and the object (UploadRankLostError when a rank disappeared, e.g. a node killed
 mid-upload); the partial step is debris the next upload or gc removes. Upload time grows
@@ -225,7 +227,14 @@ class RemoteTier:
             return collect(self.storage, self.uri, self.retention, protect=set(protect), dry_run=True)
         self.take_lock()
         try:
-            return collect(self.storage, self.uri, self.retention, protect=set(protect), on_removed=on_removed)
+            return collect(
+                self.storage,
+                self.uri,
+                self.retention,
+                protect=set(protect),
+                on_removed=on_removed,
+                fence=self.lock.fence,
+            )
         finally:
             self.lock.abandon()
 
@@ -300,6 +309,7 @@ class RemoteTier:
                         "replace it",
                         path=where,
                     )
+                self.lock.fence(f"replace step {manifest.step}")
                 remote.delete([MANIFEST_NAME])  # uncommit the older copy before replacing its files
                 present.pop(MANIFEST_NAME)
             remote.write(PENDING_NAME, b'{"upload": "in progress"}', durable=False)
@@ -358,6 +368,7 @@ class RemoteTier:
         """Rank 0, after every rank uploaded: verify the sizes, write the manifest, move `latest`
         if this commit is the newest, apply retention, unlock. Returns whether `latest` moved."""
         try:
+            self.lock.fence(f"commit step {step}")
             if MANIFEST_NAME not in remote.list(MANIFEST_NAME):
                 listing = remote.list()
                 wrong = [
@@ -372,12 +383,13 @@ class RemoteTier:
             current = self.latest_order()
             moved = current is None or current <= manifest.commit_order()
             if moved:
+                self.lock.fence(f"move latest to step {step}")
                 self.storage.set_pointer(LATEST, step_dir(step))
-            removed = collect(self.storage, self.uri, self.retention, protect={step})
+            removed = collect(self.storage, self.uri, self.retention, protect={step}, fence=self.lock.fence)
             self.known_steps = (self.known_steps | {step}) - {parse_step(name) for name in removed}
         except BaseException as exc:
             self.lock.abandon()
-            if isinstance(exc, UploadError) or not isinstance(exc, Exception):
+            if isinstance(exc, (UploadError, LockedError)) or not isinstance(exc, Exception):
                 raise
             raise unreachable(UploadError(f"{where}: upload failed: {type(exc).__name__}: {exc}", path=where)) from exc
         self.lock.abandon()
