@@ -24,7 +24,7 @@ import os
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckptlib")
-MAX_LINES = 500
+MAX_LINES = 800
 TORCH_PRIVATE = "ckptlib/_torch/"
 
 
