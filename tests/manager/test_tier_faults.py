@@ -29,6 +29,7 @@ from ckptlib import (
     Cluster,
     CopyFallbackWarning,
     RemoteLag,
+    RemoteLagError,
     RemoteUnavailableWarning,
     SkippedDamagedStepWarning,
     StorageError,
@@ -123,7 +124,8 @@ def test_a_damaged_step_never_uploaded_is_skipped_and_blocks_nothing(tmp_path, r
         mgr.save(2, _state(2))
         with pytest.raises(UploadError, match="injected: the network is down"):
             mgr.wait()
-    mgr.close()
+        with pytest.raises(RemoteLagError, match=r": step 2 is committed locally only: its upload at close\(\) failed"):
+            mgr.close()  # no later save will upload 2: said, not promised
     path = _shard(local, 2)
     with open(path, "r+b") as f:
         if damage == "truncated":
@@ -192,7 +194,14 @@ def test_a_remote_that_is_down_never_blocks_an_intact_local_step(tmp_path, remot
     with pytest.warns(RemoteUnavailableWarning, match=f"{re.escape(uri)}: cannot lock the remote root"):
         assert mgr.wait() is None  # the step stays local: nothing raised
     assert mgr.remote_lag.steps == (2,)
-    mgr.close()
+    with pytest.raises(RemoteLagError) as info:
+        mgr.close()  # the remote still down: step 2 stays local, and close() says so
+    assert str(info.value).startswith(
+        f"{uri}: step 2 is committed locally only: its upload at close() failed and no later save will try "
+        f"again (1 step(s) not uploaded: 2; last failure: {uri}: cannot lock the remote root: "
+    ), str(info.value)
+    assert str(info.value).endswith("; a job that resumes from the local roots uploads it")
+    assert info.value.path == uri
 
     restarted = CheckpointManager(local, cluster=Cluster(remote=uri))
     state = _fresh()
@@ -225,3 +234,106 @@ def test_a_remote_that_cannot_be_locked_is_an_upload_error(tmp_path, remote):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mgr.close()
+
+
+# -- a cut at every point of an upload that replaces a committed remote step ------------------
+
+
+def _resaved(step: int) -> dict:
+    """Another version of `step` (a rollback's re-save): other values, the same step."""
+    state = _state(step + 1000)
+    state["step"] = step
+    return state
+
+
+def _remote_version(uri: str, step: int) -> str | None:
+    """Which version of `step` the remote holds committed: "old", "new" (`_resaved`), None when
+    it holds none; a committed copy that loads as neither fails the test."""
+    from ckptlib.loading.loading import load
+
+    store = open_storage(uri)
+    if classify(store.child(f"step_{step:010d}")) != "committed":
+        return None
+    got = _fresh()
+    load(f"{uri.rstrip('/')}/step_{step:010d}", got)
+    for name, want in (("old", _state(step)), ("new", _resaved(step))):
+        if got["step"] == step and all(torch.equal(got["model"][k], v) for k, v in want["model"].items()):
+            return name
+    raise AssertionError(f"{uri}: step {step} holds neither version")
+
+
+def _assert_remote_invariants(uri: str, kept: dict[int, set]) -> str | None:
+    """The remote `latest` names a committed step whose files load bit-exact; every step in
+    `kept` is committed there in one of the versions given (None: may be absent). Returns the
+    version of step 30 the remote holds."""
+    store = open_storage(uri)
+    pointed = store.read_pointer("latest")
+    assert pointed is not None
+    step = int(pointed.split("_")[1])
+    assert _remote_version(uri, step) is not None, f"the remote latest names {pointed}, not committed"
+    versions = {s: _remote_version(uri, s) for s in kept}
+    for s, allowed in kept.items():
+        assert versions[s] in allowed, (s, versions[s], allowed)
+    return versions[30]
+
+
+def _rollback_resave_with_cut(tmp_path, uri: str, cut, restore) -> str | None:
+    """Save 10, 20, 30 (all uploaded), roll back to 20 and save 30 again with the network cut by
+    `cut()`; check the remote, bring it back and close: the new 30 reaches the remote."""
+    local = str(tmp_path / "local")
+    mgr = CheckpointManager(local, cluster=Cluster(remote=uri, remote_lag=RemoteLag(retry_after=0)))
+    for step in (10, 20, 30):
+        mgr.save(step, _state(step))
+    assert mgr.wait().step == 30
+    state = _fresh()
+    assert mgr.load(state, step=20) == 20
+    cut()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # StalePointerWarning (30 is replaced), RemoteUnavailableWarning
+        mgr.save(30, _resaved(30))
+        mgr.wait()
+    restore()
+    held = _assert_remote_invariants(uri, {10: {"old"}, 20: {"old"}, 30: {None, "old", "new"}})
+    mgr.close()  # uploads the new 30 if the cut left the remote without it
+    assert open_storage(uri).read_pointer("latest") == "step_0000000030"
+    assert _assert_remote_invariants(uri, {10: {"old"}, 20: {"old"}, 30: {"new"}}) == "new"
+    restarted = CheckpointManager(local, cluster=Cluster(remote=uri))
+    state = _fresh()
+    assert restarted.load(state) == 30
+    want = _resaved(30)
+    assert all(torch.equal(state["model"][k], v) for k, v in want["model"].items())
+    restarted.close()
+    return held
+
+
+def test_a_cut_anywhere_in_replacing_the_remote_latest_leaves_it_committed_on_a_directory(tmp_path, monkeypatch):
+    from helpers.storage import LocalCut
+
+    uri = str(tmp_path / "remote")
+    cut = LocalCut(monkeypatch, uri)
+    # how many changes the replacing upload makes: the cut falls before each of them in turn
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    counted: list[int] = []
+    _rollback_resave_with_cut(probe, uri, lambda: counted.append(cut.changes), lambda: counted.append(cut.changes))
+    total = counted[1] - counted[0]
+    assert total >= 6, counted  # the lock, the pending marker, 2 files, the manifest, latest, ...
+    seen = set()
+    for n in range(total + 1):
+        case = tmp_path / f"cut{n}"
+        case.mkdir()
+        open_storage(uri).delete_tree()
+        seen.add(_rollback_resave_with_cut(case, uri, lambda n=n: cut.cut_after(n), cut.restore))
+    assert seen >= {"old", "new"}, seen  # the sweep reached both ends of the upload
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("nbytes", [0, 700, 3000, 9000, 20000, 40000], ids=lambda n: f"cut{n}")
+def test_a_cut_anywhere_in_replacing_the_remote_latest_leaves_it_committed_on_s3(
+    tmp_path, monkeypatch, fault_proxy, s3_server, s3_root, nbytes
+):
+    proxy = fault_proxy(s3_server)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
+    monkeypatch.setenv("CKPTLIB_S3_MAX_ATTEMPTS", "1")
+    _rollback_resave_with_cut(tmp_path, s3_root, lambda: proxy.cut_after(nbytes), proxy.restore)

@@ -28,7 +28,7 @@ import os
 import time
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ckptlib._runtime import agree as _dist
 from ckptlib.errors import (
@@ -44,7 +44,7 @@ from ckptlib.errors import (
     warn_scrubbed,
 )
 from ckptlib.format.native.layout import classify
-from ckptlib.format.native.manifest import CommitRecord, Manifest
+from ckptlib.format.native.manifest import MANIFEST_NAME, CommitRecord, Manifest
 from ckptlib.format.native.root import StalePointerWarning, committed_steps, step_dir
 from ckptlib.manager.cleanup import collect
 from ckptlib.manager.cluster.damaged import damaged_by_node, reassign, set_aside, without
@@ -245,7 +245,7 @@ class ClusterTier:
         self._latest = step
         if background:
             write = result if isinstance(result, AsyncSave) else None
-            self._start(step, lambda: made[0].manifest_bytes, write, resumed=None)
+            self._start(step, lambda _group: made[0].manifest_bytes, write, resumed=None)
         return result
 
     def _replace_decision(self, step: int, name: str, overwrite: bool, local: bool, remote: bool) -> str | None:
@@ -276,11 +276,19 @@ class ClusterTier:
 
     # -- the background pipeline ----------------------------------------------------------
     def _start(
-        self, step: int, manifest_bytes, write: AsyncSave | None, *, resumed: dict | None, holders: dict | None = None
+        self,
+        step: int,
+        manifest_bytes,
+        write: AsyncSave | None,
+        *,
+        resumed: dict | Callable[[Manifest], tuple] | None,
+        holders: dict | None = None,
+        catch_up: str | None = None,
     ) -> None:
         """Run the replicas (a new save) and the upload of `step` in the background on the
-        dedicated group; `resumed`: rank -> files, for an upload resumed after a load, and
-        `holders`: node -> the files of its copy that are intact."""
+        dedicated group; `resumed`: rank -> files, for an upload resumed after a load (or of a
+        step left local: `catch_up` names the call, see `wait`), and `holders`: node -> the
+        files of its copy that are intact."""
         group = self.group
         bg = background_save.async_group(group)
         topology = self.topology
@@ -288,7 +296,7 @@ class ClusterTier:
         local = self.root.child(step_dir(step))
 
         def pipeline():
-            data = manifest_bytes()
+            data = manifest_bytes(bg)
             manifest = Manifest.from_bytes(data, f"{local.uri}/ckptlib.json")
             result = failure = None
             replicated = False
@@ -306,12 +314,14 @@ class ClusterTier:
             if self.remote is not None:
                 if resumed is None:
                     assignment, held = own_files(topology, manifest, self.replicas if replicated else 0)
+                elif callable(resumed):
+                    assignment, held = resumed(manifest)
                 else:
                     assignment, held = resumed, holders or {}
                 upload = functools.partial(
                     self._upload, step, data, manifest, local, assignment, held, bg, resumed is not None
                 )
-                result = self._remote_copy(step, upload, bg)
+                result = self._remote_copy(step, upload, bg, catch_up)
             if failure is not None:
                 raise failure
             return result
@@ -351,11 +361,15 @@ class ClusterTier:
                 assignment, holders = reassign(exc, assignment, holders, self.topology)
                 resumed = True  # what the failed attempt uploaded completely stays
 
-    def _remote_copy(self, step: int, upload, group) -> SaveResult | None:
+    def _remote_copy(self, step: int, upload, group, catch_up: str | None = None) -> SaveResult | None:
         """Collective: `upload()` under the remote-lag policy (`remote_lag.LagState.attempt`);
-        a step left local is warned of at the next wait."""
+        a step left local is warned of at the next wait. `catch_up`: tried whatever the wait
+        after a failure; "close()": a failure is a RemoteLagError."""
         assert self.remote is not None
-        result, notice = self._lag.attempt(self.remote.uri, step, upload, group)
+        final = catch_up if catch_up == "close()" else None
+        result, notice = self._lag.attempt(
+            self.remote.uri, step, upload, group, force=catch_up is not None, final=final
+        )
         if notice is not None:
             self._notices.append(notice)
         return result
@@ -367,9 +381,37 @@ class ClusterTier:
         """The steps not uploaded yet (no collective); None without a remote."""
         return None if self.remote is None else self._lag.report()
 
-    def wait(self, timeout: float | None = None) -> Any:
+    def wait(self, timeout: float | None = None, *, catch_up: str | None = None) -> Any:
         """Wait for the background pipeline: its result, its failure raised once, None if none
-        (a step left local for want of the remote: RemoteUnavailableWarning, here)."""
+        (a step left local for want of the remote: RemoteUnavailableWarning, here).
+
+        `catch_up` (the manager's public call, "wait()" or "close()"; collective then): when the
+        remote still lacks the newest step left local, upload it now, within `timeout` (in
+        all). "wait()" does so when that step's upload was skipped and the wait after the last
+        failure is over by now (a failure: warned of as at a save); "close()" always, whatever
+        the wait, and a failure is a RemoteLagError naming the step: no later save will try."""
+        started = time.monotonic()
+        result = self._deliver(timeout)
+        lag = self._lag
+        if catch_up is None or self.remote is None or not lag.steps or lag.newest is None:
+            return result
+        step = lag.newest
+        if catch_up != "close()" and (lag.newest_tried or not _dist.decide_on_rank0(lambda: lag.due(step), self.group)):
+            return result
+        local = self.root.child(step_dir(step))
+        topology = self.setup()
+
+        def manifest_bytes(group) -> bytes:  # rank 0's node holds it, as every node does
+            return _dist.decide_on_rank0(lambda: local.read(MANIFEST_NAME), group)
+
+        def assignment(manifest: Manifest):
+            return own_files(topology, manifest, 0)
+
+        self._start(step, manifest_bytes, None, resumed=assignment, catch_up=catch_up)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+        return self._deliver(left) or result
+
+    def _deliver(self, timeout: float | None) -> Any:
         job = self._job
         if job is None:
             return None
@@ -428,7 +470,11 @@ class ClusterTier:
             if self._needs_upload(choice, manifest):
                 assignment = upload_assignment(choice, manifest, topology)
                 self._start(
-                    choice.step, lambda data=manifest_bytes: data, None, resumed=assignment, holders=choice.holders
+                    choice.step,
+                    lambda _group, data=manifest_bytes: data,
+                    None,
+                    resumed=assignment,
+                    holders=choice.holders,
                 )
             return result
         return None

@@ -77,6 +77,8 @@ class LagState:
         self.error: str | None = None
         self.failures = 0
         self.next_try = 0.0
+        self.newest: int | None = None  # the step last left local
+        self.newest_tried = False  # whether its upload was tried (False: skipped within the wait)
 
     def due(self, step: int) -> bool:
         """Rank 0: whether an upload of `step` is tried now: nothing lags, the wait after the
@@ -95,18 +97,21 @@ class LagState:
             self.since = time.monotonic()
         if step not in self.steps:
             self.steps.append(step)
+        self.newest, self.newest_tried = step, exc is not None
         if exc is not None:
             self.error = str(exc)
             self.failures += 1
             backoff = min(self.limit.retry_after * 2 ** (self.failures - 1), MAX_BACKOFF)
             self.next_try = time.monotonic() + backoff
 
-    def attempt(self, uri: str, step: int, upload, group=None):
-        """Collective: `upload()` unless the remote failed too recently. A failure for want of
-        the remote leaves `step` local: (None, the warning to give) until the lag passes the
-        limit (`RemoteLagError`); an upload that ran gives (its result, None)."""
+    def attempt(self, uri: str, step: int, upload, group=None, *, force: bool = False, final: str | None = None):
+        """Collective: `upload()` unless the remote failed too recently (`force`: whatever the
+        wait). A failure for want of the remote leaves `step` local: (None, the warning to
+        give) until the lag passes the limit (`RemoteLagError`), or at once with `final` (the
+        call that ends the job, e.g. "close()": no later save will try again); an upload that
+        ran gives (its result, None)."""
         attempted, cause = True, None
-        if self.steps and not _dist.decide_on_rank0(lambda: self.due(step), group):
+        if self.steps and not force and not _dist.decide_on_rank0(lambda: self.due(step), group):
             attempted = False
         else:
             try:
@@ -119,6 +124,8 @@ class LagState:
                 self.uploaded()
                 return result, None
         self.left_local(step, cause)
+        if final is not None:
+            raise RemoteLagError(self.unfinished(uri, step, final), path=uri) from cause
         why = _dist.decide_on_rank0(lambda: self.over(uri), group)
         if why is not None:
             raise RemoteLagError(why, path=uri) from cause
@@ -126,6 +133,15 @@ class LagState:
 
     def uploaded(self) -> None:
         self.steps, self.since, self.error, self.failures, self.next_try = [], None, None, 0, 0.0
+        self.newest, self.newest_tried = None, False
+
+    def unfinished(self, remote: str, step: int, call: str) -> str:
+        """The RemoteLagError's message when the upload of `step` that `call` made failed."""
+        return (
+            f"{remote}: step {step} is committed locally only: its upload at {call} failed and no later save will "
+            f"try again ({len(self.steps)} step(s) not uploaded: {describe_steps(self.steps)}; last failure: "
+            f"{self.error}); a job that resumes from the local roots uploads it"
+        )
 
     def report(self) -> RemoteLagReport:
         seconds = 0.0 if self.since is None else time.monotonic() - self.since
@@ -150,8 +166,8 @@ class LagState:
         what = "could not be uploaded" if attempted else "is not uploaded (the remote failed recently)"
         return (
             f"{remote}: step {step} {what}; it stays local and committed, and the upload is tried again at a "
-            f"later save. {len(self.steps)} step(s) not uploaded yet ({describe_steps(self.steps)}); last "
-            f"failure: {self.error}"
+            f"later save, wait() or close(). {len(self.steps)} step(s) not uploaded yet "
+            f"({describe_steps(self.steps)}); last failure: {self.error}"
         )
 
 

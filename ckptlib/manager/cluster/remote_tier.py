@@ -249,7 +249,7 @@ class RemoteTier:
         manifest = Manifest.from_bytes(manifest_bytes, f"{local.uri}/{MANIFEST_NAME}")
         rank = _dist.get_rank(group)
         with _uploading(f"upload of step {step} to {self.uri}", group, step, where):
-            present = _dist.decide_on_rank0(lambda: self._begin(remote, where, manifest, manifest_bytes), group)
+            present = _dist.decide_on_rank0(lambda: self._begin(step, remote, where, manifest, manifest_bytes), group)
             try:
                 if present is not None:
                     _dist.agree(
@@ -280,7 +280,9 @@ class RemoteTier:
             uri=remote.uri, step=step, world_size=manifest.world_size, total_bytes=manifest.total_bytes, seconds=seconds
         )
 
-    def _begin(self, remote: Storage, where: str, manifest: Manifest, manifest_bytes: bytes) -> dict[str, int] | None:
+    def _begin(
+        self, step: int, remote: Storage, where: str, manifest: Manifest, manifest_bytes: bytes
+    ) -> dict[str, int] | None:
         """Rank 0: lock, and make the step ready for the files: None when the same checkpoint is
         committed there already, else what the step holds (a resumed upload skips complete files)."""
         self.take_lock()
@@ -300,7 +302,12 @@ class RemoteTier:
                         "replace it",
                         path=where,
                     )
-                remote.delete([MANIFEST_NAME])  # uncommit the older copy before replacing its files
+                # The older copy is uncommitted before its files are replaced: first the remote
+                # `latest` leaves it, so a cut from here until the commit never leaves `latest`
+                # naming a step without its manifest (the step stays committed locally and a
+                # later upload, wait() or close() brings the new copy).
+                self._move_latest_off(step)
+                remote.delete([MANIFEST_NAME])
                 present.pop(MANIFEST_NAME)
             remote.write(PENDING_NAME, b'{"upload": "in progress"}', durable=False)
             return present
@@ -311,6 +318,32 @@ class RemoteTier:
             if kept or not isinstance(exc, Exception):
                 raise
             raise unreachable(UploadError(f"{where}: upload failed: {type(exc).__name__}: {exc}", path=where)) from exc
+
+    def _move_latest_off(self, step: int) -> None:
+        """Rank 0, before the committed remote copy of `step` is uncommitted: when the
+        remote `latest` names it, move `latest` to the newest other committed step (in commit
+        order) whose files are all there at their recorded sizes, or remove it when none is."""
+        if parse_step(self.storage.read_pointer(LATEST) or "") != step:
+            return
+        best: tuple[tuple, int] | None = None
+        for other in committed_steps(self.storage):
+            if other == step:
+                continue
+            where = self.storage.child(step_dir(other))
+            try:
+                found = _read_manifest(where)
+                listing = where.list()
+            except (FileNotFoundError, CheckpointError):
+                continue
+            if any(listing.get(name) != record.size for name, record in found.files.items()):
+                continue  # not a complete copy: never named by `latest`
+            order = found.commit_order()
+            if best is None or order > best[0]:
+                best = (order, other)
+        if best is None:
+            self.storage.delete([LATEST])
+        else:
+            self.storage.set_pointer(LATEST, step_dir(best[1]))
 
     def _send(
         self,
