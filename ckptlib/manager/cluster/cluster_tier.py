@@ -507,26 +507,34 @@ class ClusterTier:
 
     # -- gc and close ---------------------------------------------------------------------
     def gc(self, *, dry_run: bool, on_removed) -> list[str]:
-        """Collective: the remote's retention (rank 0, returned), then every node's own."""
-        self.setup()
+        """Collective: the remote's retention (rank 0), then every node's own on its root (its
+        own files and the replicas it keeps share a step directory), the dry run deciding
+        exactly as the run. Returns, on every rank, every step directory (to be) removed: the
+        remote's as `<remote uri>/<step dir>`, then each node's as `node<i>:<root>/<step dir>`."""
+        topology = self.setup()
         removed: list[str] = []
         if self.remote is not None:
             remote = self.remote
-            removed = _dist.decide_on_rank0(lambda: remote.gc(dry_run=dry_run, on_removed=on_removed), self.group)
+            names = _dist.decide_on_rank0(lambda: remote.gc(dry_run=dry_run, on_removed=on_removed), self.group)
+            removed = [f"{remote.uri.rstrip('/')}/{name}" for name in names]
+        protect = {self._latest} - {None}  # the step this run resumed or saved last, as after a save
 
-        def local() -> None:
-            if not self.topology.is_leader:
-                return
+        def local() -> list[str]:
+            if not topology.is_leader:
+                return []
             if dry_run:
-                collect(self.root, self.root.uri, self.retention, protect=set(), dry_run=True)
-                return
+                return collect(self.root, self.root.uri, self.retention, protect=protect, dry_run=True)
             self._lock_node()
             try:
-                collect(self.root, self.root.uri, self.retention, protect={self._latest} - {None})
+                return collect(self.root, self.root.uri, self.retention, protect=protect)
             finally:
                 self._unlock_node()
 
-        _dist.agree(local, self.group)
+        mine = _dist.agree(local, self.group)
+        by_rank = _dist.all_gather_object(mine, self.group)
+        where = self.root.uri.rstrip("/")
+        for node in range(len(topology.nodes)):
+            removed += [f"node{node}:{where}/{name}" for name in by_rank[topology.leader(node)]]
         return removed
 
     def close(self) -> None:

@@ -225,9 +225,11 @@ class RemoteTier:
             return collect(self.storage, self.uri, self.retention, protect=set(protect), dry_run=True)
         self.take_lock()
         try:
-            return collect(self.storage, self.uri, self.retention, protect=set(protect), on_removed=on_removed)
+            removed = collect(self.storage, self.uri, self.retention, protect=set(protect), on_removed=on_removed)
         finally:
             self.lock.abandon()
+        self.known_steps -= {parse_step(name) for name in removed}
+        return removed
 
     # -- an upload ----------------------------------------------------------------------
     def upload(
