@@ -280,3 +280,39 @@ def test_a_partner_node_lost_during_replication_is_an_error_on_every_survivor(tm
         assert res["ranks"] == [2] and res["message"].startswith("replication of step 1 failed on rank"), res
         assert res["latest"] is None  # no upload after a lost rank: the remote latest is untouched
         assert res["steps"] == [1]  # the local checkpoint stays committed
+
+
+def _gc_with_replicas(base: str, remote: str) -> dict:
+    import ckptlib
+
+    root = _root(base)
+    writer = ckptlib.CheckpointManager(root, cluster=Cluster(replicas=1, remote=remote))
+    for step in (1, 2, 3):
+        writer.save(step, _state(step))
+    writer.wait()
+    writer.close()
+    files = sorted(os.listdir(os.path.join(root, "step_0000000001")))  # its own shard and its partner's
+    tier = Cluster(replicas=1, remote=ckptlib.RemoteTier(remote, keep_last=2))
+    pruner = ckptlib.CheckpointManager(root, keep_last=1, cluster=tier)
+    dry = pruner.gc(dry_run=True)
+    before = sorted(n for n in os.listdir(root) if n.startswith("step_"))
+    run = pruner.gc()
+    after = sorted(n for n in os.listdir(root) if n.startswith("step_"))
+    pruner.close()
+    return {"files": files, "dry": dry, "run": run, "before": before, "after": after}
+
+
+def test_gc_reports_what_it_deletes_from_every_node_root_and_the_remote_on_every_rank(tmp_path, dist_run):
+    """keep_last=1 on 2 nodes with replicas=1: each node's root loses its own files and the
+    replicas it keeps for its partner; every rank gets the whole list, the dry run's alike."""
+    remote = str(tmp_path / "remote")
+    results = dist_run(2, _gc_with_replicas, str(tmp_path), remote, nodes=2)
+    want = [f"{remote}/step_0000000001"] + [
+        f"node{node}:{tmp_path}/node{node}/step_{step:010d}" for node in (0, 1) for step in (1, 2)
+    ]
+    for rank, res in enumerate(results):
+        assert res["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "ckptlib.json"], res
+        assert res["dry"] == want and res["run"] == want, (rank, res)
+        assert res["before"] == ["step_0000000001", "step_0000000002", "step_0000000003"], res
+        assert res["after"] == ["step_0000000003"], res
+    assert sorted(n for n in os.listdir(remote) if n.startswith("step_")) == ["step_0000000002", "step_0000000003"]

@@ -531,10 +531,10 @@ class ClusterTier:
                 self._unlock_node()
 
         mine = _dist.agree(local, self.group)
-        by_rank = _dist.all_gather_object(mine, self.group)
-        where = self.root.uri.rstrip("/")
+        by_rank = _dist.all_gather_object((self.root.uri.rstrip("/"), mine), self.group)
         for node in range(len(topology.nodes)):
-            removed += [f"node{node}:{where}/{name}" for name in by_rank[topology.leader(node)]]
+            where, names = by_rank[topology.leader(node)]
+            removed += [f"node{node}:{where}/{name}" for name in names]
         return removed
 
     def close(self) -> None:
