@@ -337,3 +337,48 @@ def test_a_cut_anywhere_in_replacing_the_remote_latest_leaves_it_committed_on_s3
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
     monkeypatch.setenv("CKPTLIB_S3_MAX_ATTEMPTS", "1")
     _rollback_resave_with_cut(tmp_path, s3_root, lambda: proxy.cut_after(nbytes), proxy.restore)
+
+
+# -- a node root's `latest` through a failed replacement ------------------------------------------
+
+
+@pytest.mark.parametrize("fail_at", ["shard", "manifest"])
+def test_a_failed_resave_of_the_step_a_node_root_latest_names_leaves_it_on_a_committed_step(
+    tmp_path, monkeypatch, fail_at
+):
+    from ckptlib.storage.local import LocalStorage
+
+    local = str(tmp_path / "local")
+    mgr = CheckpointManager(local, cluster=Cluster(remote=str(tmp_path / "remote")))
+    for step in (10, 20, 30):
+        mgr.save(step, _state(step))
+    mgr.wait()
+    assert mgr.load(_fresh(), step=20) == 20  # the rollback; the root's latest still names 30
+    store = open_storage(local)
+    assert store.read_pointer("latest") == "step_0000000030"
+    target = os.path.join(local, "step_0000000030")
+    name = "__0_0.distcp" if fail_at == "shard" else MANIFEST_NAME
+    real_open, real_write = LocalStorage.open_writer, LocalStorage.write
+
+    def refuse(storage, path):
+        if storage.uri.rstrip("/") == target and path == name:
+            raise StorageError(f"{target}/{path}: injected: no space left on device")
+
+    monkeypatch.setattr(LocalStorage, "open_writer", lambda s, p: refuse(s, p) or real_open(s, p))
+    monkeypatch.setattr(LocalStorage, "write", lambda s, p, d, **k: refuse(s, p) or real_write(s, p, d, **k))
+    with pytest.raises(StorageError, match="injected: no space left on device"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # StalePointerWarning: 30 is replaced
+            mgr.save(30, _resaved(30))
+    monkeypatch.undo()
+    assert store.read_pointer("latest") == "step_0000000020"  # never a step without its manifest
+    assert classify(store.child("step_0000000020")) == "committed"
+    assert classify(store.child("step_0000000030")) != "committed"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a plain reader of the root agrees, without a stale pointer
+        assert CheckpointManager(local).latest() == 20
+    state = _fresh()
+    assert mgr.load(state) == 30  # the old 30, still committed on the remote: nothing committed is lost
+    _assert_state(state, 30)
+    assert mgr.last_load.bytes_by_source["remote"] > 0
+    mgr.close()

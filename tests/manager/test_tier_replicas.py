@@ -316,3 +316,52 @@ def test_gc_reports_what_it_deletes_from_every_node_root_and_the_remote_on_every
         assert res["before"] == ["step_0000000001", "step_0000000002", "step_0000000003"], res
         assert res["after"] == ["step_0000000003"], res
     assert sorted(n for n in os.listdir(remote) if n.startswith("step_")) == ["step_0000000002", "step_0000000003"]
+
+
+def _one_node_fails_its_commit(base: str) -> dict:
+    import torch.distributed as dist
+
+    import ckptlib
+    from ckptlib.format import classify
+    from ckptlib.storage import open_storage
+    from ckptlib.storage.local import LocalStorage
+
+    root = _root(base)
+    mgr = ckptlib.CheckpointManager(root, cluster=Cluster())
+    mgr.save(1, _state(1))
+    real_write = LocalStorage.write
+
+    def write(storage, path, data, **kwargs):
+        if dist.get_rank() == 1 and path == "ckptlib.json" and storage.uri.endswith("step_0000000002"):
+            raise ckptlib.StorageError(f"{storage.uri}/{path}: injected: no space left on device")
+        return real_write(storage, path, data, **kwargs)
+
+    LocalStorage.write = write
+    try:
+        mgr.save(2, _state(2))
+        error = None
+    except ckptlib.CheckpointError as exc:
+        error = type(exc).__name__, str(exc)
+    finally:
+        LocalStorage.write = real_write
+    store = open_storage(root)
+    out = {
+        "error": error,
+        "latest": store.read_pointer("latest"),
+        "step2": classify(store.child("step_0000000002")),
+        "resumed": mgr.load(_state(0, rank=0)),
+    }
+    mgr.close()
+    return out
+
+
+def test_a_node_whose_commit_is_taken_back_has_its_latest_back_on_a_committed_step(tmp_path, dist_run):
+    """Node 0 commits step 2 and moves its root's `latest`; node 1 fails to: every node takes
+    its manifest back, and node 0's `latest` goes back to step 1 before that (never a step
+    without its manifest)."""
+    results = dist_run(2, _one_node_fails_its_commit, str(tmp_path), nodes=2)
+    for rank, res in enumerate(results):
+        kind, text = res["error"]
+        assert text.endswith("step_0000000002/ckptlib.json: injected: no space left on device"), (rank, res)
+        assert res["latest"] == "step_0000000001", (rank, res)
+        assert res["step2"] != "committed" and res["resumed"] == 1, (rank, res)

@@ -28,7 +28,7 @@ import os
 import time
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ckptlib._runtime import agree as _dist
 from ckptlib.errors import (
@@ -44,7 +44,7 @@ from ckptlib.errors import (
     warn_scrubbed,
 )
 from ckptlib.format.native.layout import classify
-from ckptlib.format.native.manifest import MANIFEST_NAME, CommitRecord, Manifest
+from ckptlib.format.native.manifest import CommitRecord, Manifest
 from ckptlib.format.native.root import StalePointerWarning, committed_steps, step_dir
 from ckptlib.manager.cleanup import collect
 from ckptlib.manager.cluster.damaged import damaged_by_node, reassign, set_aside, without
@@ -66,6 +66,7 @@ from ckptlib.manager.cluster.resume import (
     warn_all,
 )
 from ckptlib.manager.cluster.topology import FewerReplicasWarning, Topology, detect
+from ckptlib.manager.cluster.upkeep import catch_up_plan, tier_gc
 from ckptlib.manager.local_budget import LocalBudget, LocalUsage
 from ckptlib.manager.lock import RootLock
 from ckptlib.manager.single_root import TierSettings
@@ -108,9 +109,13 @@ class ClusterTier:
         self._seq: int | None = None  # the largest commit seq seen (None: not looked yet)
         self._latest: int | None = None  # the step last saved or resumed (the parent of the next save)
         self._job: AsyncSave | None = None  # the background pipeline in flight
-        self._lag = LagState(cluster.remote_lag)  # steps the remote lacks for want of it
+        self.lag = LagState(cluster.remote_lag)  # steps the remote lacks for want of it
         self._notices: list[str] = []  # warnings of the pipeline, given at the next wait
         self._run = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
+
+    @property
+    def latest_step(self) -> int | None:  # the step last saved or resumed
+        return self._latest
 
     def path(self, step: int) -> str:
         """With a remote, the step's remote directory; else its directory in this node's root."""
@@ -276,14 +281,7 @@ class ClusterTier:
 
     # -- the background pipeline ----------------------------------------------------------
     def _start(
-        self,
-        step: int,
-        manifest_bytes,
-        write: AsyncSave | None,
-        *,
-        resumed: dict | Callable[[Manifest], tuple] | None,
-        holders: dict | None = None,
-        catch_up: str | None = None,
+        self, step: int, manifest_bytes, write: AsyncSave | None, *, resumed, holders=None, catch_up=None
     ) -> None:
         """Run the replicas (a new save) and the upload of `step` in the background on the
         dedicated group; `resumed`: rank -> files, for an upload resumed after a load (or of a
@@ -367,9 +365,7 @@ class ClusterTier:
         after a failure; "close()": a failure is a RemoteLagError."""
         assert self.remote is not None
         final = catch_up if catch_up == "close()" else None
-        result, notice = self._lag.attempt(
-            self.remote.uri, step, upload, group, force=catch_up is not None, final=final
-        )
+        result, notice = self.lag.attempt(self.remote.uri, step, upload, group, force=catch_up is not None, final=final)
         if notice is not None:
             self._notices.append(notice)
         return result
@@ -379,34 +375,21 @@ class ClusterTier:
 
     def remote_lag(self) -> RemoteLagReport | None:
         """The steps not uploaded yet (no collective); None without a remote."""
-        return None if self.remote is None else self._lag.report()
+        return None if self.remote is None else self.lag.report()
 
     def wait(self, timeout: float | None = None, *, catch_up: str | None = None) -> Any:
         """Wait for the background pipeline: its result, its failure raised once, None if none
         (a step left local for want of the remote: RemoteUnavailableWarning, here).
 
-        `catch_up` (the manager's public call, "wait()" or "close()"; collective then): when the
-        remote still lacks the newest step left local, upload it now, within `timeout` (in
-        all). "wait()" does so when that step's upload was skipped and the wait after the last
-        failure is over by now (a failure: warned of as at a save); "close()" always, whatever
-        the wait, and a failure is a RemoteLagError naming the step: no later save will try."""
+        `catch_up` ("wait()" / "close()", the manager's public calls; collective then): the
+        upload of the newest step left local that `upkeep.catch_up_plan` picks, too, within
+        `timeout` in all; after "close()" a failure of it is a RemoteLagError naming the step."""
         started = time.monotonic()
         result = self._deliver(timeout)
-        lag = self._lag
-        if catch_up is None or self.remote is None or not lag.steps or lag.newest is None:
+        plan = catch_up_plan(self, catch_up)
+        if plan is None:
             return result
-        step = lag.newest
-        if catch_up != "close()" and (lag.newest_tried or not _dist.decide_on_rank0(lambda: lag.due(step), self.group)):
-            return result
-        local = self.root.child(step_dir(step))
-        topology = self.setup()
-
-        def manifest_bytes(group) -> bytes:  # rank 0's node holds it, as every node does
-            return _dist.decide_on_rank0(lambda: local.read(MANIFEST_NAME), group)
-
-        def assignment(manifest: Manifest):
-            return own_files(topology, manifest, 0)
-
+        step, manifest_bytes, assignment = plan
         self._start(step, manifest_bytes, None, resumed=assignment, catch_up=catch_up)
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
         return self._deliver(left) or result
@@ -469,13 +452,8 @@ class ClusterTier:
                 choice = dataclasses.replace(choice, holders=without(choice.holders, damaged))
             if self._needs_upload(choice, manifest):
                 assignment = upload_assignment(choice, manifest, topology)
-                self._start(
-                    choice.step,
-                    lambda _group, data=manifest_bytes: data,
-                    None,
-                    resumed=assignment,
-                    holders=choice.holders,
-                )
+                data = manifest_bytes
+                self._start(choice.step, lambda _group: data, None, resumed=assignment, holders=choice.holders)
             return result
         return None
 
@@ -507,35 +485,8 @@ class ClusterTier:
 
     # -- gc and close ---------------------------------------------------------------------
     def gc(self, *, dry_run: bool, on_removed) -> list[str]:
-        """Collective: the remote's retention (rank 0), then every node's own on its root (its
-        own files and the replicas it keeps share a step directory), the dry run deciding
-        exactly as the run. Returns, on every rank, every step directory (to be) removed: the
-        remote's as `<remote uri>/<step dir>`, then each node's as `node<i>:<root>/<step dir>`."""
-        topology = self.setup()
-        removed: list[str] = []
-        if self.remote is not None:
-            remote = self.remote
-            names = _dist.decide_on_rank0(lambda: remote.gc(dry_run=dry_run, on_removed=on_removed), self.group)
-            removed = [f"{remote.uri.rstrip('/')}/{name}" for name in names]
-        protect = {self._latest} - {None}  # the step this run resumed or saved last, as after a save
-
-        def local() -> list[str]:
-            if not topology.is_leader:
-                return []
-            if dry_run:
-                return collect(self.root, self.root.uri, self.retention, protect=protect, dry_run=True)
-            self._lock_node()
-            try:
-                return collect(self.root, self.root.uri, self.retention, protect=protect)
-            finally:
-                self._unlock_node()
-
-        mine = _dist.agree(local, self.group)
-        by_rank = _dist.all_gather_object((self.root.uri.rstrip("/"), mine), self.group)
-        for node in range(len(topology.nodes)):
-            where, names = by_rank[topology.leader(node)]
-            removed += [f"node{node}:{where}/{name}" for name in names]
-        return removed
+        """Collective: every root's retention, every deletion reported (`upkeep.tier_gc`)."""
+        return tier_gc(self, dry_run=dry_run, on_removed=on_removed)
 
     def close(self) -> None:
         """Release the locks this process holds (no collective)."""

@@ -45,6 +45,7 @@ from ckptlib.format.items.checksum import crc32
 from ckptlib.format.native.manifest import MANIFEST_NAME, PENDING_NAME, Manifest
 from ckptlib.format.native.root import LATEST, committed_steps, parse_step, step_dir
 from ckptlib.manager.cleanup import collect
+from ckptlib.manager.cluster.pointers import move_latest_off
 from ckptlib.manager.lock import RootLock
 from ckptlib.manager.policies import KeepLast, RetentionPolicy
 from ckptlib.saving.saving import SaveResult
@@ -308,7 +309,7 @@ class RemoteTier:
                 # `latest` leaves it, so a cut from here until the commit never leaves `latest`
                 # naming a step without its manifest (the step stays committed locally and a
                 # later upload, wait() or close() brings the new copy).
-                self._move_latest_off(step)
+                move_latest_off(self.storage, step, whole=True)
                 remote.delete([MANIFEST_NAME])
                 present.pop(MANIFEST_NAME)
             remote.write(PENDING_NAME, b'{"upload": "in progress"}', durable=False)
@@ -320,32 +321,6 @@ class RemoteTier:
             if kept or not isinstance(exc, Exception):
                 raise
             raise unreachable(UploadError(f"{where}: upload failed: {type(exc).__name__}: {exc}", path=where)) from exc
-
-    def _move_latest_off(self, step: int) -> None:
-        """Rank 0, before the committed remote copy of `step` is uncommitted: when the
-        remote `latest` names it, move `latest` to the newest other committed step (in commit
-        order) whose files are all there at their recorded sizes, or remove it when none is."""
-        if parse_step(self.storage.read_pointer(LATEST) or "") != step:
-            return
-        best: tuple[tuple, int] | None = None
-        for other in committed_steps(self.storage):
-            if other == step:
-                continue
-            where = self.storage.child(step_dir(other))
-            try:
-                found = _read_manifest(where)
-                listing = where.list()
-            except (FileNotFoundError, CheckpointError):
-                continue
-            if any(listing.get(name) != record.size for name, record in found.files.items()):
-                continue  # not a complete copy: never named by `latest`
-            order = found.commit_order()
-            if best is None or order > best[0]:
-                best = (order, other)
-        if best is None:
-            self.storage.delete([LATEST])
-        else:
-            self.storage.set_pointer(LATEST, step_dir(best[1]))
 
     def _send(
         self,
