@@ -8,12 +8,15 @@ remote, and is tried again at a later save: after `RemoteLag.retry_after` second
 after each failure up to `MAX_BACKOFF`, the newest step is uploaded (uploads of the saves in
 between are skipped, not queued, unless skipping one would pass the limit). The remote
 `latest` still only ever names a complete, verified copy. `mgr.remote_lag` reports where it
-stands.
+stands. At the end of a job nothing is left to a later save that cannot come: `close()`
+uploads the newest step left local whatever the wait, or raises a `RemoteLagError` naming it;
+`wait()` uploads it once the wait is over when its upload was skipped (`upkeep`).
 
 Strictness is opt-in: `RemoteLag(steps=N)` makes the save that leaves more than N steps not
 uploaded fail (`RemoteLagError`, an `UploadError`; `steps=0`: every failed upload is an
 error), `RemoteLag(seconds=S)` the one that finds the oldest of them saved more than S
-seconds ago. Time is rank 0's: its decisions reach every rank.
+seconds ago; the save's upload runs in the background, so the error reaches every rank at the
+next call that waits for it. Time is rank 0's: its decisions reach every rank.
 """
 
 from __future__ import annotations

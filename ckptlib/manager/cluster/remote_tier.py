@@ -13,8 +13,10 @@ manifest (the local bytes), move the remote `latest` (only forward in commit ord
 abandoned branch never takes it back) and apply the remote retention. Any failure on any
 rank leaves the remote `latest` as it was, on every rank, as an UploadError naming the rank
 and the object (UploadRankLostError when a rank disappeared, e.g. a node killed
-mid-upload); the partial step is debris the next upload or gc removes. Upload time grows
-with the per-rank shard size, not the checkpoint size.
+mid-upload); the partial step is debris the next upload or gc removes. An upload replacing
+another committed copy of its step moves the remote `latest` off that step before it
+uncommits it (`pointers`), so a cut anywhere leaves `latest` on a committed step. Upload time
+grows with the per-rank shard size, not the checkpoint size.
 """
 
 from __future__ import annotations
