@@ -30,6 +30,7 @@ from ckptlib import (
     CopyFallbackWarning,
     RemoteLag,
     RemoteLagError,
+    RemoteTier,
     RemoteUnavailableWarning,
     SkippedDamagedStepWarning,
     StorageError,
@@ -382,3 +383,65 @@ def test_a_failed_resave_of_the_step_a_node_root_latest_names_leaves_it_on_a_com
     _assert_state(state, 30)
     assert mgr.last_load.bytes_by_source["remote"] > 0
     mgr.close()
+
+
+def test_a_cut_anywhere_in_an_upload_and_its_retention_then_close_keeps_every_invariant(tmp_path, monkeypatch):
+    """A new step's upload with the remote's retention (keep_last=1), cut before each of its
+    changes in turn and left cut through close(): the remote `latest` names a committed step
+    that loads bit-exact, the step it named before is gone only once the new one is committed
+    and named, close() raises RemoteLagError naming the step the remote lacks, and a resumed
+    job uploads it."""
+    from helpers.storage import LocalCut
+
+    uri = str(tmp_path / "remote")
+    cut = LocalCut(monkeypatch, uri)
+
+    def run(case, n):
+        local = str(case / "local")
+        remote = RemoteTier(uri, keep_last=1)
+        mgr = CheckpointManager(local, cluster=Cluster(remote=remote, remote_lag=RemoteLag(retry_after=0)))
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+        assert mgr.wait().step == 2
+        before = cut.changes
+        if n is not None:
+            cut.cut_after(n)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # RemoteUnavailableWarning
+            mgr.save(3, _state(3))
+            mgr.wait()
+            if n is None:
+                mgr.close()
+                return cut.changes - before
+            held = _remote_version(uri, 3) if not cut.down else None
+            if mgr.remote_lag.steps:
+                with pytest.raises(RemoteLagError, match=r": step 3 is committed locally only: its upload at close"):
+                    mgr.close()
+            else:
+                mgr.close()
+        cut.restore()
+        store = open_storage(uri)
+        pointed = store.read_pointer("latest")
+        assert pointed in ("step_0000000002", "step_0000000003"), (n, pointed)
+        named = int(pointed[5:])
+        assert _remote_version(uri, named) == "old", (n, pointed)
+        if named == 2:
+            assert _remote_version(uri, 3) in (None, "old") and held in (None, "old"), n
+        restarted = CheckpointManager(local, cluster=Cluster(remote=uri))
+        state = _fresh()
+        assert restarted.load(state) == 3
+        _assert_state(state, 3)
+        restarted.wait()
+        restarted.close()
+        assert store.read_pointer("latest") == "step_0000000003" and _remote_version(uri, 3) == "old", n
+        return named
+
+    (tmp_path / "probe").mkdir()
+    total = run(tmp_path / "probe", None)
+    assert total >= 6, total
+    named = set()
+    for n in range(total + 1):
+        open_storage(uri).delete_tree()
+        (tmp_path / f"cut{n}").mkdir()
+        named.add(run(tmp_path / f"cut{n}", n))
+    assert named == {2, 3}, named  # the sweep reached both sides of the commit

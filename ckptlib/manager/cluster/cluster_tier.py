@@ -458,15 +458,16 @@ class ClusterTier:
         return None
 
     def _needs_upload(self, choice: Choice, manifest: Manifest) -> bool:
-        """A version loaded from the local tiers that the remote lacks and is newer than its
-        `latest` (warned and left when some file of it has no intact node copy left)."""
+        """A version newer than the remote `latest`: one the remote lacks (warned and left when
+        some file of it has no intact node copy left), or holds (a cut before `latest` moved)."""
         if not (
             self.remote is not None
             and choice.remote_reachable
-            and not choice.remote
             and (choice.remote_latest is None or choice.order > choice.remote_latest)
         ):
             return False
+        if choice.remote:
+            return True  # committed there already: the upload only moves `latest` to it
         unheld = sorted(name for name in manifest.files if not any(name in h for h in choice.holders.values()))
         if unheld:
             warn_all(
