@@ -480,5 +480,6 @@ def test_tier_gc_reports_every_deletion_and_its_dry_run_what_it_deletes(
     assert pruner.gc() == want
     assert _tier_dirs(local) == [s for s in before_local if s not in local_gone]
     assert _tier_dirs(tier_remote) == [s for s in before_remote if s not in remote_gone]
+    assert not pruner.remote.known_steps & set(remote_gone)  # a later save of one is no "replacement"
     assert pruner.gc(dry_run=True) == [] and pruner.gc() == []
     pruner.close()

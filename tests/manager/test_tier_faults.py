@@ -294,6 +294,8 @@ def _rollback_resave_with_cut(tmp_path, uri: str, cut, restore) -> str | None:
         mgr.save(30, _resaved(30))
         mgr.wait()
     restore()
+    # never further back than the newest other committed step
+    assert open_storage(uri).read_pointer("latest") in ("step_0000000020", "step_0000000030")
     held = _assert_remote_invariants(uri, {10: {"old"}, 20: {"old"}, 30: {None, "old", "new"}})
     mgr.close()  # uploads the new 30 if the cut left the remote without it
     assert open_storage(uri).read_pointer("latest") == "step_0000000030"
