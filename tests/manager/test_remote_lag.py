@@ -267,3 +267,27 @@ def test_wait_uploads_a_skipped_step_once_the_retry_wait_is_over(tmp_path, monke
     assert mgr.remote_lag == RemoteLagReport()
     assert mgr.wait() is None
     mgr.close()
+
+
+@pytest.mark.parametrize("ending", ["clean", "error"])
+def test_a_with_block_ends_like_close_unless_an_error_ends_it(tmp_path, monkeypatch, ending):
+    """Leaving `with CheckpointManager(...)` normally is close(): the step the remote lacks is
+    a RemoteLagError; leaving it with an error propagates that error, with no upload tried."""
+    uri = str(tmp_path / "remote")
+    take_down, _ = local_remote_down(monkeypatch, uri)
+    mgr = CheckpointManager(str(tmp_path / "local"), cluster=Cluster(remote=uri))
+    take_down()
+    with pytest.warns(RemoteUnavailableWarning, match="step 1 could not be uploaded"):
+        mgr.save(1, _state(1))
+        mgr.wait()
+    expected = RemoteLagError if ending == "clean" else KeyError
+    with pytest.raises(expected) as info:
+        with mgr:
+            if ending == "error":
+                raise KeyError("the training loop failed")
+    if ending == "clean":
+        assert str(info.value).startswith(f"{uri}: step 1 is committed locally only: its upload at close() failed")
+    else:
+        assert info.value.args == ("the training loop failed",)
+    assert mgr.remote_lag.steps == (1,)
+    assert mgr.tier.lock.holder() is None  # released either way
