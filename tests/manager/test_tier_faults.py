@@ -9,7 +9,13 @@ S3 remote (moto on 127.0.0.1):
 - a remote that is down never blocks loading an intact local step, and an upload to it leaves
   the step local (a RemoteUnavailableWarning; with `RemoteLag(steps=0)` an UploadError) with
   the remote `latest` unchanged;
-- a remote that cannot be locked is an UploadError, not a plain StorageError.
+- a remote that cannot be locked is an UploadError, not a plain StorageError;
+- the irreversible steps under a fault (round five): a network cut before every change of an
+  upload that replaces the step the remote `latest` names (a directory remote; byte counts on
+  S3 behind the fault proxy), and of a plain upload with the remote's retention, left cut
+  through close(): every `latest` names a committed step that loads bit-exact, no committed
+  step is lost, close() uploads the step or raises RemoteLagError naming it; a node root's
+  `latest` through a failed replacement of the step it names.
 """
 
 from __future__ import annotations
