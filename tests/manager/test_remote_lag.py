@@ -291,3 +291,37 @@ def test_a_with_block_ends_like_close_unless_an_error_ends_it(tmp_path, monkeypa
         assert info.value.args == ("the training loop failed",)
     assert mgr.remote_lag.steps == (1,)
     assert mgr.tier.lock.holder() is None  # released either way
+
+
+@pytest.mark.parametrize("remote_back", [True, False], ids=["remote_back", "remote_still_down"])
+def test_a_step_resumed_while_the_remote_is_down_is_uploaded_by_close(tmp_path, remote_down, remote_back):
+    """A job that resumes a step the remote lacks while the remote does not answer, and ends
+    without saving: close() uploads that step, or raises RemoteLagError naming it."""
+    uri, take_down, bring_up = remote_down
+    local = str(tmp_path / "local")
+    mgr = CheckpointManager(local, cluster=Cluster(remote=uri))
+    mgr.save(1, _state(1))
+    mgr.wait()
+    take_down()
+    mgr.save(2, _state(2))
+    with pytest.warns(RemoteUnavailableWarning):
+        mgr.wait()
+    with pytest.raises(RemoteLagError):
+        mgr.close()
+    restarted = CheckpointManager(local, cluster=Cluster(remote=uri))
+    state = {"model": {k: torch.zeros_like(v) for k, v in _state(2)["model"].items()}, "step": -1}
+    with pytest.warns(RemoteUnavailableWarning, match="using the local tiers only"):
+        assert restarted.load(state) == 2
+    assert restarted.wait() is None  # nothing tried against a remote just found down
+    assert restarted.remote_lag.steps == (2,)
+    assert restarted.remote_lag.error == f"{uri}: unreachable when step 2 was resumed"
+    if remote_back:
+        bring_up()
+        restarted.close()
+        assert open_storage(uri).read_pointer("latest") == "step_0000000002"
+        assert _remote_holds(uri, 2)
+    else:
+        with pytest.raises(RemoteLagError, match=r": step 2 is committed locally only: its upload at close\(\) failed"):
+            restarted.close()
+        bring_up()
+        assert open_storage(uri).read_pointer("latest") == "step_0000000001"

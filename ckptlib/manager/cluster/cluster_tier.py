@@ -40,6 +40,7 @@ from ckptlib.errors import (
     ReplicationError,
     ReplicationRankLostError,
     StateError,
+    UploadError,
     stacklevel_outside_ckptlib,
     warn_scrubbed,
 )
@@ -459,26 +460,21 @@ class ClusterTier:
 
     def _needs_upload(self, choice: Choice, manifest: Manifest) -> bool:
         """A version newer than the remote `latest`: one the remote lacks (warned and left when
-        some file of it has no intact node copy left), or holds (a cut before `latest` moved)."""
-        if not (
-            self.remote is not None
-            and choice.remote_reachable
-            and (choice.remote_latest is None or choice.order > choice.remote_latest)
-        ):
+        some file of it has no intact node copy left), or holds (a cut before `latest` moved).
+        One the remote could not be asked about is left local: `close()` tries it (`upkeep`)."""
+        if self.remote is not None and not choice.remote_reachable and not choice.remote:
+            why = UploadError(f"{self.remote.uri}: unreachable when step {choice.step} was resumed")
+            self.lag.left_local(choice.step, why, backoff=False)
+        newer = choice.remote_latest is None or choice.order > choice.remote_latest
+        if not (self.remote is not None and choice.remote_reachable and newer):
             return False
         if choice.remote:
             return True  # committed there already: the upload only moves `latest` to it
         unheld = sorted(name for name in manifest.files if not any(name in h for h in choice.holders.values()))
         if unheld:
-            warn_all(
-                [
-                    f"step {choice.step} is not uploaded to {self.remote.uri}: no node holds an intact copy of "
-                    f"{', '.join(unheld[:10])}"
-                ],
-                UploadSkippedWarning,
-            )
-            return False
-        return True
+            where = f"step {choice.step} is not uploaded to {self.remote.uri}: no node holds an intact copy of "
+            warn_all([where + ", ".join(unheld[:10])], UploadSkippedWarning)
+        return not unheld
 
     def latest(self) -> int | None:
         chosen = self._inventory(None)

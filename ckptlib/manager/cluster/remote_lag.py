@@ -94,8 +94,9 @@ class LagState:
         too_old = limit.seconds is not None and self.since is not None and now - self.since > limit.seconds
         return (limit.steps is not None and lagging > limit.steps) or too_old
 
-    def left_local(self, step: int, exc: BaseException | None) -> None:
-        """`step` was not uploaded: its upload failed with `exc`, or was skipped (None)."""
+    def left_local(self, step: int, exc: BaseException | None, *, backoff: bool = True) -> None:
+        """`step` was not uploaded: its upload failed with `exc`, or was skipped (None);
+        `backoff=False`: found unreachable without a try (a load), the next save tries."""
         if self.since is None:
             self.since = time.monotonic()
         if step not in self.steps:
@@ -103,9 +104,10 @@ class LagState:
         self.newest, self.newest_tried = step, exc is not None
         if exc is not None:
             self.error = str(exc)
+        if exc is not None and backoff:
             self.failures += 1
-            backoff = min(self.limit.retry_after * 2 ** (self.failures - 1), MAX_BACKOFF)
-            self.next_try = time.monotonic() + backoff
+            delay = min(self.limit.retry_after * 2 ** (self.failures - 1), MAX_BACKOFF)
+            self.next_try = time.monotonic() + delay
 
     def attempt(self, uri: str, step: int, upload, group=None, *, force: bool = False, final: str | None = None):
         """Collective: `upload()` unless the remote failed too recently (`force`: whatever the
