@@ -233,8 +233,9 @@ class UploadError(StorageError):
 
 class RemoteLagError(UploadError):
     """The remote has been unreachable for longer than `Cluster(remote_lag=RemoteLag(...))`
-    allows (steps not uploaded, or seconds since the oldest of them): names the remote, the
-    steps and the last failure. Every step stays committed locally."""
+    allows (steps not uploaded, or seconds since the oldest of them), or still lacks the newest
+    step when `close()` tried it (no later save will): names the remote, the steps and the last
+    failure. Every step stays committed locally."""
 
 
 class UploadRankLostError(UploadError, RankLostError):

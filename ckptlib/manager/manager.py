@@ -136,16 +136,21 @@ class CheckpointManager:
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        self._close(catch_up="close()" if exc_type is None else None)  # after an error: no collective
 
     def close(self) -> None:
         """Wait for an async save in flight (raising its failure), stop the writer process
         (AsyncMode("process")), then release the root's lock if this manager holds it (rank 0;
         no collective): LockedError when the lock was lost while held (another writer took the
-        root; its lock file stays)."""
+        root; its lock file stays). With a cluster tier whose remote lacks the newest step (left
+        local for want of the remote), that step is uploaded first (collective), or a
+        RemoteLagError naming it is raised: no later save will upload it."""
+        self._close(catch_up="close()")
+
+    def _close(self, catch_up: str | None) -> None:
         try:
-            self.wait()
+            self._wait(None, catch_up=catch_up)
         finally:
             if self._watcher is not None:
                 self._watcher.close()
@@ -171,12 +176,18 @@ class CheckpointManager:
         unless it was already raised elsewhere (by the handle's wait()/result(), or an earlier
         call here): a failure is delivered once and the next call starts clean. None when
         nothing was in flight; TimeoutError when it is still running after `timeout` seconds.
-        With a cluster tier: the replicas and the upload too (the remote copy's SaveResult)."""
+        With a cluster tier: the replicas and the upload too (the remote copy's SaveResult); when
+        the upload of the newest step was skipped within the wait after a remote failure, it is
+        tried now (collective), a failure warned of as at a save."""
+        return self._wait(timeout, catch_up="wait()")
+
+    def _wait(self, timeout: float | None = None, *, catch_up: str | None = None) -> SaveResult | None:
+        """`wait`; the manager's own calls (before a save, a load, gc) catch up on nothing."""
         pending, result = self._pending, None
         try:
             if pending is not None:
                 result = pending.deliver(timeout)
-            return self.tier.wait(timeout) or result
+            return self.tier.wait(timeout, catch_up=catch_up) or result
         finally:
             if pending is not None and pending.done():
                 self._pending = None
@@ -187,7 +198,7 @@ class CheckpointManager:
         # Registered after the lock's own exit handler, so it runs first (atexit is LIFO):
         # the lock is never released while the background still writes under it.
         with contextlib.suppress(Exception):
-            self.wait()
+            self._wait()
 
     # -- the lock -----------------------------------------------------------------------
     def lock_holder(self) -> LockHolder | None:
@@ -300,7 +311,7 @@ class CheckpointManager:
         step = check_step(step)
         what = f"save of step {step} to {self.root_uri}"
         with _dist.called_by_every_rank("manager.save", what, self.process_group, step=step, path=self.path(step)):
-            self.wait()  # the previous async save: its failure surfaces here, before anything else
+            self._wait()  # the previous async save: its failure surfaces here, before anything else
             with _dist.peer_loss_as_error(what, self.process_group, step=step, path=self.path(step)):
                 return self._save(step, state, metadata, metrics, overwrite)
 
@@ -325,7 +336,7 @@ class CheckpointManager:
 
         Takes the root's lock (LockedError while another writer holds it), except for a dry run.
         """
-        self.wait()  # never delete while a save is still writing (verl #4638)
+        self._wait()  # never delete while a save is still writing (verl #4638)
         return self.tier.gc(dry_run=dry_run, on_removed=on_removed)
 
     # -- loading ------------------------------------------------------------------------
@@ -355,7 +366,7 @@ class CheckpointManager:
         with _dist.called_by_every_rank(
             "manager.load", f"load from {self.root_uri}", self.process_group, path=self.root_uri
         ):
-            self.wait()  # a save or upload in flight: its failure surfaces before anything else
+            self._wait()  # a save or upload in flight: its failure surfaces before anything else
             result = self.tier.load(state, chosen, kwargs, fresh_start_ok=fresh_start_ok)
         if result is None and self.initial_load is not None:
             result = load_initial(self.initial_load.path, self.initial_load.only, state, self.process_group, kwargs)

@@ -77,8 +77,10 @@ class Tier(Protocol):
     def gc(self, *, dry_run: bool, on_removed: Callable[[int, int], None] | None) -> list[str]:
         """Retention and debris removal now: the step directories (to be) removed."""
 
-    def wait(self, timeout: float | None = None) -> Any:
-        """Wait for the tier's own background work: its result, its failure raised once, None if none."""
+    def wait(self, timeout: float | None = None, *, catch_up: str | None = None) -> Any:
+        """Wait for the tier's own background work: its result, its failure raised once, None if
+        none. `catch_up` ("wait()", "close()"): the user's call, which also sends what a later
+        save would have sent (collective then)."""
 
     def busy(self) -> bool:
         """Whether background work is in flight (no collective)."""
@@ -238,7 +240,7 @@ class SingleRoot:
             result.step = step
         return result
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, *, catch_up: str | None = None) -> None:
         return None  # a single root runs nothing beyond the manager's own async save
 
     def busy(self) -> bool:

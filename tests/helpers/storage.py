@@ -220,3 +220,49 @@ def remote_that_goes_down(
         return request.getfixturevalue("s3_root"), lambda: proxy.cut_after(0), proxy.restore
     uri = str(tmp_path / "remote")
     return (uri, *local_remote_down(monkeypatch, uri))
+
+
+#: The LocalStorage calls that change a directory remote (a cut falls before one of them).
+CHANGING_CALLS = ("write", "create_exclusive", "open_writer", "delete", "delete_tree", "set_pointer")
+
+
+class LocalCut:
+    """A directory remote whose connection is cut after a number of changes: `cut_after(n)` lets
+    the next `n` changing calls (`CHANGING_CALLS`) under the remote succeed, then every call
+    under it (reads too) raises StorageError ("connection reset") until `restore()`;
+    `changes` counts the changing calls made so far (to find every point of an operation)."""
+
+    def __init__(self, monkeypatch, uri: str):
+        import ckptlib.storage.local as local_storage
+        from ckptlib.errors import StorageError
+
+        self.uri = uri
+        self.changes = 0
+        self.budget: int | None = None
+        self.down = False
+        for name in dict.fromkeys((*DOWN_CALLS, *CHANGING_CALLS)):
+            real = getattr(local_storage.LocalStorage, name)
+
+            def call(storage, *args, _real=real, _name=name, **kwargs):
+                if storage.uri.startswith(uri):
+                    self._before(_name, storage.uri, StorageError)
+                return _real(storage, *args, **kwargs)
+
+            monkeypatch.setattr(local_storage.LocalStorage, name, call)
+
+    def _before(self, name: str, where: str, error) -> None:
+        if not self.down and name in CHANGING_CALLS:
+            if self.budget is not None and self.budget <= 0:
+                self.down = True
+            else:
+                self.changes += 1
+                if self.budget is not None:
+                    self.budget -= 1
+        if self.down:
+            raise error(f"{where}: injected: connection reset by peer")
+
+    def cut_after(self, n: int) -> None:
+        self.budget, self.down = n, False
+
+    def restore(self) -> None:
+        self.budget, self.down = None, False

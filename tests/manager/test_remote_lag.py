@@ -80,7 +80,11 @@ def test_after_a_failure_saves_within_the_backoff_do_not_try_the_remote(tmp_path
             assert mgr.wait() is None
         assert mgr.remote_lag.steps == (2, 3)
         assert open_storage(uri).read_pointer("latest") == "step_0000000001"
-        mgr.close()
+        assert mgr.wait() is None  # the wait is not over: wait() does not try either
+        mgr.close()  # the end of the job: no later save will come, so close() uploads 3
+        assert open_storage(uri).read_pointer("latest") == "step_0000000003"
+        assert _remote_holds(uri, 3)
+        assert mgr.remote_lag == RemoteLagReport()
 
 
 @pytest.mark.parametrize("limit", [0, 1], ids=["steps0", "steps1"])
@@ -133,7 +137,8 @@ def test_a_lag_past_the_limit_is_a_remote_lag_error(tmp_path, limit):
         ), str(info.value)
         assert info.value.path == uri
         assert mgr.local_steps() == list(range(1, last + 1))  # every step committed locally
-        mgr.close()
+        with pytest.raises(RemoteLagError, match=rf"step {last} is committed locally only: its upload at close\(\)"):
+            mgr.close()
 
 
 def test_a_time_limit_counts_from_the_oldest_step_not_uploaded(tmp_path):
@@ -146,7 +151,8 @@ def test_a_time_limit_counts_from_the_oldest_step_not_uploaded(tmp_path):
         mgr.save(1, _state(1))
         with pytest.raises(RemoteLagError, match=r"the oldest step not uploaded was saved \d+ s ago, more than "):
             mgr.wait()
-        mgr.close()
+        with pytest.raises(RemoteLagError, match=r"step 1 is committed locally only: its upload at close\(\)"):
+            mgr.close()
 
 
 @pytest.mark.parametrize(
@@ -163,3 +169,159 @@ def test_remote_lag_refuses_bad_values(kwargs, message):
         RemoteLag(**kwargs)
     with pytest.raises(StateError, match="remote_lag must be a RemoteLag, got int 3"):
         Cluster(remote="/tmp/x", remote_lag=3)
+
+
+class _Clock:
+    """Stands in for `time` in remote_lag: monotonic() is `now`, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_close_uploads_the_newest_step_skipped_within_the_retry_wait(tmp_path, remote_down):
+    uri, take_down, bring_up = remote_down
+    mgr = CheckpointManager(str(tmp_path / "local"), cluster=Cluster(remote=uri, remote_lag=RemoteLag()))
+    mgr.save(1, _state(1))
+    assert mgr.wait().step == 1
+    take_down()  # a short outage
+    mgr.save(2, _state(2))
+    with pytest.warns(RemoteUnavailableWarning, match="step 2 could not be uploaded"):
+        assert mgr.wait() is None
+    bring_up()  # the remote answers again, but the last saves fall inside the retry wait
+    for step in (3, 4):
+        mgr.save(step, _state(step))
+        with pytest.warns(
+            RemoteUnavailableWarning,
+            match=rf"step {step} is not uploaded \(the remote failed recently\); .* later "
+            r"save, wait\(\) or close\(\)",
+        ):
+            assert mgr.wait() is None
+    assert mgr.remote_lag.steps == (2, 3, 4)
+    assert open_storage(uri).read_pointer("latest") == "step_0000000001"
+    mgr.close()  # the end of the job: the newest step reaches the remote
+    assert open_storage(uri).read_pointer("latest") == "step_0000000004"
+    assert _remote_holds(uri, 4)
+    assert sorted(open_storage(uri).list_children()) == ["step_0000000001", "step_0000000004"]
+    assert mgr.remote_lag == RemoteLagReport()
+
+
+def test_close_with_the_remote_still_down_raises_naming_the_step_and_a_resume_uploads_it(tmp_path, remote_down):
+    uri, take_down, bring_up = remote_down
+    local = str(tmp_path / "local")
+    mgr = CheckpointManager(local, cluster=Cluster(remote=uri, remote_lag=RemoteLag()))
+    mgr.save(1, _state(1))
+    mgr.wait()
+    take_down()
+    mgr.save(2, _state(2))
+    with pytest.warns(RemoteUnavailableWarning, match="step 2 could not be uploaded"):
+        mgr.wait()
+    mgr.save(3, _state(3))  # inside the retry wait: skipped
+    with pytest.warns(RemoteUnavailableWarning, match="step 3 is not uploaded"):
+        with pytest.raises(RemoteLagError) as info:
+            mgr.close()
+    text = str(info.value)
+    assert text.startswith(
+        f"{uri}: step 3 is committed locally only: its upload at close() failed and no later save will try again "
+        f"(2 step(s) not uploaded: 2, 3; last failure: "
+    ), text
+    assert text.endswith("; a job that resumes from the local roots uploads it"), text
+    assert info.value.path == uri
+    assert mgr.local_steps() == [1, 2, 3]  # nothing committed is lost
+    bring_up()
+    assert open_storage(uri).read_pointer("latest") == "step_0000000001"
+    restarted = CheckpointManager(local, cluster=Cluster(remote=uri))  # close() released the locks
+    state = {"model": {k: torch.zeros_like(v) for k, v in _state(3)["model"].items()}, "step": -1}
+    assert restarted.load(state) == 3
+    assert restarted.wait().step == 3  # the resumed step the remote lacks is uploaded
+    assert open_storage(uri).read_pointer("latest") == "step_0000000003"
+    assert _remote_holds(uri, 3)
+    restarted.close()
+
+
+def test_wait_uploads_a_skipped_step_once_the_retry_wait_is_over(tmp_path, monkeypatch):
+    import ckptlib.manager.cluster.remote_lag as remote_lag
+
+    clock = _Clock()
+    monkeypatch.setattr(remote_lag, "time", clock)
+    uri = str(tmp_path / "remote")
+    take_down, bring_up = local_remote_down(monkeypatch, uri)
+    mgr = CheckpointManager(str(tmp_path / "local"), cluster=Cluster(remote=uri, remote_lag=RemoteLag(retry_after=30)))
+    take_down()
+    mgr.save(1, _state(1))
+    with pytest.warns(RemoteUnavailableWarning, match="step 1 could not be uploaded"):
+        mgr.wait()
+    bring_up()
+    clock.now += 29
+    mgr.save(2, _state(2))
+    with pytest.warns(RemoteUnavailableWarning, match="step 2 is not uploaded"):
+        assert mgr.wait() is None  # 29 s into the 30 s wait: not tried
+    assert open_storage(uri).read_pointer("latest") is None
+    clock.now += 1
+    result = mgr.wait()  # the wait is over: wait() sends what the next save would have
+    assert result is not None and result.step == 2
+    assert open_storage(uri).read_pointer("latest") == "step_0000000002"
+    assert _remote_holds(uri, 2)
+    assert mgr.remote_lag == RemoteLagReport()
+    assert mgr.wait() is None
+    mgr.close()
+
+
+@pytest.mark.parametrize("ending", ["clean", "error"])
+def test_a_with_block_ends_like_close_unless_an_error_ends_it(tmp_path, monkeypatch, ending):
+    """Leaving `with CheckpointManager(...)` normally is close(): the step the remote lacks is
+    a RemoteLagError; leaving it with an error propagates that error, with no upload tried."""
+    uri = str(tmp_path / "remote")
+    take_down, _ = local_remote_down(monkeypatch, uri)
+    mgr = CheckpointManager(str(tmp_path / "local"), cluster=Cluster(remote=uri))
+    take_down()
+    with pytest.warns(RemoteUnavailableWarning, match="step 1 could not be uploaded"):
+        mgr.save(1, _state(1))
+        mgr.wait()
+    expected = RemoteLagError if ending == "clean" else KeyError
+    with pytest.raises(expected) as info:
+        with mgr:
+            if ending == "error":
+                raise KeyError("the training loop failed")
+    if ending == "clean":
+        assert str(info.value).startswith(f"{uri}: step 1 is committed locally only: its upload at close() failed")
+    else:
+        assert info.value.args == ("the training loop failed",)
+    assert mgr.remote_lag.steps == (1,)
+    assert mgr.tier.lock.holder() is None  # released either way
+
+
+@pytest.mark.parametrize("remote_back", [True, False], ids=["remote_back", "remote_still_down"])
+def test_a_step_resumed_while_the_remote_is_down_is_uploaded_by_close(tmp_path, remote_down, remote_back):
+    """A job that resumes a step the remote lacks while the remote does not answer, and ends
+    without saving: close() uploads that step, or raises RemoteLagError naming it."""
+    uri, take_down, bring_up = remote_down
+    local = str(tmp_path / "local")
+    mgr = CheckpointManager(local, cluster=Cluster(remote=uri))
+    mgr.save(1, _state(1))
+    mgr.wait()
+    take_down()
+    mgr.save(2, _state(2))
+    with pytest.warns(RemoteUnavailableWarning):
+        mgr.wait()
+    with pytest.raises(RemoteLagError):
+        mgr.close()
+    restarted = CheckpointManager(local, cluster=Cluster(remote=uri))
+    state = {"model": {k: torch.zeros_like(v) for k, v in _state(2)["model"].items()}, "step": -1}
+    with pytest.warns(RemoteUnavailableWarning, match="using the local tiers only"):
+        assert restarted.load(state) == 2
+    assert restarted.wait() is None  # nothing tried against a remote just found down
+    assert restarted.remote_lag.steps == (2,)
+    assert restarted.remote_lag.error == f"{uri}: unreachable when step 2 was resumed"
+    if remote_back:
+        bring_up()
+        restarted.close()
+        assert open_storage(uri).read_pointer("latest") == "step_0000000002"
+        assert _remote_holds(uri, 2)
+    else:
+        with pytest.raises(RemoteLagError, match=r": step 2 is committed locally only: its upload at close\(\) failed"):
+            restarted.close()
+        bring_up()
+        assert open_storage(uri).read_pointer("latest") == "step_0000000001"

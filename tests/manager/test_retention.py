@@ -421,3 +421,65 @@ def test_a_step_deleted_while_a_dry_run_reads_its_metrics_has_none(tmp_path, mon
 
     monkeypatch.setattr(LocalStorage, "read_pointer", read_pointer_then_lose_step_1)
     assert pruner.gc(dry_run=True) == ["step_0000000001", "step_0000000002"]
+
+
+# ---------------------------------------------------------------- the cluster tier's gc
+
+
+def _tier_dirs(uri: str) -> list[int]:
+    from ckptlib.storage import open_storage
+
+    return sorted(int(n[5:]) for n in open_storage(uri).list_children() if n.startswith("step_"))
+
+
+_TIER_GC_CASES = [
+    pytest.param(
+        kind,
+        keep,
+        remote_keep,
+        rollback,
+        id=f"{kind}-keep_last{keep}-remote_{remote_keep or 'all'}-{how}",
+        marks=[pytest.mark.s3] if kind == "s3" else [],
+    )
+    for kind in ("local", "s3")
+    for keep in (1, 2)
+    for remote_keep in (None, 1)
+    for rollback, how in ((False, "plain"), (True, "after_rollback"))
+    if kind == "local" or (keep, remote_keep, rollback) in ((1, 1, False), (2, None, True))
+]
+
+
+@pytest.mark.parametrize(("kind", "keep", "remote_keep", "rollback"), _TIER_GC_CASES)
+def test_tier_gc_reports_every_deletion_and_its_dry_run_what_it_deletes(
+    request, tmp_path, kind, keep, remote_keep, rollback
+):
+    """The cluster tier's gc: the node root's and the remote's deletions are all returned, with
+    where they are, and the dry run returns exactly what the run then deletes."""
+    tier_remote = str(tmp_path / "remote") if kind == "local" else request.getfixturevalue("s3_root")
+    local = str(tmp_path / "local")
+    writer = CheckpointManager(local, cluster=ckptlib.Cluster(remote=tier_remote))
+    for step in (1, 2, 3, 4):
+        writer.save(step, _state(step))
+    writer.wait()
+    writer.close()
+    pruner = CheckpointManager(
+        local, keep_last=keep, cluster=ckptlib.Cluster(remote=ckptlib.RemoteTier(tier_remote, keep_last=remote_keep))
+    )
+    if rollback:  # the step resumed is kept, as after a save (the next save's parent)
+        assert pruner.load({"w": torch.zeros(4), "step": -1}, step=2) == 2
+    local_gone = {1: [1, 2, 3], 2: [1, 2]}[keep]
+    remote_gone = [] if remote_keep is None else [1, 2, 3]
+    if rollback:
+        local_gone = [s for s in local_gone if s != 2]  # the remote's retention is its own
+    want = [f"{tier_remote.rstrip('/')}/step_{s:010d}" for s in remote_gone] + [
+        f"node0:{local}/step_{s:010d}" for s in local_gone
+    ]
+    before_local, before_remote = _tier_dirs(local), _tier_dirs(tier_remote)
+    assert pruner.gc(dry_run=True) == want
+    assert (_tier_dirs(local), _tier_dirs(tier_remote)) == (before_local, before_remote)  # nothing deleted
+    assert pruner.gc() == want
+    assert _tier_dirs(local) == [s for s in before_local if s not in local_gone]
+    assert _tier_dirs(tier_remote) == [s for s in before_remote if s not in remote_gone]
+    assert not pruner.remote.known_steps & set(remote_gone)  # a later save of one is no "replacement"
+    assert pruner.gc(dry_run=True) == [] and pruner.gc() == []
+    pruner.close()

@@ -280,3 +280,88 @@ def test_a_partner_node_lost_during_replication_is_an_error_on_every_survivor(tm
         assert res["ranks"] == [2] and res["message"].startswith("replication of step 1 failed on rank"), res
         assert res["latest"] is None  # no upload after a lost rank: the remote latest is untouched
         assert res["steps"] == [1]  # the local checkpoint stays committed
+
+
+def _gc_with_replicas(base: str, remote: str) -> dict:
+    import ckptlib
+
+    root = _root(base)
+    writer = ckptlib.CheckpointManager(root, cluster=Cluster(replicas=1, remote=remote))
+    for step in (1, 2, 3):
+        writer.save(step, _state(step))
+    writer.wait()
+    writer.close()
+    files = sorted(os.listdir(os.path.join(root, "step_0000000001")))  # its own shard and its partner's
+    tier = Cluster(replicas=1, remote=ckptlib.RemoteTier(remote, keep_last=2))
+    pruner = ckptlib.CheckpointManager(root, keep_last=1, cluster=tier)
+    dry = pruner.gc(dry_run=True)
+    before = sorted(n for n in os.listdir(root) if n.startswith("step_"))
+    run = pruner.gc()
+    after = sorted(n for n in os.listdir(root) if n.startswith("step_"))
+    pruner.close()
+    return {"files": files, "dry": dry, "run": run, "before": before, "after": after}
+
+
+def test_gc_reports_what_it_deletes_from_every_node_root_and_the_remote_on_every_rank(tmp_path, dist_run):
+    """keep_last=1 on 2 nodes with replicas=1: each node's root loses its own files and the
+    replicas it keeps for its partner; every rank gets the whole list, the dry run's alike."""
+    remote = str(tmp_path / "remote")
+    results = dist_run(2, _gc_with_replicas, str(tmp_path), remote, nodes=2)
+    want = [f"{remote}/step_0000000001"] + [
+        f"node{node}:{tmp_path}/node{node}/step_{step:010d}" for node in (0, 1) for step in (1, 2)
+    ]
+    for rank, res in enumerate(results):
+        assert res["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "ckptlib.json"], res
+        assert res["dry"] == want and res["run"] == want, (rank, res)
+        assert res["before"] == ["step_0000000001", "step_0000000002", "step_0000000003"], res
+        assert res["after"] == ["step_0000000003"], res
+    assert sorted(n for n in os.listdir(remote) if n.startswith("step_")) == ["step_0000000002", "step_0000000003"]
+
+
+def _one_node_fails_its_commit(base: str) -> dict:
+    import torch.distributed as dist
+
+    import ckptlib
+    from ckptlib.format import classify
+    from ckptlib.storage import open_storage
+    from ckptlib.storage.local import LocalStorage
+
+    root = _root(base)
+    mgr = ckptlib.CheckpointManager(root, cluster=Cluster())
+    mgr.save(1, _state(1))
+    real_write = LocalStorage.write
+
+    def write(storage, path, data, **kwargs):
+        if dist.get_rank() == 1 and path == "ckptlib.json" and storage.uri.endswith("step_0000000002"):
+            raise ckptlib.StorageError(f"{storage.uri}/{path}: injected: no space left on device")
+        return real_write(storage, path, data, **kwargs)
+
+    LocalStorage.write = write
+    try:
+        mgr.save(2, _state(2))
+        error = None
+    except ckptlib.CheckpointError as exc:
+        error = type(exc).__name__, str(exc)
+    finally:
+        LocalStorage.write = real_write
+    store = open_storage(root)
+    out = {
+        "error": error,
+        "latest": store.read_pointer("latest"),
+        "step2": classify(store.child("step_0000000002")),
+        "resumed": mgr.load(_state(0, rank=0)),
+    }
+    mgr.close()
+    return out
+
+
+def test_a_node_whose_commit_is_taken_back_has_its_latest_back_on_a_committed_step(tmp_path, dist_run):
+    """Node 0 commits step 2 and moves its root's `latest`; node 1 fails to: every node takes
+    its manifest back, and node 0's `latest` goes back to step 1 before that (never a step
+    without its manifest)."""
+    results = dist_run(2, _one_node_fails_its_commit, str(tmp_path), nodes=2)
+    for rank, res in enumerate(results):
+        kind, text = res["error"]
+        assert text.endswith("step_0000000002/ckptlib.json: injected: no space left on device"), (rank, res)
+        assert res["latest"] == "step_0000000001", (rank, res)
+        assert res["step2"] != "committed" and res["resumed"] == 1, (rank, res)

@@ -168,3 +168,56 @@ def test_copy_file_refuses_a_local_copy_that_does_not_match_and_leaves_nothing(t
     with pytest.raises(CheckpointCorruptError, match=r"\(0 bytes, crc32 00000000; the manifest says"):
         copy_file(src, dst, "__0_0.distcp", len(data), crc)
     assert not (tmp_path / "dst" / "__0_0.distcp").exists()
+
+
+def _close_uploads_what_the_retry_wait_skipped(base: str, remote: str) -> dict:
+    import torch.distributed as dist
+
+    import ckptlib
+    import ckptlib.manager.cluster.remote_tier as remote_tier
+    from ckptlib.storage import open_storage
+
+    root = os.path.join(base, f"node{os.environ['GROUP_RANK']}")
+    copied: dict[str, list[str]] = {}
+    down: list[int] = []
+    real = remote_tier.copy_file
+
+    def copy(src, dst, name, size, crc):
+        if down:
+            raise ckptlib.StorageError(f"{dst.uri}/{name}: injected: connection reset by peer")
+        real(src, dst, name, size, crc)
+        copied.setdefault(os.path.basename(dst.uri.rstrip("/")), []).append(name)
+
+    remote_tier.copy_file = copy
+    mgr = ckptlib.CheckpointManager(root, cluster=Cluster(remote=remote, remote_lag=ckptlib.RemoteLag()))
+    mgr.save(1, _state(1))
+    mgr.wait()
+    down.append(1)  # a short outage: step 2's upload fails
+    mgr.save(2, _state(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr.wait()
+        down.clear()  # the remote answers again, but step 3 falls inside the 30 s retry wait
+        mgr.save(3, _state(3))
+        mgr.wait()
+    out = {"warnings": [str(w.message).split(";")[0] for w in caught], "lag": mgr.remote_lag.steps}
+    out["latest_before_close"] = open_storage(remote).read_pointer("latest")
+    mgr.close()  # every rank: the newest step left local, each rank its own files
+    out["latest"] = open_storage(remote).read_pointer("latest")
+    out["copied"] = {step: sorted(names) for step, names in copied.items()}
+    out["rank"] = dist.get_rank()
+    return out
+
+
+def test_close_uploads_the_step_the_retry_wait_skipped_each_rank_its_own_files(tmp_path, dist_run):
+    remote = str(tmp_path / "remote")
+    results = dist_run(4, _close_uploads_what_the_retry_wait_skipped, str(tmp_path), remote, nodes=NODES)
+    for rank, res in enumerate(results):
+        assert res["warnings"] == [
+            f"{remote}: step 2 could not be uploaded",
+            f"{remote}: step 3 is not uploaded (the remote failed recently)",
+        ], res
+        assert res["lag"] == (2, 3) and res["latest_before_close"] == "step_0000000001", res
+        assert res["latest"] == "step_0000000003", res
+        own = sorted([f"__{rank}_0.distcp"] + ([".metadata"] if rank == 0 else []))
+        assert res["copied"] == {"step_0000000001": own, "step_0000000003": own}, res

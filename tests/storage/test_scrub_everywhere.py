@@ -20,7 +20,7 @@ import torch
 from helpers.storage import record_sleeps
 
 import ckptlib
-from ckptlib import CheckpointManager, Cluster, RemoteLag, RemoteTier, RemoteUnavailableWarning
+from ckptlib import CheckpointManager, Cluster, RemoteLag, RemoteLagError, RemoteTier, RemoteUnavailableWarning
 from ckptlib._runtime.observe import log_operation
 from ckptlib.cli import main as cli_main
 from ckptlib.errors import CheckpointError, StorageError
@@ -159,7 +159,8 @@ def test_manager_tiered_and_cli_paths_of_every_backend_never_show_the_password(
         with pytest.warns(RemoteUnavailableWarning) as left_local:  # the step stays local: a warning
             tiered.save(1, state)
             tiered.wait()
-        tiered.close()
+        with pytest.raises(RemoteLagError) as closed:
+            tiered.close()  # the end of the job: step 1 never reached the remote, and close() says so
         strict = Cluster(remote=RemoteTier(root), remote_lag=RemoteLag(steps=0))
         strict_tier = CheckpointManager(str(tmp_path / "strict"), keep_last=1, cluster=strict)
         with pytest.raises(CheckpointError) as uploaded, warnings.catch_warnings(record=True) as also:
@@ -173,7 +174,8 @@ def test_manager_tiered_and_cli_paths_of_every_backend_never_show_the_password(
     assert any("could not be uploaded" in str(w.message) for w in left_local), [str(w.message) for w in left_local]
     for caught in [*left_local, *also]:
         assert _clean(str(caught.message)), str(caught.message)
-    for info in (saved, loaded, uploaded):
+    assert "step 1 is committed locally only" in str(closed.value)
+    for info in (saved, loaded, uploaded, closed):
         assert _chain_clean(info.value), str(info.value)
     assert caplog.records and _clean(caplog.text)
     for argv in (["ls", root], ["inspect", root], ["verify", root, "--no-progress"], ["gc", root, "--keep", "1"]):

@@ -8,6 +8,9 @@
   load from the nearest intact copy;
 - `remote_lag`: how far the remote may fall behind while unreachable before a save fails, and
   when an upload is tried again;
+- `upkeep`: gc over every root, reporting each deletion, and the upload `wait()` / `close()`
+  make of the newest step left local;
+- `pointers`: a root's `latest` moved off a committed step before that step is replaced;
 - `damaged`: a node's copy that a load or an upload found damaged is set aside, and its file
   uploaded from another node's copy.
 """

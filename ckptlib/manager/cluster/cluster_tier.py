@@ -40,6 +40,7 @@ from ckptlib.errors import (
     ReplicationError,
     ReplicationRankLostError,
     StateError,
+    UploadError,
     stacklevel_outside_ckptlib,
     warn_scrubbed,
 )
@@ -66,6 +67,7 @@ from ckptlib.manager.cluster.resume import (
     warn_all,
 )
 from ckptlib.manager.cluster.topology import FewerReplicasWarning, Topology, detect
+from ckptlib.manager.cluster.upkeep import catch_up_plan, tier_gc
 from ckptlib.manager.local_budget import LocalBudget, LocalUsage
 from ckptlib.manager.lock import RootLock
 from ckptlib.manager.single_root import TierSettings
@@ -108,9 +110,13 @@ class ClusterTier:
         self._seq: int | None = None  # the largest commit seq seen (None: not looked yet)
         self._latest: int | None = None  # the step last saved or resumed (the parent of the next save)
         self._job: AsyncSave | None = None  # the background pipeline in flight
-        self._lag = LagState(cluster.remote_lag)  # steps the remote lacks for want of it
+        self.lag = LagState(cluster.remote_lag)  # steps the remote lacks for want of it
         self._notices: list[str] = []  # warnings of the pipeline, given at the next wait
         self._run = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
+
+    @property
+    def latest_step(self) -> int | None:  # the step last saved or resumed
+        return self._latest
 
     def path(self, step: int) -> str:
         """With a remote, the step's remote directory; else its directory in this node's root."""
@@ -246,7 +252,7 @@ class ClusterTier:
         self._latest = step
         if background:
             write = result if isinstance(result, AsyncSave) else None
-            self._start(step, lambda: made[0].manifest_bytes, write, resumed=None)
+            self._start(step, lambda _group: made[0].manifest_bytes, write, resumed=None)
         return result
 
     def _replace_decision(self, step: int, name: str, overwrite: bool, local: bool, remote: bool) -> str | None:
@@ -277,11 +283,12 @@ class ClusterTier:
 
     # -- the background pipeline ----------------------------------------------------------
     def _start(
-        self, step: int, manifest_bytes, write: AsyncSave | None, *, resumed: dict | None, holders: dict | None = None
+        self, step: int, manifest_bytes, write: AsyncSave | None, *, resumed, holders=None, catch_up=None
     ) -> None:
         """Run the replicas (a new save) and the upload of `step` in the background on the
-        dedicated group; `resumed`: rank -> files, for an upload resumed after a load, and
-        `holders`: node -> the files of its copy that are intact."""
+        dedicated group; `resumed`: rank -> files, for an upload resumed after a load (or of a
+        step left local: `catch_up` names the call, see `wait`), and `holders`: node -> the
+        files of its copy that are intact."""
         group = self.group
         bg = background_save.async_group(group)
         topology = self.topology
@@ -289,7 +296,7 @@ class ClusterTier:
         local = self.root.child(step_dir(step))
 
         def pipeline():
-            data = manifest_bytes()
+            data = manifest_bytes(bg)
             manifest = Manifest.from_bytes(data, f"{local.uri}/ckptlib.json")
             result = failure = None
             replicated = False
@@ -307,12 +314,14 @@ class ClusterTier:
             if self.remote is not None:
                 if resumed is None:
                     assignment, held = own_files(topology, manifest, self.replicas if replicated else 0)
+                elif callable(resumed):
+                    assignment, held = resumed(manifest)
                 else:
                     assignment, held = resumed, holders or {}
                 upload = functools.partial(
                     self._upload, step, data, manifest, local, assignment, held, bg, resumed is not None
                 )
-                result = self._remote_copy(step, upload, bg)
+                result = self._remote_copy(step, upload, bg, catch_up)
             if failure is not None:
                 raise failure
             return result
@@ -352,11 +361,13 @@ class ClusterTier:
                 assignment, holders = reassign(exc, assignment, holders, self.topology)
                 resumed = True  # what the failed attempt uploaded completely stays
 
-    def _remote_copy(self, step: int, upload, group) -> SaveResult | None:
+    def _remote_copy(self, step: int, upload, group, catch_up: str | None = None) -> SaveResult | None:
         """Collective: `upload()` under the remote-lag policy (`remote_lag.LagState.attempt`);
-        a step left local is warned of at the next wait."""
+        a step left local is warned of at the next wait. `catch_up`: tried whatever the wait
+        after a failure; "close()": a failure is a RemoteLagError."""
         assert self.remote is not None
-        result, notice = self._lag.attempt(self.remote.uri, step, upload, group)
+        final = catch_up if catch_up == "close()" else None
+        result, notice = self.lag.attempt(self.remote.uri, step, upload, group, force=catch_up is not None, final=final)
         if notice is not None:
             self._notices.append(notice)
         return result
@@ -366,11 +377,26 @@ class ClusterTier:
 
     def remote_lag(self) -> RemoteLagReport | None:
         """The steps not uploaded yet (no collective); None without a remote."""
-        return None if self.remote is None else self._lag.report()
+        return None if self.remote is None else self.lag.report()
 
-    def wait(self, timeout: float | None = None) -> Any:
+    def wait(self, timeout: float | None = None, *, catch_up: str | None = None) -> Any:
         """Wait for the background pipeline: its result, its failure raised once, None if none
-        (a step left local for want of the remote: RemoteUnavailableWarning, here)."""
+        (a step left local for want of the remote: RemoteUnavailableWarning, here).
+
+        `catch_up` ("wait()" / "close()", the manager's public calls; collective then): the
+        upload of the newest step left local that `upkeep.catch_up_plan` picks, too, within
+        `timeout` in all; after "close()" a failure of it is a RemoteLagError naming the step."""
+        started = time.monotonic()
+        result = self._deliver(timeout)
+        plan = catch_up_plan(self, catch_up)
+        if plan is None:
+            return result
+        step, manifest_bytes, assignment = plan
+        self._start(step, manifest_bytes, None, resumed=assignment, catch_up=catch_up)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+        return self._deliver(left) or result
+
+    def _deliver(self, timeout: float | None) -> Any:
         job = self._job
         if job is None:
             return None
@@ -428,33 +454,28 @@ class ClusterTier:
                 choice = dataclasses.replace(choice, holders=without(choice.holders, damaged))
             if self._needs_upload(choice, manifest):
                 assignment = upload_assignment(choice, manifest, topology)
-                self._start(
-                    choice.step, lambda data=manifest_bytes: data, None, resumed=assignment, holders=choice.holders
-                )
+                data = manifest_bytes
+                self._start(choice.step, lambda _group: data, None, resumed=assignment, holders=choice.holders)
             return result
         return None
 
     def _needs_upload(self, choice: Choice, manifest: Manifest) -> bool:
-        """A version loaded from the local tiers that the remote lacks and is newer than its
-        `latest` (warned and left when some file of it has no intact node copy left)."""
-        if not (
-            self.remote is not None
-            and choice.remote_reachable
-            and not choice.remote
-            and (choice.remote_latest is None or choice.order > choice.remote_latest)
-        ):
+        """A version newer than the remote `latest`: one the remote lacks (warned and left when
+        some file of it has no intact node copy left), or holds (a cut before `latest` moved).
+        One the remote could not be asked about is left local: `close()` tries it (`upkeep`)."""
+        if self.remote is not None and not choice.remote_reachable and not choice.remote:
+            why = UploadError(f"{self.remote.uri}: unreachable when step {choice.step} was resumed")
+            self.lag.left_local(choice.step, why, backoff=False)
+        newer = choice.remote_latest is None or choice.order > choice.remote_latest
+        if not (self.remote is not None and choice.remote_reachable and newer):
             return False
+        if choice.remote:
+            return True  # committed there already: the upload only moves `latest` to it
         unheld = sorted(name for name in manifest.files if not any(name in h for h in choice.holders.values()))
         if unheld:
-            warn_all(
-                [
-                    f"step {choice.step} is not uploaded to {self.remote.uri}: no node holds an intact copy of "
-                    f"{', '.join(unheld[:10])}"
-                ],
-                UploadSkippedWarning,
-            )
-            return False
-        return True
+            where = f"step {choice.step} is not uploaded to {self.remote.uri}: no node holds an intact copy of "
+            warn_all([where + ", ".join(unheld[:10])], UploadSkippedWarning)
+        return not unheld
 
     def latest(self) -> int | None:
         chosen = self._inventory(None)
@@ -462,29 +483,8 @@ class ClusterTier:
 
     # -- gc and close ---------------------------------------------------------------------
     def gc(self, *, dry_run: bool, on_removed) -> list[str]:
-        """Collective: the remote's retention (rank 0, returned), then every node's own."""
-        self.setup()
-        removed: list[str] = []
-        if self.remote is not None:
-            remote = self.remote
-            removed = _dist.decide_on_rank0(lambda: remote.gc(dry_run=dry_run, on_removed=on_removed), self.group)
-
-        def local() -> None:
-            if not self.topology.is_leader:
-                return
-            if dry_run:
-                collect(self.root, self.root.uri, self.retention, protect=set(), dry_run=True)
-                return
-            self._lock_node()
-            try:
-                collect(
-                    self.root, self.root.uri, self.retention, protect={self._latest} - {None}, fence=self.lock.fence
-                )
-            finally:
-                self._unlock_node()
-
-        _dist.agree(local, self.group)
-        return removed
+        """Collective: every root's retention, every deletion reported (`upkeep.tier_gc`)."""
+        return tier_gc(self, dry_run=dry_run, on_removed=on_removed)
 
     def close(self) -> None:
         """Release the locks this process holds (no collective); LockedError for one lost while

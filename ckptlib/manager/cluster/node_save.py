@@ -56,6 +56,7 @@ from ckptlib.format.write.transaction import (
     _on_coordinator,
     unwrap_dcp_error,
 )
+from ckptlib.manager.cluster.pointers import move_latest_off
 from ckptlib.manager.cluster.topology import Topology
 
 
@@ -79,6 +80,8 @@ class NodeLocalSave(SaveTransaction):
         self.root = root  # the node's root: its `latest` names each step once committed there
         self.manifest_bytes: bytes | None = None  # every rank's, once DCP returned
         self._wrote_manifest = False
+        self._moved_latest = False  # whether `_commit_node` moved the root's `latest`
+        self._previous_latest: str | None = None  # what it named before
 
     # -- the steps CkptWriter takes ----------------------------------------------------
     def prepare(self) -> None:
@@ -89,6 +92,9 @@ class NodeLocalSave(SaveTransaction):
         if self.topology.is_leader:
             if self.fence is not None:  # this node's root lock, still the leader's
                 self.fence("overwrite" if self.overwrite else "prepare")
+            if self.overwrite and self.root is not None and self.step is not None:
+                # a committed copy of the step is replaced: `latest` leaves it first
+                move_latest_off(self.root, self.step, whole=False)
             prepare_save_target(self.storage, overwrite=self.overwrite, world_size=self.world_size)
             self.prepared = True
 
@@ -148,7 +154,9 @@ class NodeLocalSave(SaveTransaction):
             # gc`, `ckpt export ROOT`) then agrees with the tier, also after a rollback
             if self.fence is not None:
                 self.fence("move latest to")
+            self._previous_latest = self.root.read_pointer(LATEST)
             self.root.set_pointer(LATEST, step_dir(manifest.step))
+            self._moved_latest = True
 
     # -- running it ---------------------------------------------------------------------
     def run(self, save: Callable[[Any], Metadata], group=None) -> int | None:
@@ -185,6 +193,15 @@ class NodeLocalSave(SaveTransaction):
     def abort(self) -> None:
         """Every rank: its unfinished shard; a leader: what this save wrote under its node's root
         (a manifest it wrote first, so the step is committed on no node), then `on_failure`."""
+        if self._moved_latest:  # `latest` back where it was before it named the step taken back
+            try:
+                if self._previous_latest is None:
+                    self.root.delete([LATEST])
+                else:
+                    self.root.set_pointer(LATEST, self._previous_latest)
+                self._moved_latest = False
+            except Exception:  # noqa: BLE001 - the save's own error is what the caller raises
+                pass
         if self._wrote_manifest:
             try:
                 self.storage.delete([MANIFEST_NAME])

@@ -8,12 +8,15 @@ remote, and is tried again at a later save: after `RemoteLag.retry_after` second
 after each failure up to `MAX_BACKOFF`, the newest step is uploaded (uploads of the saves in
 between are skipped, not queued, unless skipping one would pass the limit). The remote
 `latest` still only ever names a complete, verified copy. `mgr.remote_lag` reports where it
-stands.
+stands. At the end of a job nothing is left to a later save that cannot come: `close()`
+uploads the newest step left local whatever the wait, or raises a `RemoteLagError` naming it;
+`wait()` uploads it once the wait is over when its upload was skipped (`upkeep`).
 
 Strictness is opt-in: `RemoteLag(steps=N)` makes the save that leaves more than N steps not
 uploaded fail (`RemoteLagError`, an `UploadError`; `steps=0`: every failed upload is an
 error), `RemoteLag(seconds=S)` the one that finds the oldest of them saved more than S
-seconds ago. Time is rank 0's: its decisions reach every rank.
+seconds ago; the save's upload runs in the background, so the error reaches every rank at the
+next call that waits for it. Time is rank 0's: its decisions reach every rank.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class LagState:
         self.error: str | None = None
         self.failures = 0
         self.next_try = 0.0
+        self.newest: int | None = None  # the step last left local
+        self.newest_tried = False  # whether its upload was tried (False: skipped within the wait)
 
     def due(self, step: int) -> bool:
         """Rank 0: whether an upload of `step` is tried now: nothing lags, the wait after the
@@ -89,24 +94,29 @@ class LagState:
         too_old = limit.seconds is not None and self.since is not None and now - self.since > limit.seconds
         return (limit.steps is not None and lagging > limit.steps) or too_old
 
-    def left_local(self, step: int, exc: BaseException | None) -> None:
-        """`step` was not uploaded: its upload failed with `exc`, or was skipped (None)."""
+    def left_local(self, step: int, exc: BaseException | None, *, backoff: bool = True) -> None:
+        """`step` was not uploaded: its upload failed with `exc`, or was skipped (None);
+        `backoff=False`: found unreachable without a try (a load), the next save tries."""
         if self.since is None:
             self.since = time.monotonic()
         if step not in self.steps:
             self.steps.append(step)
+        self.newest, self.newest_tried = step, exc is not None
         if exc is not None:
             self.error = str(exc)
+        if exc is not None and backoff:
             self.failures += 1
-            backoff = min(self.limit.retry_after * 2 ** (self.failures - 1), MAX_BACKOFF)
-            self.next_try = time.monotonic() + backoff
+            delay = min(self.limit.retry_after * 2 ** (self.failures - 1), MAX_BACKOFF)
+            self.next_try = time.monotonic() + delay
 
-    def attempt(self, uri: str, step: int, upload, group=None):
-        """Collective: `upload()` unless the remote failed too recently. A failure for want of
-        the remote leaves `step` local: (None, the warning to give) until the lag passes the
-        limit (`RemoteLagError`); an upload that ran gives (its result, None)."""
+    def attempt(self, uri: str, step: int, upload, group=None, *, force: bool = False, final: str | None = None):
+        """Collective: `upload()` unless the remote failed too recently (`force`: whatever the
+        wait). A failure for want of the remote leaves `step` local: (None, the warning to
+        give) until the lag passes the limit (`RemoteLagError`), or at once with `final` (the
+        call that ends the job, e.g. "close()": no later save will try again); an upload that
+        ran gives (its result, None)."""
         attempted, cause = True, None
-        if self.steps and not _dist.decide_on_rank0(lambda: self.due(step), group):
+        if self.steps and not force and not _dist.decide_on_rank0(lambda: self.due(step), group):
             attempted = False
         else:
             try:
@@ -119,6 +129,8 @@ class LagState:
                 self.uploaded()
                 return result, None
         self.left_local(step, cause)
+        if final is not None:
+            raise RemoteLagError(self.unfinished(uri, step, final), path=uri) from cause
         why = _dist.decide_on_rank0(lambda: self.over(uri), group)
         if why is not None:
             raise RemoteLagError(why, path=uri) from cause
@@ -126,6 +138,15 @@ class LagState:
 
     def uploaded(self) -> None:
         self.steps, self.since, self.error, self.failures, self.next_try = [], None, None, 0, 0.0
+        self.newest, self.newest_tried = None, False
+
+    def unfinished(self, remote: str, step: int, call: str) -> str:
+        """The RemoteLagError's message when the upload of `step` that `call` made failed."""
+        return (
+            f"{remote}: step {step} is committed locally only: its upload at {call} failed and no later save will "
+            f"try again ({len(self.steps)} step(s) not uploaded: {describe_steps(self.steps)}; last failure: "
+            f"{self.error}); a job that resumes from the local roots uploads it"
+        )
 
     def report(self) -> RemoteLagReport:
         seconds = 0.0 if self.since is None else time.monotonic() - self.since
@@ -150,8 +171,8 @@ class LagState:
         what = "could not be uploaded" if attempted else "is not uploaded (the remote failed recently)"
         return (
             f"{remote}: step {step} {what}; it stays local and committed, and the upload is tried again at a "
-            f"later save. {len(self.steps)} step(s) not uploaded yet ({describe_steps(self.steps)}); last "
-            f"failure: {self.error}"
+            f"later save, wait() or close(). {len(self.steps)} step(s) not uploaded yet "
+            f"({describe_steps(self.steps)}); last failure: {self.error}"
         )
 
 

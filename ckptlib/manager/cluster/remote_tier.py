@@ -15,8 +15,10 @@ abandoned branch never takes it back) and apply the remote retention; each of th
 lock lost meanwhile is LockedError and the step is not taken. Any failure on any
 rank leaves the remote `latest` as it was, on every rank, as an UploadError naming the rank
 and the object (UploadRankLostError when a rank disappeared, e.g. a node killed
-mid-upload); the partial step is debris the next upload or gc removes. Upload time grows
-with the per-rank shard size, not the checkpoint size.
+mid-upload); the partial step is debris the next upload or gc removes. An upload replacing
+another committed copy of its step moves the remote `latest` off that step before it
+uncommits it (`pointers`), so a cut anywhere leaves `latest` on a committed step. Upload time
+grows with the per-rank shard size, not the checkpoint size.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ckptlib.format.items.checksum import crc32
 from ckptlib.format.native.manifest import MANIFEST_NAME, PENDING_NAME, Manifest
 from ckptlib.format.native.root import LATEST, committed_steps, parse_step, step_dir
 from ckptlib.manager.cleanup import collect
+from ckptlib.manager.cluster.pointers import move_latest_off
 from ckptlib.manager.lock import RootLock
 from ckptlib.manager.policies import KeepLast, RetentionPolicy
 from ckptlib.saving.saving import SaveResult
@@ -227,7 +230,7 @@ class RemoteTier:
             return collect(self.storage, self.uri, self.retention, protect=set(protect), dry_run=True)
         self.take_lock()
         try:
-            return collect(
+            removed = collect(
                 self.storage,
                 self.uri,
                 self.retention,
@@ -237,6 +240,8 @@ class RemoteTier:
             )
         finally:
             self.lock.abandon()
+        self.known_steps -= {parse_step(name) for name in removed}
+        return removed
 
     # -- an upload ----------------------------------------------------------------------
     def upload(
@@ -258,7 +263,7 @@ class RemoteTier:
         manifest = Manifest.from_bytes(manifest_bytes, f"{local.uri}/{MANIFEST_NAME}")
         rank = _dist.get_rank(group)
         with _uploading(f"upload of step {step} to {self.uri}", group, step, where):
-            present = _dist.decide_on_rank0(lambda: self._begin(remote, where, manifest, manifest_bytes), group)
+            present = _dist.decide_on_rank0(lambda: self._begin(step, remote, where, manifest, manifest_bytes), group)
             try:
                 if present is not None:
                     _dist.agree(
@@ -289,7 +294,9 @@ class RemoteTier:
             uri=remote.uri, step=step, world_size=manifest.world_size, total_bytes=manifest.total_bytes, seconds=seconds
         )
 
-    def _begin(self, remote: Storage, where: str, manifest: Manifest, manifest_bytes: bytes) -> dict[str, int] | None:
+    def _begin(
+        self, step: int, remote: Storage, where: str, manifest: Manifest, manifest_bytes: bytes
+    ) -> dict[str, int] | None:
         """Rank 0: lock, and make the step ready for the files: None when the same checkpoint is
         committed there already, else what the step holds (a resumed upload skips complete files)."""
         self.take_lock()
@@ -309,8 +316,13 @@ class RemoteTier:
                         "replace it",
                         path=where,
                     )
+                # The older copy is uncommitted before its files are replaced: first the remote
+                # `latest` leaves it, so a cut from here until the commit never leaves `latest`
+                # naming a step without its manifest (the step stays committed locally and a
+                # later upload, wait() or close() brings the new copy).
                 self.lock.fence(f"replace step {manifest.step}")
-                remote.delete([MANIFEST_NAME])  # uncommit the older copy before replacing its files
+                move_latest_off(self.storage, step, whole=True)
+                remote.delete([MANIFEST_NAME])
                 present.pop(MANIFEST_NAME)
             remote.write(PENDING_NAME, b'{"upload": "in progress"}', durable=False)
             return present
