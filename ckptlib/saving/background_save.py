@@ -6,7 +6,9 @@ caller may then change the state (a training step) without affecting what is sav
 Collectives: the background thread never touches the caller's process group. Its
 collectives (DCP's plan exchange, the gather of file records, rank 0's commit decision)
 run on a dedicated gloo group, created collectively and lazily by the first async save of a
-group, so they never interleave with the training's collectives on the default group.
+group, so they never interleave with the training's collectives on the default group. The
+group belongs to its world: after `destroy_process_group()` and `init_process_group()` the
+first async save makes the new world's (`_runtime.world`).
 Because that group orders its collectives, at most one async save per group is in flight:
 a new save first waits for the previous one (and re-raises its failure, if it failed and
 nobody waited for it: a failure is reported once, by whichever of `wait()`, `result()`, the
@@ -54,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from ckptlib._runtime import agree as _dist
+from ckptlib._runtime import world
 from ckptlib._runtime.teardown import exit_barrier
 from ckptlib.errors import CheckpointError
 from ckptlib.format.native.aliases import alias_key
@@ -66,6 +69,25 @@ _groups: dict[Any, Any] = {}  # caller's group (None: default) -> dedicated gloo
 _inflight: dict[Any, "AsyncSave"] = {}  # caller's group -> the save in flight on it
 _staging: dict[Any, "StagingPool"] = {}  # (caller's group, shared) -> staged buffers by key path
 _all: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()
+
+
+def _forget_world() -> None:
+    """A new world (`_runtime.world`): the dedicated groups of the old one are dead, so the next
+    async save of each group makes its own; what was kept for the old world's explicit groups
+    (never passed again: the new world's groups are new objects) is freed, except a save's still
+    running (it fails on its dead group; `release_staging()` frees that)."""
+    with _lock:
+        _groups.clear()
+        for key in [k for k, h in _inflight.items() if k is not None and h.done()]:
+            del _inflight[key]
+        busy = {k for k, h in _inflight.items() if not h.done()}
+        pools = [_staging.pop(k) for k in list(_staging) if k[0] is not None and k[0] not in busy]
+    for pool in pools:
+        pool.release_unused(StagingPool())
+    capped_staging.release(lambda key: key is not None and key not in busy)
+
+
+world.on_new_world(_forget_world)
 
 
 class AsyncSave:
@@ -184,6 +206,7 @@ def async_group(group=None):
     """
     if not _dist.is_distributed():
         return None
+    world.generation()  # a new world: the old one's groups are forgotten first
     key = _group_key(group)
     with _lock:
         found = _groups.get(key)
@@ -437,6 +460,7 @@ def _wait_at_exit() -> None:
     writer_process.shutdown()  # async_mode="process": its writer exits with it (it would anyway, a moment later)
     if not _dist.is_distributed():
         return
+    world.generation()  # only this world's groups meet at the barrier
     # A background save's last collective may still be in flight on a peer: the ranks of
     # every group that saved asynchronously (all of them did: its dedicated group was made
     # collectively) leave together, whether or not their own save was still running.

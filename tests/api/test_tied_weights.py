@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from helpers.saved_state import shard_bytes
 from safetensors.torch import save_file
 from torch import nn
 
@@ -19,7 +20,6 @@ import ckptlib
 from ckptlib._torch import parallel
 from ckptlib.format import open_checkpoint
 from ckptlib.storage import as_storage
-from helpers.saved_state import shard_bytes
 
 VOCAB, DIM = 64, 16
 
@@ -199,9 +199,7 @@ def _items(uri: str) -> tuple[set, set]:
     return set(metadata.state_dict_metadata), {(i.fqn, tuple(i.offset or ())) for i in metadata.storage_data}
 
 
-@pytest.mark.parametrize(
-    "how", [*WRITERS, "manager-sync", "manager-thread", "manager-process", "manager-process-cap"]
-)
+@pytest.mark.parametrize("how", [*WRITERS, "manager-sync", "manager-thread", "manager-process", "manager-process-cap"])
 def test_every_writer_stores_a_tied_weight_once_as_save_does(tmp_path, how):
     want = _write("save", str(tmp_path / "sync"), _trained(0))
     got = _write(how, str(tmp_path / how), _trained(0))
