@@ -114,6 +114,15 @@ def test_save_and_load_work_again_in_a_new_world(tmp_path, how):
     assert store.check([f"ckptlib/check_in/save/0/{_tag()}/all"])
 
 
+def _kept_for(group) -> set[str]:
+    """What the async saves keep for `group`'s next save (its staging memory)."""
+    from ckptlib.saving import background_save, capped_staging
+
+    return {"pool" for key in background_save._staging if key[0] is group} | {
+        "ring" for key in capped_staging._rings if key[0] is group
+    }
+
+
 def _tag() -> str:
     import zlib
 
@@ -183,6 +192,9 @@ def test_a_group_of_the_old_world_is_a_clear_error_on_every_public_call(tmp_path
     ckptlib.save(uri, _state(1), step=1, process_group=old_group)
     manager = ckptlib.CheckpointManager(root, process_group=old_group)
     manager.save(1, _state(1))
+    for cap in (1 << 16, None):  # staging kept for the old group's next save (a pool, a ring)
+        ckptlib.async_save(uri + "-a", _state(1), process_group=old_group, max_staging_bytes=cap, overwrite=True).wait()
+    assert _kept_for(old_group) == {"pool", "ring"}
     _new_world(1)
     calls = {  # each raises before any collective, so the next one runs on every rank alike
         "save": (lambda: ckptlib.save(uri + "-2", _state(2), process_group=old_group), f"save to {uri}-2"),
@@ -208,6 +220,7 @@ def test_a_group_of_the_old_world_is_a_clear_error_on_every_public_call(tmp_path
         ), call
         assert caught.value.rank == dist.get_rank(), call
     assert not os.path.exists(uri + "-2")
+    assert _kept_for(old_group) == set()  # freed with the old world: no save of that group can come
     assert ckptlib.CheckpointManager(root).steps() == [1]  # nothing of the old world's step lost
     ckptlib.load(uri, target := _state(3))  # the default group works on
     _assert_loaded(target, _state(1))
