@@ -185,6 +185,12 @@ class NotCalledByEveryRankError(RanksDisagreeError):
     alive but did not take part (`ranks`)."""
 
 
+class ProcessGroupError(StateError):
+    """A collective call's process group is not part of this process's torch.distributed world:
+    destroyed, or made before `destroy_process_group()` (a CheckpointManager keeps the group it
+    was made with); or a group passed while no world is initialized. Raised before any collective."""
+
+
 class StorageError(CheckpointError):
     """The storage backend failed permanently (permission denied, bucket missing, retries exhausted)."""
 

@@ -4,6 +4,8 @@
   (agreement rounds, broadcasts, the rank-loss guard);
 - `check_in`: a public collective call checks that every rank makes it (fails in seconds);
 - `teardown`: `exit_barrier()`, leaving a process group safely;
+- `world`: the torch.distributed world ckptlib's per-process caches belong to (a new one after
+  `destroy_process_group()` + `init_process_group()` resets them), and groups of a world left behind;
 - `gc_pause`: Python's cyclic collector paused for the length of a save or load;
 - `observe`: one INFO line per checkpoint operation on the `ckptlib` logger, and the metrics
   callbacks (`on_metrics`);

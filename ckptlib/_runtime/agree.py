@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from ckptlib._runtime import world as _world
 from ckptlib.errors import (
     CheckpointError,
     NotCalledByEveryRankError,
@@ -358,6 +359,7 @@ def _check_in(call: str, what: str, group, *, step, path) -> None:
         ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
     except Exception:  # noqa: BLE001 - no store to check in at: the collectives' own checks remain
         return
+    _world.generation()  # a new world's serials start at 0 (`_forget_world`)
     # counted per group: its ranks make its calls equally often, as they make its collectives
     serial = next(_entries.setdefault((call, tuple(ranks)), itertools.count()))
     check_in(store, call, what, serial, ranks, (_HEARTBEAT_KEY, _HEARTBEAT_SECONDS), path=path, step=step)
@@ -367,20 +369,23 @@ def _check_in(call: str, what: str, group, *, step, path) -> None:
 # each second, so a roll call tells a dead rank (no beat) from one blocked in gloo (beating).
 _HEARTBEAT_KEY = "ckptlib/heartbeat"
 _HEARTBEAT_SECONDS = 1.0
-_heartbeat_started: set[int] = set()  # pids whose heartbeat runs (not inherited by a fork)
+_heartbeats: dict[int, threading.Event] = {}  # pid whose heartbeat runs (not inherited by a fork) -> its stop
 
 
 def start_heartbeat() -> None:
     """This process's heartbeat thread, once (on a clone of the store: its own connection);
     nothing without a process group."""
     import os
-    import threading
 
     from ckptlib._torch import c10d
 
-    if not is_distributed() or os.getpid() in _heartbeat_started:
+    if not is_distributed():
         return
-    _heartbeat_started.add(os.getpid())
+    _world.generation()  # a new world stops the old one's heartbeat (`_forget_world`)
+    with _heartbeat_lock:
+        if os.getpid() in _heartbeats:
+            return
+        stop = _heartbeats[os.getpid()] = threading.Event()
     try:
         store = c10d.default_store().clone()
     except Exception:  # noqa: BLE001 - no store to beat in: roll calls fall back to check-ins
@@ -388,18 +393,34 @@ def start_heartbeat() -> None:
     key = f"{_HEARTBEAT_KEY}/{dist.get_rank()}"
 
     def beat() -> None:
-        while True:
+        while not stop.is_set():
             try:
                 store.add(key, 1)
             except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
                 return
-            time.sleep(_HEARTBEAT_SECONDS)
+            stop.wait(_HEARTBEAT_SECONDS)
 
     threading.Thread(target=beat, name="ckptlib-heartbeat", daemon=True).start()
 
 
 _depth = threading.local()  # how many guards and public calls this thread is inside
 _entries: dict[tuple, "itertools.count[int]"] = {}  # public calls made, by (kind, group ranks): check-in keys
+_heartbeat_lock = threading.Lock()
+
+
+def _forget_world() -> None:
+    """A new world (`_runtime.world`): its store holds none of the old one's keys, so the check-in
+    and roll-call serials start at 0 again (where a process that joins it starts them), and the
+    heartbeat moves to its store."""
+    _entries.clear()
+    _guards.clear()
+    with _heartbeat_lock:
+        for stop in _heartbeats.values():
+            stop.set()
+        _heartbeats.clear()
+
+
+_world.on_new_world(_forget_world)
 
 
 @contextlib.contextmanager
@@ -424,7 +445,9 @@ def check_every_rank_calls(
 ) -> None:
     """`called_by_every_rank`'s check alone, for a call that makes no other public call inside.
     `call` names the kind of call ("save", "load": ranks may pass different paths, their own
-    node's) and keys the check-in; `what` describes it in the error."""
+    node's) and keys the check-in; `what` describes it in the error. A `group` of a world this
+    process left is a ProcessGroupError first (`world.check_group`)."""
+    _world.check_group(group, what)
     if getattr(_depth, "n", 0) == 0 and is_distributed():
         start_heartbeat()
         _check_in(call, what, group, step=step, path=path)
@@ -438,8 +461,8 @@ def peer_loss_as_error(what: str, group=None, *, step: int | None = None, path: 
     Every rank enters it for the same `what` equally often (like the collectives it guards):
     the roll call's key is `what` and how many times this process entered it before.
     """
+    start_heartbeat()  # first: a new world's serials start at 0
     serial = next(_guards.setdefault(what, itertools.count()))
-    start_heartbeat()
     depth = getattr(_depth, "n", 0)
     _depth.n = depth + 1
     try:

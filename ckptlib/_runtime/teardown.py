@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ckptlib._runtime import world as _world
 from ckptlib._runtime.agree import is_distributed
 from ckptlib._torch import c10d
 from ckptlib.errors import CheckpointError
 
 _exit_barriers = 0
+
+
+def _forget_world() -> None:
+    """A new world's store has none of the old one's barrier keys: count from the start again."""
+    global _exit_barriers
+    _exit_barriers = 0
+
+
+_world.on_new_world(_forget_world)
 
 
 def exit_barrier(timeout_s: float = 300.0, key: str | None = None, group=None) -> None:
@@ -27,6 +37,7 @@ def exit_barrier(timeout_s: float = 300.0, key: str | None = None, group=None) -
         return
     import time
 
+    _world.generation()
     if key is None:
         _exit_barriers += 1
         key = f"ckptlib/exit_barrier/{_exit_barriers}"

@@ -3,8 +3,9 @@
 retries around copies that failed.
 
 Transport: point-to-point messages on one dedicated gloo group per caller group, created
-collectively by the first load of that group and cached (never the async-save group, which a
-background save may be using at the same time). Between two ranks a round sends one message
+collectively by the first load of that group and cached for its world (never the async-save
+group, which a background save may be using at the same time; a new world, `_runtime.world`,
+makes new ones). Between two ranks a round sends one message
 of flags (1: the item follows intact; 0: its reader could not read it) and then each item's
 raw bytes (a placeholder of the same length for a flagged one), every message with its own
 tag, so nothing depends on the order gloo delivers them in. Memory: a rank holds at most one
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ckptlib._runtime import agree as _dist
+from ckptlib._runtime import world as _world
 from ckptlib._torch import dcp_shims
 from ckptlib.errors import CopiesExhaustedError, CopyFallbackWarning, warn_scrubbed
 from ckptlib.format.write.transaction import unwrap_dcp_error
@@ -34,11 +36,20 @@ from ckptlib.format.write.transaction import unwrap_dcp_error
 _groups: dict[Any, Any] = {}  # caller's group (WORLD for the default one) -> its exchange group
 
 
+def _forget_world() -> None:
+    """The groups of a world this process left are dead: the next load makes the new world's."""
+    _groups.clear()
+
+
+_world.on_new_world(_forget_world)
+
+
 def exchange_group(group=None):
     """The dedicated gloo group of `group`'s shared reads; collective on first use (every rank
     of `group` calls it in `ckptlib.load`, before DCP's load). None without a process group."""
     if not _dist.is_distributed():
         return None
+    _world.generation()  # a new world: the old one's groups are forgotten first
     key = dist.group.WORLD if group is None else group
     found = _groups.get(key)
     if found is None:

@@ -33,6 +33,7 @@ from typing import Any, Mapping
 
 from ckptlib._runtime import agree as _dist
 from ckptlib._runtime import progress as progress_bars
+from ckptlib._runtime import world
 from ckptlib.errors import StateError
 from ckptlib.format.native.root import check_step, committed_steps
 from ckptlib.format.write.plan_cache import PlanCache
@@ -101,7 +102,12 @@ class CheckpointManager:
 
         `progress`: the saves' and loads' progress as `ckptlib.save` shows it (None: a bar on
         stderr when it is a terminal; True, False, or `fn(op, done, total)`), rank 0 only; a
-        load's own `progress=` wins."""
+        load's own `progress=` wins.
+
+        `process_group=None` (the default group) follows the process into a new world
+        (`destroy_process_group()`, then `init_process_group()`; `wait()` before the destroy);
+        a manager made with an explicit group keeps it, and once its world is gone every
+        collective call raises ProcessGroupError: make a new manager with a group of the new world."""
         progress_bars.check(progress)
         self.progress = progress
         self.retention = check_retention(keep_last, retention, save_policy)
@@ -216,6 +222,7 @@ class CheckpointManager:
         Only for a writer known to be gone (a crashed job on another host): breaking the lock
         of a live writer lets two writers interleave.
         """
+        world.check_group(self.process_group, f"break_lock of {self.root_uri}")
         return _dist.decide_on_rank0(self.tier.lock.break_, self.process_group)
 
     # -- reading the root -------------------------------------------------------------
@@ -229,6 +236,7 @@ class CheckpointManager:
 
     def latest(self) -> int | None:
         """The step `load()` would resume from, or None when the root has no checkpoint."""
+        world.check_group(self.process_group, f"latest of {self.root_uri}")
         return self.tier.latest()
 
     @property
@@ -266,6 +274,7 @@ class CheckpointManager:
         manager already saved or loaded is not saved again."""
         check_manager_call("maybe_save", self.root_uri, state, step)
         step = check_step(step)
+        world.check_group(self.process_group, f"maybe_save of step {step} to {self.root_uri}")
         watcher = self._watcher
         policy = self.save_policy
 
@@ -336,6 +345,7 @@ class CheckpointManager:
 
         Takes the root's lock (LockedError while another writer holds it), except for a dry run.
         """
+        world.check_group(self.process_group, f"gc of {self.root_uri}")
         self._wait()  # never delete while a save is still writing (verl #4638)
         return self.tier.gc(dry_run=dry_run, on_removed=on_removed)
 

@@ -6,7 +6,9 @@ caller may then change the state (a training step) without affecting what is sav
 Collectives: the background thread never touches the caller's process group. Its
 collectives (DCP's plan exchange, the gather of file records, rank 0's commit decision)
 run on a dedicated gloo group, created collectively and lazily by the first async save of a
-group, so they never interleave with the training's collectives on the default group.
+group, so they never interleave with the training's collectives on the default group. The
+group belongs to its world: after `destroy_process_group()` and `init_process_group()` the
+first async save makes the new world's (`_runtime.world`).
 Because that group orders its collectives, at most one async save per group is in flight:
 a new save first waits for the previous one (and re-raises its failure, if it failed and
 nobody waited for it: a failure is reported once, by whichever of `wait()`, `result()`, the
@@ -34,7 +36,9 @@ running statistics). Without such buffers, calling `wait_staged()` right before
 
 Memory: the staging copy (about one state per rank) is kept and reused by the next async
 save of a state with the same tensor shapes, so steady-state saves copy into memory that is
-already mapped (no page faults); `release_staging()` frees it. With
+already mapped (no page faults); `release_staging()` frees it. Tied tensors (two keys, one
+memory: `lm_head.weight` is `embed.weight`) are copied once and stay tied in the copy, so an
+async save stores them once, byte for byte the checkpoint `save` writes. With
 `AsyncMode(max_staging_bytes=N)` nothing is copied up front: the tensors are copied in pieces of
 at most N as they are written (`capped_staging`).
 """
@@ -52,8 +56,10 @@ import torch
 import torch.distributed as dist
 
 from ckptlib._runtime import agree as _dist
+from ckptlib._runtime import world
 from ckptlib._runtime.teardown import exit_barrier
 from ckptlib.errors import CheckpointError
+from ckptlib.format.native.aliases import alias_key
 from ckptlib.saving import capped_staging, writer_process
 
 __all__ = ["AsyncSave", "release_pools", "release_staging"]
@@ -63,6 +69,25 @@ _groups: dict[Any, Any] = {}  # caller's group (None: default) -> dedicated gloo
 _inflight: dict[Any, "AsyncSave"] = {}  # caller's group -> the save in flight on it
 _staging: dict[Any, "StagingPool"] = {}  # (caller's group, shared) -> staged buffers by key path
 _all: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()
+
+
+def _forget_world() -> None:
+    """A new world (`_runtime.world`): the dedicated groups of the old one are dead, so the next
+    async save of each group makes its own; what was kept for the old world's explicit groups
+    (never passed again: the new world's groups are new objects) is freed, except a save's still
+    running (it fails on its dead group; `release_staging()` frees that)."""
+    with _lock:
+        _groups.clear()
+        for key in [k for k, h in _inflight.items() if k is not None and h.done()]:
+            del _inflight[key]
+        busy = {k for k, h in _inflight.items() if not h.done()}
+        pools = [_staging.pop(k) for k in list(_staging) if k[0] is not None and k[0] not in busy]
+    for pool in pools:
+        pool.release_unused(StagingPool())
+    capped_staging.release(lambda key: key is not None and key not in busy)
+
+
+world.on_new_world(_forget_world)
 
 
 class AsyncSave:
@@ -181,6 +206,7 @@ def async_group(group=None):
     """
     if not _dist.is_distributed():
         return None
+    world.generation()  # a new world: the old one's groups are forgotten first
     key = _group_key(group)
     with _lock:
         found = _groups.get(key)
@@ -278,7 +304,43 @@ def _staged_tensor(key: str, value: torch.Tensor, pool: StagingPool, used: Stagi
     return buf
 
 
-def _stage(obj: Any, path: str, pool: StagingPool, used: StagingPool) -> Any:
+def _stage(obj: Any, path: str, pool: StagingPool, used: StagingPool, memo: dict[tuple, Any]) -> Any:
+    """`obj` with every tensor copied (see `stage`); a tensor whose memory an earlier one of the
+    state holds (a tied weight: `lm_head.weight` is `embed.weight`) becomes that one's copy, so
+    the copies alias as the originals did and the save stores them once (`format.native.aliases`),
+    as a synchronous save does."""
+    memory = _memory(obj)
+    if memory is not None:
+        twin = memo.get(memory)
+        if twin is not None:
+            return twin
+        staged = _stage_tensor(obj, path, pool, used)
+        memo[memory] = staged
+        return staged
+    if isinstance(obj, torch.Tensor):
+        return _stage_tensor(obj, path, pool, used)
+    if isinstance(obj, dict):
+        return {k: _stage(v, f"{path}.{k}", pool, used, memo) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_stage(v, f"{path}[{i}]", pool, used, memo) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return tuple(_stage(v, f"{path}[{i}]", pool, used, memo) for i, v in enumerate(obj))
+    return copy.deepcopy(obj)  # plain values: a snapshot, so later changes do not leak in
+
+
+def _memory(obj: Any) -> tuple | None:
+    """What makes a tensor the same memory as another (`aliases.alias_key`), for the strided
+    tensors and DTensors staging copies; None for anything else."""
+    if not isinstance(obj, torch.Tensor):
+        return None
+    dtensor_cls = _dtensor_cls()
+    local = obj.to_local() if dtensor_cls is not None and isinstance(obj, dtensor_cls) else obj
+    if local.layout != torch.strided:
+        return None
+    return alias_key(obj)
+
+
+def _stage_tensor(obj: torch.Tensor, path: str, pool: StagingPool, used: StagingPool) -> Any:
     dtensor_cls = _dtensor_cls()
     if dtensor_cls is not None and isinstance(obj, dtensor_cls):
         local = obj.to_local()
@@ -292,22 +354,21 @@ def _stage(obj: Any, path: str, pool: StagingPool, used: StagingPool) -> Any:
 
             return host_memory.dtensor_over(_staged_tensor(path, local, pool, used), obj)
         return obj.detach().to("cpu")  # the device-to-host copy is the staging copy
-    if isinstance(obj, torch.Tensor):
-        if obj.layout != torch.strided:
-            return obj.detach().to("cpu", copy=True)
-        return _staged_tensor(path, obj, pool, used)
-    if isinstance(obj, dict):
-        return {k: _stage(v, f"{path}.{k}", pool, used) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_stage(v, f"{path}[{i}]", pool, used) for i, v in enumerate(obj)]
-    if isinstance(obj, tuple):
-        return tuple(_stage(v, f"{path}[{i}]", pool, used) for i, v in enumerate(obj))
-    return copy.deepcopy(obj)  # plain values: a snapshot, so later changes do not leak in
+    if obj.layout != torch.strided:
+        return obj.detach().to("cpu", copy=True)
+    return _staged_tensor(path, obj, pool, used)
 
 
-def _leaves(obj: Any, path: str, out: dict[str, tuple[torch.Size, torch.dtype]]) -> dict:
-    """The (shape, dtype) of every tensor `_stage` would copy into a buffer, by its key path."""
+def _leaves(obj: Any, path: str, out: dict[str, tuple[torch.Size, torch.dtype]], seen: set | None = None) -> dict:
+    """The (shape, dtype) of every tensor `_stage` would copy into a buffer, by its key path
+    (a tied tensor once, under its first path, as `_stage` copies it)."""
+    seen = set() if seen is None else seen
     dtensor_cls = _dtensor_cls()
+    memory = _memory(obj)
+    if memory is not None:
+        if memory in seen:
+            return out
+        seen.add(memory)
     if dtensor_cls is not None and isinstance(obj, dtensor_cls):
         obj = obj.to_local()
     if isinstance(obj, torch.Tensor):
@@ -315,10 +376,10 @@ def _leaves(obj: Any, path: str, out: dict[str, tuple[torch.Size, torch.dtype]])
             out[path] = (obj.shape, obj.dtype)
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            _leaves(v, f"{path}.{k}", out)
+            _leaves(v, f"{path}.{k}", out, seen)
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            _leaves(v, f"{path}[{i}]", out)
+            _leaves(v, f"{path}[{i}]", out, seen)
     return out
 
 
@@ -342,7 +403,7 @@ def stage(state_dict: dict[str, Any], group=None, arena=None) -> dict[str, Any]:
     if arena is not None:
         pool.prepare(_leaves(state_dict, "", {}))
     try:
-        staged = _stage(state_dict, "", pool, used)
+        staged = _stage(state_dict, "", pool, used, {})
     except BaseException:
         used.release_unused(pool)  # what this attempt allocated (and the pool does not hold)
         with _lock:
@@ -399,6 +460,7 @@ def _wait_at_exit() -> None:
     writer_process.shutdown()  # async_mode="process": its writer exits with it (it would anyway, a moment later)
     if not _dist.is_distributed():
         return
+    world.generation()  # only this world's groups meet at the barrier
     # A background save's last collective may still be in flight on a peer: the ranks of
     # every group that saved asynchronously (all of them did: its dedicated group was made
     # collectively) leave together, whether or not their own save was still running.

@@ -185,11 +185,12 @@ def ring_for(group_key: Any, cap: int, sizes: dict[str, int], arena=None) -> Sta
     return ring
 
 
-def release() -> None:
-    """Free every ring (`background_save.release_staging`)."""
+def release(which: Callable[[Any], bool] | None = None) -> None:
+    """Free every ring (`background_save.release_staging`), or those whose group `which` names
+    (a world left behind: `background_save._forget_world`)."""
     with _lock:
-        rings = list(_rings.values())
-        _rings.clear()
+        keys = [key for key in _rings if which is None or which(key[0])]
+        rings = [_rings.pop(key) for key in keys]
     for ring in rings:
         ring.close()
 

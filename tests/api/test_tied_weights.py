@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from helpers.saved_state import shard_bytes
 from safetensors.torch import save_file
 from torch import nn
 
@@ -117,8 +118,8 @@ def _fsdp2_tied(uri: str, seed: int, action: str) -> dict:
     return {name: p.full_tensor().clone() for name, p in model.named_parameters()}
 
 
-def _replicated_tied(uri: str) -> None:
-    ckptlib.save(uri, {"model": _tied(0)})  # every rank holds the whole model
+def _replicated_tied(uri: str, how: str = "save") -> None:
+    _write(how, uri, {"model": _tied(0)})  # every rank holds the whole model
 
 
 @pytest.mark.parametrize("save_ws,load_ws", [(2, 3)], ids=["save2-fsdp2-load3-fsdp2"])
@@ -133,11 +134,99 @@ def test_tied_fsdp2_weight_stored_once_and_resharded(tmp_path, dist_run, save_ws
         assert all(torch.equal(loaded[k], v) for k, v in saved.items())
 
 
-def test_replicated_tied_weight_is_written_once_by_one_rank(tmp_path, dist_run):
+@pytest.mark.parametrize("how", ["save", "async-thread", "async-process"])
+def test_replicated_tied_weight_is_written_once_by_one_rank(tmp_path, dist_run, how):
     uri = str(tmp_path / "ckpt")
-    dist_run(2, _replicated_tied, uri)
+    dist_run(2, _replicated_tied, uri, how)
     records = _records(uri)
     assert records["model.head.weight"] == records["model.embed.weight"]
+    assert len(set(records.values())) == len(records) - 1  # every other item stored apart
     target = _tied(1)
     ckptlib.load(uri, {"model": target})
     assert torch.equal(target.head.weight, _tied(0).embed.weight)
+
+
+# -- every writer stores a tied weight as `save` does ----------------------------------------
+# An async save copies the state before writing; a copy per key broke the tie (the weight was
+# stored twice and exported under both names). Every writer x staging option, and the
+# manager's saves, must write the very checkpoint `save` writes.
+CAP = 1 << 20  # AsyncMode(max_staging_bytes=): above every tensor of the model
+WRITERS = {
+    "async-thread": ckptlib.AsyncMode("thread"),
+    "async-process": ckptlib.AsyncMode("process"),
+    "async-thread-cap": ckptlib.AsyncMode("thread", max_staging_bytes=CAP),
+    "async-process-cap": ckptlib.AsyncMode("process", max_staging_bytes=CAP),
+    "async-thread-background-staging": ckptlib.AsyncMode("thread", background_staging=True),
+    "async-process-background-staging": ckptlib.AsyncMode("process", background_staging=True),
+}
+
+
+def _trained(seed: int) -> dict:
+    """A tied model and an Adam that took one step (its state keyed once for the tied weight)."""
+    model = _tied(seed)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.arange(8).reshape(2, 4)).sum().backward()
+    optim.step()
+    return {"model": model, "optim": optim, "step": 3}
+
+
+def _write(how: str, root: str, state: dict) -> str:
+    """Save `state` the way `how` names; the checkpoint's directory."""
+    if how == "save":
+        ckptlib.save(root, state, step=3)
+        return root
+    if how.startswith("manager-"):
+        writer = how[len("manager-") :]
+        mode = False if writer == "sync" else WRITERS[f"async-{writer}"]
+        with ckptlib.CheckpointManager(root, async_save=mode) as manager:
+            manager.save(3, state)
+            manager.wait()
+            return manager.path(3)
+    mode = WRITERS[how]
+    ckptlib.async_save(
+        root,
+        state,
+        step=3,
+        async_mode=mode.writer,
+        background_staging=mode.background_staging,
+        max_staging_bytes=mode.max_staging_bytes,
+    ).wait()
+    return root
+
+
+def _items(uri: str) -> tuple[set, set]:
+    metadata = open_checkpoint(as_storage(uri)).metadata
+    return set(metadata.state_dict_metadata), {(i.fqn, tuple(i.offset or ())) for i in metadata.storage_data}
+
+
+@pytest.mark.parametrize("how", [*WRITERS, "manager-sync", "manager-thread", "manager-process", "manager-process-cap"])
+def test_every_writer_stores_a_tied_weight_once_as_save_does(tmp_path, how):
+    want = _write("save", str(tmp_path / "sync"), _trained(0))
+    got = _write(how, str(tmp_path / how), _trained(0))
+    assert sorted(os.listdir(got)) == sorted(os.listdir(want))  # the same files
+    assert _items(got) == _items(want)  # the same keys and stored items
+    assert _records(got) == _records(want)  # head and embed name the same bytes, as `save` stores them
+    assert _records(got)["model.head.weight"] == _records(got)["model.embed.weight"]
+    assert _shard_bytes(got) == _shard_bytes(want)
+    assert shard_bytes(got) == shard_bytes(want)  # byte for byte
+    expected = _trained(0)
+    for tie in (True, False):  # into a tied model (with its optimizer) and an untied one
+        target = _trained(1) if tie else {"model": _tied(1, tie=False), "step": 0}
+        ckptlib.load(got, target)
+        model = target["model"]
+        assert torch.equal(model.embed.weight, expected["model"].embed.weight)
+        assert torch.equal(model.head.weight, expected["model"].embed.weight)
+        assert (model.head.weight is model.embed.weight) == tie  # a tied target stays tied
+        assert target["step"] == 3
+        if tie:
+            loaded, saved = target["optim"].state_dict()["state"], expected["optim"].state_dict()["state"]
+            assert loaded.keys() == saved.keys()
+            assert all(torch.equal(loaded[p][k], saved[p][k]) for p in saved for k in saved[p])
+    # exported as `save`'s checkpoint exports: the weight once, under the name it is tied to
+    exported = {}
+    for name, uri in (("sync", want), (how, got)):
+        out = str(tmp_path / f"export-{name}")
+        result = ckptlib.export(uri, out, model_only=True)
+        exported[name] = (result.tied, open(os.path.join(out, "model.safetensors"), "rb").read())
+    assert exported[how] == exported["sync"]
+    assert exported[how][0] == {"embed.weight": "head.weight"}

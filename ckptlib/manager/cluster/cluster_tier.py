@@ -31,6 +31,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ckptlib._runtime import agree as _dist
+from ckptlib._runtime import world
 from ckptlib.errors import (
     CheckpointExistsError,
     CopiesExhaustedError,
@@ -101,10 +102,11 @@ class ClusterTier:
         self.settings = settings
         self.retention = settings.retention
         self.remote = remote
-        self.replicas = cluster.replicas
+        self.replicas = self._replicas_asked = cluster.replicas
         self.node = cluster.node
         self.group = settings.group
         self.topology: Topology | None = None
+        self._world: int | None = None  # the world (`_runtime.world`) the topology was found in
         self.lock = RootLock(root, hold=settings.hold_lock)  # this node's root; its leader takes it
         self.budget = LocalBudget(cluster.max_local_bytes, root)
         self._seq: int | None = None  # the largest commit seq seen (None: not looked yet)
@@ -135,11 +137,16 @@ class ClusterTier:
 
     # -- collective set-up --------------------------------------------------------------
     def setup(self) -> Topology:
-        """This job's nodes (collective, once)."""
+        """This job's nodes (collective, once per world: after `destroy_process_group()` and
+        `init_process_group()` the nodes and ranks are found again, and the next save takes
+        the inventory again, as a process that joined the new world does)."""
+        if self._world != world.generation():
+            self.topology, self._seq, self._latest = None, None, None
+            self._world = world.generation()
         if self.topology is None:
             with _dist.peer_loss_as_error(INVENTORY, self.group):
                 topology = detect(self.root, self.group, self.node)
-            self.replicas, why = topology.usable_replicas(self.replicas)
+            self.replicas, why = topology.usable_replicas(self._replicas_asked)
             if why:
                 warnings.warn(why, FewerReplicasWarning, stacklevel=stacklevel_outside_ckptlib())
             self.topology = topology
