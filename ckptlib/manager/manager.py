@@ -357,13 +357,15 @@ class CheckpointManager:
         CheckpointNotFoundError. With a cluster tier, a remote that cannot be read while no
         node holds a step is a RemoteUnavailableError (a committed step may exist there)
         unless `fresh_start_ok=True`. Collective: every rank passes the same `step` (None on all,
-        or one step; RanksDisagreeError on every rank otherwise, before anything is read)."""
+        or one step), `require` and `fresh_start_ok` (RanksDisagreeError on every rank otherwise,
+        before anything is read)."""
         chosen = None if step is None else check_step(step)
         kwargs.setdefault("progress", self.progress)
         what = f"load from {self.root_uri}"
         with _dist.called_by_every_rank("manager.load", what, self.process_group, path=self.root_uri):
             with _dist.peer_loss_as_error(what, self.process_group, path=self.root_uri):
-                same_arguments("load", self.process_group, step=chosen)  # before the tier picks its collectives
+                # before the tier picks its collectives; and so no rank raises alone for want of a step
+                same_arguments("load", self.process_group, step=chosen, require=require, fresh_start_ok=fresh_start_ok)
             self.wait()  # a save or upload in flight: its failure surfaces before anything else
             result = self.tier.load(state, chosen, kwargs, fresh_start_ok=fresh_start_ok)
         if result is None and self.initial_load is not None:

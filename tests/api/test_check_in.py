@@ -1,7 +1,9 @@
 """A collective call some ranks never make fails in seconds on the ranks that made it
 (issue 37, item 4: `ckptlib._runtime.check_in`), naming the ranks that did not and saying the
 call is collective; a rank that died before the call is named as lost; ranks that all call
-pass, and a call inside another one is not checked twice."""
+pass, and a call inside another one is not checked twice. A rank making the call after the
+others gave up on it raises at once (the check-in is one generation), never completing it
+alone and blocking in the call's collectives."""
 
 from __future__ import annotations
 
@@ -91,13 +93,14 @@ def test_the_grace_comes_from_the_environment(monkeypatch, text, value):
 
 
 def _calls(path: str, who: str) -> dict:
-    """Rank 0 or 1 alone makes a call; the other waits (alive) until it returns."""
+    """Rank 0 or 1 alone makes a call; the other waits (alive) until it returns, then makes it late."""
     from ckptlib._torch import c10d
 
     store = c10d.default_store()
     rank = dist.get_rank()
     caller = 0 if who != "load-on-1" else 1
-    if rank == caller:
+
+    def call() -> dict:
         try:
             if who == "save":
                 ckptlib.save(path, {"w": torch.ones(4)})
@@ -107,12 +110,16 @@ def _calls(path: str, who: str) -> dict:
                 ckptlib.load(path, {"w": torch.zeros(4)})
         except ckptlib.CheckpointError as exc:
             return {"type": type(exc).__name__, "message": str(exc), "ranks": list(exc.ranks)}
+        return {"type": None}
+
+    if rank == caller:
+        try:
+            return call()
         finally:
             store.set("test/caller-done", "1")
-        return {"type": None}
     while not store.check(["test/caller-done"]):
         time.sleep(0.1)
-    return {"type": "waited"}
+    return call()  # late: the caller gave up on this call; it must not run its collectives alone
 
 
 @pytest.mark.parametrize("who", ["save", "async", "load-on-1"])
@@ -130,7 +137,13 @@ def test_a_call_made_by_one_rank_fails_there_in_seconds(tmp_path, dist_run, who)
         f"and rank {other} (alive) did not make it within 3 s (CKPTLIB_CALL_GRACE)",
         "ranks": [other],
     }
-    assert results[other] == {"type": "waited"}
+    late = f"load of {path}" if who == "load-on-1" else f"save to {path}"
+    assert results[other] == {
+        "type": "NotCalledByEveryRankError",
+        "message": f"{late} on rank {other}: it is a collective call, and rank {caller} made it and gave up waiting "
+        f"for rank {other} after 3 s (CKPTLIB_CALL_GRACE): this call came too late and runs none of its collectives",
+        "ranks": [other],
+    }
 
 
 def _load_own_copy(base: str) -> bool:

@@ -9,7 +9,7 @@ The inventory (entry point -> arguments that must match; docs/manager.md "Collec
 |----------------------|-------------------------------|------------------|
 | save                 | step, overwrite               | manager.save     |
 | maybe_save           | step (in its decision round)  | (its save)       |
-| load                 | step (None: the newest)       | manager.load     |
+| load                 | step (None: the newest), require, fresh_start_ok | manager.load |
 | latest               | (none)                        | manager.latest   |
 | gc                   | dry_run                       | manager.gc       |
 | break_lock           | (none)                        | manager.break_lock |
@@ -32,6 +32,7 @@ The inventory (entry point -> arguments that must match; docs/manager.md "Collec
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -104,6 +105,13 @@ CALLS = {
         "step",
         "load",
         "rank 0: no step; rank 1: 1",
+    ),
+    "load-require": (lambda m, r: m.load(_fresh(), require=r == 1), "require", "load", "rank 0: False; rank 1: True"),
+    "load-fresh_start_ok": (
+        lambda m, r: m.load(_fresh(), fresh_start_ok=r == 0),
+        "fresh_start_ok",
+        "load",
+        "rank 0: True; rank 1: False",
     ),
     "gc-dry_run": (
         lambda m, r: m.gc(dry_run=r == 1),
@@ -225,3 +233,33 @@ def test_a_call_one_rank_skips_fails_there_and_for_the_latecomer(tmp_path, dist_
 
 def _root_of(tmp_path, tier: str, rank: int) -> str:
     return str(tmp_path / (f"node{rank}" if tier == "cluster" else "root"))
+
+
+def _maybe_save_alone(base: str) -> tuple:
+    """maybe_save is not checked in (it runs every step): rank 0 alone meets the process
+    group's timeout in its decision round, then the roll call names rank 1, alive."""
+    from ckptlib._torch import c10d
+
+    store = c10d.default_store()
+    mgr = _manager(base, "plain")
+    if dist.get_rank() == 0:
+        outcome = _outcome(lambda: mgr.maybe_save(5, _state(5), force=True))
+        store.set("test/rank0-done", "1")
+        return outcome
+    while not store.check(["test/rank0-done"]):  # alive, beating, never calling
+        time.sleep(0.1)
+    return ("waited",)
+
+
+def test_a_maybe_save_one_rank_skips_is_an_error_at_the_process_groups_timeout(tmp_path, dist_run):
+    results = dist_run(2, _maybe_save_alone, str(tmp_path), pg_timeout=5, timeout=150)
+    assert results == [
+        (
+            "NotCalledByEveryRankError",
+            "maybe_save's decision failed on rank 0: it is a collective call, which every rank must make, and rank 1 "
+            "(alive) did not make it within the process group's timeout",
+            [1],
+            [],
+        ),
+        ("waited",),
+    ], results
