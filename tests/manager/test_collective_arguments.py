@@ -142,13 +142,40 @@ def _disagree(base: str, tier: str, entry: str) -> tuple:
     return outcome, before == after, unlocked, in_step
 
 
+def _every_entry(base: str, tier: str, worker: str, entries: list[str]) -> dict:
+    """One launch of 2 ranks runs every entry point in turn, each in its own directory."""
+    return {entry: globals()[worker](os.path.join(base, entry), tier, entry) for entry in entries}
+
+
+_LAUNCHED: dict = {}  # (worker, tier) -> (base, every entry's per-rank results, or the launch's error)
+
+
+def _results(tmp_path_factory, dist_run, worker: str, tier: str, entries, **kwargs) -> tuple[str, dict]:
+    """Every entry's results of `worker` on `tier`, from one launch per module run (the cases
+    of one tier share it: a launch per case would cost the suite minutes)."""
+    key = (worker, tier)
+    if key not in _LAUNCHED:
+        base = str(tmp_path_factory.mktemp(f"{worker.strip('_')}-{tier}"))
+        try:
+            ranks = dist_run(2, _every_entry, base, tier, worker, list(entries), **kwargs)
+            _LAUNCHED[key] = (base, {entry: [r[entry] for r in ranks] for entry in entries})
+        except Exception as exc:  # noqa: BLE001 - every case of the tier reports it
+            _LAUNCHED[key] = (base, exc)
+    base, found = _LAUNCHED[key]
+    if isinstance(found, Exception):
+        raise found
+    return base, found
+
+
 CASES = [(tier, entry) for tier in TIERS for entry in CALLS]
 
 
 @pytest.mark.parametrize("tier,entry", CASES, ids=[f"{tier}-{entry}" for tier, entry in CASES])
-def test_ranks_passing_different_arguments_fail_alike(tmp_path, dist_run, tier, entry):
+def test_ranks_passing_different_arguments_fail_alike(tmp_path_factory, dist_run, tier, entry):
     _call, name, what, shown = CALLS[entry]
-    results = dist_run(2, _disagree, str(tmp_path), tier, entry, nodes=2 if tier == "cluster" else 1, timeout=150)
+    nodes = 2 if tier == "cluster" else 1
+    _, every = _results(tmp_path_factory, dist_run, "_disagree", tier, CALLS, nodes=nodes, timeout=300)
+    results = every[entry]
     (outcome0, *_), (outcome1, *_) = results
     assert outcome0 == outcome1, results  # the same error on every rank
     kind, text, ranks, keys = outcome0
@@ -186,9 +213,9 @@ def _alone_then_late(base: str, tier: str, entry: str) -> tuple:
     call = ALONE[entry][0]
     if rank == 0:
         outcome = _outcome(lambda: call(mgr))
-        store.set("test/rank0-gave-up", "1")
+        store.set(f"test/rank0-gave-up/{entry}", "1")
     else:
-        store.wait(["test/rank0-gave-up"])
+        store.wait([f"test/rank0-gave-up/{entry}"])
         outcome = _outcome(lambda: call(mgr))
     in_step = _still_in_step(mgr)
     mgr.close()
@@ -199,21 +226,22 @@ ALONE_CASES = [(tier, entry) for tier in TIERS for entry in ALONE]
 
 
 @pytest.mark.parametrize("tier,entry", ALONE_CASES, ids=[f"{tier}-{entry}" for tier, entry in ALONE_CASES])
-def test_a_call_one_rank_skips_fails_there_and_for_the_latecomer(tmp_path, dist_run, tier, entry):
-    results = dist_run(
-        2,
-        _alone_then_late,
-        str(tmp_path),
+def test_a_call_one_rank_skips_fails_there_and_for_the_latecomer(tmp_path_factory, dist_run, tier, entry):
+    base, every = _results(
+        tmp_path_factory,
+        dist_run,
+        "_alone_then_late",
         tier,
-        entry,
+        ALONE,
         nodes=2 if tier == "cluster" else 1,
         pg_timeout=60,
         env={"CKPTLIB_CALL_GRACE": str(GRACE)},
-        timeout=150,
+        timeout=300,
     )
+    results = every[entry]
     (first, in_step0), (late, in_step1) = results
-    what0 = ALONE[entry][1].format(root=_root_of(tmp_path, tier, 0))
-    what1 = ALONE[entry][1].format(root=_root_of(tmp_path, tier, 1))
+    what0 = ALONE[entry][1].format(root=_root_of(os.path.join(base, entry), tier, 0))
+    what1 = ALONE[entry][1].format(root=_root_of(os.path.join(base, entry), tier, 1))
     assert first == (
         "NotCalledByEveryRankError",
         f"{what0} on rank 0: it is a collective call, which every rank of its group must make, and rank 1 "
@@ -231,8 +259,8 @@ def test_a_call_one_rank_skips_fails_there_and_for_the_latecomer(tmp_path, dist_
     assert in_step0 and in_step1, results
 
 
-def _root_of(tmp_path, tier: str, rank: int) -> str:
-    return str(tmp_path / (f"node{rank}" if tier == "cluster" else "root"))
+def _root_of(base: str, tier: str, rank: int) -> str:
+    return os.path.join(base, f"node{rank}" if tier == "cluster" else "root")
 
 
 def _maybe_save_alone(base: str) -> tuple:
