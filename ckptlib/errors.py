@@ -181,8 +181,9 @@ class RanksDisagreeError(StateError):
 
 class NotCalledByEveryRankError(RanksDisagreeError):
     """A collective save or load that some ranks never called (a save on rank 0 only): raised
-    on the ranks that did, once the process group's timeout ran out, naming the ranks that are
-    alive but did not take part (`ranks`)."""
+    on the ranks that did, once `CKPTLIB_CALL_GRACE` (or the process group's timeout) ran out,
+    naming the ranks that are alive but did not take part (`ranks`); and at once on a rank
+    that makes the call after the others gave up on it (`ranks`: those they waited for)."""
 
 
 class ProcessGroupError(StateError):

@@ -8,6 +8,8 @@
 - `policies`: save policies (`EveryNSteps`, `EveryNSeconds`, `FinalStep`) and retention policies
   (`KeepLast`, `KeepBest`, `KeepEvery`), combinable with `|`;
 - `root_load`: loading one step of a root while others may delete it, and the initial load;
+- `arguments`: the arguments of the manager's collective calls agreed on every rank (step,
+  `overwrite`, `dry_run`: RanksDisagreeError on every rank where they differ);
 - `fresh_start`: nothing to resume where the root looks mistyped (a warning; `require=True`);
 - `lock`: the root lock, one writer at a time; `cleanup`: which step directories retention and
   debris removal delete; `preemption`: a termination signal remembered, so the loop can save;

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ckptlib._runtime import agree as _dist
 from ckptlib.errors import LocalLimitError, StateError, UnsupportedError
 from ckptlib.format.native.root import committed_steps, step_dir
 from ckptlib.loading.read_cost import filesystem_type
@@ -153,8 +154,10 @@ def check(node: int, report: LocalUsage, need: int) -> None:
 
 class LocalBudget:
     """The cluster tier's bound: the figures each rank adds to the save's one agreement round
-    (none when there is no limit and the root is not in memory) and the check of every node
-    from them, so every rank raises the same LocalLimitError, or none does."""
+    (as many on every rank: a node root on tmpfs beside one on disk, or a limit on one rank
+    only, sends a row that says it is not bounded, never fewer numbers into the all_gather) and
+    the check of every node from them, its leader's row deciding whether it is bounded and by
+    what limit, so every rank raises the same LocalLimitError, or none does."""
 
     def __init__(self, limit: int | None, root: Any):
         self.limit = limit
@@ -168,24 +171,41 @@ class LocalBudget:
         return usage(self.path, self.limit, self.root, self.filesystem)
 
     def figures(self, is_leader: bool, state: Mapping[str, Any]) -> list[int]:
-        """[rank bytes, held, newest step, free (-1: unknown)]; the last three only on a leader."""
+        """Six numbers on every rank: [bounded, rank bytes, held, newest step, free (-1:
+        unknown), limit (-1: none)]; held, newest and free only on a leader, all 0 where this
+        rank's root is not bounded."""
         if not self.active:
-            return []
+            return [0, 0, 0, 0, -1, -1]
         if self._rank_bytes is None:
             self._rank_bytes = state_bytes(state)
+        limit = -1 if self.limit is None else self.limit
         if not is_leader:
-            return [self._rank_bytes, 0, 0, -1]
+            return [1, self._rank_bytes, 0, 0, -1, limit]
         r = self.report()
-        return [self._rank_bytes, r.held_bytes, r.newest_step_bytes, -1 if r.free_bytes is None else r.free_bytes]
+        free = -1 if r.free_bytes is None else r.free_bytes
+        return [1, self._rank_bytes, r.held_bytes, r.newest_step_bytes, free, limit]
 
-    def check(self, rows: list[list[int]], topology: Any, replicas: int) -> None:
-        """Every rank: each node's need against its leader's figures (`rows`: every rank's)."""
-        if not self.active:
-            return
+    def check(self, rows: list[list[int]], topology: Any, replicas: int, group=None) -> None:
+        """Every rank: each bounded node's need against its leader's figures (`rows`: every
+        rank's `figures`). Collective only when a node is refused: the leaders' roots and
+        filesystems are gathered then, so the error names them alike on every rank."""
+        refused = None
         for node, ranks in enumerate(topology.nodes):
-            held, newest, free = rows[ranks[0]][1:4]
-            report = LocalUsage(self.root.uri, held, newest, self.limit, None if free < 0 else free, self.filesystem)
-            check(node, report, need_bytes(report, sum(rows[r][0] for r in ranks) * (1 + replicas)))
+            bounded, _, held, newest, free, limit = rows[ranks[0]]
+            if not bounded:
+                continue
+            report = LocalUsage("", held, newest, None if limit < 0 else limit, None if free < 0 else free, "")
+            need = need_bytes(report, sum(rows[r][1] for r in ranks) * (1 + replicas))
+            try:
+                check(node, report, need)
+            except LocalLimitError:
+                refused = (node, ranks[0], report, need)
+                break
+        if refused is None:
+            return
+        node, leader, report, need = refused
+        root, filesystem = _dist.all_gather_object((self.root.uri, self.filesystem), group)[leader]
+        check(node, dataclasses.replace(report, root=root, filesystem=filesystem), need)
 
 
 def memory_root(job: str, base: str = "/dev/shm") -> str:

@@ -39,6 +39,7 @@ from ckptlib.format.native.root import check_step, committed_steps
 from ckptlib.format.write.plan_cache import PlanCache
 from ckptlib.loading.loading import LoadResult
 from ckptlib.manager import policies as _save_policy
+from ckptlib.manager.arguments import same_arguments
 from ckptlib.manager.fresh_start import FreshStartWarning, fresh_start_message, fresh_start_reason, nothing_to_resume
 from ckptlib.manager.lock import LockHolder
 from ckptlib.manager.options import Cluster, InitialLoad, Preemption, check_retention, make_tier
@@ -223,7 +224,8 @@ class CheckpointManager:
         of a live writer lets two writers interleave.
         """
         world.check_group(self.process_group, f"break_lock of {self.root_uri}")
-        return _dist.decide_on_rank0(self.tier.lock.break_, self.process_group)
+        with _dist.called_by_every_rank("manager.break_lock", f"break_lock of {self.root_uri}", self.process_group):
+            return _dist.decide_on_rank0(self.tier.lock.break_, self.process_group)
 
     # -- reading the root -------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -235,9 +237,12 @@ class CheckpointManager:
         return committed_steps(self.storage)
 
     def latest(self) -> int | None:
-        """The step `load()` would resume from, or None when the root has no checkpoint."""
+        """The step `load()` would resume from, or None when the root has no checkpoint. Collective."""
         world.check_group(self.process_group, f"latest of {self.root_uri}")
-        return self.tier.latest()
+        with _dist.called_by_every_rank(
+            "manager.latest", f"latest of {self.root_uri}", self.process_group, path=self.root_uri
+        ):
+            return self.tier.latest()
 
     @property
     def remote_lag(self):
@@ -267,7 +272,8 @@ class CheckpointManager:
     ) -> bool:
         """Save `step` if the save policy says so (rank 0 decides), `force` is true on any rank, or
         a preemption signal reached any rank; return whether it saved. Collective: one small
-        all_reduce per call, then the save if any.
+        all_reduce per call (which also checks that every rank passed the same `step`:
+        RanksDisagreeError on every rank otherwise), then the save if any.
 
         After a preemption signal the save is synchronous (an async save in flight is waited
         for too), and `preempted` becomes True on every rank: the loop should stop. A step this
@@ -285,7 +291,9 @@ class CheckpointManager:
                 SaveContext(step, _save_policy.clock(), self._last_save_time, self._last_save_step)
             )
 
-        decision = decide(ask_policy, force=force, signal=watcher and watcher.received, group=self.process_group)
+        decision = decide(
+            ask_policy, force=force, signal=watcher and watcher.received, group=self.process_group, step=step
+        )
         if decision.preempted:
             self.preempted = True
             self.preemption_signal = signal_name(decision.signal)
@@ -315,11 +323,16 @@ class CheckpointManager:
         A committed `step` that `latest` does not name (a rollback's abandoned step) is replaced
         with a StalePointerWarning; the step `latest` names is refused (CheckpointExistsError)
         unless `overwrite=True`. Its old files are removed before the new ones are written, so
-        a crash during that save leaves `latest` falling back to the newest other committed step."""
+        a crash during that save leaves `latest` falling back to the newest other committed step.
+
+        Collective: every rank passes the same `step` and `overwrite` (RanksDisagreeError on
+        every rank otherwise, before anything is written)."""
         check_manager_call("save", self.root_uri, state, step)
         step = check_step(step)
         what = f"save of step {step} to {self.root_uri}"
         with _dist.called_by_every_rank("manager.save", what, self.process_group, step=step, path=self.path(step)):
+            with _dist.peer_loss_as_error(what, self.process_group, step=step, path=self.path(step)):
+                same_arguments("save", self.process_group, step=step, overwrite=overwrite)
             self._wait()  # the previous async save: its failure surfaces here, before anything else
             with _dist.peer_loss_as_error(what, self.process_group, step=step, path=self.path(step)):
                 return self._save(step, state, metadata, metrics, overwrite)
@@ -344,10 +357,15 @@ class CheckpointManager:
         `on_removed(done, total)` is called on rank 0 as directories are removed.
 
         Takes the root's lock (LockedError while another writer holds it), except for a dry run.
+        Collective: every rank passes the same `dry_run` (RanksDisagreeError otherwise).
         """
         world.check_group(self.process_group, f"gc of {self.root_uri}")
-        self._wait()  # never delete while a save is still writing (verl #4638)
-        return self.tier.gc(dry_run=dry_run, on_removed=on_removed)
+        what = f"gc of {self.root_uri}"
+        with _dist.called_by_every_rank("manager.gc", what, self.process_group, path=self.root_uri):
+            with _dist.peer_loss_as_error(what, self.process_group, path=self.root_uri):
+                same_arguments("gc", self.process_group, dry_run=dry_run)
+            self._wait()  # never delete while a save is still writing (verl #4638)
+            return self.tier.gc(dry_run=dry_run, on_removed=on_removed)
 
     # -- loading ------------------------------------------------------------------------
     def load(
@@ -369,13 +387,17 @@ class CheckpointManager:
         roots) is a FreshStartWarning naming it; `require=True` makes any fresh start a
         CheckpointNotFoundError. With a cluster tier, a remote that cannot be read while no
         node holds a step is a RemoteUnavailableError (a committed step may exist there)
-        unless `fresh_start_ok=True`."""
+        unless `fresh_start_ok=True`. Collective: every rank passes the same `step` (None on all,
+        or one step), `require` and `fresh_start_ok` (RanksDisagreeError on every rank otherwise,
+        before anything is read)."""
         check_manager_call("load", self.root_uri, state)
         chosen = None if step is None else check_step(step)
         kwargs.setdefault("progress", self.progress)
-        with _dist.called_by_every_rank(
-            "manager.load", f"load from {self.root_uri}", self.process_group, path=self.root_uri
-        ):
+        what = f"load from {self.root_uri}"
+        with _dist.called_by_every_rank("manager.load", what, self.process_group, path=self.root_uri):
+            with _dist.peer_loss_as_error(what, self.process_group, path=self.root_uri):
+                # before the tier picks its collectives; and so no rank raises alone for want of a step
+                same_arguments("load", self.process_group, step=chosen, require=require, fresh_start_ok=fresh_start_ok)
             self._wait()  # a save or upload in flight: its failure surfaces before anything else
             result = self.tier.load(state, chosen, kwargs, fresh_start_ok=fresh_start_ok)
         if result is None and self.initial_load is not None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ckptlib._runtime import agree as _dist
 from ckptlib.errors import CheckpointError
+from ckptlib.manager.arguments import check_votes, encode, votes_of
 
 
 class Combinable:
@@ -187,10 +188,14 @@ class Decision:
         return self.signal > 0
 
 
-def decide(policy_on_rank0: Callable[[], bool], *, force: bool, signal: int | None, group=None) -> Decision:
+def decide(
+    policy_on_rank0: Callable[[], bool], *, force: bool, signal: int | None, group=None, step: int | None = None
+) -> Decision:
     """One small all_reduce (MAX) that gives every rank the same decision: rank 0's policy
     answer, whether any rank passed `force`, and the preemption signal any rank received.
-    A policy that raised on rank 0 raises there and a CheckpointError on the other ranks."""
+    A policy that raised on rank 0 raises there and a CheckpointError on the other ranks.
+    `step` (maybe_save's) rides in the same round: RanksDisagreeError on every rank when the
+    ranks passed different steps."""
     rank0 = _dist.get_rank(group) == 0
     wanted, failure = False, None
     if rank0:
@@ -198,15 +203,18 @@ def decide(policy_on_rank0: Callable[[], bool], *, force: bool, signal: int | No
             wanted = bool(policy_on_rank0())
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the collective
             failure = exc
-    flags = [int(wanted or force), int(signal or 0), int(failure is not None)]
+    mine = [encode(step)]
+    flags = [int(wanted or force), int(signal or 0), int(failure is not None), *votes_of(mine)]
     if _dist.is_distributed():
-        tensor = torch.tensor(flags, dtype=torch.int32, device=_dist._flag_device(group))
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        tensor = torch.tensor(flags, dtype=torch.int64, device=_dist._flag_device(group))
+        with _dist.peer_loss_as_error("maybe_save's decision", group, step=step):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
         flags = [int(v) for v in tensor.tolist()]
     if failure is not None:
         raise failure
     if flags[2]:
         raise CheckpointError("rank 0: the save policy raised (its traceback is on rank 0)", rank=0)
+    check_votes("maybe_save", ["step"], mine, flags[3:], group)
     return Decision(save=bool(flags[0]), signal=flags[1])
 
 

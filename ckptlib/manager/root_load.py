@@ -5,8 +5,8 @@ directory vanishes between listing and reading, or a shard between planning and 
 That step is gone, not damaged, so the load never reports it as corruption: a load that
 resumes from `latest` retries on the step `latest` names now; a load of a named step raises
 `CheckpointRemovedError` saying it was removed. Rank 0 decides (one round, only after a
-failure), so every rank retries or raises alike. A step the caller named must be the same
-on every rank (`RanksDisagreeError` otherwise, before anything is read).
+failure), so every rank retries or raises alike. A step the caller named is the same on every
+rank: the manager agreed it before (`manager.arguments`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CheckpointR
 from ckptlib.format.native.layout import classify
 from ckptlib.format.native.root import step_dir
 from ckptlib.loading.loading import LoadResult, load
-from ckptlib.saving.rank_checks import step_disagreement, step_value
 from ckptlib.storage.base import Storage
 
 
@@ -59,9 +58,7 @@ def load_step(
     """Load `step` of the root at `storage` into `state`: (the step loaded, its LoadResult).
 
     `latest` (None for a step the caller named): the step to retry on when this one was
-    removed during the load."""
-    if latest is None:  # a step each rank named: the same on every rank (one small all_reduce)
-        _dist.agree(lambda: step, group, same=step_value, disagree=step_disagreement("load"))
+    removed during the load. A named step is the same on every rank (the manager agreed it)."""
     kind = "committed" if latest is not None else _dist.decide_on_rank0(lambda: _kind(storage, step), group)
     if kind == "missing":
         raise CheckpointNotFoundError(f"{root_uri} has no step {step}", path=_where(root_uri, step))

@@ -31,17 +31,28 @@ def step_value(step: int | None) -> int:
     return -1 if step is None else step
 
 
+def step_and_overwrite(step: int | None, overwrite: bool) -> int:
+    """A save's step and `overwrite` as the one int `_dist.agree(same=...)` compares
+    (`step_disagreement` takes either apart)."""
+    return 2 * step_value(step) + int(bool(overwrite))
+
+
 def step_disagreement(what: str) -> Callable[[list[int]], RanksDisagreeError]:
-    """The error for ranks that passed different steps to `what` ("save", "load"): the same
-    text on every rank (each rank's own path may differ with its step, so none is named)."""
+    """The error for ranks that passed different steps to `what` ("save": `step_and_overwrite`
+    values, the overwrite= named when only it differs): the same text on every rank (each
+    rank's own path may differ with its step, so none is named)."""
 
     def build(values: list[int]) -> RanksDisagreeError:
-        shown = grouped({rank: str(v) if v >= 0 else "no step" for rank, v in enumerate(values)})
+        steps = [v // 2 for v in values]
+        if len(set(steps)) == 1:  # the steps agree: overwrite= does not
+            name, shown = "overwrite", grouped({rank: str(bool(v % 2)) for rank, v in enumerate(values)})
+        else:
+            name, shown = "step", grouped({rank: str(v) if v >= 0 else "no step" for rank, v in enumerate(steps)})
         return RanksDisagreeError(
-            f"ranks disagree on the step of a collective {what}: {shown}. Every rank must pass the same step; "
+            f"ranks disagree on the {name} of a collective {what}: {shown}. Every rank must pass the same {name}; "
             "nothing was written or read",
             ranks=list(range(len(values))),
-            keys=["step"],
+            keys=[name],
             rank=_dist.get_rank(),
         )
 
@@ -96,4 +107,11 @@ def check_replicas(state_dict: dict[str, Any], group, where: str) -> None:
     )
 
 
-__all__ = ["CHECK_REPLICAS_ENV", "check_replicas", "replicas_checked", "step_disagreement", "step_value"]
+__all__ = [
+    "CHECK_REPLICAS_ENV",
+    "check_replicas",
+    "replicas_checked",
+    "step_and_overwrite",
+    "step_disagreement",
+    "step_value",
+]

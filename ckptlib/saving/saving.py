@@ -204,7 +204,17 @@ def transact(
     with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
         (user_metadata, user_metrics, step), state_dict = _dist.agree(
             lambda: _check_and_collect(
-                state, step, metadata, metrics, group, stage=stage, cap=cap, arena=arena, vote=vote, where=storage.uri
+                state,
+                step,
+                metadata,
+                metrics,
+                group,
+                stage=stage,
+                cap=cap,
+                arena=arena,
+                vote=vote,
+                where=storage.uri,
+                overwrite=overwrite,
             ),
             group,
             ballot=vote,
@@ -283,17 +293,20 @@ def _check_and_collect(
     arena=None,
     vote: PlanReuse | None = None,
     where: str = "",
+    overwrite: bool = False,
 ) -> tuple[tuple[dict[str, Any], dict[str, Any], int | None], dict[str, Any]]:
     """Every check of a save's arguments and the state dict to write (staged to CPU memory
     when `stage`), run inside one collective round (`_dist.agree`), where `vote` says
     whether the state's structure is the one its plan cache holds. Every rank must pass the
-    same step (checked in that round: RanksDisagreeError on every rank otherwise). With a
+    same step and `overwrite` (checked in that round: RanksDisagreeError on every rank
+    otherwise; the coordinator alone acts on `overwrite`, so a rank's other value would be
+    ignored silently). With a
     staging `cap`, a tensor larger than it is refused here (StagingCapError)."""
     # agreed first: a rank failing here must not skip the collective steps the others then take
     user_metadata, checked_metrics, checked_step = _dist.agree(
         lambda: (check_metadata_json(metadata), check_metrics(metrics), None if step is None else check_step(step)),
         group,
-        same=lambda checked: rank_checks.step_value(checked[2]),
+        same=lambda checked: rank_checks.step_and_overwrite(checked[2], overwrite),
         disagree=rank_checks.step_disagreement("save"),
     )
     state_dict = to_save_state_dict(state, rank=_dist.get_rank(group), agree=_dist.agreement(group))

@@ -1,5 +1,6 @@
 """Ranks that disagree in a collective save or load: one `RanksDisagreeError` (a StateError) on
-every rank, listing the ranks and what each has (the step; each key's kind, dtype and shape),
+every rank, listing the ranks and what each has (the step, overwrite=; each key's kind, dtype
+and shape),
 raised before anything is written: no step directory, no file, `latest` and the lock as before.
 
 What may differ between ranks: the keys themselves (pipeline stages hold different modules),
@@ -10,7 +11,7 @@ DCP's dedup picks): checked only under CKPTLIB_CHECK_REPLICAS=1.
 
 Before: different steps blamed storage ("rank 1's shard is missing") and left a stray step
 directory; a tensor whose shape or dtype differed between ranks "succeeded" and silently kept
-one rank's copy.
+one rank's copy; overwrite= on one rank only was the coordinator's word, silently.
 """
 
 from __future__ import annotations
@@ -66,10 +67,11 @@ def _outcome(action) -> tuple:
 
 def _save(root: str, case: str, how: str) -> tuple:
     step = 5 + dist.get_rank() if case == "step" else 5
+    overwrite = case == "overwrite" and dist.get_rank() == 1  # acted on by the coordinator alone
     state = _state(case)
     if how == "manager":
         mgr = CheckpointManager(root)
-        outcome = _outcome(lambda: mgr.save(step, state))
+        outcome = _outcome(lambda: mgr.save(step, state, overwrite=overwrite))
         return outcome, mgr.lock_holder() is None
     if how == "replan":  # a second save whose state changed on one rank: the plan cache must not reuse
         mgr = CheckpointManager(root)
@@ -79,12 +81,14 @@ def _save(root: str, case: str, how: str) -> tuple:
     if how.startswith("async-"):
         mode = how.split("-", 1)[1]
         target = os.path.join(root, "ckpt")
-        return _outcome(lambda: ckptlib.async_save(target, state, step=step, async_mode=mode).wait()), True
-    return _outcome(lambda: ckptlib.save(os.path.join(root, "ckpt"), state, step=step)), True
+        save = ckptlib.async_save
+        return _outcome(lambda: save(target, state, step=step, async_mode=mode, overwrite=overwrite).wait()), True
+    return _outcome(lambda: ckptlib.save(os.path.join(root, "ckpt"), state, step=step, overwrite=overwrite)), True
 
 
 EXPECTED = {
     "step": (["step"], "rank 0: 5; rank 1: 6"),
+    "overwrite": (["overwrite"], "rank 0: False; rank 1: True"),
     "shape": (["model.w"], "model.w: rank 0: tensor float32 (4,); rank 1: tensor float32 (5,)"),
     "dtype": (["model.w"], "model.w: rank 0: tensor float32 (4,); rank 1: tensor float64 (4,)"),
     "kind": (["model.b"], "model.b: rank 0: tensor float32 (2,); rank 1: object"),
@@ -102,8 +106,16 @@ def _expected_files(how: str) -> list[str]:
 HOWS = ["save", "manager", "replan", "async-thread", "async-process"]
 
 
-# every case with a plain save; the step, shape and dtype cases with every other way to save
-CASES = [(case, how) for how in HOWS for case in EXPECTED if how == "save" or case in ("step", "shape", "dtype")]
+# every case with a plain save; the step, shape and dtype cases with every other way to save;
+# overwrite= with a manager and a thread's async save too
+CASES = [
+    (case, how)
+    for how in HOWS
+    for case in EXPECTED
+    if how == "save"
+    or case in ("step", "shape", "dtype")
+    or (case == "overwrite" and how in ("manager", "async-thread"))
+]
 
 
 @pytest.mark.parametrize("case,how", CASES, ids=[f"{case}-{how}" for case, how in CASES])

@@ -222,3 +222,61 @@ def test_a_host_lost_resumes_from_the_peers_memory_at_another_world_size(shm_bas
     survivor = os.path.join(shm_base, "node1")  # its own files and node 0's replicas
     for step, equal, sources in dist_run(2, _resume_from_memory, survivor):
         assert (step, equal) == (3, True) and sources.get("remote", 0) == 0, (step, equal, sources)
+
+
+# -- nodes bounded differently: one row size on every rank (reliability round five) ----------------
+def _mixed(shm_base: str, disk_base: str, case: str) -> dict:
+    """Rank 0's node root on tmpfs (or, "limit-on-one-rank", on disk with a 40-byte limit),
+    rank 1's on disk without a limit: each sends its own kind of figures into the save's round."""
+    import torch.distributed as dist
+
+    import ckptlib
+
+    rank = dist.get_rank()
+    limited = case == "limit-on-one-rank" and rank == 0
+    base = shm_base if case == "tmpfs-beside-disk" and rank == 0 else disk_base
+    root = os.path.join(base, f"node{rank}")
+    mgr = ckptlib.CheckpointManager(root, cluster=Cluster(max_local_bytes=40 if limited else None))
+    state = {"w": torch.arange(12.0).reshape(3, 4), "step": 1}  # 48 bytes a rank
+    outcome: tuple = ("ok",)
+    try:
+        mgr.save(1, state)
+    except ckptlib.CheckpointError as exc:
+        outcome = (type(exc).__name__, str(exc), getattr(exc, "node", None), getattr(exc, "need", None))
+    dist.barrier()
+    listing = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    fresh = {"w": torch.zeros(3, 4), "step": -1}
+    resumed = mgr.load(fresh)
+    usage = mgr.local_usage()
+    mgr.close()
+    return {
+        "outcome": outcome,
+        "listing": listing,
+        "resumed": (resumed, torch.equal(fresh["w"], state["w"]) if resumed else None),
+        "memory": usage.in_memory,
+    }
+
+
+@needs_shm
+@pytest.mark.parametrize("case", ["tmpfs-beside-disk", "limit-on-one-rank"])
+def test_nodes_bounded_differently_agree_in_one_round(shm_base, tmp_path, dist_run, case):
+    """Before: the bounded rank sent 4 figures and the other none into one all_gather: gloo
+    aborted one rank (SIGABRT) and the other hung or blamed the wrong cause."""
+    if filesystem_type(str(tmp_path)) in ("tmpfs", "ramfs"):
+        pytest.skip("the temporary directory is itself in memory here")
+    results = dist_run(2, _mixed, shm_base, str(tmp_path), case, nodes=2, timeout=150)
+    if case == "tmpfs-beside-disk":  # bounded by its free space only: the save goes through
+        for rank, r in enumerate(results):
+            assert r["outcome"] == ("ok",) and r["resumed"] == (1, True), r
+            assert r["listing"] == ["latest", "step_0000000001"] and r["memory"] == (rank == 0), r
+        return
+    root0 = os.path.join(str(tmp_path), "node0")
+    want = (
+        "LocalLimitError",
+        f"node 0: a save would need about 48 more bytes in {root0!r}, which holds 0: past max_local_bytes=40; "
+        "nothing was written (keep fewer steps, raise the limit, or give the root more space)",
+        0,
+        48,
+    )
+    for r in results:  # the same error on both ranks, naming node 0's root; nothing written
+        assert r["outcome"] == want and r["listing"] == [] and r["resumed"] == (None, None), r

@@ -223,7 +223,7 @@ class ClusterTier:
         budget = self.budget.figures(topology.is_leader, state)  # the in-memory tier's bound
         _, rows = _dist.agree_sharing(self._lock_node, [int(here), int(known), *budget], group)
         try:
-            self.budget.check([r[2:] for r in rows], topology, self.replicas)
+            self.budget.check([r[2:] for r in rows], topology, self.replicas, group)
             replace = self._replace_decision(step, name, overwrite, any(r[0] for r in rows), any(r[1] for r in rows))
             if replace:  # agreed: said once per job
                 _dist.warn_once(replace, StalePointerWarning, group)
