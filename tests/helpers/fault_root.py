@@ -1,7 +1,7 @@
 """The fault model's machine of one root (`SingleRootMachine`); see tests/helpers/fault_model.py.
 
-A failing run prints the shrunk sequence as calls on `state = SingleRootMachine()`: run them
-from tests/ after `from helpers.fault_root import SingleRootMachine`."""
+A failing run prints the shrunk sequence as calls on `state = SingleRootMachine()`: run them in the
+tests directory after `from helpers.fault_root import SingleRootMachine`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The fault model's machine of the cluster tier on one node (`TierMachine`); see
 tests/helpers/fault_model.py.
 
-A failing run prints the shrunk sequence as calls on `state = TierMachine()`: run them from
-tests/ after `from helpers.fault_tier import TierMachine`."""
+A failing run prints the shrunk sequence as calls on `state = TierMachine()`: run them in the
+tests directory after `from helpers.fault_tier import TierMachine`."""
 
 from __future__ import annotations
 
