@@ -5,6 +5,7 @@ tests directory after `from helpers.fault_root import SingleRootMachine`."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import shutil
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import ckptlib
-from ckptlib import CheckpointManager
+from ckptlib import AsyncMode, CheckpointError, CheckpointManager
 from ckptlib.format.verify import verify
 from ckptlib.testing.harness.crash_points import Watch, run_case
 from helpers.fault_model import (
@@ -39,6 +40,7 @@ from helpers.fault_model import (
     paused_holder,
     pausing_saver,
     state,
+    step_names,
     template,
 )
 
@@ -176,6 +178,31 @@ class SingleRootMachine(RuleBasedStateMachine):
         if pending is not None:  # close() waits for the save in flight: committed
             self.model.commit(*pending)
         self.mgr = None
+
+    @rule(step=STEPS)
+    def save_past_the_staging_cap(self, step: int) -> None:
+        """A job with AsyncMode(max_staging_bytes=4096) saves a state whose largest tensor is
+        8448 bytes: StagingCapError naming the tensor, rank 0 and the step's path, and nothing
+        written to the root."""
+        self._settle("save_past_the_staging_cap")
+        names = step_names(self.root)
+        mgr = CheckpointManager(
+            self.root, keep_last=self.model.keep_last, async_save=AsyncMode("thread", max_staging_bytes=4096)
+        )
+        try:
+            outcome, value, _ = call(f"a capped job's save({step})", mgr.save, step, state(step, self._version()))
+            if outcome == "ok":  # raised by the background, if at all
+                outcome, value, _ = call(f"a capped job's wait() after save({step})", mgr.wait)
+        finally:
+            with contextlib.suppress(CheckpointError):
+                mgr.close()
+        assert outcome == "error" and isinstance(value, ckptlib.StagingCapError), (outcome, value)
+        text = str(value)
+        assert text.startswith("tensor 'model.w' on rank 0 is 8448 bytes, more than AsyncMode(max_staging_bytes=4096)")
+        assert text.endswith(f"nothing was written to {self.root}/{STEP(step)}"), text
+        assert step_names(self.root) == names, (
+            f"a refused save changed the root: {sorted(step_names(self.root) ^ names)}"
+        )
 
     @rule(step=STEPS)
     def second_job_saves(self, step: int) -> None:
