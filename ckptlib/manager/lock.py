@@ -48,7 +48,7 @@ import uuid
 import warnings
 from typing import Any
 
-from ckptlib.errors import CheckpointError, LockedError, stacklevel_outside_ckptlib, warn_scrubbed
+from ckptlib.errors import CheckpointError, LockedError, NotARegularFileError, stacklevel_outside_ckptlib, warn_scrubbed
 from ckptlib.storage.base import Storage, SupportsCreateExclusive
 
 LOCK_NAME = "ckptlib.lock"
@@ -184,12 +184,14 @@ class RootLock:
         return f"{self.storage.uri.rstrip('/')}/{LOCK_NAME}"
 
     def holder(self, name: str = LOCK_NAME) -> LockHolder | None:
-        """Who the lock file (or a claim) `name` names, None when there is none."""
+        """Who the lock file (or a claim) `name` names, None when there is none. A read that
+        fails (the storage unreachable: a StorageError naming the file) is raised, never taken
+        for a holder: an unknown holder would turn an outage into a lock held for good."""
         try:
             return LockHolder.parse(self.storage.read(name))
         except FileNotFoundError:
             return None
-        except CheckpointError:  # not a regular file (a FIFO, a directory): a holder nobody can name
+        except NotARegularFileError:  # a FIFO, a directory: a holder nobody can name
             return LockHolder()
 
     def _create(self, data: bytes, name: str = LOCK_NAME) -> bool:

@@ -124,3 +124,37 @@ def test_an_upload_takes_over_the_remote_lock_of_a_node_killed_on_another_host(t
     assert open_storage(remote).read_pointer("latest") == "step_0000000001"
     mgr.close()
     assert not os.path.exists(os.path.join(remote, LOCK_NAME))
+
+
+@pytest.mark.parametrize("path", ["acquire", "lock_holder", "take-while-held"])
+def test_a_lock_file_that_cannot_be_read_is_a_storage_error_not_a_holder(tmp_path, monkeypatch, path):
+    """A failed read of the lock file (the storage unreachable) is a StorageError naming the
+    lock file on every path that reads it, never an unknown holder: not a LockedError from
+    acquire(), not LockHolder() from lock_holder(), not "removed while it held it" from take()."""
+    import ckptlib.storage.local as local_storage
+    from ckptlib.errors import StorageError
+
+    root = str(tmp_path)
+    mgr = CheckpointManager(root, hold_lock=True)
+    if path == "take-while-held":
+        mgr.save(1, {"w": torch.ones(4), "step": 1})  # takes the lock and keeps it
+    else:
+        _foreign_lock(root, lease_s=60.0, renewed_ago=0.0)
+    real = local_storage.LocalStorage.read
+
+    def read(self, name, *args, **kwargs):
+        if name == LOCK_NAME:
+            raise StorageError(f"{self.uri}/{name}: injected: connection reset", path=f"{self.uri}/{name}")
+        return real(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(local_storage.LocalStorage, "read", read)
+    with pytest.raises(StorageError, match="injected: connection reset") as caught:
+        if path == "acquire":
+            RootLock(open_storage(root)).acquire()
+        elif path == "lock_holder":
+            mgr.lock_holder()
+        else:
+            mgr.save(2, {"w": torch.ones(4), "step": 2})
+    assert caught.value.path == os.path.join(root, LOCK_NAME)
+    monkeypatch.setattr(local_storage.LocalStorage, "read", real)
+    mgr.close()

@@ -325,3 +325,47 @@ def test_a_step_resumed_while_the_remote_is_down_is_uploaded_by_close(tmp_path, 
             restarted.close()
         bring_up()
         assert open_storage(uri).read_pointer("latest") == "step_0000000001"
+
+
+def _reads_fail(monkeypatch, uri: str) -> list[int]:
+    """LocalStorage.read under `uri` raises StorageError while the returned list is non-empty
+    (a remote whose GETs fail while its conditional PUTs answer)."""
+    import ckptlib.storage.local as local_storage
+    from ckptlib.errors import StorageError
+
+    failing: list[int] = [1]
+    real = local_storage.LocalStorage.read
+
+    def read(self, path, *args, **kwargs):
+        if failing and self.uri.startswith(uri):
+            raise StorageError(f"{self.uri}/{path}: injected: connection reset", path=f"{self.uri}/{path}")
+        return real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(local_storage.LocalStorage, "read", read)
+    return failing
+
+
+def test_a_remote_lock_that_cannot_be_read_is_the_remote_unavailable_not_another_writer(tmp_path, monkeypatch):
+    """Found by the fault model: an upload whose lock attempt finds a lock file (one a failed
+    release left) and cannot read it took the failed read for a lock held by an unknown writer,
+    an UploadError from the next wait() for good; it is the remote being unreachable."""
+    uri = str(tmp_path / "remote")
+    mgr = CheckpointManager(str(tmp_path / "local"), cluster=Cluster(remote=uri, remote_lag=RemoteLag(retry_after=0)))
+    mgr.save(1, _state(1))
+    assert mgr.wait().step == 1
+    store = open_storage(uri)
+    lock = '{"format": "ckptlib-lock", "host": "gone", "pid": 1, "token": "t", "lease_s": 1, "created": "%s"}'
+    store.write("ckptlib.lock", (lock % "2026-01-01T00:00:00+00:00").encode())  # its lease long expired
+    failing = _reads_fail(monkeypatch, uri)
+    mgr.save(2, _state(2))
+    with pytest.warns(RemoteUnavailableWarning) as caught:
+        assert mgr.wait() is None
+    text = str(caught[0].message)
+    assert f"last failure: {uri}: cannot lock the remote root: " in text and "injected: connection reset" in text, text
+    assert mgr.remote_lag.steps == (2,)
+    failing.clear()  # the remote answers again: the lock is stale (its lease expired), the upload proceeds
+    with pytest.warns(UserWarning, match="removing a stale lock left by pid 1 on host gone"):
+        mgr.save(3, _state(3))
+        assert mgr.wait().step == 3
+    assert store.read_pointer("latest") == "step_0000000003" and _remote_holds(uri, 3)
+    mgr.close()
