@@ -14,6 +14,8 @@ safetensors files).
 """
 
 import importlib
+import sys
+import types
 from typing import Any
 
 #: Each public name and the module it lives in, imported on first use: a package import stays
@@ -56,6 +58,20 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_ON_USE))
+
+
+class _Package(types.ModuleType):
+    """`ckptlib.format.verify` is the function, as it was when this package imported it at once,
+    also after its module (`ckptlib.format.verify`, the same name) was imported and set here."""
+
+    def __getattribute__(self, name: str) -> Any:
+        value = super().__getattribute__(name)
+        if name in _ON_USE and isinstance(value, types.ModuleType):
+            return getattr(value, name)
+        return value
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

@@ -146,3 +146,18 @@ def test_ls_of_a_root_reads_its_manifests_without_importing_torch(tmp_path):
         (2, "committed", True),
     ]
     assert listing["latest"] == "step_0000000002" and listing["lock"]["pid"] == os.getpid()
+
+
+def test_the_format_package_names_its_functions_on_first_use():
+    """`ckptlib.format` imports its public names on first use (so `ckpt ls` needs no torch), and
+    each is what it was when the package imported them at once: `ckptlib.format.verify` is the
+    function, also after its module of the same name was imported (the import sets it here)."""
+    import importlib
+
+    import ckptlib.format as package
+
+    module = importlib.import_module("ckptlib.format.verify")
+    assert package.verify is module.verify and callable(package.verify)
+    assert sorted(package.__all__) == sorted(package._ON_USE)
+    for name in package.__all__:
+        assert getattr(package, name) is getattr(importlib.import_module(package._ON_USE[name]), name)
