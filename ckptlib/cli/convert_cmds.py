@@ -144,9 +144,7 @@ def add_parsers(commands) -> None:
         help="only the 'model' entry's tensors, without the 'model.' prefix (the default when there is one)",
     )
     p.add_argument("--prefix", default=None, help="only the tensors of this state entry, without its prefix")
-    p.add_argument(
-        "--all", action="store_true", help="every tensor under its full key, optimizer state included"
-    )
+    p.add_argument("--all", action="store_true", help="every tensor under its full key, optimizer state included")
     p.add_argument(
         "--key-map",
         action="append",

@@ -118,7 +118,11 @@ def test_all_writes_every_tensor_under_its_full_key(tmp_path, how):
     assert json.loads(open(os.path.join(out, EXPORT_RECORD)).read())["model_only"] is False
 
 
-FLAT = {"layers.0.weight": torch.arange(6.0).reshape(2, 3), "layers.0.bias": torch.ones(2), "embed.weight": torch.eye(3)}
+FLAT = {
+    "layers.0.weight": torch.arange(6.0).reshape(2, 3),
+    "layers.0.bias": torch.ones(2),
+    "embed.weight": torch.eye(3),
+}
 
 
 @pytest.mark.parametrize("how", ["api", "cli"])
