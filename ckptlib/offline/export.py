@@ -155,8 +155,27 @@ def _looks_like_optimizer(key: str) -> bool:
     return parts[0] in _OPTIMIZER_ENTRIES or "param_groups" in parts or parts[-1] in _OPTIMIZER_LEAVES
 
 
+def _has_model_entry(source: SourceValues, planner_paths: Any) -> bool:
+    """Whether the state has a "model" entry: a tensor under "model." that DCP saved nested
+    under "model" (its planner path), not one a flat state dict names "model.x" (transformers'
+    `LlamaForCausalLM.state_dict()` saved as is: "model.embed_tokens.weight", "lm_head.weight")."""
+    dotted = DEFAULT_PREFIX + "."
+    paths = planner_paths if isinstance(planner_paths, Mapping) else {}
+    for key in source.tensor_keys:
+        if key.startswith(dotted):
+            path = paths.get(key)
+            if not isinstance(path, tuple) or (len(path) > 1 and path[0] == DEFAULT_PREFIX):
+                return True
+    return False
+
+
 def _model_only(
-    model_only: bool | None, prefix: str | None, preset: presets.Preset | None, uri: str, source: SourceValues
+    model_only: bool | None,
+    prefix: str | None,
+    preset: presets.Preset | None,
+    uri: str,
+    source: SourceValues,
+    planner_paths: Any,
 ) -> bool:
     """Whether only the model's tensors are exported: as asked, else the state's "model" entry
     (with a preset, its model keys) when there is one, else every tensor of a plain model
@@ -165,8 +184,7 @@ def _model_only(
         return model_only
     if prefix is not None:
         return False
-    dotted = DEFAULT_PREFIX + "."
-    if preset is not None or any(k.startswith(dotted) for k in source.tensor_keys):
+    if preset is not None or _has_model_entry(source, planner_paths):
         return True
     keys = [*source.tensor_keys, *source.object_keys]
     if not any(_looks_like_optimizer(k) for k in keys):
@@ -310,7 +328,8 @@ def export(
     info = inspect_checkpoint(source_storage, verify=verify, trusted=trusted)
     reader, info = open_reader(source_storage, info=info, verify=verify, trusted=trusted)
     source = SourceValues(reader, info.metadata, trusted=trusted)
-    model_only = _model_only(model_only, prefix, client, info.uri, source)
+    planner_paths = getattr(info.metadata, "planner_data", None)
+    model_only = _model_only(model_only, prefix, client, info.uri, source, planner_paths)
     select = _selector(model_only, prefix, client)
     names, skipped = _names(source.tensor_keys, source.object_keys, select, _as_callable(key_map))
     if not names:

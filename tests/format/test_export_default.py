@@ -137,6 +137,23 @@ def test_a_plain_model_state_dict_exports_every_tensor(tmp_path, how):
     assert json.loads(open(os.path.join(out, EXPORT_RECORD)).read())["model_only"] is False
 
 
+@pytest.mark.parametrize("tied", list(TIED), ids=list(TIED))
+def test_a_flat_transformers_state_dict_keeps_its_own_model_dot_names(tmp_path, tied):
+    """`LlamaForCausalLM.state_dict()` saved as is names "model.embed_tokens.weight" and
+    "lm_head.weight": no "model" entry (DCP saved it flat), so every tensor, under its name."""
+    model, _ = _tiny_llama(TIED[tied])
+    src, out = str(tmp_path / "flat-hf"), tmp_path / "hf"
+    ckptlib.save(src, {k: v.detach().clone() for k, v in model.state_dict().items()}, step=1)
+    model.config.save_pretrained(str(out))
+    result = ckptlib.export(src, str(out))
+    assert set(st.load_file(str(out / "model.safetensors"))) == _hf_names(model, tmp_path)
+    assert result.tied == ({"lm_head.weight": "model.embed_tokens.weight"} if TIED[tied] else {})
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    got, want = loaded.state_dict(), model.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) is TIED[tied]
+
+
 OTHER_ENTRIES = {
     "net+optim": lambda net: {"net": net, "optim": {"state": {"w": {"exp_avg": torch.zeros(2)}}}},
     "net+optimizer-moments": lambda net: {"net": net, "opt": {"state": {"w": {"exp_avg_sq": torch.zeros(2)}}}},
