@@ -56,10 +56,13 @@ its latest step, or --step) as one consolidated model in DST, streaming one tens
   pytorch_model-0000k-of-0000n.bin plus pytorch_model.bin.index.json.
 - A DST ending in .safetensors (.bin/.pt/.pth for torch) is one file, never sharded.
 
---model-only writes the 'model' entry's tensors without the 'model.' prefix (the names
-transformers' loaders expect; with --preset, that tool's model keys: Composer's state.model.*,
-Lightning's state_dict.*, torchtitan's top-level keys); --prefix NAME the tensors of the entry
-NAME instead; otherwise every tensor under its full key. --key-map renames them after that:
+By default the model alone: the 'model' entry's tensors without the 'model.' prefix (the names
+transformers' from_pretrained expects; with --preset, that tool's model keys: Composer's
+state.model.*, Lightning's state_dict.*, torchtitan's top-level keys); a checkpoint without a
+'model' entry that holds a plain model state dict exports every tensor, one with other entries
+(net + optim) is refused, naming them. --model-only insists on the 'model' entry; --prefix NAME
+writes the tensors of the entry NAME instead; --all every tensor under its full key, optimizer
+state included. --key-map renames them after that:
 OLD=NEW replaces the prefix OLD by NEW (OLD= strips it), a JSON file {"OLD": "NEW"} does the
 same (null leaves those tensors out), a text file holds one OLD=NEW a line; the longest prefix
 wins. Non-tensor values are never exported.
@@ -81,7 +84,7 @@ values not exported; from a root, first the line that says which step it read.
 
 Exit status: 0 exported; 1 DST exists (without --force) or is not an export ckptlib wrote, the
 source is damaged, a storage error; 2 no checkpoint at SRC (or no such --step), a bad --dtype
-or --max-shard-size.
+or --max-shard-size, --all with --model-only or --prefix.
 """
 
 
@@ -135,8 +138,13 @@ def add_parsers(commands) -> None:
         help="largest shard: bytes or 5GB / 500MB / 2GiB as Hugging Face spells it (default 5GB; GB = 10^9 bytes, "
         "GiB = 2^30); a larger tensor gets a shard of its own",
     )
-    p.add_argument("--model-only", action="store_true", help="only the model's tensors, without the 'model.' prefix")
+    p.add_argument(
+        "--model-only",
+        action="store_true",
+        help="only the 'model' entry's tensors, without the 'model.' prefix (the default when there is one)",
+    )
     p.add_argument("--prefix", default=None, help="only the tensors of this state entry, without its prefix")
+    p.add_argument("--all", action="store_true", help="every tensor under its full key, optimizer state included")
     p.add_argument(
         "--key-map",
         action="append",
@@ -245,6 +253,8 @@ def run_export(args: argparse.Namespace) -> int:
         shard = parse_size(args.max_shard_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.all and (args.model_only or args.prefix is not None):
+        raise UsageError("--all writes every tensor; it cannot be combined with --model-only or --prefix")
     preset = preset_of(args)
     src, step = (resolve_arg(args, args.src).uri, None) if preset is None else (args.src, args.step)
     result = export(
@@ -253,7 +263,7 @@ def run_export(args: argparse.Namespace) -> int:
         format=args.format,
         dtype=dtype,
         max_shard_size=shard,
-        model_only=args.model_only,
+        model_only=False if args.all else (True if args.model_only else None),
         prefix=args.prefix,
         key_map=parse_key_map(args.key_map),
         step=step,

@@ -1,6 +1,6 @@
 """Export a checkpoint as one consolidated model in Hugging Face's layout.
 
-    ckptlib.export("ckpt/run1", "hf/", model_only=True, dtype=torch.bfloat16)
+    ckptlib.export("ckpt/run1", "hf/", dtype=torch.bfloat16)  # the model alone
     # hf/model-00001-of-00003.safetensors ... + hf/model.safetensors.index.json
     # (one hf/model.safetensors when everything fits in one shard, as Hugging Face does)
 
@@ -143,6 +143,60 @@ def _as_callable(key_map: KeyMap | None) -> Callable[[str], str | None] | None:
     return rename
 
 
+# An entry, or a key's last part, that only an optimizer's (or scheduler's) state has.
+_OPTIMIZER_ENTRIES = frozenset(
+    ("optim", "optimizer", "optimizers", "optim_state", "optimizer_state", "optimizer_states", "lr_scheduler")
+)
+_OPTIMIZER_LEAVES = frozenset(("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg"))
+
+
+def _looks_like_optimizer(key: str) -> bool:
+    parts = key.split(".")
+    return parts[0] in _OPTIMIZER_ENTRIES or "param_groups" in parts or parts[-1] in _OPTIMIZER_LEAVES
+
+
+def _has_model_entry(source: SourceValues, planner_paths: Any) -> bool:
+    """Whether the state has a "model" entry: a tensor under "model." that DCP saved nested
+    under "model" (its planner path), not one a flat state dict names "model.x" (transformers'
+    `LlamaForCausalLM.state_dict()` saved as is: "model.embed_tokens.weight", "lm_head.weight")."""
+    dotted = DEFAULT_PREFIX + "."
+    paths = planner_paths if isinstance(planner_paths, Mapping) else {}
+    for key in source.tensor_keys:
+        if key.startswith(dotted):
+            path = paths.get(key)
+            if not isinstance(path, tuple) or (len(path) > 1 and path[0] == DEFAULT_PREFIX):
+                return True
+    return False
+
+
+def _model_only(
+    model_only: bool | None,
+    prefix: str | None,
+    preset: presets.Preset | None,
+    uri: str,
+    source: SourceValues,
+    planner_paths: Any,
+) -> bool:
+    """Whether only the model's tensors are exported: as asked, else the state's "model" entry
+    (with a preset, its model keys) when there is one, else every tensor of a plain model
+    state dict; a state of other entries (e.g. "net" + "optim") has to say which is the model."""
+    if model_only is not None:
+        return model_only
+    if prefix is not None:
+        return False
+    if preset is not None or _has_model_entry(source, planner_paths):
+        return True
+    keys = [*source.tensor_keys, *source.object_keys]
+    if not any(_looks_like_optimizer(k) for k in keys):
+        return False
+    entries = ", ".join(sorted({k.split(".", 1)[0] for k in keys}))
+    raise StateError(
+        f"{uri}: no {DEFAULT_PREFIX!r} entry to export as the model (entries: {entries}); pass prefix= "
+        "(CLI --prefix) to name the model's entry, or model_only=False (CLI --all) for every tensor",
+        path=uri,
+    )
+
+
 def _selector(model_only: bool, prefix: str | None, preset: presets.Preset | None) -> Callable[[str], str | None]:
     """Source key -> the name it is exported as before the key map (None: not exported)."""
     if prefix is not None:
@@ -206,7 +260,7 @@ def export(
     format: str = "safetensors",
     dtype: torch.dtype | str | None = None,
     max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE,
-    model_only: bool = False,
+    model_only: bool | None = None,
     prefix: str | None = None,
     key_map: KeyMap | None = None,
     step: int | None = None,
@@ -228,12 +282,16 @@ def export(
       {name: tensor} dict), or `pytorch_model-0000k-of-0000n.bin` plus
       `pytorch_model.bin.index.json`. A `dst` ending in .safetensors (or .bin/.pt/.pth for
       torch) is one file, never sharded.
-    - `model_only=True`: only the tensors of the state's "model" entry, named without the
-      "model." prefix (the names `model.state_dict()` has, which is what transformers'
-      loaders expect; with a `preset`, the client's model keys); `prefix="net"`: the tensors
-      of that entry instead ("" for every tensor); otherwise every tensor under its full key
-      ("model.w", "optim.state.w.exp_avg", ...). Non-tensor values are never exported
-      (listed in `skipped`).
+    - The model alone by default (`model_only=None`): the tensors of the state's "model"
+      entry, named without the "model." prefix (the names `model.state_dict()` has, which is
+      what transformers' `from_pretrained` expects; with a `preset`, the client's model
+      keys); a checkpoint without a "model" entry that holds a plain model state dict (no
+      optimizer-looking entry) exports every tensor; one with other entries ("net" +
+      "optim") is a StateError naming them. `model_only=True`: the "model" entry, or an
+      error; `model_only=False`: every tensor under its full key, optimizer state included
+      ("model.w", "optim.state.w.exp_avg", ...). `prefix="net"`: the tensors of that entry
+      instead ("" for every tensor). Non-tensor values are never exported (listed in
+      `skipped`).
     - `dtype` (e.g. torch.bfloat16 or "bfloat16"): floating-point tensors are cast to it;
       integer and bool tensors keep theirs.
     - `key_map(name) -> str | None`: renames each tensor (after the prefix is stripped);
@@ -270,6 +328,8 @@ def export(
     info = inspect_checkpoint(source_storage, verify=verify, trusted=trusted)
     reader, info = open_reader(source_storage, info=info, verify=verify, trusted=trusted)
     source = SourceValues(reader, info.metadata, trusted=trusted)
+    planner_paths = getattr(info.metadata, "planner_data", None)
+    model_only = _model_only(model_only, prefix, client, info.uri, source, planner_paths)
     select = _selector(model_only, prefix, client)
     names, skipped = _names(source.tensor_keys, source.object_keys, select, _as_callable(key_map))
     if not names:

@@ -8,7 +8,7 @@ A preset is a small object with no state of its own. It knows
   the checkpoint to read and `ckpt ls` lists the folder;
 - the client's keys: `rename(state)` maps a checkpoint key to the key of a ckptlib state
   (`{"model": module, "optim": optimizer}`, whatever the entries are called), and
-  `model_name(key)` picks the model's tensors for `export(model_only=True)`;
+  `model_name(key)` picks the model's tensors `export` writes by default;
 - the plain-data objects its checkpoints hold (`safe_globals`: `datetime.timedelta`, numpy
   RNG state), allowed without `trusted=True`, and nothing more;
 - its progress (`progress`): the step and the counters it saved (epoch, batch, ...), which

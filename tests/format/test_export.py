@@ -85,7 +85,7 @@ def test_full_export_keeps_full_keys_and_optimizer_tensors(tmp_path, dist_run):
     src = str(tmp_path / "ckpt")
     expected = dist_run(2, save_side, src, "fsdp2", "adamw")[0]
     out = str(tmp_path / "all")
-    ckptlib.export(src, out)
+    ckptlib.export(src, out, model_only=False)
     got = read_export(out, "safetensors")
     want = {f"model.{k}": v for k, v in expected["model"].items()}
     for param, slots in expected["optim"]["state"].items():
