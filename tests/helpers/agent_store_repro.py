@@ -12,8 +12,9 @@ agent restarts them, the last exits 0; which rank reaches the store first altern
 previous attempt's gloo addresses (keyed by rank only), so a restarted rank that reads its peer's
 key before the peer rewrote it dials a dead process. `fresh`: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
 rank 0 hosts a new store on a new port each round. Prints each attempt's outcome; exits 1 if an
-attempt failed. Measured with torch 2.13 on a 2-core machine: shared, attempts 2 and 3 of 4 failed
-(the message above, then "Connect timeout"); fresh, 4 of 4 ran.
+attempt failed. Measured with torch 2.13 on the loaded 2-core machine (2026-12-07): shared, 2 of 4
+attempts ran (attempts 1 and 3 failed with the message above, then the agent gave up, exit 1);
+fresh, 4 of 4 ran, each on a new MASTER_PORT.
 """
 
 from __future__ import annotations
