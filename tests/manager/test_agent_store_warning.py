@@ -30,6 +30,7 @@ CASES = {
     "shared-store-with-restarts": ({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}, True),
     "fresh-store-per-round": ({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_MAX_RESTARTS": "3"}, False),
     "shared-store-no-restarts": ({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0"}, False),
+    "restarts-without-the-store-variable": ({"TORCHELASTIC_MAX_RESTARTS": "3"}, False),
     "not-under-torchrun": ({}, False),
 }
 
