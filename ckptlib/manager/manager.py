@@ -44,7 +44,7 @@ from ckptlib.manager.fresh_start import FreshStartWarning, fresh_start_message, 
 from ckptlib.manager.lock import LockHolder
 from ckptlib.manager.options import Cluster, InitialLoad, Preemption, check_retention, make_tier
 from ckptlib.manager.policies import RetentionPolicy, SaveContext, SavePolicy, decide
-from ckptlib.manager.preemption import PreemptionWatcher, exit_code_after_preemption, signal_name
+from ckptlib.manager.preemption import PreemptionWatcher, check_agent_store, exit_code_after_preemption, signal_name
 from ckptlib.manager.root_load import load_initial
 from ckptlib.manager.single_root import TierSettings
 from ckptlib.saving import background_save
@@ -127,6 +127,7 @@ class CheckpointManager:
         self.preempted = False  # set by maybe_save once a preemption signal reached any rank
         self.preemption_signal: str | None = None  # its name ("SIGTERM"), the same on every rank
         self._watcher = PreemptionWatcher(self.preemption.signals) if self.preemption is not None else None
+        check_agent_store()  # under torchrun: restarts that would read a previous attempt's gloo addresses
         self._last_save_step: int | None = None
         self._last_save_time = _save_policy.clock()
         if self.mode is not None:

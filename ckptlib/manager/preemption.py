@@ -24,9 +24,10 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import warnings
 from typing import Any, Iterable
 
-from ckptlib.errors import StateError
+from ckptlib.errors import StateError, stacklevel_outside_ckptlib
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 #: The exit status of a rank that saved because *another* host was preempted, under torchrun's
@@ -47,6 +48,46 @@ def exit_code_after_preemption(signalled_here: bool, env=None) -> int:
     except ValueError:
         return 0
     return RESTART_EXIT_CODE if restarts_left > 0 else 0
+
+
+class SharedAgentStoreWarning(UserWarning):
+    """This worker's default process group uses the store of torchrun's agent, which outlives
+    the workers; with restarts allowed, restarted workers can read the previous attempt's gloo
+    addresses from it (`check_agent_store`)."""
+
+
+_agent_store_warned = False
+
+
+def check_agent_store(env=None) -> bool:
+    """Warn (once per process, `SharedAgentStoreWarning`) when torchrun's agent shares its store
+    with the workers (TORCHELASTIC_USE_AGENT_STORE=True: the c10d rendezvous by default, or a
+    static one) and may restart them (TORCHELASTIC_MAX_RESTARTS > 0). torch keys a gloo group's
+    addresses by rank only, and that store keeps them from one attempt to the next: a restarted
+    rank that reads its peer's key before the peer rewrote it dials a process that is gone
+    (`Gloo connectFullMesh failed ... Connection refused`) and every such attempt spends a
+    restart (tests/helpers/agent_store_repro.py reproduces it without ckptlib). Returns whether
+    this configuration was found."""
+    global _agent_store_warned
+    env = os.environ if env is None else env
+    try:
+        restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return False
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restarts <= 0:
+        return False
+    if not _agent_store_warned:
+        _agent_store_warned = True
+        warnings.warn(
+            f"torchrun's agent shares its store with the workers (TORCHELASTIC_USE_AGENT_STORE=True) and may "
+            f"restart them (--max-restarts {restarts}): restarted workers can read the previous attempt's gloo "
+            "addresses from it and fail in init_process_group ('Gloo connectFullMesh failed ... Connection "
+            "refused'), spending restarts. With the c10d rendezvous set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on "
+            "every agent (a fresh store each round); docs/tier.md",
+            SharedAgentStoreWarning,
+            stacklevel=stacklevel_outside_ckptlib(),
+        )
+    return True
 
 
 def signal_name(signum: int) -> str:

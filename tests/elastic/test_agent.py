@@ -186,6 +186,9 @@ def test_lose_rank_0s_host_the_survivors_resume_then_a_relaunch_grows_back(
     assert (4, 0) in at and (2, 1) in at, at  # world 4, then the agent's restart at world 2
     assert all(r["world_size"] == 4 for r in records if r["step"] > shrunk_to), records
 
+    # the agents share no store with their workers (ELASTIC_ENV): a store that outlives an attempt
+    # hands restarted workers the previous attempt's gloo addresses (SharedAgentStoreWarning)
+    assert "SharedAgentStoreWarning" not in first + second, (first + second)[-6000:]
     shrink = _resumes(first, last_step=shrunk_to)
     assert [world for _, _, world in shrink] == [2], first[-6000:]
     step, sources, _ = shrink[0]
