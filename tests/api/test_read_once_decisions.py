@@ -35,7 +35,9 @@ def test_a_symlink_into_a_network_mount_reads_once(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("first", "second"), [("ext4", "nfs4"), ("nfs4", "ext4"), ("lustre", "tmpfs")], ids=["over-ext4", "over-nfs", "tmpfs"]
+    ("first", "second"),
+    [("ext4", "nfs4"), ("nfs4", "ext4"), ("lustre", "tmpfs")],
+    ids=["over-ext4", "over-nfs", "tmpfs"],
 )
 def test_a_later_mount_on_the_same_point_shadows_the_earlier(tmp_path, monkeypatch, first, second):
     mountinfo = _mountinfo(

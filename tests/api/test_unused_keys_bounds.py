@@ -36,7 +36,12 @@ def test_ignore_patterns_match_case_sensitively():
         (1, "1 checkpoint key the state does not ask for: k00"),
         (2, "2 checkpoint keys the state does not ask for: k00, k01"),
         (20, "20 checkpoint keys the state does not ask for: " + ", ".join(f"k{i:02d}" for i in range(20))),
-        (21, "21 checkpoint keys the state does not ask for: " + ", ".join(f"k{i:02d}" for i in range(20)) + " ... (21 in all)"),
+        (
+            21,
+            "21 checkpoint keys the state does not ask for: "
+            + ", ".join(f"k{i:02d}" for i in range(20))
+            + " ... (21 in all)",
+        ),
     ],
 )
 def test_the_listing_shows_twenty_keys_and_elides_more(n, text):

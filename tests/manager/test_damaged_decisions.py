@@ -124,7 +124,9 @@ def test_a_damaged_file_moves_to_the_least_busy_rank_of_the_lowest_other_node_ho
 
 
 def test_a_tie_goes_to_the_lowest_rank_and_a_rank_with_nothing_counts_as_least_busy():
-    out, _ = reassign(_damaged(0, "f"), {0: ["f"], 2: ["p"], 3: ["q"]}, {0: frozenset({"f"}), 1: frozenset({"f"})}, TOPOLOGY)
+    out, _ = reassign(
+        _damaged(0, "f"), {0: ["f"], 2: ["p"], 3: ["q"]}, {0: frozenset({"f"}), 1: frozenset({"f"})}, TOPOLOGY
+    )
     assert out == {0: [], 2: ["p", "f"], 3: ["q"]}
     out, _ = reassign(_damaged(0, "f"), {0: ["f"], 2: ["p"]}, {0: frozenset({"f"}), 1: frozenset({"f"})}, TOPOLOGY)
     assert out == {0: [], 2: ["p"], 3: ["f"]}

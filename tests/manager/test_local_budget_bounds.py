@@ -148,7 +148,10 @@ def test_a_sparse_file_counts_the_blocks_it_holds(tmp_path):
     (tmp_path / "top").write_bytes(b"z" * 100)
     sizes = entry_bytes(str(tmp_path))
     blocks = {name: os.lstat(step / name).st_blocks * 512 for name in ("sparse", "dense")}
-    assert sizes == {"step_0000000001": blocks["sparse"] + blocks["dense"], "top": os.lstat(tmp_path / "top").st_blocks * 512}
+    assert sizes == {
+        "step_0000000001": blocks["sparse"] + blocks["dense"],
+        "top": os.lstat(tmp_path / "top").st_blocks * 512,
+    }
     assert sizes["step_0000000001"] < 1 << 20  # not the sparse file's 64 MiB length
     assert entry_bytes(str(tmp_path / "absent")) == {}
 

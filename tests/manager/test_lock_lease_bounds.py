@@ -68,7 +68,13 @@ def test_this_process_s_own_lock_is_never_judged_by_its_lease(tmp_path):
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("30", 30.0), ("0.5", 0.5), ("0", DEFAULT_LEASE_SECONDS), ("-5", DEFAULT_LEASE_SECONDS), ("soon", DEFAULT_LEASE_SECONDS)],
+    [
+        ("30", 30.0),
+        ("0.5", 0.5),
+        ("0", DEFAULT_LEASE_SECONDS),
+        ("-5", DEFAULT_LEASE_SECONDS),
+        ("soon", DEFAULT_LEASE_SECONDS),
+    ],
 )
 def test_the_lease_comes_from_the_environment(monkeypatch, text, value):
     monkeypatch.setenv("CKPTLIB_LOCK_LEASE_S", text)
