@@ -92,7 +92,7 @@ def check_in(
                 return  # the store is gone: the collective will say what happened
         now = time.monotonic()
         waited = now - started
-        if waited < LIVENESS_AFTER_SECONDS:
+        if waited < min(LIVENESS_AFTER_SECONDS, grace):  # a grace shorter than that is still kept
             continue
         try:
             arrived = {int(r) for r in store.get(f"{base}/ranks").decode().split(",") if r}

@@ -100,13 +100,15 @@ def usage(root_path: str, limit: int | None, root_storage: Any = None, filesyste
 
 def state_bytes(state: Mapping[str, Any]) -> int:
     """The bytes of the tensors this rank holds in `state` (a DTensor's local shard; modules
-    and optimizers through their state_dict, which holds references, not copies)."""
-    seen: set[int] = set()
+    and optimizers through their state_dict, which holds references, not copies). A tensor
+    held twice counts once: the same bytes of one storage (a module's state_dict gives each
+    of its tied weights as a new tensor object over the one parameter's storage)."""
+    seen: set[Any] = set()
 
     def walk(value: Any) -> int:
         if isinstance(value, torch.Tensor):
             local = value.to_local() if hasattr(value, "to_local") else value
-            key = id(local)
+            key = _same_bytes(local)
             if key in seen:
                 return 0
             seen.add(key)
@@ -121,6 +123,18 @@ def state_bytes(state: Mapping[str, Any]) -> int:
         return 0
 
     return walk(state)
+
+
+def _same_bytes(t: torch.Tensor) -> Any:
+    """What identifies a tensor's bytes: its storage, place, shape and dtype (the object itself
+    where it has no storage to tell, a sparse or meta tensor)."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+    if not ptr or t.layout != torch.strided:
+        return id(t)
+    return (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 def need_bytes(report: LocalUsage, rank_bytes: int) -> int:

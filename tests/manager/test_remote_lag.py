@@ -162,7 +162,12 @@ def test_a_time_limit_counts_from_the_oldest_step_not_uploaded(tmp_path):
         ({"steps": 1.5}, "RemoteLag(steps=) must be a non-negative int or None, got 1.5"),
         ({"seconds": -3}, "RemoteLag(seconds=) must be a non-negative number, got -3"),
         ({"retry_after": None}, "RemoteLag(retry_after=) must be a non-negative number, got None"),
+        ({"steps": True}, "RemoteLag(steps=) must be a non-negative int or None, got True"),
+        ({"seconds": False}, "RemoteLag(seconds=) must be a non-negative number, got False"),
+        ({"retry_after": -0.5}, "RemoteLag(retry_after=) must be a non-negative number, got -0.5"),
+        ({"seconds": float("nan")}, "RemoteLag(seconds=) must be a non-negative number, got nan"),
     ],
+    ids=["steps-1", "steps-float", "seconds-3", "retry-None", "steps-bool", "seconds-bool", "retry-neg", "seconds-nan"],
 )
 def test_remote_lag_refuses_bad_values(kwargs, message):
     with pytest.raises(StateError, match=re.escape(message)):
