@@ -105,7 +105,7 @@ def run_gc(args: argparse.Namespace) -> int:
     retention = policies[0]
     for policy in policies[1:]:
         retention = retention | policy
-    mgr = CheckpointManager(args.root, retention=retention)
+    mgr = CheckpointManager(args.root, retention=retention, hold_lock=False)  # locked for its deletions only
     if not mgr.storage.exists():
         raise UsageError(f"{args.root}: no such checkpoint root")
     holder = None
@@ -146,7 +146,7 @@ def run_gc(args: argparse.Namespace) -> int:
 def run_unlock(args: argparse.Namespace) -> int:
     from ckptlib.manager.manager import CheckpointManager
 
-    mgr = CheckpointManager(args.root)
+    mgr = CheckpointManager(args.root, hold_lock=False)
     if not mgr.storage.exists():
         raise UsageError(f"{args.root}: no such checkpoint root")
     holder = mgr.break_lock()
