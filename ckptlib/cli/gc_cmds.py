@@ -105,7 +105,16 @@ def run_gc(args: argparse.Namespace) -> int:
     retention = policies[0]
     for policy in policies[1:]:
         retention = retention | policy
-    mgr = CheckpointManager(args.root, retention=retention, hold_lock=False)  # locked for its deletions only
+    # Holding: the lock is taken for the deletions (shared with a holder of this very process) and
+    # released at the end.
+    mgr = CheckpointManager(args.root, retention=retention)
+    try:
+        return _gc(args, mgr)
+    finally:
+        mgr.close()  # the lock, if this run took it
+
+
+def _gc(args: argparse.Namespace, mgr) -> int:
     if not mgr.storage.exists():
         raise UsageError(f"{args.root}: no such checkpoint root")
     holder = None

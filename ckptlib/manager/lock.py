@@ -310,11 +310,17 @@ class RootLock:
                 _LIVE_TOKENS.discard(token)
         raise self.locked_error(holder)
 
+    def _sharers(self, holder: LockHolder) -> list["RootLock"]:
+        """The objects of this process holding `holder`'s lock, which this object would join."""
+        if not self.hold or holder.host != socket.gethostname() or holder.pid != os.getpid():
+            return []
+        return _SHARED.get(str(holder.token), [])
+
     def _join(self, holder: LockHolder) -> bool:
         """Share the hold of `holder` when it is a held lock of this very process (another
         manager of this job on the root); False otherwise."""
-        sharers = _SHARED.get(str(holder.token))
-        if not self.hold or not sharers or holder.host != socket.gethostname() or holder.pid != os.getpid():
+        sharers = self._sharers(holder)
+        if not sharers:
             return False
         first = sharers[0]
         self.token, self._owner_pid = holder.token, os.getpid()
@@ -364,7 +370,7 @@ class RootLock:
         holder = self.holder()
         if holder is None or (self.token is not None and holder.token == self.token):
             return
-        if holder.is_stale() or self.expired(holder) is not None:
+        if holder.is_stale() or self.expired(holder) is not None or self._sharers(holder):
             return
         raise self.locked_error(holder)
 
