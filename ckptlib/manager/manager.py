@@ -5,10 +5,12 @@ ranks; never one pointer per rank (per-rank pointers went stale after a resize i
 mosaicml/composer#2409).
 
 Writers lock the root: rank 0 creates `ckptlib.lock` (atomically, through the storage's
-optional `create_exclusive`) before a save or gc and removes it afterwards, or keeps it
-until `close()` with `hold_lock=True`; every rank learns the outcome, so a second writer
-gets LockedError on all its ranks instead of interleaving checkpoints (and retention never
-deletes a step another writer is still saving; the verl project fixed that bug, #4638). A
+optional `create_exclusive`) at the manager's first load (or first save, maybe_save or gc)
+and keeps it until `close()` (`hold_lock=True`, the default: one job per root; managers of
+one process share it), or with `hold_lock=False` only during each save and gc; every rank
+learns the outcome, so a second job gets LockedError on all its ranks, before it trains,
+instead of interleaving checkpoints (and retention never deletes a step another writer is
+still saving; the verl project fixed that bug, #4638). A
 lock whose holder is gone (a dead pid on this host, or a lease its holder stopped renewing,
 on any host: `ckptlib.manager.lock`) is removed with a StaleLockWarning, so a crashed save
 never leaves the root locked for good. A writer that lost its lock meanwhile (paused past its
