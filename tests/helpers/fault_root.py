@@ -81,7 +81,9 @@ class SingleRootMachine(RuleBasedStateMachine):
 
     def _open(self, mode: str) -> None:
         self.mode = mode
-        self.mgr = CheckpointManager(self.root, keep_last=self.model.keep_last, async_save=MODES[mode])
+        # per-save locking (hold_lock=False): the model's other jobs and paused holders take the root
+        # between its saves; one job per root (the default) is tests/manager/test_one_job_per_root.py's
+        self.mgr = CheckpointManager(self.root, keep_last=self.model.keep_last, async_save=MODES[mode], hold_lock=False)
 
     def _settle(self, what: str) -> None:
         """The primary job's async save in flight is done: it committed (wait() returns its result)."""
@@ -192,7 +194,10 @@ class SingleRootMachine(RuleBasedStateMachine):
         self._settle("save_past_the_staging_cap")
         names = step_names(self.root)
         mgr = CheckpointManager(
-            self.root, keep_last=self.model.keep_last, async_save=AsyncMode("thread", max_staging_bytes=4096)
+            self.root,
+            keep_last=self.model.keep_last,
+            async_save=AsyncMode("thread", max_staging_bytes=4096),
+            hold_lock=False,
         )
         try:
             outcome, value, _ = call(f"a capped job's save({step})", mgr.save, step, state(step, self._version()))
@@ -214,7 +219,7 @@ class SingleRootMachine(RuleBasedStateMachine):
         """Another job on the same root saves (its own manager): LockedError while the primary's
         async save holds the lock, else the save commits like any other."""
         if self.other is None:
-            self.other = CheckpointManager(self.root, keep_last=self.model.keep_last)
+            self.other = CheckpointManager(self.root, keep_last=self.model.keep_last, hold_lock=False)
         version = self._version()
         outcome, value, caught = call(f"a second job's save({step})", self.other.save, step, state(step, version))
         if outcome == "error" and isinstance(value, ckptlib.LockedError):

@@ -88,7 +88,7 @@ class TierMachine(RuleBasedStateMachine):
             remote=ckptlib.RemoteTier(self.remote, keep_last=self.far.keep_last, upload_concurrency=1),
             remote_lag=ckptlib.RemoteLag(retry_after=0),
         )
-        self.mgr = CheckpointManager(self.node, keep_last=self.local.keep_last, cluster=cluster)
+        self.mgr = CheckpointManager(self.node, keep_last=self.local.keep_last, cluster=cluster, hold_lock=False)
 
     def _install_faults(self) -> None:
         """Every storage call under the remote fails while it is down, or once `fail_after` ran out."""
@@ -133,11 +133,13 @@ class TierMachine(RuleBasedStateMachine):
         return None
 
     def _after_load(self, chosen: tuple[int, int]) -> None:
-        """A version the remote lacks, newer than the remote's latest, is uploaded after the load."""
+        """A version newer than the remote's latest is uploaded after the load: one the remote
+        lacks, or one it holds committed behind its `latest` (an upload cut before its latest
+        moved: the upload then only moves latest)."""
         step, version = chosen
         self.last = step
         remote_latest = self._seq(self.far.latest, self.far.committed.get(self.far.latest))
-        if self.far.committed.get(step) != version and self._seq(step, version) > remote_latest:
+        if self._seq(step, version) > remote_latest:
             self._upload(step, version)
 
     def _upload(self, step: int, version: int) -> None:
