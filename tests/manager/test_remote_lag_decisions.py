@@ -142,7 +142,7 @@ def test_attempt_skips_within_the_backoff_and_fails_past_the_limit(clock):
     assert lag.attempt(URI, 1, failing) == (
         None,
         f"{URI}: step 1 could not be uploaded; it stays local and committed, and the upload is tried again at a "
-        f"later save. 1 step(s) not uploaded yet (1); last failure: {URI}: refused",
+        f"later save, wait() or close(). 1 step(s) not uploaded yet (1); last failure: {URI}: refused",
     )
     result, warning = lag.attempt(URI, 2, failing)  # within the backoff: not tried
     assert result is None and calls == [1]
