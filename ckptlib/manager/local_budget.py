@@ -218,7 +218,10 @@ class LocalBudget:
         if refused is None:
             return
         node, leader, report, need = refused
-        root, filesystem = _dist.all_gather_object((self.root.uri, self.filesystem), group)[leader]
+        if _dist.is_distributed():
+            root, filesystem = _dist.all_gather_object((self.root.uri, self.filesystem), group)[leader]
+        else:  # one process judging every node's figures (a simulation): its root is the only one
+            root, filesystem = self.root.uri, self.filesystem
         check(node, dataclasses.replace(report, root=root, filesystem=filesystem), need)
 
 

@@ -87,11 +87,17 @@ def _budget(path: str, limit: int | None) -> LocalBudget:
 NODES = types.SimpleNamespace(nodes=((0, 1), (2, 3)))
 
 
+def _rows(rows: list[list[int]], limit: int | None) -> list[list[int]]:
+    """Every rank's `LocalBudget.figures` for a bounded root: [1, rank bytes, held, newest, free,
+    limit] from [rank bytes, held, newest, free] (each node is judged on its leader's limit)."""
+    return [[1, *row, -1 if limit is None else limit] for row in rows]
+
+
 def test_each_node_is_judged_on_its_leader_s_figures(tmp_path):
     budget = _budget(str(tmp_path), 1000)
     rows = [[100, 0, 0, -1], [100, 0, 0, -1], [100, 700, 400, -1], [100, 0, 0, -1]]  # node 1's leader is rank 2
     with pytest.raises(LocalLimitError) as info:
-        budget.check(rows, NODES, replicas=1)
+        budget.check(_rows(rows, 1000), NODES, replicas=1)
     assert (info.value.node, info.value.held, info.value.need, info.value.limit) == (1, 700, 400, 1000)
     assert str(info.value).startswith("node 1: a save would need about 400 more bytes in ")
 
@@ -101,16 +107,16 @@ def test_the_first_save_needs_the_node_s_state_bytes_times_one_plus_replicas(tmp
     budget = _budget(str(tmp_path), need - 1)
     rows = [[60, 0, 0, -1], [140, 0, 0, -1], [1, 0, 0, -1], [1, 0, 0, -1]]
     with pytest.raises(LocalLimitError) as info:
-        budget.check(rows, NODES, replicas=replicas)
+        budget.check(_rows(rows, need - 1), NODES, replicas=replicas)
     assert (info.value.node, info.value.need) == (0, need)
-    _budget(str(tmp_path), need).check(rows, NODES, replicas=replicas)  # exactly: fits
+    _budget(str(tmp_path), need).check(_rows(rows, need), NODES, replicas=replicas)  # exactly: fits
 
 
 def test_a_later_save_needs_the_newest_step_s_actual_bytes(tmp_path):
     rows = [[10**6, 0, 300, -1], [10**6, 0, 0, -1], [1, 0, 300, -1], [1, 0, 0, -1]]  # the state estimate is far larger
-    _budget(str(tmp_path), 300).check(rows, NODES, replicas=1)
+    _budget(str(tmp_path), 300).check(_rows(rows, 300), NODES, replicas=1)
     with pytest.raises(LocalLimitError) as info:
-        _budget(str(tmp_path), 299).check(rows, NODES, replicas=1)
+        _budget(str(tmp_path), 299).check(_rows(rows, 299), NODES, replicas=1)
     assert info.value.need == 300
 
 
@@ -118,8 +124,8 @@ def test_a_root_on_disk_without_a_limit_adds_no_figures(tmp_path):
     if filesystem_type(str(tmp_path)) in local_budget.MEMORY_FILESYSTEMS:
         pytest.skip("the temporary directory is itself in memory here")
     budget = _budget(str(tmp_path), None)
-    assert not budget.active and budget.figures(True, {"w": torch.ones(4)}) == []
-    budget.check([[10**12, 0, 0, 1]], types.SimpleNamespace(nodes=((0,),)), replicas=1)  # nothing is checked
+    assert not budget.active and budget.figures(True, {"w": torch.ones(4)}) == [0, 0, 0, 0, -1, -1]
+    budget.check([[0, 10**12, 0, 0, 1, -1]], types.SimpleNamespace(nodes=((0,),)), replicas=1)  # not bounded
 
 
 @pytest.mark.skipif(
@@ -130,12 +136,12 @@ def test_a_root_in_memory_is_checked_against_its_free_space_without_a_limit():
         budget = _budget(root, None)
         assert budget.active and budget.filesystem == "tmpfs"
         figures = budget.figures(True, {"w": torch.ones(4), "v": torch.ones(2, dtype=torch.float64)})
-        assert figures[0] == 32 and figures[1:3] == [0, 0] and figures[3] > 0
-        assert budget.figures(False, {}) == [32, 0, 0, -1]  # counted once; a non-leader sends no root figures
+        assert figures[:4] == [1, 32, 0, 0] and figures[4] > 0 and figures[5] == -1
+        assert budget.figures(False, {}) == [1, 32, 0, 0, -1, -1]  # counted once; a non-leader sends no root figures
         one = types.SimpleNamespace(nodes=((0,),))
-        budget.check([[50, 0, 0, 100]], one, replicas=1)  # 100 bytes: fits exactly
+        budget.check([[1, 50, 0, 0, 100, -1]], one, replicas=1)  # 100 bytes: fits exactly
         with pytest.raises(LocalLimitError, match="past the 100 bytes free on its tmpfs;"):
-            budget.check([[51, 0, 0, 100]], one, replicas=1)
+            budget.check([[1, 51, 0, 0, 100, -1]], one, replicas=1)
 
 
 def test_a_sparse_file_counts_the_blocks_it_holds(tmp_path):
