@@ -82,8 +82,8 @@ class SingleRootMachine(RuleBasedStateMachine):
 
     def _open(self, mode: str) -> None:
         self.mode = mode
-        # per-save locking (hold_lock=False): the model's other jobs and paused holders take the root
-        # between its saves; one job per root (the default) is tests/manager/test_one_job_per_root.py's
+        # per-save locking (hold_lock=False, said explicitly): the model's other jobs and paused
+        # holders take the root between its saves
         self.mgr = CheckpointManager(self.root, keep_last=self.model.keep_last, async_save=MODES[mode], hold_lock=False)
 
     def _settle(self, what: str) -> None:
