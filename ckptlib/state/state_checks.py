@@ -32,16 +32,7 @@ def check_call(call: str, uri: Any, state: Any) -> None:
             f"ckptlib.{call}(uri, state): uri must be a path, a URI (file://, s3://, gs://, az://) or a Storage, "
             f"got {type(uri).__name__}"
         )
-    if isinstance(state, torch.nn.Module):
-        raise StateError(
-            f"ckptlib.{call}({_shown(uri)}, state): state must be a mapping of names to objects, got the module "
-            f"{type(state).__name__}: pass {{'model': model}}"
-        )
-    if not isinstance(state, Mapping):
-        raise StateError(
-            f"ckptlib.{call}({_shown(uri)}, state): state must be a mapping of names to objects (e.g. "
-            f"{{'model': model, 'optim': optim}}), got {type(state).__name__}"
-        )
+    _check_mapping(f"ckptlib.{call}({_shown(uri)}, state)", state, None)
 
 
 def check_manager_call(call: str, root: str, state: Any, step: Any = None) -> None:
@@ -60,17 +51,23 @@ def check_manager_call(call: str, root: str, state: Any, step: Any = None) -> No
             "elsewhere, call ckptlib.load(path, state) or give CheckpointManager(initial_load=path)",
             path=root,
         )
+    _check_mapping(f"CheckpointManager.{call}", state, root)
+
+
+def _check_mapping(call: str, state: Any, path: str | None) -> None:
+    """The state of `call` (as the message shows it) is a mapping: a module, or anything else, is a
+    StateError saying what to pass instead."""
     if isinstance(state, torch.nn.Module):
         raise StateError(
-            f"CheckpointManager.{call}: state must be a mapping of names to objects, got the module "
-            f"{type(state).__name__}: pass {{'model': model}}",
-            path=root,
+            f"{call}: state must be a mapping of names to objects, got the module {type(state).__name__}: "
+            "pass {'model': model}",
+            path=path,
         )
     if not isinstance(state, Mapping):
         raise StateError(
-            f"CheckpointManager.{call}: state must be a mapping of names to objects (e.g. {{'model': model, "
-            f"'optim': optim}}), got {type(state).__name__}",
-            path=root,
+            f"{call}: state must be a mapping of names to objects (e.g. {{'model': model, 'optim': optim}}), got "
+            f"{type(state).__name__}",
+            path=path,
         )
 
 
