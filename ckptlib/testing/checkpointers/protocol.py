@@ -48,7 +48,7 @@ def resolve(ref: Any) -> Checkpointer:
             target = getattr(module, attr)
         except AttributeError as exc:
             raise CheckpointerError(f"checkpointer {ref!r}: module {module_name!r} has no {attr!r}") from exc
-    if not isinstance(target, Checkpointer) and callable(target):
+    if isinstance(target, type) or (not isinstance(target, Checkpointer) and callable(target)):
         target = target()
     if not isinstance(target, Checkpointer):
         raise CheckpointerError(
