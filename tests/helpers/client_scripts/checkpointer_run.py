@@ -1,0 +1,98 @@
+"""The adapters of other tools' checkpointers (ckptlib.testing.checkpointers: torchtitan,
+lightning, accelerate) against the real packages (issue 48.2). Under torchrun (gloo, CPU):
+
+    checkpointer_run.py save ROOT ADAPTER   a tiny MLP, FSDP2 over every rank (also at 1), AdamW and a
+                                            StepLR take 3 steps; ADAPTER saves step 3 under ROOT/ADAPTER.
+                                            Rank 0 writes the full state to ROOT/expected.pt.
+    checkpointer_run.py load ROOT ADAPTER   a fresh build from another seed loads through ADAPTER and
+                                            reports the step it returned, state["step"], the model's and
+                                            the optimizer's differences from ROOT/expected.pt, the
+                                            scheduler's state and what the adapter promised to carry.
+    checkpointer_run.py fresh ROOT ADAPTER  load from an empty root: the step it returned
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+from client_common import differences, finish, full_state, init_gloo, rank, report, world
+from torch import nn
+
+from ckptlib.testing.checkpointers import resolve
+
+warnings.filterwarnings("ignore")
+STEPS = 3
+
+
+def build(seed: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    mesh = init_device_mesh("cpu", (world(),))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+    return {"model": model, "optim": optim, "sched": sched, "step": -1}
+
+
+def train(state, steps: int) -> None:
+    g = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+        nn.functional.cross_entropy(state["model"](x), y).backward()
+        state["optim"].step()
+        state["optim"].zero_grad()
+        state["sched"].step()
+
+
+def main() -> None:
+    mode, root, ref = sys.argv[1], os.path.abspath(sys.argv[2]), sys.argv[3]
+    init_gloo()
+    checkpointer = resolve(f"ckptlib.testing.checkpointers:{ref}")
+    where = os.path.join(root, ref)
+    expected_path = os.path.join(root, "expected.pt")
+    if mode == "save":
+        state = build(0)
+        train(state, STEPS)
+        state["step"] = STEPS
+        checkpointer.save(where, STEPS, state)
+        expected = {**full_state(state["model"], state["optim"]), "sched": state["sched"].state_dict()}
+        if rank() == 0:
+            torch.save(expected, expected_path)
+        files = sorted(os.path.relpath(os.path.join(d, f), where) for d, _, fs in os.walk(where) for f in fs)
+        report(files=files if rank() == 0 else [], world=world(), version=checkpointer.version)
+    elif mode == "load":
+        state = build(1)
+        fresh_sched = dict(state["sched"].state_dict())
+        carries = sorted(checkpointer.carries(state))
+        step = checkpointer.load(where, state)
+        expected = torch.load(expected_path, weights_only=False)
+        got = full_state(state["model"], state["optim"])
+        sched = state["sched"]
+        report(
+            step=step,
+            state_step=state["step"],
+            model=differences(expected["model"], got["model"]),
+            optim=differences(expected["optim"], got["optim"]),
+            sched_restored=sched.state_dict() == expected["sched"] if hasattr(sched, "state_dict") else None,
+            sched_fresh=sched.state_dict() == fresh_sched if hasattr(sched, "state_dict") else None,
+            sched_entry=type(sched).__name__,
+            carries=carries,
+            world=world(),
+        )
+    else:
+        state = build(1)
+        report(step=checkpointer.load(where, state), state_step=state["step"], world=world())
+    finish()
+
+
+if __name__ == "__main__":
+    main()
