@@ -7,7 +7,8 @@ lightning, accelerate) against the real packages (issue 48.2). Under torchrun (g
     checkpointer_run.py load ROOT ADAPTER   a fresh build from another seed loads through ADAPTER and
                                             reports the step it returned, state["step"], the model's and
                                             the optimizer's differences from ROOT/expected.pt, the
-                                            scheduler's state and what the adapter promised to carry.
+                                            scheduler's state, whether this rank's torch RNG is the one the
+                                            same rank had at the save, and what the adapter promised to carry.
     checkpointer_run.py fresh ROOT ADAPTER  load from an empty root: the step it returned
 """
 
@@ -18,6 +19,7 @@ import sys
 import warnings
 
 import torch
+import torch.distributed as dist
 from client_common import differences, finish, full_state, init_gloo, rank, report, world
 from torch import nn
 
@@ -63,8 +65,10 @@ def main() -> None:
         state = build(0)
         train(state, STEPS)
         state["step"] = STEPS
+        rngs: list = [None] * world()
+        dist.all_gather_object(rngs, torch.get_rng_state())
         checkpointer.save(where, STEPS, state)
-        expected = {**full_state(state["model"], state["optim"]), "sched": state["sched"].state_dict()}
+        expected = {**full_state(state["model"], state["optim"]), "sched": state["sched"].state_dict(), "rng": rngs}
         if rank() == 0:
             torch.save(expected, expected_path)
         files = sorted(os.path.relpath(os.path.join(d, f), where) for d, _, fs in os.walk(where) for f in fs)
@@ -85,6 +89,7 @@ def main() -> None:
             sched_restored=sched.state_dict() == expected["sched"] if hasattr(sched, "state_dict") else None,
             sched_fresh=sched.state_dict() == fresh_sched if hasattr(sched, "state_dict") else None,
             sched_entry=type(sched).__name__,
+            rng_restored=rank() < len(expected["rng"]) and torch.equal(torch.get_rng_state(), expected["rng"][rank()]),
             carries=carries,
             world=world(),
         )

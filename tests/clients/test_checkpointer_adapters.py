@@ -1,0 +1,68 @@
+"""The adapters of other tools' checkpointers (ckptlib.testing.checkpointers: torchtitan,
+lightning, accelerate; issue 48.2) against the real packages, gloo on CPU: a tiny FSDP2 MLP,
+AdamW and a StepLR trained 3 steps, saved through the adapter at N ranks and loaded at M
+(helpers/client_scripts/checkpointer_run.py). Model and optimizer state are compared
+bit-exactly with the saved run's; the step returned and the state's "step" must be 3. What a
+package does not restore is asserted as it is (the findings of docs/conformance.md):
+
+- torchtitan: restores the scheduler (through its `states`), not the per-rank RNG;
+- Lightning's sharded load leaves the scheduler object fresh (it replaces the mapping's entry
+  with the saved dict), so the adapter does not promise it; no per-rank RNG;
+- Accelerate restores the scheduler and each saved rank's global RNG, but only on the ranks
+  that existed at the save: a new rank keeps its own RNG.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import client_envs
+
+pytestmark = pytest.mark.clients
+
+VERSIONS = {"torchtitan": "0.3.0", "lightning": "2.6.6", "accelerate": "1.16.0"}  # ci/constraints-clients-hf.txt
+
+
+def _files(adapter: str, world: int) -> list[str]:
+    shards = [f"__{r}_0.distcp" for r in range(world)]
+    if adapter == "torchtitan":
+        return [f"checkpoint/step-3/{f}" for f in [".metadata", *shards]]
+    if adapter == "lightning":
+        return [f"step=3.ckpt/{f}" for f in [".metadata", *shards, "meta.pt"]]
+    folder = "checkpoints/checkpoint_3"
+    return sorted(
+        [f"{folder}/custom_checkpoint_0.pkl", f"{folder}/custom_checkpoint_1.pkl"]
+        + [f"{folder}/{part}/{f}" for part in ("optimizer_0", "pytorch_model_fsdp_0") for f in [".metadata", *shards]]
+        + [f"{folder}/random_states_{r}.pkl" for r in range(world)]
+    )
+
+
+def _run(root, mode: str, adapter: str, nproc: int) -> list[dict]:
+    return client_envs.run("hf", "checkpointer_run.py", mode, str(root), adapter, nproc=nproc, workdir=str(root))
+
+
+@pytest.mark.parametrize("adapter", sorted(VERSIONS))
+@pytest.mark.parametrize("saved, loaded", [(2, 1), (1, 2)], ids=["save2-load1", "save1-load2"])
+def test_adapter_saves_at_n_and_loads_at_m_bit_exactly(tmp_path, adapter, saved, loaded):
+    (save,) = _run(tmp_path, "save", adapter, saved)[:1]
+    assert save["version"] == VERSIONS[adapter]
+    assert save["files"] == _files(adapter, saved)
+    results = _run(tmp_path, "load", adapter, loaded)
+    assert [r["world"] for r in results] == [loaded] * loaded
+    for rank, got in enumerate(results):
+        assert (got["step"], got["state_step"]) == (3, 3)
+        assert (got["model"], got["optim"]) == ([], [])
+        assert got["sched_entry"] == "StepLR"  # the harness's object is still in the mapping
+        if adapter == "lightning":
+            assert got["carries"] == ["model", "optim", "step"]
+            assert (got["sched_restored"], got["sched_fresh"]) == (False, True)
+        else:
+            assert got["carries"] == ["model", "optim", "sched", "step"]
+            assert (got["sched_restored"], got["sched_fresh"]) == (True, False)
+        # per-rank RNG: only Accelerate keeps it, and only for the ranks the save had
+        assert got["rng_restored"] is (adapter == "accelerate" and rank < saved)
+
+
+@pytest.mark.parametrize("adapter", sorted(VERSIONS))
+def test_adapter_load_of_an_empty_root_is_a_fresh_start(tmp_path, adapter):
+    (got,) = _run(tmp_path, "fresh", adapter, 1)
+    assert (got["step"], got["state_step"]) == (None, -1)
