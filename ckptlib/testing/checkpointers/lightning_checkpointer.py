@@ -3,10 +3,10 @@
 a folder holding a DCP checkpoint of the model and the optimizers, plus ``meta.pt``, the rest of
 the state, written by rank 0 after the shards).
 
-Why not ``FSDPStrategy``: Lightning's ``FSDPStrategy`` (Fabric's and the Trainer's) wraps the
-model in FSDP1 (``FullyShardedDataParallel``), which refuses a CPU device ("FSDP needs a non-CPU
-accelerator device"), and it only recognises FSDP1 modules, so it cannot save the harness's FSDP2
-model at all. ``ModelParallelStrategy`` is Lightning's FSDP2 strategy and writes the same sharded
+Why not ``FSDPStrategy``: Lightning's ``FSDPStrategy`` (Fabric's and the Trainer's) is FSDP1
+(``FullyShardedDataParallel``): it refuses to start on CPU ("FSDP is only available on GPU";
+examples/conformance/lightning_sharded_stateful.py, mode ``fsdp``), and it only recognises FSDP1
+modules, so it could not save the harness's FSDP2 model anyway. ``ModelParallelStrategy`` is Lightning's FSDP2 strategy and writes the same sharded
 layout through the same code (``_distributed_checkpoint_save`` plus ``meta.pt``).
 
 Fabric has no "resume the newest" of its own (the user names the checkpoint path); the adapter
