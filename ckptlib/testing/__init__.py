@@ -1,6 +1,6 @@
 """Test harness for ckptlib and its users: run a function in N ranks of a fresh process group.
 
-Three rooms:
+Four rooms:
 
 - ``harness/``: :func:`launch` (``ckptlib.testing.harness.launcher``) runs ``fn`` on
   ``world_size`` processes forked from a forkserver that imported torch once, and returns the
@@ -16,6 +16,9 @@ Three rooms:
   (``matrices.training_spec``), as ``ckpt validate --spec`` runs it.
 - ``fakes/``: S3, GCS and Azure emulators on 127.0.0.1, a fault-injecting proxy, writers of
   legacy formats.
+- ``checkpointers/``: the checkpointer protocol (``Checkpointer``, ``resolve``) and adapters of
+  other tools' checkpointers (torchtitan, Lightning, Accelerate), each importing its package
+  only when first used.
 
 `plugin` (``ckptlib.testing.plugin``) is the pytest plugin (``pytest_plugins = ["ckptlib.testing.plugin"]``):
 the ``dist_run`` fixture, the ``@pytest.mark.world_size(n)`` marker, ``--backend``, and the fakes

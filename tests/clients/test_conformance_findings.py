@@ -28,9 +28,9 @@ def _run(root, script: str, *args: str, nproc: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def titan_saved_at_2(tmp_path_factory):
     root = tmp_path_factory.mktemp("titan-dataloader")
-    assert _run(root, "torchtitan_dataloader_resize.py", "save", str(root), nproc=2) == [
-        {"saved": True, "world": 2}
-    ] * 2
+    assert (
+        _run(root, "torchtitan_dataloader_resize.py", "save", str(root), nproc=2) == [{"saved": True, "world": 2}] * 2
+    )
     return root
 
 

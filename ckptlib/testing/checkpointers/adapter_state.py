@@ -55,7 +55,7 @@ def parts(state: dict[str, Any], who: str) -> Parts:
         raise CheckpointerError(
             f"{who}: the state must hold exactly one nn.Module (the model), found {sorted(modules) or 'none'}"
         )
-    (model_name, model), = modules.items()
+    ((model_name, model),) = modules.items()
     optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
     per_rank = {k: v for k, v in state.items() if is_rank_local(v)}
     stateful, values = {}, {}

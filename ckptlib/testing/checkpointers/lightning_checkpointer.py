@@ -6,8 +6,9 @@ the state, written by rank 0 after the shards).
 Why not ``FSDPStrategy``: Lightning's ``FSDPStrategy`` (Fabric's and the Trainer's) is FSDP1
 (``FullyShardedDataParallel``): it refuses to start on CPU ("FSDP is only available on GPU";
 examples/conformance/lightning_sharded_stateful.py, mode ``fsdp``), and it only recognises FSDP1
-modules, so it could not save the harness's FSDP2 model anyway. ``ModelParallelStrategy`` is Lightning's FSDP2 strategy and writes the same sharded
-layout through the same code (``_distributed_checkpoint_save`` plus ``meta.pt``).
+modules, so it could not save the harness's FSDP2 model anyway. ``ModelParallelStrategy`` is
+Lightning's FSDP2 strategy and writes the same sharded layout through the same code
+(``_distributed_checkpoint_save`` plus ``meta.pt``).
 
 Fabric has no "resume the newest" of its own (the user names the checkpoint path); the adapter
 saves step N to ``ROOT/step=N.ckpt`` (ModelCheckpoint's ``step=`` naming) and loads the highest
@@ -73,7 +74,8 @@ class LightningCheckpointer:
         return {p.model_name: p.model, **p.optimizers, **p.stateful, **values}
 
     def save(self, root: str, step: int, state: dict[str, Any]) -> None:
-        self._strategy().save_checkpoint(os.path.join(root, f"step={step}.ckpt"), self._mapping(state, step))
+        mapping = self._mapping(state, step)
+        self._strategy().save_checkpoint(os.path.join(root, f"step={step}.ckpt"), mapping)
 
     def newest(self, root: str) -> int | None:
         """The highest step under `root` whose folder holds Lightning's ``meta.pt``."""
