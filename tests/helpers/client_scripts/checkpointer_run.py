@@ -2,7 +2,8 @@
 lightning, accelerate) against the real packages (issue 48.2). Under torchrun (gloo, CPU):
 
     checkpointer_run.py save ROOT ADAPTER   a tiny MLP, FSDP2 over every rank (also at 1), AdamW and a
-                                            StepLR take 3 steps; ADAPTER saves step 3 under ROOT/ADAPTER.
+                                            StepLR take 2 steps, ADAPTER saves step 2 under ROOT/ADAPTER,
+                                            one more step, ADAPTER saves step 3 (plain values: step, epoch).
                                             Rank 0 writes the full state to ROOT/expected.pt.
     checkpointer_run.py load ROOT ADAPTER   a fresh build from another seed loads through ADAPTER and
                                             reports the step it returned, state["step"], the model's and
@@ -42,7 +43,12 @@ def build(seed: int):
     fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
-    return {"model": model, "optim": optim, "sched": sched, "step": -1}
+    return {"model": model, "optim": optim, "sched": sched, "step": -1, "epoch": 0}
+
+
+def group_keys(state) -> list[list[str]]:
+    """The keys of each of the optimizer's param groups (an adapter must leave them as they were)."""
+    return [sorted(group) for group in state["optim"].param_groups]
 
 
 def train(state, steps: int) -> None:
@@ -63,8 +69,12 @@ def main() -> None:
     expected_path = os.path.join(root, "expected.pt")
     if mode == "save":
         state = build(0)
-        train(state, STEPS)
-        state["step"] = STEPS
+        groups = group_keys(state)
+        train(state, STEPS - 1)
+        state["step"], state["epoch"] = STEPS - 1, 1
+        checkpointer.save(where, STEPS - 1, state)  # an older step: the load must resume the newest
+        train(state, 1)
+        state["step"], state["epoch"] = STEPS, 2
         rngs: list = [None] * world()
         dist.all_gather_object(rngs, torch.get_rng_state())
         checkpointer.save(where, STEPS, state)
@@ -72,9 +82,15 @@ def main() -> None:
         if rank() == 0:
             torch.save(expected, expected_path)
         files = sorted(os.path.relpath(os.path.join(d, f), where) for d, _, fs in os.walk(where) for f in fs)
-        report(files=files if rank() == 0 else [], world=world(), version=checkpointer.version)
+        report(
+            files=files if rank() == 0 else [],
+            world=world(),
+            version=checkpointer.version,
+            groups_unchanged=group_keys(state) == groups,
+        )
     elif mode == "load":
         state = build(1)
+        groups = group_keys(state)
         fresh_sched = dict(state["sched"].state_dict())
         carries = sorted(checkpointer.carries(state))
         step = checkpointer.load(where, state)
@@ -84,6 +100,8 @@ def main() -> None:
         report(
             step=step,
             state_step=state["step"],
+            state_epoch=state["epoch"],
+            groups_unchanged=group_keys(state) == groups,
             model=differences(expected["model"], got["model"]),
             optim=differences(expected["optim"], got["optim"]),
             sched_restored=sched.state_dict() == expected["sched"] if hasattr(sched, "state_dict") else None,
