@@ -57,12 +57,33 @@ def _state() -> dict:
         ("lightning", ["epoch", "model", "optim", "step"]),
         ("accelerate", ["epoch", "model", "optim", "sched", "step"]),
     ],
-    ids=lambda v: v if isinstance(v, str) else "",
+    ids=["torchtitan", "lightning", "accelerate"],
 )
 def test_each_adapter_promises_what_its_package_restores(name, carried):
     checkpointer = resolve(f"ckptlib.testing.checkpointers:{name}")
     assert checkpointer.name == name
     assert sorted(checkpointer.carries(_state())) == carried  # never the per-rank "rng"
+
+
+@pytest.mark.parametrize(
+    "name, folder",
+    [("torchtitan", "/r/checkpoint"), ("lightning", "/r"), ("accelerate", "/r/checkpoints")],
+    ids=["torchtitan", "lightning", "accelerate"],
+)
+def test_each_adapter_names_the_folder_its_package_writes_under(name, folder, tmp_path):
+    checkpointer = resolve(f"ckptlib.testing.checkpointers:{name}")
+    assert checkpointer.where("/r") == folder
+    if name != "torchtitan":  # the newest step as the package would resume it, from file names alone
+        assert checkpointer.newest(str(tmp_path / "missing")) is None
+        for step, complete in ((3, True), (12, True), (20, False)):
+            if name == "lightning":
+                (tmp_path / f"step={step}.ckpt").mkdir()
+                if complete:
+                    (tmp_path / f"step={step}.ckpt" / "meta.pt").write_bytes(b"")
+            elif complete:
+                (tmp_path / "checkpoints" / f"checkpoint_{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / "notes").mkdir(parents=True)
+        assert checkpointer.newest(str(tmp_path)) == 12
 
 
 @pytest.mark.parametrize("name", PACKAGES)
