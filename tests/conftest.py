@@ -73,6 +73,7 @@ EXTENDED = (
     "clients/test_checkpointer_adapters.py::test_adapter_saves_at_n_and_loads_at_m_bit_exactly[save2-load1-torchtitan",
     "clients/test_checkpointer_adapters.py::test_adapter_saves_at_n_and_loads_at_m_bit_exactly[save1-load2",
     "clients/test_checkpointer_adapters.py::test_adapter_load_of_an_empty_root_is_a_fresh_start",
+    "clients/test_checkpointer_adapters.py::test_torchtitan_async_save_resumes_the_state_it_staged",
     "clients/test_conformance_findings.py::test_torchtitan_refuses_its_data_loader_at_another_dp_size",
     "clients/test_conformance_findings.py::test_lightning_sharded_load_does_not_restore_stateful_objects[full",
     "clients/test_conformance_findings.py::test_lightning_sharded_load_does_not_restore_stateful_objects[fsdp1",

@@ -76,3 +76,13 @@ def test_adapter_saves_at_n_and_loads_at_m_bit_exactly(tmp_path, adapter, saved,
 def test_adapter_load_of_an_empty_root_is_a_fresh_start(tmp_path, adapter):
     (got,) = _run(tmp_path, "fresh", adapter, 1)
     assert (got["step"], got["state_step"]) == (None, -1)
+
+
+def test_torchtitan_async_save_resumes_the_state_it_staged(tmp_path):
+    """torchtitan's async_mode="async" through the adapter's async_save: training goes on while
+    each save is in flight, and the load at another world size gets the state of the save call."""
+    (save,) = _run(tmp_path, "save-async", "torchtitan", 2)[:1]
+    assert (save["files"], save["groups_unchanged"]) == (_files("torchtitan", 2), True)
+    (got,) = _run(tmp_path, "load", "torchtitan", 1)
+    assert (got["step"], got["state_step"], got["state_epoch"]) == (3, 3, 2)
+    assert (got["model"], got["optim"], got["sched_restored"]) == ([], [], True)

@@ -63,6 +63,7 @@ def test_each_adapter_promises_what_its_package_restores(name, carried):
     checkpointer = resolve(f"ckptlib.testing.checkpointers:{name}")
     assert checkpointer.name == name
     assert sorted(checkpointer.carries(_state())) == carried  # never the per-rank "rng"
+    assert hasattr(checkpointer, "async_save") is (name == "torchtitan")  # the only one with a background save
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,19 @@ def _named(model: Any, optimizers: list[Any]) -> Iterator[None]:
                 group.pop("param_names", None)
 
 
+class PendingSave:
+    """An async save in flight: ``wait()`` blocks until torchtitan has written the step."""
+
+    def __init__(self, manager: Any):
+        self.manager = manager
+
+    def wait(self) -> None:
+        try:
+            self.manager.maybe_wait_for_saving()
+        finally:
+            self.manager.close()
+
+
 class TorchtitanCheckpointer:
     """torchtitan's ``CheckpointManager`` (``torchtitan.components.checkpoint``), synchronous
     saves, every step kept (``keep_latest_k=0``) unless told otherwise."""
@@ -75,7 +88,7 @@ class TorchtitanCheckpointer:
 
         return os.path.join(root, self.folder)
 
-    def _manager(self, root: str, state: dict[str, Any], values: Values) -> Any:
+    def _manager(self, root: str, state: dict[str, Any], values: Values, async_mode: str = "disabled") -> Any:
         from torchtitan.components.checkpoint import CheckpointManager
         from torchtitan.components.optimizer import OptimizersContainer
 
@@ -86,7 +99,12 @@ class TorchtitanCheckpointer:
         optimizers.optimizers = list(p.optimizers.values())
         optimizers.model_parts = [p.model]
         config = CheckpointManager.Config(
-            enable=True, folder=self.folder, interval=1, keep_latest_k=self.keep_latest_k, last_save_model_only=False
+            enable=True,
+            folder=self.folder,
+            interval=1,
+            keep_latest_k=self.keep_latest_k,
+            last_save_model_only=False,
+            async_mode=async_mode,
         )
         states = {**p.stateful, VALUES: values}
         return CheckpointManager(
@@ -110,6 +128,20 @@ class TorchtitanCheckpointer:
         finally:
             manager.close()
 
+    def async_save(self, root: str, step: int, state: dict[str, Any]) -> "PendingSave":
+        """torchtitan's ``async_mode="async"``: DCP's ``async_save`` on a gloo group of its own;
+        returns once the state is staged; ``wait()`` returns once the step is written."""
+        p = parts(state, self.name)
+        values = Values({**p.values, "step": step})
+        manager = self._manager(root, state, values, async_mode="async")
+        try:
+            with _named(p.model, list(p.optimizers.values())):  # staged before save() returns
+                manager.save(curr_step=step)
+        except BaseException:
+            manager.close()
+            raise
+        return PendingSave(manager)
+
     def load(self, root: str, state: dict[str, Any]) -> int | None:
         p = parts(state, self.name)
         values = Values({**p.values, "step": None})  # DCP loads the keys it is given
@@ -125,4 +157,4 @@ class TorchtitanCheckpointer:
         return values.values["step"]
 
 
-__all__ = ["TorchtitanCheckpointer"]
+__all__ = ["PendingSave", "TorchtitanCheckpointer"]

@@ -5,6 +5,8 @@ lightning, accelerate) against the real packages (issue 48.2). Under torchrun (g
                                             StepLR take 2 steps, ADAPTER saves step 2 under ROOT/ADAPTER,
                                             one more step, ADAPTER saves step 3 (plain values: step, epoch).
                                             Rank 0 writes the full state to ROOT/expected.pt.
+    checkpointer_run.py save-async ROOT ADAPTER   the same through ADAPTER.async_save, training one more step
+                                            while each save is in flight (the step saved is the one before)
     checkpointer_run.py load ROOT ADAPTER   a fresh build from another seed loads through ADAPTER and
                                             reports the step it returned, state["step"], the model's and
                                             the optimizer's differences from ROOT/expected.pt, the
@@ -61,24 +63,36 @@ def train(state, steps: int) -> None:
         state["sched"].step()
 
 
+def save(checkpointer, where: str, step: int, state, background: bool) -> None:
+    """Save `step`; in the background, train on (changing every parameter and the optimizer's
+    state in place) while the save is in flight, then wait for it."""
+    if not background:
+        checkpointer.save(where, step, state)
+        return
+    pending = checkpointer.async_save(where, step, state)
+    train(state, 1)
+    pending.wait()
+
+
 def main() -> None:
     mode, root, ref = sys.argv[1], os.path.abspath(sys.argv[2]), sys.argv[3]
     init_gloo()
     checkpointer = resolve(f"ckptlib.testing.checkpointers:{ref}")
     where = os.path.join(root, ref)
     expected_path = os.path.join(root, "expected.pt")
-    if mode == "save":
+    if mode in ("save", "save-async"):
+        background = mode == "save-async"
         state = build(0)
         groups = group_keys(state)
         train(state, STEPS - 1)
         state["step"], state["epoch"] = STEPS - 1, 1
-        checkpointer.save(where, STEPS - 1, state)  # an older step: the load must resume the newest
+        save(checkpointer, where, STEPS - 1, state, background)  # an older step: the load must resume the newest
         train(state, 1)
         state["step"], state["epoch"] = STEPS, 2
         rngs: list = [None] * world()
         dist.all_gather_object(rngs, torch.get_rng_state())
-        checkpointer.save(where, STEPS, state)
         expected = {**full_state(state["model"], state["optim"]), "sched": state["sched"].state_dict(), "rng": rngs}
+        save(checkpointer, where, STEPS, state, background)
         if rank() == 0:
             torch.save(expected, expected_path)
         files = sorted(os.path.relpath(os.path.join(d, f), where) for d, _, fs in os.walk(where) for f in fs)
