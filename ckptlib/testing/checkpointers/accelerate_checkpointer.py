@@ -13,6 +13,10 @@ the way ``prepare`` does (``_models``, ``_optimizers``), so ``save_state``/``loa
 their FSDP2 path as on a GPU launch. examples/conformance/accelerate_cpu_fsdp.py shows the
 unpatched CPU path: ``save_state`` writes one ``model.safetensors`` from rank 0 alone.
 
+``save_state`` returns on a rank while another may still be writing its own files (no barrier
+after ``random_states_<rank>.pkl``); the adapter waits for every process after it, as
+Accelerate's documentation has users do.
+
 What it carries: the model, the optimizers (paired by index with the model, as Accelerate
 does), every other object with a state dict that is the same on every rank (schedulers and
 extras, through ``register_for_checkpointing``: ``custom_checkpoint_<i>.pkl`` from the main
@@ -85,7 +89,11 @@ class AccelerateCheckpointer:
 
     def save(self, root: str, step: int, state: dict[str, Any]) -> None:
         values = Values({**parts(state, self.name).values, "step": step})
-        self._accelerator_for(root, state, values, step).save_state()
+        accelerator = self._accelerator_for(root, state, values, step)
+        accelerator.save_state()
+        # save_state has no barrier after each process's own files (random_states_<rank>.pkl):
+        # it returns on one rank while another still writes. Accelerate's docs wait for everyone.
+        accelerator.wait_for_everyone()
 
     def load(self, root: str, state: dict[str, Any]) -> int | None:
         import torch.distributed as dist

@@ -10,7 +10,8 @@ modules, so it could not save the harness's FSDP2 model anyway. ``ModelParallelS
 Lightning's FSDP2 strategy and writes the same sharded layout through the same code
 (``_distributed_checkpoint_save`` plus ``meta.pt``).
 
-Fabric has no "resume the newest" of its own (the user names the checkpoint path); the adapter
+The adapter calls the strategy as ``Fabric.save``/``Fabric.load`` do, with their barrier after
+each. Fabric has no "resume the newest" of its own (the user names the checkpoint path); the adapter
 saves step N to ``ROOT/step=N.ckpt`` (ModelCheckpoint's ``step=`` naming) and loads the highest
 N whose folder holds ``meta.pt`` (the file Lightning writes last).
 
@@ -75,7 +76,9 @@ class LightningCheckpointer:
 
     def save(self, root: str, step: int, state: dict[str, Any]) -> None:
         mapping = self._mapping(state, step)
-        self._strategy().save_checkpoint(os.path.join(root, f"step={step}.ckpt"), mapping)
+        strategy = self._strategy()
+        strategy.save_checkpoint(os.path.join(root, f"step={step}.ckpt"), mapping)
+        strategy.barrier()  # as Fabric.save does: rank 0 writes meta.pt after the collective save
 
     def newest(self, root: str) -> int | None:
         """The highest step under `root` whose folder holds Lightning's ``meta.pt``."""
@@ -98,7 +101,9 @@ class LightningCheckpointer:
         if step is None:
             return None
         mapping = self._mapping(state, None)
-        self._strategy().load_checkpoint(os.path.join(root, f"step={step}.ckpt"), mapping)
+        strategy = self._strategy()
+        strategy.load_checkpoint(os.path.join(root, f"step={step}.ckpt"), mapping)
+        strategy.barrier()  # as Fabric.load does
         for key in parts(state, self.name).values:
             state[key] = mapping[key]
         return mapping["step"]
