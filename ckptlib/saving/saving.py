@@ -185,7 +185,45 @@ def transact(
     irreversible step)."""
     started = time.perf_counter()
     progress_bars.check(progress)
-    _dist.check_every_rank_calls("save", _saving(storage, step), group, step=step, path=storage.uri)
+    with _dist.called_by_every_rank("save", _saving(storage, step), group, step=step, path=storage.uri):
+        return _transact(
+            storage,
+            state,
+            step=step,
+            metadata=metadata,
+            metrics=metrics,
+            overwrite=overwrite,
+            group=group,
+            mode=mode,
+            after_commit=after_commit,
+            on_failure=on_failure,
+            make_transaction=make_transaction,
+            plan_cache=plan_cache,
+            progress=progress,
+            fence=fence,
+            started=started,
+        )
+
+
+def _transact(
+    storage: Storage,
+    state: Mapping[str, Any],
+    *,
+    step: int | None,
+    metadata: dict[str, Any] | None,
+    metrics: dict[str, float] | None,
+    overwrite: bool,
+    group,
+    mode: AsyncMode | None,
+    after_commit: Callable[[], None] | None,
+    on_failure: Callable[[], None] | None,
+    make_transaction: Callable[..., SaveTransaction],
+    plan_cache: PlanCache | None,
+    progress: Any,
+    fence: Callable[[str], None] | None,
+    started: float,
+) -> SaveResult | AsyncSave:
+    """`transact` inside its public call (checked in, watched for a roll call)."""
     writer = None
     asynchronous = mode is not None
     background_staging = asynchronous and mode.background_staging
@@ -267,14 +305,25 @@ def transact(
         _log_save(result, rank)
         return result
 
+    call = _dist.hand_over()  # the background goes on with this call: its roll calls, its watch
+
+    def background() -> SaveResult:
+        with _dist.in_call(call):
+            return work()
+
     handle = background_save.AsyncSave(
         storage.uri,
-        work,
+        background,
         blocking_seconds=time.perf_counter() - started,
         started=started,
         staged=stage,
     )
-    background_save.register(group, handle)
+    try:
+        background_save.register(group, handle)
+    except BaseException:
+        if call is not None:
+            call.end()
+        raise
     if ring is not None and not background_staging:  # returns once the last piece is copied
         handle.until_staged()
         handle.blocking_seconds = time.perf_counter() - started
