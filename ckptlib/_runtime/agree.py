@@ -341,7 +341,7 @@ def _begin_call(call: str, what: str, group, *, step, path) -> Call | None:
     # counted per group: its ranks make its calls equally often, as they make its collectives
     serial = next(_entries.setdefault((call, tuple(ranks)), itertools.count()))
     check_in(store, call, what, serial, ranks, path=path, step=step)
-    current = Call(store, base_key(call, serial, ranks), ranks, dist.get_rank())
+    current = Call(store, base_key(call, serial, ranks), ranks, dist.get_rank(), watched=True)
     current.watch()
     return current
 

@@ -60,8 +60,9 @@ class Call:
     """One collective call of `ranks` (global ranks; this one is `me`) under store key `base`:
     its roll call's keys, and its watch while `watch()` ran and `end()` did not."""
 
-    def __init__(self, store, base: str, ranks: list[int], me: int):
+    def __init__(self, store, base: str, ranks: list[int], me: int, *, watched: bool = False):
         self.store, self.base, self.ranks, self.me = store, base, ranks, me
+        self.watched = watched  # its ranks watch it (a public call): a roll call wakes them
         self.handed_over = False  # its end belongs to a background (`agree.hand_over`)
         self._answered = False
         self._lock = threading.Lock()
@@ -70,10 +71,6 @@ class Call:
 
     def _wake_key(self, rank: int) -> str:
         return f"{self.base}/wake/{rank}"
-
-    @property
-    def watched(self) -> bool:
-        return self._thread is not None
 
     def watch(self) -> None:
         """Start this rank's watch (it answers a roll call while this call runs)."""
@@ -127,8 +124,11 @@ def roll_call(call: Call, wait_s: float, *, broke: bool) -> tuple[list[int], boo
     try:
         if call.watched and store.add(f"{call.base}/roll/opened", 1) == 1:
             others = [call._wake_key(r) for r in call.ranks if r != call.me]
-            if others:
+            if others and hasattr(store, "multi_set"):
                 store.multi_set(others, ["roll"] * len(others))
+            else:  # a torch before Store.multi_set
+                for key in others:
+                    store.set(key, "roll")
         call.answer(store, broke=broke)
         try:
             store.wait([f"{call.base}/roll/all"], datetime.timedelta(seconds=wait_s))
