@@ -207,6 +207,40 @@ def test_the_probe_makes_every_write_call_below_the_root_a_boundary(tmp_path):
     assert torch.load(str(root / "step_2" / "t.pt"))["w"].tolist() == [1.0, 1.0]
 
 
+def _victim(root: str, trace: str, victims: str, peer: int) -> None:
+    probe = RankProbe(Plan(0, trace, kill_at=2, victims=victims, pids=(peer, os.getpid())), local=root)
+    probe.install()
+    os.makedirs(os.path.join(root, "a"))  # boundary 0
+    os.makedirs(os.path.join(root, "b"))  # boundary 1: killed before it runs
+    os._exit(0)
+
+
+@pytest.mark.parametrize("victims", ["one", "all"])
+def test_the_victim_dies_at_its_boundary_and_with_all_its_peers_first(tmp_path, victims):
+    import multiprocessing
+    import signal
+    import time
+
+    ctx = multiprocessing.get_context("fork")
+    peer = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    peer.start()
+    root, trace = str(tmp_path / "root"), str(tmp_path / "rank0.jsonl")
+    victim = ctx.Process(target=_victim, args=(root, trace, victims, peer.pid), daemon=True)
+    victim.start()
+    victim.join(30)
+    peer.join(1)
+    try:
+        assert victim.exitcode == -signal.SIGKILL
+        assert peer.exitcode == (-signal.SIGKILL if victims == "all" else None)  # "one": the peer lives on
+    finally:
+        peer.kill()
+        peer.join(10)
+    seen, killed, how = read_trace(trace)
+    assert [(b.kind, b.path) for b in seen] == [("mkdir", "."), ("mkdir", "a"), ("mkdir", "b")]
+    assert (killed, how) == (2, victims)
+    assert os.listdir(root) == ["a"]
+
+
 class _MemoryClient:
     """An in-memory object store behind ckptlib's ObjectStorage (S3's surface)."""
 
@@ -402,13 +436,14 @@ def test_a_checkpointer_that_moves_latest_before_its_files_is_reported_at_that_b
 
 
 def test_ckptlib_manager_is_crash_consistent_at_sampled_boundaries():
-    report = crash_check(ManagerCheckpointer(), max_points=2)
+    report = crash_check(ManagerCheckpointer(), max_points=1)
     assert report.ok, report.text()
     assert report.unseen == [] and report.baseline == ""
-    assert len(report.cases) == 4 and {c.outcome for c in report.cases} <= {"resumed-1", "resumed-2"}
+    assert len(report.cases) == 2 and {c.outcome for c in report.cases} <= {"resumed-1", "resumed-2"}
+    assert report.skipped == sum(len(b) for b in report.boundaries.values()) - 1
     kinds = [(b.kind, b.path) for b in report.boundaries[0]]
     assert ("symlink", "latest.tmp-~") in kinds or ("rename", "latest.tmp-~ -> latest") in kinds, kinds
-    assert [c.boundary for c in report.cases] == [report.boundaries[0][0]] * 2 + [report.boundaries[1][-1]] * 2
+    assert [(c.boundary, c.victims) for c in report.cases] == [(report.boundaries[1][-1], v) for v in ("one", "all")]
 
 
 def test_tutorial_dcp_raises_after_a_crash_mid_save_instead_of_resuming():
@@ -449,3 +484,49 @@ def test_a_load_error_is_reported_on_one_line_without_embedded_tracebacks():
         "failed: step_2/.metadata"
     )
     assert len(one_line("x" * 1000)) == 400
+
+
+@pytest.mark.s3
+def test_object_store_requests_are_the_boundaries_on_s3(s3_root):
+    report = crash_check(ManagerCheckpointer(), root=s3_root, points=["0:put-pointer:latest"], victims=("one",))
+    assert report.ok and report.unseen == [], report.text()
+    step = "step_0000000002"
+    assert [(b.kind, b.path) for b in report.boundaries[0]] == [
+        ("conditional-put", "ckptlib.lock"),
+        ("put", f"{step}/ckptlib.pending"),
+        ("put", f"{step}/__0_0.distcp"),
+        ("put", f"{step}/.metadata"),
+        ("put", f"{step}/ckptlib.json"),
+        ("delete", f"{step}/ckptlib.pending"),
+        ("put-pointer", "latest"),
+        ("delete", "ckptlib.lock"),
+    ]
+    assert [(b.kind, b.path) for b in report.boundaries[1]] == [("put", f"{step}/__1_0.distcp")]
+    [case] = report.cases
+    assert case.outcome in ("resumed-1", "resumed-2") and case.boundary.point == "0#6"
+
+
+# ---------------------------------------------------------------- the full sweeps (extended suite)
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("wrap, points", [("plain", 16), ("fsdp2", 6)])
+def test_ckptlib_managers_save_is_crash_consistent_at_many_boundaries(wrap, points):
+    """Sampled (a manager save crosses about 50 boundaries on 2 ranks; every one of them is
+    killed and failed by ckptlib's own harness, tests/manager/test_crash_boundaries.py)."""
+    report = crash_check(ManagerCheckpointer(), wrap=wrap, max_points=points)
+    assert report.ok, report.text()
+    assert len(report.cases) == 2 * points and report.unseen == []
+    assert {c.outcome for c in report.cases} <= {"resumed-1", "resumed-2"}, report.text()
+
+
+@pytest.mark.timeout(1800)
+def test_every_boundary_of_tutorial_dcp_raises_or_resumes():
+    """The full sweep of DCP as its tutorials use it: no violation, and most kills leave a
+    step_2 without .metadata that the newest-by-listing load picks and dcp.load refuses."""
+    report = crash_check(TutorialDCP())
+    assert report.ok, report.text()
+    outcomes = {c.outcome for c in report.cases}
+    assert outcomes <= {"resumed-1", "resumed-2", "raised", "not-reached"} and "raised" in outcomes, outcomes
+    assert all(".metadata" in c.detail for c in report.raised), [c.detail for c in report.raised]
+    assert report.skipped == 0 and len(report.cases) == 2 * sum(len(b) for b in report.boundaries.values())

@@ -97,6 +97,26 @@ class CrashReport:
     def ok(self) -> bool:
         return not self.baseline and not self.violations
 
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (`ckpt validate --crash --json`)."""
+        return {
+            "ok": self.ok,
+            **dataclasses.asdict(self),
+            "boundaries": {str(rank): [dataclasses.asdict(b) for b in bs] for rank, bs in self.boundaries.items()},
+            "cases": [
+                {
+                    "point": case.boundary.point,
+                    "label": case.label,
+                    "victims": case.victims,
+                    "outcome": case.outcome,
+                    "detail": case.detail,
+                    "problem": case.problem,
+                    "reproduction": case.reproduction,
+                }
+                for case in self.cases
+            ],
+        }
+
     def text(self) -> str:
         total = sum(len(b) for b in self.boundaries.values())
         lines = [f"crash check of {self.checkpointer} on {self.world_size} ranks: {total} write boundaries"]
@@ -118,7 +138,8 @@ class CrashReport:
                 f"half-written step is removed by hand (first: {self.raised[0].label}: {self.raised[0].detail})"
             )
         for case in self.violations:
-            lines += [f"VIOLATION {case.message}", "calls before the kill:", case.sequence(), case.reproduction]
+            lines += [f"VIOLATION {case.message}", "each rank's calls (the victim's last is where it died):"]
+            lines += [case.sequence(), case.reproduction]
         lines.append("crash consistent" if self.ok else "NOT CRASH CONSISTENT")
         return "\n".join(lines)
 
