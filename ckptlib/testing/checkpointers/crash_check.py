@@ -152,12 +152,13 @@ def _ref_text(ref: Any) -> str:
     return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', repr(target))}"
 
 
-def _reproduction(ref: Any, world_size: int, wrap: str, optim: str, point: str, victims: str) -> str:
+def _reproduction(run: "_Run", ref: Any, point: str, victims: str) -> str:
+    root = f", root={run.root!r}" if run.root else ""
     return (
         "reproduce:\n"
         "  from ckptlib.testing import crash_check\n"
-        f"  print(crash_check({_ref_text(ref)!r}, world_size={world_size}, wrap={wrap!r}, optim={optim!r}, "
-        f"points=[{point!r}], victims=({victims!r},)).text())"
+        f"  print(crash_check({_ref_text(ref)!r}, world_size={run.world_size}{root}, wrap={run.wrap!r}, "
+        f"optim={run.optim!r}, points=[{point!r}], victims=({victims!r},)).text())"
     )
 
 
@@ -193,6 +194,7 @@ class _Run:
 
     def __init__(self, ref, world_size, root, wrap, optim, timeout):
         self.ref, self.world_size, self.wrap, self.optim, self.timeout = ref, world_size, wrap, optim, timeout
+        self.root = root  # the user's (None: a temporary directory)
         self.work = tempfile.mkdtemp(prefix="ckptlib-crash-check-")
         self.base = root.rstrip("/") if root else os.path.join(self.work, "roots")
         self.base = f"{self.base}/crash-check-{uuid.uuid4().hex[:8]}" if root else self.base
@@ -352,7 +354,7 @@ def _case(run: _Run, ref: Any, boundary: Boundary, mode: str) -> CrashCase:
         calls[rank] = seen
         if rank == boundary.rank:
             killed_at = at
-    repro = _reproduction(ref, run.world_size, run.wrap, run.optim, boundary.point, mode)
+    repro = _reproduction(run, ref, boundary.point, mode)
     case = CrashCase(boundary, mode, "", calls=calls, reproduction=repro)
     if killed_at is None:
         case.outcome = "not-reached"

@@ -9,10 +9,11 @@ real `os.write`, so a killed rank leaves its sequence behind):
 * local disk: `builtins.open` / `io.open` (so `pathlib`, `shutil` and `os.fdopen` too) for
   writing (`open-write`), the first `WRITES_PER_FILE` writes of such a file (`write`), its first
   `flush` and its `close`; `os.open` with a write flag and `os.write` / `os.pwrite` /
-  `os.close` on that descriptor; `os.fsync` (files and directories), `os.rename` / `os.replace`,
+  `os.close` on that descriptor; the first `os.sendfile` / `os.copy_file_range` into a file
+  (`shutil.copyfile`'s kernel copy); `os.fsync` (files and directories), `os.rename` / `os.replace`,
   `os.link`, `os.symlink`, `os.unlink` / `os.remove`, `os.rmdir`, `os.mkdir` (`os.makedirs`; every
   call, also of a directory that exists: ranks racing to make one keep their sequences),
-  `os.truncate` and `shutil.rmtree` (one boundary: its own unlinks are part of it);
+  `os.truncate` / `os.ftruncate` and `shutil.rmtree` (one boundary: its own unlinks are part of it);
 * `torch.save(obj, path)`: its C++ zip writer opens the file itself, so the probe wraps
   torch.serialization's file-opening path (`torch-save-open`, `torch-save-close`);
 * object stores: every mutating request ckptlib's storage layer (`ObjectStorage.call`) sends,
@@ -271,6 +272,20 @@ class RankProbe:
                 probe.hit("close", entry[0])
             return real["close"](fd)
 
+        copied: set[str] = set()
+
+        def into_fd(name: str, out: int):  # a kernel copy into a file below the root: its first is a write
+            fn = getattr(os, name)
+
+            def call(*args, **kwargs):
+                path = probe._fd_path(args[out]) if len(args) > out else None
+                if path is not None and probe.watched(path) and path not in copied:
+                    copied.add(path)
+                    probe.hit("write", probe.rel(path))
+                return fn(*args, **kwargs)
+
+            return call
+
         def fsync(fd):
             path = probe._fd_path(fd)
             if path is not None:
@@ -282,9 +297,14 @@ class RankProbe:
                 probe._boundary("mkdir", path)  # directory see the same sequence every run
             return real["mkdir"](path, *args, **kwargs)
 
-        def truncate(path, *args, **kwargs):
-            probe._boundary("truncate", path if not isinstance(path, int) else probe._fd_path(path))
-            return real["truncate"](path, *args, **kwargs)
+        def truncate(name: str):
+            fn = getattr(os, name)
+
+            def call(path, *args, **kwargs):
+                probe._boundary("truncate", path if not isinstance(path, int) else probe._fd_path(path))
+                return fn(path, *args, **kwargs)
+
+            return call
 
         def two_paths(name: str, kind: str):
             fn = getattr(os, name)
@@ -323,7 +343,11 @@ class RankProbe:
         self._patch(os, "close", os_close)
         self._patch(os, "fsync", fsync)
         self._patch(os, "mkdir", mkdir)
-        self._patch(os, "truncate", truncate)
+        self._patch(os, "truncate", truncate("truncate"))
+        self._patch(os, "ftruncate", truncate("ftruncate"))
+        self._patch(os, "sendfile", into_fd("sendfile", 0))
+        if hasattr(os, "copy_file_range"):
+            self._patch(os, "copy_file_range", into_fd("copy_file_range", 1))
         for name in ("rename", "replace", "link"):
             self._patch(os, name, two_paths(name, "rename" if name != "link" else "link"))
         self._patch(os, "symlink", two_paths("symlink", "symlink"))
