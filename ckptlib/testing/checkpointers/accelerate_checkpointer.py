@@ -35,7 +35,13 @@ import os
 import re
 from typing import Any
 
-from ckptlib.testing.checkpointers.adapter_state import Values, every_entry_but_per_rank, package_version, parts
+from ckptlib.testing.checkpointers.adapter_state import (
+    Carries,
+    Values,
+    every_entry_but_per_rank,
+    package_version,
+    parts,
+)
 
 FOLDER = re.compile(r"^checkpoint_(\d+)$")
 
@@ -47,19 +53,17 @@ class AccelerateCheckpointer:
 
     def __init__(self) -> None:
         self._accelerator: Any = None
+        self.carries = Carries(every_entry_but_per_rank)  # every entry but the per-rank ones
 
     @property
     def version(self) -> str | None:
         return package_version("accelerate")
 
-    def carries(self, state: dict[str, Any]) -> frozenset[str]:
-        """Every entry but the per-rank ones (see the module docstring)."""
-        return every_entry_but_per_rank(state)
-
     def where(self, root: str) -> str:
         return os.path.join(root, "checkpoints")
 
     def _accelerator_for(self, root: str, state: dict[str, Any], values: Values, iteration: int) -> Any:
+        self.carries.note(state)
         from accelerate import Accelerator
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ProjectConfiguration
 

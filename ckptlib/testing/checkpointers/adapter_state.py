@@ -3,9 +3,10 @@
 The harness hands a checkpointer ``{"model": module, <optimizer names>: optimizer, <scheduler
 and other stateful names>: object, <per-rank names>: ckptlib.RankLocal, "step": int, ...}``
 (``spec_matrix.Training.state``). Each tool checkpoints some of it; :func:`parts` sorts the
-entries the way every adapter needs them, :class:`Values` carries plain values (``step``,
-``epoch``) through a tool as one stateful object, and :func:`package_version` reads a tool's
-installed version without importing it. Nothing here imports torch at import time.
+entries the way every adapter needs them, :class:`Carries` is what an adapter promises to
+restore, :class:`Values` carries plain values (``step``, ``epoch``) through a tool as one
+stateful object, and :func:`package_version` reads a tool's installed version without
+importing it. Nothing here imports torch at import time.
 """
 
 from __future__ import annotations
@@ -75,6 +76,26 @@ def every_entry_but_per_rank(state: dict[str, Any]) -> frozenset[str]:
     return frozenset(k for k, v in state.items() if not is_rank_local(v))
 
 
+class Carries:
+    """What an adapter promises to restore, by a rule on the state (per-rank entries are told
+    apart by their value, not their name): ``carries(state)`` is the set of names in `state` it
+    restores; ``name in carries`` answers for the state the adapter was last handed by a save or
+    load (:meth:`note`), and for every name before it was handed one."""
+
+    def __init__(self, rule: Any):
+        self.rule = rule
+        self.last: frozenset[str] | None = None
+
+    def __call__(self, state: dict[str, Any]) -> frozenset[str]:
+        return frozenset(self.rule(state))
+
+    def note(self, state: dict[str, Any]) -> None:
+        self.last = self(state)
+
+    def __contains__(self, name: object) -> bool:
+        return self.last is None or name in self.last
+
+
 class Values:
     """Plain values of the state (``step``, ``epoch``) as one stateful object a tool can save;
     after a load, :meth:`restore` writes them back into the state mapping."""
@@ -94,4 +115,4 @@ class Values:
                 state[key] = value
 
 
-__all__ = ["Parts", "Values", "every_entry_but_per_rank", "is_rank_local", "package_version", "parts"]
+__all__ = ["Carries", "Parts", "Values", "every_entry_but_per_rank", "is_rank_local", "package_version", "parts"]

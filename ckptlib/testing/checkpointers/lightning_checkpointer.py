@@ -33,7 +33,7 @@ import os
 import re
 from typing import Any
 
-from ckptlib.testing.checkpointers.adapter_state import package_version, parts
+from ckptlib.testing.checkpointers.adapter_state import Carries, package_version, parts
 
 STEP_DIR = re.compile(r"^step=(\d+)\.ckpt$")
 META = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
@@ -44,14 +44,17 @@ class LightningCheckpointer:
 
     name = "lightning"
 
-    @property
-    def version(self) -> str | None:
-        return package_version("lightning")
+    def __init__(self) -> None:
+        self.carries = Carries(self._carried)
 
-    def carries(self, state: dict[str, Any]) -> frozenset[str]:
+    def _carried(self, state: dict[str, Any]) -> frozenset[str]:
         """The model, the optimizers and the plain values (see the module docstring)."""
         p = parts(state, self.name)
         return frozenset({p.model_name, *p.optimizers, *p.values})
+
+    @property
+    def version(self) -> str | None:
+        return package_version("lightning")
 
     def where(self, root: str) -> str:
         return root
@@ -69,6 +72,7 @@ class LightningCheckpointer:
         return strategy
 
     def _mapping(self, state: dict[str, Any], step: int | None) -> dict[str, Any]:
+        self.carries.note(state)
         p = parts(state, self.name)
         values = dict(p.values)
         values["step"] = step

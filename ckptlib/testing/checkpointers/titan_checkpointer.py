@@ -28,7 +28,13 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from ckptlib.testing.checkpointers.adapter_state import Values, every_entry_but_per_rank, package_version, parts
+from ckptlib.testing.checkpointers.adapter_state import (
+    Carries,
+    Values,
+    every_entry_but_per_rank,
+    package_version,
+    parts,
+)
 
 VALUES = "ckptlib_values"
 
@@ -73,14 +79,11 @@ class TorchtitanCheckpointer:
     def __init__(self, *, folder: str = "checkpoint", keep_latest_k: int = 0):
         self.folder = folder
         self.keep_latest_k = keep_latest_k
+        self.carries = Carries(every_entry_but_per_rank)  # every entry but the per-rank ones
 
     @property
     def version(self) -> str | None:
         return package_version("torchtitan")
-
-    def carries(self, state: dict[str, Any]) -> frozenset[str]:
-        """Every entry but the per-rank ones (see the module docstring)."""
-        return every_entry_but_per_rank(state)
 
     def where(self, root: str) -> str:
         """The folder the step-N folders go to."""
@@ -89,6 +92,7 @@ class TorchtitanCheckpointer:
         return os.path.join(root, self.folder)
 
     def _manager(self, root: str, state: dict[str, Any], values: Values, async_mode: str = "disabled") -> Any:
+        self.carries.note(state)
         from torchtitan.components.checkpoint import CheckpointManager
         from torchtitan.components.optimizer import OptimizersContainer
 
