@@ -71,6 +71,17 @@ EXTENDED = (
     "clients/test_torchtitan_state_hooks.py::test_torchtitan_fused_qkv_saves_and_reshards_bit_exact",
     "clients/test_composer.py::test_composer_checkpoint_loads_bit_exactly_through_the_preset",
     "clients/test_composer.py::test_a_ckptlib_save_in_composers_layout_autoresumes_in_composer",
+    # the checkpointer adapters against the real packages and the packages' findings (one round
+    # trip and the Lightning finding run by default)
+    "clients/test_checkpointer_adapters.py::test_adapter_saves_at_n_and_loads_at_m_bit_exactly[save2-load1-lightning",
+    "clients/test_checkpointer_adapters.py::test_adapter_saves_at_n_and_loads_at_m_bit_exactly[save2-load1-torchtitan",
+    "clients/test_checkpointer_adapters.py::test_adapter_saves_at_n_and_loads_at_m_bit_exactly[save1-load2",
+    "clients/test_checkpointer_adapters.py::test_adapter_load_of_an_empty_root_is_a_fresh_start",
+    "clients/test_checkpointer_adapters.py::test_torchtitan_async_save_resumes_the_state_it_staged",
+    "clients/test_conformance_findings.py::test_torchtitan_refuses_its_data_loader_at_another_dp_size",
+    "clients/test_conformance_findings.py::test_lightning_sharded_load_does_not_restore_stateful_objects[full",
+    "clients/test_conformance_findings.py::test_lightning_sharded_load_does_not_restore_stateful_objects[fsdp1",
+    "clients/test_conformance_findings.py::test_accelerate_ignores_the_fsdp_plugin_on_cpu",
 )
 #: The quick tier (`pytest -m smoke`, a few minutes on 2 cores): save at N ranks and load at M
 #: (FSDP2, AdamW, bit-exact), the manager's resume and retention, S3 (moto) at 2 -> 3 ranks, and

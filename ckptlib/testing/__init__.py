@@ -17,7 +17,9 @@ Four rooms:
 - ``checkpointers/``: any checkpointer behind one protocol (``save(root, step, state)``,
   ``load(root, state)``); ``crash_check(checkpointer, world_size=2)``
   (``checkpointers.crash_check``) kills its save at every write boundary and judges its load,
-  returning a ``CrashReport``.
+  returning a ``CrashReport``; adapters of other tools' checkpointers
+  (``ckptlib.testing.checkpointers:torchtitan``, ``:lightning``, ``:accelerate``), each importing
+  its package only when first used.
 - ``fakes/``: S3, GCS and Azure emulators on 127.0.0.1, a fault-injecting proxy, writers of
   legacy formats.
 

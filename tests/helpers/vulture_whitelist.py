@@ -52,4 +52,15 @@ WHITELIST = (
     "restore_checkpoint_after_setup",
     "load_model_state_dict",
     "load_optimizer_state_dict",
+    # attributes of the real packages' objects the adapters set, read by those packages
+    # (testing/checkpointers/: Accelerate's Accelerator and its state, Lightning's strategy,
+    # torchtitan's OptimizersContainer)
+    "_models",
+    "_schedulers",
+    "_dataloaders",
+    "_custom_objects",
+    "fsdp_plugin",
+    "project_configuration",
+    "cluster_environment",
+    "model_parts",
 )

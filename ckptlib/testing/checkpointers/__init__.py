@@ -12,8 +12,34 @@ a large run. Modules (adapters are imported on first use; none imports its packa
   bit-exactly) and its :class:`CrashReport`; ``crash_probe`` finds the boundaries by
   interposing on the file and object-store calls in each rank (and names the writes it cannot
   see), ``crash_ranks`` is what each rank runs.
+- ``adapter_state``: how the adapters of other tools sort the harness's state (one model, its
+  optimizers, stateful objects, per-rank objects, plain values) and read a package's version.
+- ``titan_checkpointer``: torchtitan's ``CheckpointManager`` (``ckptlib.testing.checkpointers:torchtitan``).
+- ``lightning_checkpointer``: Lightning's sharded checkpoint through Fabric's
+  ``ModelParallelStrategy`` (``ckptlib.testing.checkpointers:lightning``).
+- ``accelerate_checkpointer``: Accelerate's ``save_state``/``load_state`` with FSDP2
+  (``ckptlib.testing.checkpointers:accelerate``).
 """
+
+import importlib
+from typing import Any
 
 from ckptlib.testing.checkpointers.protocol import Checkpointer, CheckpointerError, resolve
 
-__all__ = ["Checkpointer", "CheckpointerError", "resolve"]
+#: Adapters by the name a reference uses (``ckptlib.testing.checkpointers:NAME``): the module and
+#: class, imported on first use so that importing ckptlib.testing never imports the tools.
+ADAPTERS = {
+    "torchtitan": ("ckptlib.testing.checkpointers.titan_checkpointer", "TorchtitanCheckpointer"),
+    "lightning": ("ckptlib.testing.checkpointers.lightning_checkpointer", "LightningCheckpointer"),
+    "accelerate": ("ckptlib.testing.checkpointers.accelerate_checkpointer", "AccelerateCheckpointer"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ADAPTERS:
+        module, attr = ADAPTERS[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ADAPTERS", "Checkpointer", "CheckpointerError", "resolve"]
