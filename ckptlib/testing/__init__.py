@@ -1,6 +1,6 @@
 """Test harness for ckptlib and its users: run a function in N ranks of a fresh process group.
 
-Three rooms:
+Four rooms:
 
 - ``harness/``: :func:`launch` (``ckptlib.testing.harness.launcher``) runs ``fn`` on
   ``world_size`` processes forked from a forkserver that imported torch once, and returns the
@@ -14,6 +14,10 @@ Three rooms:
   and data-loader state) in one call: ``assert_elastic(spec, world_sizes=..., layouts=...)``
   (``matrices.elastic_proof``) with a ``TrainingSpec`` or a module of factory functions
   (``matrices.training_spec``), as ``ckpt validate --spec`` runs it.
+- ``checkpointers/``: what the matrices save and load through: the protocol (``save(root,
+  step, state)``, ``load(root, state) -> step``) and adapters for ckptlib's manager (the
+  default) and plain DCP, so ``ckpt validate --checkpointer module:attr`` and
+  ``assert_elastic(..., checkpointer=...)`` prove any checkpointer.
 - ``fakes/``: S3, GCS and Azure emulators on 127.0.0.1, a fault-injecting proxy, writers of
   legacy formats.
 

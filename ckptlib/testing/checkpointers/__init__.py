@@ -6,9 +6,39 @@ the checkpointer it already uses (plain DCP, torchtitan, Lightning, Accelerate, 
 a large run. Modules (adapters are imported on first use; none imports its package at import):
 
 - ``protocol``: :class:`Checkpointer` (the protocol) and :func:`resolve` (a ``module:attr``
-  reference, an object or a zero-argument factory, to a checkpointer).
+  reference, an object or a zero-argument factory, to a checkpointer); :func:`carried`,
+  :func:`save_on`, :func:`load_on`: how the harness calls one.
+- ``ckptlib_adapter``: :class:`CkptlibCheckpointer` (``ckptlib.CheckpointManager``; the
+  default of ``ckpt validate``) and :class:`SingleCheckpoint` (``ckptlib.save``/``load`` of one
+  checkpoint).
+- ``plain_dcp``: :class:`DCPCheckpointer` (``dcp.save``/``dcp.load`` with
+  ``get_state_dict``/``set_state_dict``, a ``step-N`` directory per save; per-rank state not
+  carried).
 """
 
-from ckptlib.testing.checkpointers.protocol import Checkpointer, CheckpointerError, resolve
+import importlib
 
-__all__ = ["Checkpointer", "CheckpointerError", "resolve"]
+from ckptlib.testing.checkpointers.protocol import (
+    Checkpointer,
+    CheckpointerError,
+    carried,
+    describe,
+    load_on,
+    resolve,
+    save_on,
+)
+
+_LAZY = {
+    "CkptlibCheckpointer": "ckptlib_adapter",
+    "SingleCheckpoint": "ckptlib_adapter",
+    "DCPCheckpointer": "plain_dcp",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Checkpointer", "CheckpointerError", "carried", "describe", "load_on", "resolve", "save_on", *_LAZY]
