@@ -7,6 +7,8 @@
 - `FreshOptimizer`: plain DCP that starts the optimizer over after the load (its state lost,
   as after a key rename that a non-strict load skipped).
 - `NextStep`: plain DCP that returns the step after the one it resumed (an off-by-one).
+- `PerRankShared`: plain DCP that also saves per-rank state (``ckptlib.RankLocal``) and claims
+  to carry it: DCP keeps one copy of a key every rank saves, so other ranks get that one's.
 - `NoGroup`: plain DCP, correct, but its save/load take no process_group.
 """
 
@@ -23,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+import ckptlib
 from ckptlib.testing.checkpointers.plain_dcp import DCPCheckpointer, newest_step
 
 
@@ -94,6 +97,19 @@ class NextStep(DCPCheckpointer):
     def load(self, root, state, *, process_group=None):
         step = super().load(root, state, process_group=process_group)
         return None if step is None else step + 1
+
+
+class PerRankShared(DCPCheckpointer):
+    name = "per-rank-shared"
+    carries = None  # every entry
+
+    def _split(self, root, state):
+        out, plain = super()._split(root, state)
+        out.update({key: value for key, value in state.items() if isinstance(value, ckptlib.RankLocal)})
+        return out, plain
+
+
+NOT_ONE = "a string is no checkpointer"
 
 
 class NoGroup:
