@@ -32,8 +32,8 @@ def test_validate_local_json(capsys):
     doc = json.loads(out)
     assert rc == 0 and doc["ok"] is True
     assert sorted(_cells(doc)) == [(1, 1), (1, 2), (2, 1), (2, 2)]
-    assert all(c["ok"] and c["error"] == "" for c in doc["cells"])
-    assert doc["root"] == "(temporary directory on local disk)"
+    assert all(c["ok"] and c["error"] == "" and c["not_carried"] == [] for c in doc["cells"])
+    assert doc["root"] == "(temporary directory on local disk)" and doc["checkpointer"] == "ckptlib"
 
 
 def test_validate_table_and_root_cleanup(tmp_path, capsys):

@@ -44,6 +44,19 @@ def test_plain_dcp_saves_at_2_and_loads_at_1_and_back(capsys):
     assert [c["not_carried"] for c in doc["cells"]] == [[]] * 4  # model, optimizer and step: all carried
 
 
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize(
+    "argv",
+    [(), ("--layouts", "plain,ddp,fsdp2,tp,hsdp,fsdp2+tp", "--pairs", "covering")],
+    ids=["fsdp2", "layouts-covering"],
+)
+def test_plain_dcp_passes_every_pair_of_1_to_4(argv, capsys):
+    """Extended run (about 1 and 3 minutes here): DCP genuinely reshards every pair."""
+    rc, doc = _validate(capsys, "--world-sizes", "1,2,3,4", "--checkpointer", DCP, "--timeout", "1400", *argv)
+    assert [c for c in doc["cells"] if not c["ok"]] == [] and rc == 0
+    assert len(doc["cells"]) == (16 if not argv else 36)  # covering: one case per layout pair
+
+
 #: (checkpointer, {pair: the first difference its report names, a regular expression}); a pair
 #: not named passes.
 FAULTS = {
@@ -91,6 +104,14 @@ def test_the_table_names_the_checkpointer_and_the_first_difference(capsys):
         "checkpointer=helpers.checkpointers:NextStep backend=gloo"
     )
     assert out[3:] == ["save2-load2: rank 0: step: loaded 3, expected 2", "SOME PAIRS FAILED"]
+
+
+def test_help_names_the_option(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["validate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--checkpointer MODULE:ATTR save and load through this checkpointer instead of ckptlib's" in out
+    assert "made the default process group meanwhile" in out
 
 
 def test_a_checkpointer_without_process_group_runs_every_pair_on_its_ranks(capsys):
@@ -173,7 +194,9 @@ def test_per_rank_state_claimed_but_shared_fails_on_the_rank_that_lost_its_own()
         assert_elastic(DROPOUT_JOB, world_sizes=(2,), checkpointer=faulty.PerRankShared())
     (cell,) = info.value.report.cells
     assert cell.not_carried == []
-    assert re.fullmatch(r"rank 1: after-load\.rank1\.rng\(saved\)\.python\[1\]\[1\]: \d+ vs \d+", cell.error.split("; ")[0]), cell.error
+    assert re.fullmatch(
+        r"rank 1: after-load\.rank1\.rng\(saved\)\.python\[1\]\[1\]: \d+ vs \d+", cell.error.split("; ")[0]
+    ), cell.error
 
 
 def test_carries_names_the_entries_and_is_checked():

@@ -11,7 +11,9 @@ process group (a test run under torchrun) it uses those ranks, and ``root`` must
 every rank reaches. Passes silently (returning the report); a failing pair raises
 :class:`ElasticAssertionError` with the matrix and each failing pair's reason; a spec that does
 not import or whose functions raise raises its :class:`training_spec.SpecError` (rank and
-traceback).
+traceback). ``checkpointer=`` proves another checkpointer than ckptlib's manager on the same job
+(``ckptlib.testing.checkpointers``: plain DCP's adapter, or your own object with collective
+``save(root, step, state)`` and ``load(root, state) -> step``).
 """
 
 from __future__ import annotations
