@@ -229,3 +229,31 @@ def test_plain_dcp_refuses_what_it_cannot_save(tmp_path):
         CheckpointerError, match=r"^checkpointer dcp: s3://bucket/run: plain DCP here writes local paths only$"
     ):
         DCPCheckpointer().save("s3://bucket/run", 1, {"model": torch.nn.Linear(2, 2)})
+
+
+# --------------------------------------------------------------------------- every entry point
+
+
+def _fsdp2_job():
+    import dataclasses
+
+    return dataclasses.replace(DROPOUT_JOB, layouts=("fsdp2",), name="dropout-fsdp2")
+
+
+@pytest.mark.parametrize("entry", ["validate-layouts", "assert-elastic-spec"])
+def test_rank_zero_shards_only_names_rank_1_through_every_entry_point(entry, capsys):
+    """The same bug through `--layouts` (the small transformer) and a spec (`assert_elastic`) as
+    through the default pairs above: rank 0's shards came back, rank 1's did not."""
+    ref = "helpers.checkpointers:RankZeroShardOnly"
+    if entry == "validate-layouts":
+        rc, doc = _validate(capsys, "--world-sizes", "2", "--layouts", "fsdp2", "--checkpointer", ref)
+        assert rc == 1
+        (error,) = [c["error"] for c in doc["cells"]]
+    else:
+        with pytest.raises(ElasticAssertionError) as info:
+            assert_elastic(_fsdp2_job(), world_sizes=(2,), checkpointer=ref)
+        (cell,) = info.value.report.cells
+        assert cell.not_carried == ["rng"]
+        error = cell.error
+    key = "embed.weight" if entry == "validate-layouts" else "0.weight"  # the model's first parameter
+    assert re.fullmatch(rf"rank 1: after-load\.shard\.model\.{key}: {DIFF}", error.split("; ")[0]), error
