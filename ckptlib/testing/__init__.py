@@ -14,10 +14,12 @@ Four rooms:
   and data-loader state) in one call: ``assert_elastic(spec, world_sizes=..., layouts=...)``
   (``matrices.elastic_proof``) with a ``TrainingSpec`` or a module of factory functions
   (``matrices.training_spec``), as ``ckpt validate --spec`` runs it.
-- ``checkpointers/``: what the matrices save and load through: the protocol (``save(root,
-  step, state)``, ``load(root, state) -> step``) and adapters for ckptlib's manager (the
-  default) and plain DCP, so ``ckpt validate --checkpointer module:attr`` and
-  ``assert_elastic(..., checkpointer=...)`` prove any checkpointer.
+- ``checkpointers/``: any checkpointer behind one protocol (``save(root, step, state)``,
+  ``load(root, state)``), what the matrices save and load through: adapters for ckptlib's
+  manager (the default) and plain DCP, so ``ckpt validate --checkpointer module:attr`` and
+  ``assert_elastic(..., checkpointer=...)`` prove any checkpointer; ``crash_check(checkpointer,
+  world_size=2)`` (``checkpointers.crash_check``) kills its save at every write boundary and
+  judges its load, returning a ``CrashReport``.
 - ``fakes/``: S3, GCS and Azure emulators on 127.0.0.1, a fault-injecting proxy, writers of
   legacy formats.
 
@@ -49,6 +51,8 @@ _LAZY = {
     "Training": "matrices.spec_matrix",
     "assert_elastic": "matrices.elastic_proof",
     "ElasticAssertionError": "matrices.elastic_proof",
+    "crash_check": "checkpointers.crash_check",
+    "CrashReport": "checkpointers.crash_check",
 }
 
 

@@ -14,6 +14,11 @@ a large run. Modules (adapters are imported on first use; none imports its packa
 - ``plain_dcp``: :class:`DCPCheckpointer` (``dcp.save``/``dcp.load`` with
   ``get_state_dict``/``set_state_dict``, a ``step-N`` directory per save; per-rank state not
   carried).
+- ``crash_check``: the crash harness for any checkpointer, :func:`crash_check` (a SIGKILL at
+  each write boundary of its save, one rank and then every rank, then its own load judged
+  bit-exactly) and its :class:`CrashReport`; ``crash_probe`` finds the boundaries by
+  interposing on the file and object-store calls in each rank (and names the writes it cannot
+  see), ``crash_ranks`` is what each rank runs.
 """
 
 import importlib
