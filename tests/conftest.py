@@ -30,6 +30,7 @@ EXTENDED = (
     "cli/test_validate_spec.py::test_example_validates_from_the_command_line",
     "cli/test_validate_spec.py::test_spec_under_torchrun_on_two_nodes",
     "cli/test_validate.py::test_validate_under_torchrun",
+    "elastic/test_checkpointers.py::test_plain_dcp_passes_every_pair_of_1_to_4",
     "cli/test_example.py::test_torchrun_sigterm_saves_the_step_reached_then_resumes_on_2",
     "cli/test_example.py::test_torchrun_crash_on_4_resume_on_2",
     "cli/test_example.py::test_sigkill_mid_run_then_resume",

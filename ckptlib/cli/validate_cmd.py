@@ -31,11 +31,21 @@ policy says, and one more training step must equal a run that got the saved stat
 checkpoint. The layouts are --layouts, else the spec's LAYOUTS, else fsdp2. An exception in
 the spec's own functions stops the run with exit status 2 and the failing rank's traceback.
 
+With --checkpointer module:attr the saves and loads go through that checkpointer instead of
+ckptlib's CheckpointManager (the default): an object, or a zero-argument factory or class
+making one, with collective save(root, step, state) and load(root, state) -> step or None
+(ckptlib.testing.checkpointers: e.g. ckptlib.testing.checkpointers:DCPCheckpointer, plain DCP).
+The same pairs and checks run on it; the state entries it does not carry (its `carries`) are not
+compared and are listed as "not carried". Each failing pair names the first difference and the
+rank that saw it ("rank R: KEY: ..."). Each pair runs on the first N (or M) ranks: passed as
+process_group= where its save/load take one, else made the default process group meanwhile.
+
 Writes the test checkpoints under --root, in a directory ckpt-validate-<id> of its own, and
 removes that directory at the end. Prints the matrix (rows: saved at N; columns: loaded at M;
 pass/FAIL and seconds per cell, then each failing pair's reason) and "all pairs passed" or
 "SOME PAIRS FAILED"; --json prints the report as JSON instead (ok, root, wrap, optim,
-world_sizes, layouts, cells). Under torchrun only rank 0 prints.
+world_sizes, layouts, spec, checkpointer, cells; each cell with its not_carried entries).
+Under torchrun only rank 0 prints.
 
 With --crash REF: the crash harness for checkpointer REF instead of the matrix (see --crash);
 it prints each rank's write boundaries, the outcome of each kill and every violation with the
@@ -43,8 +53,9 @@ calls that led to it and a line that reproduces it, then "crash consistent" or "
 CONSISTENT" (exit status 0 or 1; 2 for a REF that names no checkpointer).
 
 Exit status: 0 every pair passed; 1 a pair failed, a rank crashed, or the local run outlasted
---timeout (the reason goes to stderr); 2 usage error, or a --spec that does not import or whose
-functions raised (SpecError: the rank and the traceback go to stderr).
+--timeout (the reason goes to stderr); 2 usage error, a --checkpointer that names no usable
+checkpointer, or a --spec that does not import or whose functions raised (SpecError: the rank
+and the traceback go to stderr).
 """
 
 
@@ -111,6 +122,14 @@ def add_parser(commands) -> None:
         help="validate your own training job: pkg.module:NAME, path/to/file.py:NAME, or a module or file whose "
         "factory functions (build_model(seed), build_optimizers(model), build_schedulers(optimizers), "
         "build_state(rank, world_size), train_step(training, step) or loss(model, batch), ...) describe it",
+    )
+    p.add_argument(
+        "--checkpointer",
+        default=None,
+        metavar="MODULE:ATTR",
+        help="save and load through this checkpointer instead of ckptlib's CheckpointManager: an object (or a "
+        "zero-argument factory or class) with collective save(root, step, state) and load(root, state) -> step, "
+        "e.g. ckptlib.testing.checkpointers:DCPCheckpointer; entries it does not carry are listed, not compared",
     )
     p.add_argument(
         "--pairs",
@@ -185,6 +204,7 @@ QUIET_TORCH_CPP = ("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault(*QUIET_TORCH_CPP)
+    from ckptlib.testing.checkpointers.protocol import CheckpointerError, resolve
     from ckptlib.testing.matrices import validate
     from ckptlib.testing.matrices.training_spec import SpecError
 
@@ -193,7 +213,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.spec:
             _spec_layouts(args)
+        if args.checkpointer:
+            resolve(args.checkpointer)  # a reference that names nothing usable is a usage error, here
         return _run(args, validate)
+    except CheckpointerError as exc:
+        print(f"ckpt validate: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except SpecError as exc:
         # Under torchrun every rank that raised gets here: rank 0 and the rank it started on say it.
         rank = int(os.environ.get("RANK", "0")) if validate.under_torchrun() else 0
@@ -233,6 +258,7 @@ def _run(args: argparse.Namespace, validate) -> int:
                     args.layouts,
                     args.pairs,
                     args.spec,
+                    args.checkpointer,
                     timeout=args.timeout,
                 )
             except RankError as exc:
@@ -257,7 +283,8 @@ def _run(args: argparse.Namespace, validate) -> int:
         else:
             what = f"wrap={report.wrap}"
         optim = f" optim={report.optim}" if report.optim else ""
-        print(f"ckpt validate: root={report.root} {what}{optim} backend={args.backend}")
+        through = f" checkpointer={report.checkpointer}" if args.checkpointer else ""
+        print(f"ckpt validate: root={report.root} {what}{optim}{through} backend={args.backend}")
         print(report.table())
         print("all pairs passed" if report.ok else "SOME PAIRS FAILED")
     return EXIT_OK if report.ok else EXIT_FAIL
@@ -290,9 +317,12 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
                     pairs=args.pairs,
                     progress=progress,
                     spec=args.spec,
+                    checkpointer=args.checkpointer,
                 )
             else:
-                report = validate.run_pairs(args.root, args.world_sizes, wrap, args.optim, progress=progress)
+                report = validate.run_pairs(
+                    args.root, args.world_sizes, wrap, args.optim, progress=progress, checkpointer=args.checkpointer
+                )
             exit_barrier()
             return report
         finally:

@@ -15,9 +15,11 @@ Four rooms:
   (``matrices.elastic_proof``) with a ``TrainingSpec`` or a module of factory functions
   (``matrices.training_spec``), as ``ckpt validate --spec`` runs it.
 - ``checkpointers/``: any checkpointer behind one protocol (``save(root, step, state)``,
-  ``load(root, state)``); ``crash_check(checkpointer, world_size=2)``
-  (``checkpointers.crash_check``) kills its save at every write boundary and judges its load,
-  returning a ``CrashReport``; adapters of other tools' checkpointers
+  ``load(root, state)``), what the matrices save and load through: adapters for ckptlib's
+  manager (the default) and plain DCP, so ``ckpt validate --checkpointer module:attr`` and
+  ``assert_elastic(..., checkpointer=...)`` prove any checkpointer; ``crash_check(checkpointer,
+  world_size=2)`` (``checkpointers.crash_check``) kills its save at every write boundary and
+  judges its load, returning a ``CrashReport``; adapters of other tools' checkpointers
   (``ckptlib.testing.checkpointers:torchtitan``, ``:lightning``, ``:accelerate``), each importing
   its package only when first used.
 - ``fakes/``: S3, GCS and Azure emulators on 127.0.0.1, a fault-injecting proxy, writers of

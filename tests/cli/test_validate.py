@@ -32,8 +32,8 @@ def test_validate_local_json(capsys):
     doc = json.loads(out)
     assert rc == 0 and doc["ok"] is True
     assert sorted(_cells(doc)) == [(1, 1), (1, 2), (2, 1), (2, 2)]
-    assert all(c["ok"] and c["error"] == "" for c in doc["cells"])
-    assert doc["root"] == "(temporary directory on local disk)"
+    assert all(c["ok"] and c["error"] == "" and c["not_carried"] == [] for c in doc["cells"])
+    assert doc["root"] == "(temporary directory on local disk)" and doc["checkpointer"] == "ckptlib"
 
 
 def test_validate_table_and_root_cleanup(tmp_path, capsys):
@@ -96,8 +96,12 @@ def test_validate_on_s3(s3_root, moto_server, capsys, monkeypatch):
     shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
     reason="torchrun not installed",
 )
-def test_validate_under_torchrun(tmp_path):
-    """What a user runs on a cluster: the launched ranks run every pair through subgroups."""
+@pytest.mark.parametrize(
+    "checkpointer", [None, "ckptlib.testing.checkpointers:DCPCheckpointer"], ids=["ckptlib", "dcp"]
+)
+def test_validate_under_torchrun(tmp_path, checkpointer):
+    """What a user runs on a cluster: the launched ranks run every pair through subgroups (also
+    through another checkpointer: each rank resolves the reference)."""
     torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [
         torchrun,
@@ -115,11 +119,13 @@ def test_validate_under_torchrun(tmp_path):
         "--root",
         str(tmp_path),
         "--json",
+        *(["--checkpointer", checkpointer] if checkpointer else []),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads(done.stdout)
     assert doc["ok"] and sorted(_cells(doc)) == [(1, 1), (1, 3), (3, 1), (3, 3)]
+    assert doc["checkpointer"] == (checkpointer or "ckptlib")
 
 
 def test_no_torch_log_noise_above_the_report(tmp_path):

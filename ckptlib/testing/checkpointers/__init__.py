@@ -6,7 +6,14 @@ the checkpointer it already uses (plain DCP, torchtitan, Lightning, Accelerate, 
 a large run. Modules (adapters are imported on first use; none imports its package at import):
 
 - ``protocol``: :class:`Checkpointer` (the protocol) and :func:`resolve` (a ``module:attr``
-  reference, an object or a zero-argument factory, to a checkpointer).
+  reference, an object or a zero-argument factory, to a checkpointer); :func:`carried`,
+  :func:`save_on`, :func:`load_on`: how the harness calls one.
+- ``ckptlib_adapter``: :class:`CkptlibCheckpointer` (``ckptlib.CheckpointManager``; the
+  default of ``ckpt validate``) and :class:`SingleCheckpoint` (``ckptlib.save``/``load`` of one
+  checkpoint).
+- ``plain_dcp``: :class:`DCPCheckpointer` (``dcp.save``/``dcp.load`` with
+  ``get_state_dict``/``set_state_dict``, a ``step-N`` directory per save; per-rank state not
+  carried).
 - ``crash_check``: the crash harness for any checkpointer, :func:`crash_check` (a SIGKILL at
   each write boundary of its save, one rank and then every rank, then its own load judged
   bit-exactly) and its :class:`CrashReport`; ``crash_probe`` finds the boundaries by
@@ -24,14 +31,29 @@ a large run. Modules (adapters are imported on first use; none imports its packa
 import importlib
 from typing import Any
 
-from ckptlib.testing.checkpointers.protocol import Checkpointer, CheckpointerError, resolve
+from ckptlib.testing.checkpointers.protocol import (
+    Checkpointer,
+    CheckpointerError,
+    carried,
+    describe,
+    load_on,
+    resolve,
+    save_on,
+)
 
-#: Adapters by the name a reference uses (``ckptlib.testing.checkpointers:NAME``): the module and
-#: class, imported on first use so that importing ckptlib.testing never imports the tools.
+#: Adapters of other tools by the name a reference uses (``ckptlib.testing.checkpointers:NAME``):
+#: the module and class, imported on first use so that importing ckptlib.testing never imports
+#: the tools.
 ADAPTERS = {
     "torchtitan": ("ckptlib.testing.checkpointers.titan_checkpointer", "TorchtitanCheckpointer"),
     "lightning": ("ckptlib.testing.checkpointers.lightning_checkpointer", "LightningCheckpointer"),
     "accelerate": ("ckptlib.testing.checkpointers.accelerate_checkpointer", "AccelerateCheckpointer"),
+}
+
+_LAZY = {
+    "CkptlibCheckpointer": "ckptlib_adapter",
+    "SingleCheckpoint": "ckptlib_adapter",
+    "DCPCheckpointer": "plain_dcp",
 }
 
 
@@ -39,7 +61,9 @@ def __getattr__(name: str) -> Any:
     if name in ADAPTERS:
         module, attr = ADAPTERS[name]
         return getattr(importlib.import_module(module), attr)
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ADAPTERS", "Checkpointer", "CheckpointerError", "resolve"]
+__all__ = ["ADAPTERS", "Checkpointer", "CheckpointerError", "carried", "describe", "load_on", "resolve", "save_on", *_LAZY]

@@ -50,8 +50,12 @@ def local_state(state: dict[str, Any], carries: tuple[str, ...]) -> dict[str, An
 
 
 def _carries(checkpointer: Any, state: dict[str, Any]) -> tuple[str, ...]:
-    carries = getattr(checkpointer, "carries", None)
-    return tuple(name for name in state if carries is None or name in carries)
+    """The entries it carries, in the state's order (``carries``: names or a function of the
+    state, as the matrix reads it: `protocol.carried`)."""
+    from ckptlib.testing.checkpointers.protocol import carried
+
+    promised = carried(checkpointer, state)
+    return tuple(name for name in state if name in promised)
 
 
 def _probe_roots(root: str) -> dict[str, str]:

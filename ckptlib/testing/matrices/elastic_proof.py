@@ -11,7 +11,9 @@ process group (a test run under torchrun) it uses those ranks, and ``root`` must
 every rank reaches. Passes silently (returning the report); a failing pair raises
 :class:`ElasticAssertionError` with the matrix and each failing pair's reason; a spec that does
 not import or whose functions raise raises its :class:`training_spec.SpecError` (rank and
-traceback).
+traceback). ``checkpointer=`` proves another checkpointer than ckptlib's manager on the same job
+(``ckptlib.testing.checkpointers``: plain DCP's adapter, or your own object with collective
+``save(root, step, state)`` and ``load(root, state) -> step``).
 """
 
 from __future__ import annotations
@@ -48,13 +50,17 @@ def assert_elastic(
     root: str | None = None,
     timeout: float = 600.0,
     progress: bool = False,
+    checkpointer: Any = None,
 ):
     """Save the spec's training job at every (layout, N) and load it at every (layout, M);
     every part of the state must come back bit-exactly and one more step must match a
     never-checkpointed run (see ``spec_matrix``). `spec`: a ``TrainingSpec``, a module or
     object with the factory functions, or a reference ``"pkg.module:NAME"`` /
     ``"path/file.py:NAME"``. `layouts`: default the spec's. `pairs="covering"`: one case per
-    (save layout, load layout) pair. Returns the ``validate.Report``."""
+    (save layout, load layout) pair. `checkpointer`: what saves and loads (a
+    ``ckptlib.testing.checkpointers`` protocol object, a zero-argument factory or a
+    ``"module:attr"`` reference; default ckptlib's ``CheckpointManager``); the entries it does
+    not carry are not compared (each cell's ``not_carried``). Returns the ``validate.Report``."""
     from ckptlib.testing.matrices import parallel_layouts, validate
 
     shipped, training_spec = _spec_arg(spec)
@@ -66,19 +72,23 @@ def assert_elastic(
         raise ValueError(f"no world size in {sizes} suits the layouts {names} (2-D layouts run at even sizes from 4)")
     if pairs not in ("all", "covering"):
         raise ValueError(f"pairs must be 'all' or 'covering', got {pairs!r}")
+    if checkpointer is not None:
+        from ckptlib.testing.checkpointers.protocol import resolve
+
+        resolve(checkpointer)  # a CheckpointerError here, before any rank starts
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        doc = _in_group(root, sizes, names, pairs, shipped, progress)
+        doc = _in_group(root, sizes, names, pairs, shipped, progress, checkpointer)
     else:
-        doc = _launched(root, sizes, names, pairs, shipped, progress, timeout)
+        doc = _launched(root, sizes, names, pairs, shipped, progress, timeout, checkpointer)
     report = validate.report_from_json(doc)
     if not report.ok:
         raise ElasticAssertionError(f"elastic round trip of {training_spec.label} failed:\n{report.table()}", report)
     return report
 
 
-def _launched(root, sizes, names, pairs, shipped, progress, timeout) -> dict:
+def _launched(root, sizes, names, pairs, shipped, progress, timeout, checkpointer) -> dict:
     from ckptlib.testing.harness.launch_errors import RankError
     from ckptlib.testing.harness.launcher import launch
     from ckptlib.testing.matrices import validate
@@ -96,6 +106,7 @@ def _launched(root, sizes, names, pairs, shipped, progress, timeout) -> dict:
                 names,
                 pairs,
                 shipped,
+                checkpointer,
                 timeout=timeout,
             )
         except RankError as exc:
@@ -113,7 +124,7 @@ def spec_error_of(exc: Any) -> SpecError | None:
     return next((f.exception for f in failures if isinstance(f.exception, SpecError)), None)
 
 
-def _in_group(root, sizes, names, pairs, shipped, progress) -> dict:
+def _in_group(root, sizes, names, pairs, shipped, progress, checkpointer) -> dict:
     """Every rank of the initialized group runs the pairs; every rank gets rank 0's report."""
     import torch.distributed as dist
 
@@ -123,7 +134,9 @@ def _in_group(root, sizes, names, pairs, shipped, progress) -> dict:
     box = [root or made]
     dist.broadcast_object_list(box, src=0)
     try:
-        report = validate.run_layout_pairs(box[0], sizes, names, "adamw", pairs=pairs, progress=progress, spec=shipped)
+        report = validate.run_layout_pairs(
+            box[0], sizes, names, "adamw", pairs=pairs, progress=progress, spec=shipped, checkpointer=checkpointer
+        )
     finally:
         if made:
             shutil.rmtree(made, ignore_errors=True)

@@ -147,16 +147,15 @@ def save_layout(
     steps: int = 2,
     group=None,
     groups_2d=None,
+    checkpointer: Any = None,
 ) -> dict[str, Any]:
-    """Train `steps` steps at `layout` on this group, save to `uri`; return the full saved state."""
-    import ckptlib
-
+    """Train `steps` steps at `layout` on this group, save to `uri` through `checkpointer`
+    (default: one ``ckptlib.save`` checkpoint); return the full saved state."""
     model, opt = build(spec, layout, optim, seed=0, group=group, groups_2d=groups_2d)
     for step in range(steps):
         train_step(spec, model, opt, step)
-    ckptlib.save(
-        uri, {"model": model, "optim": opt, "step": steps}, step=steps, metadata={"layout": layout}, process_group=group
-    )
+    state = {"model": model, "optim": opt, "step": steps}
+    matrix.save_through(matrix.checkpointer_of(checkpointer, False, {"layout": layout}), uri, steps, state, group)
     return full_state(model, opt)
 
 
@@ -170,26 +169,38 @@ def load_layout(
     steps: int = 2,
     group=None,
     groups_2d=None,
-) -> list[str]:
-    """Load at `layout` on this group; compare with `expected`; train one more step and
-    compare with a never-checkpointed run from `expected`. Returns the differences."""
-    import ckptlib
+    checkpointer: Any = None,
+) -> matrix.Problems:
+    """Load at `layout` on this group through `checkpointer`; compare what it carries with
+    `expected` (the unsharded state, and this rank's shards against a never-checkpointed run's);
+    train one more step and compare with that run. Returns the differences."""
+    from ckptlib.testing.checkpointers.protocol import carried
 
+    cp = matrix.checkpointer_of(checkpointer, False)
     model, opt = build(spec, layout, optim, seed=1, group=group, groups_2d=groups_2d)
     state = {"model": model, "optim": opt, "step": -1}
-    loaded = ckptlib.load(uri, state, process_group=group)
-    problems = (
+    carries = carried(cp, state)
+    loaded_step = matrix.load_through(cp, uri, state, group)
+    state_step = state["step"] if "step" in carries else steps
+    problems = matrix.Problems(
         []
-        if loaded.step == steps and state["step"] == steps
-        else [f"step: loaded {loaded.step}, state['step'] {state['step']!r}, expected {steps}"]
+        if loaded_step == steps and state_step == steps
+        else [f"step: loaded {loaded_step}, state['step'] {state['step']!r}, expected {steps}"],
+        set(state) - carries,
     )
     problems += _tie_problems(model)
-    problems += matrix.differences(expected, full_state(model, opt), "after-load")
+    shards = matrix.local_state(model, {"optim": opt}, carries)
+    loaded = full_state(model, opt)
+    problems += matrix.differences(matrix.only(expected, carries), matrix.only(loaded, carries), "after-load")
 
     train_step(spec, model, opt, steps)
     resumed = full_state(model, opt)
     ref_model, ref_opt = build(spec, layout, optim, seed=2, group=group, groups_2d=groups_2d)
-    set_full_state(ref_model, ref_opt, expected, local_indices(spec, layout, optim, group=group, groups_2d=groups_2d))
+    start = {k: expected[k] if k in carries else loaded[k] for k in ("model", "optim")}
+    set_full_state(ref_model, ref_opt, start, local_indices(spec, layout, optim, group=group, groups_2d=groups_2d))
+    problems += matrix.differences(
+        matrix.local_state(ref_model, {"optim": ref_opt}, carries), shards, "after-load.shard"
+    )
     train_step(spec, ref_model, ref_opt, steps)
     problems += matrix.differences(full_state(ref_model, ref_opt), resumed, "train-after-load")
     return problems

@@ -159,47 +159,148 @@ def setup(case_wrap: str, optim: str, seed: int, group=None) -> tuple[nn.Module,
     return model, make_optimizer(optim, model.parameters())
 
 
-def save_side(uri: str, wrap: str, optim: str, *, steps: int = 2, group=None, manager: bool = False) -> dict[str, Any]:
-    """Train `steps` steps at this world size, save to `uri`; return the full saved state."""
-    import ckptlib
+def checkpointer_of(checkpointer: Any, manager: bool, metadata: dict[str, Any] | None = None) -> Any:
+    """The checkpointer a side saves and loads through: `checkpointer` when given, else ckptlib's
+    manager (`manager=True`) or one ``ckptlib.save`` checkpoint at the URI."""
+    if checkpointer is not None:
+        return checkpointer
+    from ckptlib.testing.checkpointers.ckptlib_adapter import CkptlibCheckpointer, SingleCheckpoint
 
+    return CkptlibCheckpointer() if manager else SingleCheckpoint(metadata)
+
+
+class Problems(list):
+    """A load side's differences (a list of strings), with the state entries its checkpointer
+    does not carry (`not_carried`: not compared, and the reference run takes them from the
+    loaded run instead of from the save)."""
+
+    def __init__(self, items=(), not_carried: Any = ()):
+        super().__init__(items)
+        self.not_carried = tuple(sorted(not_carried))
+
+
+#: The order in which a pair reports differences: the step, then one rank's own shard or
+#: per-rank state, then the unsharded state, then the step trained after the load.
+KINDS = ("load at", "save at", "step", "state['step']", "after-load.shard.", "after-load.rank", "after-load.")
+
+
+def problem_kind(text: str) -> int:
+    """Where `text` (one difference) stands in `KINDS` (after them all when it matches none)."""
+    return next((i for i, prefix in enumerate(KINDS) if text.startswith(prefix)), len(KINDS))
+
+
+def _local(value: Any) -> Any:
+    """This rank's part of a tensor: a DTensor's local tensor, a ShardedTensor's local shards."""
+    if type(value).__name__ == "ShardedTensor":
+        return [shard.tensor.detach().cpu().clone() for shard in value.local_shards()]
+    if hasattr(value, "to_local"):
+        return value.to_local().detach().cpu().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_local(v) for v in value]
+    return value
+
+
+def local_state(model: nn.Module, optimizers: dict[str, torch.optim.Optimizer], names: Any = None) -> dict[str, Any]:
+    """This rank's shards of the model ("model") and of each optimizer's state (by name), as
+    CPU tensors; only the entries in `names` when given. Not a collective beyond what
+    ``get_*_state_dict`` of a sharded state needs (the same calls on every rank)."""
+    out: dict[str, Any] = {}
+    if names is None or "model" in names:
+        out["model"] = _local(get_model_state_dict(model))
+    for name, optim in optimizers.items():
+        if names is None or name in names:
+            osd = _local(get_optimizer_state_dict(model, optim))
+            for group in osd.get("param_groups", []):
+                group["params"] = sorted(group["params"])
+            out[name] = osd
+    return out
+
+
+def save_through(cp: Any, uri: str, step: int, state: dict[str, Any], group=None) -> None:
+    """`cp`'s save on every rank of `group`; raised on one rank, raised on all (naming it), so
+    no rank goes on into a collective the others left."""
+    from ckptlib._runtime import agree
+    from ckptlib.testing.checkpointers.protocol import save_on
+
+    agree.agree(lambda: save_on(cp, uri, step, state, group), group)
+
+
+def load_through(cp: Any, uri: str, state: dict[str, Any], group=None) -> Any:
+    """`cp`'s load on every rank of `group` (the step it returned), as `save_through`."""
+    from ckptlib._runtime import agree
+    from ckptlib.testing.checkpointers.protocol import load_on
+
+    return agree.agree(lambda: load_on(cp, uri, state, group), group)
+
+
+def only(state: dict[str, Any], names: Any) -> dict[str, Any]:
+    """The entries of `state` named in `names`."""
+    return {k: v for k, v in state.items() if k in names}
+
+
+def save_side(
+    uri: str,
+    wrap: str,
+    optim: str,
+    *,
+    steps: int = 2,
+    group=None,
+    manager: bool = False,
+    checkpointer: Any = None,
+) -> dict[str, Any]:
+    """Train `steps` steps at this world size, save to `uri` through `checkpointer` (default:
+    ckptlib, see `checkpointer_of`); return the full saved state."""
     model, opt = setup(wrap, optim, seed=0, group=group)
     for step in range(steps):
         train_step(model, opt, step)
     state = {"model": model, "optim": opt, "step": steps}
-    if manager:
-        ckptlib.CheckpointManager(uri, process_group=group).save(steps, state)
-    else:
-        ckptlib.save(uri, state, step=steps, metadata={"wrap": wrap}, process_group=group)
+    save_through(checkpointer_of(checkpointer, manager, {"wrap": wrap}), uri, steps, state, group)
     return full_state(model, opt)
 
 
 def load_side(
-    uri: str, wrap: str, optim: str, expected: dict[str, Any], *, steps: int = 2, group=None, manager: bool = False
-) -> list[str]:
-    """Load at this world size; compare with `expected`; then train one step and compare with
-    a run that reached the same state without a checkpoint. Returns the differences."""
-    import ckptlib
+    uri: str,
+    wrap: str,
+    optim: str,
+    expected: dict[str, Any],
+    *,
+    steps: int = 2,
+    group=None,
+    manager: bool = False,
+    checkpointer: Any = None,
+) -> Problems:
+    """Load at this world size through `checkpointer`; compare what it carries with `expected`
+    (the unsharded state, and this rank's shards against a never-checkpointed run's); then train
+    one step and compare with that run. Returns the differences."""
+    from ckptlib.testing.checkpointers.protocol import carried
 
+    cp = checkpointer_of(checkpointer, manager)
     model, opt = setup(wrap, optim, seed=1, group=group)
     state = {"model": model, "optim": opt, "step": -1}
-    if manager:
-        loaded_step = ckptlib.CheckpointManager(uri, process_group=group).load(state)
-    else:
-        loaded_step = ckptlib.load(uri, state, process_group=group).step
-    problems = [] if loaded_step == steps else [f"step: loaded {loaded_step}, expected {steps}"]
-    if state["step"] != steps:
+    carries = carried(cp, state)
+    loaded_step = load_through(cp, uri, state, group)
+    problems = Problems([] if loaded_step == steps else [f"step: loaded {loaded_step}, expected {steps}"])
+    problems.not_carried = tuple(sorted(set(state) - carries))
+    if "step" in carries and state["step"] != steps:
         problems.append(f"state['step']: {state['step']!r}, expected {steps}")
-    problems += differences(expected, full_state(model, opt), "after-load")
+    shards = local_state(model, {"optim": opt}, carries)
+    loaded = full_state(model, opt)
+    problems += differences(only(expected, carries), only(loaded, carries), "after-load")
 
     train_step(model, opt, steps)
     resumed = full_state(model, opt)
 
     ref_model, ref_opt = setup(wrap, optim, seed=2, group=group)
     options = StateDictOptions(full_state_dict=True)
+    start = {k: expected[k] if k in carries else loaded[k] for k in ("model", "optim")}
     # set_*_state_dict replace entries of the dict they get (with DTensors): hand them copies.
-    set_model_state_dict(ref_model, _to_cpu(expected["model"]), options=options)
-    set_optimizer_state_dict(ref_model, ref_opt, _to_cpu(expected["optim"]), options=options)
+    set_model_state_dict(ref_model, _to_cpu(start["model"]), options=options)
+    set_optimizer_state_dict(ref_model, ref_opt, _to_cpu(start["optim"]), options=options)
+    problems += differences(local_state(ref_model, {"optim": ref_opt}, carries), shards, "after-load.shard")
     train_step(ref_model, ref_opt, steps)
     problems += differences(full_state(ref_model, ref_opt), resumed, "train-after-load")
     return problems

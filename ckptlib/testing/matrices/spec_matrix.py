@@ -253,21 +253,17 @@ def _set_reference(training: Training, full: dict[str, Any], ranked: dict[str, t
             obj.load_state_dict(copy.deepcopy(value))
 
 
-def save_spec(uri: str, spec: TrainingSpec, layout: str, *, group=None, groups_2d=None) -> dict[str, Any]:
-    """Train `spec.steps` steps at `layout` on this group and save to `uri`. Returns the saved
-    state: {"full": full_state, "ranks": {RankLocal name: every saved rank's state}} (collective)."""
-    import ckptlib
-
+def save_spec(
+    uri: str, spec: TrainingSpec, layout: str, *, group=None, groups_2d=None, checkpointer: Any = None
+) -> dict[str, Any]:
+    """Train `spec.steps` steps at `layout` on this group and save to `uri` through
+    `checkpointer` (default: one ``ckptlib.save`` checkpoint). Returns the saved state:
+    {"full": full_state, "ranks": {RankLocal name: every saved rank's state}} (collective)."""
     training = build_training(spec, layout, 0, group=group, groups_2d=groups_2d)
     for step in range(spec.steps):
         train(training, step)
-    ckptlib.save(
-        uri,
-        training.state(spec.steps),
-        step=spec.steps,
-        metadata={"layout": layout, "spec": spec.label},
-        process_group=group,
-    )
+    cp = matrix.checkpointer_of(checkpointer, False, {"layout": layout, "spec": spec.label})
+    matrix.save_through(cp, uri, spec.steps, training.state(spec.steps), group)
     full = full_state(training)
     mine = rank_states(training)
     gathered: list[Any] = [None] * training.world_size
@@ -276,34 +272,55 @@ def save_spec(uri: str, spec: TrainingSpec, layout: str, *, group=None, groups_2
 
 
 def load_spec_layout(
-    uri: str, spec: TrainingSpec, layout: str, expected: dict[str, Any], *, group=None, groups_2d=None
-) -> list[str]:
-    """Load at `layout` on this group; compare with `expected` (from `save_spec`); train one
-    more step and compare with a never-checkpointed run. Returns this rank's differences."""
-    import ckptlib
+    uri: str,
+    spec: TrainingSpec,
+    layout: str,
+    expected: dict[str, Any],
+    *,
+    group=None,
+    groups_2d=None,
+    checkpointer: Any = None,
+) -> matrix.Problems:
+    """Load at `layout` on this group through `checkpointer`; compare what it carries with
+    `expected` (from `save_spec`; this rank's shards against a never-checkpointed run's);
+    train one more step and compare with that run, which takes the entries not carried from
+    the loaded run. Returns this rank's differences."""
+    from ckptlib.testing.checkpointers.protocol import carried
 
     steps = spec.steps
+    cp = matrix.checkpointer_of(checkpointer, False)
     training = build_training(spec, layout, 1, group=group, groups_2d=groups_2d)
     state = training.state(-1)
+    carries = carried(cp, state)
     with warnings.catch_warnings():  # a resize is what this case is about: its notes are expected
         warnings.simplefilter("ignore", ResizeWarning)
-        loaded = ckptlib.load(uri, state, process_group=group)
-    problems = (
+        loaded_step = matrix.load_through(cp, uri, state, group)
+    state_step = state["step"] if "step" in carries else steps
+    problems = matrix.Problems(
         []
-        if loaded.step == steps and state["step"] == steps
-        else [f"step: loaded {loaded.step}, state['step'] {state['step']!r}, expected {steps}"]
+        if loaded_step == steps and state_step == steps
+        else [f"step: loaded {loaded_step}, state['step'] {state['step']!r}, expected {steps}"],
+        set(state) - carries,
     )
-    ranked = expected_rank_states(training, expected["ranks"])
     mine = rank_states(training)
+    ranked = expected_rank_states(training, expected["ranks"])
+    for name in set(ranked) - carries:  # the reference keeps what the load left
+        ranked[name] = ("saved", mine[name])
     for name, (how, value) in ranked.items():
-        if how != "fresh":
+        if how != "fresh" and name in carries:
             problems += matrix.differences(value, mine[name], f"after-load.rank{training.rank}.{name}({how})")
-    problems += matrix.differences(expected["full"], full_state(training), "after-load")
+    shards = matrix.local_state(training.model, training.optimizers, carries)
+    loaded = full_state(training)
+    problems += matrix.differences(matrix.only(expected["full"], carries), matrix.only(loaded, carries), "after-load")
 
     train(training, steps)
     resumed = {"full": full_state(training), "ranks": rank_states(training)}
     reference = build_training(spec, layout, 2, group=group, groups_2d=groups_2d)
-    _set_reference(reference, expected["full"], ranked, steps)
+    start = {k: value if k in carries else loaded[k] for k, value in expected["full"].items()}
+    _set_reference(reference, start, ranked, steps)
+    problems += matrix.differences(
+        matrix.local_state(reference.model, reference.optimizers, carries), shards, "after-load.shard"
+    )
     train(reference, steps)
     problems += matrix.differences(
         {"full": full_state(reference), "ranks": rank_states(reference)}, resumed, "train-after-load"

@@ -10,6 +10,12 @@ One process group of max(world sizes) ranks runs every pair: for each N the firs
 form a subgroup that trains and saves; for each M the first M ranks load, compare
 bit-exactly and train one more step against a never-checkpointed reference. Under torchrun
 the same function runs on the real ranks; locally the launcher starts them.
+
+Saves and loads go through a checkpointer (``ckptlib.testing.checkpointers``: `--checkpointer
+module:attr`; default ckptlib's ``CheckpointManager``, `ckptlib_adapter.CkptlibCheckpointer`).
+Entries it does not carry are not compared and are listed per cell (``not_carried``). A failing
+cell's error starts with the first difference and the rank that saw it ("rank R: KEY: ..."):
+see `matrix.KINDS` for the order.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class Cell:
     error: str = ""
     save_layout: str = ""  # set by --layouts runs (else the report's `wrap` on both sides)
     load_layout: str = ""
+    not_carried: list[str] = dataclasses.field(default_factory=list)  # state entries not compared
 
     @property
     def id(self) -> str:
@@ -56,6 +63,7 @@ class Report:
     cells: list[Cell]
     layouts: list[str] | None = None
     spec: str | None = None  # the --spec reference of a run on the user's training job
+    checkpointer: str = "ckptlib"  # what saved and loaded: the --checkpointer reference, or its name
 
     @property
     def ok(self) -> bool:
@@ -70,6 +78,7 @@ class Report:
             "world_sizes": self.world_sizes,
             "layouts": self.layouts,
             "spec": self.spec,
+            "checkpointer": self.checkpointer,
             "cells": [dataclasses.asdict(c) for c in self.cells],
         }
 
@@ -92,7 +101,13 @@ class Report:
         failures = [c for c in self.cells if not c.ok]
         for c in failures:
             lines.append(f"{c.id}: {c.error}")
-        return "\n".join(lines)
+        return "\n".join(lines + self._not_carried())
+
+    def _not_carried(self) -> list[str]:
+        names = sorted({name for c in self.cells for name in c.not_carried})
+        if not names:
+            return []
+        return [f"not carried by {self.checkpointer} (not compared): {', '.join(names)}"]
 
     def _layout_table(self) -> str:
         saves = list(dict.fromkeys((c.save_layout, c.save_ws) for c in self.cells))
@@ -109,7 +124,7 @@ class Report:
                 row += text.ljust(width)
             lines.append(row)
         lines += [f"{c.id}: {c.error}" for c in self.cells if not c.ok]
-        return "\n".join(lines)
+        return "\n".join(lines + self._not_carried())
 
 
 def _subgroups(world_sizes: list[int]) -> dict[int, Any]:
@@ -142,11 +157,36 @@ def _start(root: str, total: int, desc: str, progress: bool) -> tuple[str, Any]:
     return f"{root.rstrip('/')}/ckpt-validate-{box[0]}", bar
 
 
-def _gather_problems(problems: list[str], m: int) -> list[str]:
-    """Every problem the first `m` ranks found loading one cell (a collective over all ranks)."""
+def _gather_problems(problems: list[str], m: int) -> tuple[list[str], list[str]]:
+    """(every problem the first `m` ranks found loading one cell, each as "rank R: ...", the
+    first difference first: see `matrix.KINDS`; a problem seen alike on several ranks once,
+    under the first; the state entries not carried) (a collective over all ranks)."""
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, problems)
-    return [p for per_rank in gathered[:m] for p in (per_rank or [])]
+    dist.all_gather_object(gathered, (list(problems), list(getattr(problems, "not_carried", ()))))
+    seen: dict[str, tuple[int, int, int]] = {}
+    for rank, (found, _) in enumerate(gathered[:m]):
+        for i, text in enumerate(found):
+            seen.setdefault(text, (matrix.problem_kind(text), rank, i))
+    ordered = sorted(seen, key=seen.__getitem__)
+    not_carried = gathered[0][1] if m and gathered[0] else []
+    return [f"rank {seen[text][1]}: {text}" for text in ordered], not_carried
+
+
+def _first_error(error: str | None) -> list[Any]:
+    """[the first failing rank's save error, or None] on every rank (a collective)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, error)
+    return [next((text for text in gathered if text), None)]
+
+
+def _checkpointer(ref: Any) -> tuple[Any, str]:
+    """(the checkpointer `ref` names, its label): ckptlib's manager when `ref` is None."""
+    from ckptlib.testing.checkpointers import ckptlib_adapter, protocol
+
+    if ref is None:
+        return ckptlib_adapter.CkptlibCheckpointer(), "ckptlib"
+    cp = protocol.resolve(ref)
+    return cp, ref if isinstance(ref, str) else protocol.describe(cp)
 
 
 def _finish(base: str, bar: Any) -> None:
@@ -158,24 +198,29 @@ def _finish(base: str, bar: Any) -> None:
     dist.barrier()
 
 
-def run_pairs(root: str, world_sizes: list[int], wrap: str, optim: str, progress: bool = True) -> Report | None:
-    """Run every (N, M) pair inside an initialized process group; the report on rank 0."""
+def run_pairs(
+    root: str, world_sizes: list[int], wrap: str, optim: str, progress: bool = True, checkpointer: Any = None
+) -> Report | None:
+    """Run every (N, M) pair inside an initialized process group, saving and loading through
+    `checkpointer` (a checkpointers.resolve reference; default ckptlib's manager); the report
+    on rank 0."""
     rank = dist.get_rank()
     _check_sizes(world_sizes)
+    cp, label = _checkpointer(checkpointer)
     groups = _subgroups(world_sizes)
     base, bar = _start(root, len(world_sizes) * (1 + len(world_sizes)), "ckpt validate", progress)
     cells: list[Cell] = []
     for n in world_sizes:
         uri = f"{base}/save{n}"
         expected: list[Any] = [None]
-        save_error: list[Any] = [None]
+        error = None
         if rank < n:
             try:
-                expected[0] = matrix.save_side(uri, wrap, optim, group=groups[n])
+                expected[0] = matrix.save_side(uri, wrap, optim, group=groups[n], checkpointer=cp)
             except Exception as exc:  # recorded in every cell of this row
-                save_error[0] = f"save at {n} ranks failed: {_fail_text(exc)}"
+                error = f"save at {n} ranks failed: {_fail_text(exc)}"
         dist.broadcast_object_list(expected, src=0)
-        dist.broadcast_object_list(save_error, src=0)
+        save_error = _first_error(error)
         if bar:
             bar.update(1)
         for m in world_sizes:
@@ -185,16 +230,17 @@ def run_pairs(root: str, world_sizes: list[int], wrap: str, optim: str, progress
                 problems = [save_error[0]]
             elif rank < m:
                 try:
-                    problems = matrix.load_side(uri, wrap, optim, expected[0], group=groups[m])
+                    problems = matrix.load_side(uri, wrap, optim, expected[0], group=groups[m], checkpointer=cp)
                 except Exception as exc:
                     problems = [f"load at {m} ranks failed: {_fail_text(exc)}"]
-            merged = _gather_problems(problems, m)
-            cells.append(Cell(n, m, not merged, time.perf_counter() - start, "; ".join(merged[:3])))
+            merged, skipped = _gather_problems(problems, m)
+            seconds = time.perf_counter() - start
+            cells.append(Cell(n, m, not merged, seconds, "; ".join(merged[:3]), not_carried=skipped))
             if bar:
                 bar.update(1)
         dist.barrier()
     _finish(base, bar)
-    return Report(root, wrap, optim, list(world_sizes), cells) if rank == 0 else None
+    return Report(root, wrap, optim, list(world_sizes), cells, checkpointer=label) if rank == 0 else None
 
 
 def layouts_fit(layouts: list[str], world_sizes: list[int]) -> bool:
@@ -211,18 +257,20 @@ def run_layout_pairs(
     pairs: str = "all",
     progress: bool = True,
     spec: Any = None,
+    checkpointer: Any = None,
 ) -> Report | None:
     """Every (layout A at N) save loaded at every (layout B at M) inside an initialized
     process group (`pairs="covering"`: one case per layout pair); the report on rank 0.
     `spec`: a `training_spec.load_spec` reference or a spec object; its job is trained
-    instead of the small transformer (and `optim` is not used)."""
+    instead of the small transformer (and `optim` is not used). `checkpointer`: as `run_pairs`."""
     rank = dist.get_rank()
     _check_sizes(world_sizes)
     select = layout_matrix.covering_subset if pairs == "covering" else layout_matrix.full_product
     cases = select(layouts, world_sizes, optim)
     if not cases:
         raise ValueError(f"no world size in {world_sizes} suits the layouts {layouts} (2-D layouts need 4, 6, ...)")
-    save, load, label = _sides(spec, optim)
+    cp, cp_label = _checkpointer(checkpointer)
+    save, load, label = _sides(spec, optim, cp)
     groups = _subgroups(world_sizes)
     groups_2d = layouts_mod.mesh_groups(world_sizes, layouts)
     saves = list(dict.fromkeys((c.save_layout, c.save_ws) for c in cases))
@@ -231,15 +279,16 @@ def run_layout_pairs(
     cells: list[Cell] = []
     for layout, n in saves:
         uri = f"{base}/save{n}-{layout}"
-        box = [None, None]  # expected state, save error
+        box, error = [None], None  # expected state, save error
         if rank < n:
             try:
                 box[0] = save(uri, layout, group=groups[n], groups_2d=groups_2d.get((layout, n)))
             except SpecError:
                 raise  # the user's code failed: not a finding about checkpoints (see the module docstring)
             except Exception as exc:
-                box[1] = f"save at {layout} on {n} ranks failed: {_fail_text(exc)}"
+                error = f"save at {layout} on {n} ranks failed: {_fail_text(exc)}"
         dist.broadcast_object_list(box, src=0)
+        box += _first_error(error)
         if bar:
             bar.update(1)
         for case in (c for c in cases if (c.save_layout, c.save_ws) == (layout, n)):
@@ -253,8 +302,9 @@ def run_layout_pairs(
                     raise
                 except Exception as exc:
                     problems = [f"load at {target} on {m} ranks failed: {_fail_text(exc)}"]
-            merged = _gather_problems(problems, m)
-            cells.append(Cell(n, m, not merged, time.perf_counter() - start, "; ".join(merged[:3]), layout, target))
+            merged, skipped = _gather_problems(problems, m)
+            seconds = time.perf_counter() - start
+            cells.append(Cell(n, m, not merged, seconds, "; ".join(merged[:3]), layout, target, skipped))
             if bar:
                 bar.update(1)
         dist.barrier()
@@ -262,18 +312,27 @@ def run_layout_pairs(
     if rank != 0:
         return None
     return Report(
-        root, "spec" if spec else "layouts", "" if spec else optim, list(world_sizes), cells, list(layouts), label
+        root,
+        "spec" if spec else "layouts",
+        "" if spec else optim,
+        list(world_sizes),
+        cells,
+        list(layouts),
+        label,
+        cp_label,
     )
 
 
-def _sides(spec: Any, optim: str):
+def _sides(spec: Any, optim: str, cp: Any):
     """(save(uri, layout, group=, groups_2d=) -> expected, load(uri, layout, expected, group=,
     groups_2d=) -> problems, the spec's label) of the small transformer, or of the spec's job
-    (a reference string or a spec object)."""
+    (a reference string or a spec object), through the checkpointer `cp`."""
     if spec is None:
         return (
-            lambda uri, layout, **kw: layout_matrix.save_layout(uri, layout, optim, **kw),
-            lambda uri, layout, expected, **kw: layout_matrix.load_layout(uri, layout, expected, optim, **kw),
+            lambda uri, layout, **kw: layout_matrix.save_layout(uri, layout, optim, checkpointer=cp, **kw),
+            lambda uri, layout, expected, **kw: layout_matrix.load_layout(
+                uri, layout, expected, optim, checkpointer=cp, **kw
+            ),
             None,
         )
     from ckptlib.testing.matrices import spec_matrix
@@ -281,8 +340,10 @@ def _sides(spec: Any, optim: str):
 
     job = load_spec(spec) if isinstance(spec, str) else as_training_spec(spec)
     return (
-        lambda uri, layout, **kw: spec_matrix.save_spec(uri, job, layout, **kw),
-        lambda uri, layout, expected, **kw: spec_matrix.load_spec_layout(uri, job, layout, expected, **kw),
+        lambda uri, layout, **kw: spec_matrix.save_spec(uri, job, layout, checkpointer=cp, **kw),
+        lambda uri, layout, expected, **kw: spec_matrix.load_spec_layout(
+            uri, job, layout, expected, checkpointer=cp, **kw
+        ),
         spec if isinstance(spec, str) else job.label,
     )
 
@@ -313,12 +374,15 @@ def rank_entry(
     layouts: list[str] | None = None,
     pairs: str = "all",
     spec: Any = None,
+    checkpointer: Any = None,
 ) -> dict | None:
     """Entry point for launcher ranks (module-level so it pickles by reference)."""
     if layouts:
-        report = run_layout_pairs(root, world_sizes, layouts, optim, pairs=pairs, progress=progress, spec=spec)
+        report = run_layout_pairs(
+            root, world_sizes, layouts, optim, pairs=pairs, progress=progress, spec=spec, checkpointer=checkpointer
+        )
     else:
-        report = run_pairs(root, world_sizes, wrap, optim, progress)
+        report = run_pairs(root, world_sizes, wrap, optim, progress, checkpointer)
     return None if report is None else report.to_json()
 
 
@@ -329,7 +393,14 @@ def under_torchrun() -> bool:
 def report_from_json(doc: dict) -> Report:
     cells = [Cell(**c) for c in doc["cells"]]
     return Report(
-        doc["root"], doc["wrap"], doc["optim"], doc["world_sizes"], cells, doc.get("layouts"), doc.get("spec")
+        doc["root"],
+        doc["wrap"],
+        doc["optim"],
+        doc["world_sizes"],
+        cells,
+        doc.get("layouts"),
+        doc.get("spec"),
+        doc.get("checkpointer", "ckptlib"),
     )
 
 
