@@ -16,9 +16,17 @@ With --s3 it also counts the S3 requests (LIST, HEAD, GET, PUT, multipart) of a 
 `ckptlib.save` and `ckptlib.load` of a small state at 1, 2 and 4 ranks against a moto
 server, and prints them next to the formula (`ckptlib.bench.s3_requests`) for every world size.
 
+With --ranks 2,4,8,16 it measures real ranks instead (`ckptlib.bench.scale_ranks`): per
+operation (save, load, async save, each twice) and rank, ckptlib against plain DCP in the same
+launch of gloo ranks, the collectives, payload bytes sent and received, process groups
+created, store operations, sockets and threads, of a 12-layer transformer-shaped state with
+its optimizer state (DTensors); the table, then the fitted growth of each figure with the
+ranks (the exponent b of count = a * ranks**b).
+
 Run: ckpt bench scale [--worlds 8,64,512,4096] [--tensors 1000,10000,100000]
                       [--max-chunks N] [--dcp-max-chunks N] [--s3] [--json]
                       [--from-json IN] [--plot OUT.png] [--markdown OUT.md]
+     ckpt bench scale --ranks 2,4,8,16 [--layers 12] [--hidden 64] [--json] [--markdown OUT.md]
 
 Cells with more than --max-chunks chunks (world x tensors) are skipped (reported as such);
 DCP's planner is timed only up to --dcp-max-chunks (its overlap check is quadratic in the
@@ -26,7 +34,8 @@ world size for wide tensors).
 
 Prints one line per cell as it is measured (key=value pairs, or one JSON object with --json);
 --markdown and --plot write the grid as a table and as log-log curves.
-Exit status: 0 (a cell that could not be measured says why in its row), 2 usage error.
+Exit status: 0 (a cell that could not be measured says why in its row), 1 when a real-rank
+load did not return exactly the values saved, 2 usage error.
 """
 
 from __future__ import annotations
@@ -198,6 +207,33 @@ def _counts(text: str) -> list[int]:
     return values
 
 
+def _real_ranks(args: argparse.Namespace) -> int:
+    """`--ranks`: one launch per world size; the table (stderr with --json, whose lines are
+    one object per world size, then one with the fitted growth) and the growth."""
+    from ckptlib.bench import scale_ranks
+
+    results = []
+    out = sys.stderr if args.json else sys.stdout
+    for world in args.ranks:
+        print(f"[bench scale] {counted(world, 'rank')}", file=sys.stderr, flush=True)
+        result = scale_ranks.measure(world, args.layers, args.hidden, args.timeout)
+        results.append(result)
+        if args.json:
+            print(json.dumps(result), flush=True)
+    table = scale_ranks.markdown(results)
+    fits = scale_ranks.growth(results)
+    print(table, file=out)
+    print("\ngrowth with the ranks (b of count = a * ranks**b; max over ranks):", file=out)
+    for fit in fits:
+        print("  " + "  ".join(f"{k}={v}" for k, v in fit.items()), file=out)
+    if args.json:
+        print(json.dumps({"growth": fits}), flush=True)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ckpt bench scale",
@@ -227,11 +263,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also count S3 requests of real saves/loads at 1, 2, 4 ranks (moto) and print the formula",
     )
+    parser.add_argument(
+        "--ranks",
+        type=_counts,
+        help="real gloo ranks instead of the simulated grid: count each operation's collectives, bytes, "
+        "groups, store operations and sockets per rank, ckptlib against DCP (e.g. 2,4,8,16)",
+    )
+    parser.add_argument("--layers", type=int, default=12, help="--ranks: transformer layers of the state (default 12)")
+    parser.add_argument("--hidden", type=int, default=64, help="--ranks: width of the state (default 64)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="--ranks: seconds per launch of ranks")
     parser.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
     parser.add_argument("--from-json", metavar="IN", help="no measuring: read the rows of an earlier --json run")
     parser.add_argument("--plot", metavar="OUT.png", help="write the curves as a PNG (needs matplotlib)")
     parser.add_argument("--markdown", metavar="OUT.md", help="write the grid as a markdown table")
     args = parser.parse_args(argv)
+    if args.ranks:
+        return _real_ranks(args)
     worlds = args.worlds
     rows: list[dict] = []
 
