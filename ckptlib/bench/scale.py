@@ -24,13 +24,15 @@ its optimizer state (DTensors); the table, then the fitted growth of each figure
 ranks (the exponent b of count = a * ranks**b).
 
 Run: ckpt bench scale [--worlds 8,64,512,4096] [--tensors 1000,10000,100000]
-                      [--max-chunks N] [--dcp-max-chunks N] [--s3] [--json]
+                      [--max-chunks N] [--dcp-max-chunks N] [--traced-max-chunks N] [--s3] [--json]
                       [--from-json IN] [--plot OUT.png] [--markdown OUT.md]
      ckpt bench scale --ranks 2,4,8,16 [--layers 12] [--hidden 64] [--json] [--markdown OUT.md]
 
 Cells with more than --max-chunks chunks (world x tensors) are skipped (reported as such);
 DCP's planner is timed only up to --dcp-max-chunks (its overlap check is quadratic in the
-world size for wide tensors).
+world size for wide tensors), the tracemalloc pass only up to --traced-max-chunks. Every row
+also has the child's peak resident memory over the whole cell (`process_peak_mib`: the
+ranks' simulated payloads, both saves, rank 0's open and one rank's load plan).
 
 Prints one line per cell as it is measured (key=value pairs, or one JSON object with --json);
 --markdown and --plot write the grid as a table and as log-log curves.
@@ -48,20 +50,20 @@ import sys
 from ckptlib.bench import counted, help_description
 
 
-def _child(conn, world: int, tensors: int, dcp_max_chunks: int) -> None:
+def _child(conn, world: int, tensors: int, dcp_max_chunks: int, traced_max_chunks: int) -> None:
     from ckptlib.bench.scale_cell import measure_cell  # torch: not needed for --help
 
     try:
-        conn.send(measure_cell(world, tensors, dcp_max_chunks))
+        conn.send(measure_cell(world, tensors, dcp_max_chunks, traced_max_chunks))
     except BaseException as exc:  # reported in the row, the grid goes on
         conn.send({"world": world, "tensors": tensors, "error": f"{type(exc).__name__}: {exc}"})
 
 
-def measure(world: int, tensors: int, dcp_max_chunks: int = 0) -> dict:
+def measure(world: int, tensors: int, dcp_max_chunks: int = 0, traced_max_chunks: int = 300_000) -> dict:
     """One cell, in a forked child (its peak RSS is the cell's alone; memory is freed after)."""
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child, world, tensors, dcp_max_chunks))
+    proc = ctx.Process(target=_child, args=(child, world, tensors, dcp_max_chunks, traced_max_chunks))
     proc.start()
     child.close()
     try:
@@ -259,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         help="time DCP's own DefaultSavePlanner only up to this many chunks",
     )
     parser.add_argument(
+        "--traced-max-chunks",
+        type=int,
+        default=300_000,
+        help="the tracemalloc pass (Python objects at the peak, a third save) only up to this many chunks",
+    )
+    parser.add_argument(
         "--s3",
         action="store_true",
         help="also count S3 requests of real saves/loads at 1, 2, 4 ranks (moto) and print the formula",
@@ -295,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                 if world * tensors > args.max_chunks:
                     emit({"world": world, "tensors": tensors, "skipped": f"{world * tensors:,} chunks > --max-chunks"})
                 else:
-                    emit(measure(world, tensors, args.dcp_max_chunks))
+                    emit(measure(world, tensors, args.dcp_max_chunks, args.traced_max_chunks))
         if args.s3:
             from ckptlib.bench import s3_requests
 

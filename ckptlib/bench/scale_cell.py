@@ -223,8 +223,9 @@ def _second_save(world, names, results, cache: PlanCache) -> tuple[dict, MemoryS
     return timings, storage
 
 
-def measure_cell(world: int, tensors: int, dcp_max_chunks: int) -> dict:
-    """Every figure of one cell (run it in a process of its own: the RSS peak is the cell's)."""
+def measure_cell(world: int, tensors: int, dcp_max_chunks: int, traced_max_chunks: int = 300_000) -> dict:
+    """Every figure of one cell (run it in a process of its own: the RSS peak is the cell's).
+    The tracemalloc pass (a third save, slower) runs only up to `traced_max_chunks` chunks."""
     names = tensor_names(tensors)
     chunks = world * tensors
     plans = [rank_plan(world, names, rank) for rank in range(world)]
@@ -236,13 +237,15 @@ def measure_cell(world: int, tensors: int, dcp_max_chunks: int) -> dict:
     peak = _rss()[1] - rss_before
     second, _ = _second_save(world, names, results, cache)
     # Python objects alive at the peak of a save (tracemalloc: exact, slower), and what the cache holds
-    cache.clear()
-    tracemalloc.start()
-    start = tracemalloc.get_traced_memory()[0]
-    _first_save(world, names, plans, results, cache)
-    traced_peak = tracemalloc.get_traced_memory()[1] - start
-    cached = tracemalloc.get_traced_memory()[0] - start
-    tracemalloc.stop()
+    traced_peak = cached = None
+    if chunks <= traced_max_chunks:
+        cache.clear()
+        tracemalloc.start()
+        start = tracemalloc.get_traced_memory()[0]
+        _first_save(world, names, plans, results, cache)
+        traced_peak = tracemalloc.get_traced_memory()[1] - start
+        cached = tracemalloc.get_traced_memory()[0] - start
+        tracemalloc.stop()
     dcp_s = None
     if chunks <= dcp_max_chunks:
         gathered = [pickle.loads(plan) for plan in plans]
@@ -254,6 +257,7 @@ def measure_cell(world: int, tensors: int, dcp_max_chunks: int) -> dict:
     started = time.perf_counter()
     reads = load_plan(storage, names, world - 1)
     load_plan_s = time.perf_counter() - started
+    process_peak = _rss()[1]  # since the last reset: the first save's start
     return {
         "world": world,
         "tensors": tensors,
@@ -266,8 +270,8 @@ def measure_cell(world: int, tensors: int, dcp_max_chunks: int) -> dict:
         "global_plan_dcp_s": None if dcp_s is None else round(dcp_s, 4),
         "coordinator_peak_mib": round(peak / 2**20, 1),
         "bytes_per_chunk": round(peak / chunks),
-        "traced_bytes_per_chunk": round(traced_peak / chunks),
-        "cached_bytes_per_chunk": round(cached / chunks),
+        "traced_bytes_per_chunk": None if traced_peak is None else round(traced_peak / chunks),
+        "cached_bytes_per_chunk": None if cached is None else round(cached / chunks),
         "metadata_bytes": len(storage.files[".metadata"]),
         "manifest_bytes": len(storage.files["ckptlib.json"]),
         "coordinator_open_s": round(open_s + broadcast_s, 4),
@@ -275,6 +279,7 @@ def measure_cell(world: int, tensors: int, dcp_max_chunks: int) -> dict:
         "broadcast_bytes": payload,
         "rank_load_plan_s": round(load_plan_s, 4),
         "rank_reads": reads,
+        "process_peak_mib": round(process_peak / 2**20, 1),
     }
 
 

@@ -1,19 +1,20 @@
 """`ckpt bench scale --ranks 2,4,8,16`: what a save, a load and an async save cost the process
 group and the store per rank, at real gloo ranks, for ckptlib and plain DCP in the same run.
 
-Each world size is one launch of ranks (`ckptlib.testing.launch`, gloo on CPU). Every rank
-first re-creates its default group on a `CountingStore` (a client of the launcher's TCP store,
-under a prefix of its own), wraps the `torch.distributed` collectives and group makers
-(`ckptlib.bench.dist_counters`), then builds a transformer-shaped state: `--layers` blocks
-(attention qkv and projection, MLP up and down, two norms) of width `--hidden`, an embedding,
-and AdamW-like optimizer state (exp_avg, exp_avg_sq per parameter, a step, param groups),
-every tensor a DTensor `Shard(0)` over the ranks. In a rotating order (ckptlib first at even
-world sizes' launches, DCP first otherwise, the second half of each sequence the same), each
-method runs: a save, a second save of the same state (plans reused), a load, a second load,
-an async save and a second one (each waited for), each into a fresh directory. ckptlib:
-`ckptlib.save`, `ckptlib.load`, `ckptlib.async_save(...).wait()`; DCP: `dcp.save`, `dcp.load`
-and `dcp.async_save(...).result()` with its default file system writer and reader. Every load
-is checked bit-exact against the saved values.
+Each world size is two launches of ranks (`ckptlib.testing.launch`, gloo on CPU), one per
+method, so that neither sees the other's groups, sockets or background threads (ckptlib first
+at world sizes divisible by 4, DCP first otherwise). Every rank first re-creates its default
+group on a `CountingStore` (a client of the launcher's TCP store, under a prefix of its own),
+wraps the `torch.distributed` collectives and group makers (`ckptlib.bench.dist_counters`),
+then builds a transformer-shaped state: `--layers` blocks (attention qkv and projection, MLP
+up and down, two norms) of width `--hidden`, an embedding and a norm, and AdamW-like optimizer
+state (exp_avg, exp_avg_sq and a step per parameter, param groups), every tensor a DTensor
+`Shard(0)` over the ranks. Then, in order: a save, a second save of the same state (plans
+reused), a load, a second load, an async save and a second one (each waited for), each save
+into a fresh directory, the loads from the first. ckptlib: `ckptlib.save`, `ckptlib.load`,
+`ckptlib.async_save(...).wait()`; DCP: `dcp.save`, `dcp.load` and
+`dcp.async_save(...).result()` with its default file system writer and reader. Every load is
+checked bit-exact against the saved values.
 
 Around each operation (between two barriers that are not counted) every rank records the
 difference of its counters: collective calls (by kind), payload bytes sent and received,
@@ -171,22 +172,22 @@ def rank_scale(root: str, layers: int, hidden: int, order: tuple[str, ...], time
 
 
 def measure(world: int, layers: int, hidden: int, timeout_s: float, directory: str | None = None) -> dict[str, Any]:
-    """One launch of `world` ranks: {"world", "ok", "tensors", "rows": [per (method, op): every
-    rank's counts]}."""
+    """A launch of `world` ranks per method: {"world", "ok", "tensors", "rows": [per (method,
+    op): every rank's counts]}."""
     from ckptlib.testing import launch
 
-    order = METHODS if world % 4 == 0 else METHODS[::-1]
-    root = tempfile.mkdtemp(prefix="ckptlib-bench-scale-ranks-", dir=directory)
-    try:
-        out = launch(world, rank_scale, root, layers, hidden, order, timeout_s, timeout=timeout_s)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    rows = []
-    for i, first in enumerate(out[0]["rows"]):
-        per_rank = [r["rows"][i] for r in out]
-        rows.append({"method": first["method"], "op": first["op"], "ranks": per_rank})
+    rows, ok = [], True
+    for method in METHODS if world % 4 == 0 else METHODS[::-1]:
+        root = tempfile.mkdtemp(prefix="ckptlib-bench-scale-ranks-", dir=directory)
+        try:
+            out = launch(world, rank_scale, root, layers, hidden, (method,), timeout_s, timeout=timeout_s)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        ok = ok and all(r["ok"] for r in out)
+        for i, first in enumerate(out[0]["rows"]):
+            rows.append({"method": first["method"], "op": first["op"], "ranks": [r["rows"][i] for r in out]})
     tensors = 2 + 6 * layers
-    return {"world": world, "ok": all(r["ok"] for r in out), "tensors": 3 * tensors + 1, "rows": rows}
+    return {"world": world, "ok": ok, "tensors": 3 * tensors + 1, "rows": rows}
 
 
 COLUMNS = (  # (header, key, how the ranks' values are combined)

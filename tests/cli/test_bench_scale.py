@@ -95,3 +95,79 @@ def test_s3_formula(save_world, shard_mib, save_lists, puts, parts):
     assert counts["save"]["PUT"] == puts
     assert counts["save"].get("multipart part") == parts
     assert counts["load"] == {"GET": 2 + save_world, "LIST": 2 + 2 * (save_lists - 1)}
+
+
+def _known_collectives() -> dict:
+    """Rank body: known collectives, a new group and a store round, counted (2 ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    from ckptlib.bench import dist_counters, scale_ranks
+
+    scale_ranks._recreate_group_on_counting_store(60.0)
+    rank = dist.get_rank()
+    before = dist_counters.snapshot()
+    objs = [{"payload": b"x" * 1000}] if rank == 0 else [None]
+    dist.broadcast_object_list(objs, src=0)
+    gathered = [None, None]
+    dist.all_gather_object(gathered, ("rank", rank, b"y" * (100 * (rank + 1))))
+    dist.all_reduce(torch.ones(10))  # float32: 40 bytes
+    middle = dist_counters.snapshot()
+    dist.new_group(backend="gloo")
+    after = dist_counters.snapshot()
+    return {
+        "collectives": dist_counters.difference(before, middle),
+        "group": dist_counters.difference(middle, after),
+        "sizes": [len(pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)) for o in (objs[0], *gathered)],
+    }
+
+
+def test_counters_count_calls_payload_bytes_groups_and_store_operations():
+    from ckptlib.testing import launch
+
+    out = launch(2, _known_collectives, timeout=120)
+    for rank, r in enumerate(out):
+        assert r["collectives"]["by_collective"] == {"all_gather_object": 1, "all_reduce": 1, "broadcast_object_list": 1}
+        assert r["collectives"]["collectives"] == 3
+        assert r["collectives"]["groups"] == 0 and r["collectives"]["store_ops"] == 0  # collectives: no store
+        broadcast, mine, other = r["sizes"][0], r["sizes"][1 + rank], r["sizes"][2 - rank]
+        if rank == 0:  # the root sends the object to the one other rank
+            assert r["collectives"]["sent"] == broadcast + mine + 40
+            assert r["collectives"]["received"] == other + 40
+        else:
+            assert r["collectives"]["sent"] == mine + 40
+            assert r["collectives"]["received"] == broadcast + other + 40
+        assert r["group"]["groups"] == 1 and r["group"]["collectives"] == 0
+        assert r["group"]["store_ops"] > 0  # gloo's rendezvous of the new group, through the counting store
+        assert r["group"]["sockets_added"] > 0  # its connections to the other rank
+        assert r["group"]["sockets"] >= r["group"]["sockets_added"]
+
+
+def test_real_ranks_count_every_operation_of_both_methods(capsys):
+    """`--ranks 2` at a tiny state: every operation of both methods, every rank, loads bit-exact
+    (the exit code), DCP's sync operations create no group and touch no store."""
+    from ckptlib.bench import scale_ranks
+
+    assert cli.main(["bench", "scale", "--ranks", "2", "--layers", "1", "--hidden", "16", "--json"]) == 0
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    result, fits = lines
+    assert result["world"] == 2 and result["ok"] and result["tensors"] == 3 * 8 + 1
+    assert [(r["op"], r["method"]) for r in result["rows"]] == [
+        (op, method) for method in ("dcp", "ckptlib") for op in scale_ranks.OPS
+    ]
+    for row in result["rows"]:
+        assert len(row["ranks"]) == 2
+        for counts in row["ranks"]:
+            assert counts["collectives"] == sum(counts["by_collective"].values()) > 0
+            assert counts["store_ops"] == sum(counts["by_store_op"].values())
+            assert counts["sockets"] > 0 and counts["threads"] >= 1
+        if row["method"] == "dcp" and not row["op"].startswith("async"):
+            assert all(c["groups"] == 0 and c["store_ops"] == 0 for c in row["ranks"])
+        if row["op"].startswith("load"):
+            assert row["ranks"][1]["received"] > 0  # the rank that is not the coordinator got its plan
+    assert [(f["op"], f["method"]) for f in fits["growth"]] == [
+        (op, method) for op in scale_ranks.OPS for method in ("ckptlib", "dcp")
+    ]
+    table = captured.err[captured.err.index("| ranks |") :].split("\n\n")[0].splitlines()
+    assert len(table) == 2 + 12 and all(line.startswith("| 2 | ") for line in table[2:])
