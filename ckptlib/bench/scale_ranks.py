@@ -44,6 +44,7 @@ def _recreate_group_on_counting_store(timeout_s: float) -> None:
     from ckptlib.bench import dist_counters
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()  # every peer is through the launcher's connectFullMesh before this rank leaves that group
     dist.destroy_process_group()
     client = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timedelta(seconds=timeout_s)
