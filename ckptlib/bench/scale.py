@@ -113,7 +113,9 @@ PANELS = (  # (title, y label, [(key, label)], whether the quantity grows with t
         "seconds",
         [
             ("coordinator_open_s", "rank 0: open (parse + check + broadcast pickle)"),
-            ("rank_load_plan_s", "one rank: its load plan"),
+            ("rank_metadata_unpickle_s", "one rank: unpickle the metadata"),
+            ("rank_load_plan_s", "one rank: its load plan (ckptlib)"),
+            ("rank_load_plan_dcp_s", "one rank: its load plan (DCP's function)"),
         ],
         True,
     ),
@@ -177,13 +179,14 @@ def markdown(rows: list[dict]) -> list[str]:
     out = [
         "| world | tensors | chunks | coordinator plan s: first / second save | second / first "
         "| global plan s: ckptlib / DCP | peak MiB | bytes per chunk: RSS / objects / cached "
-        "| .metadata MB | manifest MB | rank 0 open s | open us per chunk | one rank's load plan s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| .metadata MB | manifest MB | rank 0 open s | open us per chunk "
+        "| one rank: unpickle s / load plan s: ckptlib / DCP | cell's peak MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "chunks" not in r:
             why = r.get("skipped") or r.get("error")
-            out.append(f"| {r['world']} | {r['tensors']:,} | {r['world'] * r['tensors']:,} | {why} ||||||||||")
+            out.append(f"| {r['world']} | {r['tensors']:,} | {r['world'] * r['tensors']:,} | {why} |||||||||||")
             continue
         dcp = "not run" if r.get("global_plan_dcp_s") is None else f"{r['global_plan_dcp_s']:.3g}"
         out.append(
@@ -193,7 +196,9 @@ def markdown(rows: list[dict]) -> list[str]:
             f"| {_g(r, 'bytes_per_chunk', ',')} / {_g(r, 'traced_bytes_per_chunk', ',')} "
             f"/ {_g(r, 'cached_bytes_per_chunk', ',')} "
             f"| {r['metadata_bytes'] / 1e6:.3g} | {r['manifest_bytes'] / 1e6:.3g} "
-            f"| {_g(r, 'coordinator_open_s')} | {_g(r, 'open_us_per_chunk')} | {_g(r, 'rank_load_plan_s')} |"
+            f"| {_g(r, 'coordinator_open_s')} | {_g(r, 'open_us_per_chunk')} "
+            f"| {_g(r, 'rank_metadata_unpickle_s')} / {_g(r, 'rank_load_plan_s')} / {_g(r, 'rank_load_plan_dcp_s')} "
+            f"| {_g(r, 'process_peak_mib', '.0f')} |"
         )
     return out
 

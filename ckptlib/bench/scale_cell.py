@@ -9,7 +9,9 @@ plan, `CkptWriter.prepare_global_plan` and the scatter's pickles, the gathered r
 `CkptWriter.finish` (`.metadata` and the manifest, through a real `SaveTransaction` on an
 in-memory storage). The second save reuses the first one's plans (`format.plan_cache`: every
 rank sends an empty plan) as a save of an unchanged state does. Rank 0's open is
-`open_checkpoint` on the files written, plus pickling what `decide_on_rank0` broadcasts.
+`open_checkpoint` on the files written, plus pickling what `decide_on_rank0` broadcasts. One
+rank's load: unpickling `.metadata` (what every rank does with the broadcast), then its reads
+of every tensor through ckptlib's `chunk_index` and, for comparison, DCP's own function.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ckptlib._torch import dcp_shims
 from ckptlib.format.native import plan_codec
 from ckptlib.format.native.layout import open_checkpoint
 from ckptlib.format.native.manifest import FileRecord
+from ckptlib.format.read import chunk_index
 from ckptlib.format.write.dcp_writer import CkptWriter
 from ckptlib.format.write.plan_cache import CachedPlan, PlanCache, PlanReuse
 from ckptlib.format.write.save_planner import CkptSavePlanner
@@ -185,12 +188,17 @@ def open_for_load(storage: MemoryStorage) -> tuple[int, float, float]:
         return len(payload), opened - started, time.perf_counter() - opened
 
 
-def load_plan(storage: MemoryStorage, names: list[str], rank: int) -> int:
-    """One rank's reads for its chunk of every tensor (DCP's resharding path); returns the count."""
-    metadata = pickle.loads(storage.files[".metadata"])
+def load_plan(storage: MemoryStorage, names: list[str], rank: int, planner: str = "ckptlib", metadata=None) -> int:
+    """One rank's reads for its chunk of every tensor (the resharding path, tensor by tensor, no
+    layout reused): through ckptlib's `chunk_index.read_items` (the part of `local_load_plan`
+    that depends on the world size) or DCP's `create_read_items_for_chunk_list`; returns the count."""
+    if metadata is None:
+        with gc_paused():
+            metadata = pickle.loads(storage.files[".metadata"])
+    reads = chunk_index.read_items if planner == "ckptlib" else create_read_items_for_chunk_list
     world = len(metadata.state_dict_metadata[names[0]].chunks)
     return sum(
-        len(create_read_items_for_chunk_list(name, metadata.state_dict_metadata[name], [chunk(rank, cols(world, i))]))
+        len(reads(name, metadata.state_dict_metadata[name], [chunk(rank, cols(world, i))]))
         for i, name in enumerate(names)
     )
 
@@ -254,9 +262,17 @@ def measure_cell(world: int, tensors: int, dcp_max_chunks: int, traced_max_chunk
         dcp_s = time.perf_counter() - started
         del gathered
     payload, open_s, broadcast_s = open_for_load(storage)
+    with gc_paused():  # as every rank unpickles what rank 0 broadcasts
+        started = time.perf_counter()
+        metadata = pickle.loads(storage.files[".metadata"])
+        unpickle_s = time.perf_counter() - started
     started = time.perf_counter()
-    reads = load_plan(storage, names, world - 1)
+    reads = load_plan(storage, names, world - 1, "ckptlib", metadata)
     load_plan_s = time.perf_counter() - started
+    started = time.perf_counter()
+    dcp_reads = load_plan(storage, names, world - 1, "dcp", metadata)
+    load_plan_dcp_s = time.perf_counter() - started
+    del metadata
     process_peak = _rss()[1]  # since the last reset: the first save's start
     return {
         "world": world,
@@ -277,8 +293,11 @@ def measure_cell(world: int, tensors: int, dcp_max_chunks: int, traced_max_chunk
         "coordinator_open_s": round(open_s + broadcast_s, 4),
         "open_us_per_chunk": round((open_s + broadcast_s) / chunks * 1e6, 2),
         "broadcast_bytes": payload,
+        "rank_metadata_unpickle_s": round(unpickle_s, 4),
         "rank_load_plan_s": round(load_plan_s, 4),
+        "rank_load_plan_dcp_s": round(load_plan_dcp_s, 4),
         "rank_reads": reads,
+        "rank_reads_dcp": dcp_reads,
         "process_peak_mib": round(process_peak / 2**20, 1),
     }
 
