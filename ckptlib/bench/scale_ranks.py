@@ -238,34 +238,60 @@ def markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def growth(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (operation, method) and figure, the exponent b of a least-squares fit count = a * N**b
-    over the world sizes measured (0: flat; 1: linear in the ranks), and the figure at the
-    largest world size measured."""
+GROWTH = (  # (figure, key, which ranks): the figures `growth` fits
+    ("collectives", "collectives", "max"),
+    ("rank 0 sent", "sent", "rank0"),
+    ("rank 0 received", "received", "rank0"),
+    ("others received", "received", "others"),
+    ("store ops", "store_ops", "max"),
+    ("sockets", "sockets", "max"),
+)
+
+
+def _figure(ranks: list[dict[str, Any]], key: str, which: str) -> float:
+    values = [r[key] for r in ranks]
+    if which == "rank0":
+        return values[0]
+    return max(values[1:] if which == "others" else values, default=0)
+
+
+def exponent(points: list[tuple[int, float]]) -> float | None:
+    """b of the least-squares fit y = a * n**b over (n, y) with y > 0 (None: fewer than two;
+    0.0 when every y is 0: flat)."""
     import math
 
+    usable = [(n, y) for n, y in points if y > 0]
+    if not usable and points:
+        return 0.0
+    if len({n for n, _ in usable}) < 2:
+        return None
+    xs = [math.log(n) for n, _ in usable]
+    ys = [math.log(y) for _, y in usable]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return round(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 2)
+
+
+def growth(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (operation, method) and figure (`GROWTH`), the exponent b of a least-squares fit
+    figure = a * ranks**b over the world sizes measured (0: flat; 1: linear in the ranks;
+    None: fewer than two world sizes), and the figure at the largest world size."""
     fits = []
-    figures = (("collectives", "max"), ("received", "max"), ("store_ops", "max"), ("sockets", "max"))
-    keys = sorted({(r["op"], r["method"]) for result in results for r in result["rows"]}, key=lambda k: (OPS.index(k[0]), k[1]))
+    keys = sorted(
+        {(r["op"], r["method"]) for result in results for r in result["rows"]}, key=lambda k: (OPS.index(k[0]), k[1])
+    )
     for op, method in keys:
         entry: dict[str, Any] = {"op": op, "method": method}
-        for figure, _ in figures:
-            points = []
-            for result in results:
-                for row in result["rows"]:
-                    if (row["op"], row["method"]) == (op, method):
-                        points.append((result["world"], max(r[figure] for r in row["ranks"])))
-            usable = [(n, y) for n, y in points if y > 0]
-            if len(usable) >= 2:
-                xs = [math.log(n) for n, _ in usable]
-                ys = [math.log(y) for _, y in usable]
-                mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-                var = sum((x - mx) ** 2 for x in xs)
-                entry[figure] = round(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 2) if var else 0.0
-            else:
-                entry[figure] = 0.0
+        for figure, key, which in GROWTH:
+            points = [
+                (result["world"], _figure(row["ranks"], key, which))
+                for result in results
+                for row in result["rows"]
+                if (row["op"], row["method"]) == (op, method)
+            ]
+            entry[figure] = exponent(points)
+            entry[f"{figure} at {max(n for n, _ in points)}"] = max(points)[1]
         fits.append(entry)
     return fits
 
 
-__all__ = ["OPS", "growth", "make_state", "markdown", "measure", "rank_scale"]
+__all__ = ["OPS", "exponent", "growth", "make_state", "markdown", "measure", "rank_scale"]

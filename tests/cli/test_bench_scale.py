@@ -171,3 +171,21 @@ def test_real_ranks_count_every_operation_of_both_methods(capsys):
     ]
     table = captured.err[captured.err.index("| ranks |") :].split("\n\n")[0].splitlines()
     assert len(table) == 2 + 12 and all(line.startswith("| 2 | ") for line in table[2:])
+
+
+@pytest.mark.parametrize(
+    "points, expected",
+    [
+        ([(2, 8), (4, 8), (8, 8)], 0.0),
+        ([(2, 3), (4, 6), (16, 24)], 1.0),
+        ([(2, 4), (4, 16), (8, 64)], 2.0),
+        ([(2, 0), (8, 0)], 0.0),
+        ([(2, 0), (4, 5), (8, 10)], 1.0),  # a zero is left out of the log fit
+        ([(4, 7)], None),
+    ],
+    ids=["flat", "linear", "quadratic", "all-zero", "zero-left-out", "one-point"],
+)
+def test_growth_exponent(points, expected):
+    from ckptlib.bench import scale_ranks
+
+    assert scale_ranks.exponent(points) == expected
