@@ -134,8 +134,9 @@ class _CountingChunks(list):
 
 
 def _plan_of_many_chunks(saved: int) -> dict:
-    """Rank body (2 ranks): `local_load_plan` of a DTensor Shard(0) whose checkpoint has
-    `saved` row chunks: its reads, and how many saved chunks the plan touched."""
+    """Rank body (2 ranks): `local_load_plan` of DTensors Shard(0) of one shape: "w" saved in
+    `saved` row chunks, "v" in 8, "u" in `saved` again: their reads (DCP's, exactly), and how
+    many saved chunks of "w" the plan touched."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.metadata import Metadata
     from torch.distributed.device_mesh import init_device_mesh
@@ -146,23 +147,34 @@ def _plan_of_many_chunks(saved: int) -> dict:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,))
     rows = 2 * saved
-    local = torch.zeros(rows // 2, 3)
-    state = {"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(rows, 3), stride=(3, 1))}
+    state = {
+        name: DTensor.from_local(torch.zeros(rows // 2, 3), mesh, [Shard(0)], run_check=False, shape=(rows, 3), stride=(3, 1))
+        for name in ("w", "v", "u")
+    }
     chunks = _CountingChunks(_rows(rows, saved, (3,)))
-    metadata = Metadata(state_dict_metadata={"w": _md((rows, 3), chunks)})
+    layouts = {"w": chunks, "v": _rows(rows, 8, (3,)), "u": _rows(rows, saved, (3,))}
+    metadata = Metadata(state_dict_metadata={name: _md((rows, 3), c) for name, c in layouts.items()})
     _CountingChunks.reads = 0
-    items = local_load_plan(state, metadata, True).items
+    items = local_load_plan({"w": state["w"]}, metadata, True).items
     touched = _CountingChunks.reads
-    expected = create_read_items_for_chunk_list("w", _md((rows, 3), list(chunks)), [_chunk((rank * saved, 0), (saved, 3))])
-    return {"same": _exact(items) == _exact(expected), "reads": len(items), "touched": touched}
+    local = [_chunk((rank * saved, 0), (saved, 3))]
+    expected = {name: create_read_items_for_chunk_list(name, _md((rows, 3), list(c)), local) for name, c in layouts.items()}
+    every = local_load_plan(state, metadata, True).items  # "u" reuses the reads of "w" (same layout), "v" cannot
+    return {
+        "same": _exact(items) == _exact(expected["w"]),
+        "all same": _exact(every) == _exact(expected["w"] + expected["v"] + expected["u"]),
+        "reads": len(items),
+        "touched": touched,
+    }
 
 
 def test_local_load_plan_touches_the_chunks_it_reads_not_every_chunk():
     """Each of 2 ranks reads half of 4,096 saved chunks: the plan touches each chunk it reads
     at most 4 times and no other (before: 20,481 touches, every chunk 5 times, the template key
-    and DCP's sweep over every chunk)."""
+    and DCP's sweep over every chunk); tensors of one shape saved in other chunks get their own
+    reads, those saved alike reuse them."""
     from ckptlib.testing import launch
 
-    for result in launch(2, _plan_of_many_chunks, 4096, timeout=120):
-        assert result["same"] and result["reads"] == 2048
+    for result in launch(2, _plan_of_many_chunks, 4096, timeout=180):
+        assert result["same"] and result["all same"] and result["reads"] == 2048
         assert result["touched"] <= 4 * 2048 + 64  # the walk back, the key (offsets, sizes), the narrowed list
