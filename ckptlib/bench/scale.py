@@ -25,14 +25,16 @@ ranks (the exponent b of count = a * ranks**b).
 
 Run: ckpt bench scale [--worlds 8,64,512,4096] [--tensors 1000,10000,100000]
                       [--max-chunks N] [--dcp-max-chunks N] [--traced-max-chunks N] [--s3] [--json]
-                      [--from-json IN] [--plot OUT.png] [--markdown OUT.md]
+                      [--from-json IN] [--plot OUT.png] [--markdown OUT.md] [--load-plan-only]
      ckpt bench scale --ranks 2,4,8,16 [--layers 12] [--hidden 64] [--json] [--markdown OUT.md]
 
 Cells with more than --max-chunks chunks (world x tensors) are skipped (reported as such);
 DCP's planner is timed only up to --dcp-max-chunks (its overlap check is quadratic in the
 world size for wide tensors), the tracemalloc pass only up to --traced-max-chunks. Every row
 also has the child's peak resident memory over the whole cell (`process_peak_mib`: the
-ranks' simulated payloads, both saves, rank 0's open and one rank's load plan).
+ranks' simulated payloads, both saves, rank 0's open and one rank's load plan). With
+--load-plan-only a cell is only one rank's load plan, through ckptlib and DCP, on the cell's
+`.metadata` built in memory (no save: cells far larger than a whole save fits).
 
 Prints one line per cell as it is measured (key=value pairs, or one JSON object with --json);
 --markdown and --plot write the grid as a table and as log-log curves.
@@ -51,10 +53,13 @@ from ckptlib.bench import counted, help_description
 
 
 def _child(conn, world: int, tensors: int, dcp_max_chunks: int, traced_max_chunks: int) -> None:
-    from ckptlib.bench.scale_cell import measure_cell  # torch: not needed for --help
+    from ckptlib.bench.scale_cell import measure_cell, measure_load_plan  # torch: not needed for --help
 
     try:
-        conn.send(measure_cell(world, tensors, dcp_max_chunks, traced_max_chunks))
+        if traced_max_chunks < 0:  # --load-plan-only
+            conn.send(measure_load_plan(world, tensors))
+        else:
+            conn.send(measure_cell(world, tensors, dcp_max_chunks, traced_max_chunks))
     except BaseException as exc:  # reported in the row, the grid goes on
         conn.send({"world": world, "tensors": tensors, "error": f"{type(exc).__name__}: {exc}"})
 
@@ -132,7 +137,7 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = sorted((r for r in rows if "chunks" in r), key=lambda r: r["chunks"])
+    rows = sorted((r for r in rows if "metadata_bytes" in r), key=lambda r: r["chunks"])
     worlds = sorted({r["world"] for r in rows})
     markers = dict(zip(worlds, "osD^v<>p*h"))
     fig, axes = plt.subplots(2, 3, figsize=(17, 9))
@@ -183,6 +188,8 @@ def markdown(rows: list[dict]) -> list[str]:
         "| one rank: unpickle s / load plan s: ckptlib / DCP | cell's peak MiB |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    plans_only = [r for r in rows if "chunks" in r and "metadata_bytes" not in r]
+    rows = [r for r in rows if r not in plans_only]
     for r in rows:
         if "chunks" not in r:
             why = r.get("skipped") or r.get("error")
@@ -200,6 +207,14 @@ def markdown(rows: list[dict]) -> list[str]:
             f"| {_g(r, 'rank_metadata_unpickle_s')} / {_g(r, 'rank_load_plan_s')} / {_g(r, 'rank_load_plan_dcp_s')} "
             f"| {_g(r, 'process_peak_mib', '.0f')} |"
         )
+    if plans_only:  # --load-plan-only cells
+        out += ["", "| world | tensors | chunks | one rank's load plan s: ckptlib / DCP | reads | peak MiB |"]
+        out.append("|---:|---:|---:|---:|---:|---:|")
+        for r in plans_only:
+            out.append(
+                f"| {r['world']} | {r['tensors']:,} | {r['chunks']:,} | {_g(r, 'rank_load_plan_s')} "
+                f"/ {_g(r, 'rank_load_plan_dcp_s')} | {r['rank_reads']} | {_g(r, 'process_peak_mib', '.0f')} |"
+            )
     return out
 
 
@@ -272,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the tracemalloc pass (Python objects at the peak, a third save) only up to this many chunks",
     )
     parser.add_argument(
+        "--load-plan-only",
+        action="store_true",
+        help="per cell only one rank's load plan (ckptlib's and DCP's) on metadata built in memory, no save",
+    )
+    parser.add_argument(
         "--s3",
         action="store_true",
         help="also count S3 requests of real saves/loads at 1, 2, 4 ranks (moto) and print the formula",
@@ -308,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                 if world * tensors > args.max_chunks:
                     emit({"world": world, "tensors": tensors, "skipped": f"{world * tensors:,} chunks > --max-chunks"})
                 else:
-                    emit(measure(world, tensors, args.dcp_max_chunks, args.traced_max_chunks))
+                    emit(measure(world, tensors, args.dcp_max_chunks, -1 if args.load_plan_only else args.traced_max_chunks))
         if args.s3:
             from ckptlib.bench import s3_requests
 

@@ -203,6 +203,42 @@ def load_plan(storage: MemoryStorage, names: list[str], rank: int, planner: str 
     )
 
 
+def measure_load_plan(world: int, tensors: int) -> dict:
+    """One rank's load plan alone (no save): the `.metadata` of the cell's layout built in
+    memory (each tensor's chunks, one per rank), then the last rank's reads of every tensor
+    through ckptlib's `chunk_index` and DCP's function; the process's peak resident memory."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    names = tensor_names(tensors)
+    props = TensorProperties(dtype=torch.float32)
+    with gc_paused():
+        metadata = Metadata(
+            state_dict_metadata={
+                name: TensorStorageMetadata(
+                    properties=props,
+                    size=torch.Size([world * ROWS_PER_RANK, cols(world, i)]),
+                    chunks=[chunk(rank, cols(world, i)) for rank in range(world)],
+                )
+                for i, name in enumerate(names)
+            }
+        )
+    timings = {}
+    for planner in ("ckptlib", "dcp"):
+        started = time.perf_counter()
+        count = load_plan(None, names, world - 1, planner, metadata)  # type: ignore[arg-type]
+        timings[planner] = (time.perf_counter() - started, count)
+    return {
+        "world": world,
+        "tensors": tensors,
+        "chunks": world * tensors,
+        "rank_load_plan_s": round(timings["ckptlib"][0], 4),
+        "rank_load_plan_dcp_s": round(timings["dcp"][0], 4),
+        "rank_reads": timings["ckptlib"][1],
+        "rank_reads_dcp": timings["dcp"][1],
+        "process_peak_mib": round(_rss()[1] / 2**20, 1),
+    }
+
+
 def _rss() -> tuple[int, int]:
     """(current, peak) resident bytes of this process; the peak resets with `_reset_peak`."""
     with open("/proc/self/status") as f:
@@ -302,4 +338,4 @@ def measure_cell(world: int, tensors: int, dcp_max_chunks: int, traced_max_chunk
     }
 
 
-__all__ = ["MemoryStorage", "coordinator_save", "measure_cell", "open_for_load", "rank_plan", "rank_results"]
+__all__ = ["MemoryStorage", "coordinator_save", "measure_cell", "measure_load_plan", "open_for_load", "rank_plan", "rank_results"]

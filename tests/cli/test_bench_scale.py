@@ -191,3 +191,18 @@ def test_growth_exponent(points, expected):
     from ckptlib.bench import scale_ranks
 
     assert scale_ranks.exponent(points) == expected
+
+
+def test_load_plan_only_cells_read_one_chunk_per_tensor_both_ways(tmp_path, capsys):
+    args = ["bench", "scale", "--load-plan-only", "--worlds", "4,16", "--tensors", "3", "--json"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["world"], r["chunks"], r["rank_reads"], r["rank_reads_dcp"]) for r in rows] == [(4, 12, 3, 3), (16, 48, 3, 3)]
+    assert all(r["process_peak_mib"] > 0 and "metadata_bytes" not in r for r in rows)
+    saved = tmp_path / "plans.jsonl"
+    saved.write_text(out)
+    table = tmp_path / "plans.md"
+    assert cli.main(["bench", "scale", "--from-json", str(saved), "--markdown", str(table)]) == 0
+    lines = table.read_text().splitlines()
+    assert lines[-2].startswith("| 4 | 3 | 12 | ") and lines[-1].startswith("| 16 | 3 | 48 | ")
