@@ -215,7 +215,11 @@ def difference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 
     def counts(key: str) -> dict[str, int]:
         keys = set(before[key]) | set(after[key])
-        return {k: after[key].get(k, 0) - before[key].get(k, 0) for k in sorted(keys) if after[key].get(k, 0) != before[key].get(k, 0)}
+        return {
+            k: after[key].get(k, 0) - before[key].get(k, 0)
+            for k in sorted(keys)
+            if after[key].get(k, 0) != before[key].get(k, 0)
+        }
 
     calls, store = counts("collectives"), counts("store")
     return {

@@ -328,7 +328,11 @@ def main(argv: list[str] | None = None) -> int:
                 if world * tensors > args.max_chunks:
                     emit({"world": world, "tensors": tensors, "skipped": f"{world * tensors:,} chunks > --max-chunks"})
                 else:
-                    emit(measure(world, tensors, args.dcp_max_chunks, -1 if args.load_plan_only else args.traced_max_chunks))
+                    emit(
+                        measure(
+                            world, tensors, args.dcp_max_chunks, -1 if args.load_plan_only else args.traced_max_chunks
+                        )
+                    )
         if args.s3:
             from ckptlib.bench import s3_requests
 

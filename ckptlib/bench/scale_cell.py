@@ -338,4 +338,12 @@ def measure_cell(world: int, tensors: int, dcp_max_chunks: int, traced_max_chunk
     }
 
 
-__all__ = ["MemoryStorage", "coordinator_save", "measure_cell", "measure_load_plan", "open_for_load", "rank_plan", "rank_results"]
+__all__ = [
+    "MemoryStorage",
+    "coordinator_save",
+    "measure_cell",
+    "measure_load_plan",
+    "open_for_load",
+    "rank_plan",
+    "rank_results",
+]

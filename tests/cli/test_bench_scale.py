@@ -128,7 +128,11 @@ def test_counters_count_calls_payload_bytes_groups_and_store_operations():
     world = 3
     out = launch(world, _known_collectives, timeout=180)
     for rank, r in enumerate(out):
-        assert r["collectives"]["by_collective"] == {"all_gather_object": 1, "all_reduce": 1, "broadcast_object_list": 1}
+        assert r["collectives"]["by_collective"] == {
+            "all_gather_object": 1,
+            "all_reduce": 1,
+            "broadcast_object_list": 1,
+        }
         assert r["collectives"]["collectives"] == 3
         assert r["collectives"]["groups"] == 0 and r["collectives"]["store_ops"] == 0  # collectives: no store
         broadcast, gathered = r["sizes"][0], r["sizes"][1:]
@@ -198,7 +202,10 @@ def test_load_plan_only_cells_read_one_chunk_per_tensor_both_ways(tmp_path, caps
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     rows = [json.loads(line) for line in out.splitlines()]
-    assert [(r["world"], r["chunks"], r["rank_reads"], r["rank_reads_dcp"]) for r in rows] == [(4, 12, 3, 3), (16, 48, 3, 3)]
+    assert [(r["world"], r["chunks"], r["rank_reads"], r["rank_reads_dcp"]) for r in rows] == [
+        (4, 12, 3, 3),
+        (16, 48, 3, 3),
+    ]
     assert all(r["process_peak_mib"] > 0 and "metadata_bytes" not in r for r in rows)
     saved = tmp_path / "plans.jsonl"
     saved.write_text(out)

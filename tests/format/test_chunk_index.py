@@ -50,7 +50,11 @@ LAYOUTS = {
     "rows-3-to-8": ((24, 5), _rows(24, 3), [[c] for c in _rows(24, 8)]),
     "rows-uneven-with-empty": ((10, 5), _rows(10, 4), [[c] for c in _rows(10, 3)]),
     "rows-1d": ((64,), _rows(64, 16, ()), [[c] for c in _rows(64, 5, ())]),
-    "columns": ((6, 32), [_chunk((0, 4 * j), (6, 4)) for j in range(8)], [[_chunk((0, 8 * j), (6, 8))] for j in range(4)]),
+    "columns": (
+        (6, 32),
+        [_chunk((0, 4 * j), (6, 4)) for j in range(8)],
+        [[_chunk((0, 8 * j), (6, 8))] for j in range(4)],
+    ),
     "grid-2x4-to-rows": ((8, 16), _grid(8, 16, 2, 4), [[c] for c in _rows(8, 4, (16,))]),
     "grid-2x4-to-4x2": ((8, 16), _grid(8, 16, 2, 4), [[c] for c in _grid(8, 16, 4, 2)]),
     "two-local-chunks": ((32, 4), _rows(32, 8, (4,)), [[_chunk((0, 0), (4, 4)), _chunk((20, 0), (9, 4))]]),
@@ -148,7 +152,9 @@ def _plan_of_many_chunks(saved: int) -> dict:
     mesh = init_device_mesh("cpu", (2,))
     rows = 2 * saved
     state = {
-        name: DTensor.from_local(torch.zeros(rows // 2, 3), mesh, [Shard(0)], run_check=False, shape=(rows, 3), stride=(3, 1))
+        name: DTensor.from_local(
+            torch.zeros(rows // 2, 3), mesh, [Shard(0)], run_check=False, shape=(rows, 3), stride=(3, 1)
+        )
         for name in ("w", "v", "u")
     }
     chunks = _CountingChunks(_rows(rows, saved, (3,)))
@@ -158,7 +164,9 @@ def _plan_of_many_chunks(saved: int) -> dict:
     items = local_load_plan({"w": state["w"]}, metadata, True).items
     touched = _CountingChunks.reads
     local = [_chunk((rank * saved, 0), (saved, 3))]
-    expected = {name: create_read_items_for_chunk_list(name, _md((rows, 3), list(c)), local) for name, c in layouts.items()}
+    expected = {
+        name: create_read_items_for_chunk_list(name, _md((rows, 3), list(c)), local) for name, c in layouts.items()
+    }
     every = local_load_plan(state, metadata, True).items  # "u" reuses the reads of "w" (same layout), "v" cannot
     return {
         "same": _exact(items) == _exact(expected["w"]),

@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from ckptlib._torch import dcp_shims, probes
 from ckptlib.format.native.plan_codec import KNOWN_FIELDS, new_dataclass, placements_key
-from ckptlib.format.read import chunk_index
 from ckptlib.format.native.safe_pickle import load_object
+from ckptlib.format.read import chunk_index
 
 
 def _read_item_like(template: ReadItem, fqn: str) -> ReadItem:
