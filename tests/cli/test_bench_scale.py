@@ -144,7 +144,9 @@ def test_counters_count_calls_payload_bytes_groups_and_store_operations():
             assert r["collectives"]["sent"] == gathered[rank] + 40
             assert r["collectives"]["received"] == broadcast + others + 40
         assert r["group"]["groups"] == 1 and r["group"]["collectives"] == 0
-        assert r["group"]["store_ops"] > 0  # gloo's rendezvous of the new group, through the counting store
+        # gloo's rendezvous of the new group, through the counting store: its address set, the peers' awaited and read
+        assert {"set", "wait", "get"} <= set(r["group"]["by_store_op"])
+        assert r["group"]["store_ops"] == sum(r["group"]["by_store_op"].values())
         assert r["group"]["sockets_added"] >= world - 1  # its connections to the other ranks
         assert r["group"]["sockets"] >= r["group"]["sockets_added"]
 
