@@ -18,7 +18,8 @@
   against remote restores, and the step slowdown of every-step saves to an in-memory tier.
 - `ckpt bench scale` (`scale`, with `s3_requests`): coordinator planning time and memory and
   record sizes at simulated world sizes (one cell each: `scale_cell`); S3 request counts of
-  real saves and loads.
+  real saves and loads; with `--ranks`, real gloo ranks (`scale_ranks`): each operation's
+  collectives, bytes, groups, store operations and sockets, counted by `dist_counters`.
 - run as `python -m ckptlib.bench.NAME`: `launch_speed` (the distributed test harness against
   fresh spawns; needs a source checkout), `small_items` (per-item cost of small tensors),
   `s3_requests`, `storage_clients` (the cloud SDKs against obstore), `gpu_async` (on one GPU:

@@ -16,17 +16,30 @@ With --s3 it also counts the S3 requests (LIST, HEAD, GET, PUT, multipart) of a 
 `ckptlib.save` and `ckptlib.load` of a small state at 1, 2 and 4 ranks against a moto
 server, and prints them next to the formula (`ckptlib.bench.s3_requests`) for every world size.
 
+With --ranks 2,4,8,16 it measures real ranks instead (`ckptlib.bench.scale_ranks`): per
+operation (save, load, async save, each twice) and rank, ckptlib against plain DCP in the same
+launch of gloo ranks, the collectives, payload bytes sent and received, process groups
+created, store operations, sockets and threads, of a 12-layer transformer-shaped state with
+its optimizer state (DTensors); the table, then the fitted growth of each figure with the
+ranks (the exponent b of count = a * ranks**b).
+
 Run: ckpt bench scale [--worlds 8,64,512,4096] [--tensors 1000,10000,100000]
-                      [--max-chunks N] [--dcp-max-chunks N] [--s3] [--json]
-                      [--from-json IN] [--plot OUT.png] [--markdown OUT.md]
+                      [--max-chunks N] [--dcp-max-chunks N] [--traced-max-chunks N] [--s3] [--json]
+                      [--from-json IN] [--plot OUT.png] [--markdown OUT.md] [--load-plan-only]
+     ckpt bench scale --ranks 2,4,8,16 [--layers 12] [--hidden 64] [--json] [--markdown OUT.md]
 
 Cells with more than --max-chunks chunks (world x tensors) are skipped (reported as such);
 DCP's planner is timed only up to --dcp-max-chunks (its overlap check is quadratic in the
-world size for wide tensors).
+world size for wide tensors), the tracemalloc pass only up to --traced-max-chunks. Every row
+also has the child's peak resident memory over the whole cell (`process_peak_mib`: the
+ranks' simulated payloads, both saves, rank 0's open and one rank's load plan). With
+--load-plan-only a cell is only one rank's load plan, through ckptlib and DCP, on the cell's
+`.metadata` built in memory (no save: cells far larger than a whole save fits).
 
 Prints one line per cell as it is measured (key=value pairs, or one JSON object with --json);
 --markdown and --plot write the grid as a table and as log-log curves.
-Exit status: 0 (a cell that could not be measured says why in its row), 2 usage error.
+Exit status: 0 (a cell that could not be measured says why in its row), 1 when a real-rank
+load did not return exactly the values saved, 2 usage error.
 """
 
 from __future__ import annotations
@@ -39,20 +52,23 @@ import sys
 from ckptlib.bench import counted, help_description
 
 
-def _child(conn, world: int, tensors: int, dcp_max_chunks: int) -> None:
-    from ckptlib.bench.scale_cell import measure_cell  # torch: not needed for --help
+def _child(conn, world: int, tensors: int, dcp_max_chunks: int, traced_max_chunks: int) -> None:
+    from ckptlib.bench.scale_cell import measure_cell, measure_load_plan  # torch: not needed for --help
 
     try:
-        conn.send(measure_cell(world, tensors, dcp_max_chunks))
+        if traced_max_chunks < 0:  # --load-plan-only
+            conn.send(measure_load_plan(world, tensors))
+        else:
+            conn.send(measure_cell(world, tensors, dcp_max_chunks, traced_max_chunks))
     except BaseException as exc:  # reported in the row, the grid goes on
         conn.send({"world": world, "tensors": tensors, "error": f"{type(exc).__name__}: {exc}"})
 
 
-def measure(world: int, tensors: int, dcp_max_chunks: int = 0) -> dict:
+def measure(world: int, tensors: int, dcp_max_chunks: int = 0, traced_max_chunks: int = 300_000) -> dict:
     """One cell, in a forked child (its peak RSS is the cell's alone; memory is freed after)."""
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child, world, tensors, dcp_max_chunks))
+    proc = ctx.Process(target=_child, args=(child, world, tensors, dcp_max_chunks, traced_max_chunks))
     proc.start()
     child.close()
     try:
@@ -102,7 +118,9 @@ PANELS = (  # (title, y label, [(key, label)], whether the quantity grows with t
         "seconds",
         [
             ("coordinator_open_s", "rank 0: open (parse + check + broadcast pickle)"),
-            ("rank_load_plan_s", "one rank: its load plan"),
+            ("rank_metadata_unpickle_s", "one rank: unpickle the metadata"),
+            ("rank_load_plan_s", "one rank: its load plan (ckptlib)"),
+            ("rank_load_plan_dcp_s", "one rank: its load plan (DCP's function)"),
         ],
         True,
     ),
@@ -119,7 +137,7 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = sorted((r for r in rows if "chunks" in r), key=lambda r: r["chunks"])
+    rows = sorted((r for r in rows if "metadata_bytes" in r), key=lambda r: r["chunks"])
     worlds = sorted({r["world"] for r in rows})
     markers = dict(zip(worlds, "osD^v<>p*h"))
     fig, axes = plt.subplots(2, 3, figsize=(17, 9))
@@ -166,13 +184,16 @@ def markdown(rows: list[dict]) -> list[str]:
     out = [
         "| world | tensors | chunks | coordinator plan s: first / second save | second / first "
         "| global plan s: ckptlib / DCP | peak MiB | bytes per chunk: RSS / objects / cached "
-        "| .metadata MB | manifest MB | rank 0 open s | open us per chunk | one rank's load plan s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| .metadata MB | manifest MB | rank 0 open s | open us per chunk "
+        "| one rank: unpickle s / load plan s: ckptlib / DCP | cell's peak MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    plans_only = [r for r in rows if "chunks" in r and "metadata_bytes" not in r]
+    rows = [r for r in rows if r not in plans_only]
     for r in rows:
         if "chunks" not in r:
             why = r.get("skipped") or r.get("error")
-            out.append(f"| {r['world']} | {r['tensors']:,} | {r['world'] * r['tensors']:,} | {why} ||||||||||")
+            out.append(f"| {r['world']} | {r['tensors']:,} | {r['world'] * r['tensors']:,} | {why} |||||||||||")
             continue
         dcp = "not run" if r.get("global_plan_dcp_s") is None else f"{r['global_plan_dcp_s']:.3g}"
         out.append(
@@ -182,8 +203,18 @@ def markdown(rows: list[dict]) -> list[str]:
             f"| {_g(r, 'bytes_per_chunk', ',')} / {_g(r, 'traced_bytes_per_chunk', ',')} "
             f"/ {_g(r, 'cached_bytes_per_chunk', ',')} "
             f"| {r['metadata_bytes'] / 1e6:.3g} | {r['manifest_bytes'] / 1e6:.3g} "
-            f"| {_g(r, 'coordinator_open_s')} | {_g(r, 'open_us_per_chunk')} | {_g(r, 'rank_load_plan_s')} |"
+            f"| {_g(r, 'coordinator_open_s')} | {_g(r, 'open_us_per_chunk')} "
+            f"| {_g(r, 'rank_metadata_unpickle_s')} / {_g(r, 'rank_load_plan_s')} / {_g(r, 'rank_load_plan_dcp_s')} "
+            f"| {_g(r, 'process_peak_mib', '.0f')} |"
         )
+    if plans_only:  # --load-plan-only cells
+        out += ["", "| world | tensors | chunks | one rank's load plan s: ckptlib / DCP | reads | peak MiB |"]
+        out.append("|---:|---:|---:|---:|---:|---:|")
+        for r in plans_only:
+            out.append(
+                f"| {r['world']} | {r['tensors']:,} | {r['chunks']:,} | {_g(r, 'rank_load_plan_s')} "
+                f"/ {_g(r, 'rank_load_plan_dcp_s')} | {r['rank_reads']} | {_g(r, 'process_peak_mib', '.0f')} |"
+            )
     return out
 
 
@@ -196,6 +227,33 @@ def _counts(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return values
+
+
+def _real_ranks(args: argparse.Namespace) -> int:
+    """`--ranks`: one launch per world size; the table (stderr with --json, whose lines are
+    one object per world size, then one with the fitted growth) and the growth."""
+    from ckptlib.bench import scale_ranks
+
+    results = []
+    out = sys.stderr if args.json else sys.stdout
+    for world in args.ranks:
+        print(f"[bench scale] {counted(world, 'rank')}", file=sys.stderr, flush=True)
+        result = scale_ranks.measure(world, args.layers, args.hidden, args.timeout)
+        results.append(result)
+        if args.json:
+            print(json.dumps(result), flush=True)
+    table = scale_ranks.markdown(results)
+    fits = scale_ranks.growth(results)
+    print(table, file=out)
+    print("\ngrowth with the ranks (b of count = a * ranks**b; max over ranks):", file=out)
+    for fit in fits:
+        print("  " + "  ".join(f"{k}={v}" for k, v in fit.items()), file=out)
+    if args.json:
+        print(json.dumps({"growth": fits}), flush=True)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    return 0 if all(r["ok"] for r in results) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,15 +281,37 @@ def main(argv: list[str] | None = None) -> int:
         help="time DCP's own DefaultSavePlanner only up to this many chunks",
     )
     parser.add_argument(
+        "--traced-max-chunks",
+        type=int,
+        default=300_000,
+        help="the tracemalloc pass (Python objects at the peak, a third save) only up to this many chunks",
+    )
+    parser.add_argument(
+        "--load-plan-only",
+        action="store_true",
+        help="per cell only one rank's load plan (ckptlib's and DCP's) on metadata built in memory, no save",
+    )
+    parser.add_argument(
         "--s3",
         action="store_true",
         help="also count S3 requests of real saves/loads at 1, 2, 4 ranks (moto) and print the formula",
     )
+    parser.add_argument(
+        "--ranks",
+        type=_counts,
+        help="real gloo ranks instead of the simulated grid: count each operation's collectives, bytes, "
+        "groups, store operations and sockets per rank, ckptlib against DCP (e.g. 2,4,8,16)",
+    )
+    parser.add_argument("--layers", type=int, default=12, help="--ranks: transformer layers of the state (default 12)")
+    parser.add_argument("--hidden", type=int, default=64, help="--ranks: width of the state (default 64)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="--ranks: seconds per launch of ranks")
     parser.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
     parser.add_argument("--from-json", metavar="IN", help="no measuring: read the rows of an earlier --json run")
     parser.add_argument("--plot", metavar="OUT.png", help="write the curves as a PNG (needs matplotlib)")
     parser.add_argument("--markdown", metavar="OUT.md", help="write the grid as a markdown table")
     args = parser.parse_args(argv)
+    if args.ranks:
+        return _real_ranks(args)
     worlds = args.worlds
     rows: list[dict] = []
 
@@ -248,7 +328,11 @@ def main(argv: list[str] | None = None) -> int:
                 if world * tensors > args.max_chunks:
                     emit({"world": world, "tensors": tensors, "skipped": f"{world * tensors:,} chunks > --max-chunks"})
                 else:
-                    emit(measure(world, tensors, args.dcp_max_chunks))
+                    emit(
+                        measure(
+                            world, tensors, args.dcp_max_chunks, -1 if args.load_plan_only else args.traced_max_chunks
+                        )
+                    )
         if args.s3:
             from ckptlib.bench import s3_requests
 

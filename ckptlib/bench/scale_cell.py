@@ -9,7 +9,9 @@ plan, `CkptWriter.prepare_global_plan` and the scatter's pickles, the gathered r
 `CkptWriter.finish` (`.metadata` and the manifest, through a real `SaveTransaction` on an
 in-memory storage). The second save reuses the first one's plans (`format.plan_cache`: every
 rank sends an empty plan) as a save of an unchanged state does. Rank 0's open is
-`open_checkpoint` on the files written, plus pickling what `decide_on_rank0` broadcasts.
+`open_checkpoint` on the files written, plus pickling what `decide_on_rank0` broadcasts. One
+rank's load: unpickling `.metadata` (what every rank does with the broadcast), then its reads
+of every tensor through ckptlib's `chunk_index` and, for comparison, DCP's own function.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ckptlib._torch import dcp_shims
 from ckptlib.format.native import plan_codec
 from ckptlib.format.native.layout import open_checkpoint
 from ckptlib.format.native.manifest import FileRecord
+from ckptlib.format.read import chunk_index
 from ckptlib.format.write.dcp_writer import CkptWriter
 from ckptlib.format.write.plan_cache import CachedPlan, PlanCache, PlanReuse
 from ckptlib.format.write.save_planner import CkptSavePlanner
@@ -185,14 +188,55 @@ def open_for_load(storage: MemoryStorage) -> tuple[int, float, float]:
         return len(payload), opened - started, time.perf_counter() - opened
 
 
-def load_plan(storage: MemoryStorage, names: list[str], rank: int) -> int:
-    """One rank's reads for its chunk of every tensor (DCP's resharding path); returns the count."""
-    metadata = pickle.loads(storage.files[".metadata"])
+def load_plan(storage: MemoryStorage, names: list[str], rank: int, planner: str = "ckptlib", metadata=None) -> int:
+    """One rank's reads for its chunk of every tensor (the resharding path, tensor by tensor, no
+    layout reused): through ckptlib's `chunk_index.read_items` (the part of `local_load_plan`
+    that depends on the world size) or DCP's `create_read_items_for_chunk_list`; returns the count."""
+    if metadata is None:
+        with gc_paused():
+            metadata = pickle.loads(storage.files[".metadata"])
+    reads = chunk_index.read_items if planner == "ckptlib" else create_read_items_for_chunk_list
     world = len(metadata.state_dict_metadata[names[0]].chunks)
     return sum(
-        len(create_read_items_for_chunk_list(name, metadata.state_dict_metadata[name], [chunk(rank, cols(world, i))]))
+        len(reads(name, metadata.state_dict_metadata[name], [chunk(rank, cols(world, i))]))
         for i, name in enumerate(names)
     )
+
+
+def measure_load_plan(world: int, tensors: int) -> dict:
+    """One rank's load plan alone (no save): the `.metadata` of the cell's layout built in
+    memory (each tensor's chunks, one per rank), then the last rank's reads of every tensor
+    through ckptlib's `chunk_index` and DCP's function; the process's peak resident memory."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    names = tensor_names(tensors)
+    props = TensorProperties(dtype=torch.float32)
+    with gc_paused():
+        metadata = Metadata(
+            state_dict_metadata={
+                name: TensorStorageMetadata(
+                    properties=props,
+                    size=torch.Size([world * ROWS_PER_RANK, cols(world, i)]),
+                    chunks=[chunk(rank, cols(world, i)) for rank in range(world)],
+                )
+                for i, name in enumerate(names)
+            }
+        )
+    timings = {}
+    for planner in ("ckptlib", "dcp"):
+        started = time.perf_counter()
+        count = load_plan(None, names, world - 1, planner, metadata)  # type: ignore[arg-type]
+        timings[planner] = (time.perf_counter() - started, count)
+    return {
+        "world": world,
+        "tensors": tensors,
+        "chunks": world * tensors,
+        "rank_load_plan_s": round(timings["ckptlib"][0], 4),
+        "rank_load_plan_dcp_s": round(timings["dcp"][0], 4),
+        "rank_reads": timings["ckptlib"][1],
+        "rank_reads_dcp": timings["dcp"][1],
+        "process_peak_mib": round(_rss()[1] / 2**20, 1),
+    }
 
 
 def _rss() -> tuple[int, int]:
@@ -223,8 +267,9 @@ def _second_save(world, names, results, cache: PlanCache) -> tuple[dict, MemoryS
     return timings, storage
 
 
-def measure_cell(world: int, tensors: int, dcp_max_chunks: int) -> dict:
-    """Every figure of one cell (run it in a process of its own: the RSS peak is the cell's)."""
+def measure_cell(world: int, tensors: int, dcp_max_chunks: int, traced_max_chunks: int = 300_000) -> dict:
+    """Every figure of one cell (run it in a process of its own: the RSS peak is the cell's).
+    The tracemalloc pass (a third save, slower) runs only up to `traced_max_chunks` chunks."""
     names = tensor_names(tensors)
     chunks = world * tensors
     plans = [rank_plan(world, names, rank) for rank in range(world)]
@@ -236,13 +281,15 @@ def measure_cell(world: int, tensors: int, dcp_max_chunks: int) -> dict:
     peak = _rss()[1] - rss_before
     second, _ = _second_save(world, names, results, cache)
     # Python objects alive at the peak of a save (tracemalloc: exact, slower), and what the cache holds
-    cache.clear()
-    tracemalloc.start()
-    start = tracemalloc.get_traced_memory()[0]
-    _first_save(world, names, plans, results, cache)
-    traced_peak = tracemalloc.get_traced_memory()[1] - start
-    cached = tracemalloc.get_traced_memory()[0] - start
-    tracemalloc.stop()
+    traced_peak = cached = None
+    if chunks <= traced_max_chunks:
+        cache.clear()
+        tracemalloc.start()
+        start = tracemalloc.get_traced_memory()[0]
+        _first_save(world, names, plans, results, cache)
+        traced_peak = tracemalloc.get_traced_memory()[1] - start
+        cached = tracemalloc.get_traced_memory()[0] - start
+        tracemalloc.stop()
     dcp_s = None
     if chunks <= dcp_max_chunks:
         gathered = [pickle.loads(plan) for plan in plans]
@@ -251,9 +298,18 @@ def measure_cell(world: int, tensors: int, dcp_max_chunks: int) -> dict:
         dcp_s = time.perf_counter() - started
         del gathered
     payload, open_s, broadcast_s = open_for_load(storage)
+    with gc_paused():  # as every rank unpickles what rank 0 broadcasts
+        started = time.perf_counter()
+        metadata = pickle.loads(storage.files[".metadata"])
+        unpickle_s = time.perf_counter() - started
     started = time.perf_counter()
-    reads = load_plan(storage, names, world - 1)
+    reads = load_plan(storage, names, world - 1, "ckptlib", metadata)
     load_plan_s = time.perf_counter() - started
+    started = time.perf_counter()
+    dcp_reads = load_plan(storage, names, world - 1, "dcp", metadata)
+    load_plan_dcp_s = time.perf_counter() - started
+    del metadata
+    process_peak = _rss()[1]  # since the last reset: the first save's start
     return {
         "world": world,
         "tensors": tensors,
@@ -266,16 +322,28 @@ def measure_cell(world: int, tensors: int, dcp_max_chunks: int) -> dict:
         "global_plan_dcp_s": None if dcp_s is None else round(dcp_s, 4),
         "coordinator_peak_mib": round(peak / 2**20, 1),
         "bytes_per_chunk": round(peak / chunks),
-        "traced_bytes_per_chunk": round(traced_peak / chunks),
-        "cached_bytes_per_chunk": round(cached / chunks),
+        "traced_bytes_per_chunk": None if traced_peak is None else round(traced_peak / chunks),
+        "cached_bytes_per_chunk": None if cached is None else round(cached / chunks),
         "metadata_bytes": len(storage.files[".metadata"]),
         "manifest_bytes": len(storage.files["ckptlib.json"]),
         "coordinator_open_s": round(open_s + broadcast_s, 4),
         "open_us_per_chunk": round((open_s + broadcast_s) / chunks * 1e6, 2),
         "broadcast_bytes": payload,
+        "rank_metadata_unpickle_s": round(unpickle_s, 4),
         "rank_load_plan_s": round(load_plan_s, 4),
+        "rank_load_plan_dcp_s": round(load_plan_dcp_s, 4),
         "rank_reads": reads,
+        "rank_reads_dcp": dcp_reads,
+        "process_peak_mib": round(process_peak / 2**20, 1),
     }
 
 
-__all__ = ["MemoryStorage", "coordinator_save", "measure_cell", "open_for_load", "rank_plan", "rank_results"]
+__all__ = [
+    "MemoryStorage",
+    "coordinator_save",
+    "measure_cell",
+    "measure_load_plan",
+    "open_for_load",
+    "rank_plan",
+    "rank_results",
+]

@@ -22,6 +22,8 @@ own options (`ckpt bench --help`, `ckpt bench scale --help`, `ckpt bench tensors
   parallel write and each cloud SDK, every ckptlib figure also as a % of its ceiling.
 - ckpt bench scale [--s3]: planning time and memory, .metadata and manifest sizes at simulated
   world sizes; no ranks spawned; --s3 adds the S3 request counts of real saves and loads on moto.
+  With --ranks 2,4,8,16: real gloo ranks, each operation's collectives, payload bytes, process
+  groups, store operations and sockets per rank, against plain DCP.
 - ckpt bench tensors: save and load of 16 to 10,000 small tensors against raw DCP.
 - ckpt bench tier [--remote s3|dir]: the cluster tier on 2 simulated nodes: a save's blocking
   time against a plain local save, its upload against concurrent SDK uploads of the same files,

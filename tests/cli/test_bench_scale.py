@@ -41,7 +41,7 @@ def test_cli_runs_the_grid_and_skips_cells_over_the_cap(capsys):
     assert [r["chunks"] for r in measured] == [10, 100, 20]
     assert measured[1]["metadata_bytes"] > measured[0]["metadata_bytes"]
     assert measured[1]["manifest_bytes"] > measured[0]["manifest_bytes"]
-    assert [r["rank_reads"] for r in measured] == [5, 50, 5]
+    assert [r["rank_reads"] for r in measured] == [r["rank_reads_dcp"] for r in measured] == [5, 50, 5]
     assert all(r["second_over_first"] > 0 and r["bytes_per_chunk"] > 0 and r["open_us_per_chunk"] > 0 for r in measured)
 
 
@@ -95,3 +95,123 @@ def test_s3_formula(save_world, shard_mib, save_lists, puts, parts):
     assert counts["save"]["PUT"] == puts
     assert counts["save"].get("multipart part") == parts
     assert counts["load"] == {"GET": 2 + save_world, "LIST": 2 + 2 * (save_lists - 1)}
+
+
+def _known_collectives() -> dict:
+    """Rank body: known collectives, a new group and a store round, counted."""
+    import torch
+    import torch.distributed as dist
+
+    from ckptlib.bench import dist_counters, scale_ranks
+
+    scale_ranks._recreate_group_on_counting_store(60.0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    before = dist_counters.snapshot()
+    objs = [{"payload": b"x" * 1000}] if rank == 0 else [None]
+    dist.broadcast_object_list(objs, src=0)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, ("rank", rank, b"y" * (100 * (rank + 1))))
+    dist.all_reduce(torch.ones(10))  # float32: 40 bytes
+    middle = dist_counters.snapshot()
+    dist.new_group(backend="gloo")
+    after = dist_counters.snapshot()
+    return {
+        "collectives": dist_counters.difference(before, middle),
+        "group": dist_counters.difference(middle, after),
+        "sizes": [len(pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)) for o in (objs[0], *gathered)],
+    }
+
+
+def test_counters_count_calls_payload_bytes_groups_and_store_operations():
+    from ckptlib.testing import launch
+
+    world = 3
+    out = launch(world, _known_collectives, timeout=180)
+    for rank, r in enumerate(out):
+        assert r["collectives"]["by_collective"] == {
+            "all_gather_object": 1,
+            "all_reduce": 1,
+            "broadcast_object_list": 1,
+        }
+        assert r["collectives"]["collectives"] == 3
+        assert r["collectives"]["groups"] == 0 and r["collectives"]["store_ops"] == 0  # collectives: no store
+        broadcast, gathered = r["sizes"][0], r["sizes"][1:]
+        others = sum(gathered) - gathered[rank]
+        if rank == 0:  # the root hands the object to each of the 2 other ranks
+            assert r["collectives"]["sent"] == 2 * broadcast + gathered[0] + 40
+            assert r["collectives"]["received"] == others + 40
+        else:
+            assert r["collectives"]["sent"] == gathered[rank] + 40
+            assert r["collectives"]["received"] == broadcast + others + 40
+        assert r["group"]["groups"] == 1 and r["group"]["collectives"] == 0
+        # gloo's rendezvous of the new group, through the counting store: its address set, the peers' awaited and read
+        assert {"set", "wait", "get"} <= set(r["group"]["by_store_op"])
+        assert r["group"]["store_ops"] == sum(r["group"]["by_store_op"].values())
+        assert r["group"]["sockets_added"] >= world - 1  # its connections to the other ranks
+        assert r["group"]["sockets"] >= r["group"]["sockets_added"]
+
+
+def test_real_ranks_count_every_operation_of_both_methods(capsys):
+    """`--ranks 2` at a tiny state: every operation of both methods, every rank, loads bit-exact
+    (the exit code), DCP's sync operations create no group and touch no store."""
+    from ckptlib.bench import scale_ranks
+
+    assert cli.main(["bench", "scale", "--ranks", "2", "--layers", "1", "--hidden", "16", "--json"]) == 0
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    result, fits = lines
+    assert result["world"] == 2 and result["ok"] and result["tensors"] == 3 * 8 + 1
+    assert [(r["op"], r["method"]) for r in result["rows"]] == [
+        (op, method) for method in ("dcp", "ckptlib") for op in scale_ranks.OPS
+    ]
+    for row in result["rows"]:
+        assert len(row["ranks"]) == 2
+        for counts in row["ranks"]:
+            assert counts["collectives"] == sum(counts["by_collective"].values()) > 0
+            assert counts["store_ops"] == sum(counts["by_store_op"].values())
+            assert counts["sockets"] > 0 and counts["threads"] >= 1
+        if row["method"] == "dcp" and not row["op"].startswith("async"):
+            assert all(c["groups"] == 0 and c["store_ops"] == 0 for c in row["ranks"])
+        if row["op"].startswith("load"):
+            assert row["ranks"][1]["received"] > 0  # the rank that is not the coordinator got its plan
+    assert [(f["op"], f["method"]) for f in fits["growth"]] == [
+        (op, method) for op in scale_ranks.OPS for method in ("ckptlib", "dcp")
+    ]
+    table = captured.err[captured.err.index("| ranks |") :].split("\n\n")[0].splitlines()
+    assert len(table) == 2 + 12 and all(line.startswith("| 2 | ") for line in table[2:])
+
+
+@pytest.mark.parametrize(
+    "points, expected",
+    [
+        ([(2, 8), (4, 8), (8, 8)], 0.0),
+        ([(2, 3), (4, 6), (16, 24)], 1.0),
+        ([(2, 4), (4, 16), (8, 64)], 2.0),
+        ([(2, 0), (8, 0)], 0.0),
+        ([(2, 0), (4, 5), (8, 10)], 1.0),  # a zero is left out of the log fit
+        ([(4, 7)], None),
+    ],
+    ids=["flat", "linear", "quadratic", "all-zero", "zero-left-out", "one-point"],
+)
+def test_growth_exponent(points, expected):
+    from ckptlib.bench import scale_ranks
+
+    assert scale_ranks.exponent(points) == expected
+
+
+def test_load_plan_only_cells_read_one_chunk_per_tensor_both_ways(tmp_path, capsys):
+    args = ["bench", "scale", "--load-plan-only", "--worlds", "4,16", "--tensors", "3", "--json"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["world"], r["chunks"], r["rank_reads"], r["rank_reads_dcp"]) for r in rows] == [
+        (4, 12, 3, 3),
+        (16, 48, 3, 3),
+    ]
+    assert all(r["process_peak_mib"] > 0 and "metadata_bytes" not in r for r in rows)
+    saved = tmp_path / "plans.jsonl"
+    saved.write_text(out)
+    table = tmp_path / "plans.md"
+    assert cli.main(["bench", "scale", "--from-json", str(saved), "--markdown", str(table)]) == 0
+    lines = table.read_text().splitlines()
+    assert lines[-2].startswith("| 4 | 3 | 12 | ") and lines[-1].startswith("| 16 | 3 | 48 | ")

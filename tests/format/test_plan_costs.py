@@ -276,15 +276,18 @@ def rank_compare_plans(world: int) -> dict:
     dist.all_gather_object(plans, dcp_plan)
     _, metadata = create_default_global_save_plan(dcp_shims.dedup_save_plans(plans, False))
     target = _flat(_state(world, load_layout=True, stages=True))
-    from ckptlib.format.read import load_planner
+    from ckptlib.format.read import chunk_index, load_planner
 
-    load_asked = []
+    load_asked = []  # every key planned by DCP's local load plan or, for a DTensor, by chunk_index's reads
     real_load = load_planner.create_default_local_load_plan
+    real_reads = chunk_index.read_items
     load_planner.create_default_local_load_plan = lambda sd, *a: load_asked.extend(sd) or real_load(sd, *a)
+    chunk_index.read_items = lambda fqn, *a: load_asked.append(fqn) or real_reads(fqn, *a)
     try:
         ours = local_load_plan(target, metadata, True)
     finally:
         load_planner.create_default_local_load_plan = real_load
+        chunk_index.read_items = real_reads
     dcp_plan = create_default_local_load_plan(target, metadata, True)
     out["load_asked_dcp"] = load_asked
     out["load_keys"] = list(target)

@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from ckptlib._torch import dcp_shims, probes
 from ckptlib.format.native.plan_codec import KNOWN_FIELDS, new_dataclass, placements_key
 from ckptlib.format.native.safe_pickle import load_object
+from ckptlib.format.read import chunk_index
 
 
 def _read_item_like(template: ReadItem, fqn: str) -> ReadItem:
@@ -32,9 +33,10 @@ def _read_item_like(template: ReadItem, fqn: str) -> ReadItem:
 
 def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool) -> LoadPlan:
     """DCP's `create_default_local_load_plan`, asked once per layout: DTensors with the same
-    mesh, placements and shape whose saved chunks are the same reuse its read items (DCP's
-    per-tensor shard arithmetic was a third of a 10,000-tensor load). Every other value, and
-    every error, is DCP's own, key by key."""
+    mesh, placements and shape whose saved chunks this rank reads are the same reuse its read
+    items (DCP's per-tensor shard arithmetic was a third of a 10,000-tensor load). A DTensor's
+    reads cost the saved chunks it reads, not every chunk of the tensor (`chunk_index`: the
+    same read items as DCP's). Every other value, and every error, is DCP's own, key by key."""
     dtensor = probes.dtensor_cls()
     if not KNOWN_FIELDS or dtensor is None:
         return create_default_local_load_plan(state_dict, metadata, strict)
@@ -50,11 +52,18 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool
             if in_mesh.setdefault(id(mesh), mesh.get_coordinate() is not None) is False:
                 continue
             if type(obj.to_local()) is torch.Tensor:
-                chunks = tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
+                local = obj.__create_chunk_list__()
+                picked = chunk_index.candidates(md, local)
+                chunks = tuple((i, tuple(md.chunks[i].offsets), tuple(md.chunks[i].sizes)) for i in picked)
                 key = (id(mesh), placements_key(obj.placements), tuple(obj.shape), chunks)
                 if key in templates:
                     items += [_read_item_like(item, fqn) for item in templates[key]]
                     continue
+                made = chunk_index.read_items(fqn, md, local, picked)
+                if all(type(item) is ReadItem for item in made):
+                    templates[key] = made
+                items += made
+                continue
         made = create_default_local_load_plan({fqn: obj}, metadata, strict).items
         if key is not None and all(type(item) is ReadItem for item in made):
             templates[key] = made
