@@ -39,6 +39,7 @@ CALLS = (
     "sync",
     "create_exclusive",
     "open_writer",
+    "open_new_writer",
     "direct_read_path",
     "read",
     "list",
