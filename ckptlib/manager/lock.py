@@ -234,6 +234,11 @@ class RootLock:
             return None
         return f"its {holder.lease_s:.0f} s lease expired: last {what} {idle:.0f} s ago"
 
+    def stale_reason(self, holder: LockHolder) -> str | None:
+        """Why `holder`'s lock is stale, which the next writer takes over (a crashed job's
+        leftover: its pid gone on this host, or its lease not renewed), None while it holds."""
+        return "that process no longer runs" if holder.is_stale() else self.expired(holder)
+
     def _remove_stale(self, name: str, stale: LockHolder, data: bytes, depth: int = 0) -> None:
         """Delete lock file `name` only if it still names the `stale` holder (compare-and-delete
         by token), under a claim one writer at a time can hold; a claim left by a breaker that
@@ -297,7 +302,7 @@ class RootLock:
                     continue  # released between our attempt and the read: try again
                 if self._join(holder):
                     return
-                why = "that process no longer runs" if holder.is_stale() else self.expired(holder)
+                why = self.stale_reason(holder)
                 if why is not None:
                     warnings.warn(
                         f"{root}: removing a stale lock left by {holder.describe()} ({why})",
@@ -372,7 +377,7 @@ class RootLock:
         holder = self.holder()
         if holder is None or (self.token is not None and holder.token == self.token):
             return
-        if holder.is_stale() or self.expired(holder) is not None or self._sharers(holder):
+        if self.stale_reason(holder) is not None or self._sharers(holder):
             return
         raise self.locked_error(holder)
 

@@ -230,3 +230,59 @@ def test_a_step_this_manager_saved_keeps_the_overwrite_hint(tmp_path):
         mgr.save(1, _state(1))
     mgr.save(1, _state(5), overwrite=True)
     mgr.close()
+
+
+def _other_host_lock(root, age_s: float) -> dict:
+    """The lock of a job on another host (its pid cannot be checked from here), taken `age_s`
+    ago and never renewed since."""
+    import datetime
+
+    created = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=age_s)
+    doc = {
+        "format": "ckptlib-lock",
+        "host": "elsewhere.example",
+        "pid": 7,
+        "start": "1",
+        "token": "0" * 32,
+        "created": created.isoformat(timespec="seconds"),
+        "lease_s": 120.0,
+    }
+    (root / LOCK_NAME).write_text(json.dumps(doc))
+    return doc
+
+
+def test_a_relaunch_takes_over_a_lock_whose_lease_ran_out_on_another_host(tmp_path):
+    """A node lost with the job (nothing renews its lease): the relaunch, anywhere, takes the
+    lock over at its first load once the lease ran out, without anyone running `ckpt unlock`."""
+    root, first = _holding_job(tmp_path)
+    first.close()
+    doc = _other_host_lock(root, age_s=600)
+    mgr = CheckpointManager(root)
+    with pytest.warns(StaleLockWarning) as caught:
+        assert mgr.load(_state(0)) == 1
+    assert [str(w.message) for w in caught] == [
+        f"{root}: removing a stale lock left by pid 7 on host elsewhere.example, since {doc['created']} "
+        "(its 120 s lease expired: last taken 600 s ago)"
+    ]
+    assert mgr.lock_holder().pid == os.getpid()
+    mgr.close()
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000001"]
+
+
+def test_a_relaunch_is_refused_while_another_host_s_job_renews_its_lease(tmp_path):
+    """The old job still runs on another host (its lease is fresh): the relaunch gets
+    LockedError naming it at its first load, and nothing of the root changes."""
+    root, first = _holding_job(tmp_path)
+    first.close()
+    doc = _other_host_lock(root, age_s=0)
+    before = (root / LOCK_NAME).read_bytes()
+    mgr = CheckpointManager(root)
+    with pytest.raises(LockedError) as info:
+        mgr.load(_state(0))
+    assert str(info.value) == (
+        f"{root} is locked by another writer: pid 7 on host elsewhere.example, since {doc['created']} (lock file "
+        f"{root}/{LOCK_NAME}). Two managers must not write one root at once. If that writer is gone, remove the "
+        f"lock with CheckpointManager({str(root)!r}).break_lock() or `ckpt unlock {root}`."
+    )
+    assert (root / LOCK_NAME).read_bytes() == before
+    assert sorted(os.listdir(root)) == [LOCK_NAME, "latest", "step_0000000001"]

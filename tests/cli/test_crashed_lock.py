@@ -1,0 +1,186 @@
+"""A crashed job's leftover lock, everywhere it shows.
+
+A job that ends without release (os._exit, SIGKILL, a node lost) leaves `ckptlib.lock` in its
+root: nothing can remove it at that moment. It is ckptlib's own file and it is stale (its pid
+is gone on this host, or on another host its lease is not renewed): `ckpt ls` shows it as a
+stale lock the next writer takes over; the read-only paths (`ckpt verify`, `inspect`, `export`,
+`manager.steps()`) read the root as it is and leave the lock alone; the next writer (the
+relaunch's first load, `ckpt gc`) takes it over by itself with one warning naming the dead
+holder, and releases it when done. A live holder's lock is never taken over.
+
+Before: `ckpt ls` printed "locked by pid N ..." for a dead job's lock, as for a live one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from ckptlib import CheckpointManager, cli
+from ckptlib.format.native.root import step_dir
+from ckptlib.manager.lock import LEASE_PREFIX, LOCK_NAME, StaleLockWarning
+
+# A job that resumes (taking the root's lock at its first load), saves 1, 2, 3 with keep_last=2
+# and dies without any release.
+CRASHING_JOB = r"""
+import os, sys, torch
+from ckptlib import CheckpointManager
+mgr = CheckpointManager(sys.argv[1], keep_last=2)
+mgr.load({"w": torch.zeros(3)}, fresh_start_ok=True)
+for step in (1, 2, 3):
+    mgr.save(step, {"w": torch.full((3,), float(step))})
+os._exit(3)
+"""
+
+CRASHED = [LOCK_NAME, "latest", step_dir(2), step_dir(3)]
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    """A root a crashed job left, and its lock file's bytes (copied per test)."""
+    root = tmp_path_factory.mktemp("crashed") / "run"
+    done = subprocess.run([sys.executable, "-c", CRASHING_JOB, str(root)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 3, done.stderr
+    assert sorted(os.listdir(root)) == CRASHED  # the job ran seconds: no lease renewal was written
+    return root
+
+
+@pytest.fixture
+def root(crashed, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(crashed, copy, symlinks=True)
+    return copy
+
+
+def _lock(root) -> dict:
+    return json.loads((root / LOCK_NAME).read_text())
+
+
+def _run(capsys, *argv):
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _ls(root, capsys):
+    rc, out, err = _run(capsys, "ls", root)
+    lock = _lock(root)
+    stale = f"stale lock left by pid {lock['pid']} on host {lock['host']}, since {lock['created']}"
+    assert (rc, err, out.splitlines()[-1]) == (0, "", f"{stale} (that process no longer runs): the next writer takes it over")
+    return [line.split()[0] for line in out.splitlines()[1:-1]]
+
+
+def _ls_json(root, capsys):
+    rc, out, err = _run(capsys, "ls", root, "--json")
+    listing = json.loads(out)
+    lock = {k: v for k, v in _lock(root).items() if k != "format"}
+    assert (rc, err, listing["lock"]) == (0, "", {**lock, "stale": "that process no longer runs"})
+    return [s["step"] for s in listing["steps"]]
+
+
+def _verify(root, capsys):
+    rc, out, err = _run(capsys, "verify", root)
+    assert (rc, err) == (0, "") and out.splitlines()[-1] == f"{root}/{step_dir(3)}: OK"
+    return out.splitlines()[-1]
+
+
+def _inspect(root, capsys):
+    rc, out, err = _run(capsys, "inspect", root)
+    assert (rc, err) == (0, "")
+    return [line for line in out.splitlines() if line.startswith("step:")]
+
+
+def _export(root, capsys):
+    out_file = root.parent / "model.safetensors"
+    rc, out, err = _run(capsys, "export", root, out_file, "--no-progress")
+    assert (rc, err) == (0, "")
+    from safetensors.torch import load_file
+
+    return load_file(out_file)["w"].tolist()
+
+
+def _steps(root, capsys):
+    mgr = CheckpointManager(root)  # a job's manager: it reads, and takes no lock before a load
+    try:
+        return mgr.steps(), mgr.latest()
+    finally:
+        mgr.close()
+
+
+READ_ONLY = {
+    "ls": (_ls, ["2", "3"]),
+    "ls-json": (_ls_json, [2, 3]),
+    "verify": (_verify, None),
+    "inspect": (_inspect, ["step:          3"]),
+    "export": (_export, [3.0, 3.0, 3.0]),
+    "manager-steps": (_steps, ([2, 3], 3)),
+}
+
+
+@pytest.mark.parametrize("path", list(READ_ONLY), ids=list(READ_ONLY))
+def test_read_only_paths_read_a_crashed_root_and_leave_its_lock(root, capsys, path):
+    show, expected = READ_ONLY[path]
+    lock_bytes = (root / LOCK_NAME).read_bytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StaleLockWarning)  # nothing read-only breaks a lock
+        got = show(root, capsys)
+    if expected is not None:
+        assert got == expected
+    assert sorted(os.listdir(root)) == CRASHED
+    assert (root / LOCK_NAME).read_bytes() == lock_bytes
+
+
+def test_gc_takes_a_crashed_job_s_lock_over_and_releases_it(root, capsys):
+    lock = _lock(root)
+    rc, out, err = _run(capsys, "gc", root, "--keep-last", "1", "--no-progress")
+    assert (rc, out) == (0, f"removed {root}/{step_dir(2)}\nremoved 1 step directory\n")
+    assert err == (
+        f"ckpt gc: warning: {root}: removing a stale lock left by pid {lock['pid']} on host {lock['host']}, "
+        f"since {lock['created']} (that process no longer runs)\n"
+    )
+    assert sorted(os.listdir(root)) == ["latest", step_dir(3)]
+
+
+def test_gc_dry_run_of_a_crashed_root_removes_nothing(root, capsys):
+    rc, out, err = _run(capsys, "gc", root, "--keep-last", "1", "--dry-run", "--no-progress")
+    assert (rc, out, err) == (0, f"would remove {root}/{step_dir(2)}\nwould remove 1 step directory\n", "")
+    assert sorted(os.listdir(root)) == CRASHED
+
+
+def test_the_relaunch_takes_the_crashed_job_s_lock_over_at_its_first_load(root):
+    lock = _lock(root)
+    mgr = CheckpointManager(root, keep_last=2)
+    state = {"w": torch.zeros(3)}
+    with pytest.warns(StaleLockWarning) as caught:
+        assert mgr.load(state) == 3
+    assert [str(w.message) for w in caught] == [
+        f"{root}: removing a stale lock left by pid {lock['pid']} on host {lock['host']}, since {lock['created']} "
+        "(that process no longer runs)"
+    ]
+    assert torch.equal(state["w"], torch.full((3,), 3.0))
+    now = mgr.lock_holder()
+    assert (now.host, now.pid) == (socket.gethostname(), os.getpid()) and now.token != lock["token"]
+    mgr.save(4, {"w": torch.full((3,), 4.0)})
+    mgr.close()
+    assert sorted(os.listdir(root)) == ["latest", step_dir(3), step_dir(4)]
+
+
+def test_the_crashed_job_s_lease_file_goes_with_its_lock(root):
+    """A job that held the lock past a quarter of its lease left a lease file beside it: the
+    takeover removes both (the lease file is the dead holder's, named by its token)."""
+    lease = root / (LEASE_PREFIX + _lock(root)["token"])
+    lease.write_text("1.0")  # renewed long ago
+    mgr = CheckpointManager(root)
+    with pytest.warns(StaleLockWarning, match="that process no longer runs"):
+        mgr.load({"w": torch.zeros(3)})
+    assert not lease.exists()
+    mgr.close()
+    assert sorted(os.listdir(root)) == ["latest", step_dir(2), step_dir(3)]
