@@ -299,7 +299,6 @@ class CheckpointManager:
         check_manager_call("maybe_save", self.root_uri, state, step)
         step = check_step(step)
         world.check_group(self.process_group, f"maybe_save of step {step} to {self.root_uri}")
-        self._hold_root()
         watcher = self._watcher
         policy = self.save_policy
 
@@ -313,6 +312,7 @@ class CheckpointManager:
         decision = decide(
             ask_policy, force=force, signal=watcher and watcher.received, group=self.process_group, step=step
         )
+        self._hold_root()  # after the decision round: a rank that never calls is named there
         if decision.preempted:
             self.preempted = True
             self.preemption_signal = signal_name(decision.signal)

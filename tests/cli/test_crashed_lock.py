@@ -184,3 +184,69 @@ def test_the_crashed_job_s_lease_file_goes_with_its_lock(root):
     assert not lease.exists()
     mgr.close()
     assert sorted(os.listdir(root)) == ["latest", step_dir(2), step_dir(3)]
+
+
+# -- docs/manager.md's "One job per root" block, run ------------------------------------------
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DOC_HOLDER = ("4242", "node7", "2026-12-07T20:55:04+00:00")
+
+
+def _doc_block() -> list[tuple[str, list[str]]]:
+    """The commands of docs/manager.md's one-job block and the lines each prints."""
+    with open(os.path.join(REPO, "docs", "manager.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("\n## One job per root\n") :]
+    block = section[section.index("```\n") + 4 : section.index("\n```", section.index("```\n") + 4)]
+    commands: list[tuple[str, list[str]]] = []
+    for line in block.splitlines():
+        if line.startswith("$ "):
+            commands.append((line[2:].split("#")[0].strip(), []))
+        elif line:
+            commands[-1][1].append(line)
+    return commands
+
+
+def _as_shown(text: str, root, lock: dict) -> str:
+    """`text` with this run's root and holder where the doc shows /runs/A and its holder."""
+    for doc, real in zip(DOC_HOLDER, (str(lock["pid"]), lock["host"], lock["created"])):
+        text = text.replace(doc, real)
+    return text.replace("/runs/A", str(root))
+
+
+def test_the_doc_s_second_job_and_crashed_root_commands(root, tmp_path):
+    """The second job (examples/train.py, here in a group of one: `python` instead of torchrun)
+    prints the doc's LockedError line while a job holds the root; `ckpt ls` of the crashed root
+    prints the doc's rows and its stale-lock line."""
+    (second, refused), (listing, shown) = _doc_block()
+    assert second.startswith("torchrun --nproc-per-node 4 examples/train.py --root /runs/A")
+    assert listing == "ckpt ls /runs/A"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+
+    ls = subprocess.run(
+        [sys.executable, "-m", "ckptlib.cli", "ls", str(root)], capture_output=True, text=True, env=env, timeout=240
+    )
+    lock = _lock(root)
+    out = ls.stdout.splitlines()
+    assert (ls.returncode, ls.stderr, len(out)) == (0, "", len(shown))
+    assert out[0] == shown[0] and out[-1] == _as_shown(shown[-1], root, lock)
+    cells = [(r.split()[0], r.split()[1], r.rstrip().endswith("*")) for r in out[1:-1]]
+    assert cells == [(r.split()[0], r.split()[1], r.rstrip().endswith("*")) for r in shown[1:-1]]
+
+    holder = CheckpointManager(root)  # the first job, running: this process
+    with pytest.warns(StaleLockWarning):  # it takes the crashed job's lock over
+        assert holder.load({"w": torch.zeros(3)}) == 3
+    try:
+        lock = _lock(root)
+        run = subprocess.run(
+            [sys.executable, os.path.join(REPO, "examples", "train.py"), "--root", str(root), "--steps", "9"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=240,
+        )
+    finally:
+        holder.close()
+    assert run.returncode == 1 and run.stdout == ""
+    assert run.stderr.splitlines()[-1] == _as_shown(refused[0], root, lock)
+    assert not os.path.exists(os.path.join(root, step_dir(9)))  # it never trained
