@@ -250,3 +250,41 @@ def test_the_doc_s_second_job_and_crashed_root_commands(root, tmp_path):
     assert run.returncode == 1 and run.stdout == ""
     assert run.stderr.splitlines()[-1] == _as_shown(refused[0], root, lock)
     assert not os.path.exists(os.path.join(root, step_dir(9)))  # it never trained
+
+
+def _elsewhere(root, age_s: float) -> dict:
+    import datetime
+
+    created = (datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=age_s)).isoformat(
+        timespec="seconds"
+    )
+    doc = {"format": "ckptlib-lock", "host": "elsewhere.example", "pid": 7, "start": "1", "token": "0" * 32}
+    doc.update(created=created, lease_s=120.0)
+    (root / LOCK_NAME).write_text(json.dumps(doc))
+    return doc
+
+
+@pytest.mark.parametrize("age_s", [600, 0], ids=["lease-expired-elsewhere", "live-elsewhere"])
+def test_ls_tells_a_lock_whose_lease_ran_out_from_a_live_one(root, capsys, age_s):
+    """A holder on another host cannot be checked by pid: its lease says whether it is gone."""
+    doc = _elsewhere(root, age_s)
+    rc, out, err = _run(capsys, "ls", root)
+    idle = _idle(out)  # seconds since it was taken, as the listing saw it (600 and what the test took)
+    holder = f"pid 7 on host elsewhere.example, since {doc['created']}"
+    stale = f"its 120 s lease expired: last taken {idle} s ago" if age_s else None
+    expected = f"stale lock left by {holder} ({stale}): the next writer takes it over" if age_s else f"locked by {holder}"
+    assert (rc, err, out.splitlines()[-1]) == (0, "", expected)
+    rc, out, err = _run(capsys, "ls", root, "--json")
+    if age_s:
+        stale = f"its 120 s lease expired: last taken {_idle(out)} s ago"
+    assert json.loads(out)["lock"] == {**{k: v for k, v in doc.items() if k != "format"}, "stale": stale}
+
+
+def _idle(out: str) -> int | None:
+    import re
+
+    found = re.search(r"last taken (\d+) s ago", out)
+    if found is None:
+        return None
+    assert 600 <= int(found.group(1)) < 900
+    return int(found.group(1))
