@@ -73,8 +73,9 @@ A single checkpoint (not a root) is listed as one row, its state its format (com
 ckptlib's, dcp, safetensors, torch_save, v0), after a line that says so.
 
 --json: root, checkpoint (the format of the single checkpoint ROOT is, else null), latest, lock
-(the holder, its "stale" the reason it is stale or null; null when unlocked) and steps (each with step, name, state, bytes (= size), world_size, latest, created,
-age_seconds, metrics); with a preset also "preset".
+(the holder, with "stale": why it is stale, or null; null when unlocked) and steps (each with
+step, name, state, bytes (= size), world_size, latest, created, age_seconds, metrics); with a
+preset also "preset".
 
 Exit status: 0 listed; 1 a storage error; 2 no such checkpoint root.
 """

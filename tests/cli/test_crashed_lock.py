@@ -74,7 +74,8 @@ def _ls(root, capsys):
     rc, out, err = _run(capsys, "ls", root)
     lock = _lock(root)
     stale = f"stale lock left by pid {lock['pid']} on host {lock['host']}, since {lock['created']}"
-    assert (rc, err, out.splitlines()[-1]) == (0, "", f"{stale} (that process no longer runs): the next writer takes it over")
+    expected = f"{stale} (that process no longer runs): the next writer takes it over"
+    assert (rc, err, out.splitlines()[-1]) == (0, "", expected)
     return [line.split()[0] for line in out.splitlines()[1:-1]]
 
 
@@ -272,7 +273,9 @@ def test_ls_tells_a_lock_whose_lease_ran_out_from_a_live_one(root, capsys, age_s
     idle = _idle(out)  # seconds since it was taken, as the listing saw it (600 and what the test took)
     holder = f"pid 7 on host elsewhere.example, since {doc['created']}"
     stale = f"its 120 s lease expired: last taken {idle} s ago" if age_s else None
-    expected = f"stale lock left by {holder} ({stale}): the next writer takes it over" if age_s else f"locked by {holder}"
+    expected = (
+        f"locked by {holder}" if not age_s else f"stale lock left by {holder} ({stale}): the next writer takes it over"
+    )
     assert (rc, err, out.splitlines()[-1]) == (0, "", expected)
     rc, out, err = _run(capsys, "ls", root, "--json")
     if age_s:
