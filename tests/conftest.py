@@ -59,6 +59,10 @@ EXTENDED = (
     # the stateful fault model's long random runs (its fixed budget runs in the default run)
     "manager/test_fault_model.py::test_single_root_fault_model_long",
     "manager/test_fault_model.py::test_tier_fault_model_long",
+    # the crash harness for any checkpointer: full sweeps, and S3 (its probe is tested in-process by default)
+    "harness/test_crash_check.py::test_object_store_requests_are_the_boundaries_on_s3",
+    "harness/test_crash_check.py::test_ckptlib_managers_save_is_crash_consistent_at_many_boundaries",
+    "harness/test_crash_check.py::test_every_boundary_of_tutorial_dcp_raises_or_resumes",
     # the real clients' round trips (each client's recipe runs in the default run)
     "clients/test_lightning.py::test_ckptlib_strategies_save_and_resume_elastically",
     "clients/test_lightning.py::test_lightning_checkpoint_loads_bit_exactly_through_the_preset",

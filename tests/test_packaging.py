@@ -47,3 +47,30 @@ def test_the_installed_distribution_carries_the_license_metadata():
     assert metadata["Description-Content-Type"] == "text/markdown"
     assert metadata["Summary"] == PROJECT["description"]
     assert set(metadata.get_all("Classifier")) == set(PROJECT["classifiers"])
+
+
+def _constraint_pins(path: Path) -> dict[str, str]:
+    """name -> version of every `name==version` line, following nested `-c` files (as pip does,
+    relative to the file that names them)."""
+    pins: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("-c "):
+            pins.update(_constraint_pins(path.parent / line[3:].strip()))
+        elif "==" in line:
+            name, version = line.split("==", 1)
+            pins[name.strip().lower()] = version.strip()
+    return pins
+
+
+def test_published_requirements_pin_nothing_exactly_and_ci_pins_the_checking_tools():
+    # A user installing ckptlib[test] or ckptlib[examples] must not be forced onto one ruff or
+    # transformers release; CI still checks with exact versions, through its constraints files.
+    requirements = list(PROJECT["dependencies"])
+    for extra in PROJECT["optional-dependencies"].values():
+        requirements += extra
+    assert [r for r in requirements if "==" in r.split(";")[0]] == []
+    tools = {"ruff": "0.17.6", "vulture": "2.16", "transformers": "5.24.0"}
+    for constraints in [ROOT / "constraints.txt", *sorted((ROOT / "ci").glob("constraints-torch-*.txt"))]:
+        pins = _constraint_pins(constraints)
+        assert {name: pins.get(name) for name in tools} == tools, constraints

@@ -6,7 +6,8 @@
   (`meta_storage_offset`).
 - `torch.save`: its zip writer (`torch._C.PyTorchFileWriter`) and the names its pickle uses,
   for the item encoder (`torch_save_without_zip_crc`) and the streaming archive writer
-  (`ckptlib.format.foreign.torch_archive`), which write torch.save's exact bytes their own way.
+  (`ckptlib.format.foreign.torch_archive`), which write torch.save's exact bytes their own way;
+  `watch_path_saves` shows the crash harness a torch.save to a path (its C++ writer's file).
 """
 
 from __future__ import annotations
@@ -131,3 +132,42 @@ def torch_save_without_zip_crc(obj: Any, buffer: Any) -> bool:
     save_impl(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
     writer.write_end_of_file()
     return True
+
+
+def watch_path_saves(before: Callable[[str, str], None]) -> Callable[[], None] | None:
+    """Make `torch.save(obj, path)` visible to the crash harness: its C++ zip writer opens and
+    writes `path` itself, past every Python-level hook. `before("open", path)` runs before the
+    writer opens the file, `before("close", path)` before it writes the archive's end. Returns
+    the function that undoes it, or None where this torch has no `_open_zipfile_writer`."""
+    serialization = torch.serialization
+    real = getattr(serialization, "_open_zipfile_writer", None)
+    is_path = getattr(serialization, "_is_path", None)
+    if real is None or is_path is None:
+        return None
+
+    class _Watched:
+        def __init__(self, opener: Any, path: str):
+            self._opener = opener
+            self._path = path
+
+        def __enter__(self):
+            return self._opener.__enter__()
+
+        def __exit__(self, *exc):
+            if exc[0] is None:
+                before("close", self._path)
+            return self._opener.__exit__(*exc)
+
+    def open_zipfile_writer(name_or_buffer):
+        if not is_path(name_or_buffer):
+            return real(name_or_buffer)
+        path = str(name_or_buffer)
+        before("open", path)
+        return _Watched(real(name_or_buffer), path)
+
+    serialization._open_zipfile_writer = open_zipfile_writer
+
+    def undo() -> None:
+        serialization._open_zipfile_writer = real
+
+    return undo

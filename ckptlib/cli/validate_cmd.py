@@ -37,6 +37,11 @@ pass/FAIL and seconds per cell, then each failing pair's reason) and "all pairs 
 "SOME PAIRS FAILED"; --json prints the report as JSON instead (ok, root, wrap, optim,
 world_sizes, layouts, cells). Under torchrun only rank 0 prints.
 
+With --crash REF: the crash harness for checkpointer REF instead of the matrix (see --crash);
+it prints each rank's write boundaries, the outcome of each kill and every violation with the
+calls that led to it and a line that reproduces it, then "crash consistent" or "NOT CRASH
+CONSISTENT" (exit status 0 or 1; 2 for a REF that names no checkpointer).
+
 Exit status: 0 every pair passed; 1 a pair failed, a rank crashed, or the local run outlasted
 --timeout (the reason goes to stderr); 2 usage error, or a --spec that does not import or whose
 functions raised (SpecError: the rank and the traceback go to stderr).
@@ -130,6 +135,31 @@ def add_parser(commands) -> None:
         help="seconds the whole local run may take before its ranks are stopped and it fails (default 600; "
         "not used under torchrun)",
     )
+    p.add_argument(
+        "--crash",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="REF",
+        help="the crash harness instead of the matrix: kill the save of checkpointer REF (pkg.module:attr, an object "
+        "with save(root, step, state) and load(root, state)) at every write boundary, in one rank and then in every "
+        "rank, and check that its own load resumes a step bit-exactly or raises (ckptlib.testing.crash_check; docs/"
+        "testing.md). Runs local ranks at the largest of --world-sizes; --wrap is the state's wrapping (default plain)",
+    )
+    p.add_argument(
+        "--crash-max-points",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --crash: at most N boundaries, spread over every rank (default: all)",
+    )
+    p.add_argument(
+        "--crash-points",
+        type=lambda text: [part.strip() for part in text.split(",") if part.strip()],
+        default=None,
+        metavar="LIST",
+        help="with --crash: exactly these boundaries, comma-separated RANK#INDEX (as a reproduction names them)",
+    )
     add_no_progress(p)
     p.set_defaults(func=run)
 
@@ -158,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
     from ckptlib.testing.matrices import validate
     from ckptlib.testing.matrices.training_spec import SpecError
 
+    if args.crash is not None:
+        return _run_crash(args, validate)
     try:
         if args.spec:
             _spec_layouts(args)
@@ -269,3 +301,32 @@ def _validate_under_torchrun(args: argparse.Namespace, wrap: str):
         sys.stdout.flush()
         os.dup2(saved_stdout, 1)
         os.close(saved_stdout)
+
+
+def _run_crash(args: argparse.Namespace, validate) -> int:
+    """`--crash`: the crash harness for the checkpointer named (`ckptlib.testing.crash_check`)."""
+    import json
+
+    from ckptlib.testing.checkpointers.crash_check import crash_check
+    from ckptlib.testing.checkpointers.protocol import CheckpointerError
+
+    ref = args.crash if isinstance(args.crash, str) else getattr(args, "checkpointer", None)
+    if not ref:
+        raise UsageError("--crash needs a checkpointer: --crash pkg.module:attr")
+    if validate.under_torchrun():
+        raise UsageError("--crash starts its own local ranks: run it without torchrun")
+    try:
+        report = crash_check(
+            ref,
+            world_size=max(args.world_sizes),
+            root=args.root,
+            wrap=args.wrap or "plain",
+            optim=args.optim,
+            max_points=args.crash_max_points,
+            points=args.crash_points,
+        )
+    except CheckpointerError as exc:
+        print(f"ckpt validate: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(report.to_dict()) if args.json else report.text())
+    return EXIT_OK if report.ok else EXIT_FAIL

@@ -1,6 +1,6 @@
 """Test harness for ckptlib and its users: run a function in N ranks of a fresh process group.
 
-Three rooms:
+Four rooms:
 
 - ``harness/``: :func:`launch` (``ckptlib.testing.harness.launcher``) runs ``fn`` on
   ``world_size`` processes forked from a forkserver that imported torch once, and returns the
@@ -14,6 +14,10 @@ Three rooms:
   and data-loader state) in one call: ``assert_elastic(spec, world_sizes=..., layouts=...)``
   (``matrices.elastic_proof``) with a ``TrainingSpec`` or a module of factory functions
   (``matrices.training_spec``), as ``ckpt validate --spec`` runs it.
+- ``checkpointers/``: any checkpointer behind one protocol (``save(root, step, state)``,
+  ``load(root, state)``); ``crash_check(checkpointer, world_size=2)``
+  (``checkpointers.crash_check``) kills its save at every write boundary and judges its load,
+  returning a ``CrashReport``.
 - ``fakes/``: S3, GCS and Azure emulators on 127.0.0.1, a fault-injecting proxy, writers of
   legacy formats.
 
@@ -45,6 +49,8 @@ _LAZY = {
     "Training": "matrices.spec_matrix",
     "assert_elastic": "matrices.elastic_proof",
     "ElasticAssertionError": "matrices.elastic_proof",
+    "crash_check": "checkpointers.crash_check",
+    "CrashReport": "checkpointers.crash_check",
 }
 
 
