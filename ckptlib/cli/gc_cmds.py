@@ -105,16 +105,7 @@ def run_gc(args: argparse.Namespace) -> int:
     retention = policies[0]
     for policy in policies[1:]:
         retention = retention | policy
-    # Holding: the lock is taken for the deletions (shared with a holder of this very process) and
-    # released at the end.
     mgr = CheckpointManager(args.root, retention=retention)
-    try:
-        return _gc(args, mgr)
-    finally:
-        mgr.close()  # the lock, if this run took it
-
-
-def _gc(args: argparse.Namespace, mgr) -> int:
     if not mgr.storage.exists():
         raise UsageError(f"{args.root}: no such checkpoint root")
     holder = None
@@ -155,7 +146,7 @@ def _gc(args: argparse.Namespace, mgr) -> int:
 def run_unlock(args: argparse.Namespace) -> int:
     from ckptlib.manager.manager import CheckpointManager
 
-    mgr = CheckpointManager(args.root, hold_lock=False)
+    mgr = CheckpointManager(args.root)
     if not mgr.storage.exists():
         raise UsageError(f"{args.root}: no such checkpoint root")
     holder = mgr.break_lock()

@@ -61,10 +61,8 @@ List the steps under a checkpoint root (a CheckpointManager's directory): commit
 or corrupt (incomplete: a save that has not committed, in progress or crashed; corrupt: an
 unreadable manifest), or foreign (only files ckptlib did not write, e.g. a plain DCP checkpoint
 put there; gc never touches these); size, age (since the manifest was written), saved world
-size, which is latest (*), the metrics given to the save, and who holds the root's lock: a
-lock a crashed job left (its process gone on this host, or its lease not renewed) is shown as
-stale, which the next writer (a relaunch, `ckpt gc`) takes over by itself. Reads only; changes
-nothing.
+size, which is latest (*), the metrics given to the save, and who holds the root's lock. Reads
+only; changes nothing.
 
 A save folder of another tool (Composer's ep*-ba* folders and latest-rank0.pt, torchtitan's
 step-N, Lightning's *step=N.ckpt) is listed as that tool lays it out: found by itself when the
@@ -73,9 +71,8 @@ A single checkpoint (not a root) is listed as one row, its state its format (com
 ckptlib's, dcp, safetensors, torch_save, v0), after a line that says so.
 
 --json: root, checkpoint (the format of the single checkpoint ROOT is, else null), latest, lock
-(the holder, with "stale": why it is stale, or null; null when unlocked) and steps (each with
-step, name, state, bytes (= size), world_size, latest, created, age_seconds, metrics); with a
-preset also "preset".
+and steps (each with step, name, state, bytes (= size), world_size, latest, created,
+age_seconds, metrics); with a preset also "preset".
 
 Exit status: 0 listed; 1 a storage error; 2 no such checkpoint root.
 """
@@ -304,10 +301,7 @@ def run_ls(args: argparse.Namespace) -> int:
         pointer = preset.latest(storage)
     else:
         pointer = None if single is not None else storage.read_pointer(LATEST)
-    lock = None if a_file else RootLock(storage)
-    holder = None if lock is None else lock.holder()
-    # a crashed job's leftover lock: shown as stale (the next writer takes it over), not as a holder
-    stale = None if holder is None or lock is None else lock.stale_reason(holder)
+    holder = None if a_file else RootLock(storage).holder()
     rows = [
         _row(
             storage.child(info.name),
@@ -320,11 +314,12 @@ def run_ls(args: argparse.Namespace) -> int:
         for info in infos
     ] + ([single[1]] if single is not None else [])
     if args.json:
+        lock = holder.to_json() if holder is not None else None
         listing = {
             "root": args.root,
             "checkpoint": None if single is None else single[0],
             "latest": pointer,
-            "lock": None if holder is None else {**holder.to_json(), "stale": stale},
+            "lock": lock,
             "steps": rows,
         }
         if preset is not None:
@@ -345,8 +340,6 @@ def run_ls(args: argparse.Namespace) -> int:
             f"  {'*' if r['latest'] else '':<6}  {metrics}"
         )
         print(line.rstrip())
-    if holder is not None and stale is not None:
-        print(f"stale lock left by {holder.describe()} ({stale}): the next writer takes it over")
-    elif holder is not None:
+    if holder is not None:
         print(f"locked by {holder.describe()}")
     return EXIT_OK

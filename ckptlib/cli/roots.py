@@ -104,7 +104,7 @@ def resolve_checkpoint(uri: str, step: int | None = None) -> Resolved:
         if step is not None:
             raise UsageError(f"--step {step}: {uri} is not a checkpoint root (it has no step directories)")
         return Resolved(storage)
-    manager = CheckpointManager(storage.uri, hold_lock=False)  # read-only: never takes the lock
+    manager = CheckpointManager(storage.uri)
     committed = manager.steps()
     if step is not None:
         if step not in committed:

@@ -11,7 +11,6 @@ import os
 
 from ckptlib.errors import CheckpointNotFoundError
 from ckptlib.format.native.root import LATEST, parse_step
-from ckptlib.manager.lock import LOCK_NAME
 from ckptlib.storage.base import Storage, list_top
 
 #: How many of the parent's other roots the warning names.
@@ -23,14 +22,11 @@ class FreshStartWarning(UserWarning):
     not exist, or it is empty while its parent holds other runs' roots."""
 
 
-def fresh_start_reason(storage: Storage, uri: str, existed: bool | None = None) -> tuple[str, bool]:
-    """Why `uri` has nothing to resume, and whether that looks like a mistake (warned).
-    `existed`: whether the root existed before the manager's own lock file was written there
-    (None: ask now). The lock's own files do not make a root non-empty."""
+def fresh_start_reason(storage: Storage, uri: str) -> tuple[str, bool]:
+    """Why `uri` has nothing to resume, and whether that looks like a mistake (warned)."""
     try:
-        exists = storage.exists() if existed is None else existed and storage.exists()
-        top = [name for name in list_top(storage) if not name.startswith(LOCK_NAME)] if exists else []
-        empty = exists and not storage.list_children() and not top
+        exists = storage.exists()
+        empty = exists and not storage.list_children() and not list_top(storage)
     except OSError:
         exists, empty = True, False  # unreadable: the load said so already where it mattered
     if not exists:

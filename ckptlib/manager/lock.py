@@ -86,12 +86,6 @@ class StaleLockWarning(UserWarning):
 # with another token is a leftover (a release that failed), not a live holder.
 _LIVE_TOKENS: set[str] = set()
 
-# The held locks (`hold=True`) of this process, by token: the RootLock objects sharing each. A
-# second holder in this process (another manager of the same job on the root) joins the hold
-# instead of being refused; the lock file goes when the last of them releases it. Only another
-# process (another pid, or another host) is refused.
-_SHARED: dict[str, list["RootLock"]] = {}
-
 
 def _process_start(pid: int) -> str | None:
     """The kernel's start time of `pid` (Linux), to tell a live holder from a reused pid."""
@@ -174,9 +168,7 @@ class RootLock:
     every writer of a root (the manager's single root, each node's root, the remote).
 
     `hold=True`: once taken, the lock stays until `close()`; `done()` and `abandon()` (the ends
-    of one save or gc) then keep it. A held lock is shared by every holder of this process
-    (`hold=True` objects on the same root): a second one joins it, the last one to release it
-    removes the lock file, and one lease renewer runs for them all."""
+    of one save or gc) then keep it."""
 
     def __init__(self, storage: Storage, *, hold: bool = False):
         self.storage = storage
@@ -234,11 +226,6 @@ class RootLock:
             return None
         return f"its {holder.lease_s:.0f} s lease expired: last {what} {idle:.0f} s ago"
 
-    def stale_reason(self, holder: LockHolder) -> str | None:
-        """Why `holder`'s lock is stale, which the next writer takes over (a crashed job's
-        leftover: its pid gone on this host, or its lease not renewed), None while it holds."""
-        return "that process no longer runs" if holder.is_stale() else self.expired(holder)
-
     def _remove_stale(self, name: str, stale: LockHolder, data: bytes, depth: int = 0) -> None:
         """Delete lock file `name` only if it still names the `stale` holder (compare-and-delete
         by token), under a claim one writer at a time can hold; a claim left by a breaker that
@@ -294,15 +281,11 @@ class RootLock:
                     self._lease_written, self._last_renewal = False, None
                     atexit.register(self._release_at_exit)
                     self._renewer = _Renewer(self, token, lease)
-                    if self.hold:
-                        _SHARED[token] = [self]
                     return
                 holder = self.holder()
                 if holder is None:
                     continue  # released between our attempt and the read: try again
-                if self._join(holder):
-                    return
-                why = self.stale_reason(holder)
+                why = "that process no longer runs" if holder.is_stale() else self.expired(holder)
                 if why is not None:
                     warnings.warn(
                         f"{root}: removing a stale lock left by {holder.describe()} ({why})",
@@ -316,46 +299,6 @@ class RootLock:
             if self.token != token:
                 _LIVE_TOKENS.discard(token)
         raise self.locked_error(holder)
-
-    def _sharers(self, holder: LockHolder) -> list["RootLock"]:
-        """The objects of this process holding `holder`'s lock, which this object would join."""
-        if not self.hold or holder.host != socket.gethostname() or holder.pid != os.getpid():
-            return []
-        return _SHARED.get(str(holder.token), [])
-
-    def _join(self, holder: LockHolder) -> bool:
-        """Share the hold of `holder` when it is a held lock of this very process (another
-        manager of this job on the root); False otherwise."""
-        sharers = self._sharers(holder)
-        if not sharers:
-            return False
-        first = sharers[0]
-        self.token, self._owner_pid = holder.token, os.getpid()
-        self._lease_written, self._last_renewal = False, first._last_renewal
-        sharers.append(self)
-        atexit.register(self._release_at_exit)
-        return True
-
-    def _leave(self) -> bool:
-        """Stop sharing this object's hold: True when other holders of this process keep the lock
-        (then the renewer, if this object ran it, goes on for them)."""
-        token = self.token
-        sharers = _SHARED.get(str(token), [])
-        if self in sharers:
-            sharers.remove(self)
-        if not sharers:
-            _SHARED.pop(str(token), None)
-            return False
-        heir = sharers[0]
-        heir._lease_written = heir._lease_written or self._lease_written
-        times = [t for t in (heir._last_renewal, self._last_renewal) if t is not None]
-        heir._last_renewal = max(times) if times else None
-        if self._renewer is not None:
-            self._stop_renewing()
-            if heir._renewer is None and token is not None:
-                heir._renewer = _Renewer(heir, token, lease_seconds())
-        self._lease_written = False
-        return True
 
     def locked_error(self, holder: LockHolder | None) -> LockedError:
         """The LockedError `acquire` raises while `holder` holds the root."""
@@ -377,7 +320,7 @@ class RootLock:
         holder = self.holder()
         if holder is None or (self.token is not None and holder.token == self.token):
             return
-        if self.stale_reason(holder) is not None or self._sharers(holder):
+        if holder.is_stale() or self.expired(holder) is not None:
             return
         raise self.locked_error(holder)
 
@@ -462,9 +405,6 @@ class RootLock:
             return
         token = self.token
         try:
-            if self._leave():  # other holders of this process keep the lock: theirs to release
-                self.fence("release the lock")
-                return
             self._stop_renewing()
             try:
                 self.fence("release the lock")
@@ -492,8 +432,7 @@ class RootLock:
         """Stop counting as the holder (without touching the lock file)."""
         self._stop_renewing()
         if self.token is not None:
-            if not self._leave():
-                _LIVE_TOKENS.discard(self.token)
+            _LIVE_TOKENS.discard(self.token)
             self.token = None
             atexit.unregister(self._release_at_exit)
 

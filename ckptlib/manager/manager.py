@@ -5,12 +5,10 @@ ranks; never one pointer per rank (per-rank pointers went stale after a resize i
 mosaicml/composer#2409).
 
 Writers lock the root: rank 0 creates `ckptlib.lock` (atomically, through the storage's
-optional `create_exclusive`) at the manager's first load (or first save, maybe_save or gc)
-and keeps it until `close()` (`hold_lock=True`, the default: one job per root; managers of
-one process share it), or with `hold_lock=False` only during each save and gc; every rank
-learns the outcome, so a second job gets LockedError on all its ranks, before it trains,
-instead of interleaving checkpoints (and retention never deletes a step another writer is
-still saving; the verl project fixed that bug, #4638). A
+optional `create_exclusive`) before a save or gc and removes it afterwards, or keeps it
+until `close()` with `hold_lock=True`; every rank learns the outcome, so a second writer
+gets LockedError on all its ranks instead of interleaving checkpoints (and retention never
+deletes a step another writer is still saving; the verl project fixed that bug, #4638). A
 lock whose holder is gone (a dead pid on this host, or a lease its holder stopped renewing,
 on any host: `ckptlib.manager.lock`) is removed with a StaleLockWarning, so a crashed save
 never leaves the root locked for good. A writer that lost its lock meanwhile (paused past its
@@ -36,7 +34,7 @@ from typing import Any, Mapping
 from ckptlib._runtime import agree as _dist
 from ckptlib._runtime import progress as progress_bars
 from ckptlib._runtime import world
-from ckptlib.errors import CheckpointExistsError, StateError
+from ckptlib.errors import StateError
 from ckptlib.format.native.root import check_step, committed_steps
 from ckptlib.format.write.plan_cache import PlanCache
 from ckptlib.loading.loading import LoadResult
@@ -75,7 +73,7 @@ class CheckpointManager:
         preemption: bool | Preemption = False,
         initial_load: str | os.PathLike | InitialLoad | None = None,
         process_group=None,
-        hold_lock: bool = True,
+        hold_lock: bool = False,
         progress: Any = None,
     ):
         """`retention`: a policy from `ckptlib.manager.policies` (`KeepLast(3) | KeepBest(2, "loss")`);
@@ -99,13 +97,9 @@ class CheckpointManager:
         on every rank. `initial_load`: a checkpoint that `load()` reads when the root has no
         committed step yet (an `InitialLoad` to choose the state entries it fills).
 
-        `hold_lock=True` (the default): one job per root. The first `load()` takes the root's
-        lock before reading (or the first `save`, `maybe_save` or `gc` of a manager that never
-        loads) and keeps it, its lease renewed, until `close()` (or the end of a `with` block,
-        or interpreter exit): a second job on the root gets LockedError naming the holder (host,
-        pid, since) at that first call, on every rank, before it trains. Managers of one process
-        on one root share the hold (the last to close releases it). `hold_lock=False` (read-only
-        use, or today's per-save locking): the root is locked only during each save and gc.
+        `hold_lock=False`: the root is locked during each save and gc. `hold_lock=True`: the
+        first save or gc takes the lock and keeps it until `close()` (or the end of a `with`
+        block, or interpreter exit), so no other writer can use the root between saves.
 
         `progress`: the saves' and loads' progress as `ckptlib.save` shows it (None: a bar on
         stderr when it is a terminal; True, False, or `fn(op, done, total)`), rank 0 only; a
@@ -128,8 +122,6 @@ class CheckpointManager:
         self.save_policy = save_policy
         self.process_group = process_group
         self.hold_lock = hold_lock
-        self._holding = False  # True once the first load/save/maybe_save/gc took the held lock
-        self._own_steps: set[int] = set()  # steps this manager saved or resumed from
         self.initial_loaded = False  # True after load() read initial_load (the root had no step)
         self.last_load: LoadResult | None = None  # what the last load() restored (None: nothing to resume)
         self.preempted = False  # set by maybe_save once a preemption signal reached any rank
@@ -220,15 +212,6 @@ class CheckpointManager:
         """Who holds the root's lock now, or None."""
         return self.tier.lock.holder()
 
-    def _hold_root(self) -> None:
-        """With `hold_lock`: take the root's lock at the first call that may lead to a write
-        (collective; LockedError on every rank while another job holds it). Cluster tiers lock
-        their roots at each save (docs/tier.md)."""
-        if self._holding or not self.hold_lock:
-            return
-        self.tier.hold()
-        self._holding = True
-
     def check_lock(self) -> None:
         """Raise the LockedError a gc or save would raise now (another live writer holds the
         root's lock), without taking it: what `ckpt gc --dry-run` reports."""
@@ -311,7 +294,6 @@ class CheckpointManager:
         decision = decide(
             ask_policy, force=force, signal=watcher and watcher.received, group=self.process_group, step=step
         )
-        self._hold_root()  # after the decision round: a rank that never calls is named there
         if decision.preempted:
             self.preempted = True
             self.preemption_signal = signal_name(decision.signal)
@@ -363,14 +345,7 @@ class CheckpointManager:
         metrics: dict[str, float] | None,
         overwrite: bool,
     ) -> SaveResult:
-        try:
-            result = self.tier.save(step, state, metadata, metrics, overwrite)
-        except CheckpointExistsError as exc:
-            if step in self._own_steps:
-                raise  # this manager's own step: `overwrite=True` replaces it safely
-            raise committed_elsewhere(self.root_uri, step, exc, self.tier.lock.holder()) from None
-        self._holding = self._holding or self.hold_lock
-        self._own_steps.add(step)
+        result = self.tier.save(step, state, metadata, metrics, overwrite)
         if self.mode is not None or self.tier.busy():  # waited for at exit too
             self._pending = result if self.mode is not None else None
             atexit.register(self._wait_at_exit)
@@ -390,8 +365,6 @@ class CheckpointManager:
             with _dist.peer_loss_as_error(what, self.process_group, path=self.root_uri):
                 same_arguments("gc", self.process_group, dry_run=dry_run)
             self._wait()  # never delete while a save is still writing (verl #4638)
-            if not dry_run:
-                self._hold_root()
             return self.tier.gc(dry_run=dry_run, on_removed=on_removed)
 
     # -- loading ------------------------------------------------------------------------
@@ -426,7 +399,6 @@ class CheckpointManager:
                 # before the tier picks its collectives; and so no rank raises alone for want of a step
                 same_arguments("load", self.process_group, step=chosen, require=require, fresh_start_ok=fresh_start_ok)
             self._wait()  # a save or upload in flight: its failure surfaces before anything else
-            existed = self._probe_then_hold()
             result = self.tier.load(state, chosen, kwargs, fresh_start_ok=fresh_start_ok)
         if result is None and self.initial_load is not None:
             result = load_initial(self.initial_load.path, self.initial_load.only, state, self.process_group, kwargs)
@@ -435,49 +407,22 @@ class CheckpointManager:
             return 0
         self.last_load = result
         if result is None:
-            self._fresh_start(require, existed)
+            self._fresh_start(require)
             return None
         self._last_save_step = result.step  # maybe_save does not save this step again
-        if result.step is not None:
-            self._own_steps.add(result.step)
         self.initial_loaded = False
         return result.step
 
-    def _probe_then_hold(self) -> bool | None:
-        """Before the first load takes the held lock (which creates the root): whether the root
-        existed, for the fresh-start warning (None when no lock is taken here)."""
-        if self._holding or not self.hold_lock:
-            return None
-        existed = _dist.decide_on_rank0(self.storage.exists, self.process_group)
-        self._hold_root()
-        return existed
-
-    def _fresh_start(self, require: bool, existed: bool | None = None) -> None:
+    def _fresh_start(self, require: bool) -> None:
         """Nothing to resume: an error with `require`, a warning where the root looks mistyped
         (decided on rank 0, so every rank raises or warns alike)."""
         reason, suspicious = _dist.decide_on_rank0(
-            lambda: fresh_start_reason(self.storage, self.root_uri, existed), self.process_group
+            lambda: fresh_start_reason(self.storage, self.root_uri), self.process_group
         )
         if require:
             raise nothing_to_resume(self.root_uri, reason)
         if suspicious:  # decided on rank 0: said once per job
             _dist.warn_once(fresh_start_message(self.root_uri, reason), FreshStartWarning, self.process_group)
-
-
-def committed_elsewhere(
-    root: str, step: int, exc: CheckpointExistsError, holder: LockHolder | None
-) -> CheckpointExistsError:
-    """The CheckpointExistsError of a save of a committed `step` this manager neither saved nor
-    resumed from: another job or run committed it, so `overwrite=True` is no advice to give."""
-    held = f"its lock is held by {holder.describe()}" if holder is not None else "its lock is free now"
-    err = CheckpointExistsError(
-        f"step {step} is already committed under {root}, by another job or an earlier run (this manager "
-        f"neither saved it nor resumed from it): the root may be in use by another job ({held}; list its "
-        f"steps with `ckpt ls {root}`). Refusing to replace it: resume from it with load(), or save to "
-        "another root",
-        path=exc.path,
-    )
-    return err
 
 
 __all__ = ["CheckpointManager"]

@@ -95,10 +95,6 @@ class Tier(Protocol):
         """The steps a remote lacks for want of it (`remote_lag.RemoteLagReport`; no
         collective); None for a tier without a remote."""
 
-    def hold(self) -> None:
-        """Take the root's lock for the manager's `hold_lock` (collective; LockedError on every
-        rank while another process holds it); a no-op for a tier that locks at each save."""
-
     def local_usage(self) -> Any:
         """What this rank's root holds on its filesystem (`local_budget.LocalUsage`; no
         collective); None for a root that is not a local directory."""
@@ -119,9 +115,6 @@ class SingleRoot:
 
     def remote_lag(self) -> None:
         return None
-
-    def hold(self) -> None:
-        _dist.decide_on_rank0(self.lock.take, self.settings.group)
 
     def local_usage(self) -> LocalUsage | None:
         path = self.storage.local_path()

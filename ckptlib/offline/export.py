@@ -104,7 +104,7 @@ def _source_storage(src: str | os.PathLike | Storage, step: int | None, preset: 
     from ckptlib.format.native.root import step_dir
     from ckptlib.manager.manager import CheckpointManager
 
-    manager = CheckpointManager(storage.uri, hold_lock=False)  # read-only: never takes the lock
+    manager = CheckpointManager(storage.uri)
     if step is not None:
         if step not in manager.steps():
             raise CheckpointNotFoundError(f"{storage.uri} has no committed step {step}", path=manager.path(step))

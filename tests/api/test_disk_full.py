@@ -139,10 +139,7 @@ def test_save_disk_full(small_tmpfs, role):
 @pytest.mark.parametrize("role", ROLES)
 def test_manager_disk_full_keeps_latest(small_tmpfs, role):
     root = os.path.join(small_tmpfs, "run")
-    # per-save locking: the room is calibrated with the lock file each save writes, and a held
-    # lock's lease file would take a page of the full disk at a time of its own choosing (a failed
-    # save under a held lock: tests/manager/test_crash.py::test_a_failed_save_releases_the_lock_unless_held)
-    mgr = CheckpointManager(root, keep_last=2, hold_lock=False)
+    mgr = CheckpointManager(root, keep_last=2)
     mgr.save(1, _state(1024, 1.0))
     big = _state(256 * 1024, 2.0)
     mgr.save(2, big)  # calibration: what step 2 occupies
@@ -173,14 +170,14 @@ def test_manager_disk_full_keeps_latest(small_tmpfs, role):
 @pytest.mark.timeout(120)
 def test_async_manager_disk_full(small_tmpfs):
     root = os.path.join(small_tmpfs, "run")
-    mgr = CheckpointManager(root, async_save=True, hold_lock=False)  # per-save locking, as above
+    mgr = CheckpointManager(root, async_save=True)
     mgr.save(1, _state(1024, 1.0)).wait()
     handle = mgr.save(2, _state(3 * 1024 * 1024, 2.0))  # 12 MiB on an 8 MiB disk
     with pytest.raises(StorageError, match="no space left"):
         handle.wait()
     assert _files(root) == ["latest", step_dir(1)]
     # (A fresh manager: whether the old one re-raises a delivered error is another test's concern.)
-    again = CheckpointManager(root, async_save=True, hold_lock=False)
+    again = CheckpointManager(root, async_save=True)
     assert again.latest() == 1
     again.save(3, _state(1024, 3.0)).wait()
     assert again.latest() == 3
@@ -202,7 +199,7 @@ def _rank_state(rank: int, big_rank: int | None, value: float) -> dict:
 def test_manager_disk_full_on_several_ranks(small_tmpfs, role):
     rank = dist.get_rank()
     root = os.path.join(small_tmpfs, "run")
-    mgr = CheckpointManager(root, hold_lock=False)  # per-save locking, as above
+    mgr = CheckpointManager(root)
     mgr.save(1, _rank_state(rank, None, 1.0))
     if role.startswith("shard"):
         big_rank = int(role[-1])

@@ -34,7 +34,6 @@ def _root_with_steps(root):
     mgr = CheckpointManager(root)
     for step in (1, 2):
         mgr.save(step, {"w": torch.full((4, 3), float(step)), "n": step}, metadata={"step": step})
-    mgr.close()  # the job that wrote the root is done: the commands below find it unlocked
     debris = root / "step_0000000003"
     debris.mkdir()
     (debris / "ckptlib.pending").write_text("{}")

@@ -32,7 +32,6 @@ def _steps(root, *steps: int) -> None:
     mgr = CheckpointManager(root)
     for step in steps:
         mgr.save(step, {"w": torch.full((3,), float(step))})
-    mgr.close()  # the job that wrote the root is done (a `ckpt gc` process would find it held)
 
 
 def _debris(root, name: str, extra: dict[str, bytes] | None = None) -> None:

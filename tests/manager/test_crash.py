@@ -260,8 +260,7 @@ def test_second_concurrent_writer_gets_locked_error(tmp_path, monkeypatch):
             yield stream
 
     monkeypatch.setattr(LocalStorage, "open_writer", slow_writer)
-    # per-save locking (the holding default shares the hold within one process)
-    first, second = CheckpointManager(root, hold_lock=False), CheckpointManager(root, hold_lock=False)
+    first, second = CheckpointManager(root), CheckpointManager(root)
     errors = []
 
     def save_first():
@@ -299,7 +298,7 @@ def test_hold_lock_until_close(tmp_path):
     with CheckpointManager(root, hold_lock=True) as owner:
         owner.save(1, {"w": _full(1), "b": _bias(1), "step": 1})
         assert (root / LOCK_NAME).exists()
-        other = CheckpointManager(root, hold_lock=False)  # a holder of this process would share the hold
+        other = CheckpointManager(root)
         with pytest.raises(LockedError, match="is locked by another writer"):
             other.save(2, {"w": _full(2), "b": _bias(2), "step": 2})
         assert other.gc(dry_run=True) == []  # reading and dry runs need no lock
@@ -345,7 +344,6 @@ def test_stale_lock_of_a_dead_process_is_broken(tmp_path):
         sleeper.wait()
     with pytest.warns(StaleLockWarning, match=f"removing a stale lock left by pid {sleeper.pid} .*no longer runs"):
         mgr.save(1, {"w": _full(1), "b": _bias(1), "step": 1})
-    mgr.close()
     assert sorted(os.listdir(root)) == ["latest", "step_0000000001"]
 
 
@@ -514,7 +512,7 @@ def test_a_failed_save_releases_the_lock_unless_held(tmp_path, monkeypatch, wher
     if hold_lock:
         assert mgr.lock_holder().pid == os.getpid()
         with pytest.raises(LockedError, match="is locked by another writer"):
-            CheckpointManager(root, hold_lock=False).gc()  # a per-save writer of this process
+            CheckpointManager(root).gc()
     with warnings.catch_warnings():
         warnings.simplefilter("error", StaleLockWarning)  # nothing stale to break
         mgr.save(3, {"w": _full(3), "b": _bias(3), "step": 3})
@@ -528,7 +526,7 @@ def test_a_lock_that_cannot_be_removed_after_a_save_only_warns(tmp_path, monkeyp
 
     root = tmp_path / "run"
     refuse_lock_deletion(monkeypatch)
-    mgr = CheckpointManager(root, hold_lock=False)  # the lock removed after each save
+    mgr = CheckpointManager(root)
     with pytest.warns(StaleLockWarning) as caught:
         result = mgr.save(1, {"w": _full(1), "b": _bias(1), "step": 1})
     assert [str(w.message) for w in caught] == [

@@ -21,7 +21,6 @@ import torch
 
 from ckptlib import Cluster, LocalLimitError, StateError, UnsupportedError, memory_root
 from ckptlib.loading.read_cost import filesystem_type
-from ckptlib.manager.lock import LEASE_PREFIX, LOCK_NAME
 
 SHM = "/dev/shm"
 needs_shm = pytest.mark.skipif(
@@ -84,12 +83,11 @@ def _root(base: str) -> str:
 
 
 def _files(root: str) -> dict[str, int]:
-    """Every file under `root` and its size, but the lock and its lease (held from the first save
-    until close(), the lease renewed meanwhile)."""
+    """Every file under `root` and its size, but the lock (the leader takes it during a save)."""
     out = {}
     for parent, _dirs, names in os.walk(root):
         for name in names:
-            if name.startswith("ckptlib.lock"):
+            if name == "ckptlib.lock":
                 continue
             path = os.path.join(parent, name)
             out[os.path.relpath(path, root)] = os.path.getsize(path)
@@ -125,12 +123,6 @@ def _save_until_refused(base: str, limit_steps: float) -> dict:
 
     dist.barrier()  # every rank's refusal is over (the leader released its lock)
     usage = mgr.local_usage()
-    # what the root holds: every file, the lock the job holds until close() (and its lease) included
-    held_files = sum(
-        os.stat(os.path.join(parent, name)).st_blocks * 512
-        for parent, _dirs, names in os.walk(_root(base))
-        for name in names
-    )
     after = _files(_root(base))
     state = _state(0, zero=True)
     resumed = mgr.load(state)
@@ -143,7 +135,7 @@ def _save_until_refused(base: str, limit_steps: float) -> dict:
         "usage": (usage.held_bytes, usage.newest_step_bytes, usage.limit_bytes, usage.filesystem, usage.in_memory),
         "step_bytes": step_bytes,
         "limit": limit,
-        "held_files": held_files,
+        "held_files": sum(os.stat(os.path.join(_root(base), p)).st_blocks * 512 for p in after),
         "resumed": (resumed, equal),
     }
 
@@ -252,8 +244,7 @@ def _mixed(shm_base: str, disk_base: str, case: str) -> dict:
     except ckptlib.CheckpointError as exc:
         outcome = (type(exc).__name__, str(exc), getattr(exc, "node", None), getattr(exc, "need", None))
     dist.barrier()
-    # the lock's lease file is left out (written once the lock was held a quarter of its lease)
-    listing = sorted(n for n in os.listdir(root) if not n.startswith(LEASE_PREFIX)) if os.path.isdir(root) else []
+    listing = sorted(os.listdir(root)) if os.path.isdir(root) else []
     fresh = {"w": torch.zeros(3, 4), "step": -1}
     resumed = mgr.load(fresh)
     usage = mgr.local_usage()
@@ -277,8 +268,7 @@ def test_nodes_bounded_differently_agree_in_one_round(shm_base, tmp_path, dist_r
     if case == "tmpfs-beside-disk":  # bounded by its free space only: the save goes through
         for rank, r in enumerate(results):
             assert r["outcome"] == ("ok",) and r["resumed"] == (1, True), r
-            # each node's leader holds its node root's lock from its first save until close()
-            assert r["listing"] == [LOCK_NAME, "latest", "step_0000000001"] and r["memory"] == (rank == 0), r
+            assert r["listing"] == ["latest", "step_0000000001"] and r["memory"] == (rank == 0), r
         return
     root0 = os.path.join(str(tmp_path), "node0")
     want = (
@@ -288,6 +278,5 @@ def test_nodes_bounded_differently_agree_in_one_round(shm_base, tmp_path, dist_r
         0,
         48,
     )
-    for r in results:  # the same error on both ranks, naming node 0's root; nothing written (the
-        # job holds its node roots from its first save, refused or not, until close())
-        assert r["outcome"] == want and r["listing"] == [LOCK_NAME] and r["resumed"] == (None, None), r
+    for r in results:  # the same error on both ranks, naming node 0's root; nothing written
+        assert r["outcome"] == want and r["listing"] == [] and r["resumed"] == (None, None), r

@@ -15,7 +15,7 @@ import ckptlib
 from ckptlib import CheckpointExistsError, CheckpointManager, StalePointerWarning
 from ckptlib.errors import CheckpointNotFoundError
 from ckptlib.manager.cleanup import ForeignFilesWarning
-from ckptlib.manager.lock import LOCK_NAME, StaleLockWarning
+from ckptlib.manager.lock import StaleLockWarning
 
 
 def _state(value: float) -> dict:
@@ -34,7 +34,7 @@ def test_latest_is_one_relative_symlink(tmp_path):
     mgr.save(20, _state(20))
     link = tmp_path / "run" / "latest"
     assert os.path.islink(link) and os.readlink(link) == "step_0000000020"
-    assert sorted(os.listdir(tmp_path / "run")) == [LOCK_NAME, "latest", "step_0000000001", "step_0000000020"]
+    assert sorted(os.listdir(tmp_path / "run")) == ["latest", "step_0000000001", "step_0000000020"]
     assert mgr.steps() == [1, 20] and mgr.latest() == 20
     got, state = _load_w(mgr)
     assert got == 20 and state["step"] == 20 and torch.equal(state["w"], torch.full((3,), 20.0))
@@ -62,7 +62,7 @@ def test_autoresume_skips_debris_and_next_save_cleans_it(tmp_path):
     got, state = _load_w(mgr)
     assert got == 1 and torch.equal(state["w"], torch.ones(3))
     mgr.save(3, _state(3))
-    assert sorted(os.listdir(root)) == [LOCK_NAME, "latest", "step_0000000001", "step_0000000003"]
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000001", "step_0000000003"]
 
 
 def test_only_debris_means_fresh_start(tmp_path):
@@ -77,7 +77,7 @@ def test_retention_keeps_newest(tmp_path):
     mgr = CheckpointManager(root, keep_last=2)
     for step in range(1, 6):
         mgr.save(step, _state(step))
-    assert sorted(os.listdir(root)) == [LOCK_NAME, "latest", "step_0000000004", "step_0000000005"]
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000004", "step_0000000005"]
     assert mgr.steps() == [4, 5]
 
 
@@ -86,10 +86,10 @@ def test_retention_never_deletes_latest(tmp_path):
     mgr = CheckpointManager(root, keep_last=1)
     mgr.save(5, _state(5))
     mgr.save(3, _state(3))  # a rollback: the run resumed from an older step
-    assert sorted(os.listdir(root)) == [LOCK_NAME, "latest", "step_0000000003", "step_0000000005"]
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000003", "step_0000000005"]
     assert mgr.latest() == 3
     mgr.save(4, _state(4))
-    assert sorted(os.listdir(root)) == [LOCK_NAME, "latest", "step_0000000004", "step_0000000005"]
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000004", "step_0000000005"]
 
 
 def test_stale_pointer_falls_back_with_warning(tmp_path):
@@ -127,7 +127,7 @@ def test_committed_but_unpublished_step_can_be_saved_again(tmp_path):
         mgr.save(6, _state(66))
     got, state = _load_w(mgr)
     assert got == 6 and torch.equal(state["w"], torch.full((3,), 66.0))
-    assert sorted(os.listdir(root)) == [LOCK_NAME, "latest", "step_0000000003", "step_0000000006"]
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000003", "step_0000000006"]
 
 
 def test_loading_an_absent_step(tmp_path):
@@ -146,7 +146,7 @@ def test_gc_dry_run_and_real(tmp_path):
     assert pruner.gc(dry_run=True) == ["step_0000000001", "step_0000000002"]
     assert mgr.steps() == [1, 2, 3]
     assert pruner.gc() == ["step_0000000001", "step_0000000002"]
-    assert sorted(os.listdir(root)) == [LOCK_NAME, "latest", "step_0000000003"]
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000003"]
 
 
 def _save_steps_then_report(root: str, steps: list[int], keep_last):
@@ -154,8 +154,7 @@ def _save_steps_then_report(root: str, steps: list[int], keep_last):
     rank = dist.get_rank()
     for step in steps:
         mgr.save(step, {"w": torch.full((2,), float(step * 10 + rank)), "rng": ckptlib.RNGState()})
-    # rank 0's held lock goes when its process is done, which may be before another rank lists
-    return sorted(name for name in os.listdir(root) if not name.startswith(LOCK_NAME))
+    return sorted(os.listdir(root))
 
 
 def _resume(root: str):
@@ -197,9 +196,8 @@ def test_a_new_manager_has_loaded_nothing_and_seen_no_signal(tmp_path):
     assert (mgr.initial_loaded, mgr.preempted) == (False, False)
     assert mgr.maybe_save(1, _state(1)) is False  # no policy, no signal: no save
     assert (mgr.preempted, mgr.preemption_signal) == (False, None)
-    assert os.listdir(tmp_path / "run") == [LOCK_NAME]  # held since the load; nothing saved
+    assert not (tmp_path / "run").exists() or os.listdir(tmp_path / "run") == []
     mgr.close()
-    assert os.listdir(tmp_path / "run") == []
 
 
 # ---------------------------------------------------------------- latest without a pointer
@@ -269,7 +267,7 @@ def _lock_cannot_be_removed(root, monkeypatch):
     from helpers.manager import refuse_lock_deletion
 
     refuse_lock_deletion(monkeypatch)
-    return CheckpointManager(root, hold_lock=False)  # the lock removed after each save and gc
+    return CheckpointManager(root)
 
 
 def _stale_lock_of_an_exited_process(root):
@@ -400,7 +398,7 @@ def test_gc_reports_progress_and_logs_the_removed_bytes(tmp_path, caplog):
     elapsed = time.perf_counter() - started
     assert removed == ["step_0000000001", "step_0000000002", "step_0000000007.deleting-0123abcd"]
     assert calls == [(0, 3), (1, 3), (2, 3), (3, 3)]
-    assert sorted(os.listdir(root)) == [LOCK_NAME, "latest", "step_0000000003"]  # held until exit or close()
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000003"]
     [record] = [r for r in caplog.records if getattr(r, "ckptlib", {}).get("op") == "gc"]
     fields = record.ckptlib
     assert fields["bytes"] == sizes[1] + sizes[2]  # the leftover's size is unknown: counted 0
@@ -424,6 +422,6 @@ def test_gc_leaves_the_incomplete_step_latest_names_as_it_is(tmp_path):
     debris.mkdir()
     (debris / "ckptlib.pending").write_text("{}")
     assert mgr.gc() == ["step_0000000005"]
-    assert sorted(os.listdir(root)) == [LOCK_NAME, "latest", "step_0000000001", "step_0000000002"]
+    assert sorted(os.listdir(root)) == ["latest", "step_0000000001", "step_0000000002"]
     assert sorted(os.listdir(crashed)) == ["__0_0.distcp", "ckptlib.pending"]
     assert sorted(os.listdir(root / "step_0000000001")) == [".metadata", "__0_0.distcp", "ckptlib.json"]

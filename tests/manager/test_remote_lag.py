@@ -355,9 +355,7 @@ def test_a_remote_lock_that_cannot_be_read_is_the_remote_unavailable_not_another
     release left) and cannot read it took the failed read for a lock held by an unknown writer,
     an UploadError from the next wait() for good; it is the remote being unreachable."""
     uri = str(tmp_path / "remote")
-    # per-save locking (a failed release leaves a lock between saves; a held lock would be fenced)
-    cluster = Cluster(remote=uri, remote_lag=RemoteLag(retry_after=0))
-    mgr = CheckpointManager(str(tmp_path / "local"), cluster=cluster, hold_lock=False)
+    mgr = CheckpointManager(str(tmp_path / "local"), cluster=Cluster(remote=uri, remote_lag=RemoteLag(retry_after=0)))
     mgr.save(1, _state(1))
     assert mgr.wait().step == 1
     store = open_storage(uri)

@@ -131,10 +131,6 @@ class ClusterTier:
     def busy(self) -> bool:
         return self._job is not None
 
-    def hold(self) -> None:
-        """No lock is taken ahead of the first save: each node's leader locks its root, and the
-        remote is locked, at each save (held from then on with `hold_lock`)."""
-
     def describe(self) -> str:
         where = repr(self.root.uri)
         return f"{where}, remote={self.remote.uri!r}" if self.remote is not None else where

@@ -129,27 +129,25 @@ register(Operation("async-save", ("local", "s3"), _prepare_save, _act_async_save
 def _prepare_manager(scene: Scene) -> None:
     from ckptlib.manager.manager import CheckpointManager
 
-    with CheckpointManager(scene.root, keep_last=1) as mgr:  # a job that is done: its lock released
-        mgr.save(1, state(1))
+    CheckpointManager(scene.root, keep_last=1).save(1, state(1))
     scene.plant("notes.txt", f"{STEP(1)}/notes.txt")
 
 
 def _act_manager(scene: Scene) -> None:
     from ckptlib.manager.manager import CheckpointManager
 
-    with CheckpointManager(scene.root, keep_last=1) as mgr:
-        mgr.save(2, state(2))
+    CheckpointManager(scene.root, keep_last=1).save(2, state(2))
 
 
 def _assert_latest(scene: Scene, allowed: set[int]) -> int:
     """`latest` names a committed step among `allowed`, which loads bit-exactly through the manager."""
     from ckptlib.manager.manager import CheckpointManager
 
-    with CheckpointManager(scene.root) as mgr:  # the next job's load takes a killed writer's lock over
-        latest = mgr.latest()
-        assert latest in allowed, f"latest is {latest}, expected one of {sorted(allowed)}"
-        got = template()
-        assert _quiet(mgr.load, got) == latest
+    mgr = CheckpointManager(scene.root)
+    latest = mgr.latest()
+    assert latest in allowed, f"latest is {latest}, expected one of {sorted(allowed)}"
+    got = template()
+    assert mgr.load(got) == latest
     assert_state(got, latest, f"{scene.root} latest")
     return latest
 
@@ -159,9 +157,9 @@ def _check_manager(scene: Scene, outcome: Outcome) -> None:
 
     scene.assert_user_files()
     _assert_latest(scene, {2} if outcome.status == "completed" else {1, 2})
-    with CheckpointManager(scene.root, keep_last=1) as mgr:
-        _quiet(mgr.save, 3, state(3))
-        assert mgr.latest() == 3 and mgr.steps() == [3], f"steps {mgr.steps()} after the next save"
+    mgr = CheckpointManager(scene.root, keep_last=1)
+    _quiet(mgr.save, 3, state(3))
+    assert mgr.latest() == 3 and mgr.steps() == [3], f"steps {mgr.steps()} after the next save"
     _assert_clean(
         scene,
         {"latest", "notes.txt", f"{STEP(1)}/notes.txt", *(f"{STEP(3)}/{n}" for n in CHECKPOINT_FILES)},
@@ -177,9 +175,9 @@ register(Operation("manager-retention", ("local", "s3"), _prepare_manager, _act_
 def _prepare_gc(scene: Scene) -> None:
     from ckptlib.manager.manager import CheckpointManager
 
-    with CheckpointManager(scene.root) as mgr:
-        for step in (1, 2, 3):
-            mgr.save(step, state(step))
+    mgr = CheckpointManager(scene.root)
+    for step in (1, 2, 3):
+        mgr.save(step, state(step))
     scene.plant("notes.txt", f"{STEP(1)}/notes.txt")
     scene.storage(STEP(4)).write("__0_0.distcp", b"a crashed save's partial shard")  # debris gc removes
 
@@ -187,8 +185,7 @@ def _prepare_gc(scene: Scene) -> None:
 def _act_gc(scene: Scene) -> list[str]:
     from ckptlib.manager.manager import CheckpointManager
 
-    with CheckpointManager(scene.root, keep_last=1) as mgr:
-        return mgr.gc()
+    return CheckpointManager(scene.root, keep_last=1).gc()
 
 
 def _check_gc(scene: Scene, outcome: Outcome) -> None:
@@ -198,10 +195,10 @@ def _check_gc(scene: Scene, outcome: Outcome) -> None:
     _assert_latest(scene, {3})
     for step in (1, 2):
         assert_committed_or_absent(scene, STEP(step), step)
-    with CheckpointManager(scene.root, keep_last=1) as mgr:
-        _quiet(mgr.save, 4, state(4))
-        _quiet(mgr.gc)
-        assert mgr.latest() == 4 and mgr.steps() == [4], f"steps {mgr.steps()} after the next save and gc"
+    mgr = CheckpointManager(scene.root, keep_last=1)
+    _quiet(mgr.save, 4, state(4))
+    _quiet(mgr.gc)
+    assert mgr.latest() == 4 and mgr.steps() == [4], f"steps {mgr.steps()} after the next save and gc"
     _assert_clean(
         scene,
         {"latest", "notes.txt", f"{STEP(1)}/notes.txt", *(f"{STEP(4)}/{n}" for n in CHECKPOINT_FILES)},
