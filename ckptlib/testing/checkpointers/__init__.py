@@ -66,4 +66,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ADAPTERS", "Checkpointer", "CheckpointerError", "carried", "describe", "load_on", "resolve", "save_on", *_LAZY]
+__all__ = [
+    "ADAPTERS",
+    "Checkpointer",
+    "CheckpointerError",
+    "carried",
+    "describe",
+    "load_on",
+    "resolve",
+    "save_on",
+    *_LAZY,
+]
