@@ -57,10 +57,7 @@ EXTENDED = (
     # every kill point of a manager save (the crash-boundary enumeration above covers each write)
     "manager/test_crash.py::test_kill_during_save",
     "format/test_output_errors.py::test_a_full_disk_is_a_storage_error_naming_the_file_and_leaves_nothing",
-    # the stateful fault model's extended budget and its long random runs (both opt-in for now,
-    # CKPTLIB_FAULT_MODEL_LONG=1: open findings; its fixed default budget runs in the default run)
-    "manager/test_fault_model.py::test_single_root_fault_model_extended",
-    "manager/test_fault_model.py::test_tier_fault_model_extended",
+    # the stateful fault model's long random runs (its fixed budget runs in the default run)
     "manager/test_fault_model.py::test_single_root_fault_model_long",
     "manager/test_fault_model.py::test_tier_fault_model_long",
     # the crash harness for any checkpointer: full sweeps, and S3 (its probe is tested in-process by default)

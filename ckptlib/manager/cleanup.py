@@ -68,11 +68,9 @@ def collect(
             foreign = foreign_files(storage.child(name).list() if listing is None else listing)
             gone = not foreign
         else:
-            what = f"remove {name}"
             if fence is not None:
-                fence(what)
-            again = None if fence is None else (lambda what=what: fence(what))  # between its deletions
-            foreign = remove_checkpoint(storage.child(name), fence=again)
+                fence(f"remove {name}")
+            foreign = remove_checkpoint(storage.child(name))
             gone = not storage.child(name).exists()  # reported only when it is gone
             if on_removed is not None:
                 on_removed(done, total)

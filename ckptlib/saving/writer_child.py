@@ -132,12 +132,11 @@ def segment_map(segments: dict[int, mmap.mmap], segment: int) -> mmap.mmap:
 
 def _write(request: tuple, segments: dict[int, mmap.mmap]) -> tuple:
     from ckptlib.format.write.dcp_writer import write_shard
-    from ckptlib.storage.base import open_new_writer
 
     _, storage_bytes, name, planned, items = request
     try:
         storage = pickle.loads(storage_bytes)
-        with open_new_writer(storage, name) as stream:
+        with storage.open_writer(name) as stream:
             record = write_shard(stream, _payloads(items, segments), planned)
         return ("ok", record)
     except Exception as exc:  # noqa: BLE001 - the parent raises it in the save
@@ -184,13 +183,12 @@ class _Stream:
 
 def _write_streamed(request: tuple, sock: socket.socket, segments: dict[int, mmap.mmap]) -> tuple:
     from ckptlib.format.write.dcp_writer import write_shard
-    from ckptlib.storage.base import open_new_writer
 
     _, storage_bytes, name, planned = request
     stream = _Stream(sock, segments)
     try:
         storage = pickle.loads(storage_bytes)
-        with open_new_writer(storage, name) as out:
+        with storage.open_writer(name) as out:
             record = write_shard(out, stream.items(), planned)
         return ("ok", record)
     except Exception as exc:  # noqa: BLE001 - the parent raises it in the save

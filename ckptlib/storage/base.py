@@ -92,26 +92,6 @@ class SupportsCreateExclusive(Protocol):
 
 
 @runtime_checkable
-class SupportsNewFileWriter(Protocol):
-    """Optional for backends: a stream for a file that must not exist yet. A save creates each
-    of its files in a step directory and never replaces one: a writer that lost its root's lock
-    while it was paused (past its lease) and resumes must not write into the step another
-    writer committed there meanwhile (`ckptlib.manager.lock`). Local: the name is created with
-    O_CREAT|O_EXCL, and a file already there is StorageError naming it, untouched. Object
-    stores do not have it (no conditional multipart upload here): they write as `open_writer`."""
-
-    def open_new_writer(self, path: str) -> ContextManager[BinaryIO]:
-        """Like `open_writer`, but StorageError (naming the path) when `path` exists already."""
-
-
-def open_new_writer(storage: Storage, path: str) -> ContextManager[BinaryIO]:
-    """`storage.open_new_writer(path)` where the backend supports it, else `open_writer(path)`."""
-    if isinstance(storage, SupportsNewFileWriter):
-        return storage.open_new_writer(path)
-    return storage.open_writer(path)
-
-
-@runtime_checkable
 class SupportsShallowList(Protocol):
     """Optional for backends: the objects directly below the root, not those in sub-directories
     (local: one scandir; object stores: one '/'-delimited listing), so telling what a directory

@@ -8,7 +8,7 @@ import os
 import shutil
 import stat
 import uuid
-from typing import BinaryIO, ContextManager, Iterable, Iterator
+from typing import BinaryIO, Iterable, Iterator
 
 from ckptlib.errors import NotARegularFileError, StorageError
 from ckptlib.storage.base import check_list_prefix, check_relative
@@ -35,22 +35,6 @@ def os_error(exc: OSError, what: str, path: str) -> StorageError:
         reason = "no space left on device" if exc.errno == errno.ENOSPC else "no space left (disk quota exceeded)"
         return StorageError(f"{what} {path}: {reason} ([Errno {exc.errno}] {exc.strerror})", path=path)
     return StorageError(f"{what} {path}: {exc.strerror or exc}", path=path)
-
-
-def _exists_error(full: str) -> StorageError:
-    return StorageError(
-        f"cannot write {full}: it exists already (another writer wrote it meanwhile; a save creates each of its "
-        "files and never replaces one)",
-        path=full,
-    )
-
-
-def _unlink_own(full: str, ino: int) -> None:
-    """Remove the file at `full` if it is still the one this process created (inode `ino`): a
-    writer that lost its root meanwhile never removes the file another writer put there."""
-    with contextlib.suppress(OSError):
-        if os.stat(full, follow_symlinks=False).st_ino == ino:
-            os.unlink(full)
 
 
 _KINDS = (
@@ -211,27 +195,12 @@ class LocalStorage:
             if self.fsync and fsync:
                 os.fsync(f.fileno())
 
-    def open_writer(self, path: str) -> ContextManager[BinaryIO]:
-        return self._stream(path, new=False)
-
-    def open_new_writer(self, path: str) -> ContextManager[BinaryIO]:
-        """`SupportsNewFileWriter`: the file is created with O_CREAT|O_EXCL; one there already
-        (another writer's) is StorageError naming it and stays as it is. A subclass that wraps
-        `open_writer` (fault injection, instrumentation) keeps seeing every write: the name is
-        taken exclusively first, then written through its `open_writer`."""
-        if type(self).open_writer is _PLAIN_OPEN_WRITER:
-            return self._stream(path, new=True)
-        return self._through_open_writer(path)
-
     @contextlib.contextmanager
-    def _stream(self, path: str, *, new: bool) -> Iterator[BinaryIO]:
+    def open_writer(self, path: str) -> Iterator[BinaryIO]:
         full = self._path(path)
         self._ensure_parent(full)
         try:
-            f = open(full, "xb" if new else "wb")
-            ino = os.fstat(f.fileno()).st_ino
-        except FileExistsError as exc:
-            raise _exists_error(full) from exc
+            f = open(full, "wb")
         except OSError as exc:
             raise os_error(exc, "cannot write", full) from exc
         try:
@@ -241,31 +210,12 @@ class LocalStorage:
                 if self.fsync:
                     os.fsync(f.fileno())  # the name: when a commit syncs it (`sync`)
         except OSError as exc:  # ENOSPC and friends, from a write, the flush, fsync or close
-            _unlink_own(full, ino)  # a partial file is never left behind to fill the disk
+            with contextlib.suppress(OSError):
+                os.unlink(full)  # a partial file is never left behind to fill the disk
             raise os_error(exc, "cannot write", full) from exc
         except BaseException:
-            _unlink_own(full, ino)  # like an aborted upload: no partial object is left
-            raise
-
-    @contextlib.contextmanager
-    def _through_open_writer(self, path: str) -> Iterator[BinaryIO]:
-        full = self._path(path)
-        self._ensure_parent(full)
-        try:
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                ino = os.fstat(fd).st_ino
-            finally:
-                os.close(fd)
-        except FileExistsError as exc:
-            raise _exists_error(full) from exc
-        except OSError as exc:
-            raise os_error(exc, "cannot write", full) from exc
-        try:
-            with self.open_writer(path) as stream:
-                yield stream
-        except BaseException:
-            _unlink_own(full, ino)  # the name this call took, if it still is
+            with contextlib.suppress(OSError):  # like an aborted upload: no partial object is left
+                os.unlink(full)
             raise
 
     def direct_read_path(self, path: str) -> str | None:
@@ -405,4 +355,3 @@ class LocalStorage:
 
 
 _PLAIN_READ = LocalStorage.read  # as defined, before anything could patch it
-_PLAIN_OPEN_WRITER = LocalStorage.open_writer  # likewise

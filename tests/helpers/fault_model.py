@@ -50,7 +50,7 @@ from ckptlib.testing.harness.crash_points import LocalProbe, Plan
 #: Emptied in round five: lock-lease-fencing, tier-gc-dry-run, tier-close-uploads-skipped and
 #: tier-remote-resave were fixed (their sequences: tests/manager/test_fault_model.py FIXED). A
 #: holder paused between its last lease check and the rename of `latest` is the one window a
-#: lease cannot close without conditional writes (`_PausePlan.fenced`, docs/integrity.md).
+#: lease cannot close without conditional writes (fault_root.UNFENCED_WINDOW, docs/integrity.md).
 KNOWN_OPEN: dict[str, str] = {}
 
 #: Seconds any one call may take before the watchdog fails it as a hang (a small state on a
@@ -254,64 +254,29 @@ def paused_holder(conn, root: str, keep_last: int, first: tuple[int, int], secon
         os._exit(0)
 
 
-#: Boundaries that change a name a reader sees (not a temporary one): the act a lease check
-#: guards ends with the first of them after the check (a new step's directory included).
-_ACTS = ("rename", "replace", "link", "delete", "unlink", "rmdir", "rmtree", "mkdir")
-
-
-def acts(boundary) -> bool:
-    """Whether `boundary` changes a name a reader sees: makes, moves, links or removes one that
-    is not a temporary file (`*.tmp-~`)."""
-    return boundary.kind in _ACTS and ".tmp-" not in boundary.path
-
-
 class _PausePlan(Plan):
     """Counts boundaries like a recording run and, at boundary `pause_at`, reports it and stops
-    the process (SIGSTOP) before the call runs: a holder paused mid-operation. It also follows
-    the lock's lease checks (`RootLock.fence`, patched in the child): `fenced` is True from a
-    check that passed until the first boundary after it that acts on a name (`acts`), i.e.
-    while the process is between a lease check and the act it guards, the window a lease
-    cannot close without conditional writes (docs/integrity.md). The report says whether the
-    pause fell there."""
+    the process (SIGSTOP) before the call runs: a holder paused mid-operation."""
 
     def __init__(self, pause_at: int, report):
         super().__init__("record", None, report)
         self.pause_at = pause_at
-        self.fenced = False
 
     def hit(self, backend: str, kind: str, path: str) -> bool:
         before = len(self.seen)
         super().hit(backend, kind, path)
-        if len(self.seen) != before + 1:
-            return False
-        if before == self.pause_at:
-            self._report(self.seen[-1], self.fenced)
+        if before == self.pause_at and len(self.seen) == before + 1:
+            self._report(self.seen[-1])
             os.kill(os.getpid(), signal.SIGSTOP)
-        if acts(self.seen[-1]):
-            self.fenced = False
         return False
-
-    def follow_fences(self) -> None:
-        from ckptlib.manager.lock import RootLock
-
-        real, plan = RootLock.fence, self
-
-        def fence(lock, what: str) -> None:
-            real(lock, what)
-            plan.fenced = True
-
-        RootLock.fence = fence
 
 
 def pausing_saver(conn, root: str, keep_last: int, step: int, version: int, at: int) -> None:
     """Another job's save of (step, version) with a 1 s lease, paused at write boundary `at`;
-    reports ("paused", boundary, whether between a lease check and its act) there, then what
-    the save did."""
+    reports ("paused", boundary) there, then what the save did."""
     try:
         os.environ["CKPTLIB_LOCK_LEASE_S"] = "1"
-        plan = _PausePlan(at, lambda b, fenced: conn.send(("paused", b.label(), fenced)))
-        plan.follow_fences()
-        LocalProbe(root, plan).install()
+        LocalProbe(root, _PausePlan(at, lambda b: conn.send(("paused", b.label())))).install()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:

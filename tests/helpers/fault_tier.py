@@ -39,7 +39,6 @@ CALLS = (
     "sync",
     "create_exclusive",
     "open_writer",
-    "open_new_writer",
     "direct_read_path",
     "read",
     "list",

@@ -43,17 +43,7 @@ DEFAULT = settings(
     derandomize=True,
     **COMMON,
 )
-#: The extended budget: fixed (derandomized) sequences of 40 steps (opt-in for now, see LONG:
-#: 15 minutes for both machines here, and it fails).
 EXTENDED = settings(
-    max_examples=int(os.environ.get("CKPTLIB_FAULT_MODEL_EXAMPLES", "8")),
-    stateful_step_count=40,
-    derandomize=True,
-    **COMMON,
-)
-#: The long random exploration (opt-in, CKPTLIB_FAULT_MODEL_LONG=1): new sequences each run,
-#: 150 of 40 steps (well over the extended suite's time: about 20 minutes for one root here).
-LONG_BUDGET = settings(
     max_examples=int(os.environ.get("CKPTLIB_FAULT_MODEL_EXAMPLES", "150")), stateful_step_count=40, **COMMON
 )
 
@@ -68,23 +58,17 @@ def test_single_root_fault_model():
     _run(SingleRootMachine, DEFAULT)
 
 
-#: The extended budget and the long random explorations are opt-in (CKPTLIB_FAULT_MODEL_LONG=1):
-#: both take longer than the extended suite's 6 minutes here, and both still find sequences
-#: left open (docs/testing.md: the tier's resume after a failed re-upload, found by the long
-#: run of 2026-12-07 evening); the extended suite runs them skipped.
+#: The long random explorations are opt-in (CKPTLIB_FAULT_MODEL_LONG=1): after round five's
+#: merges the single-root one found a sequence the default budget does not (left open, see the
+#: closing note of 2026-12-07); the extended suite runs them skipped until it is fixed.
 LONG = pytest.mark.skipif(
-    os.environ.get("CKPTLIB_FAULT_MODEL_LONG") != "1", reason="opt-in: CKPTLIB_FAULT_MODEL_LONG=1 (open findings)"
+    os.environ.get("CKPTLIB_FAULT_MODEL_LONG") != "1", reason="opt-in: CKPTLIB_FAULT_MODEL_LONG=1 (an open finding)"
 )
 
 
 @LONG
-def test_single_root_fault_model_extended():
-    _run(SingleRootMachine, EXTENDED)
-
-
-@LONG
 def test_single_root_fault_model_long():
-    _run(SingleRootMachine, LONG_BUDGET)
+    _run(SingleRootMachine, EXTENDED)
 
 
 def test_tier_fault_model():
@@ -92,13 +76,8 @@ def test_tier_fault_model():
 
 
 @LONG
-def test_tier_fault_model_extended():
-    _run(TierMachine, settings(EXTENDED, max_examples=2 * EXTENDED.max_examples))  # its steps are cheaper
-
-
-@LONG
 def test_tier_fault_model_long():
-    _run(TierMachine, LONG_BUDGET)
+    _run(TierMachine, EXTENDED)
 
 
 # ---------------------------------------------------------------- the known-open defects, each found
@@ -118,7 +97,7 @@ def _lock_lease_fencing() -> None:
     (boundary 31 of a first save on an empty root; 22: before its commit's last fsync) resumes
     after another job took the lock over and saved step 2, and moves `latest` back to its
     step 1 (committed [1, 2], latest 1; the model: latest 2)."""
-    for at in (22,):  # 31, a pause between the fence and the rename of latest: the lease's window
+    for at in (22,):  # 31, a pause between the fence and the rename of latest: UNFENCED_WINDOW
         state = _enabled(SingleRootMachine, "lock-lease-fencing")
         try:
             state.start(mode="sync", keep_last=1)
@@ -166,39 +145,6 @@ def _tier_remote_resave() -> None:
         state.teardown()
 
 
-def _paused_writer_same_step() -> None:
-    """Found beside the long run's finding (2026-12-07 evening; `same` makes the machine draw it
-    often): another job's save(1) paused while it writes its files (8: before its pending
-    marker's temporary file, 13: before its shard's first bytes) resumes after this job took
-    the lock over and saved step 1 itself, into the same directory: it wrote its shard and
-    `.metadata` over this job's committed step 1 (CheckpointCorruptError: checksum mismatch in
-    tensor 'model.w'). Each file of a save is now created, never written over one already
-    there (the manifest's case, inside the commit's lease window, is
-    tests/manager/test_lock_fencing_files.py's)."""
-    for at in (8, 13):
-        state = SingleRootMachine()
-        try:
-            state.start(mode="sync", keep_last=1)
-            state.paused_mid_save(second=1, third=2, at=at, same=True)
-        finally:
-            state.teardown()
-
-
-def _paused_before_the_temporary_pointer() -> None:
-    """A model defect, shrunk from the long run: a save paused after the lease check that
-    guards moving `latest` but before the temporary pointer's symlink (boundary 30 of a first
-    save) is inside the documented window as much as one paused before the rename; the model
-    listed the window's boundaries by label, only the rename's, resumed it, and blamed the
-    library ("changed the root: committed [2], latest 1"). The window is now followed in the
-    paused job itself (fault_model._PausePlan.fenced): such a holder is killed, not resumed."""
-    state = SingleRootMachine()
-    try:
-        state.start(mode="sync", keep_last=1)
-        state.paused_mid_save(second=1, third=2, at=30)
-    finally:
-        state.teardown()
-
-
 #: name -> (its minimal sequence, what the model said before the fix): the defects the model
 #: found that were fixed (round five), each sequence now run with every check on.
 FIXED = {
@@ -209,11 +155,6 @@ FIXED = {
     ),
     "tier-close-uploads-skipped": (_tier_close_uploads_skipped, r"/remote: committed \[\], the model \[1\]"),
     "tier-remote-resave": (_tier_remote_resave, re.escape("a failed re-upload of step 2 lost the remote's copy")),
-    "paused-writer-same-step": (_paused_writer_same_step, r"damaged committed step 1: .*checksum mismatch"),
-    "model-temporary-pointer": (
-        _paused_before_the_temporary_pointer,
-        re.escape("(stopped at #30 symlink latest.tmp-~) resumed after another job took the lock over and changed"),
-    ),
 }
 #: The defects still open (KNOWN_OPEN), each with its minimal sequence and what the model says.
 MINIMAL = {name: FIXED.pop(name) for name in list(KNOWN_OPEN) if name in FIXED}

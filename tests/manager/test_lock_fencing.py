@@ -21,16 +21,14 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
-from helpers.paused_writer import state as _state
-from helpers.paused_writer import step_numbers as _steps
-from helpers.paused_writer import take_over as _take_over
-from helpers.paused_writer import wait_stopped as _wait_stopped
 
 from ckptlib import CheckpointManager
-from ckptlib.manager.lock import LEASE_PREFIX, LOCK_NAME
+from ckptlib.errors import LockedError
+from ckptlib.manager.lock import LEASE_PREFIX, LOCK_NAME, StaleLockWarning
 from ckptlib.storage import open_storage
 
 LEASE_S = 2.0
@@ -156,6 +154,43 @@ STEPS_AFTER = {
     "overwrite": [100, 200],
     "close": [100, 200],
 }
+
+
+def _state(step: int, value: float | None = None) -> dict:
+    return {"w": torch.full((8,), float(step if value is None else value)), "step": step}
+
+
+def _steps(root) -> list[int]:
+    return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit())
+
+
+def _wait_stopped(proc: subprocess.Popen) -> None:
+    """Until A stopped itself (it prints "stopping" first); fails if it ended instead."""
+    line = proc.stdout.readline()
+    assert line.strip() == "stopping", (line, proc.stderr.read() if proc.poll() is not None else "")
+    while True:
+        with open(f"/proc/{proc.pid}/stat", encoding="ascii") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.02)
+
+
+def _take_over(mgr_b: CheckpointManager, step: int, state: dict, *, overwrite: bool = False) -> str:
+    """B saves `step` once A's lease expired (LockedError until then); returns the warning."""
+    deadline = time.monotonic() + 120
+    while True:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", StaleLockWarning)
+            try:
+                mgr_b.save(step, state, overwrite=overwrite)
+            except LockedError:
+                assert time.monotonic() < deadline, "A's lease never expired"
+                time.sleep(0.1)
+                continue
+        stale = [str(w.message) for w in seen if issubclass(w.category, StaleLockWarning)]
+        assert len(stale) == 1, stale
+        return stale[0]
 
 
 @pytest.mark.parametrize("case", list(REFUSED))

@@ -14,7 +14,7 @@ committed with files missing. The directory itself is removed only when nothing 
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable
+from typing import Iterable
 
 from ckptlib.errors import OverwriteRefusedError
 from ckptlib.format.native.manifest import MANIFEST_NAME, METADATA_NAME, PENDING_NAME
@@ -65,28 +65,16 @@ def refuse_foreign(storage: Storage, listing: dict[str, int], action: str, *, ch
         )
 
 
-def remove_checkpoint(
-    storage: Storage, listing: dict[str, int] | None = None, *, fence: Callable[[], None] | None = None
-) -> list[str]:
+def remove_checkpoint(storage: Storage, listing: dict[str, int] | None = None) -> list[str]:
     """Delete the checkpoint files at `storage` (see the module docstring), then the directory if
-    it is empty. Returns the foreign files left in place (the directory stays with them).
-
-    `fence()` (a lock holder's lease check, `RootLock.fence`, which raises once the root
-    changed hands) runs again before each deletion after the first: the first (the manifest)
-    uncommits the step, and a holder paused after it whose root another writer took meanwhile,
-    and who saved the same step there, must not go on deleting that writer's files by the
-    names it listed before."""
+    it is empty. Returns the foreign files left in place (the directory stays with them)."""
     if listing is None:
         listing = storage.list() if storage.exists() else {}
     own = sorted((name for name in listing if is_own_file(name)), key=lambda n: (_deletion_order(n), n))
     foreign = foreign_files(listing)
-    for i, phase in enumerate(sorted({_deletion_order(n) for n in own})):
-        if i and fence is not None:
-            fence()
+    for phase in sorted({_deletion_order(n) for n in own}):
         storage.delete([n for n in own if _deletion_order(n) == phase])
     if not foreign and not storage.list():
-        if own and fence is not None:
-            fence()
         storage.delete_tree()  # the empty directory (and, on S3, unfinished uploads under it)
     return foreign
 

@@ -2,10 +2,7 @@
 
 The commit protocol: rank 0 writes `ckptlib.pending` before any shard; every rank writes
 its shard file; the coordinator writes `.metadata`; rank 0 confirms every file exists with
-its recorded size and writes `ckptlib.json` last; then removes the pending marker. Each of
-these files is created, never written over one already there (`write_new`, the shards'
-`open_new_writer`): a writer that lost its root's lock while paused and resumes cannot
-replace what another writer committed in the same step directory meanwhile. A
+its recorded size and writes `ckptlib.json` last; then removes the pending marker. A
 directory is committed iff its manifest exists and matches the files.
 
 A directory whose `.metadata` is marked as ckptlib's but that has no manifest is not plain
@@ -21,7 +18,7 @@ import json
 import os
 import stat
 import zlib
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ckptlib._version import __version__
 from ckptlib.errors import (
@@ -32,7 +29,6 @@ from ckptlib.errors import (
     CheckpointNotFoundError,
     CheckpointRemovedError,
     NotACheckpointError,
-    StorageError,
     UnsafeCheckpointError,
 )
 from ckptlib.format.native.deletion import is_own_file
@@ -45,7 +41,7 @@ from ckptlib.format.native.manifest import (
     FileRecord,
     Manifest,
 )
-from ckptlib.storage.base import Storage, SupportsCreateExclusive, list_top, root_is_file
+from ckptlib.storage.base import Storage, list_top, root_is_file
 
 if TYPE_CHECKING:  # torch is imported where a function needs it: `ckpt ls` reads manifests without it
     from torch.distributed.checkpoint.metadata import Metadata
@@ -294,17 +290,14 @@ def open_checkpoint(storage: Storage, *, verify: bool = True, check_files: bool 
     return CheckpointInfo(uri, kind, manifest, metadata, raw=(manifest_blob, blob, manifest, metadata))
 
 
-def prepare_save_target(
-    storage: Storage, *, overwrite: bool, world_size: int, fence: Callable[[], None] | None = None
-) -> None:
+def prepare_save_target(storage: Storage, *, overwrite: bool, world_size: int) -> None:
     """Make `storage` ready for a new save without ever losing a committed checkpoint or a
     file ckptlib did not write.
 
     Debris of a crashed save is removed; `overwrite=True` also replaces a committed ckptlib
     or plain DCP checkpoint. Only a checkpoint's own files are removed, and only when the
     directory holds nothing else: anything else there (a manager root, a user's files,
-    sub-directories) is OverwriteRefusedError and nothing is touched. `fence()`: the caller's
-    lease check, run again between the removal's deletions (`deletion.remove_checkpoint`).
+    sub-directories) is OverwriteRefusedError and nothing is touched.
     """
     from ckptlib.format.native.deletion import refuse_foreign, remove_checkpoint
 
@@ -320,7 +313,7 @@ def prepare_save_target(
         refuse_foreign(
             storage, listing, "overwrite it" if overwrite else "write a checkpoint into it", checkpoint=kind != "other"
         )
-        remove_checkpoint(storage, listing, fence=fence)  # debris of a crashed save, or an explicit overwrite
+        remove_checkpoint(storage, listing)  # debris of a crashed save, or an explicit overwrite
     # Not durable: losing it in a crash is harmless (shards without a manifest are debris anyway).
     storage.write(PENDING_NAME, json.dumps({"world_size": world_size}).encode(), durable=False)
 
@@ -365,25 +358,8 @@ def commit(storage: Storage, manifest: Manifest, *, synced: tuple[str, ...] = ()
     # their writers (open_writer); `.metadata` was written without (CkptWriter.finish).
     unsynced = [METADATA_NAME] if METADATA_NAME in manifest.files and METADATA_NAME not in synced else []
     storage.sync(unsynced, names_only=sorted(set(manifest.files) - set(unsynced)))
-    write_new(storage, MANIFEST_NAME, manifest.to_bytes())
+    storage.write(MANIFEST_NAME, manifest.to_bytes())
     storage.delete([PENDING_NAME])
-
-
-def write_new(storage: Storage, name: str, data: bytes) -> None:
-    """Write a save's file `name` that must not exist yet (a manifest, a node's `.metadata`):
-    on a local filesystem created exclusively (`SupportsCreateExclusive`: link(2) of a written
-    temporary file), so one already there, another writer's, is StorageError naming it and
-    stays as it is. Object stores: a plain `write` (their saves' requests stay as they were)."""
-    if storage.local_path() is None or not isinstance(storage, SupportsCreateExclusive):
-        storage.write(name, data)
-        return
-    if not storage.create_exclusive(name, data):
-        where = f"{storage.uri.rstrip('/')}/{name}"
-        raise StorageError(
-            f"cannot write {where}: it exists already (another writer wrote it meanwhile; a save creates each of its "
-            "files and never replaces one)",
-            path=where,
-        )
 
 
 def _torch_version() -> str:

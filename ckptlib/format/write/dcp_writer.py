@@ -44,7 +44,7 @@ from ckptlib.format.native import plan_codec
 from ckptlib.format.native.aliases import alias_key
 from ckptlib.format.native.manifest import METADATA_MARKER, METADATA_NAME, FileRecord
 from ckptlib.format.native.stream_transforms import Transforms
-from ckptlib.storage.base import Storage, open_new_writer
+from ckptlib.storage.base import Storage
 
 if TYPE_CHECKING:
     from ckptlib.format.write.transaction import SaveTransaction
@@ -305,7 +305,7 @@ class CkptWriter(StorageWriter):
                     per_rank.clear()  # its records are in storage_data now
             metadata.storage_data = storage_data
             metadata.storage_meta = self.storage_meta()
-            with open_new_writer(self.storage, METADATA_NAME) as stream:
+            with self.storage.open_writer(METADATA_NAME) as stream:
                 sink = _Checksummed(stream)
                 (_MetadataPickler(sink, record_keys) if record_keys else pickle.Pickler(sink)).dump(metadata)
             records[METADATA_NAME] = FileRecord(size=sink.size, crc32=sink.crc, items=[(0, sink.size, sink.crc)])

@@ -42,7 +42,7 @@ from ckptlib.format.native.layout import commit_manifest, prepare_save_target
 from ckptlib.format.native.manifest import METADATA_NAME, FileRecord
 from ckptlib.format.write.dcp_writer import CkptWriter, ShardBackend
 from ckptlib.format.write.plan_cache import PlanTiming
-from ckptlib.storage.base import Storage, open_new_writer
+from ckptlib.storage.base import Storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,17 +158,15 @@ class SaveTransaction:
     def prepare(self) -> None:
         """Coordinator, before any rank writes: make the target ready for this save."""
         with _on_coordinator():
-            what = "overwrite" if self.overwrite else "prepare"
-            fence = None if self.fence is None else (lambda: self.fence(what))
-            if fence is not None:
-                fence()
-            prepare_save_target(self.storage, overwrite=self.overwrite, world_size=self.world_size, fence=fence)
+            if self.fence is not None:
+                self.fence("overwrite" if self.overwrite else "prepare")
+            prepare_save_target(self.storage, overwrite=self.overwrite, world_size=self.world_size)
         self.prepared = True
 
     @contextlib.contextmanager
     def open_shard(self, name: str) -> Iterator[Any]:
         """This rank's stream for shard file `name`; complete once the block ends without error."""
-        with self.writing_shard(name), open_new_writer(self.storage, name) as stream:
+        with self.writing_shard(name), self.storage.open_writer(name) as stream:
             yield stream
 
     @contextlib.contextmanager

@@ -39,7 +39,7 @@ from ckptlib._version import __version__
 from ckptlib.errors import CheckpointCorruptError, CheckpointError
 from ckptlib.format.native.deletion import remove_failed_save
 from ckptlib.format.native.file_names import describe_file
-from ckptlib.format.native.layout import prepare_save_target, write_new
+from ckptlib.format.native.layout import prepare_save_target
 from ckptlib.format.native.manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -90,14 +90,12 @@ class NodeLocalSave(SaveTransaction):
 
     def _prepare_node(self) -> None:
         if self.topology.is_leader:
-            what = "overwrite" if self.overwrite else "prepare"
-            fence = None if self.fence is None else (lambda: self.fence(what))
-            if fence is not None:  # this node's root lock, still the leader's
-                fence()
+            if self.fence is not None:  # this node's root lock, still the leader's
+                self.fence("overwrite" if self.overwrite else "prepare")
             if self.overwrite and self.root is not None and self.step is not None:
                 # a committed copy of the step is replaced: `latest` leaves it first
                 move_latest_off(self.root, self.step, whole=False)
-            prepare_save_target(self.storage, overwrite=self.overwrite, world_size=self.world_size, fence=fence)
+            prepare_save_target(self.storage, overwrite=self.overwrite, world_size=self.world_size)
             self.prepared = True
 
     def commit(self, files: dict[str, FileRecord], metadata: Metadata) -> None:
@@ -134,7 +132,7 @@ class NodeLocalSave(SaveTransaction):
         storage = self.storage
         manifest = Manifest.from_bytes(manifest_bytes, f"{storage.uri}/{MANIFEST_NAME}")
         if METADATA_NAME not in storage.list(METADATA_NAME):  # node 0's came from CkptWriter, fsynced
-            write_new(storage, METADATA_NAME, metadata_blob)
+            storage.write(METADATA_NAME, metadata_blob)
         listing = storage.list()
         mine = [f"__{r}_0.distcp" for r in self.topology.nodes[self.topology.node]] + [METADATA_NAME]
         problems = []
@@ -148,7 +146,7 @@ class NodeLocalSave(SaveTransaction):
         if problems:
             raise CheckpointCorruptError(f"{storage.uri}: refusing to commit, " + "; ".join(problems), path=storage.uri)
         storage.sync([], names_only=[n for n in mine if n in manifest.files])  # every file's bytes are durable
-        write_new(storage, MANIFEST_NAME, manifest_bytes)
+        storage.write(MANIFEST_NAME, manifest_bytes)
         self._wrote_manifest = True
         storage.delete([PENDING_NAME])
         if self.root is not None and manifest.step is not None:

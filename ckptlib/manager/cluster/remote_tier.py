@@ -46,7 +46,6 @@ from ckptlib.errors import (
     UploadRankLostError,
 )
 from ckptlib.format.items.checksum import crc32
-from ckptlib.format.native.layout import write_new
 from ckptlib.format.native.manifest import MANIFEST_NAME, PENDING_NAME, Manifest
 from ckptlib.format.native.root import LATEST, committed_steps, parse_step, step_dir
 from ckptlib.manager.cleanup import collect
@@ -391,7 +390,7 @@ class RemoteTier:
                 ]
                 if wrong:
                     raise UploadError(f"{where}: the uploaded copy is incomplete: {', '.join(wrong)}", path=where)
-                write_new(remote, MANIFEST_NAME, manifest_bytes)  # a resumed holder never replaces another's
+                remote.write(MANIFEST_NAME, manifest_bytes)
                 remote.delete([PENDING_NAME])
             current = self.latest_order()
             moved = current is None or current <= manifest.commit_order()
