@@ -3,8 +3,6 @@
 - `agree`: the collectives that make one rank's failure an error on every rank, never a hang
   (agreement rounds, broadcasts, the rank-loss guard);
 - `check_in`: a public collective call checks that every rank makes it (fails in seconds);
-- `roll_call`: who is still there after a collective broke, and the watch that answers for a
-  rank blocked in one while its call runs (no heartbeat);
 - `teardown`: `exit_barrier()`, leaving a process group safely;
 - `world`: the torch.distributed world ckptlib's per-process caches belong to (a new one after
   `destroy_process_group()` + `init_process_group()` resets them), and groups of a world left behind;

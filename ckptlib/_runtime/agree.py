@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import time
 import traceback
 from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
@@ -18,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from ckptlib._runtime import world as _world
-from ckptlib._runtime.roll_call import Call, roll_call
 from ckptlib.errors import (
     CheckpointError,
     NotCalledByEveryRankError,
@@ -322,39 +322,102 @@ def _is_peer_loss(exc: BaseException) -> bool:
     return any(marker in text for marker in _PEER_LOST_MARKERS)
 
 
-def _group_ranks(group) -> list[int]:
-    return list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
-
-
-def _begin_call(call: str, what: str, group, *, step, path) -> Call | None:
-    """Check in for this rank's next call of kind `call` on `group` (`check_in`) and start the
-    call's watch (`roll_call`); None without a store to do it in."""
-    from ckptlib._runtime.check_in import base_key, check_in
+def _roll_call(group, key: str, wait_s: float, alive: list[int] | None = None) -> list[int] | None:
+    """Global ranks of `group` that did not check in under `key` in the rendezvous store within
+    `wait_s` seconds and whose heartbeat stopped meanwhile (a survivor still blocked in the
+    broken collective, waiting on a peer that is itself in this roll call, is alive: its
+    heartbeat counter moves; those are appended to `alive`); None when the store itself is
+    unreachable (its host is gone too)."""
     from ckptlib._torch import c10d
 
     try:
         store = c10d.default_store()
-        ranks = _group_ranks(group)
-    except Exception:  # noqa: BLE001 - no store to check in at: the collectives' own checks remain
+        ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+        store.set(f"{key}/{dist.get_rank()}", "1")
+        beats = {r: store.add(f"{_HEARTBEAT_KEY}/{r}", 0) for r in ranks}
+        deadline = time.monotonic() + max(wait_s, 3 * _HEARTBEAT_SECONDS)
+        while True:
+            absent = [r for r in ranks if not store.check([f"{key}/{r}"])]
+            if not absent:
+                return absent
+            if time.monotonic() > deadline:
+                dead = [r for r in absent if store.add(f"{_HEARTBEAT_KEY}/{r}", 0) == beats[r]]
+                if alive is not None:
+                    alive.extend(r for r in absent if r not in dead)
+                return dead
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store is gone: say so instead of naming ranks
         return None
+
+
+def _check_in(call: str, what: str, group, *, step, path) -> None:
+    from ckptlib._runtime.check_in import check_in
+    from ckptlib._torch import c10d
+
+    try:
+        store = c10d.default_store()
+        ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+    except Exception:  # noqa: BLE001 - no store to check in at: the collectives' own checks remain
+        return
     _world.generation()  # a new world's serials start at 0 (`_forget_world`)
     # counted per group: its ranks make its calls equally often, as they make its collectives
     serial = next(_entries.setdefault((call, tuple(ranks)), itertools.count()))
-    check_in(store, call, what, serial, ranks, path=path, step=step)
-    current = Call(store, base_key(call, serial, ranks), ranks, dist.get_rank(), watched=True)
-    current.watch()
-    return current
+    check_in(store, call, what, serial, ranks, (_HEARTBEAT_KEY, _HEARTBEAT_SECONDS), path=path, step=step)
 
 
-_depth = threading.local()  # guards and public calls this thread is inside (.n), the call it is in (.call)
+# Every process in a guarded collective beats in the store: a counter its own thread adds to
+# each second, so a roll call tells a dead rank (no beat) from one blocked in gloo (beating).
+_HEARTBEAT_KEY = "ckptlib/heartbeat"
+_HEARTBEAT_SECONDS = 1.0
+_heartbeats: dict[int, threading.Event] = {}  # pid whose heartbeat runs (not inherited by a fork) -> its stop
+
+
+def start_heartbeat() -> None:
+    """This process's heartbeat thread, once (on a clone of the store: its own connection);
+    nothing without a process group."""
+    import os
+
+    from ckptlib._torch import c10d
+
+    if not is_distributed():
+        return
+    _world.generation()  # a new world stops the old one's heartbeat (`_forget_world`)
+    with _heartbeat_lock:
+        if os.getpid() in _heartbeats:
+            return
+        stop = _heartbeats[os.getpid()] = threading.Event()
+    try:
+        store = c10d.default_store().clone()
+    except Exception:  # noqa: BLE001 - no store to beat in: roll calls fall back to check-ins
+        return
+    key = f"{_HEARTBEAT_KEY}/{dist.get_rank()}"
+
+    def beat() -> None:
+        while not stop.is_set():
+            try:
+                store.add(key, 1)
+            except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
+                return
+            stop.wait(_HEARTBEAT_SECONDS)
+
+    threading.Thread(target=beat, name="ckptlib-heartbeat", daemon=True).start()
+
+
+_depth = threading.local()  # how many guards and public calls this thread is inside
 _entries: dict[tuple, "itertools.count[int]"] = {}  # public calls made, by (kind, group ranks): check-in keys
+_heartbeat_lock = threading.Lock()
 
 
 def _forget_world() -> None:
     """A new world (`_runtime.world`): its store holds none of the old one's keys, so the check-in
-    and roll-call serials start at 0 again (where a process that joins it starts them)."""
+    and roll-call serials start at 0 again (where a process that joins it starts them), and the
+    heartbeat moves to its store."""
     _entries.clear()
     _guards.clear()
+    with _heartbeat_lock:
+        for stop in _heartbeats.values():
+            stop.set()
+        _heartbeats.clear()
 
 
 _world.on_new_world(_forget_world)
@@ -366,73 +429,39 @@ def called_by_every_rank(
 ) -> Iterator[None]:
     """A public collective call (`save`, `load`, a manager's save), before its first collective:
     check that every rank of `group` makes it (`check_in`: NotCalledByEveryRankError in
-    seconds, not at the process group's timeout), and watch for a roll call while it runs
-    (`roll_call`). Inside another such call or a guard of this thread (a load inside the cluster
-    tier's inventory) nothing more is checked. `call` names the kind of call ("save", "load":
-    ranks may pass different paths, their own node's) and keys the check-in; `what` describes
-    it in the error. A `group` of a world this process left is a ProcessGroupError first
-    (`world.check_group`)."""
-    _world.check_group(group, what)
+    seconds, not at the process group's timeout). Inside another such call or a guard of this
+    thread (a load inside the cluster tier's inventory) nothing more is checked."""
     depth = getattr(_depth, "n", 0)
-    outer = getattr(_depth, "call", None)
-    mine = None
-    if depth == 0 and is_distributed():
-        mine = _begin_call(call, what, group, step=step, path=path)
-        _depth.call = mine
+    check_every_rank_calls(call, what, group, step=step, path=path)
     _depth.n = depth + 1
     try:
         yield
     finally:
         _depth.n = depth
-        if depth == 0:
-            _depth.call = outer
-            if mine is not None and not getattr(mine, "handed_over", False):
-                mine.end()
 
 
-def hand_over() -> Call | None:
-    """The call this thread is in, to be ended by a background that goes on after it returns
-    (an async save: `Call.end` once it is done; its watch answers roll calls until then)."""
-    current = getattr(_depth, "call", None)
-    if current is not None:
-        current.handed_over = True
-    return current
-
-
-@contextlib.contextmanager
-def in_call(current: Call | None) -> Iterator[None]:
-    """Run a background's collectives as part of `current` (from `hand_over`): its roll calls
-    meet under that call's keys; the call (and its watch) ends when the block does."""
-    outer = getattr(_depth, "call", None)
-    _depth.call = current
-    try:
-        yield
-    finally:
-        _depth.call = outer
-        if current is not None:
-            current.end()
-
-
-def _guard_call(what: str, serial: int, group) -> Call | None:
-    """The roll call of a guard outside any public call (`maybe_save`'s decision), by its own key."""
-    from ckptlib._torch import c10d
-
-    try:
-        return Call(c10d.default_store(), f"ckptlib/roll_call/{what}/{serial}", _group_ranks(group), dist.get_rank())
-    except Exception:  # noqa: BLE001 - no store: the error says so
-        return None
+def check_every_rank_calls(
+    call: str, what: str, group=None, *, step: int | None = None, path: str | None = None
+) -> None:
+    """`called_by_every_rank`'s check alone, for a call that makes no other public call inside.
+    `call` names the kind of call ("save", "load": ranks may pass different paths, their own
+    node's) and keys the check-in; `what` describes it in the error. A `group` of a world this
+    process left is a ProcessGroupError first (`world.check_group`)."""
+    _world.check_group(group, what)
+    if getattr(_depth, "n", 0) == 0 and is_distributed():
+        start_heartbeat()
+        _check_in(call, what, group, step=step, path=path)
 
 
 @contextlib.contextmanager
 def peer_loss_as_error(what: str, group=None, *, step: int | None = None, path: str | None = None) -> Iterator[None]:
     """Turn a broken collective under `what` (e.g. "save of step 2 to /ckpt") into a
-    RankLostError naming the ranks that disappeared, found by a roll call in the store
-    (`roll_call`): under the keys of the public call this thread is in, else under `what` and how
-    many times this process entered it before (every rank enters it for the same `what` equally
-    often, like the collectives it guards). A collective that timed out, where no survivor's
-    broke, is a NotCalledByEveryRankError naming the ranks that did not answer (alive: their
-    connections held)."""
-    _world.generation()  # first: a new world's serials start at 0
+    RankLostError naming the ranks that disappeared, found by a roll call in the store.
+
+    Every rank enters it for the same `what` equally often (like the collectives it guards):
+    the roll call's key is `what` and how many times this process entered it before.
+    """
+    start_heartbeat()  # first: a new world's serials start at 0
     serial = next(_guards.setdefault(what, itertools.count()))
     depth = getattr(_depth, "n", 0)
     _depth.n = depth + 1
@@ -443,16 +472,15 @@ def peer_loss_as_error(what: str, group=None, *, step: int | None = None, path: 
     except BaseException as exc:
         if not is_distributed() or not _is_peer_loss(exc):
             raise
-        current = getattr(_depth, "call", None) or _guard_call(what, serial, group)
-        found = None if current is None else roll_call(current, ROLL_CALL_SECONDS, broke=not _is_timeout(exc))
-        absent, broke = found if found is not None else (None, True)
-        if absent and not broke:
-            names = ", ".join(map(str, absent))
+        elsewhere: list[int] = []
+        absent = _roll_call(group, f"ckptlib/roll_call/{what}/{serial}", ROLL_CALL_SECONDS, elsewhere)
+        if absent == [] and elsewhere and _is_timeout(exc):
+            names = ", ".join(map(str, elsewhere))
             raise NotCalledByEveryRankError(
                 f"{what} failed on rank {dist.get_rank()}: it is a collective call, which every rank must make, "
-                f"and rank{'s' if len(absent) > 1 else ''} {names} (alive) did not make it within the process "
+                f"and rank{'s' if len(elsewhere) > 1 else ''} {names} (alive) did not make it within the process "
                 "group's timeout",
-                ranks=absent,
+                ranks=elsewhere,
                 path=path,
                 rank=dist.get_rank(),
             ) from exc

@@ -1,21 +1,18 @@
 """A collective call made by some ranks only fails in seconds, not at the process group's timeout.
 
 Every rank entering a public collective (`save`, `async_save`, `load`, a manager's save) checks
-in under the call's name in the rendezvous store before its first collective: one counter
-increment; the last to arrive sets a key the others wait on (one blocking wait). That is the
-whole cost when the ranks come within `LIVENESS_AFTER_SECONDS` of each other: two store
-operations per rank, whatever the group's size. A rank still waiting after that appends its
-rank to the call's list once (so that a rank giving up can name who did not come) and waits on.
-A rank whose group has not all checked in within `CKPTLIB_CALL_GRACE` seconds (default 60)
-raises NotCalledByEveryRankError naming the ranks that did not call. Nothing tells a rank
-that died before the call from one that is alive and not calling (no rank beats a heartbeat):
-both are named at the grace; a rank lost during a call is named within seconds by the roll
-call (`roll_call`).
+in under the call's name in the rendezvous store before its first collective: one append of
+its rank and one counter increment; the last to arrive sets a key the others wait on. A rank
+whose group has not all checked in within `CKPTLIB_CALL_GRACE` seconds (default 60) raises
+NotCalledByEveryRankError naming the ranks that did not call, which are alive (their
+heartbeat counter moves, or never started); a missing rank whose heartbeat stopped is lost
+(RankLostError, within a few seconds). Waiting costs no requests beyond the store's blocking
+wait; the missing ranks are looked up only after the first seconds.
 
-A check-in is one generation: a rank that gives up on it first records why under the check-in
-and adds ABANDONED to its counter, in one atomic step that also tells it whether the last rank
-came meanwhile (then the call goes on, on every rank). A rank arriving after that (a
-latecomer, whose counter then reads past ABANDONED) never completes it: it raises
+A check-in is one generation: a rank that gives up on it (either error) first records why under
+the check-in and adds ABANDONED to its counter, in one atomic step that also tells it whether
+the last rank came meanwhile (then the call goes on, on every rank). A rank arriving after that
+(a latecomer, whose counter then reads past ABANDONED) never completes it: it raises
 NotCalledByEveryRankError at once, naming the ranks that gave up and the ranks they waited for,
 instead of walking into the call's collectives alone and blocking there until the process
 group's timeout. Every rank keeps counting its calls, so the next call pairs up again.
@@ -33,10 +30,11 @@ import zlib
 
 import torch.distributed as dist
 
-from ckptlib.errors import NotCalledByEveryRankError
+from ckptlib.errors import NotCalledByEveryRankError, RankLostError
 
 DEFAULT_GRACE_SECONDS = 60.0
-LIVENESS_AFTER_SECONDS = 3.0  # a rank waiting this long appends itself to the call's list
+LIVENESS_AFTER_SECONDS = 3.0  # missing ranks' heartbeats are looked at after this long
+MAX_LOOKED_AT = 64  # heartbeats read per look (the missing ranks of a huge group: the first)
 ABANDONED = 1 << 40  # what a rank giving up on a check-in adds to its counter (past any group size)
 
 
@@ -50,21 +48,29 @@ def grace_seconds() -> float:
     return max(value, 0.0)
 
 
-def base_key(call: str, serial: int, ranks: list[int]) -> str:
-    """The store keys of the `serial`-th call of kind `call` of the group of `ranks`."""
-    tag = zlib.crc32(",".join(map(str, ranks)).encode())
-    return f"ckptlib/check_in/{call}/{serial}/{tag:08x}"
-
-
-def check_in(store, call: str, what: str, serial: int, ranks: list[int], *, path=None, step=None) -> None:
+def check_in(
+    store,
+    call: str,
+    what: str,
+    serial: int,
+    ranks: list[int],
+    heartbeat: tuple[str, float],
+    *,
+    path=None,
+    step=None,
+) -> None:
     """Wait until every rank of `ranks` (global ranks) made its `serial`-th call of kind `call`
-    (described by `what` in errors); raise as the module says when some did not."""
+    (described by `what` in errors); raise as the module says when some did not. `heartbeat`:
+    the store key prefix of the ranks' heartbeat counters and their period in seconds."""
+    heartbeat_key, beat_seconds = heartbeat
     grace = grace_seconds()
     if grace <= 0 or len(ranks) <= 1:
         return
     me = dist.get_rank()
-    base = base_key(call, serial, ranks)
+    tag = zlib.crc32(",".join(map(str, ranks)).encode())
+    base = f"ckptlib/check_in/{call}/{serial}/{tag:08x}"
     try:
+        store.append(f"{base}/ranks", f"{me},")
         count = store.add(f"{base}/count", 1)
         if count >= ABANDONED:  # the others gave up on this call before this rank came
             abandoned = store.get(f"{base}/abandoned").decode()
@@ -76,48 +82,52 @@ def check_in(store, call: str, what: str, serial: int, ranks: list[int], *, path
     if count >= ABANDONED:
         raise _too_late(what, me, abandoned, path)
     started = time.monotonic()
-    if _all_came(store, base, min(LIVENESS_AFTER_SECONDS, grace)):  # a grace shorter than that is kept
-        return
-    try:
-        store.append(f"{base}/ranks", f"{me},")  # late: say who came, for a rank that gives up
-    except Exception:  # noqa: BLE001
-        return
-    left = grace - (time.monotonic() - started)
-    if left > 0 and _all_came(store, base, left):
-        return
-    try:
-        arrived = _arrived(store, base)
-        if store.add(f"{base}/count", 0) > len(arrived):  # some came in the last seconds, not yet listed
-            if _all_came(store, base, LIVENESS_AFTER_SECONDS + 1.0):
-                return
-            arrived = _arrived(store, base)
-    except Exception:  # noqa: BLE001
-        return
-    missing = [r for r in ranks if r not in arrived]
-    if not missing or not _give_up(store, base, me, missing, grace, len(ranks)):
-        return  # the last rank came meanwhile: the call goes on
-    raise NotCalledByEveryRankError(
-        f"{what} on rank {me}: it is a collective call, which every rank of its group must make, and "
-        f"rank{'s' if len(missing) > 1 else ''} {_names(missing)} did not make it within "
-        f"{grace:g} s (CKPTLIB_CALL_GRACE)",
-        ranks=missing,
-        path=path,
-        rank=me,
-    )
-
-
-def _all_came(store, base: str, seconds: float) -> bool:
-    """Whether the last rank set the call's key within `seconds` (True as well when the store
-    is gone: the collective will say what happened)."""
-    try:
-        store.wait([f"{base}/all"], datetime.timedelta(seconds=max(seconds, 0.001)))
-        return True
-    except Exception as exc:  # noqa: BLE001 - a timeout is the wait's way of saying "not yet"
-        return "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower()
-
-
-def _arrived(store, base: str) -> set[int]:
-    return {int(r) for r in store.get(f"{base}/ranks").decode().split(",") if r}
+    seen: dict[int, tuple[int, float]] = {}  # a missing rank's heartbeat count, and since when
+    while True:
+        try:
+            store.wait([f"{base}/all"], datetime.timedelta(seconds=1.0))
+            return
+        except Exception as exc:  # noqa: BLE001 - a timeout is the wait's way of saying "not yet"
+            if "timeout" not in str(exc).lower():
+                return  # the store is gone: the collective will say what happened
+        now = time.monotonic()
+        waited = now - started
+        if waited < min(LIVENESS_AFTER_SECONDS, grace):  # a grace shorter than that is still kept
+            continue
+        try:
+            arrived = {int(r) for r in store.get(f"{base}/ranks").decode().split(",") if r}
+            missing = [r for r in ranks if r not in arrived]
+            beats = {r: store.add(f"{heartbeat_key}/{r}", 0) for r in missing[:MAX_LOOKED_AT]}
+        except Exception:  # noqa: BLE001
+            return
+        if not missing:
+            continue  # the last one is setting the key
+        for r, n in beats.items():
+            if r not in seen or seen[r][0] != n:
+                seen[r] = (n, now)
+        # stopped: it beat once, then not for three beats (a rank that never beat is alive
+        # somewhere that starts no heartbeat: it is judged at the grace)
+        lost = [r for r, (n, since) in seen.items() if r in beats and n > 0 and now - since >= 3 * beat_seconds]
+        if (lost or waited >= grace) and not _give_up(store, base, me, missing, grace, len(ranks)):
+            continue  # the last rank came meanwhile: the call goes on
+        if lost:
+            raise RankLostError(
+                f"{what} on rank {me}: rank{'s' if len(lost) > 1 else ''} {_names(lost)} disappeared before "
+                f"making this collective call (its heartbeat stopped)",
+                ranks=lost,
+                step=step,
+                path=path,
+                rank=me,
+            )
+        if waited >= grace:
+            raise NotCalledByEveryRankError(
+                f"{what} on rank {me}: it is a collective call, which every rank of its group must make, and "
+                f"rank{'s' if len(missing) > 1 else ''} {_names(missing)} (alive) did not make it within "
+                f"{grace:g} s (CKPTLIB_CALL_GRACE)",
+                ranks=missing,
+                path=path,
+                rank=me,
+            )
 
 
 def _give_up(store, base: str, me: int, missing: list[int], grace: float, size: int) -> bool:
@@ -153,4 +163,4 @@ def _names(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:20])) + (f" ... ({len(ranks)} in all)" if len(ranks) > 20 else "")
 
 
-__all__ = ["ABANDONED", "DEFAULT_GRACE_SECONDS", "base_key", "check_in", "grace_seconds"]
+__all__ = ["ABANDONED", "DEFAULT_GRACE_SECONDS", "check_in", "grace_seconds"]

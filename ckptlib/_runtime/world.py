@@ -4,10 +4,9 @@ A process may leave its world (`destroy_process_group()`) and join another
 (`init_process_group()` on a new store): an elastic restart inside the process, a test. Every
 group torch made in the old world is then dead (torch: "not initialized in the world group
 map"), and so is what ckptlib keeps for that world: the dedicated gloo groups of async saves
-(`saving.background_save`) and of a load's shared reads on an NCCL-only group
-(`loading.read_exchange`), staging kept for groups of the old world, the check-in and
-roll-call serials (`_runtime.agree`: keys in the old store), the watches' second connection to
-the store (`_runtime.roll_call`), the exit barrier's serial
+(`saving.background_save`) and of a load's shared reads (`loading.read_exchange`), staging kept
+for groups of the old world, the check-in and roll-call serials and the heartbeat
+(`_runtime.agree`: keys and a thread in the old store), the exit barrier's serial
 (`_runtime.teardown`), the cluster tier's topology (`manager.cluster.cluster_tier`).
 
 `generation()` tells which world this is: it changes when the default group is another object

@@ -2,11 +2,10 @@
 (`ckptlib.format.read.shared_reads`, planned by `ckptlib.format.read.read_schedule`), and a load's
 retries around copies that failed.
 
-Transport: point-to-point messages on the caller's own group (the default group included)
-when it is a gloo group, so a load creates no process group; only an NCCL-only group gets a
-gloo group of its ranks (lazily connected, `_torch.c10d.new_cpu_group`), created collectively
-by its first load and cached for its world (a new world, `_runtime.world`, makes new ones).
-Between two ranks a round sends one message
+Transport: point-to-point messages on one dedicated gloo group per caller group, created
+collectively by the first load of that group and cached for its world (never the async-save
+group, which a background save may be using at the same time; a new world, `_runtime.world`,
+makes new ones). Between two ranks a round sends one message
 of flags (1: the item follows intact; 0: its reader could not read it) and then each item's
 raw bytes (a placeholder of the same length for a flagged one), every message with its own
 tag, so nothing depends on the order gloo delivers them in. Memory: a rank holds at most one
@@ -30,7 +29,7 @@ import torch.distributed as dist
 
 from ckptlib._runtime import agree as _dist
 from ckptlib._runtime import world as _world
-from ckptlib._torch import c10d, dcp_shims
+from ckptlib._torch import dcp_shims
 from ckptlib.errors import CopiesExhaustedError, CopyFallbackWarning, warn_scrubbed
 from ckptlib.format.write.transaction import unwrap_dcp_error
 
@@ -46,21 +45,25 @@ _world.on_new_world(_forget_world)
 
 
 def exchange_group(group=None):
-    """The gloo group that carries `group`'s shared reads: `group` itself (the default group
-    included) when its backend carries CPU tensors over gloo, so nothing is created; else (an
-    NCCL-only group) a gloo group of its ranks, made collectively by the first load that reads
-    once and kept for the world. None without a process group."""
+    """The dedicated gloo group of `group`'s shared reads; collective on first use (every rank
+    of `group` calls it in `ckptlib.load`, before DCP's load). None without a process group."""
     if not _dist.is_distributed():
         return None
-    if "gloo" in str(dist.get_backend(group)).lower():
-        # The caller's own group: its point-to-point messages never meet DCP's collectives on
-        # it (gloo keeps them in slots of their own), and a load is a collective call on it.
-        return dist.group.WORLD if group is None else group
     _world.generation()  # a new world: the old one's groups are forgotten first
     key = dist.group.WORLD if group is None else group
     found = _groups.get(key)
     if found is None:
-        found = c10d.new_cpu_group(dist.get_process_group_ranks(key), local=group is not None)
+        if group is None:
+            found = dist.new_group(backend="gloo")
+        elif str(dist.get_backend(group)).lower() == "gloo":
+            # A gloo subgroup carries the point-to-point messages itself: a new group with
+            # local synchronization hangs whenever its members belong to different numbers of
+            # groups (torch names it by a hash of its ranks and of that number; rank 0 of
+            # `ckpt validate` loading at 1, 2 and 3 of 3 ranks is in more groups than rank 1).
+            found = group
+        else:
+            ranks = dist.get_process_group_ranks(group)
+            found = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
         _groups[key] = found
     return found
 
@@ -128,9 +131,7 @@ class GlooTransport:
 
 
 def prepare(reader: Any, group=None, *, read_once: bool = True) -> None:
-    """Give a CkptReader its transport and read-once setting. The transport uses `group`; only on
-    an NCCL-only group does the first load make a gloo group (collective: every rank of
-    `group` calls it, whatever it asks for)."""
+    """Give a CkptReader its transport (collective on a group's first load) and read-once setting."""
     reader.read_once = read_once
     xgroup = exchange_group(group)
     reader.exchange = None if xgroup is None else GlooTransport(xgroup, group)

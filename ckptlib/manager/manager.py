@@ -133,6 +133,7 @@ class CheckpointManager:
         if self.mode is not None:
             self.mode.start_writer()  # a process writer imports torch while the training sets up
         self._pending = None  # the AsyncSave in flight (async_save)
+        _dist.start_heartbeat()  # a rank that never calls save tells a roll call it is alive
         settings = TierSettings(self.retention, process_group, hold_lock, self.mode, PlanCache(), progress)
         self.tier = make_tier(self.storage, self.root_uri, settings, cluster)
         self.remote = None if cluster is None else cluster.remote

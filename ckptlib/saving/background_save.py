@@ -6,9 +6,7 @@ caller may then change the state (a training step) without affecting what is sav
 Collectives: the background thread never touches the caller's process group. Its
 collectives (DCP's plan exchange, the gather of file records, rank 0's commit decision)
 run on a dedicated gloo group, created collectively and lazily by the first async save of a
-group (one per group and world; its ranks connect to a peer when they first talk to it,
-`_torch.c10d.new_cpu_group`, not every pair up front), so they never interleave with the
-training's collectives on the default group. The
+group, so they never interleave with the training's collectives on the default group. The
 group belongs to its world: after `destroy_process_group()` and `init_process_group()` the
 first async save makes the new world's (`_runtime.world`).
 Because that group orders its collectives, at most one async save per group is in flight:
@@ -60,7 +58,6 @@ import torch.distributed as dist
 from ckptlib._runtime import agree as _dist
 from ckptlib._runtime import world
 from ckptlib._runtime.teardown import exit_barrier
-from ckptlib._torch import c10d
 from ckptlib.errors import CheckpointError
 from ckptlib.format.native.aliases import alias_key
 from ckptlib.saving import capped_staging, writer_process
@@ -205,8 +202,7 @@ def async_group(group=None):
     """The dedicated gloo group for background saves of `group` (collective on first use).
 
     Every rank of `group` is in the async save that calls this, so creating the group here is
-    safe; with the default group, `new_group` needs every rank of the world, which it has. Its
-    ranks connect lazily (`_torch.c10d.new_cpu_group`).
+    safe; with the default group, `new_group` needs every rank of the world, which it has.
     """
     if not _dist.is_distributed():
         return None
@@ -216,8 +212,11 @@ def async_group(group=None):
         found = _groups.get(key)
     if found is not None:
         return found
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    created = c10d.new_cpu_group(ranks, local=group is not None)
+    if group is None:
+        created = dist.new_group(backend="gloo")
+    else:
+        ranks = dist.get_process_group_ranks(group)
+        created = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
     with _lock:
         _groups[key] = created
     return created

@@ -185,111 +185,100 @@ def transact(
     irreversible step)."""
     started = time.perf_counter()
     progress_bars.check(progress)
-    with _dist.called_by_every_rank("save", _saving(storage, step), group, step=step, path=storage.uri):
-        writer = None
-        asynchronous = mode is not None
-        background_staging = asynchronous and mode.background_staging
-        cap = mode.max_staging_bytes if asynchronous else None
-        if asynchronous:
-            writer = mode.start_writer()  # started now: it imports torch while the state is staged
-            background_save.wait_inflight(group)  # one background save per group at a time
-            bg_group = background_save.async_group(group)
-        arena = writer.arena if writer is not None else None
-        rank, world = _dist.get_rank(group), _dist.get_world_size(group)
-        stage = asynchronous and not background_staging and cap is None  # a capped save stages as it writes
-        if plan_cache is None:
-            plan_cache = plan_caches.shared(plan_caches.group_ranks(group), type(storage))
-        reuse = plan_caches.PlanReuse(plan_cache, group)
-        vote = None if background_staging else reuse  # else voted on the staged copy, in the background
-        with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
-            (user_metadata, user_metrics, step), state_dict = _dist.agree(
-                lambda: _check_and_collect(
-                    state,
-                    step,
-                    metadata,
-                    metrics,
-                    group,
-                    stage=stage,
-                    cap=cap,
-                    arena=arena,
-                    vote=vote,
-                    where=storage.uri,
-                    overwrite=overwrite,
-                ),
+    _dist.check_every_rank_calls("save", _saving(storage, step), group, step=step, path=storage.uri)
+    writer = None
+    asynchronous = mode is not None
+    background_staging = asynchronous and mode.background_staging
+    cap = mode.max_staging_bytes if asynchronous else None
+    if asynchronous:
+        writer = mode.start_writer()  # started now: it imports torch while the state is staged
+        background_save.wait_inflight(group)  # one background save per group at a time
+        bg_group = background_save.async_group(group)
+    arena = writer.arena if writer is not None else None
+    rank, world = _dist.get_rank(group), _dist.get_world_size(group)
+    stage = asynchronous and not background_staging and cap is None  # a capped save stages as it writes
+    if plan_cache is None:
+        plan_cache = plan_caches.shared(plan_caches.group_ranks(group), type(storage))
+    reuse = plan_caches.PlanReuse(plan_cache, group)
+    vote = None if background_staging else reuse  # else voted on the staged copy, in the background
+    with _dist.peer_loss_as_error(_saving(storage, step), group, step=step, path=storage.uri):
+        (user_metadata, user_metrics, step), state_dict = _dist.agree(
+            lambda: _check_and_collect(
+                state,
+                step,
+                metadata,
+                metrics,
                 group,
-                ballot=vote,
-            )
-        backend, ring = writer, None
-        if cap is not None:
-            background_save.release_pools(group)  # the cap bounds everything this group's saves hold
-            ring = capped_staging.ring_for(group, cap, capped_staging.tensor_sizes(state_dict), arena)
-            backend = capped_staging.CappedShards(ring, lambda: handle.mark_staged(), writer)
-        transaction = make_transaction(
-            storage,
-            world_size=world,
-            step=step,
-            metadata=user_metadata,
-            metrics=user_metrics,
-            overwrite=overwrite,
-            after_commit=after_commit,
-            on_failure=on_failure,
-            shard_backend=backend,
-            **({} if fence is None else {"fence": fence}),
+                stage=stage,
+                cap=cap,
+                arena=arena,
+                vote=vote,
+                where=storage.uri,
+                overwrite=overwrite,
+            ),
+            group,
+            ballot=vote,
         )
-        if not asynchronous:
-            with progress_bars.reporting("save", storage.uri, progress, rank):
-                result = _write(transaction, state_dict, group, reuse)
-            result.seconds = time.perf_counter() - started
-            _log_save(result, rank)
-            return result
+    backend, ring = writer, None
+    if cap is not None:
+        background_save.release_pools(group)  # the cap bounds everything this group's saves hold
+        ring = capped_staging.ring_for(group, cap, capped_staging.tensor_sizes(state_dict), arena)
+        backend = capped_staging.CappedShards(ring, lambda: handle.mark_staged(), writer)
+    transaction = make_transaction(
+        storage,
+        world_size=world,
+        step=step,
+        metadata=user_metadata,
+        metrics=user_metrics,
+        overwrite=overwrite,
+        after_commit=after_commit,
+        on_failure=on_failure,
+        shard_backend=backend,
+        **({} if fence is None else {"fence": fence}),
+    )
+    if not asynchronous:
+        with progress_bars.reporting("save", storage.uri, progress, rank):
+            result = _write(transaction, state_dict, group, reuse)
+        result.seconds = time.perf_counter() - started
+        _log_save(result, rank)
+        return result
 
-        def work() -> SaveResult:
-            nonlocal state_dict
-            if background_staging and ring is not None:  # staged while written: only the vote here
-                state_dict = _dist.agree(lambda: _voted(reuse, state_dict), bg_group, reuse)
-            elif background_staging:
-                # Every rank learns of a copy that failed on one (on the background's group).
-                state_dict = _dist.agree(
-                    lambda: _voted(reuse, background_save.stage(state_dict, group, arena)), bg_group, reuse
-                )
-                handle.mark_staged()
-            staged_bytes = None if ring is not None else sum(capped_staging.tensor_sizes(state_dict).values())
-            # Preparing the target (removing debris) waits for the disk, so it runs in the
-            # background too, still before any shard is written; its errors
-            # (CheckpointExistsError) come from wait().
-            with progress_bars.reporting("save", storage.uri, progress, rank):
-                result = _write(transaction, state_dict, bg_group, reuse)
-            result.seconds = time.perf_counter() - started
-            result.blocked_seconds = (
-                handle.staged_seconds if ring is not None and not background_staging else handle.blocking_seconds
+    def work() -> SaveResult:
+        nonlocal state_dict
+        if background_staging and ring is not None:  # staged while written: only the vote here
+            state_dict = _dist.agree(lambda: _voted(reuse, state_dict), bg_group, reuse)
+        elif background_staging:
+            # Every rank learns of a copy that failed on one (on the background's group).
+            state_dict = _dist.agree(
+                lambda: _voted(reuse, background_save.stage(state_dict, group, arena)), bg_group, reuse
             )
-            result.staging_peak_bytes = ring.peak if ring is not None else staged_bytes
-            _log_save(result, rank)
-            return result
-
-        call = _dist.hand_over()  # the background goes on with this call: its roll calls, its watch
-
-        def background() -> SaveResult:
-            with _dist.in_call(call):
-                return work()
-
-        handle = background_save.AsyncSave(
-            storage.uri,
-            background,
-            blocking_seconds=time.perf_counter() - started,
-            started=started,
-            staged=stage,
+            handle.mark_staged()
+        staged_bytes = None if ring is not None else sum(capped_staging.tensor_sizes(state_dict).values())
+        # Preparing the target (removing debris) waits for the disk, so it runs in the
+        # background too, still before any shard is written; its errors
+        # (CheckpointExistsError) come from wait().
+        with progress_bars.reporting("save", storage.uri, progress, rank):
+            result = _write(transaction, state_dict, bg_group, reuse)
+        result.seconds = time.perf_counter() - started
+        result.blocked_seconds = (
+            handle.staged_seconds if ring is not None and not background_staging else handle.blocking_seconds
         )
-        try:
-            background_save.register(group, handle)
-        except BaseException:
-            if call is not None:
-                call.end()
-            raise
-        if ring is not None and not background_staging:  # returns once the last piece is copied
-            handle.until_staged()
-            handle.blocking_seconds = time.perf_counter() - started
-        return handle
+        result.staging_peak_bytes = ring.peak if ring is not None else staged_bytes
+        _log_save(result, rank)
+        return result
+
+    handle = background_save.AsyncSave(
+        storage.uri,
+        work,
+        blocking_seconds=time.perf_counter() - started,
+        started=started,
+        staged=stage,
+    )
+    background_save.register(group, handle)
+    if ring is not None and not background_staging:  # returns once the last piece is copied
+        handle.until_staged()
+        handle.blocking_seconds = time.perf_counter() - started
+    return handle
 
 
 def _check_and_collect(

@@ -1,13 +1,13 @@
 """A collective call some ranks never make fails in seconds on the ranks that made it
 (issue 37, item 4: `ckptlib._runtime.check_in`), naming the ranks that did not and saying the
-call is collective (a rank that died before the call is named the same way: no rank beats a
-heartbeat, issue 47); ranks that all call pass, and a call inside another one is not checked
-twice. A rank making the call after the
+call is collective; a rank that died before the call is named as lost; ranks that all call
+pass, and a call inside another one is not checked twice. A rank making the call after the
 others gave up on it raises at once (the check-in is one generation), never completing it
 alone and blocking in the call's collectives."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 
 import ckptlib
-from ckptlib import NotCalledByEveryRankError
+from ckptlib import NotCalledByEveryRankError, RankLostError
 from ckptlib._runtime import check_in as check_in_module
 from ckptlib._runtime.check_in import check_in, grace_seconds
+
+BEAT = ("test/heartbeat", 1.0)
 
 
 @pytest.fixture
@@ -34,16 +36,16 @@ def test_every_rank_calling_passes(as_rank_0):
     base = f"ckptlib/check_in/op/0/{_tag([0, 1])}"
 
     def rank_1_arrives():  # as check_in on rank 1 would, the last one in
-        time.sleep(0.2)
+        time.sleep(0.5)
+        store.append(f"{base}/ranks", "1,")
         store.add(f"{base}/count", 1)
         store.set(f"{base}/all", "1")
 
     late = threading.Thread(target=rank_1_arrives)
     late.start()
-    check_in(store, "op", "op", 0, [0, 1])  # returns once rank 1 checked in
+    check_in(store, "op", "op", 0, [0, 1], BEAT)  # returns once rank 1 checked in
     late.join()
-    # within the first seconds nobody lists itself: one increment and one wait each
-    assert not store.check([f"{base}/ranks"]) and store.add(f"{base}/count", 0) == 2
+    assert store.get(f"{base}/ranks") == b"0,1," and store.add(f"{base}/count", 0) == 2
 
 
 def _tag(ranks) -> str:
@@ -52,20 +54,36 @@ def _tag(ranks) -> str:
     return f"{zlib.crc32(','.join(map(str, ranks)).encode()):08x}"
 
 
-@pytest.mark.parametrize("how", ["alive", "died-before-the-call"])
-def test_a_rank_that_never_calls_is_named(as_rank_0, how):
-    """Alive elsewhere (training on) or dead since its last call: the store cannot tell them apart
-    without a heartbeat, and both are named at the grace."""
+def test_an_alive_rank_that_never_calls_is_named(as_rank_0):
     store = as_rank_0
-    if how == "alive":
-        store.set("test/rank-1-trains-on", "1")
-    with pytest.raises(NotCalledByEveryRankError) as info:
-        check_in(store, "save", "save of step 3 to /ckpt", 0, [0, 1, 2], path="/ckpt")
+    stop = threading.Event()
+
+    def beating():  # rank 1 trains on: its heartbeat moves
+        while not stop.is_set():
+            store.add(f"{BEAT[0]}/1", 1)
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=beating)
+    thread.start()
+    try:
+        with pytest.raises(NotCalledByEveryRankError) as info:
+            check_in(store, "save", "save of step 3 to /ckpt", 0, [0, 1, 2], BEAT, path="/ckpt")
+    finally:
+        stop.set()
+        thread.join()
     assert str(info.value) == (
         "save of step 3 to /ckpt on rank 0: it is a collective call, which every rank of its group must make, and "
-        "ranks 1, 2 did not make it within 2 s (CKPTLIB_CALL_GRACE)"
+        "ranks 1, 2 (alive) did not make it within 2 s (CKPTLIB_CALL_GRACE)"
     )
     assert info.value.ranks == [1, 2] and info.value.path == "/ckpt"
+
+
+def test_a_rank_whose_heartbeat_stopped_is_lost(as_rank_0, monkeypatch):
+    monkeypatch.setenv("CKPTLIB_CALL_GRACE", "120")  # found by its heartbeat, long before the grace
+    store = as_rank_0
+    store.add(f"{BEAT[0]}/1", 7)  # it beat, then died
+    with pytest.raises(RankLostError, match=re.escape("load of /ckpt on rank 0: rank 1 disappeared before making")):
+        check_in(store, "load", "load of /ckpt", 0, [0, 1], BEAT)
 
 
 @pytest.mark.parametrize(("text", "value"), [("", 60.0), ("5", 5.0), ("0", 0.0), ("-3", 0.0), ("soon", 60.0)])
@@ -116,7 +134,7 @@ def test_a_call_made_by_one_rank_fails_there_in_seconds(tmp_path, dist_run, who)
     assert got == {
         "type": "NotCalledByEveryRankError",
         "message": f"{what} on rank {caller}: it is a collective call, which every rank of its group must make, "
-        f"and rank {other} did not make it within 3 s (CKPTLIB_CALL_GRACE)",
+        f"and rank {other} (alive) did not make it within 3 s (CKPTLIB_CALL_GRACE)",
         "ranks": [other],
     }
     late = f"load of {path}" if who == "load-on-1" else f"save to {path}"
@@ -149,11 +167,12 @@ def test_a_rank_that_comes_after_the_others_gave_up_raises_at_once(as_rank_0, mo
     """The check-in is one generation: rank 0 gave up on it; rank 1, coming later, must not
     complete it alone (and walk into the call's collectives by itself)."""
     store = as_rank_0
+    store.add(f"{BEAT[0]}/1", 1)  # rank 1 is alive (it beats once; it is judged at the grace)
     with pytest.raises(NotCalledByEveryRankError):
-        check_in(store, "save", "save of step 3 to /ckpt", 0, [0, 1], path="/ckpt")
+        check_in(store, "save", "save of step 3 to /ckpt", 0, [0, 1], BEAT, path="/ckpt")
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     with pytest.raises(NotCalledByEveryRankError) as info:
-        check_in(store, "save", "save of step 3 to /ckpt", 0, [0, 1], path="/ckpt/step_3")
+        check_in(store, "save", "save of step 3 to /ckpt", 0, [0, 1], BEAT, path="/ckpt/step_3")
     assert str(info.value) == (
         "save of step 3 to /ckpt on rank 1: it is a collective call, and rank 0 made it and gave up waiting for "
         "rank 1 after 2 s (CKPTLIB_CALL_GRACE): this call came too late and runs none of its collectives"
@@ -162,8 +181,9 @@ def test_a_rank_that_comes_after_the_others_gave_up_raises_at_once(as_rank_0, mo
     base = f"ckptlib/check_in/save/0/{_tag([0, 1])}"
     assert not store.check([f"{base}/all"])  # never completed
     # the next call pairs up again: both ranks at serial 1
+    store.append(f"ckptlib/check_in/save/1/{_tag([0, 1])}/ranks", "0,")
     store.add(f"ckptlib/check_in/save/1/{_tag([0, 1])}/count", 1)
-    check_in(store, "save", "save of step 4 to /ckpt", 1, [0, 1])  # rank 1, the last one in
+    check_in(store, "save", "save of step 4 to /ckpt", 1, [0, 1], BEAT)  # rank 1, the last one in
 
 
 @pytest.mark.parametrize(("arrived", "abandoned"), [(1, True), (2, False)], ids=["still-missing", "all-came"])

@@ -1,8 +1,7 @@
 """A world re-initialized in one process: `destroy_process_group()`, then `init_process_group()`
 on a new store (an in-process elastic restart). What ckptlib keeps per world (the dedicated
-gloo groups of async saves and of a load's shared reads, the check-in serials, the store
-connection of the calls' watches, the cluster tier's topology) must follow the new world on
-every public path: each path saves
+gloo groups of async saves and of a load's shared reads, the check-in serials, the heartbeat,
+the cluster tier's topology) must follow the new world on every public path: each path saves
 and loads bit-exactly in both worlds; a group of the old world is a clear ProcessGroupError.
 """
 
@@ -107,9 +106,10 @@ def test_save_and_load_work_again_in_a_new_world(tmp_path, how):
     target = _state(200)
     ckptlib.load(os.path.join(base, "world1-a"), target)
     _assert_loaded(target, saved)
-    # this world's collective calls checked in in its own store, from serial 0 (a process that
-    # joins a world starts there too)
+    # this world's collective calls checked in and beat in its own store, from serial 0
+    # (a process that joins a world starts there too)
     store = c10d.default_store()
+    assert all(store.add(f"ckptlib/heartbeat/{r}", 0) > 0 for r in range(dist.get_world_size()))
     assert store.check([f"ckptlib/check_in/load/0/{_tag()}/all"])
     assert store.check([f"ckptlib/check_in/save/0/{_tag()}/all"])
 

@@ -678,46 +678,6 @@ def test_public_exit_barrier(dist_run):
     ]
 
 
-def _leaving_order(slow: int) -> tuple[float, float]:
-    """Rank `slow` is slow to say it left (its increment waits a second): when does each rank
-    start saying so, and when does its exit_barrier return."""
-    import time
-
-    import torch.distributed as dist
-
-    import ckptlib
-    from ckptlib._torch import c10d
-
-    said = [0.0]
-    if dist.get_rank() == slow:
-        real = c10d.default_store
-
-        class Slow:
-            def __init__(self, store):
-                self._store = store
-
-            def __getattr__(self, name):
-                return getattr(self._store, name)
-
-            def add(self, key, amount):
-                if key.endswith("/left"):
-                    time.sleep(1.0)
-                    said[0] = time.time()
-                return self._store.add(key, amount)
-
-        c10d.default_store = lambda: Slow(real())
-    ckptlib.exit_barrier(timeout_s=30.0)
-    return said[0], time.time()
-
-
-@pytest.mark.parametrize("world", [2, 3], ids=["2-ranks", "3-ranks"])
-def test_rank_0_leaves_the_exit_barrier_last(dist_run, world):
-    """Rank 0 hosts the store: it returns only after every other rank said it left (it waits on
-    the key the last one out sets, it does not poll)."""
-    results = dist_run(world, _leaving_order, world - 1)
-    assert results[0][1] >= results[world - 1][0] > 0, results
-
-
 def test_exit_barrier_without_a_group_is_a_no_op():
     import ckptlib
 

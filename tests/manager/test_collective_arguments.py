@@ -245,7 +245,7 @@ def test_a_call_one_rank_skips_fails_there_and_for_the_latecomer(tmp_path_factor
     assert first == (
         "NotCalledByEveryRankError",
         f"{what0} on rank 0: it is a collective call, which every rank of its group must make, and rank 1 "
-        f"did not make it within {GRACE} s (CKPTLIB_CALL_GRACE)",
+        f"(alive) did not make it within {GRACE} s (CKPTLIB_CALL_GRACE)",
         [1],
         [],
     ), results

@@ -9,9 +9,7 @@ drives it and writes the report (docs/crash-boundaries.md). `ports` picks loopba
 servers a test starts in another process (below the ephemeral range, so no connection takes them).
 `nodes` runs simulated hosts, one torchrun launcher each (static or elastic c10d rendezvous), and
 loses one the way a host is lost (its agent and every worker SIGKILLed), for the tests and
-`ckpt bench recovery`. `store_counts` counts what ckptlib's calls cost a rank: rendezvous-store
-operations, process groups made, threads left alive. `parent_death` makes what the harness
-starts (emulators, launchers, xdist
+`ckpt bench recovery`. `parent_death` makes what the harness starts (emulators, launchers, xdist
 workers) end with the process that started it, however that one ends.
 
 Imports only the standard library (and pytest, for the plugin): torch is imported in ``launch``.
