@@ -181,13 +181,7 @@ def load_layout(
     state = {"model": model, "optim": opt, "step": -1}
     carries = carried(cp, state)
     loaded_step = matrix.load_through(cp, uri, state, group)
-    state_step = state["step"] if "step" in carries else steps
-    problems = matrix.Problems(
-        []
-        if loaded_step == steps and state_step == steps
-        else [f"step: loaded {loaded_step}, state['step'] {state['step']!r}, expected {steps}"],
-        set(state) - carries,
-    )
+    problems = matrix.step_problems(loaded_step, state, carries, steps)
     problems += _tie_problems(model)
     shards = matrix.local_state(model, {"optim": opt}, carries)
     loaded = full_state(model, opt)

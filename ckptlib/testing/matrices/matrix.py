@@ -179,6 +179,17 @@ class Problems(list):
         self.not_carried = tuple(sorted(not_carried))
 
 
+def step_problems(loaded_step: Any, state: dict, carries: Any, steps: int) -> Problems:
+    """A load side's first check: the step the checkpointer resumed, and `state["step"]` where it
+    carries that entry, are both `steps`; the entries it does not carry are noted."""
+    state_step = state["step"] if "step" in carries else steps
+    ok = loaded_step == steps and state_step == steps
+    return Problems(
+        [] if ok else [f"step: loaded {loaded_step}, state['step'] {state['step']!r}, expected {steps}"],
+        set(state) - carries,
+    )
+
+
 #: The order in which a pair reports differences: the step, then one rank's own shard or
 #: per-rank state, then the unsharded state, then the step trained after the load.
 KINDS = ("load at", "save at", "step", "state['step']", "after-load.shard.", "after-load.rank", "after-load.")

@@ -295,13 +295,7 @@ def load_spec_layout(
     with warnings.catch_warnings():  # a resize is what this case is about: its notes are expected
         warnings.simplefilter("ignore", ResizeWarning)
         loaded_step = matrix.load_through(cp, uri, state, group)
-    state_step = state["step"] if "step" in carries else steps
-    problems = matrix.Problems(
-        []
-        if loaded_step == steps and state_step == steps
-        else [f"step: loaded {loaded_step}, state['step'] {state['step']!r}, expected {steps}"],
-        set(state) - carries,
-    )
+    problems = matrix.step_problems(loaded_step, state, carries, steps)
     mine = rank_states(training)
     ranked = expected_rank_states(training, expected["ranks"])
     for name in set(ranked) - carries:  # the reference keeps what the load left
